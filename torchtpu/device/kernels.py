@@ -1,0 +1,150 @@
+"""Kernels that belong to the device itself rather than to the lowering table.
+
+Allocation (``empty``), transfers and conversions (``copy_``), host reads (``item``), storage
+resizing, and the metadata-only view kernels, which are PyTorch's own CPU kernels redispatched:
+they touch sizes, strides and offsets only, so ``_base``, version counters and aliasing are
+PyTorch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchtpu import metrics
+from torchtpu.device import dtypes, storage as storages, tensors
+from torchtpu.device.views import _bitcast_flat
+from torchtpu.runtime import platform
+
+aten = torch.ops.aten
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+
+# Metadata-only kernels: PyTorch's CPU implementation is right for any device.
+VIEW_OPS = (
+    aten.view.default,
+    aten.view.dtype,
+    aten.as_strided.default,
+    aten._reshape_alias.default,
+    aten.unfold.default,
+    aten.view_as_real.default,
+    aten.view_as_complex.default,
+    aten.set_.source_Storage,
+    aten.set_.source_Storage_storage_offset,
+    aten.set_.source_Tensor,
+    aten.alias.default,
+    aten._unsafe_view.default,
+)
+
+
+def _redispatch_cpu(op):
+    def kernel(*args, **kwargs):
+        return op.redispatch(_CPU, *args, **kwargs)
+
+    return kernel
+
+
+def _check_device(device) -> None:
+    if device is not None:
+        d = torch.device(device)
+        if d.index is not None:
+            platform.check_index(d.index)
+
+
+def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
+                        memory_format=None):
+    _check_device(device)
+    return tensors.new_tensor(size, dtype or torch.get_default_dtype())
+
+
+def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+    _check_device(device)
+    return tensors.new_tensor(size, dtype or torch.get_default_dtype(), stride)
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer)."""
+    array = np.array(tensors.read(t))  # a copy: a donated buffer must never back a CPU tensor
+    metrics.count("device_to_host_bytes", array.nbytes)
+    return array
+
+
+def numpy_to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    if dtype == torch.bfloat16:
+        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.uint16).numpy().view(jnp.bfloat16)
+    if t.is_conj():
+        t = t.resolve_conj()
+    return t.resolve_neg().numpy()
+
+
+@functools.lru_cache(maxsize=1024)
+def _converter(dtype, shape):
+    return jax.jit(lambda a: jnp.broadcast_to(a.astype(dtype), shape))
+
+
+def _convert(array, t: torch.Tensor):
+    dtype, shape = dtypes.to_jax(t.dtype), tuple(t.shape)
+    if array.dtype == dtype and array.shape == shape:
+        return array
+    return _converter(dtype, shape)(array)
+
+
+def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    if dst.device.type == "tpu":
+        if src.device.type == "tpu":
+            value = _convert(tensors.read(src), dst)
+            if value is src.untyped_storage()._tpu_array:
+                value = value.copy()
+        else:
+            host = torch_to_numpy(src)
+            metrics.count("host_to_device_bytes", host.nbytes)
+            value = _convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
+        tensors.write(dst, value)
+        return dst
+    host = numpy_to_torch(to_numpy(src), src.dtype)
+    dst.copy_(host)
+    return dst
+
+
+def local_scalar_dense(t: torch.Tensor):
+    return to_numpy(t).item()
+
+
+def resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
+    size = tuple(size)
+    st = t.untyped_storage()
+    needed = (t.storage_offset() + math.prod(size)) * t.element_size()
+    if needed > st.nbytes():
+        grown = storages.new_storage(needed, t.device.index or 0)
+        old = st._tpu_array
+        if old is not None:
+            old_bytes = _bitcast_flat(old.reshape(-1), np.dtype(np.uint8))
+            grown._tpu_array = jnp.concatenate(
+                [old_bytes, jnp.zeros(needed - old_bytes.size, np.uint8)]
+            )
+        st = grown
+    aten.set_.source_Storage_storage_offset.redispatch(
+        _CPU, t, st, t.storage_offset(), size, tensors.contiguous_strides(size)
+    )
+    return t
+
+
+def register(lib: torch.library.Library) -> None:
+    for op in VIEW_OPS:
+        lib.impl(op, _redispatch_cpu(op), "PrivateUse1")
+    lib.impl(aten.empty.memory_format, empty_memory_format, "PrivateUse1")
+    lib.impl(aten.empty_strided.default, empty_strided, "PrivateUse1")
+    lib.impl(aten.copy_.default, copy_, "PrivateUse1")
+    lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
+    lib.impl(aten.resize_.default, resize_, "PrivateUse1")

@@ -1,0 +1,76 @@
+"""Registering "tpu" with PyTorch: PrivateUse1 renamed, hooks, device guard, kernels, generators.
+
+``register()`` is idempotent and is what both ``import torchtpu`` and the ``torch.backends``
+entry point (plain ``import torch``) call.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+_lock = threading.Lock()
+_libraries: list = []
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        from torchtpu.device import module
+
+        return module.is_available()
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _DeviceGuard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+class _GeneratorMeta(type(torch._C.Generator)):
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, torch._C.Generator)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, torch._C.Generator)
+
+
+class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
+    """``torch.Generator`` that also builds generators for the tpu device."""
+
+    def __new__(cls, device="cpu"):
+        if torch.device(device).type == "tpu":
+            from torchtpu.device.random import TpuGenerator
+
+            return TpuGenerator(device)
+        return torch._C.Generator(device)
+
+
+def register() -> None:
+    with _lock:
+        if _libraries:
+            return
+        from torchtpu.device import kernels, module
+        from torchtpu.eager import dispatch
+        from torchtpu import lowering  # noqa: F401  (fills the lowering table)
+
+        _setup_privateuseone_for_python_backend(
+            "tpu", backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard()
+        )
+        aten = torch.library.Library("aten", "IMPL")
+        kernels.register(aten)
+        dispatch.register_lowered_ops(aten)
+        fallback = torch.library.Library("_", "IMPL")
+        fallback.fallback(dispatch.kernel, "PrivateUse1")
+        _libraries.extend([aten, fallback])
+        torch.Generator = Generator
+
+        from torchtpu.eager import modes
+
+        modes.from_environment()

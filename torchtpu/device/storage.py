@@ -1,0 +1,65 @@
+"""Device storages: PyTorch StorageImpls whose bytes live in a JAX array.
+
+A storage is a real ``torch.UntypedStorage`` on the "tpu" device with the right byte size (so
+PyTorch's own bounds and view checks work) and a unique, never-dereferenced address from a bump
+allocator. Its Python object lives as long as the storage, so the JAX array is kept on it as the
+attribute ``_tpu_array``: a C-contiguous array whose bytes, in order, are the storage's bytes.
+``None`` means never written (``torch.empty``); it reads as zeros.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import jax
+import numpy as np
+import torch
+
+_ALIGN = 64
+_lock = threading.Lock()
+_next_address = [1 << 40]
+_live_bytes = [0]
+
+
+def _release(nbytes: int) -> None:
+    with _lock:
+        _live_bytes[0] -= nbytes
+
+
+def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
+    """A fresh device storage of nbytes with no array yet."""
+    # Addresses are never dereferenced, but PyTorch's overlap checks compare address ranges,
+    # so each storage gets its own range, never reused.
+    with _lock:
+        address = _next_address[0]
+        _next_address[0] += (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
+        _live_bytes[0] += nbytes
+    storage = torch._C._construct_storage_from_data_pointer(
+        address, torch.device("tpu", index), nbytes
+    )
+    storage._tpu_array = None
+    weakref.finalize(storage, _release, nbytes)
+    return storage
+
+
+def live_bytes() -> int:
+    """Bytes of all device storages alive in this process."""
+    return _live_bytes[0]
+
+
+def get_array(storage: torch.UntypedStorage) -> jax.Array | None:
+    return storage._tpu_array
+
+
+def set_array(storage: torch.UntypedStorage, array: jax.Array) -> None:
+    storage._tpu_array = array
+
+
+def zeros_for(storage: torch.UntypedStorage, index: int = 0) -> jax.Array:
+    """The array an unwritten storage reads as: zero bytes."""
+    from torchtpu.runtime.platform import jax_device
+
+    arr = jax.device_put(np.zeros(storage.nbytes(), np.uint8), jax_device(index))
+    storage._tpu_array = arr
+    return arr

@@ -1,0 +1,120 @@
+"""Tensors on the "tpu" device and the JAX arrays behind them.
+
+``wrap`` makes a new device tensor that owns a JAX array; ``read`` gives the array a tensor (any
+view) denotes; ``write`` stores an array into a tensor (any view), donating the old storage buffer
+so an in-place update does not copy the whole storage. Everything here is about tensors and
+storages; the math of reading a strided view lives in ``views``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchtpu.device import dtypes, storage as storages
+from torchtpu.device.views import Geometry, read_view, write_view
+
+_CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+_create = torch._C._acc.create_empty_tensor
+
+
+def contiguous_strides(size) -> tuple:
+    strides, acc = [], 1
+    for n in reversed(size):
+        strides.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None) -> torch.Tensor:
+    """An unwritten device tensor (reads as zeros) with its own storage."""
+    dtypes.to_jax(dtype)  # raises a clear TypeError for unsupported dtypes
+    size = tuple(size)
+    stride = contiguous_strides(size) if stride is None else tuple(stride)
+    if nbytes is None:
+        span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
+        nbytes = span * dtype.itemsize
+    t = _create(size, dtype)
+    _set_storage.redispatch(_CPU, t, storages.new_storage(nbytes), 0, size, stride)
+    return t
+
+
+def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A new contiguous device tensor owning array (which no other storage may hold)."""
+    dtype = dtypes.to_torch(array.dtype) if dtype is None else dtype
+    size = tuple(array.shape)
+    t = _create(size, dtype)
+    st = storages.new_storage(math.prod(size) * dtype.itemsize)
+    st._tpu_array = array
+    _set_storage.redispatch(_CPU, t, st, 0, size, contiguous_strides(size))
+    return t
+
+
+def _covers_storage(t: torch.Tensor, st) -> bool:
+    return (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() * t.element_size() == st.nbytes()
+    )
+
+
+def _geometry(t: torch.Tensor, array) -> Geometry:
+    return Geometry(
+        tuple(array.shape),
+        array.dtype,
+        tuple(t.shape),
+        tuple(t.stride()),
+        t.storage_offset(),
+        dtypes.to_jax(t.dtype),
+    )
+
+
+@functools.lru_cache(maxsize=4096)
+def _reader(g: Geometry):
+    return jax.jit(functools.partial(read_view, g=g))
+
+
+@functools.lru_cache(maxsize=4096)
+def _writer(g: Geometry):
+    return jax.jit(functools.partial(write_view, g=g), donate_argnums=0)
+
+
+def storage_array(t: torch.Tensor):
+    """The array behind t's storage, materializing zeros for a never-written storage."""
+    st = t.untyped_storage()
+    array = st._tpu_array
+    if array is None:
+        if _covers_storage(t, st):
+            array = jnp.zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
+            st._tpu_array = array
+        else:
+            array = storages.zeros_for(st)
+    return array
+
+
+def read(t: torch.Tensor) -> jax.Array:
+    """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
+    array = storage_array(t)
+    if (
+        array.shape == t.shape
+        and t.storage_offset() == 0
+        and t.is_contiguous()
+        and array.dtype == dtypes.to_jax(t.dtype)
+    ):
+        return array
+    return _reader(_geometry(t, array))(array)
+
+
+def write(t: torch.Tensor, value: jax.Array) -> None:
+    """Store value (t's shape and dtype, owned by no storage) into device tensor t (any view)."""
+    st = t.untyped_storage()
+    if _covers_storage(t, st):
+        st._tpu_array = value
+        return
+    array = storage_array(t)
+    st._tpu_array = _writer(_geometry(t, array))(array, value)

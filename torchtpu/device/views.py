@@ -1,0 +1,114 @@
+"""Pure JAX readers and writers of a strided view over a storage's bytes.
+
+A storage array is C-contiguous and its bytes are the storage's bytes. A tensor is a view
+(size, stride, offset, dtype) over them. ``read_view`` gathers the view out of the array and
+``write_view`` returns the array with the view replaced. Both are pure functions of arrays and a
+static ``Geometry``, so every executor can use them: eager jits one reader and one writer per
+geometry, and a fused or compiled program inlines them.
+
+Dense views (contiguous blocks and permutations of them, the result of slicing along the first
+dims, ``view``, ``transpose``, ``permute``) lower to slice/reshape/transpose; other views
+(diagonals, steps, ``unfold``, ``as_strided``) to one gather or scatter with indices computed
+in-graph from iotas, so no index constant grows with the tensor.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+
+class Geometry(NamedTuple):
+    """Everything static about reading one tensor out of one storage array."""
+
+    array_shape: tuple
+    array_dtype: np.dtype
+    size: tuple
+    stride: tuple
+    offset: int
+    dtype: np.dtype
+
+
+def _as_bits(dtype: np.dtype) -> np.dtype:
+    # bool has no bitcast in XLA; it is one byte, so it travels as uint8.
+    return np.dtype(np.uint8) if dtype == np.bool_ else dtype
+
+
+def _bitcast_flat(flat, dtype: np.dtype):
+    """Reinterpret a 1-d array's bytes as another dtype, still 1-d."""
+    src = flat.dtype
+    if src == dtype:
+        return flat
+    if src == np.bool_:
+        flat = flat.astype(np.uint8)
+    target = _as_bits(dtype)
+    if flat.dtype != target:
+        a, b = flat.dtype.itemsize, target.itemsize
+        if a > b:
+            flat = lax.bitcast_convert_type(flat, target).reshape(-1)
+        elif a < b:
+            flat = lax.bitcast_convert_type(flat.reshape(-1, b // a), target)
+        else:
+            flat = lax.bitcast_convert_type(flat, target)
+    return flat != 0 if dtype == np.bool_ else flat
+
+
+def _dense_plan(size: tuple, stride: tuple):
+    """For a view that is a permutation of a contiguous block: (block sizes, permutation), else None.
+
+    Size-1 dims and stride-0 (expanded) dims are left out of the block; they come back by broadcast.
+    """
+    dims = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
+    order = sorted(dims, key=lambda d: -stride[d])
+    expected = 1
+    for d in reversed(order):
+        if stride[d] != expected:
+            return None
+        expected *= size[d]
+    return tuple(size[d] for d in order), tuple(order)
+
+
+def _iota_index(size: tuple, stride: tuple, offset: int):
+    idx = jnp.asarray(offset, jnp.int64)
+    for d, (n, s) in enumerate(zip(size, stride)):
+        if n != 1 and s != 0:
+            idx = idx + lax.broadcasted_iota(jnp.int64, size, d) * s
+    return jnp.broadcast_to(idx, size)
+
+
+def read_view(array, g: Geometry):
+    """The tensor described by g, read out of the storage array."""
+    if 0 in g.size:
+        return jnp.zeros(g.size, g.dtype)
+    flat = _bitcast_flat(array.reshape(-1), g.dtype)
+    plan = _dense_plan(g.size, g.stride)
+    if plan is not None:
+        block, order = plan
+        n = math.prod(block)
+        part = lax.slice(flat, (g.offset,), (g.offset + n,)).reshape(block)
+        # Put the block's dims where they belong, then broadcast over size-1 and expanded dims.
+        kept = sorted(order)
+        part = part.transpose([order.index(d) for d in kept])
+        return lax.broadcast_in_dim(part, g.size, tuple(kept))
+    return flat[_iota_index(g.size, g.stride, g.offset)]
+
+
+def write_view(array, value, g: Geometry):
+    """The storage array with the view g replaced by value (shape g.size, dtype g.dtype)."""
+    if 0 in g.size:
+        return array
+    flat = _bitcast_flat(array.reshape(-1), g.dtype)
+    plan = _dense_plan(g.size, g.stride)
+    if plan is not None and all(s != 0 for n, s in zip(g.size, g.stride) if n != 1):
+        block, order = plan
+        kept = sorted(order)
+        squeezed = value.reshape([g.size[d] for d in kept]) if kept else value.reshape(())
+        part = squeezed.transpose([kept.index(d) for d in order]).reshape(-1)
+        flat = lax.dynamic_update_slice(flat, part, (g.offset,))
+    else:
+        flat = flat.at[_iota_index(g.size, g.stride, g.offset).reshape(-1)].set(value.reshape(-1))
+    return _bitcast_flat(flat, g.array_dtype).reshape(g.array_shape)

@@ -1,0 +1,401 @@
+"""The PrivateUse1 entry point: every ATen op on a tpu tensor without a device kernel lands here.
+
+For each op overload a handler is chosen once:
+- it has a lowering: run it through the current executor;
+- it is an in-place or ``out=`` overload whose functional twin has a lowering: compute the twin,
+  write the results into the written arguments;
+- PyTorch has a decomposition for it: run that (its pieces dispatch back here);
+- otherwise: the CPU fallback, counted and reported (or an error, if so configured).
+
+PyTorch's meta kernels give every result's shape and dtype, so type promotion, broadcasting and
+shape errors are exactly PyTorch's; results are cached per input signature.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import torch
+from torch._decomp import decomposition_table
+
+from torchtpu.device import dtypes, tensors
+from torchtpu.device.random import key_data_for
+from torchtpu.eager import executor, fallback, schema
+from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, jax_dtypes
+from torchtpu.lowering.registry import Lowering, lookup
+
+OpOverload = torch._ops.OpOverload
+
+
+def _device_error(t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"tpu:0 and {t.device}! (move the tensor with .to('tpu') first; torchtpu never copies "
+        "between devices silently)"
+    )
+
+
+def _is_device(t: torch.Tensor) -> bool:
+    return t.device.type == "tpu"
+
+
+# ----------------------------------------------------------------------------- meta inference
+
+def _meta(v):
+    if isinstance(v, torch.Tensor):
+        if _is_device(v):
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+    if isinstance(v, (list, tuple)):
+        return type(v)(_meta(x) for x in v)
+    if isinstance(v, torch.Generator):
+        return None
+    return v
+
+
+def _key(v):
+    if isinstance(v, torch.Tensor):
+        if _is_device(v):
+            return (tuple(v.shape), v.dtype)
+        if v.dim() != 0:
+            raise _device_error(v)
+        return ("cpu", v.dtype)
+    if isinstance(v, (list, tuple)):
+        return tuple(_key(x) for x in v)
+    if isinstance(v, torch.Generator):
+        return "gen"
+    if isinstance(v, (int, float, complex)) and not isinstance(v, bool):
+        # The type of a Python number matters for promotion, its value does not.
+        return type(v)
+    return v
+
+
+def _describe(m):
+    if isinstance(m, torch.Tensor):
+        return (tuple(m.shape), m.dtype)
+    if isinstance(m, (list, tuple)):
+        return tuple(_describe(x) for x in m)
+    return None
+
+
+_meta_cache: dict = {}
+
+
+def infer(op: OpOverload, values: list, outs: list = ()):
+    """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
+    try:
+        key = (op, _key(values), _key(outs))
+        hit = _meta_cache.get(key)
+    except TypeError:  # something unhashable: do not cache
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    oi = schema.info(op)
+    args = [_meta(v) for v in values]
+    kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
+    pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
+    for n, o in zip(oi.out_names, outs):
+        kwargs[n] = _meta(o)
+    result = _describe(op(*pos, **kwargs))
+    if key is not None:
+        _meta_cache[key] = result
+    return result
+
+
+# ----------------------------------------------------------------------------- running lowerings
+
+def split(oi: schema.OpInfo, values: list, static_scalars: bool):
+    """Spec entries and dynamic values for bound arguments."""
+    entries, dyn = [], []
+    for i, v in enumerate(values):
+        if isinstance(v, torch.Tensor):
+            if _is_device(v):
+                entries.append((TENSOR, None))
+                dyn.append(tensors.read(v))
+            elif v.dim() == 0:
+                entries.append((SCALAR, None))
+                dyn.append(v.item())
+            else:
+                raise _device_error(v)
+        elif isinstance(v, (list, tuple)) and v and any(isinstance(x, torch.Tensor) for x in v):
+            missing = []
+            for x in v:
+                missing.append(x is None)
+                if x is not None:
+                    if not _is_device(x):
+                        raise _device_error(x)
+                    dyn.append(tensors.read(x))
+            entries.append((TENSORS, tuple(missing)))
+        elif i == oi.generator_index:
+            entries.append((KEY, None))
+            dyn.append(key_data_for(v))
+        elif i in oi.scalar_indices and not static_scalars and v is not None:
+            entries.append((SCALAR, None))
+            dyn.append(v)
+        else:
+            entries.append((CONST, tuple(v) if isinstance(v, list) else v))
+    return tuple(entries), dyn
+
+
+def _is_leaf(d) -> bool:
+    return isinstance(d, tuple) and len(d) == 2 and isinstance(d[1], torch.dtype)
+
+
+def _map(d, fn):
+    if d is None:
+        return None
+    if _is_leaf(d):
+        return fn(d)
+    return tuple(_map(x, fn) for x in d)
+
+
+def _common_dtype(values):
+    operands = [v for v in values if isinstance(v, (torch.Tensor, int, float, complex, bool))]
+    if len(operands) < 2:
+        return None
+    a, b = (_meta(x) for x in operands[:2])
+    return dtypes.to_jax(torch.result_type(a, b))
+
+
+def compute(lowering: Lowering, oi: schema.OpInfo, values: list, result, final=None):
+    """Run lowering on bound values through the current executor; returns arrays."""
+    entries, dyn = split(oi, values, lowering.static_scalars)
+    compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
+    promote = _common_dtype(values) if lowering.promote == "common" else None
+    spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
+    out = executor.current().run(lowering, spec, tuple(dyn))
+    return _dedupe(out, dyn)
+
+
+def _dedupe(out, inputs):
+    """A program may hand an input array back as an output; storages never share a buffer."""
+    ids = {id(x) for x in inputs}
+    if isinstance(out, (tuple, list)):
+        return type(out)(_dedupe(o, inputs) for o in out)
+    if out is not None and id(out) in ids:
+        return out.copy()
+    return out
+
+
+def _wrap(arrays, result):
+    if result is None or arrays is None:
+        return None
+    if _is_leaf(result):
+        return tensors.wrap(arrays, result[1])
+    return tuple(_wrap(a, r) for a, r in zip(arrays, result))
+
+
+def _functional_handler(op: OpOverload, lowering: Lowering):
+    oi = schema.info(op)
+    returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
+
+    def handle(args, kwargs):
+        values, _ = schema.bind(oi, args, kwargs)
+        if lowering.data_dependent_shape:
+            out = compute_unknown_shape(lowering, oi, values)
+            return out
+        result = infer(op, values)
+        out = _wrap(compute(lowering, oi, values, result), result)
+        return list(out) if returns_list else out
+
+    return handle
+
+
+def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
+    entries, dyn = split(oi, values, lowering.static_scalars)
+    spec = Spec(entries, None, None, None)
+    out = executor.current().run(lowering, spec, tuple(dyn))
+    out = _dedupe(out, dyn)
+    if isinstance(out, (tuple, list)):
+        return tuple(tensors.wrap(o) for o in out)
+    return tensors.wrap(out)
+
+
+def _flat_targets(values, oi, outs):
+    targets = outs if outs else [values[i] for i in oi.written]
+    flat = []
+    for t in targets:
+        flat.extend(t if isinstance(t, (list, tuple)) else [t])
+    return targets, flat
+
+
+def _flat_arrays(out):
+    if isinstance(out, (tuple, list)):
+        flat = []
+        for o in out:
+            flat.extend(_flat_arrays(o))
+        return flat
+    return [out]
+
+
+def _resize_out(t: torch.Tensor, shape) -> None:
+    if tuple(t.shape) != tuple(shape):
+        t.resize_(shape)
+
+
+def _returns(op, targets):
+    rets = op._schema.returns
+    if not rets:
+        return None
+    if len(rets) == 1:
+        return targets[0]
+    return tuple(targets)
+
+
+def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional):
+    """In-place and out= overloads: compute the functional twin, write into the targets."""
+    oi = schema.info(op)
+    foi = schema.info(functional)
+
+    def handle(args, kwargs):
+        values, outs = schema.bind(oi, args, kwargs)
+        # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
+        # and says what shape each out= argument must take.
+        validated = infer(op, values, outs)
+        targets, flat = _flat_targets(values, oi, outs)
+        if outs:
+            shapes = [d[0] for d in _leaves(validated)]
+            for t, s in zip(flat, shapes):
+                if not _is_device(t):
+                    raise _device_error(t)
+                _resize_out(t, s)
+        arrays = compute_functional(foi, values, [t.dtype for t in flat])
+        for t, a in zip(flat, _flat_arrays(arrays)):
+            if a.dtype != dtypes.to_jax(t.dtype):
+                a = a.astype(dtypes.to_jax(t.dtype))
+            if tuple(a.shape) != tuple(t.shape):
+                a = _broadcast(a, t.shape)
+            tensors.write(t, a)
+        return _returns(op, targets)
+
+    return handle
+
+
+def _broadcast(a, shape):
+    import jax.numpy as jnp
+
+    return jnp.broadcast_to(a, tuple(shape))
+
+
+def _leaves(d):
+    if d is None:
+        return []
+    if _is_leaf(d):
+        return [d]
+    out = []
+    for x in d:
+        out.extend(_leaves(x))
+    return out
+
+
+def _lowered_functional(functional: OpOverload, lowering: Lowering):
+    def run(foi, values, target_dtypes):
+        result = infer(functional, values)
+        return compute(lowering, foi, values, result)
+
+    return run
+
+
+def _decomposed_functional(functional: OpOverload, decomp):
+    def run(foi, values, target_dtypes):
+        args, kwargs = _unbind(foi, values)
+        out = decomp(*args, **kwargs)
+        flat = out if isinstance(out, (tuple, list)) else [out]
+        return [tensors.read(t) for t in _flatten_tensors(flat)]
+
+    return run
+
+
+def _flatten_tensors(xs):
+    flat = []
+    for x in xs:
+        if isinstance(x, (tuple, list)):
+            flat.extend(_flatten_tensors(x))
+        else:
+            flat.append(x)
+    return flat
+
+
+def _unbind(oi: schema.OpInfo, values: list):
+    args, kwargs = [], {}
+    for n, v in zip(oi.names, values):
+        if n in oi.kwarg_only:
+            kwargs[n] = v
+        else:
+            args.append(v)
+    return args, kwargs
+
+
+_decomposing = threading.local()
+
+
+def _decomposition_handler(op: OpOverload, decomp):
+    def handle(args, kwargs):
+        active = getattr(_decomposing, "ops", None)
+        if active is None:
+            active = _decomposing.ops = set()
+        # Some decompositions end in a primitive that calls the op itself again.
+        if op in active:
+            return fallback.run_on_cpu(op, args, kwargs)
+        active.add(op)
+        try:
+            out = decomp(*args, **kwargs)
+        finally:
+            active.discard(op)
+        if out is NotImplemented:
+            return fallback.run_on_cpu(op, args, kwargs)
+        return out
+
+    return handle
+
+
+def _fallback_handler(op: OpOverload):
+    def handle(args, kwargs):
+        return fallback.run_on_cpu(op, args, kwargs)
+
+    return handle
+
+
+@functools.cache
+def handler(op: OpOverload):
+    """How op runs on the device; chosen once per overload."""
+    lowering = lookup(op)
+    if lowering is not None:
+        return _functional_handler(op, lowering)
+    functional = schema.functional_of(op)
+    if functional is not None and functional is not op:
+        lowering = lookup(functional)
+        if lowering is not None:
+            return _mutating_handler(op, functional, _lowered_functional(functional, lowering))
+    decomp = decomposition_table.get(op)
+    if decomp is not None:
+        return _decomposition_handler(op, decomp)
+    if functional is not None and functional is not op:
+        decomp = decomposition_table.get(functional)
+        if decomp is not None:
+            return _mutating_handler(op, functional, _decomposed_functional(functional, decomp))
+    return _fallback_handler(op)
+
+
+def kernel(op: OpOverload, *args, **kwargs):
+    """The boxed PrivateUse1 fallback kernel."""
+    return handler(op)(args, kwargs)
+
+
+def _is_composite_implicit(op: OpOverload) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+
+
+def register_lowered_ops(lib: torch.library.Library) -> None:
+    """Give every lowered op a direct PrivateUse1 kernel.
+
+    Without one, an op that has a CompositeExplicitAutograd kernel (``abs``, ``fill_``...) would
+    run that kernel and reach the device only as its ``out=`` variant. CompositeImplicitAutograd
+    ops are left alone: a backend kernel would switch off their autograd formula.
+    """
+    from torchtpu.lowering.registry import TABLE
+
+    for op in TABLE:
+        if not _is_composite_implicit(op):
+            lib.impl(op, functools.partial(kernel, op), "PrivateUse1")

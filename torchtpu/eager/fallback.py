@@ -1,0 +1,82 @@
+"""The CPU fallback: an op with no lowering and no decomposition runs on CPU, visibly.
+
+Each op it serves is counted in ``torchtpu.metrics`` and warned about once. With
+``TORCHTPU_CPU_FALLBACK=error`` it raises ``NotImplementedError`` naming the op instead, which is
+how coverage is measured rather than guessed.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+from torch.utils._pytree import tree_map
+
+from torchtpu import metrics
+from torchtpu.eager import schema
+
+_warned: set = set()
+
+
+def policy() -> str:
+    value = os.environ.get("TORCHTPU_CPU_FALLBACK", "warn").strip().lower()
+    if value not in ("warn", "error", "silent"):
+        raise ValueError(f"TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or silent")
+    return value
+
+
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+        return x.detach().to("cpu")
+    if isinstance(x, torch.Generator) and x.device.type == "tpu":
+        # The device stream is advanced so repeated draws differ; CPU draws use a derived seed.
+        from torchtpu.device.random import key_data_for
+
+        data = key_data_for(x)
+        return torch.Generator().manual_seed(int(data[0]) ^ (int(data[2]) << 20))
+    return x
+
+
+def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
+    name = str(op)
+    mode = policy()
+    if mode == "error":
+        raise NotImplementedError(
+            f"torchtpu: aten op '{name}' has no tpu lowering and TORCHTPU_CPU_FALLBACK=error "
+            "forbids running it on CPU"
+        )
+    if mode == "warn" and name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"torchtpu: aten op '{name}' has no tpu lowering; running it on CPU "
+            "(counted in torchtpu.metrics; TORCHTPU_CPU_FALLBACK=error makes this an error)",
+            stacklevel=3,
+        )
+    metrics.count_fallback(name)
+    cpu_args, cpu_kwargs = tree_map(_to_cpu, (args, kwargs))
+    result = op(*cpu_args, **cpu_kwargs)
+
+    oi = schema.info(op)
+    values, outs = schema.bind(oi, args, kwargs)
+    cpu_values, cpu_outs = schema.bind(oi, cpu_args, cpu_kwargs)
+    written = [(values[i], cpu_values[i]) for i in oi.written] + list(zip(outs, cpu_outs))
+    aliases = {}
+    for dev, cpu in written:
+        for d, c in zip(_flat(dev), _flat(cpu)):
+            if isinstance(d, torch.Tensor):
+                if d.shape != c.shape:
+                    d.resize_(c.shape)
+                d.copy_(c)
+                aliases[id(c)] = d
+    return tree_map(lambda r: aliases.get(id(r), _to_device(r)), result)
+
+
+def _flat(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _to_device(x):
+    if isinstance(x, torch.Tensor) and x.device.type == "cpu":
+        return x.to("tpu")
+    return x

@@ -1,0 +1,96 @@
+"""Turning one lowering call into a cached, jitted program, shared by every executor.
+
+An op call is split into a static spec (constants, the structure of the arguments, dtypes) and
+its dynamic values (arrays, traced scalars, PRNG key data). The spec and the lowering pick one
+jitted function; JAX then caches one executable per input shape and dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+
+from torchtpu.device import dtypes
+from torchtpu.lowering.registry import Lowering
+
+# Spec entries, one per bound argument.
+TENSOR = "t"       # one array
+TENSORS = "l"      # a list of arrays/None: payload says, per element, whether it is None
+SCALAR = "s"       # a traced Python number
+KEY = "k"          # PRNG key data -> a JAX key
+CONST = "c"        # baked-in constant: payload is the value
+
+
+class Spec(NamedTuple):
+    entries: tuple            # (kind, payload) per argument
+    compute: Any              # dtype(s) the math runs in (result of PyTorch promotion)
+    final: Any                # dtype(s) the outputs are cast to
+    promote: Any = None       # input dtype under promote="common"
+
+
+def prng_key(data):
+    """A JAX key from (seed lo, seed hi, offset lo, offset hi) uint32 words."""
+    key = jax.random.wrap_key_data(data[:2], impl="threefry2x32")
+    return jax.random.fold_in(jax.random.fold_in(key, data[2]), data[3])
+
+
+def cast_outputs(x, dtype):
+    if x is None:
+        return None
+    if isinstance(x, (tuple, list)):
+        if isinstance(dtype, tuple):
+            return type(x)(cast_outputs(v, d) for v, d in zip(x, dtype))
+        return type(x)(cast_outputs(v, dtype) for v in x)
+    return x if x.dtype == dtype else x.astype(dtype)
+
+
+def _first(dtype):
+    while isinstance(dtype, tuple):
+        dtype = dtype[0]
+    return dtype
+
+
+def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
+    """The lowering's arguments, from the spec and the dynamic values (inside a trace)."""
+    promote_to = None
+    if lowering.promote == "result":
+        promote_to = _first(spec.compute)
+    elif lowering.promote == "common":
+        promote_to = spec.promote
+    args, it = [], iter(dyn)
+    for kind, payload in spec.entries:
+        if kind == TENSOR:
+            v = next(it)
+            if promote_to is not None and v.dtype != promote_to:
+                v = v.astype(promote_to)
+            args.append(v)
+        elif kind == TENSORS:
+            args.append([None if missing else next(it) for missing in payload])
+        elif kind == SCALAR:
+            args.append(next(it))
+        elif kind == KEY:
+            args.append(prng_key(next(it)))
+        else:
+            args.append(payload)
+    return args
+
+
+@functools.lru_cache(maxsize=None)
+def program(lowering: Lowering, spec: Spec):
+    """The jitted function for one lowering and spec; call it with the dynamic values."""
+
+    def run(*dyn):
+        out = lowering.fn(*rebuild(spec, lowering, dyn))
+        return cast_outputs(out, spec.final)
+
+    run.__name__ = str(lowering.op).replace(".", "_")
+    return jax.jit(run)
+
+
+def jax_dtypes(struct):
+    """Torch dtype structure -> numpy dtype structure (tuples stay tuples)."""
+    if isinstance(struct, (tuple, list)):
+        return tuple(jax_dtypes(s) for s in struct)
+    return None if struct is None else dtypes.to_jax(struct)

@@ -1,0 +1,101 @@
+"""What the executors need to know about an ATen op's schema, computed once per op.
+
+Binding arguments to schema order, which arguments an in-place or ``out=`` overload writes, and
+which functional overload computes its result (``add_.Tensor`` and ``add.out`` -> ``add.Tensor``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+OpOverload = torch._ops.OpOverload
+
+# In-place random ops whose functional twin is not simply the name without "_".
+_FUNCTIONAL_NAMES = {"normal_": "normal_functional"}
+
+
+class OpInfo(NamedTuple):
+    op: OpOverload
+    names: tuple          # non-out argument names, schema order
+    defaults: tuple       # their defaults (a sentinel where required)
+    kwarg_only: frozenset
+    written: tuple        # indices (into names) of arguments written in place
+    out_names: tuple      # out= argument names
+    generator_index: int  # index of the Generator argument, -1 if none
+    scalar_indices: frozenset  # arguments typed Scalar (traced, not baked in)
+
+
+_REQUIRED = object()
+
+
+@functools.cache
+def info(op: OpOverload) -> OpInfo:
+    names, defaults, kwonly, written, outs, scalars = [], [], set(), [], [], set()
+    gen = -1
+    for a in op._schema.arguments:
+        is_write = a.alias_info is not None and a.alias_info.is_write
+        if a.kwarg_only and is_write:
+            outs.append(a.name)
+            continue
+        i = len(names)
+        names.append(a.name)
+        defaults.append(a.default_value if a.has_default_value() else _REQUIRED)
+        if a.kwarg_only:
+            kwonly.add(a.name)
+        if is_write:
+            written.append(i)
+        t = str(a.type)
+        if t.startswith("Generator"):
+            gen = i
+        if t.startswith("Scalar") or t.startswith("number"):
+            scalars.add(i)
+    return OpInfo(op, tuple(names), tuple(defaults), frozenset(kwonly), tuple(written),
+                  tuple(outs), gen, frozenset(scalars))
+
+
+def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
+    """(non-out arguments in schema order with defaults filled, out arguments)."""
+    values = list(args) + [_REQUIRED] * (len(oi.names) - len(args))
+    for i in range(len(args), len(oi.names)):
+        name = oi.names[i]
+        if name in kwargs:
+            values[i] = kwargs[name]
+        else:
+            d = oi.defaults[i]
+            if d is _REQUIRED:
+                raise TypeError(f"{oi.op}: missing required argument {name!r}")
+            values[i] = d
+    outs = [kwargs[n] for n in oi.out_names] if oi.out_names else []
+    return values, outs
+
+
+def _signature(op: OpOverload, skip_out: bool) -> tuple:
+    return tuple(
+        (a.name, str(a.type))
+        for a in op._schema.arguments
+        if not (skip_out and a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)
+    )
+
+
+@functools.cache
+def functional_of(op: OpOverload) -> OpOverload | None:
+    """The non-mutating overload that computes what op writes, or None if there is none."""
+    schema = op._schema
+    if not schema.is_mutable:
+        return op
+    ns, name = schema.name.split("::")
+    packet_name = name
+    if info(op).written and not info(op).out_names and name.endswith("_"):
+        packet_name = _FUNCTIONAL_NAMES.get(name, name[:-1])
+    packet = getattr(getattr(torch.ops, ns), packet_name, None)
+    if packet is None:
+        return None
+    want = _signature(op, skip_out=True)
+    for overload in packet.overloads():
+        cand = getattr(packet, overload)
+        if not cand._schema.is_mutable and _signature(cand, skip_out=False) == want:
+            return cand
+    return None

@@ -1,0 +1,71 @@
+"""The one lowering table: ATen op overload -> pure JAX function.
+
+Every executor (Strict, Debug, DeferAndFuse) and the compiled path look ops up here and nowhere
+else. A lowering takes the op's arguments in schema order, with JAX arrays where the schema has
+tensors and plain Python values elsewhere, and returns arrays. It never touches torch tensors.
+
+Policy that many ops share is declared here instead of repeated in each lowering:
+- ``promote="result"``: tensor inputs are cast to the op's result dtype first (PyTorch computes
+  elementwise math in the result dtype); ``promote="common"``: to the inputs' common dtype
+  (comparisons, whose result is bool). Results are always cast to PyTorch's result dtype.
+- ``dynamic_scalars``: which ``Scalar`` arguments are traced rather than baked into the program,
+  so a learning rate that changes every step does not recompile (default: all of them).
+- ``data_dependent_shape``: the output shape depends on values (``nonzero``); the executor runs
+  such a lowering on concrete arrays instead of compiling it whole.
+- ``random``: the lowering takes a PRNG key as its first argument, drawn from the device
+  generator by the executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+OpOverload = torch._ops.OpOverload
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    op: OpOverload
+    fn: Callable
+    promote: str | None = None
+    static_scalars: bool = False
+    data_dependent_shape: bool = False
+    random: bool = False
+
+
+TABLE: dict[OpOverload, Lowering] = {}
+
+
+def _overloads(target) -> list[OpOverload]:
+    if isinstance(target, OpOverload):
+        return [target]
+    # An OpOverloadPacket means every overload of it that has no out= argument.
+    return [
+        getattr(target, name)
+        for name in target.overloads()
+        if not getattr(target, name)._schema.is_mutable
+    ]
+
+
+def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
+           data_dependent_shape: bool = False, random: bool = False) -> Callable:
+    """Register the decorated pure JAX function as the lowering of each target op."""
+    if promote not in (None, "result", "common"):
+        raise ValueError(f"promote must be None, 'result' or 'common', not {promote!r}")
+
+    def register(fn: Callable) -> Callable:
+        for target in targets:
+            for op in _overloads(target):
+                if op in TABLE:
+                    raise RuntimeError(f"{op} has two lowerings: {TABLE[op].fn} and {fn}")
+                TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random)
+        return fn
+
+    return register
+
+
+def lookup(op: OpOverload) -> Lowering | None:
+    return TABLE.get(op)
