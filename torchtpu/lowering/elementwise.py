@@ -14,12 +14,12 @@ aten = torch.ops.aten
 
 @lowers(aten.add.Tensor, aten.add.Scalar, promote="result")
 def add(x, y, alpha=1):
-    return x + y * alpha if alpha != 1 else x + y
+    return x + y * alpha
 
 
 @lowers(aten.sub.Tensor, aten.sub.Scalar, promote="result")
 def sub(x, y, alpha=1):
-    return x - y * alpha if alpha != 1 else x - y
+    return x - y * alpha
 
 
 @lowers(aten.mul.Tensor, aten.mul.Scalar, promote="result")

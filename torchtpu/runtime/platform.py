@@ -17,6 +17,9 @@ _PLATFORMS = ("tpu", "gpu", "cpu")
 def _configure_jax() -> None:
     # PyTorch semantics need real int64/float64; JAX's default truncates them to 32 bits.
     jax.config.update("jax_enable_x64", True)
+    from torchtpu.runtime import compile_cache
+
+    compile_cache.enable()
 
 
 _configure_jax()
