@@ -1,3 +1,14 @@
 """ATen op -> JAX lowerings, one module per op family; importing this fills the table."""
 
-from torchtpu.lowering import elementwise  # noqa: F401
+from torchtpu.lowering import (  # noqa: F401
+    conv,
+    elementwise,
+    factory,
+    index,
+    linalg,
+    nn,
+    optim,
+    random,
+    reduction,
+    shape,
+)

@@ -1,0 +1,5 @@
+"""Convolution (1-3d, transposed) and pooling, forward and backward."""
+
+import torch
+
+aten = torch.ops.aten

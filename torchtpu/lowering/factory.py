@@ -1,0 +1,5 @@
+"""Factory ops: full, arange, linspace, eye, scalar_tensor and friends."""
+
+import torch
+
+aten = torch.ops.aten
