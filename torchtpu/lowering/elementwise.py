@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
-
 import torch
 
 from torchtpu.lowering.registry import lowers
@@ -40,8 +38,3 @@ def neg(x):
 @lowers(aten.exp.default, promote="result")
 def exp(x):
     return jnp.exp(x)
-
-
-@lowers(aten.mm.default, promote="result")
-def mm(x, y):
-    return jnp.matmul(x, y, precision=lax.Precision.HIGHEST)

@@ -1,5 +1,185 @@
-"""Matrix products and linear algebra: mm, bmm, addmm, baddbmm, dot, linalg ops."""
+"""Matrix products and linear algebra: mm, bmm, addbmm and the ``_linalg_*`` factorizations.
 
+``addmm``, ``addmv``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
+the products here. Every product uses ``Precision.HIGHEST`` so float32 matches the CPU.
+
+LU results follow LAPACK: pivots are 1-based int32 row swaps, and ``info`` is the 1-based index of
+the first zero pivot (0 when the factorization succeeded), because PyTorch's backward formulas and
+error checks read them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.linalg as jsl
 import torch
+from jax import lax
+
+from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
+HIGHEST = lax.Precision.HIGHEST
+
+
+@lowers(aten.mm, aten.bmm, promote="result")
+def matmul(x: jax.Array, y: jax.Array, out_dtype=None) -> jax.Array:
+    # The .dtype overloads get inputs already cast to out_dtype by promote="result".
+    return jnp.matmul(x, y, precision=HIGHEST)
+
+
+@lowers(aten.addbmm.default, promote="result")
+def addbmm(x, batch1, batch2, beta=1, alpha=1):
+    total = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST)
+    # beta == 0 means self is ignored, NaNs included.
+    return jnp.where(beta == 0, jnp.zeros_like(x), beta * x) + alpha * total
+
+
+def _mT(a):
+    return jnp.swapaxes(a, -1, -2)
+
+
+def _mH(a):
+    return jnp.conj(_mT(a))
+
+
+def _broadcast_batch(a, b):
+    """a and b with their leading (batch) dims broadcast together; last two kept."""
+    batch = jnp.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return (jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:]))
+
+
+def _first_zero(diag):
+    """LAPACK-style info: 1-based position of the first zero (or NaN) on diag, else 0."""
+    bad = (diag == 0) | jnp.isnan(diag)
+    return jnp.where(bad.any(-1), jnp.argmax(bad, -1) + 1, 0).astype(jnp.int32)
+
+
+def _lu(a):
+    lu, piv, _ = lax.linalg.lu(a)
+    return lu, piv + 1
+
+
+def _diag(a):
+    return jnp.diagonal(a, axis1=-2, axis2=-1)
+
+
+@lowers(aten.linalg_lu_factor_ex.default)
+def lu_factor_ex(a, pivot=True, check_errors=False):
+    # pivot=False has no XLA counterpart; PyTorch only offers it on CUDA.
+    lu, piv = _lu(a)
+    return lu, piv, _first_zero(_diag(lu))
+
+
+def _lu_solve(lu, piv, b, left: bool, adjoint: bool):
+    """Solve with an LU factorization from _lu: op(A) X = B (left) or X op(A) = B."""
+    if not left:
+        # X A = B  <=>  A^H X^H = B^H
+        return _mH(_lu_solve(lu, piv, _mH(b), True, not adjoint))
+    lu, b = _broadcast_batch(lu, b)
+    piv = jnp.broadcast_to(piv, lu.shape[:-2] + piv.shape[-1:])
+    return jsl.lu_solve((lu, piv - 1), b, trans=2 if adjoint else 0)
+
+
+@lowers(aten.linalg_lu_solve.default)
+def lu_solve(lu, pivots, b, left=True, adjoint=False):
+    return _lu_solve(lu, pivots, b, left, adjoint)
+
+
+@lowers(aten._linalg_solve_ex.default)
+def solve_ex(a, b, left=True, check_errors=False):
+    # PyTorch factors A^T for real A (its backward assumes so: it checks A's contiguity, and
+    # device tensors reach here contiguous), then solves with adjoint=True.
+    use_a_t = not jnp.iscomplexobj(a)
+    lu, piv = _lu(_mT(a) if use_a_t else a)
+    vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
+    rhs = jnp.expand_dims(b, -1 if left else -2) if vector else b
+    x = _lu_solve(lu, piv, rhs, left, use_a_t)
+    if vector:
+        x = jnp.squeeze(x, -1 if left else -2)
+    return x, lu, piv, _first_zero(_diag(lu))
+
+
+@lowers(aten.linalg_inv_ex.default)
+def inv_ex(a, check_errors=False):
+    lu, piv = _lu(a)
+    eye = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+    return _lu_solve(lu, piv, eye, True, False), _first_zero(_diag(lu))
+
+
+def _permutation_sign(piv):
+    swaps = (piv != jnp.arange(1, piv.shape[-1] + 1, dtype=piv.dtype)).sum(-1)
+    return 1 - 2 * (swaps % 2)
+
+
+@lowers(aten._linalg_det.default)
+def det(a):
+    lu, piv = _lu(a)
+    d = jnp.prod(_diag(lu), -1) * _permutation_sign(piv).astype(lu.dtype)
+    return d, lu, piv
+
+
+@lowers(aten._linalg_slogdet.default)
+def slogdet(a):
+    lu, piv = _lu(a)
+    diag = _diag(lu)
+    absdiag = jnp.abs(diag)
+    unit = jnp.where(absdiag == 0, 0, diag / jnp.where(absdiag == 0, 1, absdiag))
+    sign = jnp.prod(unit, -1) * _permutation_sign(piv).astype(lu.dtype)
+    return sign, jnp.sum(jnp.log(absdiag), -1), lu, piv
+
+
+def _cholesky(a, upper: bool):
+    # LAPACK reads only the named triangle; so does XLA without symmetrize_input.
+    lower = lax.linalg.cholesky(_mH(a) if upper else a, symmetrize_input=False)
+    return _mH(lower) if upper else lower
+
+
+@lowers(aten.linalg_cholesky_ex.default)
+def cholesky_ex(a, upper=False, check_errors=False):
+    factor = _cholesky(a, upper)
+    # XLA marks a non positive-definite input with NaNs from the failing column on.
+    return factor, _first_zero(jnp.where(jnp.isnan(_diag(factor)), 0, 1))
+
+
+@lowers(aten.cholesky.default)
+def cholesky(a, upper=False):
+    return _cholesky(a, upper)
+
+
+@lowers(aten.linalg_qr.default)
+def qr(a, mode="reduced"):
+    if mode == "r":
+        return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
+    return jnp.linalg.qr(a, mode=mode)
+
+
+@lowers(aten._linalg_svd.default)
+def svd(a, full_matrices=False, compute_uv=True, driver=None):
+    if not compute_uv:
+        empty = jnp.zeros((0,), a.dtype)
+        return empty, jnp.linalg.svd(a, compute_uv=False), empty
+    return jnp.linalg.svd(a, full_matrices=full_matrices)
+
+
+@lowers(aten._linalg_eigh.default)
+def eigh(a, uplo="L", compute_v=True):
+    w, v = jnp.linalg.eigh(a, UPLO=uplo, symmetrize_input=False)
+    return w, (v if compute_v else jnp.zeros((0,), a.dtype))
+
+
+def _triangular_solve(a, b, *, upper: bool, left: bool, transpose: bool, unit: bool):
+    a, b = _broadcast_batch(a, b)
+    return lax.linalg.triangular_solve(a, b, left_side=left, lower=not upper,
+                                       transpose_a=transpose, unit_diagonal=unit)
+
+
+@lowers(aten.triangular_solve.default)
+def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
+    x = _triangular_solve(a, b, upper=upper, left=True, transpose=transpose, unit=unitriangular)
+    return x, jnp.broadcast_to(a, x.shape[:-2] + a.shape[-2:])
+
+
+@lowers(aten.linalg_solve_triangular.default)
+def solve_triangular(a, b, upper, left=True, unitriangular=False):
+    return _triangular_solve(a, b, upper=upper, left=left, transpose=False, unit=unitriangular)
