@@ -51,6 +51,9 @@ def _meta(v):
         return type(v)(_meta(x) for x in v)
     if isinstance(v, torch.Generator):
         return None
+    if isinstance(v, torch.device) and v.type == "tpu":
+        # A factory's device argument: inferring on "tpu" would call this kernel again.
+        return torch.device("meta")
     return v
 
 

@@ -1,5 +1,96 @@
-"""Factory ops: full, arange, linspace, eye, scalar_tensor and friends."""
+"""Factories: arange, linspace, logspace, eye, full, zeros, ones, scalar_tensor.
+
+Factory lowerings have no tensor inputs. The result dtype is PyTorch's (meta inference), and the
+program casts to it; layout/device/pin_memory arrive as static values and mean nothing here.
+Ranges are computed in float64 or int64 and then cast, as PyTorch's CPU kernels accumulate in a
+wider type than the result.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
 
 import torch
 
+from torchtpu.lowering.registry import lowers
+
 aten = torch.ops.aten
+
+
+def _range(start, end, step):
+    """start + step * i for i < the length PyTorch's arange gives (float64 or int64)."""
+    if all(isinstance(v, int) for v in (start, end, step)):
+        sign = (step > 0) - (step < 0)
+        n = max(0, (end - start + step - sign) // step)
+        return start + step * lax.iota(jnp.int64, n)
+    n = max(0, math.ceil((end - start) / step))
+    return start + step * lax.iota(jnp.float64, n)
+
+
+@lowers(aten.arange.default, static_scalars=True)
+def arange(end, dtype=None, layout=None, device=None, pin_memory=None):
+    return _range(0, end, 1)
+
+
+@lowers(aten.arange.start, static_scalars=True)
+def arange_start(start, end, dtype=None, layout=None, device=None, pin_memory=None):
+    return _range(start, end, 1)
+
+
+@lowers(aten.arange.start_step, static_scalars=True)
+def arange_start_step(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    return _range(start, end, step)
+
+
+def _linspace(start, end, steps: int):
+    # PyTorch fills the first half forward from start and the second half backward from end,
+    # so both ends are exact.
+    i = lax.iota(jnp.float64, steps)
+    start = jnp.asarray(start, jnp.float64)
+    end = jnp.asarray(end, jnp.float64)
+    step = (end - start) / max(steps - 1, 1)
+    return jnp.where(i < steps // 2, start + step * i, end - step * (steps - 1 - i))
+
+
+@lowers(aten.linspace.default)
+def linspace(start, end, steps, dtype=None, layout=None, device=None, pin_memory=None):
+    return _linspace(start, end, steps)
+
+
+@lowers(aten.logspace.default)
+def logspace(start, end, steps, base=10.0, dtype=None, layout=None, device=None,
+             pin_memory=None):
+    return jnp.power(jnp.float64(base), _linspace(start, end, steps))
+
+
+@lowers(aten.eye.default)
+def eye(n, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, dtype=jnp.bool_)
+
+
+@lowers(aten.eye.m)
+def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.eye(n, m, dtype=jnp.bool_)
+
+
+@lowers(aten.full.default)
+def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.full(tuple(size), fill_value)
+
+
+@lowers(aten.zeros.default)
+def zeros(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.zeros(tuple(size), jnp.bool_)
+
+
+@lowers(aten.ones.default)
+def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.ones(tuple(size), jnp.bool_)
+
+
+@lowers(aten.scalar_tensor.default)
+def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
+    return jnp.asarray(s)
