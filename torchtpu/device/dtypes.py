@@ -23,13 +23,14 @@ _TORCH_TO_JAX = {
     torch.complex64: jnp.complex64,
     torch.complex128: jnp.complex128,
 }
-_JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
+_TORCH_TO_NP = {k: np.dtype(v) for k, v in _TORCH_TO_JAX.items()}
+_JAX_TO_TORCH = {v: k for k, v in _TORCH_TO_NP.items()}
 
 
 def to_jax(dtype: torch.dtype) -> np.dtype:
     """The JAX dtype for a torch dtype; raises TypeError naming the dtype when there is none."""
     try:
-        return np.dtype(_TORCH_TO_JAX[dtype])
+        return _TORCH_TO_NP[dtype]
     except KeyError:
         raise TypeError(
             f"dtype {dtype} is not supported on the tpu device; supported: "

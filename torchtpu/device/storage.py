@@ -10,7 +10,6 @@ attribute ``_tpu_array``: a C-contiguous array whose bytes, in order, are the st
 from __future__ import annotations
 
 import threading
-import weakref
 
 import jax
 import numpy as np
@@ -19,12 +18,6 @@ import torch
 _ALIGN = 64
 _lock = threading.Lock()
 _next_address = [1 << 40]
-_live_bytes = [0]
-
-
-def _release(nbytes: int) -> None:
-    with _lock:
-        _live_bytes[0] -= nbytes
 
 
 def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
@@ -34,18 +27,20 @@ def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     with _lock:
         address = _next_address[0]
         _next_address[0] += (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
-        _live_bytes[0] += nbytes
     storage = torch._C._construct_storage_from_data_pointer(
         address, torch.device("tpu", index), nbytes
     )
     storage._tpu_array = None
-    weakref.finalize(storage, _release, nbytes)
     return storage
 
 
 def live_bytes() -> int:
-    """Bytes of all device storages alive in this process."""
-    return _live_bytes[0]
+    """Bytes of device memory held by live arrays in this process.
+
+    Counted from the runtime rather than per storage: a storage that was never written holds no
+    device memory, and tracking every storage's death would cost a finalizer per tensor.
+    """
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted())
 
 
 def get_array(storage: torch.UntypedStorage) -> jax.Array | None:

@@ -23,12 +23,17 @@ _set_storage = torch.ops.aten.set_.source_Storage_storage_offset
 _create = torch._C._acc.create_empty_tensor
 
 
-def contiguous_strides(size) -> tuple:
+@functools.lru_cache(maxsize=4096)
+def _contiguous_strides(size: tuple) -> tuple:
     strides, acc = [], 1
     for n in reversed(size):
         strides.append(acc)
         acc *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def contiguous_strides(size) -> tuple:
+    return _contiguous_strides(tuple(size))
 
 
 def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None) -> torch.Tensor:
@@ -53,6 +58,33 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     st._tpu_array = array
     _set_storage.redispatch(_CPU, t, st, 0, size, contiguous_strides(size))
     return t
+
+
+class Deferred:
+    """A value a deferring executor (``eager/defer.py``) recorded but may not have computed yet.
+
+    A storage may hold one in place of its array; reading the storage swaps in the computed
+    array once there is one.
+    """
+
+    __slots__ = ()
+
+    def resolve(self):
+        """The computed array, or self while still pending."""
+        raise NotImplementedError
+
+
+# The deferring executor's recorder while DeferAndFuse is active, else None: view readers and
+# writers are then recorded into the pending program instead of run at once.
+deferrer = None
+
+
+def call(fn, *args):
+    """fn (a pure jitted function of storage arrays) applied now, or recorded while deferring."""
+    recorder = deferrer
+    if recorder is not None:
+        return recorder.record(fn, args)
+    return fn(*args)
 
 
 def _covers_storage(t: torch.Tensor, st) -> bool:
@@ -88,6 +120,8 @@ def storage_array(t: torch.Tensor):
     """The array behind t's storage, materializing zeros for a never-written storage."""
     st = t.untyped_storage()
     array = st._tpu_array
+    if isinstance(array, Deferred):
+        array = st._tpu_array = array.resolve()
     if array is None:
         if _covers_storage(t, st):
             array = jnp.zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
@@ -107,7 +141,7 @@ def read(t: torch.Tensor) -> jax.Array:
         and array.dtype == dtypes.to_jax(t.dtype)
     ):
         return array
-    return _reader(_geometry(t, array))(array)
+    return call(_reader(_geometry(t, array)), array)
 
 
 def write(t: torch.Tensor, value: jax.Array) -> None:
@@ -117,4 +151,4 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         st._tpu_array = value
         return
     array = storage_array(t)
-    st._tpu_array = _writer(_geometry(t, array))(array, value)
+    st._tpu_array = call(_writer(_geometry(t, array)), array, value)

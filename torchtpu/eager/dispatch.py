@@ -57,21 +57,28 @@ def _meta(v):
     return v
 
 
-def _key(v):
+def _leaf_key(v):
     if isinstance(v, torch.Tensor):
-        if _is_device(v):
+        if not v.is_cpu:
             return (tuple(v.shape), v.dtype)
         if v.dim() != 0:
             raise _device_error(v)
         return ("cpu", v.dtype)
-    if isinstance(v, (list, tuple)):
-        return tuple(_key(x) for x in v)
-    if isinstance(v, torch.Generator):
-        return "gen"
-    if isinstance(v, (int, float, complex)) and not isinstance(v, bool):
-        # The type of a Python number matters for promotion, its value does not.
-        return type(v)
-    return v
+    # 1, 1.0 and True are equal as dict keys but promote differently.
+    return (type(v), v)
+
+
+def call_key(oi: schema.OpInfo, values: list) -> tuple:
+    """What determines an op call's result shapes, dtypes and program: everything but data."""
+    parts = []
+    for i, v in enumerate(values):
+        if isinstance(v, (list, tuple)):
+            parts.append(tuple(_leaf_key(x) for x in v))
+        elif i == oi.generator_index:
+            parts.append("gen")
+        else:
+            parts.append(_leaf_key(v))
+    return tuple(parts)
 
 
 def _describe(m):
@@ -82,19 +89,28 @@ def _describe(m):
     return None
 
 
+_CACHE_LIMIT = 50_000
 _meta_cache: dict = {}
+
+
+def _bounded_put(cache: dict, key, value) -> None:
+    # Keys include Python scalar values (a learning rate that changes every step), so the
+    # caches are bounded; dropping everything is simplest and rare.
+    if len(cache) >= _CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
 
 
 def infer(op: OpOverload, values: list, outs: list = ()):
     """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
+    oi = schema.info(op)
     try:
-        key = (op, _key(values), _key(outs))
+        key = (op, call_key(oi, values), tuple(_leaf_key(o) for o in outs))
         hit = _meta_cache.get(key)
     except TypeError:  # something unhashable: do not cache
         key, hit = None, None
     if hit is not None:
         return hit
-    oi = schema.info(op)
     args = [_meta(v) for v in values]
     kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
     pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
@@ -102,43 +118,46 @@ def infer(op: OpOverload, values: list, outs: list = ()):
         kwargs[n] = _meta(o)
     result = _describe(op(*pos, **kwargs))
     if key is not None:
-        _meta_cache[key] = result
+        _bounded_put(_meta_cache, key, result)
     return result
 
 
 # ----------------------------------------------------------------------------- running lowerings
 
-def split(oi: schema.OpInfo, values: list, static_scalars: bool):
-    """Spec entries and dynamic values for bound arguments."""
-    entries, dyn = [], []
+def entries_of(oi: schema.OpInfo, values: list, static_scalars: bool) -> tuple:
+    """The static spec entries for bound arguments (what is traced, what is baked in)."""
+    entries = []
     for i, v in enumerate(values):
         if isinstance(v, torch.Tensor):
-            if _is_device(v):
-                entries.append((TENSOR, None))
-                dyn.append(tensors.read(v))
-            elif v.dim() == 0:
-                entries.append((SCALAR, None))
-                dyn.append(v.item())
-            else:
-                raise _device_error(v)
-        elif isinstance(v, (list, tuple)) and v and any(isinstance(x, torch.Tensor) for x in v):
-            missing = []
-            for x in v:
-                missing.append(x is None)
-                if x is not None:
-                    if not _is_device(x):
-                        raise _device_error(x)
-                    dyn.append(tensors.read(x))
-            entries.append((TENSORS, tuple(missing)))
+            entries.append((TENSOR if not v.is_cpu else SCALAR, None))
+        elif isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+            entries.append((TENSORS, tuple(x is None for x in v)))
         elif i == oi.generator_index:
             entries.append((KEY, None))
-            dyn.append(key_data_for(v))
         elif i in oi.scalar_indices and not static_scalars and v is not None:
             entries.append((SCALAR, None))
-            dyn.append(v)
         else:
             entries.append((CONST, tuple(v) if isinstance(v, list) else v))
-    return tuple(entries), dyn
+    return tuple(entries)
+
+
+def dynamic_values(values: list, entries: tuple) -> tuple:
+    """The traced values of bound arguments, in the order the spec consumes them."""
+    dyn = []
+    for (kind, _), v in zip(entries, values):
+        if kind == TENSOR:
+            dyn.append(tensors.read(v))
+        elif kind == SCALAR:
+            dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
+        elif kind == TENSORS:
+            for x in v:
+                if x is not None:
+                    if x.is_cpu:
+                        raise _device_error(x)
+                    dyn.append(tensors.read(x))
+        elif kind == KEY:
+            dyn.append(key_data_for(v))
+    return tuple(dyn)
 
 
 def _is_leaf(d) -> bool:
@@ -161,14 +180,32 @@ def _common_dtype(values):
     return dtypes.to_jax(torch.result_type(a, b))
 
 
-def compute(lowering: Lowering, oi: schema.OpInfo, values: list, result, final=None):
+_plans: dict = {}
+
+
+def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
+         final: tuple | None = None) -> tuple:
+    """(result shapes/dtypes, program spec) for one call, cached by its call key."""
+    key = (op, call_key(oi, values), final)
+    hit = _plans.get(key)
+    if hit is None:
+        result = infer(op, values)
+        compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
+        promote = _common_dtype(values) if lowering.promote == "common" else None
+        entries = entries_of(oi, values, lowering.static_scalars)
+        if lowering.random:
+            # No Generator argument: a leading key from the default device generator.
+            entries = ((KEY, None), *entries)
+        spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
+        hit = (result, spec)
+        _bounded_put(_plans, key, hit)
+    return hit
+
+
+def compute(lowering: Lowering, spec: Spec, values: list):
     """Run lowering on bound values through the current executor; returns arrays."""
-    entries, dyn = split(oi, values, lowering.static_scalars)
-    compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
-    promote = _common_dtype(values) if lowering.promote == "common" else None
-    spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
-    out = executor.current().run(lowering, spec, tuple(dyn))
-    return _dedupe(out, dyn)
+    dyn = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    return _dedupe(executor.current().run(lowering, spec, dyn), dyn)
 
 
 def _dedupe(out, inputs):
@@ -198,18 +235,16 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         if lowering.data_dependent_shape:
             out = compute_unknown_shape(lowering, oi, values)
             return out
-        result = infer(op, values)
-        out = _wrap(compute(lowering, oi, values, result), result)
+        result, spec = plan(op, lowering, oi, values)
+        out = _wrap(compute(lowering, spec, values), result)
         return list(out) if returns_list else out
 
     return handle
 
 
 def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
-    entries, dyn = split(oi, values, lowering.static_scalars)
-    spec = Spec(entries, None, None, None)
-    out = executor.current().run(lowering, spec, tuple(dyn))
-    out = _dedupe(out, dyn)
+    spec = Spec(entries_of(oi, values, lowering.static_scalars), None, None, None)
+    out = compute(lowering, spec, values)
     if isinstance(out, (tuple, list)):
         return tuple(tensors.wrap(o) for o in out)
     return tensors.wrap(out)
@@ -294,8 +329,9 @@ def _leaves(d):
 
 def _lowered_functional(functional: OpOverload, lowering: Lowering):
     def run(foi, values, target_dtypes):
-        result = infer(functional, values)
-        return compute(lowering, foi, values, result)
+        final = tuple(dtypes.to_jax(d) for d in target_dtypes)
+        _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0])
+        return compute(lowering, spec, values)
 
     return run
 
@@ -386,8 +422,13 @@ def kernel(op: OpOverload, *args, **kwargs):
     return handler(op)(args, kwargs)
 
 
-def _is_composite_implicit(op: OpOverload) -> bool:
-    return torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CompositeImplicitAutograd")
+def _needs_device_kernel(op: OpOverload) -> bool:
+    try:
+        return not torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd"
+        )
+    except RuntimeError:  # a TorchScript-only overload (``__lshift__.int``): never dispatched
+        return False
 
 
 def register_lowered_ops(lib: torch.library.Library) -> None:
@@ -400,5 +441,5 @@ def register_lowered_ops(lib: torch.library.Library) -> None:
     from torchtpu.lowering.registry import TABLE
 
     for op in TABLE:
-        if not _is_composite_implicit(op):
+        if _needs_device_kernel(op):
             lib.impl(op, functools.partial(kernel, op), "PrivateUse1")
