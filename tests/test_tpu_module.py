@@ -1,0 +1,107 @@
+"""torch.tpu: the reference's device API, the accelerator hooks, and errors for bad input."""
+
+import pytest
+import torch
+
+import torchtpu
+
+
+def test_device_functions():
+    assert torch.tpu.is_available()
+    assert torch.tpu.device_count() >= 1
+    assert torch.tpu.current_device() == 0
+    torch.tpu.set_device(0)
+    assert isinstance(torch.tpu.get_device_name(), str)
+    props = torch.tpu.get_device_properties(0)
+    assert props.total_memory > 0 and props.name
+    assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    assert torch._utils._get_available_device_type() == "tpu"
+    torch.tpu.synchronize()
+
+
+def test_bad_device_index_raises():
+    n = torch.tpu.device_count()
+    with pytest.raises(RuntimeError, match="invalid tpu device index"):
+        torch.tpu.set_device(n)
+    with pytest.raises(RuntimeError, match="invalid tpu device index"):
+        torch.empty(2, device=f"tpu:{n}")
+
+
+def test_unsupported_dtype_raises():
+    with pytest.raises(TypeError, match="float8_e5m2 is not supported on the tpu device"):
+        torch.empty(2, dtype=torch.float8_e5m2, device="tpu")
+
+
+def test_mixed_devices_raise_like_cuda():
+    a = torch.zeros(3, device="tpu")
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        a + torch.ones(3)
+    # A 0-dim CPU tensor is a scalar, as on CUDA.
+    torch.testing.assert_close((a + torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
+
+
+def test_fallback_error_names_the_op(monkeypatch):
+    from torchtpu.lowering import registry
+
+    op = torch.ops.aten.add.Tensor
+    monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "error")
+    # An op that has no lowering and no decomposition: pick one from the aten namespace.
+    assert registry.lookup(torch.ops.aten._cdist_forward.default) is None
+    a = torch.ones(2, 3, device="tpu")
+    with pytest.raises(NotImplementedError, match="aten._cdist_forward.default"):
+        torch.ops.aten._cdist_forward.default(a, a, 2.0, None)
+    assert registry.lookup(op) is not None
+
+
+def test_fallback_counts_and_warns(monkeypatch):
+    monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "warn")
+    torchtpu.metrics.reset()
+    a, b = torch.randn(2, 3), torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="_cdist_forward"):
+        out = torch.ops.aten._cdist_forward.default(a.to("tpu"), b.to("tpu"), 2.0, None)
+    assert out.device.type == "tpu"
+    torch.testing.assert_close(out.cpu(), torch.ops.aten._cdist_forward.default(a, b, 2.0, None))
+    snap = torchtpu.metrics.snapshot()
+    assert snap["cpu_fallbacks"] == {"aten._cdist_forward.default": 1}
+    assert "aten._cdist_forward.default: 1" in torchtpu.metrics.report()
+
+
+def test_metrics_count_transfers_and_executions():
+    torchtpu.metrics.reset()
+    x = torch.arange(6, dtype=torch.float32).to("tpu")
+    y = (x * 2).cpu()
+    snap = torchtpu.metrics.snapshot()
+    assert snap["host_to_device_bytes"] >= 24
+    assert snap["device_to_host_bytes"] >= 24
+    assert snap["executions"] >= 1
+    for key in ("executable_compiles", "compile_seconds", "cpu_fallbacks"):
+        assert key in snap
+    torch.testing.assert_close(y, torch.arange(6, dtype=torch.float32) * 2)
+
+
+def test_rng_api_repeatable():
+    torch.manual_seed(123)
+    s = torch.tpu.get_rng_state()
+    assert torch.tpu.initial_seed() == 123
+    a = torch.rand(5, device="tpu").cpu()
+    torch.tpu.set_rng_state(s)
+    b = torch.rand(5, device="tpu").cpu()
+    torch.testing.assert_close(a, b)
+    g = torch.Generator(device="tpu")
+    assert g.device == torch.device("tpu", 0)
+    assert isinstance(g, torch.Generator)
+    assert isinstance(torch.Generator(), torch.Generator)
+
+
+def test_memory_allocated_tracks_live_tensors():
+    before = torch.tpu.memory_allocated()
+    x = torch.arange(1024 * 256, dtype=torch.float32).to("tpu")
+    assert torch.tpu.memory_allocated() >= before + x.numel() * 4
+    del x
+
+
+def test_item_print_and_bool():
+    x = torch.tensor([1.5, -2.0]).to("tpu")
+    assert x[0].item() == 1.5
+    assert "device='tpu:0'" in repr(x)
+    assert bool(x[0] > 0)
