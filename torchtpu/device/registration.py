@@ -56,7 +56,7 @@ def register() -> None:
     with _lock:
         if _libraries:
             return
-        from torchtpu.device import kernels, module
+        from torchtpu.device import autocast, kernels, module
         from torchtpu.eager import dispatch
         from torchtpu import lowering  # noqa: F401  (fills the lowering table)
 
@@ -68,6 +68,7 @@ def register() -> None:
         dispatch.register_lowered_ops(aten)
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(dispatch.kernel, "PrivateUse1")
+        autocast.register(aten, fallback)
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
 
