@@ -37,8 +37,9 @@ def prng_key(data):
 
 
 def cast_outputs(x, dtype):
-    if x is None:
-        return None
+    # dtype None: the result dtypes are not known ahead (data-dependent shapes); keep them.
+    if x is None or dtype is None:
+        return x
     if isinstance(x, (tuple, list)):
         if isinstance(dtype, tuple):
             return type(x)(cast_outputs(v, d) for v, d in zip(x, dtype))

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
-from jax import lax
-
 import torch
+from jax import lax
 
 from torchtpu.lowering.registry import lowers
 

@@ -1,5 +1,281 @@
-"""Indexing: index, index_put, gather, scatter, scatter_reduce, index_select, masked ops, embedding, nonzero."""
+"""Indexing: index, index_put, gather, scatter, scatter_reduce, index_select/add/copy/fill,
+masked_scatter/select, nonzero, unique, embedding and its backward, searchsorted/bucketize.
 
+Ops whose result shape depends on values (nonzero, masked_select, unique) are registered with
+``data_dependent_shape`` and run on concrete arrays. Boolean masks in ``index_put`` are handled
+in-graph with a running count of the mask, so ``x[mask] = v`` compiles once per shape.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
 import torch
+from jax import lax
+
+from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
+
+
+def _is_mask(i) -> bool:
+    # uint8 indices are PyTorch's legacy byte masks.
+    return i is not None and i.dtype in (jnp.bool_, jnp.uint8)
+
+
+def _advanced(indices: list) -> tuple:
+    return tuple(slice(None) if i is None else i for i in indices)
+
+
+@lowers(aten._unsafe_index.Tensor)
+def unsafe_index(x, indices):
+    # PyTorch's advanced indexing (None gaps, broadcast index tensors, non-adjacent index tensors
+    # moving to the front) is NumPy's, which jnp follows.
+    return x[_advanced(indices)]
+
+
+_index = jax.jit(unsafe_index)
+
+
+@lowers(aten.index.Tensor, data_dependent_shape=True)
+def index(x, indices):
+    # ``x[mask]`` arrives with the boolean mask itself; its true positions decide the shape, so
+    # masks become their nonzero indices here, and the gather runs as one jitted program.
+    expanded = []
+    for i in indices:
+        expanded.extend(jnp.nonzero(i.astype(jnp.bool_)) if _is_mask(i) else [i])
+    return _index(x, expanded)
+
+
+def _mask_values(x, indices: list, values):
+    """(mask broadcast over x, values placed at x's positions) for ``x[mask] = values``.
+
+    The k mask dims at position d stand for one dim of length nnz in the indexed shape; the
+    value for the j-th true position is row j of values along that dim (or its only row).
+    """
+    d = next(k for k, i in enumerate(indices) if i is not None)
+    mask = indices[d].astype(jnp.bool_)
+    k = mask.ndim
+    out_ndim = x.ndim - k + 1
+    values = values.reshape((1,) * (out_ndim - values.ndim) + values.shape)
+    rank = jnp.cumsum(mask.reshape(-1)) - 1
+    rank = jnp.clip(rank, 0, values.shape[d] - 1).reshape(mask.shape)
+    placed = jnp.broadcast_to(jnp.take(values, rank, axis=d), x.shape)
+    mask = mask.reshape((1,) * d + mask.shape + (1,) * (x.ndim - d - k))
+    return jnp.broadcast_to(mask, x.shape), placed
+
+
+@lowers(aten.index_put.default, aten._unsafe_index_put.default)
+def index_put(x, indices, values, accumulate=False):
+    values = values.astype(x.dtype)
+    present = [i for i in indices if i is not None]
+    if any(_is_mask(i) for i in present):
+        if len(present) > 1:
+            raise NotImplementedError(
+                "torchtpu: index_put with a boolean mask and other index tensors; index with "
+                "mask.nonzero() instead"
+            )
+        mask, placed = _mask_values(x, indices, values)
+        if accumulate:
+            return x + jnp.where(mask, placed, jnp.zeros((), x.dtype))
+        return jnp.where(mask, placed, x)
+    ref = x.at[_advanced(indices)]
+    return ref.add(values) if accumulate else ref.set(values)
+
+
+@lowers(aten._index_put_impl.default)
+def index_put_impl(x, indices, values, accumulate=False, unsafe=False):
+    return index_put(x, indices, values, accumulate)
+
+
+def _along(x, dim: int, index):
+    """The full index tuple addressing x at ``index`` along dim and at the same position
+    elsewhere (index may be smaller than x in every dim, as gather and scatter allow)."""
+    return tuple(
+        index if d == dim else lax.broadcasted_iota(jnp.int64, index.shape, d)
+        for d in range(index.ndim)
+    )
+
+
+def _at_least_1d(fn):
+    # gather/scatter on 0-d tensors act as on one-element 1-d tensors.
+    def run(x, dim, index, *rest):
+        if x.ndim:
+            return fn(x, dim % x.ndim, index.reshape(index.shape or (1,)), *rest)
+        out = fn(x.reshape(1), 0, index.reshape(1), *[_1d(r) for r in rest])
+        return out.reshape(())
+
+    run.__name__ = fn.__name__
+    return run
+
+
+def _1d(v):
+    return v.reshape(1) if hasattr(v, "ndim") and v.ndim == 0 else v
+
+
+@lowers(aten.gather.default)
+@_at_least_1d
+def gather(x, dim, index, sparse_grad=False):
+    return x[_along(x, dim, index)]
+
+
+def _src(src, index, dtype):
+    if getattr(src, "ndim", 0) == 0:
+        return jnp.asarray(src).astype(dtype)
+    return src[tuple(slice(0, n) for n in index.shape)].astype(dtype)
+
+
+_SCATTER_REDUCE = {"add": "add", "multiply": "mul", "sum": "add", "prod": "mul",
+                   "amax": "max", "amin": "min", "mean": "add"}
+
+
+@lowers(aten.scatter.src, aten.scatter.value)
+@_at_least_1d
+def scatter(x, dim, index, src):
+    return x.at[_along(x, dim, index)].set(_src(src, index, x.dtype))
+
+
+@lowers(aten.scatter.reduce, aten.scatter.value_reduce)
+@_at_least_1d
+def scatter_with_reduce(x, dim, index, src, reduce):
+    ref = x.at[_along(x, dim, index)]
+    return getattr(ref, _SCATTER_REDUCE[reduce])(_src(src, index, x.dtype))
+
+
+@lowers(aten.scatter_add.default)
+@_at_least_1d
+def scatter_add(x, dim, index, src):
+    return x.at[_along(x, dim, index)].add(_src(src, index, x.dtype))
+
+
+def _identity(reduce: str, dtype):
+    """The value a position takes before the first scattered element when include_self=False."""
+    if reduce in ("sum", "mean", "prod"):
+        return jnp.asarray(reduce == "prod", dtype)
+    if dtype == jnp.bool_:
+        return jnp.asarray(reduce == "amin", dtype)
+    if jnp.issubdtype(dtype, jnp.inexact):
+        low, high = -jnp.inf, jnp.inf
+    else:
+        low, high = jnp.iinfo(dtype).min, jnp.iinfo(dtype).max
+    return jnp.asarray(low if reduce == "amax" else high, dtype)
+
+
+@lowers(aten.scatter_reduce.two)
+@_at_least_1d
+def scatter_reduce(x, dim, index, src, reduce, include_self=True):
+    where = _along(x, dim, index)
+    src = _src(src, index, x.dtype)
+    hit = jnp.zeros(x.shape, jnp.int64).at[where].add(1)
+    base = x if include_self else jnp.where(hit > 0, _identity(reduce, x.dtype), x)
+    out = getattr(base.at[where], _SCATTER_REDUCE[reduce])(src)
+    if reduce != "mean":
+        return out
+    count = hit + (1 if include_self else 0)
+    safe = jnp.maximum(count, 1).astype(x.dtype)
+    mean = out // safe if jnp.issubdtype(x.dtype, jnp.integer) else out / safe
+    return jnp.where(count > 0, mean, x)
+
+
+def _along_dim(x, dim: int):
+    return (slice(None),) * (dim % x.ndim)
+
+
+@lowers(aten.index_select.default)
+def index_select(x, dim, index):
+    if x.ndim == 0:
+        return x[index.reshape(-1)].reshape(index.shape)
+    return jnp.take(x, index.reshape(-1), axis=dim)
+
+
+@lowers(aten.index_add.default)
+def index_add(x, dim, index, source, alpha=1):
+    src = source.astype(x.dtype) * jnp.asarray(alpha).astype(x.dtype)
+    if x.ndim == 0:
+        return x + src.sum(dtype=x.dtype) if index.size else x
+    return x.at[_along_dim(x, dim) + (index.reshape(-1),)].add(src)
+
+
+@lowers(aten.index_copy.default)
+def index_copy(x, dim, index, source):
+    if x.ndim == 0:
+        return source.reshape(()).astype(x.dtype)
+    return x.at[_along_dim(x, dim) + (index.reshape(-1),)].set(source.astype(x.dtype))
+
+
+@lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(x, dim, index, value):
+    value = jnp.asarray(value).astype(x.dtype)
+    if x.ndim == 0:
+        return jnp.where(index.size > 0, value, x)
+    return x.at[_along_dim(x, dim) + (index.reshape(-1),)].set(value)
+
+
+@lowers(aten.masked_scatter.default)
+def masked_scatter(x, mask, source):
+    mask = jnp.broadcast_to(mask, x.shape)
+    rank = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(source.size - 1, 0))
+    placed = source.reshape(-1)[rank].reshape(x.shape).astype(x.dtype)
+    return jnp.where(mask, placed, x)
+
+
+@lowers(aten.masked_select.default, data_dependent_shape=True)
+def masked_select(x, mask):
+    shape = jnp.broadcast_shapes(x.shape, mask.shape)
+    return jnp.broadcast_to(x, shape)[jnp.broadcast_to(mask, shape)]
+
+
+@lowers(aten.nonzero.default, data_dependent_shape=True)
+def nonzero(x):
+    return jnp.argwhere(x).astype(jnp.int64)
+
+
+@lowers(aten._unique2.default, data_dependent_shape=True)
+def unique(x, sorted=True, return_inverse=False, return_counts=False):
+    # PyTorch always sorts on CPU; unrequested results are empty tensors.
+    values, inverse, counts = jnp.unique(x.reshape(-1), return_inverse=True, return_counts=True)
+    inverse = inverse.reshape(x.shape) if return_inverse else jnp.zeros((0,), jnp.int64)
+    counts = counts if return_counts else jnp.zeros((0,), jnp.int64)
+    return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
+
+
+@lowers(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@lowers(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat = indices.reshape(-1)
+    rows = grad.reshape(flat.shape[0], -1)
+    if padding_idx >= 0:
+        rows = jnp.where((flat == padding_idx)[:, None], jnp.zeros((), rows.dtype), rows)
+    if scale_grad_by_freq:
+        counts = jnp.zeros(num_weights, rows.dtype).at[flat].add(1)
+        rows = rows / counts[flat][:, None]
+    out = jnp.zeros((num_weights, rows.shape[1]), rows.dtype).at[flat].add(rows)
+    return out.reshape((num_weights,) + grad.shape[indices.ndim:])
+
+
+def _searchsorted(boundaries, values, right: bool, sorter=None):
+    side = "right" if right else "left"
+    if sorter is not None:
+        boundaries = jnp.take_along_axis(boundaries, sorter, axis=-1)
+    if boundaries.ndim <= 1:
+        return jnp.searchsorted(boundaries, values, side=side)
+    search = jax.vmap(lambda b, v: jnp.searchsorted(b, v, side=side))
+    lead = boundaries.shape[:-1]
+    flat = search(boundaries.reshape((-1, boundaries.shape[-1])),
+                  values.reshape((-1, values.shape[-1])))
+    return flat.reshape(lead + values.shape[-1:])
+
+
+@lowers(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence, x, out_int32=False, right=False, side=None, sorter=None):
+    right = side == "right" if side is not None else right
+    return _searchsorted(sorted_sequence, jnp.asarray(x), right, sorter)
+
+
+@lowers(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(x, boundaries, out_int32=False, right=False):
+    return _searchsorted(boundaries, jnp.asarray(x), right)

@@ -1,5 +1,117 @@
-"""Shape and layout ops that produce new buffers: cat, clone, padding, flip, roll, repeat, tril/triu."""
+"""Shape and layout ops that produce new buffers.
 
+cat, padding (constant, reflect, replicate), flip, roll, repeat, tril/triu, masked_fill, and the
+functional view writes (slice/select/diagonal_scatter) that backward passes use. Pure view ops
+(view, transpose, select, slice, expand...) are PyTorch's own metadata kernels and never come here.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
 import torch
+from jax import lax
+
+from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
+
+
+@lowers(aten.cat.default)
+def cat(tensors, dim=0):
+    # PyTorch still accepts 1-d empty tensors next to tensors of any rank and skips them.
+    ndim = max(t.ndim for t in tensors)
+    kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ndim != 1)]
+    if not kept:
+        return tensors[0]
+    dtype = jnp.result_type(*kept)
+    return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim % ndim)
+
+
+@lowers(aten.constant_pad_nd.default)
+def constant_pad_nd(x, pad, value=0):
+    # pad lists (before, after) pairs from the last dim backwards; negative pads crop.
+    config = [(0, 0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        config[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1], 0)
+    return lax.pad(x, jnp.asarray(value).astype(x.dtype), config)
+
+
+def _pad_last_dims(x, pad, mode: str):
+    widths = [(0, 0)] * x.ndim
+    for i in range(len(pad) // 2):
+        widths[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1])
+    return jnp.pad(x, widths, mode=mode)
+
+
+@lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default,
+        aten.reflection_pad3d.default)
+def reflection_pad(x, padding):
+    return _pad_last_dims(x, padding, "reflect")
+
+
+@lowers(aten.replication_pad1d.default, aten.replication_pad2d.default,
+        aten.replication_pad3d.default)
+def replication_pad(x, padding):
+    return _pad_last_dims(x, padding, "edge")
+
+
+@lowers(aten.flip.default)
+def flip(x, dims):
+    return jnp.flip(x, [d % x.ndim for d in dims]) if x.ndim else x
+
+
+@lowers(aten.roll.default)
+def roll(x, shifts, dims=()):
+    if not dims:
+        return jnp.roll(x.reshape(-1), shifts[0]).reshape(x.shape)
+    return jnp.roll(x, tuple(shifts), tuple(dims))
+
+
+@lowers(aten.repeat.default)
+def repeat(x, repeats):
+    x = x.reshape((1,) * (len(repeats) - x.ndim) + x.shape)
+    return jnp.tile(x, tuple(repeats))
+
+
+@lowers(aten.tril.default)
+def tril(x, diagonal=0):
+    return jnp.tril(x, diagonal)
+
+
+@lowers(aten.triu.default)
+def triu(x, diagonal=0):
+    return jnp.triu(x, diagonal)
+
+
+@lowers(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def masked_fill(x, mask, value):
+    return jnp.where(mask, jnp.asarray(value).astype(x.dtype), x)
+
+
+@lowers(aten.lift_fresh_copy.default)
+def lift_fresh_copy(x):
+    return x
+
+
+@lowers(aten.slice_scatter.default)
+def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
+    where = [slice(None)] * x.ndim
+    where[dim] = slice(start, end, step)
+    return x.at[tuple(where)].set(src.astype(x.dtype))
+
+
+@lowers(aten.select_scatter.default)
+def select_scatter(x, src, dim, index):
+    return x.at[(slice(None),) * (dim % x.ndim) + (index,)].set(src.astype(x.dtype))
+
+
+@lowers(aten.diagonal_scatter.default)
+def diagonal_scatter(x, src, offset=0, dim1=0, dim2=1):
+    # The diagonal of dims (dim1, dim2) is the last dim of src, as in ``diagonal``.
+    dim1, dim2 = dim1 % x.ndim, dim2 % x.ndim
+    n = src.shape[-1]
+    i = jnp.arange(n)
+    rows, cols = (i, i + offset) if offset >= 0 else (i - offset, i)
+    moved = jnp.moveaxis(x, (dim1, dim2), (-2, -1))
+    moved = moved.at[..., rows, cols].set(src.astype(x.dtype))
+    return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
