@@ -1,5 +1,251 @@
-"""Convolution (1-3d, transposed) and pooling, forward and backward."""
+"""Convolution (1-3d, grouped, dilated, transposed) and pooling/upsampling, forward and backward.
 
+Backward lowerings are the ``jax.vjp`` of the forward lowering here, so each case (stride,
+padding, groups, transposition...) is derived once. PyTorch's decompositions cover
+``max_pool2d_with_indices``, ``max_pool3d_with_indices``,
+``_adaptive_avg_pool2d`` and the upsampling forwards.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
+from jax import lax
+
+from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
+
+
+def _dimension_numbers(nd: int) -> tuple:
+    spatial = "DHW"[3 - nd:] if nd <= 3 else "".join(chr(ord("a") + i) for i in range(nd))
+    return ("NC" + spatial, "OI" + spatial, "NC" + spatial)
+
+
+def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
+    nd = x.ndim - 2
+    if transposed:
+        # The gradient of a convolution with respect to its input: dilate the input by the
+        # stride, pad by the dilated kernel extent minus padding, and use the flipped kernel
+        # with in/out channels swapped within each group.
+        cin, cout_g = w.shape[:2]
+        k = w.shape[2:]
+        w = w.reshape((groups, cin // groups, cout_g) + k)
+        w = jnp.swapaxes(w, 1, 2).reshape((groups * cout_g, cin // groups) + k)
+        w = jnp.flip(w, tuple(range(2, 2 + nd)))
+        pads = [(d * (n - 1) - p, d * (n - 1) - p + op)
+                for n, p, d, op in zip(k, padding, dilation, output_padding, strict=True)]
+        return lax.conv_general_dilated(
+            x, w, (1,) * nd, pads, lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation),
+            dimension_numbers=_dimension_numbers(nd), feature_group_count=groups,
+            precision=lax.Precision.HIGHEST)
+    return lax.conv_general_dilated(
+        x, w, tuple(stride), [(p, p) for p in padding], rhs_dilation=tuple(dilation),
+        dimension_numbers=_dimension_numbers(nd), feature_group_count=groups,
+        precision=lax.Precision.HIGHEST)
+
+
+@lowers(aten.convolution.default, aten.convolution_overrideable.default, promote="result")
+def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
+    out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
+    if bias is not None:
+        out = out + bias.reshape((1, -1) + (1,) * (out.ndim - 2))
+    return out
+
+
+def _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_padding, groups,
+                   mask):
+    _, vjp = jax.vjp(
+        lambda a, b: _conv(a, b, stride, padding, dilation, transposed, output_padding, groups),
+        x, w)
+    gx, gw = vjp(grad)
+    gb = grad.sum([0] + list(range(2, grad.ndim))) if mask[2] else None
+    return gx if mask[0] else None, gw if mask[1] else None, gb
+
+
+@lowers(aten.convolution_backward.default, promote="result")
+def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask):
+    return _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask)
+
+
+@lowers(aten.convolution_backward_overrideable.default, promote="result")
+def convolution_backward_overrideable(grad, x, w, stride, padding, dilation, transposed,
+                                      output_padding, groups, output_mask):
+    return _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_padding,
+                          groups, output_mask)
+
+
+# ----------------------------------------------------------------------------- average pooling
+
+def _pool_geometry(size: int, k: int, s: int, p: int, ceil_mode: bool) -> tuple[int, int]:
+    """(output length, extra high padding that ceil_mode windows reach into)."""
+    span = size + 2 * p - k
+    out = (-(-span // s) if ceil_mode else span // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1  # the last window would start inside the right padding
+    return out, max(0, (out - 1) * s + k - (size + 2 * p))
+
+
+def _tuple(v, nd: int) -> tuple:
+    """An int[N] schema argument, which may arrive as an int or a one-element list."""
+    v = tuple(v) if isinstance(v, (list, tuple)) else (v,)
+    return v * nd if len(v) == 1 else v
+
+
+def _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    nd = x.ndim - 2 if len(kernel_size) == 1 else len(kernel_size)
+    kernel_size, padding = _tuple(kernel_size, nd), _tuple(padding, nd)
+    stride = _tuple(stride, nd) if stride else kernel_size
+    spatial = x.shape[-nd:]
+    geometry = [_pool_geometry(n, k, s, p, ceil_mode)
+                for n, k, s, p in zip(spatial, kernel_size, stride, padding, strict=True)]
+    pads = [(p, p + extra) for p, (_, extra) in zip(padding, geometry, strict=True)]
+    lead = x.ndim - nd
+    window = (1,) * lead + tuple(kernel_size)
+    strides = (1,) * lead + stride
+    total = lax.reduce_window(x, np.array(0, x.dtype), lax.add, window, strides,
+                              [(0, 0)] * lead + pads)
+    if divisor_override:
+        return total / divisor_override
+    # How many elements each window averages over: padding counts unless excluded, the ceil_mode
+    # overhang never does. Computed from static shapes, so it folds into a constant.
+    if count_include_pad:
+        ones = np.ones([n + 2 * p for n, p in zip(spatial, padding, strict=True)], np.float32)
+        count_pads = [(0, extra) for _, extra in geometry]
+    else:
+        ones, count_pads = np.ones(spatial, np.float32), pads
+    count = lax.reduce_window(jnp.asarray(ones), 0.0, lax.add, tuple(kernel_size), stride,
+                              count_pads)
+    return total / count.astype(x.dtype)
+
+
+@lowers(aten.avg_pool2d.default, aten.avg_pool3d.default)
+def avg_pool(x, kernel_size, stride=(), padding=(0,), ceil_mode=False, count_include_pad=True,
+             divisor_override=None):
+    return _avg_pool(x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                     divisor_override)
+
+
+@lowers(aten.avg_pool2d_backward.default, aten.avg_pool3d_backward.default)
+def avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_include_pad,
+                      divisor_override):
+    _, vjp = jax.vjp(lambda a: _avg_pool(a, kernel_size, stride, padding, ceil_mode,
+                                         count_include_pad, divisor_override), x)
+    return vjp(grad.astype(x.dtype))[0]
+
+
+# ----------------------------------------------------------------------------- max pooling
+
+@lowers(aten.max_pool2d_with_indices_backward.default,
+        aten.max_pool3d_with_indices_backward.default)
+def max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    # indices are flat positions within each (batch, channel) plane: scatter-add the gradient.
+    nd = len(kernel_size)
+    lead = x.shape[:-nd]
+    rows = math.prod(lead)
+    flat_grad = grad.reshape(rows, -1)
+    flat_idx = indices.reshape(rows, -1)
+    out = jnp.zeros((rows, math.prod(x.shape[-nd:])), grad.dtype)
+    out = out.at[jnp.arange(rows)[:, None], flat_idx].add(flat_grad)
+    return out.reshape(x.shape)
+
+
+# ----------------------------------------------------------------------------- adaptive and
+# upsampling: separable linear maps, one constant matrix per spatial dim
+
+def _apply_per_dim(x, matrices):
+    """Apply one (out, in) matrix along each of the trailing len(matrices) dims of x."""
+    nd = len(matrices)
+    for i, m in enumerate(matrices):
+        axis = x.ndim - nd + i
+        x = jnp.moveaxis(jnp.tensordot(x, jnp.asarray(m, x.dtype), ((axis,), (1,)),
+                                       precision=lax.Precision.HIGHEST), -1, axis)
+    return x
+
+
+def _transpose_per_dim(grad, matrices):
+    return _apply_per_dim(grad, [m.T for m in matrices])
+
+
+def _adaptive_avg_matrix(size: int, out: int) -> np.ndarray:
+    m = np.zeros((out, size), np.float64)
+    for i in range(out):
+        start, end = (i * size) // out, -(-((i + 1) * size) // out)
+        m[i, start:end] = 1.0 / (end - start)
+    return m
+
+
+def _adaptive_matrices(in_shape, out_shape):
+    return [_adaptive_avg_matrix(n, o) for n, o in zip(in_shape, out_shape, strict=True)]
+
+
+@lowers(aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool3d(x, output_size):
+    return _apply_per_dim(x, _adaptive_matrices(x.shape[-3:], output_size))
+
+
+def _adaptive_avg_pool_backward(grad, x, nd: int):
+    return _transpose_per_dim(grad, _adaptive_matrices(x.shape[-nd:], grad.shape[-nd:]))
+
+
+@lowers(aten._adaptive_avg_pool2d_backward.default)
+def adaptive_avg_pool2d_backward(grad, x):
+    return _adaptive_avg_pool_backward(grad, x, 2)
+
+
+@lowers(aten._adaptive_avg_pool3d_backward.default)
+def adaptive_avg_pool3d_backward(grad, x):
+    return _adaptive_avg_pool_backward(grad, x, 3)
+
+
+def _scale(size: int, out: int, scale, align_corners: bool) -> np.float32:
+    """PyTorch's source-index scale (area_pixel_compute_scale), in float32 like the CPU."""
+    if align_corners:
+        return np.float32((size - 1) / (out - 1)) if out > 1 else np.float32(0)
+    return np.float32(1.0 / scale) if scale else np.float32(size / out)
+
+
+def _nearest_matrix(size: int, out: int, scale) -> np.ndarray:
+    src = np.floor(np.arange(out, dtype=np.float32) * _scale(size, out, scale, False))
+    m = np.zeros((out, size), np.float32)
+    m[np.arange(out), np.minimum(src.astype(np.int64), size - 1)] = 1.0
+    return m
+
+
+def _linear_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray:
+    s = _scale(size, out, scale, align_corners)
+    dst = np.arange(out, dtype=np.float32)
+    src = s * dst if align_corners else np.maximum(s * (dst + np.float32(0.5)) - 0.5, 0)
+    i0 = src.astype(np.int64)
+    i1 = np.minimum(i0 + 1, size - 1)
+    frac = (src - i0).astype(np.float32)
+    m = np.zeros((out, size), np.float32)
+    np.add.at(m, (np.arange(out), i0), 1 - frac)
+    np.add.at(m, (np.arange(out), i1), frac)
+    return m
+
+
+def _upsample_backward(grad, output_size, input_size, scales, make_matrix):
+    nd = len(output_size)
+    scales = list(scales) + [None] * (nd - len(scales))
+    sizes = zip(input_size[-nd:], output_size, scales, strict=True)
+    return _transpose_per_dim(grad, [make_matrix(n, o, s) for n, o, s in sizes])
+
+
+@lowers(aten.upsample_nearest1d_backward.default, aten.upsample_nearest2d_backward.default,
+        aten.upsample_nearest3d_backward.default)
+def upsample_nearest_backward(grad, output_size, input_size, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales, _nearest_matrix)
+
+
+@lowers(aten.upsample_linear1d_backward.default, aten.upsample_bilinear2d_backward.default,
+        aten.upsample_trilinear3d_backward.default)
+def upsample_linear_backward(grad, output_size, input_size, align_corners, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _linear_matrix(n, o, s, align_corners))
