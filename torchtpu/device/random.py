@@ -8,6 +8,7 @@ and replay exactly for a given seed, in every executor.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ class TpuGenerator(torch.Generator):
         self._seed = _DEFAULT_SEED
         self._offset = 0
         self._lock = threading.Lock()
+        _by_impl[self._cdata] = self
 
     @property
     def device(self) -> torch.device:
@@ -85,6 +87,9 @@ class TpuGenerator(torch.Generator):
 
 _defaults: dict[int, TpuGenerator] = {}
 
+# TpuGenerators by the address of the C++ generator under them (torch.Generator._cdata).
+_by_impl: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
 
 def default_generator(index: int | None = None) -> TpuGenerator:
     index = platform.current_index() if index is None else platform.check_index(index)
@@ -98,6 +103,10 @@ def key_data_for(generator) -> np.ndarray:
     """Key data for one random op drawn from generator (None: the default device generator)."""
     if generator is None:
         return default_generator().next_key_data()
+    if not isinstance(generator, TpuGenerator):
+        # A generator that went through the C++ dispatcher comes back as a new plain
+        # torch.Generator around the same C++ generator: find the TpuGenerator that owns it.
+        generator = _by_impl.get(generator._cdata, generator)
     if not isinstance(generator, TpuGenerator):
         raise RuntimeError(
             f"Expected a 'tpu' device type for generator but found '{generator.device.type}'"

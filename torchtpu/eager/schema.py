@@ -48,7 +48,7 @@ def info(op: OpOverload) -> OpInfo:
         if is_write:
             written.append(i)
         t = str(a.type)
-        if t.startswith("Generator"):
+        if t in ("Generator", "Optional[Generator]"):
             gen = i
         if t.startswith("Scalar") or t.startswith("number"):
             scalars.add(i)

@@ -1,5 +1,159 @@
-"""Random ops drawn from the device generator: uniform, normal, bernoulli, randint, randperm, multinomial, dropout."""
+"""Random ops drawn from the device generator: uniform, normal, bernoulli, random_, the other
+distributions, randperm, multinomial and dropout.
 
+Every lowering here gets a JAX PRNG key: in the schema's ``Generator?`` slot, or, for ops without
+one (``native_dropout``), as its first argument (``random=True``). Values cannot match CPU's
+stream; their distributions and dtypes do. Low-precision floats are drawn in float32 and rounded,
+so a bfloat16 normal is as good as a float32 one rounded.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
 import torch
 
+from torchtpu.lowering.registry import lowers
+
 aten = torch.ops.aten
+
+
+def _draw_dtype(dtype):
+    """The float dtype to draw in for a result of dtype (float32 for halves and non-floats)."""
+    if jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits >= 32:
+        return dtype
+    return jnp.float32
+
+
+def _uniform(key, x, low=0.0, high=1.0):
+    return jax.random.uniform(key, x.shape, _draw_dtype(x.dtype), low, high)
+
+
+def _normal(key, x):
+    return jax.random.normal(key, x.shape, _draw_dtype(x.dtype))
+
+
+@lowers(aten.uniform.default)
+def uniform(x, low=0.0, high=1.0, generator=None):
+    return _uniform(generator, x, low, high)
+
+
+@lowers(aten.normal_functional.default)
+def normal_functional(x, mean=0.0, std=1.0, generator=None):
+    return _normal(generator, x) * std + mean
+
+
+@lowers(aten.normal.Tensor_Tensor, aten.normal.Tensor_float, aten.normal.float_Tensor,
+        promote="result")
+def normal(mean, std, generator=None):
+    shape = jnp.broadcast_shapes(jnp.shape(mean), jnp.shape(std))
+    draw = _draw_dtype(jnp.result_type(mean, std))
+    return mean + std * jax.random.normal(generator, shape, draw)
+
+
+@lowers(aten.bernoulli.default)
+def bernoulli(p, generator=None):
+    return jax.random.uniform(generator, p.shape, _draw_dtype(p.dtype)) < p
+
+
+@lowers(aten.bernoulli.p, aten.bernoulli.Tensor)
+def bernoulli_p(x, p, generator=None):
+    draw = _draw_dtype(getattr(p, "dtype", x.dtype))
+    return jax.random.uniform(generator, x.shape, draw) < p
+
+
+def _default_high(dtype) -> int:
+    """The largest value random_ draws for dtype when no upper bound is given (inclusive):
+    every integer a float holds exactly, or an integer type's maximum."""
+    if jnp.issubdtype(dtype, jnp.floating):
+        return 2 ** (jnp.finfo(dtype).nmant + 1)
+    if dtype == jnp.bool_:
+        return 1
+    return int(jnp.iinfo(dtype).max)
+
+
+def _random_ints(key, x, low: int, count: int):
+    """count consecutive integers from low, uniformly (by modulo, as PyTorch draws them)."""
+    wide = count > 2**32
+    bits = jax.random.bits(key, x.shape, jnp.uint64 if wide else jnp.uint32)
+    if count < 2 ** (64 if wide else 32):
+        bits = bits % np.array(count, bits.dtype)
+    return (bits.astype(jnp.uint64) + np.uint64(low % 2**64)).astype(jnp.int64)
+
+
+@lowers(aten.random.default)
+def random_(x, generator=None):
+    return _random_ints(generator, x, 0, _default_high(x.dtype) + 1)
+
+
+@lowers(aten.random.to)
+def random_to(x, to: int, generator=None):
+    return _random_ints(generator, x, 0, to)
+
+
+@lowers(getattr(aten.random, "from"))  # "from" is a Python keyword
+def random_from(x, low: int, high: int | None, generator=None):
+    if high is None:
+        high = _default_high(x.dtype) + 1
+    return _random_ints(generator, x, low, high - low)
+
+
+@lowers(aten.exponential.default)
+def exponential(x, lambd=1.0, generator=None):
+    return jax.random.exponential(generator, x.shape, _draw_dtype(x.dtype)) / lambd
+
+
+@lowers(aten.geometric.default)
+def geometric(x, p, generator=None):
+    # Number of trials up to and including the first success: ceil(log(U) / log(1 - p)).
+    u = jax.random.uniform(generator, x.shape, jnp.float64 if x.dtype == jnp.float64
+                           else jnp.float32, minval=np.finfo(np.float32).tiny)
+    return jnp.ceil(jnp.log(u) / jnp.log1p(-p))
+
+
+@lowers(aten.log_normal.default)
+def log_normal(x, mean=1.0, std=2.0, generator=None):
+    return jnp.exp(_normal(generator, x) * std + mean)
+
+
+@lowers(aten.cauchy.default)
+def cauchy(x, median=0.0, sigma=1.0, generator=None):
+    return jax.random.cauchy(generator, x.shape, _draw_dtype(x.dtype)) * sigma + median
+
+
+@lowers(aten.randperm.generator)
+def randperm(n: int, generator=None, dtype=None, layout=None, device=None, pin_memory=None):
+    return jax.random.permutation(generator, n)
+
+
+@lowers(aten.randperm.default, random=True)
+def randperm_default(key, n: int, dtype=None, layout=None, device=None, pin_memory=None):
+    return jax.random.permutation(key, n)
+
+
+@lowers(aten.multinomial.default)
+def multinomial(probs, num_samples: int, replacement: bool = False, generator=None):
+    logits = jnp.log(probs.astype(_draw_dtype(probs.dtype)))
+    if replacement:
+        batch = probs.shape[:-1]
+        draws = jax.random.categorical(generator, logits, shape=(num_samples, *batch))
+        return jnp.moveaxis(draws, 0, -1)
+    # Without replacement: the top num_samples of logits + Gumbel noise (Gumbel-top-k).
+    noisy = logits + jax.random.gumbel(generator, logits.shape, logits.dtype)
+    return jax.lax.top_k(noisy, num_samples)[1]
+
+
+@lowers(aten.native_dropout.default, random=True)
+def native_dropout(key, x, p: float, train: bool | None):
+    if train is False:
+        return x, jnp.ones(x.shape, jnp.bool_)
+    keep = 1.0 - p
+    mask = jax.random.uniform(key, x.shape, _draw_dtype(x.dtype)) < keep
+    scale = 0.0 if keep == 0 else 1.0 / keep
+    return jnp.where(mask, x * scale, jnp.zeros((), x.dtype)), mask
+
+
+@lowers(aten.native_dropout_backward.default, promote="result")
+def native_dropout_backward(grad, mask, scale: float):
+    return grad * mask.astype(grad.dtype) * scale
