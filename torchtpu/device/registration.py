@@ -56,7 +56,7 @@ def register() -> None:
     with _lock:
         if _libraries:
             return
-        from torchtpu.device import autocast, kernels, module
+        from torchtpu.device import autocast, kernels, module, storage
         from torchtpu.eager import dispatch
         from torchtpu import lowering  # noqa: F401  (fills the lowering table)
 
@@ -69,6 +69,7 @@ def register() -> None:
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)
+        storage.install_constructor()
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
 

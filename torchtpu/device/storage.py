@@ -58,3 +58,33 @@ def zeros_for(storage: torch.UntypedStorage, index: int = 0) -> jax.Array:
     arr = jax.device_put(np.zeros(storage.nbytes(), np.uint8), jax_device(index))
     storage._tpu_array = arr
     return arr
+
+
+def _device_of(args, kwargs) -> torch.device | None:
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else None
+
+
+def install_constructor() -> None:
+    """Make ``torch.UntypedStorage(n, device="tpu")`` build a device storage.
+
+    PyTorch has no allocator for a Python backend, so its own constructor would dereference a
+    null allocator; deepcopy, ``storage.clone()`` and ``torch.load(map_location="tpu")`` all
+    construct device storages this way.
+    """
+    cls = torch.UntypedStorage
+    base_new = cls.__new__
+
+    def __new__(klass, *args, **kwargs):
+        device = _device_of(args, kwargs)
+        if device is not None and device.type == "tpu":
+            from torchtpu.runtime import platform
+
+            index = platform.check_index(device.index) if device.index is not None \
+                else platform.current_index()
+            if len(args) != 1 or not isinstance(args[0], int):
+                raise TypeError("torch.UntypedStorage(size, device='tpu') takes one int size")
+            return new_storage(args[0], index)
+        return base_new(klass, *args, **kwargs)
+
+    cls.__new__ = __new__
