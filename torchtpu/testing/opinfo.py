@@ -232,7 +232,8 @@ def _run_grad(op, sample, seed: int):
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not inputs or not outs:
         return None
-    gen = torch.Generator().manual_seed(seed + 1)
+    # The cotangent is the same on both devices and in both CPU runs, whatever the seed.
+    gen = torch.Generator().manual_seed(1234)
     cotangents = [torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device) for o in outs]
     return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
 

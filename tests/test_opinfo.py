@@ -1,0 +1,107 @@
+"""The OpInfo conformance runner: its bookkeeping, and a fixed set of common ops that must pass."""
+
+import re
+
+import pytest
+import torch
+from torch.testing._internal.common_dtype import floating_types
+from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+from torchtpu.testing import opinfo
+
+COMMON_OPS = [
+    "add", "sub", "mul", "div.no_rounding_mode", "neg", "abs", "exp", "log", "tanh", "sigmoid",
+    "pow", "maximum", "clamp", "where", "sum", "mean", "amax", "matmul", "mm", "bmm", "softmax",
+    "log_softmax", "nn.functional.relu", "nn.functional.linear", "cat", "stack", "index_select",
+    "gather", "transpose", "reshape", "permute", "unsqueeze", "expand",
+]
+
+
+@pytest.mark.parametrize("mode", ["forward", "grad"])
+def test_common_ops_pass(mode):
+    pattern = "|".join(re.escape(name) for name in COMMON_OPS)
+    report = opinfo.run(pattern, mode=mode, max_samples=2)
+    table = report.format()
+    assert set(COMMON_OPS) <= {r.name for r in report.ops}, table
+    assert report.failed == 0, table
+    # Every op ran samples on the device: an op skipped whole would pass vacuously.
+    assert all(r.passed > 0 for r in report.ops if r.name in COMMON_OPS), table
+
+
+# A custom op with only a CPU kernel stands for an aten op that has no tpu lowering.
+_lib = torch.library.Library("torchtpu_opinfo_test", "DEF")
+_lib.define("twice(Tensor x) -> Tensor")
+_lib.impl("twice", lambda x: x * 2, "CPU")
+
+
+def _fake_opinfo(name, fn, requires_grad_ok=True):
+    def samples(op, device, dtype, requires_grad, **kwargs):
+        for shape in ((3,), (2, 4)):
+            yield SampleInput(torch.randn(shape, device=device, dtype=dtype,
+                                          requires_grad=requires_grad))
+
+    return OpInfo(name, op=fn, dtypes=floating_types(), sample_inputs_func=samples,
+                  supports_autograd=requires_grad_ok)
+
+
+def _count(result):
+    return result.passed, result.failed, result.errored
+
+
+def test_runner_counts_pass_mismatch_missing_and_crash(monkeypatch):
+    monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "error")
+    good = opinfo.check_op(_fake_opinfo("good", lambda x: x * 3 + 1), max_samples=2)
+    assert _count(good) == (2, 0, 0)
+
+    wrong = opinfo.check_op(
+        _fake_opinfo("wrong", lambda x: x + (x.device.type == "tpu")), max_samples=2)
+    assert _count(wrong) == (0, 2, 0) and "Mismatched elements" in wrong.first_error
+
+    missing = opinfo.check_op(
+        _fake_opinfo("missing", torch.ops.torchtpu_opinfo_test.twice), max_samples=2)
+    assert _count(missing) == (0, 0, 2)
+    assert missing.missing == {"torchtpu_opinfo_test.twice.default": 2}
+
+    def crash(x):
+        if x.device.type == "tpu":
+            raise RuntimeError("boom")
+        return x
+
+    crashed = opinfo.check_op(_fake_opinfo("crash", crash), max_samples=2)
+    assert _count(crashed) == (0, 0, 2) and crashed.first_error == "RuntimeError: boom"
+
+    report = opinfo.Report("forward", [good, wrong, missing, crashed])
+    assert report.format().splitlines()[-1] == "2 passed, 6 failed"
+    assert report.missing() == [("torchtpu_opinfo_test.twice.default", 1, 2)]
+
+
+def test_runner_skips_what_fails_on_cpu_and_random_ops():
+    def cpu_fails(x):
+        raise ValueError("fails everywhere")
+
+    skipped = opinfo.check_op(_fake_opinfo("cpu_fails", cpu_fails), max_samples=2)
+    assert _count(skipped) == (0, 0, 0) and skipped.skipped > 0
+
+    noisy = opinfo.check_op(_fake_opinfo("noisy", lambda x: x + torch.rand_like(x)),
+                            max_samples=2)
+    assert _count(noisy) == (0, 0, 0) and noisy.skipped > 0
+
+
+def test_grad_mode_compares_gradients():
+    good = opinfo.check_op(_fake_opinfo("good", lambda x: (x * x).sum(-1)), mode="grad",
+                           max_samples=2)
+    assert _count(good) == (2, 0, 0)
+
+    class WrongGrad(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.on_tpu = x.device.type == "tpu"
+            return x * 2
+
+        @staticmethod
+        def backward(ctx, g):
+            return g * (3 if ctx.on_tpu else 2)
+
+    wrong = opinfo.check_op(_fake_opinfo("wrong_grad", WrongGrad.apply), mode="grad",
+                            max_samples=2)
+    assert _count(wrong) == (0, 2, 0)
