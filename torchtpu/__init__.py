@@ -10,6 +10,7 @@ from torchtpu.device.registration import register as _register
 
 _register()
 
+from torchtpu import compile as _compile  # noqa: E402, F401 (the "tpu" torch.compile backend)
 from torchtpu import metrics  # noqa: E402
 
 __all__ = ["metrics"]

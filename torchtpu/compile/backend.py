@@ -1,0 +1,170 @@
+"""The Dynamo backend "tpu": AOTAutograd graphs, each run as one cached XLA program.
+
+Dynamo captures a graph; AOTAutograd functionalizes it, applies the decompositions eager would
+apply (an op with a lowering stays whole, as in eager), and splits forward from backward. Each
+graph becomes a ``CompiledGraph``: tpu tensors are read as arrays, the ``interpret`` function of
+the graph runs under ``jax.jit``, and results are wrapped as new tpu tensors. AOTAutograd's own
+runtime writes input mutations (BatchNorm running stats, in-place updates) back with ``copy_``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+
+import jax
+import torch
+import torch.fx as fx
+from torch._decomp import core_aten_decompositions, decomposition_table
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.backends.registry import register_backend
+
+from torchtpu import metrics
+from torchtpu.compile import options as options_mod
+from torchtpu.compile.graph_ops import GRAPH_OPS
+from torchtpu.compile.interpret import GraphFunction
+from torchtpu.device import dtypes, tensors
+from torchtpu.device.random import key_data_for
+from torchtpu.eager import dispatch, schema
+from torchtpu.lowering.registry import lookup
+
+log = logging.getLogger("torchtpu.compile")
+
+# A compile slower than this is reported at INFO.
+SLOW_COMPILE_SECONDS = 1.0
+
+
+def _lowered(op) -> bool:
+    functional = schema.functional_of(op) if isinstance(op, torch._ops.OpOverload) else None
+    return lookup(op) is not None or (functional is not None and lookup(functional) is not None)
+
+
+def _prims_as_aten() -> dict:
+    """Each prim as its ATen implementation, the kernel eager runs when a ref calls a prim."""
+    import torch._prims  # noqa: F401 (defines the prims)
+
+    key = torch._C.DispatchKey.CompositeExplicitAutograd
+    table = {}
+    for name in torch._prims.__all__:
+        packet = getattr(torch.ops.prims, name, None)
+        op = getattr(packet, "default", None)
+        if isinstance(op, torch._ops.OpOverload) and \
+                torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), key):
+            table[op] = functools.partial(op._op_dk, key)
+    return table
+
+
+def decompositions() -> dict:
+    """What AOTAutograd decomposes: ops without a lowering, as eager decomposes them.
+
+    ``torch._refs`` decompositions call prims; those are decomposed in turn into the ATen ops
+    eager runs for them, so a graph holds ATen ops only. Graph forms of device kernels (views)
+    are kept whole.
+    """
+    table = {**decomposition_table, **dict(core_aten_decompositions().items())}
+    table = {op: fn for op, fn in table.items() if not _lowered(op) and op not in GRAPH_OPS}
+    return {**table, **_prims_as_aten()}
+
+
+def _describe(arrays) -> str:
+    return ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
+
+
+class CompiledGraph:
+    """One AOTAutograd graph: reads inputs, runs the cached XLA program, wraps outputs."""
+
+    def __init__(self, gm: fx.GraphModule, kind: str, opts: options_mod.Options) -> None:
+        # AOTAutograd hands a list we may clear, freeing inputs early. An instance attribute,
+        # since wrappers (functools.wraps) copy __dict__ only.
+        self._boxed_call = True
+        self.gm = gm
+        self.kind = kind
+        self.opts = opts
+        self.fn = GraphFunction(gm)
+        self.out_dtypes = [
+            n.meta["val"].dtype if isinstance(n, fx.Node) and isinstance(
+                n.meta.get("val"), torch.Tensor) else None
+            for n in self.fn.output
+        ]
+        self.programs: dict = {}
+
+    def _read(self, args: list) -> tuple[list, list]:
+        arrays, symbols = [], []
+        for a, is_tensor in zip(args, self.fn.tensor_inputs, strict=True):
+            if not is_tensor:
+                symbols.append(int(a) if isinstance(a, torch.SymInt) else a)
+            elif a.device.type == "tpu":
+                arrays.append(tensors.read(a))
+            elif a.dim() == 0:
+                arrays.append(jax.numpy.asarray(a.item(), dtypes.to_jax(a.dtype)))
+            else:
+                raise dispatch._device_error(a)
+        return arrays, symbols
+
+    def _constants(self) -> tuple:
+        return tuple(tensors.read(getattr(self.gm, n.target)) for n in self.fn.constants)
+
+    def _program(self, arrays, constants, scalars, keys, symbols):
+        sig = (tuple((a.shape, a.dtype) for a in arrays), tuple(symbols))
+        program = self.programs.get(sig)
+        if program is None:
+            program = self._compile(arrays, constants, scalars, keys, tuple(symbols))
+            self.programs[sig] = program
+        return program
+
+    def _compile(self, arrays, constants, scalars, keys, symbols):
+        start = time.perf_counter()
+        run = functools.partial(self.fn.run, symbols=symbols)
+        jitted = jax.jit(run)
+        lowered = jitted.lower(arrays, constants, scalars, keys)
+        if self.opts.debug_callback is not None:
+            self.opts.debug_callback(self.gm, lowered.as_text())
+        program = lowered.compile()
+        seconds = time.perf_counter() - start
+        metrics.count("compiled_graphs")
+        if seconds > SLOW_COMPILE_SECONDS:
+            log.info("torchtpu.compile: %s graph of %d nodes (inputs %s) compiled in %.1f s",
+                     self.kind, len(self.gm.graph.nodes), _describe(arrays), seconds)
+        return program
+
+    def __call__(self, args: list) -> list:
+        arrays, symbols = self._read(args)
+        args.clear()
+        constants = self._constants()
+        scalars = tuple(self.fn.scalars)
+        keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
+        program = self._program(arrays, constants, scalars, keys, symbols)
+        outs = dispatch._dedupe(program(arrays, constants, scalars, keys), arrays)
+        return [self._wrap(o, d, i, outs) for i, (o, d) in
+                enumerate(zip(outs, self.out_dtypes, strict=True))]
+
+    @staticmethod
+    def _wrap(out, dtype, i, outs):
+        if dtype is None:
+            return out
+        # Two outputs may be one array (a graph returning x twice); storages never share one.
+        if any(o is out for o in outs[:i]):
+            out = out.copy()
+        return tensors.wrap(out, dtype)
+
+
+def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
+    def compile_graph(gm: fx.GraphModule, example_inputs: list) -> CompiledGraph:
+        return CompiledGraph(gm, kind, opts)
+
+    return compile_graph
+
+
+@register_backend(name="tpu")
+def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                options: dict | None = None) -> Callable:
+    """``torch.compile(model, backend="tpu", options={...})``."""
+    opts = options_mod.parse(mode, options)
+    return aot_autograd(
+        fw_compiler=_graph_compiler("forward", opts),
+        bw_compiler=_graph_compiler("backward", opts),
+        inference_compiler=_graph_compiler("inference", opts),
+        decompositions=decompositions(),
+    )(gm, example_inputs)

@@ -1,0 +1,173 @@
+"""JAX forms of the ATen ops that eager serves with device kernels instead of lowerings.
+
+Eager runs views (``view``, ``permute``, ``slice``...), copies and allocation as kernels that
+touch tensor metadata or storages, so they have no entry in the lowering table. A compiled graph
+holds values, not storages: there a view is just the reshaped, transposed or sliced value, and
+an allocation is zeros. Only ops of that kind belong here; every op with math in it comes from
+``torchtpu.lowering.registry``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torchtpu.device import dtypes
+from torchtpu.device.views import Geometry, read_view
+
+aten = torch.ops.aten
+
+GRAPH_OPS: dict = {}
+
+
+def _graph_op(*ops) -> Callable:
+    def register(fn: Callable) -> Callable:
+        for op in ops:
+            GRAPH_OPS[op] = fn
+        return fn
+
+    return register
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + max(ndim, 1) if d < 0 else d
+
+
+@_graph_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+           aten._reshape_alias.default)
+def view(x, size, *_):
+    return jnp.reshape(x, tuple(size))
+
+
+@_graph_op(aten.alias.default, aten.detach.default, aten.clone.default,
+           aten.lift_fresh_copy.default, aten.lift_fresh.default)
+def alias(x, *_, **__):
+    return x
+
+
+@_graph_op(aten.permute.default)
+def permute(x, dims):
+    return jnp.transpose(x, [_dim(d, x.ndim) for d in dims])
+
+
+@_graph_op(aten.transpose.int)
+def transpose(x, d0, d1):
+    return jnp.swapaxes(x, _dim(d0, x.ndim), _dim(d1, x.ndim)) if x.ndim else x
+
+
+@_graph_op(aten.t.default)
+def t(x):
+    return x.T
+
+
+@_graph_op(aten.expand.default)
+def expand(x, size, implicit=False):
+    lead = len(size) - x.ndim
+    shape = [x.shape[i - lead] if n == -1 else n for i, n in enumerate(size)]
+    return jnp.broadcast_to(x, tuple(shape))
+
+
+@_graph_op(aten.unsqueeze.default)
+def unsqueeze(x, d):
+    return jnp.expand_dims(x, _dim(d, x.ndim + 1))
+
+
+@_graph_op(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+def squeeze(x, dims=None):
+    if dims is None:
+        dims = range(x.ndim)
+    elif isinstance(dims, int):
+        dims = [dims]
+    axes = tuple(a for a in (_dim(d, x.ndim) for d in dims) if a < x.ndim and x.shape[a] == 1)
+    return jnp.squeeze(x, axes) if axes else x
+
+
+@_graph_op(aten.slice.Tensor)
+def slice_(x, dim=0, start=None, end=None, step=1):
+    dim = _dim(dim, x.ndim)
+    n = x.shape[dim]
+    start, end, _ = slice(start, end, step).indices(n)
+    end = max(end, start)
+    return lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+@_graph_op(aten.select.int)
+def select(x, dim, index):
+    dim = _dim(dim, x.ndim)
+    return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
+
+
+@_graph_op(aten.split.Tensor, aten.split_with_sizes.default)
+def split(x, sizes, dim=0):
+    dim = _dim(dim, x.ndim)
+    n = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, n - s) for s in range(0, n, sizes)] or [0]
+    bounds = np.cumsum([0, *sizes])
+    return tuple(lax.slice_in_dim(x, int(a), int(b), axis=dim)
+                 for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+@_graph_op(aten.unbind.int)
+def unbind(x, dim=0):
+    dim = _dim(dim, x.ndim)
+    return tuple(lax.index_in_dim(x, i, axis=dim, keepdims=False) for i in range(x.shape[dim]))
+
+
+@_graph_op(aten.diagonal.default)
+def diagonal(x, offset=0, dim1=0, dim2=1):
+    return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
+
+
+@_graph_op(aten.as_strided.default)
+def as_strided(x, size, stride, storage_offset=None):
+    # The argument is a graph value, read as a C-contiguous storage of its own shape.
+    g = Geometry(tuple(x.shape), x.dtype, tuple(size), tuple(stride), storage_offset or 0,
+                 x.dtype)
+    return read_view(x, g)
+
+
+@_graph_op(aten.view.dtype)
+def view_dtype(x, dtype):
+    target = dtypes.to_jax(dtype)
+    if np.dtype(target).itemsize != x.dtype.itemsize:
+        raise NotImplementedError(
+            f"torchtpu.compile: view(dtype) from {x.dtype} to {dtype} changes the element size"
+        )
+    return lax.bitcast_convert_type(x, target)
+
+
+@_graph_op(aten.copy.default)
+def copy(x, src, non_blocking=False):
+    return jnp.broadcast_to(src, x.shape)
+
+
+@_graph_op(aten._to_copy.default)
+def to_copy(x, **_):
+    return x  # the result dtype comes from the node's meta and is applied by the caller
+
+
+# Allocations: the caller casts every result to the node's dtype, so float zeros suffice.
+@_graph_op(aten.empty.memory_format, aten.empty_strided.default)
+def empty(size, *_, **__):
+    return jnp.zeros(tuple(size))
+
+
+@_graph_op(aten.new_empty.default, aten.new_empty_strided.default)
+def new_empty(x, size, *_, **__):
+    return jnp.zeros(tuple(size))
+
+
+@_graph_op(aten.empty_like.default)
+def empty_like(x, *_, **__):
+    return jnp.zeros(x.shape)
+
+
+@_graph_op(aten._assert_tensor_metadata.default, aten._assert_async.msg,
+           aten.sym_constrain_range_for_size.default)
+def no_op(*_, **__):
+    return None

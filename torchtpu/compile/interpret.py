@@ -1,0 +1,180 @@
+"""One FX graph (aten-level, functional) as one pure JAX function, built from the lowering table.
+
+Each node runs exactly as eager would run the same op: its arguments are split into the same
+spec (tensors, traced scalars, PRNG keys, constants) and rebuilt by ``eager.program.rebuild``, so
+the lowering sees what it sees in eager, with the same promotion, and its results are cast to
+the dtypes PyTorch's meta kernels gave (``node.meta["val"]``). Views, copies and allocations,
+which eager serves with device kernels, come from ``graph_ops``.
+
+``GraphFunction.run`` is traced once per input signature by the caller; it never touches tensors.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from torchtpu.compile.graph_ops import GRAPH_OPS
+from torchtpu.device import dtypes
+from torchtpu.eager import dispatch, schema
+from torchtpu.eager.program import (
+    CONST,
+    KEY,
+    SCALAR,
+    TENSOR,
+    TENSORS,
+    Spec,
+    cast_outputs,
+    rebuild,
+)
+from torchtpu.lowering.registry import Lowering, lookup
+
+OpOverload = torch._ops.OpOverload
+
+
+def missing_lowering(op) -> NotImplementedError:
+    return NotImplementedError(f"torchtpu: aten op '{op}' has no tpu lowering (compiled graph)")
+
+
+def _is_tensor_val(v) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _val(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else n
+
+
+def result_dtypes(val):
+    """The node's result dtypes as JAX dtypes, shaped like its results (None where absent)."""
+    if _is_tensor_val(val):
+        return dtypes.to_jax(val.dtype)
+    if isinstance(val, (list, tuple)):
+        return tuple(result_dtypes(v) for v in val)
+    return None
+
+
+def _promotion_stand_in(v):
+    """A meta tensor with v's dtype and rank: all that PyTorch's result_type looks at."""
+    v = _val(v)
+    if _is_tensor_val(v):
+        return torch.empty((1,) * v.dim(), dtype=v.dtype, device="meta")
+    return v
+
+
+class _Step:
+    """One call_function node, prepared once; ``run`` evaluates it inside the trace."""
+
+    def __init__(self, node: fx.Node, key_slots: list) -> None:
+        self.node = node
+        op = node.target
+        self.graph_op = None
+        self.lowering: Lowering | None = lookup(op) if isinstance(op, OpOverload) else None
+        self.dtypes = result_dtypes(node.meta.get("val"))
+        if op is operator.getitem:
+            return
+        if self.lowering is None:
+            self.graph_op = GRAPH_OPS.get(op)
+            if self.graph_op is None:
+                raise missing_lowering(op)
+            return
+        if self.lowering.data_dependent_shape:
+            raise NotImplementedError(
+                f"torchtpu.compile: {op} has a data-dependent output shape; it cannot be part of "
+                "a compiled graph (run it outside torch.compile)"
+            )
+        self.oi = schema.info(op)
+        self.values, _ = schema.bind(self.oi, node.args, node.kwargs)
+        self.promote = None
+        if self.lowering.promote == "common":
+            self.promote = dispatch._common_dtype([_promotion_stand_in(v) for v in self.values])
+        # One PRNG key per random draw, in graph order, like one per op call in eager.
+        self.key_slots = []
+        for _ in range(int(self.lowering.random) + int(self.oi.generator_index >= 0)):
+            self.key_slots.append(len(key_slots))
+            key_slots.append(node)
+
+    def run(self, env: dict, keys: tuple, scalars: list):
+        node = self.node
+        if node.target is operator.getitem:
+            seq, i = node.args
+            return env[seq][i]
+        if self.graph_op is not None:
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            return cast_outputs(self.graph_op(*args, **kwargs), self.dtypes)
+        entries, dyn = self._split(env, keys, scalars)
+        spec = Spec(entries, self.dtypes, self.dtypes, self.promote)
+        args = rebuild(spec, self.lowering, tuple(dyn))
+        return cast_outputs(self.lowering.fn(*args), spec.final)
+
+    def _split(self, env: dict, keys: tuple, scalars: list):
+        """The eager split (``dispatch.split``) over graph values instead of tensors."""
+        entries, dyn = [], []
+        if self.lowering.random:
+            # No Generator argument: a leading key from the default device generator, as in eager.
+            entries.append((KEY, None))
+            dyn.append(keys[self.key_slots[0]])
+        oi = self.oi
+        for i, v in enumerate(self.values):
+            if isinstance(v, fx.Node) and _is_tensor_val(_val(v)):
+                entries.append((TENSOR, None))
+                dyn.append(env[v])
+            elif isinstance(v, (list, tuple)) and any(
+                isinstance(x, fx.Node) and _is_tensor_val(_val(x)) for x in v
+            ):
+                entries.append((TENSORS, tuple(x is None for x in v)))
+                dyn.extend(env[x] for x in v if x is not None)
+            elif i == oi.generator_index:
+                entries.append((KEY, None))
+                dyn.append(keys[self.key_slots[-1]])
+            elif i in oi.scalar_indices and not self.lowering.static_scalars and v is not None:
+                entries.append((SCALAR, None))
+                # A symbolic number is a plain value of the trace; a constant is a traced input.
+                dyn.append(env[v] if isinstance(v, fx.Node) else scalars.pop(0))
+            else:
+                v = fx.node.map_arg(v, env.__getitem__)
+                entries.append((CONST, tuple(v) if isinstance(v, list) else v))
+        return entries, dyn
+
+    def scalar_args(self) -> list:
+        """The Python numbers this node passes as traced scalars, in order (eager traces them)."""
+        if self.lowering is None:
+            return []
+        oi = self.oi
+        out = []
+        for i, v in enumerate(self.values):
+            if (i in oi.scalar_indices and not self.lowering.static_scalars and v is not None
+                    and i != oi.generator_index and not isinstance(v, fx.Node)):
+                out.append(v)
+        return out
+
+
+class GraphFunction:
+    """An FX graph prepared for tracing: which placeholders are tensors, how many keys it draws."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        self.gm = gm
+        graph = gm.graph
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        self.tensor_inputs = [_is_tensor_val(_val(n)) for n in self.placeholders]
+        self.constants = [n for n in graph.nodes if n.op == "get_attr"]
+        self.key_nodes: list = []
+        self.steps = [_Step(n, self.key_nodes) for n in graph.nodes if n.op == "call_function"]
+        self.scalars = [s for step in self.steps for s in step.scalar_args()]
+        self.output = next(n for n in graph.nodes if n.op == "output").args[0]
+
+    def run(self, arrays: tuple, constants: tuple, scalars: tuple, keys: tuple,
+            symbols: tuple) -> list:
+        """The graph's outputs from its tensor inputs (arrays) and non-tensor inputs (symbols)."""
+        env: dict[fx.Node, Any] = {}
+        tensors_in, symbols_in = iter(arrays), iter(symbols)
+        for n, is_tensor in zip(self.placeholders, self.tensor_inputs, strict=True):
+            env[n] = next(tensors_in) if is_tensor else next(symbols_in)
+        env.update(zip(self.constants, constants, strict=True))
+        pending = list(scalars)
+        for step in self.steps:
+            env[step.node] = step.run(env, keys, pending)
+        return [env[o] if isinstance(o, fx.Node) else o for o in self.output]
