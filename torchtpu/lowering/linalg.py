@@ -60,6 +60,14 @@ def _lu(a):
     return lu, piv + 1
 
 
+def _lu_as_pytorch_saves(a):
+    """The LU PyTorch saves for solve/det backward: of A^T for real A, since its backward
+    decides by A's contiguity (device tensors reach lowerings contiguous) and then solves with
+    adjoint=True. Returns (lu, pivots, whether A^T was factored)."""
+    use_a_t = not jnp.iscomplexobj(a)
+    return *_lu(_mT(a) if use_a_t else a), use_a_t
+
+
 def _diag(a):
     return jnp.diagonal(a, axis1=-2, axis2=-1)
 
@@ -81,6 +89,20 @@ def _lu_solve(lu, piv, b, left: bool, adjoint: bool):
     return jsl.lu_solve((lu, piv - 1), b, trans=2 if adjoint else 0)
 
 
+@lowers(aten.lu_unpack.default)
+def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
+    m, n = lu.shape[-2:]
+    k = min(m, n)
+    empty = jnp.zeros((0,), lu.dtype)
+    perm = lax.linalg.lu_pivots_to_permutation(pivots - 1, m)
+    # A = P L U with rows of A permuted by perm in L U: P[perm[i], i] = 1.
+    p = jnp.swapaxes(jax.nn.one_hot(perm, m, dtype=lu.dtype), -1, -2) if unpack_pivots else empty
+    if not unpack_data:
+        return p, empty, empty
+    lower = jnp.tril(lu[..., :, :k], -1) + jnp.eye(m, k, dtype=lu.dtype)
+    return p, lower, jnp.triu(lu[..., :k, :])
+
+
 @lowers(aten.linalg_lu_solve.default)
 def lu_solve(lu, pivots, b, left=True, adjoint=False):
     return _lu_solve(lu, pivots, b, left, adjoint)
@@ -88,10 +110,7 @@ def lu_solve(lu, pivots, b, left=True, adjoint=False):
 
 @lowers(aten._linalg_solve_ex.default)
 def solve_ex(a, b, left=True, check_errors=False):
-    # PyTorch factors A^T for real A (its backward assumes so: it checks A's contiguity, and
-    # device tensors reach here contiguous), then solves with adjoint=True.
-    use_a_t = not jnp.iscomplexobj(a)
-    lu, piv = _lu(_mT(a) if use_a_t else a)
+    lu, piv, use_a_t = _lu_as_pytorch_saves(a)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
     rhs = jnp.expand_dims(b, -1 if left else -2) if vector else b
     x = _lu_solve(lu, piv, rhs, left, use_a_t)
@@ -114,14 +133,14 @@ def _permutation_sign(piv):
 
 @lowers(aten._linalg_det.default)
 def det(a):
-    lu, piv = _lu(a)
+    lu, piv, _ = _lu_as_pytorch_saves(a)  # det(A^T) = det(A)
     d = jnp.prod(_diag(lu), -1) * _permutation_sign(piv).astype(lu.dtype)
     return d, lu, piv
 
 
 @lowers(aten._linalg_slogdet.default)
 def slogdet(a):
-    lu, piv = _lu(a)
+    lu, piv, _ = _lu_as_pytorch_saves(a)
     diag = _diag(lu)
     absdiag = jnp.abs(diag)
     unit = jnp.where(absdiag == 0, 0, diag / jnp.where(absdiag == 0, 1, absdiag))
@@ -151,7 +170,7 @@ def cholesky(a, upper=False):
 def qr(a, mode="reduced"):
     if mode == "r":
         return jnp.zeros((0,), a.dtype), jnp.linalg.qr(a, mode="r")
-    return jnp.linalg.qr(a, mode=mode)
+    return tuple(jnp.linalg.qr(a, mode=mode))
 
 
 @lowers(aten._linalg_svd.default)
@@ -159,7 +178,7 @@ def svd(a, full_matrices=False, compute_uv=True, driver=None):
     if not compute_uv:
         empty = jnp.zeros((0,), a.dtype)
         return empty, jnp.linalg.svd(a, compute_uv=False), empty
-    return jnp.linalg.svd(a, full_matrices=full_matrices)
+    return tuple(jnp.linalg.svd(a, full_matrices=full_matrices))
 
 
 @lowers(aten._linalg_eigh.default)
