@@ -8,7 +8,7 @@ jitted function; JAX then caches one executable per input shape and dtype.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 
@@ -23,11 +23,27 @@ KEY = "k"          # PRNG key data -> a JAX key
 CONST = "c"        # baked-in constant: payload is the value
 
 
-class Spec(NamedTuple):
-    entries: tuple            # (kind, payload) per argument
-    compute: Any              # dtype(s) the math runs in (result of PyTorch promotion)
-    final: Any                # dtype(s) the outputs are cast to
-    promote: Any = None       # input dtype under promote="common"
+class Spec:
+    """The static part of one op call: argument entries, compute and result dtypes.
+
+    Specs are hashed on every op call (to find the program), so the hash is computed once.
+    """
+
+    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash")
+
+    def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
+        self.entries = entries    # (kind, payload) per argument
+        self.compute = compute    # dtype(s) the math runs in (result of PyTorch promotion)
+        self.final = final        # dtype(s) the outputs are cast to
+        self.promote = promote    # input dtype under promote="common"
+        self._key = (entries, compute, final, promote)
+        self._hash = hash(self._key)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Spec) and self._key == other._key
 
 
 def prng_key(data):

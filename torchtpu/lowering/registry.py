@@ -26,7 +26,8 @@ import torch
 OpOverload = torch._ops.OpOverload
 
 
-@dataclasses.dataclass(frozen=True)
+# eq=False: a lowering is hashed on every op call, so identity hashing keeps that cheap.
+@dataclasses.dataclass(frozen=True, eq=False)
 class Lowering:
     op: OpOverload
     fn: Callable
