@@ -97,7 +97,7 @@ def _convert(array, t: torch.Tensor):
     dtype, shape = dtypes.to_jax(t.dtype), tuple(t.shape)
     if array.dtype == dtype and array.shape == shape:
         return array
-    return _converter(dtype, shape)(array)
+    return tensors.call(_converter(dtype, shape), array)
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:

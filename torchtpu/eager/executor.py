@@ -1,15 +1,25 @@
-"""Executors: how a prepared op call runs. Strict is the default; the others plug in here.
+"""Executors: how a prepared op call runs. Strict is the default; Debug and DeferAndFuse plug in.
 
 An executor receives a lowering, its static spec and the dynamic values, and returns arrays. It
-never names ops; what an op computes comes from the lowering table.
+never names ops: what an op computes comes from the lowering table, what Debug checks about it
+from ``lowering/checks.py``. DeferAndFuse lives in ``eager/defer.py``.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import types
+
 import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
 
 from torchtpu import metrics
+from torchtpu.device import tensors
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
+from torchtpu.lowering import checks
 from torchtpu.lowering.registry import Lowering
 
 
@@ -28,18 +38,65 @@ class Strict:
     def flush(self) -> None:
         """Strict runs every op as it comes: nothing is ever pending."""
 
-    def is_materialized(self, t) -> bool:
-        return True
+    def enter(self) -> None:
+        """Called when this executor becomes the current one."""
+
+    def leave(self) -> None:
+        """Called when another executor replaces this one."""
+
+
+# Frames of these packages are internals; an error Debug finds is reported at the first frame
+# outside them, the user's line.
+_INTERNAL = (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    os.path.dirname(torch.__file__) + os.sep,
+)
+
+
+def _user_traceback() -> types.TracebackType | None:
+    """A one-entry traceback at the innermost frame of the caller's own code, if there is one."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame = frame.f_back
+    if frame is None:  # e.g. on the autograd thread: no user frame on this stack
+        return None
+    return types.TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
+
+
+def raise_at_user(error: BaseException):
+    """Raise error so that its traceback ends at the user's line, not inside torchtpu."""
+    tb = _user_traceback()
+    raise error.with_traceback(tb) if tb is not None else error
+
+
+def _nonfinite(out) -> bool:
+    for x in jax.tree_util.tree_leaves(out):
+        if jnp.issubdtype(x.dtype, jnp.inexact) and not bool(np.all(np.isfinite(np.asarray(x)))):
+            return True
+    return False
 
 
 class Debug(Strict):
-    """Synchronous: waits for every op, so a failure surfaces at the op that caused it."""
+    """Synchronous and checked: waits for every op, so a failure surfaces at the op that caused
+    it, and checks what the device cannot (``lowering/checks.py``) before running each op.
+
+    ``TORCHTPU_DEBUG_NANS=1`` also raises ``FloatingPointError`` at the first op whose result
+    holds a NaN or an infinity.
+    """
 
     name = "debug"
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        out = super().run(lowering, spec, dyn)
-        return jax.block_until_ready(out)
+        check = checks.find(lowering.op)
+        if check is not None:
+            error = check(*rebuild(spec, lowering, dyn))
+            if error is not None:
+                raise_at_user(type(error)(f"{lowering.op}: {error}"))
+        out = jax.block_until_ready(super().run(lowering, spec, dyn))
+        if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
+            raise_at_user(FloatingPointError(
+                f"{lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
+        return out
 
 
 _current: list = [Strict()]
@@ -50,7 +107,11 @@ def current() -> Strict:
 
 
 def set_current(executor: Strict) -> None:
+    """Make executor the current one; the previous one runs what it holds pending first."""
+    previous = _current[0]
+    previous.leave()
     _current[0] = executor
+    executor.enter()
 
 
 def flush() -> None:
@@ -59,4 +120,6 @@ def flush() -> None:
 
 
 def is_materialized(t) -> bool:
-    return current().is_materialized(t)
+    """Whether device tensor t's value exists on the device rather than pending in a recording."""
+    array = t.untyped_storage()._tpu_array
+    return not (isinstance(array, tensors.Deferred) and array.resolve() is array)

@@ -10,11 +10,12 @@ import contextlib
 import os
 
 from torchtpu.device.module import EagerMode
-from torchtpu.eager import executor
+from torchtpu.eager import defer, executor
 
 _EXECUTORS = {
     EagerMode.DEFER_NEVER: executor.Strict,
     EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING: executor.Debug,
+    EagerMode.DEFER_AND_FUSE: defer.DeferAndFuse,
 }
 _mode = [EagerMode.DEFER_NEVER]
 
@@ -26,11 +27,8 @@ def get_eager_mode() -> EagerMode:
 def switch(mode: EagerMode) -> None:
     if not isinstance(mode, EagerMode):
         raise TypeError(f"eager mode must be a torch.tpu.EagerMode, not {mode!r}")
-    if mode not in _EXECUTORS:
-        raise NotImplementedError(f"torch.tpu.EagerMode.{mode.name} is not available yet")
     if mode is _mode[0]:
         return
-    executor.flush()
     executor.set_current(_EXECUTORS[mode]())
     _mode[0] = mode
 

@@ -1,0 +1,345 @@
+"""DeferAndFuse: ops are recorded, not run, and a flush runs the recording as one jitted program.
+
+While the executor is active, each op's jitted program (``eager/program.py``) and each view
+read/write and conversion (``device/tensors.call``) is appended to a recording instead of run, and
+its results are ``Pending`` values: they know their shape and dtype, and a storage holds one in
+place of its array. A flush replays the recording inside one ``jax.jit`` (the per-op programs
+inline into it), runs it, and hands each pending value that is still referenced its array.
+
+Flushes happen at host reads (a pending value converted to NumPy: ``.item()``, ``.cpu()``,
+printing, ``bool()``), before an op whose output shape depends on values, at
+``torch.tpu.synchronize()``, when the recording reaches ``MAX_OPS`` ops and when the mode is left.
+The fused program is cached by the recording's structure (programs called and how their values
+connect), which outputs are still alive and which inputs are donated; JAX adds the input shapes.
+A training loop therefore records the same structure each step and reuses one program.
+
+Inputs that no storage or pending value holds any more (a parameter's old value once the optimizer
+has written a new one) are donated to the program, so in-place updates reuse their buffers.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+import weakref
+
+import jax
+import numpy as np
+
+from torchtpu import metrics
+from torchtpu.device import tensors
+from torchtpu.eager.executor import Strict
+from torchtpu.eager.program import CONST, SCALAR, TENSORS, Spec, program
+from torchtpu.lowering.registry import Lowering
+
+MAX_OPS = 2000
+
+
+@jax.jit
+def _identity(x):
+    return x
+
+
+_astypes: dict = {}
+
+
+def _astype(dtype):
+    fn = _astypes.get(dtype)
+    if fn is None:
+        fn = _astypes[dtype] = jax.jit(lambda x: x.astype(dtype))
+    return fn
+
+
+class Pending(tensors.Deferred):
+    """One output of a recorded call: its shape and dtype now, its array after the flush."""
+
+    __slots__ = ("shape", "dtype", "weak_type", "_trace", "_node", "_leaf", "_value", "_error",
+                 "__weakref__")
+
+    def __init__(self, aval, trace, node: int, leaf: int) -> None:
+        self.shape = aval.shape
+        self.dtype = aval.dtype
+        self.weak_type = aval.weak_type
+        self._trace = trace
+        self._node = node
+        self._leaf = leaf
+        self._value = None
+        self._error = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def resolve(self):
+        if self._value is not None:
+            return self._value
+        if self._error is not None:
+            raise RuntimeError("torchtpu: this value was lost because the deferred program that "
+                               f"computes it failed: {self._error!r}") from self._error
+        return self
+
+    def materialize(self) -> jax.Array:
+        """The array, flushing the recording if it is still pending."""
+        value = self.resolve()
+        if value is self:
+            RECORDER.flush()
+            value = self.resolve()
+        return value
+
+    def copy(self):
+        # A storage never shares its array with another, so a copy is a distinct output.
+        return RECORDER.record(_identity, (self,))
+
+    def astype(self, dtype):
+        return RECORDER.record(_astype(np.dtype(dtype)), (self,))
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return np.array(self.materialize(), dtype=dtype)  # a copy: buffers may be donated later
+
+    def __jax_array__(self) -> jax.Array:
+        return self.materialize()
+
+    def __getattr__(self, name: str):
+        # Anything else a pending value is asked for is answered by its array.
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.materialize(), name)
+
+    def __repr__(self) -> str:
+        state = "pending" if self.resolve() is self else "materialized"
+        return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
+
+
+class _Trace:
+    """One recording: calls, their inputs from outside, and weak references to their outputs."""
+
+    def __init__(self) -> None:
+        self.nodes: list = []    # (fn, args treedef or None, refs)
+        self.outs: list = []     # per node, weakrefs to its Pending outputs
+        self.inputs: list = []   # arrays and numbers from outside the recording
+        self._array_ids: dict = {}
+
+    def input(self, x) -> int:
+        # The same array used twice is one input; numbers and host arrays are never merged,
+        # so the recording's structure does not depend on which equal numbers Python shares.
+        if isinstance(x, jax.Array):
+            i = self._array_ids.get(id(x))
+            if i is not None:
+                return i
+            self._array_ids[id(x)] = len(self.inputs)
+        self.inputs.append(x)
+        return len(self.inputs) - 1
+
+
+def _signature(x):
+    if isinstance(x, (bool, int, float, complex)):
+        return type(x)
+    return (tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False))
+
+
+def _abstract(sig):
+    if isinstance(sig, type):
+        return sig(0)
+    return jax.ShapeDtypeStruct(sig[0], sig[1], weak_type=sig[2])
+
+
+def _replay(nodes: tuple, wanted: tuple):
+    """The fused function: every recorded call in order, returning the wanted outputs."""
+
+    def defer_and_fuse(*inputs):
+        values = []
+        for fn, tree, refs in nodes:
+            args = [inputs[r] if r.__class__ is int else values[r[0]][r[1]] for r in refs]
+            if tree is not None:
+                args = tree.unflatten(args)
+            values.append(jax.tree_util.tree_leaves(fn(*args)))
+        return [values[n][leaf] for n, leaf in wanted]
+
+    return defer_and_fuse
+
+
+def _donatable(inputs: list, targets: list) -> tuple:
+    """Inputs nothing outside the recording holds, with an output of the same shape to reuse."""
+    free: dict = {}
+    for p in targets:
+        k = (p.shape, p.dtype)
+        free[k] = free.get(k, 0) + 1
+    donate = []
+    for i, x in enumerate(inputs):
+        # References: the inputs list, the loop variable and getrefcount's argument.
+        if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
+            k = (x.shape, x.dtype)
+            if free.get(k):
+                free[k] -= 1
+                donate.append(i)
+    return tuple(donate)
+
+
+class Recorder:
+    """The process's recording; thread-safe, since backward runs on PyTorch's autograd thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._trace = _Trace()
+        self._shapes: dict = {}
+        self._programs: dict = {}
+
+    def record(self, fn, args: tuple):
+        """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
+        tree = None
+        if any(isinstance(a, (list, tuple)) for a in args):
+            args, tree = jax.tree_util.tree_flatten(args)
+        with self._lock:
+            trace = self._trace
+            refs, sig = [], []
+            for a in args:
+                if isinstance(a, Pending):
+                    value = a.resolve()
+                    if value is a:
+                        if a._trace is not trace:
+                            raise RuntimeError("torchtpu: a pending value outlived its recording")
+                        refs.append((a._node, a._leaf))
+                        sig.append((a.shape, a.dtype, a.weak_type))
+                        continue
+                    a = value
+                refs.append(trace.input(a))
+                sig.append(_signature(a))
+            key = (fn, tree, tuple(sig))
+            shapes = self._shapes.get(key)
+            if shapes is None:
+                abstract = [_abstract(s) for s in sig]
+                call_args = tree.unflatten(abstract) if tree is not None else abstract
+                shapes = jax.tree_util.tree_flatten(jax.eval_shape(fn, *call_args))
+                self._shapes[key] = shapes
+            avals, out_tree = shapes
+            node = len(trace.nodes)
+            trace.nodes.append((fn, tree, tuple(refs)))
+            outs = [Pending(aval, trace, node, i) for i, aval in enumerate(avals)]
+            trace.outs.append([weakref.ref(p) for p in outs])
+            metrics.count("deferred_ops")
+            if node + 1 >= MAX_OPS:
+                self.flush()
+            return out_tree.unflatten(outs)
+
+    def _alive(self, trace: _Trace) -> tuple[list, tuple]:
+        targets, wanted = [], []
+        for n, refs in enumerate(trace.outs):
+            for leaf, ref in enumerate(refs):
+                p = ref()
+                if p is not None:
+                    targets.append(p)
+                    wanted.append((n, leaf))
+        return targets, tuple(wanted)
+
+    def flush(self) -> None:
+        """Run the recording as one program and give each live pending value its array."""
+        with self._lock:
+            trace = self._trace
+            if not trace.nodes:
+                return
+            self._trace = _Trace()
+            targets, wanted = self._alive(trace)
+            inputs, trace.inputs = trace.inputs, None
+            if not targets:
+                return
+            donate = _donatable(inputs, targets)
+            key = (tuple(trace.nodes), wanted, donate)
+            fused = self._programs.get(key)
+            if fused is None:
+                fused = jax.jit(_replay(key[0], wanted), donate_argnums=donate)
+                self._programs[key] = fused
+            metrics.count("executions")
+            try:
+                results = fused(*inputs)
+            except BaseException as e:
+                for p in targets:
+                    p._error, p._trace = e, None
+                raise
+            seen = {id(x) for x in inputs}
+            for p, r in zip(targets, results, strict=True):
+                if id(r) in seen:  # a program may hand an input back; storages never share one
+                    r = r.copy()
+                seen.add(id(r))
+                p._value, p._trace = r, None
+
+    def pending_hlo(self) -> str:
+        """The pending recording as StableHLO text (empty when nothing is pending)."""
+        with self._lock:
+            trace = self._trace
+            if not trace.nodes:
+                return ""
+            _, wanted = self._alive(trace)
+            fused = jax.jit(_replay(tuple(trace.nodes), wanted))
+            return fused.lower(*trace.inputs).as_text()
+
+
+RECORDER = Recorder()
+
+
+def pending_hlo() -> str:
+    """The computation DeferAndFuse holds pending, as StableHLO text, without running it."""
+    return RECORDER.pending_hlo()
+
+
+def _concrete(x):
+    if isinstance(x, Pending):
+        return x.materialize()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_concrete(v) for v in x)
+    return x
+
+
+@functools.cache
+def _tensor_positions(op) -> frozenset:
+    return frozenset(i for i, a in enumerate(op._schema.arguments) if str(a.type) == "Tensor")
+
+
+def lift_numbers(lowering: Lowering, spec: Spec, dyn: tuple) -> tuple[Spec, tuple]:
+    """Trace Python numbers passed where the schema has a Tensor instead of baking them in.
+
+    Decompositions pass numbers that change every step (AdamW's bias corrections) as ``Tensor``
+    arguments; baked in as constants they would make every step a new program. Traced, they
+    act as the weakly typed scalars PyTorch wraps them into. (This belongs in
+    ``dispatch.split``, where it would spare Strict the same recompiles.)
+    """
+    tensor_args = _tensor_positions(lowering.op)
+    lifted = [i for i, (kind, payload) in enumerate(spec.entries)
+              if kind == CONST and type(payload) in (int, float) and i in tensor_args]
+    if not lifted:
+        return spec, dyn
+    entries, values, it = [], [], iter(dyn)
+    for i, (kind, payload) in enumerate(spec.entries):
+        if i in lifted:
+            entries.append((SCALAR, None))
+            values.append(payload)
+            continue
+        entries.append((kind, payload))
+        if kind == TENSORS:
+            values.extend(next(it) for missing in payload if not missing)
+        elif kind != CONST:
+            values.append(next(it))
+    return Spec(tuple(entries), spec.compute, spec.final, spec.promote), tuple(values)
+
+
+class DeferAndFuse(Strict):
+    """Records ops into the process's recording; flushes run them as one fused program."""
+
+    name = "defer_and_fuse"
+
+    def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        if lowering.data_dependent_shape:
+            RECORDER.flush()
+            return super().run(lowering, spec, _concrete(dyn))
+        spec, dyn = lift_numbers(lowering, spec, dyn)
+        return RECORDER.record(program(lowering, spec), dyn)
+
+    def flush(self) -> None:
+        RECORDER.flush()
+
+    def enter(self) -> None:
+        tensors.deferrer = RECORDER
+
+    def leave(self) -> None:
+        tensors.deferrer = None
+        RECORDER.flush()
