@@ -1,0 +1,192 @@
+"""Shape, indexing and factory ops on tpu against PyTorch on CPU, including their backward."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtpu.testing.compare import assert_same, check_against_cpu, to_device
+
+
+def _inputs():
+    x = torch.randn(3, 4)
+    return x, torch.tensor([0, 2, 0]), x > 0
+
+
+def _set(t, key, value):
+    t = t.clone()
+    t[key] = value
+    return t
+
+
+def _accumulate(t, key, value):
+    t = t.clone()
+    t.index_put_(key, value, accumulate=True)
+    return t
+
+
+SHAPE = {
+    "cat": lambda x, i, m: (torch.cat([x, x[:1], x.new_zeros(0)]), torch.cat([x, i[:, None]], 1)),
+    "stack": lambda x, i, m: torch.stack([x, x], 1),
+    "constant_pad": lambda x, i, m: F.pad(x, (1, 2, -1, 1), value=3.5),
+    "reflect_replicate_pad": lambda x, i, m: (
+        F.pad(x[None], (2, 1), mode="reflect"),
+        F.pad(x[None, None], (2, 1, 1, 1), mode="reflect"),
+        F.pad(x[None], (2, 1), mode="replicate"),
+    ),
+    "flip_roll": lambda x, i, m: (x.flip(0, -1), x.roll(1, 0), x.roll((2, -1), (1, 0)), x.roll(5)),
+    "repeat": lambda x, i, m: x.repeat(2, 1, 3),
+    "tril_triu": lambda x, i, m: (x.tril(), x.triu(1), x.tril(-1)),
+    "masked_fill": lambda x, i, m: (x.masked_fill(m, 1.5), x.masked_fill(m, x[0, 0])),
+}
+
+INDEX = {
+    "index": lambda x, i, m: (x[i], x[:, i], x[i, i], x[None, i, 1:], x[i[:, None], i], x[-1]),
+    "bool_mask": lambda x, i, m: (x[m], x[m[:, 0]]),
+    "gather": lambda x, i, m: x.gather(1, i[None].expand(2, 3)),
+    "scatter": lambda x, i, m: (
+        x.scatter(1, i[None, :2].flip(1).expand(2, 2), 7.0),
+        x.scatter(0, i[None, [1, 0, 1, 0]] % 3, x),
+        x.scatter(1, i[None].expand(2, 3), x, reduce="add"),
+        x.scatter(1, i[None].expand(2, 3), 2.0, reduce="multiply"),
+        x.scatter_add(1, i[None].expand(3, 3), x),
+    ),
+    "index_ops": lambda x, i, m: (
+        x.index_select(0, i),
+        x.index_select(1, i),
+        x.index_add(0, i, x, alpha=2),
+        x.index_copy(1, i[:2] + 1, x[:, :2]),
+        x.index_fill(1, i, -1.0),
+    ),
+    "masked": lambda x, i, m: (
+        x.masked_scatter(m, x * 10),
+        x.masked_select(m[0]),
+        m.nonzero(),
+        torch.where(m),
+    ),
+    "embedding": lambda x, i, m: F.embedding(i.reshape(1, 3), x),
+    "searchsorted": lambda x, i, m: (
+        torch.searchsorted(torch.sort(x).values, x),
+        torch.searchsorted(x[0].sort().values, x, right=True),
+        torch.bucketize(x, x[0].sort().values, out_int32=True),
+    ),
+    "unique": lambda x, i, m: (
+        torch.unique(i),
+        torch.unique(i, return_inverse=True, return_counts=True),
+    ),
+    "take": lambda x, i, m: (
+        torch.take(x, i + 5),
+        torch.take_along_dim(x, i[None].expand(3, 3), 1),
+    ),
+}
+
+INDEX_PUT = {
+    "mask_scalar": lambda x, i, m: _set(x, m, 0.0),
+    "mask_values": lambda x, i, m: _set(x, m, torch.arange(int(m.sum()), device=x.device) * 1.0),
+    "mask_rows": lambda x, i, m: _set(x, m[:, 0], x[0] * 2),
+    "index_value": lambda x, i, m: _set(x, i, 1.0),
+    "index_columns": lambda x, i, m: _set(x, (slice(None), i), x[:, 0:1] * 3),
+    "accumulate_repeated": lambda x, i, m: _accumulate(x, (i,), x[:3] + 1),
+    "accumulate_mask": lambda x, i, m: _accumulate(x, (m,), x[0, 0]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHAPE))
+def test_shape_ops(name):
+    check_against_cpu(SHAPE[name], *_inputs())
+
+
+@pytest.mark.filterwarnings("ignore:The reduce argument of torch.scatter")
+@pytest.mark.parametrize("name", sorted(INDEX))
+def test_index_ops(name):
+    check_against_cpu(INDEX[name], *_inputs())
+
+
+@pytest.mark.parametrize("name", sorted(INDEX_PUT))
+def test_index_put(name):
+    check_against_cpu(INDEX_PUT[name], *_inputs())
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+def test_scatter_reduce(reduce):
+    x, i, _ = _inputs()
+    index = i[None].expand(3, 3)
+
+    def fn(x, index):
+        return (x.scatter_reduce(1, index, x * 2, reduce),
+                x.scatter_reduce(1, index, x * 2, reduce, include_self=False),
+                (x * 10).long().scatter_reduce(1, index, (x * 7).long(), reduce,
+                                               include_self=False))
+
+    check_against_cpu(fn, x, index)
+
+
+def test_setitem_in_place_semantics():
+    """``x[mask] = 0`` and ``x[idx] += 1`` with repeated indices, written into x itself."""
+    x, i, m = _inputs()
+    expected, actual = x.clone(), to_device(x)
+    for t, mask, idx in ((expected, m, i), (actual, to_device(m), to_device(i))):
+        t[mask] = 0
+        t[idx] += 1  # read-modify-write: a repeated index adds once, as on CPU
+        t.index_put_((idx,), torch.ones((), device=t.device), accumulate=True)  # adds twice
+    assert_same(actual, expected)
+
+
+def test_factories():
+    def fn(device):
+        return (
+            torch.arange(5, device=device),
+            torch.arange(10, -3, -3, device=device),
+            torch.arange(0, 1, 0.1, device=device, dtype=torch.float64),
+            torch.arange(1.0, 7.0, device=device, dtype=torch.bfloat16),
+            torch.linspace(0, 10, 7, device=device, dtype=torch.int64),
+            torch.linspace(2, 2, 1, device=device),
+            torch.logspace(0, 2, 5, base=2, device=device),
+            torch.eye(3, device=device),
+            torch.eye(2, 4, device=device, dtype=torch.int32),
+            torch.full((2, 3), 7, device=device),
+            torch.full((2,), True, device=device),
+            torch.zeros(2, 3, device=device),
+            torch.ones(2, device=device, dtype=torch.int8),
+            torch.scalar_tensor(3, device=device),
+        )
+
+    assert_same(fn("tpu"), fn("cpu"))
+
+
+def test_float_ranges_within_one_ulp():
+    # PyTorch's CPU kernels round float32 ranges chunk by chunk in float32; these are computed
+    # in float64 and rounded once, so they may differ from CPU by one unit in the last place.
+    def fn(device):
+        return (torch.arange(-3.7, 100.3, 0.37, device=device),
+                torch.linspace(-1, 3.3, 17, device=device),
+                torch.logspace(0, 2, 5, device=device))
+
+    assert_same(fn("tpu"), fn("cpu"), atol=1e-6, rtol=2.4e-7)
+
+
+def _grads(fn, x, *rest):
+    """Gradient of x through fn on CPU and on tpu, with a fixed upstream gradient."""
+    results = []
+    for args in ((x, *rest), to_device((x, *rest))):
+        leaf = args[0].detach().requires_grad_()
+        out = fn(leaf, *args[1:])
+        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(out.device))
+        results.append(leaf.grad)
+    return results
+
+
+@pytest.mark.parametrize("name", ["index", "gather", "scatter", "index_select", "embedding",
+                                  "masked_fill", "cat_pad"])
+def test_backward(name):
+    x, i, m = _inputs()
+    fns = {
+        "index": lambda x, i, m: x[i, 1:],
+        "gather": lambda x, i, m: x.gather(1, i[None].expand(3, 3)),
+        "scatter": lambda x, i, m: x.scatter(1, i[None, :2].expand(3, 2) + 1, x[:, :2] * 2),
+        "index_select": lambda x, i, m: x.index_select(1, i),
+        "embedding": lambda x, i, m: F.embedding(i, x, padding_idx=2),
+        "masked_fill": lambda x, i, m: x.masked_fill(m, 0.0).flip(0).tril(),
+        "cat_pad": lambda x, i, m: torch.cat([F.pad(x, (1, 1)), x.roll(1, 1)], 1),
+    }
+    actual, expected = _grads(fns[name], x, i, m)
+    assert_same(actual, expected)

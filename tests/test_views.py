@@ -1,0 +1,130 @@
+"""View semantics on tpu equal PyTorch's: aliasing, writes through views, _base, _version, copies.
+
+Each test runs the same steps on a CPU tensor and on a tpu copy and compares every tensor the
+steps touched, so a write that misses the base, or lands in the wrong place, shows as a mismatch.
+"""
+
+import pytest
+import torch
+
+from torchtpu.testing.compare import assert_same, to_device
+
+
+def _same_steps(fn, *args):
+    """Run fn on CPU args and on tpu copies; compare what it returns."""
+    expected = fn(*[a.clone() for a in args])
+    actual = fn(*to_device(args))
+    assert_same(actual, expected)
+    return actual
+
+
+def test_select_view_aliases_base():
+    def fn(a):
+        b = a[1]
+        b.add_(1)
+        return a, b
+
+    a, b = _same_steps(fn, torch.randn(3, 4))
+    assert b._base is a
+    assert b.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+
+
+def test_write_through_stepped_slices():
+    def fn(a):
+        a[::2, 1::3].mul_(-1)
+        a[1, ::2] = 5.0
+        a[:, 2:].copy_(torch.ones(4, 3, device=a.device) * 2)
+        return a
+
+    _same_steps(fn, torch.randn(4, 5))
+
+
+def test_transpose_and_t_in_place():
+    def fn(a):
+        t = a.t()
+        t.add_(torch.arange(12.0, device=a.device).reshape(4, 3))
+        a.transpose(0, 1)[1].mul_(3)
+        return a, t, t.contiguous(), t.is_contiguous(), t.contiguous().is_contiguous()
+
+    _same_steps(fn, torch.randn(3, 4))
+
+
+def test_diagonal_as_strided_unfold():
+    def fn(a):
+        a.diagonal().fill_(7.0)
+        a.diagonal(1).add_(1)
+        s = a.as_strided((2, 2), (1, 4), 1)
+        s.mul_(10)
+        u = a.view(-1).unfold(0, 4, 3)
+        return a, s, u, a.diagonal(-1).clone()
+
+    _same_steps(fn, torch.randn(4, 4))
+
+
+def test_dtype_reinterpreting_view():
+    def fn(a):
+        bits = a.view(torch.int32)
+        sign = torch.tensor(-(1 << 31), dtype=torch.int32, device=a.device)
+        bits.bitwise_xor_(sign)  # flips the float's sign bit
+        halves = a.view(torch.int16)
+        return a, bits, halves
+
+    _same_steps(fn, torch.randn(2, 3))
+
+
+def test_out_into_a_view():
+    def fn(a, b):
+        torch.add(b, b, out=a[1:3, 1:3])
+        torch.cat([b[0], b[1]], out=a[0])
+        return a
+
+    _same_steps(fn, torch.zeros(4, 4), torch.randn(2, 2))
+
+
+def test_base_and_version_like_cpu():
+    for device in ("cpu", "tpu"):
+        a = torch.zeros(3, 3, device=device)
+        v = a[:, 1]
+        assert a._base is None and v._base is a
+        assert v[1:]._base is a  # views of views point at the root
+        start = a._version
+        v.add_(1)
+        a[0, 0] = 2.0
+        assert a._version == v._version == start + 2
+        assert a.clone()._base is None
+
+
+def test_resize_and_zero_size():
+    def fn(a):
+        empty = a[:, :0]
+        b = a.new_empty(0)
+        b.resize_(2, 3)
+        b.copy_(a[:2, :3])
+        c = torch.empty(0, 4, device=a.device)
+        return empty.clone(), b, torch.cat([c, a[:1]])
+
+    _same_steps(fn, torch.randn(3, 4))
+
+
+def test_resize_keeps_data():
+    def fn(a):
+        a.resize_(2, 6)
+        return a
+
+    _same_steps(fn, torch.arange(12.0).reshape(3, 4))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bfloat16, torch.bool])
+def test_copy_between_dtypes_and_devices(dtype):
+    src = torch.randn(3, 4) * 4
+    expected = src.to(dtype)
+    x = src.to("tpu")
+    y = torch.empty(3, 4, dtype=dtype, device="tpu")
+    y.copy_(x)  # tpu float32 -> tpu dtype
+    assert_same(y, expected)
+    back = torch.empty(3, 4, dtype=dtype)
+    back.copy_(y)  # tpu -> CPU
+    assert_same(back, expected)
+    z = torch.zeros(4, 3, dtype=dtype, device="tpu")
+    z.t().copy_(expected)  # CPU -> a tpu view
+    assert_same(z, expected.t())
