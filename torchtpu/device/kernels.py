@@ -107,7 +107,9 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             if value is src.untyped_storage()._tpu_array:
                 value = value.copy()
         else:
-            host = torch_to_numpy(src)
+            # A copy: on the CPU platform device_put may alias the NumPy buffer, and the CPU
+            # tensor's later in-place writes would then show through on the device.
+            host = np.array(torch_to_numpy(src), copy=True)
             metrics.count("host_to_device_bytes", host.nbytes)
             value = _convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
         tensors.write(dst, value)
