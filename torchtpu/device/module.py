@@ -11,7 +11,8 @@ from typing import NamedTuple
 import jax
 import torch
 
-from torchtpu.device import random as _random, storage as _storage
+from torchtpu.device import random as _random
+from torchtpu.device import storage as _storage
 from torchtpu.runtime import platform
 
 

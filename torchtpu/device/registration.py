@@ -56,9 +56,9 @@ def register() -> None:
     with _lock:
         if _libraries:
             return
+        from torchtpu import lowering  # noqa: F401  (fills the lowering table)
         from torchtpu.device import autocast, kernels, module, storage
         from torchtpu.eager import dispatch
-        from torchtpu import lowering  # noqa: F401  (fills the lowering table)
 
         _setup_privateuseone_for_python_backend(
             "tpu", backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard()

@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchtpu.device import dtypes, storage as storages
+from torchtpu.device import dtypes
+from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, read_view, write_view
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

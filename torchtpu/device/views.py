@@ -58,7 +58,7 @@ def _bitcast_flat(flat, dtype: np.dtype):
 
 
 def _dense_plan(size: tuple, stride: tuple):
-    """For a view that is a permutation of a contiguous block: (block sizes, permutation), else None.
+    """(block sizes, dim order) when the view permutes a contiguous block, else None.
 
     Size-1 dims and stride-0 (expanded) dims are left out of the block; they come back by broadcast.
     """

@@ -22,7 +22,7 @@ from torch._decomp import decomposition_table
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, fallback, schema
-from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, jax_dtypes
+from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec
 from torchtpu.lowering.registry import Lowering, lookup
 
 OpOverload = torch._ops.OpOverload

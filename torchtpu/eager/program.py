@@ -94,7 +94,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
     return args
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program(lowering: Lowering, spec: Spec):
     """The jitted function for one lowering and spec; call it with the dynamic values."""
 
