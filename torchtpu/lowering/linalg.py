@@ -103,6 +103,11 @@ def lu_unpack(lu, pivots, unpack_data=True, unpack_pivots=True):
     return p, lower, jnp.triu(lu[..., :k, :])
 
 
+@lowers(aten.linalg_lu.default)
+def lu(a, pivot=True):
+    return lu_unpack(*_lu(a))
+
+
 @lowers(aten.linalg_lu_solve.default)
 def lu_solve(lu, pivots, b, left=True, adjoint=False):
     return _lu_solve(lu, pivots, b, left, adjoint)
