@@ -43,6 +43,13 @@ def _bitcast_flat(flat, dtype: np.dtype):
     src = flat.dtype
     if src == dtype:
         return flat
+    # XLA cannot bitcast complex values; their bytes are (real, imag) pairs of floats.
+    if np.issubdtype(src, np.complexfloating):
+        return _bitcast_flat(jnp.stack([flat.real, flat.imag], -1).reshape(-1), dtype)
+    if np.issubdtype(dtype, np.complexfloating):
+        part = np.dtype(np.float32 if dtype == np.complex64 else np.float64)
+        pairs = _bitcast_flat(flat, part).reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
     if src == np.bool_:
         flat = flat.astype(np.uint8)
     target = _as_bits(dtype)
