@@ -1,0 +1,166 @@
+"""Eager modes: Strict, Debug and DeferAndFuse compute the same numbers; Debug checks what a device
+cannot; DeferAndFuse fuses, caches its programs and flushes where it must."""
+
+import os
+import traceback
+
+import pytest
+import torch
+
+import torchtpu
+from torchtpu.eager import defer
+from torchtpu.testing.compare import assert_same
+
+MODES = [torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+         torch.tpu.EagerMode.DEFER_AND_FUSE]
+DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
+DEBUG = torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING
+
+
+def _compiles() -> int:
+    return torchtpu.metrics.snapshot()["executable_compiles"]
+
+
+def _train(device: str, steps: int, after_step=None) -> tuple[list, dict]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    model.to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(5, 8).to(device), torch.randn(5, 4).to(device)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())  # a host read inside the loop
+        if after_step is not None:
+            after_step(step)
+    return torch.tensor(losses), {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_mlp_training_matches_cpu(mode):
+    expected = _train("cpu", 3)
+    with torch.tpu.set_eager_mode(mode):
+        actual = _train("tpu", 3)
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_defer_training_compiles_nothing_after_step_3():
+    counts = []
+    with torch.tpu.set_eager_mode(DEFER):
+        before = torchtpu.metrics.snapshot()
+        _train("tpu", 6, after_step=lambda step: counts.append(_compiles()))
+        after = torchtpu.metrics.snapshot()
+    assert counts[2] == counts[5], counts
+    # One fused program per step (the loss read flushes), old parameter buffers donated.
+    assert after["executions"] - before["executions"] == 6
+    assert after.get("donated_inputs", 0) > before.get("donated_inputs", 0)
+
+
+def _views_and_inplace(a, b):
+    a = a.clone()
+    a[1:3].mul_(2)             # write through a slice
+    a.t()[0].add_(b[0, :4])    # write through a transposed view
+    c = a @ a.t()
+    d = c.view(-1)
+    d[::3].sub_(1)             # strided write into a reshaped view
+    e = c[:, 1] * 3
+    return a, c, e
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_views_and_inplace_match_cpu(mode):
+    a, b = torch.randn(4, 6), torch.randn(6, 4)
+    expected = _views_and_inplace(a, b)
+    with torch.tpu.set_eager_mode(mode):
+        actual = _views_and_inplace(a.to("tpu"), b.to("tpu"))
+    assert_same(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_pending_values_cross_mode_changes():
+    a = torch.randn(3, 3)
+    t = a.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        assert torch.tpu.eager_mode is DEFER
+        b = t * 2 + 1
+        c = b.mm(t)
+        assert not torch.tpu.is_materialized(b) and not torch.tpu.is_materialized(c)
+        assert "stablehlo" in defer.pending_hlo() or "func.func" in defer.pending_hlo()
+        torch.tpu.eager_mode = DEBUG  # leaving DeferAndFuse runs what it holds
+        assert torch.tpu.is_materialized(b) and torch.tpu.is_materialized(c)
+        d = c - b
+        torch.tpu.eager_mode = DEFER
+        e = d * c
+    assert torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER
+    assert torch.tpu.is_materialized(e)
+    b_cpu = a * 2 + 1
+    c_cpu = b_cpu.mm(a)
+    assert_same((b, c, d, e), (b_cpu, c_cpu, c_cpu - b_cpu, (c_cpu - b_cpu) * c_cpu))
+
+
+def test_defer_flushes_at_host_reads_and_size_limit(monkeypatch):
+    t = torch.ones(4, device="tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        s = t * 3
+        assert not torch.tpu.is_materialized(s)
+        assert bool((s + 1)[0] == 4)  # bool() is a host read
+        assert torch.tpu.is_materialized(s)
+        monkeypatch.setattr(defer, "MAX_OPS", 5)
+        x = t
+        for _ in range(7):
+            x = x + 1
+        assert torch.tpu.is_materialized(t.new_empty(0)) and defer.pending_hlo()
+        torch.tpu.synchronize()
+        assert defer.pending_hlo() == "" and torch.tpu.is_materialized(x)
+    assert_same(x, torch.full((4,), 8.0))
+
+
+def test_defer_rng_matches_strict():
+    torch.tpu.manual_seed(7)
+    strict = torch.rand(5, device="tpu") + torch.randn(5, device="tpu")
+    torch.tpu.manual_seed(7)
+    with torch.tpu.set_eager_mode(DEFER):
+        deferred = torch.rand(5, device="tpu") + torch.randn(5, device="tpu")
+    # The same random stream; fusion may round the transforms differently by an ulp.
+    assert_same(deferred, strict.cpu(), atol=1e-6, rtol=1e-6)
+
+
+def _bad_gather(t):
+    return torch.gather(t, 1, torch.tensor([[0, 7]], device="tpu"))
+
+
+def _bad_index_select(t):
+    return torch.index_select(t, 0, torch.tensor([1, 5], device="tpu"))
+
+
+def _bad_embedding(t):
+    return torch.nn.functional.embedding(torch.tensor([0, 9], device="tpu"), t)
+
+
+@pytest.mark.parametrize("fn, op, value, size", [
+    (_bad_gather, "aten.gather", 7, 3),
+    (_bad_index_select, "aten.index_select", 5, 2),
+    (_bad_embedding, "aten.embedding", 9, 2),
+], ids=["gather", "index_select", "embedding"])
+def test_debug_reports_bad_index_at_user_line(fn, op, value, size):
+    t = torch.randn(2, 3, device="tpu")
+    with torch.tpu.set_eager_mode(DEBUG):
+        with pytest.raises(IndexError) as info:
+            fn(t)
+        msg = str(info.value)
+        assert op in msg and f"index {value}" in msg and f"size {size}" in msg
+        last = traceback.extract_tb(info.value.__traceback__)[-1]
+        assert last.filename == os.path.abspath(__file__) and last.name == fn.__name__
+        assert_same(t + 1, t.cpu() + 1)  # the device still works
+
+
+def test_debug_nans(monkeypatch):
+    monkeypatch.setenv("TORCHTPU_DEBUG_NANS", "1")
+    t = torch.tensor([1.0, 0.0], device="tpu")
+    with torch.tpu.set_eager_mode(DEBUG):
+        ok = t * 2
+        with pytest.raises(FloatingPointError, match="aten.div"):
+            t / t
+        assert_same(ok + 1, torch.tensor([3.0, 1.0]))
