@@ -167,6 +167,11 @@ def empty_like(x, *_, **__):
     return jnp.zeros(x.shape)
 
 
+@_graph_op(aten.full_like.default)
+def full_like(x, fill_value, *_, **__):
+    return jnp.full(x.shape, fill_value)
+
+
 @_graph_op(aten._assert_tensor_metadata.default, aten._assert_async.msg,
            aten.sym_constrain_range_for_size.default)
 def no_op(*_, **__):

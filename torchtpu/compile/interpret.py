@@ -106,7 +106,7 @@ class _Step:
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
             return cast_outputs(self.graph_op(*args, **kwargs), self.dtypes)
         entries, dyn = self._split(env, keys, scalars)
-        spec = Spec(entries, self.dtypes, self.dtypes, self.promote)
+        spec = Spec(tuple(entries), self.dtypes, self.dtypes, self.promote)
         args = rebuild(spec, self.lowering, tuple(dyn))
         return cast_outputs(self.lowering.fn(*args), spec.final)
 

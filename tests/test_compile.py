@@ -1,0 +1,219 @@
+"""torch.compile(backend="tpu") against CPU eager: forward values, gradients, mutations, options."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu
+from torchtpu.testing.compare import assert_same, to_device
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+
+def _to_tpu(module: nn.Module) -> nn.Module:
+    """A tpu copy of module with the same weights."""
+    twin = copy.deepcopy(module)
+    return twin.to("tpu")
+
+
+def _check_grads(cpu: nn.Module, dev: nn.Module, atol=1e-5, rtol=1.3e-6) -> None:
+    for (name, p), q in zip(cpu.named_parameters(), dev.parameters(), strict=True):
+        assert q.grad is not None, name
+        assert_same(q.grad, p.grad, atol=atol, rtol=rtol)
+
+
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+
+def test_mlp_forward_and_grads_match_cpu():
+    cpu = _mlp()
+    dev = _to_tpu(cpu)
+    x = torch.randn(5, 6)
+    compiled = torch.compile(dev, backend="tpu")
+    out = compiled(x.to("tpu"))
+    assert out.device.type == "tpu"
+    expected = cpu(x)
+    assert_same(out, expected)
+    out.square().sum().backward()
+    expected.square().sum().backward()
+    _check_grads(cpu, dev)
+
+
+def test_same_shapes_do_not_recompile():
+    dev = _to_tpu(_mlp())
+    compiled = torch.compile(dev, backend="tpu")
+    for _ in range(2):  # the second call also accumulates into existing .grad (eager ops)
+        compiled(torch.randn(5, 6, device="tpu")).sum().backward()
+    before = torchtpu.metrics.snapshot()
+    for _ in range(3):
+        compiled(torch.randn(5, 6, device="tpu")).sum().backward()
+    after = torchtpu.metrics.snapshot()
+    assert after["executable_compiles"] == before["executable_compiles"]
+    assert after["compiled_graphs"] == before["compiled_graphs"]
+
+
+class Block(nn.Module):
+    """A tiny GPT-style block: embedding, causal attention, LayerNorm, GELU MLP, LM head."""
+
+    def __init__(self, vocab=11, dim=8, heads=2):
+        super().__init__()
+        self.heads = heads
+        self.emb = nn.Embedding(vocab, dim)
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, 4 * dim)
+        self.down = nn.Linear(4 * dim, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, idx, targets):
+        b, t = idx.shape
+        x = self.emb(idx)
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
+        x = x + self.down(F.gelu(self.up(self.ln2(x))))
+        logits = self.head(x)
+        return F.cross_entropy(logits.view(b * t, -1), targets.view(-1))
+
+
+def test_gpt_block_loss_and_grads_match_cpu():
+    cpu = Block()
+    dev = _to_tpu(cpu)
+    idx = torch.randint(0, 11, (2, 5))
+    targets = torch.randint(0, 11, (2, 5))
+    loss = torch.compile(dev, backend="tpu")(idx.to("tpu"), targets.to("tpu"))
+    expected = cpu(idx, targets)
+    assert_same(loss, expected, atol=1e-5, rtol=1e-5)
+    loss.backward()
+    expected.backward()
+    _check_grads(cpu, dev, atol=1e-5, rtol=1e-4)
+
+
+def test_graph_break_gives_correct_results(capsys):
+    def fn(x, w):
+        y = torch.tanh(x @ w)
+        print("between graphs")
+        return (y * 2 + 1).sum(dim=0)
+
+    x, w = torch.randn(4, 3), torch.randn(3, 3)
+    out = torch.compile(fn, backend="tpu")(*to_device((x, w)))
+    assert_same(out, fn(x, w))
+    assert "between graphs" in capsys.readouterr().out
+
+
+def test_batchnorm_running_stats_are_updated():
+    cpu = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    dev = _to_tpu(cpu)
+    x = torch.randn(8, 4)
+    compiled = torch.compile(dev, backend="tpu")
+    assert_same(compiled(x.to("tpu")), cpu(x), atol=1e-5, rtol=1e-5)
+    assert_same(compiled(x.to("tpu") * 2), cpu(x * 2), atol=1e-5, rtol=1e-5)
+    bn_cpu, bn_dev = cpu[1], dev[1]
+    assert_same(bn_dev.running_mean, bn_cpu.running_mean)
+    assert_same(bn_dev.running_var, bn_cpu.running_var, atol=1e-5, rtol=1e-5)
+    assert_same(bn_dev.num_batches_tracked, bn_cpu.num_batches_tracked)
+
+
+def test_in_place_update_of_an_input_is_written_back():
+    def fn(x, y):
+        x.add_(y)
+        return x * 3
+
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    xd, yd = to_device((x, y))
+    out = torch.compile(fn, backend="tpu")(xd, yd)
+    expected = fn(x, y)
+    assert_same(out, expected)
+    assert_same(xd, x)
+
+
+def test_training_step_with_optimizer_matches_cpu():
+    cpu = _mlp()
+    dev = _to_tpu(cpu)
+    opt_cpu = torch.optim.SGD(cpu.parameters(), lr=0.1, momentum=0.9)
+    opt_dev = torch.optim.SGD(dev.parameters(), lr=0.1, momentum=0.9)
+
+    def step(model, opt, x, y):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled_step = torch.compile(step, backend="tpu")
+    for _ in range(2):
+        x, y = torch.randn(5, 6), torch.randn(5, 3)
+        loss = compiled_step(dev, opt_dev, x.to("tpu"), y.to("tpu"))
+        expected = step(cpu, opt_cpu, x, y)
+        assert_same(loss, expected, atol=1e-5, rtol=1e-5)
+    for p, q in zip(cpu.parameters(), dev.parameters(), strict=True):
+        assert_same(q, p, atol=1e-5, rtol=1e-5)
+
+
+def test_returned_views_of_inputs_keep_their_values():
+    def fn(x):
+        return x.t(), x[1:, ::2], x.view(-1)
+
+    x = torch.randn(3, 4)
+    out = torch.compile(fn, backend="tpu")(x.to("tpu"))
+    assert_same(out, fn(x))
+
+
+def test_dropout_draws_from_the_device_generator_repeatably():
+    def fn(x):
+        return F.dropout(x, p=0.5, training=True) * 2
+
+    compiled = torch.compile(fn, backend="tpu")
+    x = torch.ones(64, device="tpu")
+    torch.tpu.manual_seed(3)
+    a = compiled(x).cpu()
+    b = compiled(x).cpu()
+    torch.tpu.manual_seed(3)
+    c = compiled(x).cpu()
+    assert torch.equal(a, c)
+    assert not torch.equal(a, b)
+    assert set(a.unique().tolist()) <= {0.0, 4.0}
+
+
+def test_debug_callback_gets_graph_and_stablehlo():
+    seen = []
+    fn = torch.compile(lambda x: torch.exp(x) + 1, backend="tpu",
+                       options={"debug_callback": lambda gm, text: seen.append((gm, text))})
+    x = torch.randn(3)
+    assert_same(fn(x.to("tpu")), torch.exp(x) + 1)
+    assert len(seen) == 1
+    gm, text = seen[0]
+    assert isinstance(gm, torch.fx.GraphModule)
+    assert "stablehlo.exponential" in text
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"mode": "max-autotune"}, "Inductor mode"),
+    ({"options": {"triton.cudagraphs": True}}, "Inductor option"),
+    ({"options": {"bucket_sizes": 64}}, "unknown torch.compile option"),
+])
+def test_inductor_modes_and_options_are_refused(kwargs, message):
+    fn = torch.compile(lambda x: x + 1, backend="tpu", **kwargs)
+    with pytest.raises(Exception, match=message):
+        fn(torch.randn(2, device="tpu"))
+
+
+def test_dynamo_knows_the_tpu_device():
+    from torch._dynamo.device_interface import get_interface_for_device
+
+    interface = get_interface_for_device("tpu")
+    assert interface.is_available()
+    assert interface.device_count() == torch.tpu.device_count()
