@@ -178,6 +178,15 @@ def test_matrix_products():
     check_fwd_bwd(lambda c, a, b: torch.baddbmm(c, a, b, alpha=2), r(2, 3, 5), r(2, 3, 4),
                   r(2, 4, 5))
     check_fwd_bwd(lambda a, b: torch.dot(a, b), r(4), r(4))
+    check_fwd_bwd(lambda a, b: torch.mv(a, b), r(3, 4), r(4))
+    check_fwd_bwd(lambda c, a, b: torch.addmv(c, a, b, beta=0.5), r(3), r(3, 4), r(4))
+
+
+def test_linalg_reports_singular_and_indefinite_inputs():
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.inv(torch.zeros(3, 3, device="tpu"))
+    with pytest.raises(torch.linalg.LinAlgError):
+        torch.linalg.cholesky(-torch.eye(3, device="tpu"))
 
 
 def test_linalg():

@@ -1,6 +1,6 @@
 """Matrix products and linear algebra: mm, bmm, addbmm and the ``_linalg_*`` factorizations.
 
-``addmm``, ``addmv``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
+``addmm``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
 the products here. Every product uses ``Precision.HIGHEST`` so float32 matches the CPU.
 
 LU results follow LAPACK: pivots are 1-based int32 row swaps, and ``info`` is the 1-based index of
@@ -22,17 +22,26 @@ aten = torch.ops.aten
 HIGHEST = lax.Precision.HIGHEST
 
 
-@lowers(aten.mm, aten.bmm, promote="result")
-def matmul(x: jax.Array, y: jax.Array, out_dtype=None) -> jax.Array:
-    # The .dtype overloads get inputs already cast to out_dtype by promote="result".
+@lowers(aten.mm.default, aten.bmm.default, promote="result")
+def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.matmul(x, y, precision=HIGHEST)
+
+
+def _scaled_sum(x, product, beta, alpha):
+    # beta == 0 means self is ignored, NaNs included.
+    return jnp.where(beta == 0, jnp.zeros_like(x), beta * x) + alpha * product
+
+
+@lowers(aten.addmv.default, promote="result")
+def addmv(x, mat, vec, beta=1, alpha=1):
+    # Lowered although PyTorch has a decomposition: it calls mv, whose kernel calls addmv.out.
+    return _scaled_sum(x, jnp.matmul(mat, vec, precision=HIGHEST), beta, alpha)
 
 
 @lowers(aten.addbmm.default, promote="result")
 def addbmm(x, batch1, batch2, beta=1, alpha=1):
     total = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST)
-    # beta == 0 means self is ignored, NaNs included.
-    return jnp.where(beta == 0, jnp.zeros_like(x), beta * x) + alpha * total
+    return _scaled_sum(x, total, beta, alpha)
 
 
 def _mT(a):
