@@ -157,3 +157,25 @@ def test_fused_adamw_grad_scale_and_found_inf(tensor_lr):
     # found_inf set: nothing moves, not even the gradients.
     assert torch.equal(expected[0][0], params[0])
     assert torch.equal(expected[1][0], 4 * torch.ones(3, 2))
+
+
+def test_lr_schedule_does_not_recompile_fused_adamw():
+    import torchtpu
+
+    model = torch.nn.Linear(4, 4).to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    x = torch.randn(2, 4).to("tpu")
+
+    def step():
+        opt.zero_grad()
+        model(x).square().sum().backward()
+        opt.step()
+        sched.step()
+
+    for _ in range(3):
+        step()
+    compiles = torchtpu.metrics.snapshot()["executable_compiles"]
+    for _ in range(3):
+        step()
+    assert torchtpu.metrics.snapshot()["executable_compiles"] == compiles

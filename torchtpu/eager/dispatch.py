@@ -124,7 +124,7 @@ def infer(op: OpOverload, values: list, outs: list = ()):
 
 # ----------------------------------------------------------------------------- running lowerings
 
-def entries_of(oi: schema.OpInfo, values: list, static_scalars: bool) -> tuple:
+def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     """The static spec entries for bound arguments (what is traced, what is baked in)."""
     entries = []
     for i, v in enumerate(values):
@@ -134,7 +134,9 @@ def entries_of(oi: schema.OpInfo, values: list, static_scalars: bool) -> tuple:
             entries.append((TENSORS, tuple(x is None for x in v)))
         elif i == oi.generator_index:
             entries.append((KEY, None))
-        elif i in oi.scalar_indices and not static_scalars and v is not None:
+        elif v is not None and (
+                (i in oi.scalar_indices and not lowering.static_scalars)
+                or oi.names[i] in lowering.traced):
             entries.append((SCALAR, None))
         else:
             entries.append((CONST, tuple(v) if isinstance(v, list) else v))
@@ -192,7 +194,7 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
         result = infer(op, values)
         compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
         promote = _common_dtype(values) if lowering.promote == "common" else None
-        entries = entries_of(oi, values, lowering.static_scalars)
+        entries = entries_of(oi, values, lowering)
         if lowering.random:
             # No Generator argument: a leading key from the default device generator.
             entries = ((KEY, None), *entries)
@@ -243,7 +245,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 
 
 def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
-    spec = Spec(entries_of(oi, values, lowering.static_scalars), None, None, None)
+    spec = Spec(entries_of(oi, values, lowering), None, None, None)
     out = compute(lowering, spec, values)
     if isinstance(out, (tuple, list)):
         return tuple(tensors.wrap(o) for o in out)

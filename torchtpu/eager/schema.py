@@ -50,7 +50,7 @@ def info(op: OpOverload) -> OpInfo:
         t = str(a.type)
         if t in ("Generator", "Optional[Generator]"):
             gen = i
-        if t.startswith("Scalar") or t.startswith("number"):
+        if t.removeprefix("Optional[").startswith(("Scalar", "number")):
             scalars.add(i)
     return OpInfo(op, tuple(names), tuple(defaults), frozenset(kwonly), tuple(written),
                   tuple(outs), gen, frozenset(scalars))

@@ -142,12 +142,15 @@ def _adam(decoupled: bool, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
             _skip_if_inf(found_inf, new_max, max_exp_avg_sqs) if amsgrad else max_exp_avg_sqs)
 
 
-lowers(aten._fused_adam.default, aten._fused_adam.tensor_lr)(functools.partial(_adam, False))
-lowers(aten._fused_adamw.default, aten._fused_adamw.tensor_lr)(functools.partial(_adam, True))
+# lr is traced so that a learning-rate schedule does not recompile the step every iteration.
+lowers(aten._fused_adam.default, aten._fused_adam.tensor_lr, traced=("lr",))(
+    functools.partial(_adam, False))
+lowers(aten._fused_adamw.default, aten._fused_adamw.tensor_lr, traced=("lr",))(
+    functools.partial(_adam, True))
 
 
 
-@lowers(aten._fused_sgd.default, aten._fused_sgd.tensor_lr)
+@lowers(aten._fused_sgd.default, aten._fused_sgd.tensor_lr, traced=("lr",))
 def fused_sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampening, nesterov,
               maximize, is_first_step, grad_scale=None, found_inf=None):
     unscaled = _unscale(grads, grad_scale)

@@ -8,8 +8,10 @@ Policy that many ops share is declared here instead of repeated in each lowering
 - ``promote="result"``: tensor inputs are cast to the op's result dtype first (PyTorch computes
   elementwise math in the result dtype); ``promote="common"``: to the inputs' common dtype
   (comparisons, whose result is bool). Results are always cast to PyTorch's result dtype.
-- ``dynamic_scalars``: which ``Scalar`` arguments are traced rather than baked into the program,
-  so a learning rate that changes every step does not recompile (default: all of them).
+- ``Scalar`` arguments are traced rather than baked into the program, so a value that changes
+  every step does not recompile; ``static_scalars=True`` bakes them in instead (for lowerings
+  that need the value in Python). ``traced`` names other (e.g. ``float``) arguments to trace,
+  such as the learning rate of the fused optimizers.
 - ``data_dependent_shape``: the output shape depends on values (``nonzero``); the executor runs
   such a lowering on concrete arrays instead of compiling it whole.
 - ``random``: the lowering takes a PRNG key as its first argument, drawn from the device
@@ -19,7 +21,7 @@ Policy that many ops share is declared here instead of repeated in each lowering
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +37,7 @@ class Lowering:
     static_scalars: bool = False
     data_dependent_shape: bool = False
     random: bool = False
+    traced: tuple = ()
 
 
 TABLE: dict[OpOverload, Lowering] = {}
@@ -52,7 +55,8 @@ def _overloads(target) -> list[OpOverload]:
 
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
-           data_dependent_shape: bool = False, random: bool = False) -> Callable:
+           data_dependent_shape: bool = False, random: bool = False,
+           traced: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
         raise ValueError(f"promote must be None, 'result' or 'common', not {promote!r}")
@@ -62,7 +66,8 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
             for op in _overloads(target):
                 if op in TABLE:
                     raise RuntimeError(f"{op} has two lowerings: {TABLE[op].fn} and {fn}")
-                TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random)
+                TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
+                                     tuple(traced))
         return fn
 
     return register
