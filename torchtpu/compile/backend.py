@@ -157,6 +157,22 @@ def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
     return compile_graph
 
 
+# The device runtime runs inside PyTorch's dispatcher, also when a compiled function falls back
+# to eager (a graph break): Dynamo must run those frames, never trace them as user code.
+_RUNTIME_PACKAGES = ("torchtpu.device", "torchtpu.eager", "torchtpu.lowering",
+                     "torchtpu.runtime", "torchtpu.compile", "torchtpu.metrics", "jax", "jaxlib")
+
+
+def _skip_runtime_frames() -> None:
+    from torch._dynamo import trace_rules
+
+    for name in _RUNTIME_PACKAGES:
+        trace_rules.add(name)
+
+
+_skip_runtime_frames()
+
+
 @register_backend(name="tpu")
 def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                 options: dict | None = None) -> Callable:
