@@ -68,8 +68,21 @@ def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
             if d is _REQUIRED:
                 raise TypeError(f"{oi.op}: missing required argument {name!r}")
             values[i] = d
+    for i in _tensor_indices(oi.op):
+        if isinstance(values[i], (bool, int, float, complex)):
+            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
+            # ``remainder.Tensor_out`` with one) reaches Python as a plain number. A 0-dim tensor
+            # of the default dtype for its kind promotes as the wrapped number did.
+            values[i] = torch.tensor(values[i])
     outs = [kwargs[n] for n in oi.out_names] if oi.out_names else []
     return values, outs
+
+
+@functools.cache
+def _tensor_indices(op: OpOverload) -> tuple:
+    args = [a for a in op._schema.arguments
+            if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
+    return tuple(i for i, a in enumerate(args) if str(a.type) == "Tensor")
 
 
 def _signature(op: OpOverload, skip_out: bool) -> tuple:
