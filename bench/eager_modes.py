@@ -1,4 +1,4 @@
-"""Training-step throughput of a small GPT in Strict, DeferAndFuse and native CPU eager, side by side.
+"""Training-step throughput of a small GPT: Strict, DeferAndFuse and CPU eager, side by side.
 
 One process, one model recipe (TinyGPT: 2 layers, width 64, sequence 32, batch 8, AdamW with
 clipping), the same batches everywhere. Each run warms up, then times steps; the table gives
