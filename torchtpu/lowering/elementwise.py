@@ -1,14 +1,42 @@
-"""Elementwise math: arithmetic, unary functions, comparisons, logic, ``where``, casts."""
+"""Elementwise math: arithmetic, unary functions, comparisons, logic, bit operations, ``where``,
+``fill``/``zero`` and complex conjugation.
+
+PyTorch's meta kernels fix every result dtype; most lowerings here use ``promote="result"`` so the
+math runs in that dtype (an int tensor passed to ``exp`` is computed in float32, as on CPU). Ops
+whose result dtype is not their input's (``abs`` of complex, ``isnan``, logical ops) take their
+inputs unconverted and rely on the final cast. Where PyTorch's CPU formula differs from the obvious
+JAX one (floor division, ``lerp``, ``xlogy``, ``digamma`` at 0, rounding to decimals) the lowering
+follows PyTorch's.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
+import jax.scipy.special as jsp
 import torch
+from jax import lax
 
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
 
+
+def _register(table: dict, promote: str | None) -> None:
+    for op, fn in table.items():
+        lowers(op, promote=promote)(fn)
+
+
+def _is_int(x) -> bool:
+    return jnp.issubdtype(jnp.result_type(x), jnp.integer) or jnp.result_type(x) == jnp.bool_
+
+
+def _truth(x):
+    return x if x.dtype == jnp.bool_ else x != 0
+
+
+# ----------------------------------------------------------------------------- arithmetic
 
 @lowers(aten.add.Tensor, aten.add.Scalar, promote="result")
 def add(x, y, alpha=1):
@@ -25,16 +53,281 @@ def mul(x, y):
     return x * y
 
 
-@lowers(aten.div.Tensor, aten.div.Scalar, promote="result")
-def div(x, y):
-    return x / y
+def _floor_divide(x, y):
+    if _is_int(x):
+        return jnp.floor_divide(x, y)
+    # PyTorch's div_floor: exact for representable quotients, x/0 gives +-inf rather than NaN.
+    mod = jnp.fmod(x, y)
+    div = (x - mod) / y
+    div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
+    floor = jnp.floor(div)
+    floor = jnp.where(div - floor > 0.5, floor + 1, floor)
+    floor = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), x / y), floor)
+    return jnp.where(y == 0, x / y, floor)
 
 
-@lowers(aten.neg.default, promote="result")
-def neg(x):
-    return -x
+@lowers(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode,
+        promote="result")
+def div(x, y, rounding_mode=None):
+    if rounding_mode is None:
+        return x / y
+    if rounding_mode == "floor":
+        return _floor_divide(x, y)
+    return lax.div(x, jnp.asarray(y, x.dtype)) if _is_int(x) else jnp.trunc(x / y)
 
 
-@lowers(aten.exp.default, promote="result")
-def exp(x):
-    return jnp.exp(x)
+@lowers(aten.floor_divide.default, aten.floor_divide.Scalar, promote="result")
+def floor_divide(x, y):
+    return _floor_divide(x, y)
+
+
+_register({
+    # Python-style modulo (sign of the divisor) and C-style (sign of the dividend).
+    aten.remainder.Tensor: jnp.remainder,
+    aten.remainder.Scalar: jnp.remainder,
+    aten.remainder.Scalar_Tensor: jnp.remainder,
+    aten.fmod.Tensor: jnp.fmod,
+    aten.fmod.Scalar: jnp.fmod,
+    aten.pow.Tensor_Tensor: jnp.power,
+    aten.pow.Tensor_Scalar: jnp.power,
+    aten.pow.Scalar: jnp.power,
+    aten.atan2.default: jnp.arctan2,
+    aten.hypot.default: jnp.hypot,
+    aten.logaddexp.default: jnp.logaddexp,
+    aten.logaddexp2.default: jnp.logaddexp2,
+    aten.copysign.Tensor: jnp.copysign,
+    aten.copysign.Scalar: jnp.copysign,
+    aten.nextafter.default: jnp.nextafter,
+    aten.maximum.default: jnp.maximum,
+    aten.minimum.default: jnp.minimum,
+    aten.fmax.default: jnp.fmax,
+    aten.fmin.default: jnp.fmin,
+}, promote="result")
+
+
+def _xlog(fn: Callable) -> Callable:
+    def lowering(x, y):
+        # 0 * log(0) is 0, but a NaN y still gives NaN (CPU's order of checks).
+        out = jnp.where(x == 0, jnp.zeros_like(x * y), x * fn(y))
+        return jnp.where(jnp.isnan(y), y, out)
+
+    return lowering
+
+
+_register({
+    aten.xlogy.Tensor: _xlog(jnp.log),
+    aten.xlogy.Scalar_Self: _xlog(jnp.log),
+    aten.xlogy.Scalar_Other: _xlog(jnp.log),
+    aten.special_xlog1py.default: _xlog(jnp.log1p),
+    aten.special_xlog1py.self_scalar: _xlog(jnp.log1p),
+    aten.special_xlog1py.other_scalar: _xlog(jnp.log1p),
+}, promote="result")
+
+
+@lowers(aten.lerp.Scalar, aten.lerp.Tensor, promote="result")
+def lerp(start, end, weight):
+    # CPU's two-sided formula: exact at both weight == 0 and weight == 1.
+    diff = end - start
+    return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
+
+
+@lowers(aten.addcmul.default, promote="result")
+def addcmul(x, t1, t2, value=1):
+    return x + value * t1 * t2
+
+
+@lowers(aten.addcdiv.default, promote="result")
+def addcdiv(x, t1, t2, value=1):
+    return x + value * t1 / t2
+
+
+# ----------------------------------------------------------------------------- unary math
+
+def _digamma(x):
+    # PyTorch: digamma(+-0) is -+inf (lax gives NaN).
+    return jnp.where(x == 0, jnp.copysign(jnp.full_like(x, jnp.inf), -x), lax.digamma(x))
+
+
+def _frac(x):
+    return x - jnp.trunc(x)
+
+
+def _keep_int(fn: Callable) -> Callable:
+    """Rounding functions leave integer tensors unchanged, as on CPU."""
+    return lambda x: x if _is_int(x) else fn(x)
+
+
+_register({
+    aten.neg.default: jnp.negative,
+    aten.exp.default: jnp.exp,
+    aten.exp2.default: jnp.exp2,
+    aten.expm1.default: jnp.expm1,
+    aten.log.default: jnp.log,
+    aten.log2.default: jnp.log2,
+    aten.log10.default: jnp.log10,
+    aten.log1p.default: jnp.log1p,
+    aten.sqrt.default: jnp.sqrt,
+    aten.rsqrt.default: lax.rsqrt,
+    aten.reciprocal.default: jnp.reciprocal,
+    aten.sin.default: jnp.sin,
+    aten.cos.default: jnp.cos,
+    aten.tan.default: jnp.tan,
+    aten.asin.default: jnp.arcsin,
+    aten.acos.default: jnp.arccos,
+    aten.atan.default: jnp.arctan,
+    aten.sinh.default: jnp.sinh,
+    aten.cosh.default: jnp.cosh,
+    aten.tanh.default: jnp.tanh,
+    aten.asinh.default: jnp.arcsinh,
+    aten.acosh.default: jnp.arccosh,
+    aten.atanh.default: jnp.arctanh,
+    aten.erf.default: lax.erf,
+    aten.erfc.default: lax.erfc,
+    aten.erfinv.default: lax.erf_inv,
+    aten.lgamma.default: lax.lgamma,
+    aten.digamma.default: _digamma,
+    aten.i0.default: jsp.i0,
+    aten.sinc.default: jnp.sinc,
+    aten.sigmoid.default: lax.logistic,
+    aten.deg2rad.default: jnp.deg2rad,
+    aten.rad2deg.default: jnp.rad2deg,
+    aten.floor.default: _keep_int(jnp.floor),
+    aten.ceil.default: _keep_int(jnp.ceil),
+    aten.trunc.default: _keep_int(jnp.trunc),
+    aten.round.default: _keep_int(jnp.round),
+    aten.frac.default: _frac,
+}, promote="result")
+
+
+@lowers(aten.round.decimals, promote="result")
+def round_decimals(x, decimals=0):
+    if _is_int(x):
+        return x
+    # CPU divides by 10**-d for negative d rather than multiplying by an inexact 10**d.
+    if decimals >= 0:
+        scale = 10.0 ** decimals
+        return jnp.round(x * scale) / scale
+    scale = 10.0 ** -decimals
+    return jnp.round(x / scale) * scale
+
+
+@lowers(aten.logit.default, promote="result")
+def logit(x, eps=None):
+    if eps is not None:
+        x = jnp.clip(x, eps, 1 - eps)
+    return jnp.log(x / (1 - x))
+
+
+@lowers(aten.clamp.default, aten.clamp.Tensor, promote="result")
+def clamp(x, lo=None, hi=None):
+    if lo is not None:
+        x = jnp.maximum(x, lo)
+    if hi is not None:
+        x = jnp.minimum(x, hi)
+    return x
+
+
+@lowers(aten.clamp_min.default, aten.clamp_min.Tensor, promote="result")
+def clamp_min(x, lo):
+    return jnp.maximum(x, lo)
+
+
+@lowers(aten.clamp_max.default, aten.clamp_max.Tensor, promote="result")
+def clamp_max(x, hi):
+    return jnp.minimum(x, hi)
+
+
+@lowers(aten.heaviside.default, promote="result")
+def heaviside(x, values):
+    return jnp.where(x == 0, values, (x > 0).astype(x.dtype))
+
+
+@lowers(aten.sign.default, aten.sgn.default)
+def sign(x):
+    if x.dtype == jnp.bool_:
+        return x
+    if jnp.iscomplexobj(x):
+        return jnp.sign(x)
+    # (0 < x) - (x < 0), as on CPU: NaN gives 0, not NaN.
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
+
+
+@lowers(aten.angle.default)
+def angle(x):
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x)
+    # Real input: pi for negatives, 0 otherwise (including -0.0), NaN stays NaN.
+    out = jnp.where(x < 0, jnp.pi, 0.0)
+    return jnp.where(jnp.isnan(x), x, out) if not _is_int(x) else out
+
+
+@lowers(aten.nan_to_num.default)
+def nan_to_num(x, nan=None, posinf=None, neginf=None):
+    return jnp.nan_to_num(x, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
+
+
+# Result dtype differs from the input's (complex -> real, anything -> bool): no input cast.
+_register({
+    aten.abs.default: jnp.abs,
+    aten.isnan.default: jnp.isnan,
+    aten.isinf.default: jnp.isinf,
+    aten.isposinf.default: jnp.isposinf,
+    aten.isneginf.default: jnp.isneginf,
+    aten.signbit.default: jnp.signbit,
+    aten._conj_physical.default: jnp.conj,
+    aten.complex.default: lax.complex,
+}, promote=None)
+
+
+# ----------------------------------------------------------------------------- comparisons, logic
+
+_register({
+    getattr(aten, name).Tensor if kind == "Tensor" else getattr(aten, name).Scalar: fn
+    for name, fn in (("eq", jnp.equal), ("ne", jnp.not_equal), ("lt", jnp.less),
+                     ("le", jnp.less_equal), ("gt", jnp.greater), ("ge", jnp.greater_equal))
+    for kind in ("Tensor", "Scalar")
+}, promote="common")
+
+_register({
+    aten.logical_and.default: lambda x, y: _truth(x) & _truth(y),
+    aten.logical_or.default: lambda x, y: _truth(x) | _truth(y),
+    aten.logical_xor.default: lambda x, y: _truth(x) ^ _truth(y),
+    aten.logical_not.default: lambda x: ~_truth(x),
+}, promote=None)
+
+
+def _bitwise(name: str, fn: Callable) -> dict:
+    packet = getattr(aten, name)
+    ops = (getattr(packet, o) for o in packet.overloads())
+    # Only the tensor overloads: the packet also holds TorchScript's int/bool ones.
+    return {op: fn for op in ops if not op._schema.is_mutable
+            and any(str(a.type) == "Tensor" for a in op._schema.arguments)}
+
+
+_register({
+    **_bitwise("bitwise_and", jnp.bitwise_and),
+    **_bitwise("bitwise_or", jnp.bitwise_or),
+    **_bitwise("bitwise_xor", jnp.bitwise_xor),
+    **_bitwise("bitwise_left_shift", jnp.left_shift),
+    **_bitwise("bitwise_right_shift", jnp.right_shift),
+    **_bitwise("__lshift__", jnp.left_shift),
+    **_bitwise("__rshift__", jnp.right_shift),
+    aten.bitwise_not.default: jnp.invert,
+}, promote="result")
+
+
+@lowers(aten.where.self)
+def where(cond, x, y):
+    return jnp.where(cond, x, y)
+
+
+# ----------------------------------------------------------------------------- fill
+
+@lowers(aten.fill.Scalar, aten.fill.Tensor)
+def fill(x, value):
+    return jnp.full(x.shape, value, x.dtype)
+
+
+@lowers(aten.zero.default)
+def zero(x):
+    return jnp.zeros_like(x)

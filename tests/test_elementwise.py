@@ -1,0 +1,224 @@
+"""Elementwise ops against CPU: unary math, arithmetic, comparisons, logic, bits, where, fill."""
+
+import math
+
+import pytest
+import torch
+
+from torchtpu.testing.compare import assert_same, check_against_cpu
+
+SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.5, math.inf, -math.inf, math.nan]
+
+
+def _floats(*shape):
+    x = torch.randn(*shape) * 2
+    flat = x.view(-1)
+    n = min(flat.numel(), len(SPECIAL))
+    flat[:n] = torch.tensor(SPECIAL[:n])
+    return x
+
+
+UNARY = [
+    "abs", "neg", "sign", "sgn", "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt",
+    "rsqrt", "reciprocal", "sin", "cos", "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh",
+    "asinh", "acosh", "atanh", "erf", "erfc", "erfinv", "lgamma", "digamma", "sigmoid", "logit",
+    "floor", "ceil", "round", "trunc", "frac", "isnan", "isinf", "isfinite", "isposinf",
+    "isneginf", "signbit", "nan_to_num", "angle", "i0", "sinc", "deg2rad", "rad2deg",
+    "logical_not", "square", "positive",
+]
+
+
+@pytest.mark.parametrize("name", UNARY)
+def test_unary_float(name):
+    fn = getattr(torch, name)
+    check_against_cpu(fn, _floats(4, 5), atol=1e-5, rtol=1e-5)
+
+
+INT_UNARY = ["abs", "neg", "sign", "exp", "sqrt", "sin", "sigmoid", "floor", "round", "trunc",
+             "isnan", "signbit", "reciprocal", "bitwise_not", "logical_not", "angle"]
+
+
+@pytest.mark.parametrize("name", INT_UNARY)
+def test_unary_int(name):
+    x = torch.randint(-5, 6, (3, 4), dtype=torch.int32)
+    check_against_cpu(getattr(torch, name), x, rtol=1e-5)
+
+
+def test_unary_extras():
+    x = _floats(4, 5)
+    check_against_cpu(lambda x: torch.round(x, decimals=1), x)
+    check_against_cpu(lambda x: torch.round(x * 1000, decimals=-2), x)
+    check_against_cpu(lambda x: torch.logit(x, eps=1e-3), x.sigmoid())
+    check_against_cpu(lambda x: torch.nan_to_num(x, nan=1.0, posinf=2.0, neginf=-3.0), x)
+    check_against_cpu(lambda x: torch.clamp(x, -1, 0.5), x)
+    check_against_cpu(lambda x: torch.clamp(x, max=0.2), x)
+    check_against_cpu(lambda x: x.clamp_min(0.1) + x.clamp_max(-0.1), x)
+    b = torch.randn(4, 5)
+    check_against_cpu(lambda x, b: torch.clamp(x, min=b, max=b + 1), x, b)
+    check_against_cpu(lambda x, b: torch.clamp_min(x, b) - torch.clamp_max(x, b), x, b)
+    i = torch.arange(-4, 5)
+    check_against_cpu(lambda i: torch.clamp(i, 0.5, 2.5), i)  # promotes to float
+
+
+BINARY = ["add", "sub", "mul", "div", "remainder", "fmod", "pow", "floor_divide", "true_divide",
+          "atan2", "hypot", "logaddexp", "logaddexp2", "copysign", "xlogy", "maximum", "minimum",
+          "fmax", "fmin", "nextafter", "heaviside", "special.xlog1py"]
+
+
+def _resolve(name):
+    fn = torch
+    for part in name.split("."):
+        fn = getattr(fn, part)
+    return fn
+
+
+SCALAR_OVERLOADS = {"add", "sub", "mul", "div", "remainder", "fmod", "pow", "floor_divide",
+                    "true_divide", "copysign", "xlogy"}
+
+
+@pytest.mark.parametrize("name", BINARY)
+def test_binary(name):
+    fn = _resolve(name)
+    x, y = _floats(3, 4), _floats(4)  # broadcasting, with NaN/inf/zero on both sides
+    y = y.flip(0)
+    check_against_cpu(fn, x, y, atol=1e-5, rtol=1e-5)
+    if name in SCALAR_OVERLOADS:
+        check_against_cpu(lambda x: fn(x, 1.5), x, atol=1e-5, rtol=1e-5)
+
+
+INT_BINARY = ["add", "sub", "mul", "div", "remainder", "fmod", "floor_divide", "maximum",
+              "minimum", "bitwise_and", "bitwise_or", "bitwise_xor", "bitwise_left_shift",
+              "bitwise_right_shift", "logical_and", "logical_or", "logical_xor", "eq", "lt"]
+
+
+@pytest.mark.parametrize("name", INT_BINARY)
+def test_binary_int(name):
+    fn = getattr(torch, name)
+    x = torch.randint(-20, 20, (3, 4))
+    y = torch.randint(1, 5, (3, 4), dtype=torch.int32)  # int64 op int32 promotes to int64
+    check_against_cpu(fn, x, y)
+    if name not in ("maximum", "minimum") and not name.startswith("logical"):
+        check_against_cpu(lambda x: fn(x, 3), x)
+
+
+def test_arithmetic_overloads():
+    x, y = _floats(3, 4), torch.randn(3, 4)
+    i = torch.randint(-20, 20, (6,))
+    for mode in ("trunc", "floor"):
+        check_against_cpu(lambda x, y, m: torch.div(x, y, rounding_mode=m), x, y, mode)
+        check_against_cpu(lambda x, m: torch.div(x, -0.7, rounding_mode=m), x, mode)
+        check_against_cpu(lambda i, m: torch.div(i, 3, rounding_mode=m), i, mode)
+    check_against_cpu(lambda x, y: torch.add(x, y, alpha=2.5) - torch.sub(x, y, alpha=-2), x, y)
+    check_against_cpu(lambda y: torch.pow(2.0, y) + torch.pow(y, 2) + torch.pow(y.abs(), 0.5), y)
+    check_against_cpu(lambda y: torch.remainder(5, y + 10), y)
+    i = torch.randint(0, 5, (5,))
+    check_against_cpu(lambda i: torch.pow(i, 3) + torch.pow(2, i), i)
+    check_against_cpu(lambda i: 7 / (i + 1), i)
+    w = y.sigmoid()
+    check_against_cpu(lambda x, y, w: torch.lerp(x, y, 0.3) + torch.lerp(x, y, w), x, y, w)
+    check_against_cpu(lambda x, y: torch.addcmul(x, x, y, value=0.5), x, y)
+    check_against_cpu(lambda x, y: torch.addcdiv(x, x, y, value=-2), x, y)
+    check_against_cpu(lambda x: torch.xlogy(2.0, x) + torch.xlogy(x, 3.0), x)
+
+
+@pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge"])
+def test_comparisons(op):
+    fn = getattr(torch, op)
+    x = torch.tensor([[1.0, 2.0, math.nan, -1.0], [0.0, -0.0, math.inf, 2.0]])
+    y = torch.tensor([1.0, 3.0, math.nan, -1.0])
+    check_against_cpu(fn, x, y)
+    check_against_cpu(lambda x: fn(x, 2.0), x)
+    i = torch.tensor([1, 2, 3])
+    check_against_cpu(lambda i: fn(i, 2.5), i)  # compared in float, not truncated
+    check_against_cpu(lambda i, f: fn(i, f), i, torch.tensor([1.0, 2.5, 3.0]))
+
+
+def test_shifts_and_bool_logic():
+    x = torch.tensor([1, -8, 255, 7], dtype=torch.int32)
+    s = torch.tensor([0, 1, 31, 40], dtype=torch.int32)
+    check_against_cpu(lambda x, s: (x << s, x >> s, x << 2, x >> 1), x, s)
+    u = torch.tensor([1, 128, 255], dtype=torch.uint8)
+    check_against_cpu(lambda u: (u >> 1, ~u, u & 0x0F, u ^ 3), u)
+    a, b = torch.tensor([True, False, True]), torch.tensor([True, True, False])
+    check_against_cpu(lambda a, b: (a & b, a | b, a ^ b, ~a, a + b), a, b)
+    f = torch.tensor([0.0, 1.5, math.nan])
+    check_against_cpu(lambda f: (torch.logical_and(f, f), torch.logical_not(f)), f)
+
+
+def test_where():
+    c = torch.rand(3, 4) > 0.5
+    x, y = torch.randn(3, 4), torch.randn(4)
+    check_against_cpu(torch.where, c, x, y)
+    check_against_cpu(lambda c, x: torch.where(c, x, 0.0) + torch.where(c, 1.0, x), c, x)
+    i = torch.randint(0, 9, (4,))
+    check_against_cpu(torch.where, c, i, y)  # int64 with float32 -> float32
+
+
+def test_inplace_on_view():
+    x, y = torch.randn(4, 3), torch.randn(3)
+
+    def fn(x, y):
+        x[1:].add_(y)
+        x[:, 0].mul_(2).clamp_(-0.5, 0.5)
+        x.t()[1].sigmoid_()
+        x[0].fill_(7)
+        x[2].zero_()
+        return x
+
+    # fn mutates its input, so the CPU run gets its own copy.
+    assert_same(fn(x.to("tpu"), y.to("tpu")), fn(x.clone(), y))
+    i = torch.arange(6)
+    assert_same(i.to("tpu")[::2].bitwise_xor_(5), i.clone()[::2].bitwise_xor_(5))
+
+
+def test_out_variants():
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+
+    def fn(x, y):
+        out = torch.empty_like(x)
+        torch.mul(x, y, out=out)
+        flags = torch.empty(3, 4, dtype=torch.bool, device=x.device)
+        torch.gt(x, y, out=flags)
+        grown = torch.empty(0, device=x.device)  # out= is resized to the result shape
+        torch.exp(x, out=grown)
+        return out, flags, grown
+
+    check_against_cpu(fn, x, y)
+
+
+def test_complex():
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    w = torch.randn(4, dtype=torch.complex64)
+    check_against_cpu(lambda z, w: (z + w, z * w, z / w, z - 2j * w), z, w, atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda z: (z.abs(), z.exp(), z.sgn(), z.angle(), z.sqrt(), z.log()), z,
+                      atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda z: (z.conj_physical(), z.conj() * z, z.isnan(), z == z), z)
+    re, im = torch.randn(3), torch.randn(3)
+    check_against_cpu(lambda re, im: torch.complex(re, im) * 2, re, im)
+
+
+def test_half_precision():
+    x = torch.randn(8)
+    for dtype in (torch.float16, torch.bfloat16):
+        check_against_cpu(lambda x: (x.exp(), x * 3, x.tanh()), x.to(dtype), atol=1e-2, rtol=1e-2)
+
+
+def test_factories_fill():
+    assert_same(torch.ones(3, device="tpu"), torch.ones(3))
+    assert_same(torch.zeros(2, 3, dtype=torch.int64, device="tpu"),
+                torch.zeros(2, 3, dtype=torch.int64))
+    assert_same(torch.full((2, 2), 2.5, device="tpu"), torch.full((2, 2), 2.5))
+    assert_same(torch.full((3,), True, device="tpu"), torch.full((3,), True))
+    assert_same(torch.ones_like(torch.empty(2, 2, device="tpu")), torch.ones(2, 2))
+    v = torch.tensor(4.0)
+    check_against_cpu(lambda x, v: x.fill_(v), torch.randn(3), v)
+
+
+def test_print_does_not_fall_back():
+    x = torch.tensor([[1.5, -2.0, math.nan], [math.inf, 0.0, 1e-8]])
+    samples = (x, x.to(torch.int64), x > 0, torch.randn(50, 50), torch.tensor(2.5),
+               torch.tensor([1 + 2j, -3j]))
+    for t in samples:
+        shown = "".join(repr(t.to("tpu")).split())  # the device suffix may wrap a line
+        assert ",device='tpu:0'" in shown
+        assert shown.replace(",device='tpu:0'", "") == "".join(repr(t).split())
