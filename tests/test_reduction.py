@@ -1,0 +1,136 @@
+"""Reductions, scans and sorts against CPU: dtypes, dim/keepdim, NaN and tie semantics."""
+
+import math
+
+import pytest
+import torch
+
+from torchtpu.testing.compare import assert_same, check_against_cpu
+
+
+def _with_nan(x):
+    x = x.clone()
+    x[1, 2] = math.nan
+    return x
+
+
+X = torch.randn(3, 5)
+INTS = torch.randint(-5, 6, (3, 5))
+
+DIMS = [{}, {"dim": 1}, {"dim": -2, "keepdim": True}, {"dim": (0, 1)}]
+REDUCE = ["sum", "mean", "prod", "amax", "amin", "nansum", "logsumexp", "var", "std",
+          "var_mean", "std_mean", "count_nonzero", "any", "all", "norm", "nanmean"]
+
+
+@pytest.mark.parametrize("kw", DIMS, ids=str)
+@pytest.mark.parametrize("name", REDUCE)
+def test_reductions(name, kw):
+    fn = getattr(torch, name)
+    if name == "count_nonzero":
+        kw = {k: v for k, v in kw.items() if k != "keepdim"}
+    if name == "logsumexp" and "dim" not in kw:
+        kw = {"dim": (0, 1)}
+    if name == "prod" and isinstance(kw.get("dim"), tuple):
+        kw = {"dim": 0}  # prod takes a single dim
+    x = X if name not in ("any", "all") else X > 0
+    check_against_cpu(lambda x: fn(x, **kw), x, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["sum", "prod", "amax", "amin", "count_nonzero", "any", "all",
+                                  "cumsum", "cumprod", "max", "nansum"])
+def test_reductions_int(name):
+    fn = getattr(torch, name)
+    if name.startswith("cum"):
+        fn = lambda x, f=fn: f(x, 1)  # noqa: E731
+    check_against_cpu(fn, INTS)  # sum/prod/cumsum of int64 stay int64
+    check_against_cpu(fn, INTS.to(torch.int32))  # and int32 -> int64
+    check_against_cpu(fn, INTS > 0)  # bool
+
+
+def test_dtype_argument_and_half():
+    check_against_cpu(lambda x: (torch.sum(x, dtype=torch.float64), x.sum(1, dtype=torch.int32),
+                                 x.prod(0, dtype=torch.float32), x.cumsum(0, dtype=torch.float64)),
+                      INTS)
+    check_against_cpu(lambda x: torch.mean(x, dtype=torch.float64), X)
+    for dtype in (torch.float16, torch.bfloat16):
+        check_against_cpu(lambda x: (x.sum(), x.mean(1), x.var()), X.to(dtype), atol=1e-2,
+                          rtol=1e-2)
+    with pytest.raises(RuntimeError):
+        INTS.to("tpu").mean()  # as on CPU: mean of integers is refused
+
+
+def test_var_std_correction():
+    for corr in (0, 1, 2.5, 5):
+        check_against_cpu(lambda x, c: (torch.var(x, 1, correction=c),
+                                        torch.std_mean(x, 0, correction=c, keepdim=True)),
+                          X, corr, atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda x: (x.var(unbiased=False), x.std(1, unbiased=True)), X)
+    z = torch.randn(3, 4, dtype=torch.complex64)
+    check_against_cpu(lambda z: (z.var(1), z.sum(), z.mean(0)), z, atol=1e-5, rtol=1e-5)
+
+
+def test_norms():
+    for ord_ in (2, 1, 0, math.inf, -math.inf, 3, 0.5):
+        check_against_cpu(lambda x, o: torch.linalg.vector_norm(x, o, dim=1), X, ord_,
+                          atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda x: (x.norm(), x.norm(p=1, dim=0, keepdim=True),
+                                 torch.linalg.norm(x, dim=1)), X, atol=1e-5, rtol=1e-5)
+
+
+def test_max_min_nan_and_ties():
+    x = torch.tensor([[1.0, 3.0, 3.0, -1.0], [2.0, math.nan, 5.0, math.nan]])
+    check_against_cpu(lambda x: (x.max(), x.min(), x.amax(1), x.amin(0)), x)
+    check_against_cpu(lambda x: (x.max(1), x.min(1, keepdim=True), x.max(0)), x)
+    check_against_cpu(lambda x: (x.argmax(), x.argmin(1), x.argmax(1, keepdim=True),
+                                 x.argmax(keepdim=True)), x)
+    check_against_cpu(lambda x: torch.aminmax(x, dim=1), x)
+    i = torch.tensor([[4, 1, 4, 1]])
+    check_against_cpu(lambda i: (i.argmax(1), i.argmin(1), i.max(1), i.min(1)), i)
+    check_against_cpu(lambda x, y: (torch.max(x, y), torch.min(x, y)), X, X.flip(0))
+
+
+def test_scans():
+    x = _with_nan(X)
+    check_against_cpu(lambda x: (x.cumsum(1), x.cumprod(0), torch.logcumsumexp(x, 1)), X,
+                      atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda x: (x.cummax(1), x.cummin(0)), x)
+    ties = torch.tensor([[1, 3, 3, 2, 3], [5, 5, 1, 0, 0]])
+    check_against_cpu(lambda t: (t.cummax(1), t.cummin(1)), ties)
+    check_against_cpu(lambda s: (s.cumsum(0), s.cummax(0)), torch.tensor(2.5))
+
+
+def test_sort_family():
+    x = torch.tensor([[3.0, 1.0, math.nan, 1.0, -0.0, 0.0, 2.0],
+                      [5.0, 5.0, -1.0, math.inf, 5.0, -math.inf, 0.0]])
+    check_against_cpu(lambda x: (x.sort(), x.sort(descending=True), x.sort(dim=0, stable=True)), x)
+    check_against_cpu(lambda x: (x.sort(stable=True, descending=True), x.argsort(1)), x)
+    check_against_cpu(lambda x: torch.argsort(x, dim=1, descending=True, stable=True), x)
+    check_against_cpu(lambda i: (i.sort(1, descending=True), (i > 0).sort(1)), INTS)
+    y = torch.randperm(12).reshape(3, 4).float()  # distinct values: topk/kthvalue are determined
+    check_against_cpu(lambda y: (y.topk(2), y.topk(3, dim=0, largest=False), y.topk(4, 1),
+                                 y.kthvalue(2), y.kthvalue(1, 0, keepdim=True)), y)
+    n = torch.tensor([[3.0, math.nan, -1.0, 7.0], [0.5, 2.0, math.inf, 1.0]])
+    check_against_cpu(lambda n: (n.topk(2), n.topk(2, largest=False)), n)  # NaN is the largest
+
+
+def test_median():
+    y = torch.randperm(15).reshape(3, 5).float()
+    check_against_cpu(lambda y: (y.median(), y.median(1), y.median(0, keepdim=True),
+                                 y.nanmedian(), y.nanmedian(1)), y)
+    z = _with_nan(y)
+    check_against_cpu(lambda z: (z.median(), z.median(1).values, z.nanmedian(),
+                                 z.nanmedian(1)), z)
+
+
+def test_out_and_inplace():
+    def fn(x):
+        s = torch.empty(0, device=x.device)
+        torch.sum(x, 1, out=s)
+        v = torch.empty(0, device=x.device)
+        i = torch.empty(0, dtype=torch.long, device=x.device)
+        torch.max(x, 0, out=(v, i))
+        c = x.clone()
+        c[1:].cumsum_(1)
+        return s, v, i, c
+
+    assert_same(fn(X.to("tpu")), fn(X))
