@@ -44,7 +44,9 @@ def _is_device(t: torch.Tensor) -> bool:
 
 def _meta(v):
     if isinstance(v, torch.Tensor):
-        if _is_device(v):
+        # CPU 0-dim tensors (scalars) become meta too: PyTorch's out= references refuse to
+        # "copy" a CPU input into a meta output.
+        if _is_device(v) or v.dim() == 0:
             return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
         return v
     if isinstance(v, (list, tuple)):
