@@ -27,7 +27,8 @@ def cpu_and_tpu_models():
 
 
 def assert_tied(model: TinyGPT) -> None:
-    assert model.head.weight is model.tok_emb.weight, "head.weight is no longer tok_emb.weight"
+    tied = model.head.weight is model.tok_emb.weight
+    assert tied, "head.weight is no longer the same Parameter as tok_emb.weight"
 
 
 @pytest.mark.parametrize("fused", [None, True], ids=["default", "fused"])
@@ -39,7 +40,8 @@ def test_training_matches_cpu(data, fused):
     actual = train_steps(tpu, data, 5, "tpu", fused=fused)
     assert expected[-1] < expected[0]  # it did learn something, so the comparison means something
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-3, atol=0)
-    assert_same(tpu.state_dict(), cpu.state_dict(), rtol=1e-3, atol=1e-5)
+    # Adam divides by sqrt(v): a near-zero gradient's rounding moves its weight by up to ~lr.
+    assert_same(tpu.state_dict(), cpu.state_dict(), rtol=1e-3, atol=1e-4)
 
 
 def test_state_dict_round_trip_through_torch_save():

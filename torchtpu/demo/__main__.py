@@ -26,7 +26,7 @@ MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m torchtpu.demo",
                                      description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--device", default="tpu", help="torch device (default tpu)")
     parser.add_argument("--eager-mode", choices=sorted(MODES), default="defer_and_fuse",
                         help="torch.tpu eager mode on tpu (default defer_and_fuse: each step "
