@@ -95,7 +95,7 @@ INT_BINARY = ["add", "sub", "mul", "div", "remainder", "fmod", "floor_divide", "
 def test_binary_int(name):
     fn = getattr(torch, name)
     x = torch.randint(-20, 20, (3, 4))
-    y = torch.randint(1, 5, (3, 4), dtype=torch.int32)  # int64 op int32 promotes to int64
+    y = torch.randint(1, 5, (4,), dtype=torch.int32)  # broadcast; int64 op int32 -> int64
     check_against_cpu(fn, x, y)
     if name not in ("maximum", "minimum") and not name.startswith("logical"):
         check_against_cpu(lambda x: fn(x, 3), x)
@@ -108,6 +108,7 @@ def test_arithmetic_overloads():
         check_against_cpu(lambda x, y, m: torch.div(x, y, rounding_mode=m), x, y, mode)
         check_against_cpu(lambda x, m: torch.div(x, -0.7, rounding_mode=m), x, mode)
         check_against_cpu(lambda i, m: torch.div(i, 3, rounding_mode=m), i, mode)
+        check_against_cpu(lambda i, m: torch.div(i, i[:1] - 21, rounding_mode=m), i, mode)
     check_against_cpu(lambda x, y: torch.add(x, y, alpha=2.5) - torch.sub(x, y, alpha=-2), x, y)
     check_against_cpu(lambda y: torch.pow(2.0, y) + torch.pow(y, 2) + torch.pow(y.abs(), 0.5), y)
     check_against_cpu(lambda y: torch.remainder(5, y + 10), y)

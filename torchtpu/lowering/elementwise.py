@@ -73,7 +73,10 @@ def div(x, y, rounding_mode=None):
         return x / y
     if rounding_mode == "floor":
         return _floor_divide(x, y)
-    return lax.div(x, jnp.asarray(y, x.dtype)) if _is_int(x) else jnp.trunc(x / y)
+    if _is_int(x):
+        # lax.div truncates integers; unlike jnp it does not broadcast.
+        return lax.div(*jnp.broadcast_arrays(x, jnp.asarray(y, x.dtype)))
+    return jnp.trunc(x / y)
 
 
 @lowers(aten.floor_divide.default, aten.floor_divide.Scalar, promote="result")
