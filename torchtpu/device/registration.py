@@ -72,6 +72,9 @@ def register() -> None:
         storage.install_constructor()
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
+        # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's
+        # shallow-copy check does not know PrivateUse1), splitting tied weights in two.
+        torch.__future__.set_swap_module_params_on_conversion(True)
 
         from torchtpu.eager import modes
 

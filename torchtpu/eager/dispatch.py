@@ -114,6 +114,12 @@ def infer(op: OpOverload, values: list, outs: list = ()):
     if hit is not None:
         return hit
     args = [_meta(v) for v in values]
+    for i in oi.scalar_indices:
+        if isinstance(args[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
+            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
+            # ``remainder.Tensor_out`` with one) arrives as a plain number; meta kernels want a
+            # tensor, and a 0-dim one of the number's default dtype promotes the same way.
+            args[i] = torch.tensor(args[i], device="meta")
     kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
     pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
     for n, o in zip(oi.out_names, outs):

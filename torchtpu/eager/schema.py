@@ -25,7 +25,8 @@ class OpInfo(NamedTuple):
     written: tuple        # indices (into names) of arguments written in place
     out_names: tuple      # out= argument names
     generator_index: int  # index of the Generator argument, -1 if none
-    scalar_indices: frozenset  # arguments typed Scalar (traced, not baked in)
+    scalar_indices: frozenset  # Scalar or Tensor arguments: a Python number there is traced
+    tensor_typed: tuple        # per argument: whether the schema says Tensor
 
 
 _REQUIRED = object()
@@ -34,6 +35,7 @@ _REQUIRED = object()
 @functools.cache
 def info(op: OpOverload) -> OpInfo:
     names, defaults, kwonly, written, outs, scalars = [], [], set(), [], [], set()
+    tensor_typed = []
     gen = -1
     for a in op._schema.arguments:
         is_write = a.alias_info is not None and a.alias_info.is_write
@@ -48,12 +50,15 @@ def info(op: OpOverload) -> OpInfo:
         if is_write:
             written.append(i)
         t = str(a.type)
+        tensor_typed.append(t.removeprefix("Optional[").startswith("Tensor") and "[]" not in t)
         if t in ("Generator", "Optional[Generator]"):
             gen = i
-        if t.removeprefix("Optional[").startswith(("Scalar", "number")):
+        # A Python number where the schema says Tensor (``div.Tensor(t, 0.03)`` from optimizers)
+        # is a scalar too: tracing it keeps a changing value from recompiling the program.
+        if t.removeprefix("Optional[").startswith(("Scalar", "number", "Tensor")):
             scalars.add(i)
     return OpInfo(op, tuple(names), tuple(defaults), frozenset(kwonly), tuple(written),
-                  tuple(outs), gen, frozenset(scalars))
+                  tuple(outs), gen, frozenset(scalars), tuple(tensor_typed))
 
 
 def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
@@ -68,21 +73,8 @@ def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
             if d is _REQUIRED:
                 raise TypeError(f"{oi.op}: missing required argument {name!r}")
             values[i] = d
-    for i in _tensor_indices(oi.op):
-        if isinstance(values[i], (bool, int, float, complex)):
-            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
-            # ``remainder.Tensor_out`` with one) reaches Python as a plain number. A 0-dim tensor
-            # of the default dtype for its kind promotes as the wrapped number did.
-            values[i] = torch.tensor(values[i])
     outs = [kwargs[n] for n in oi.out_names] if oi.out_names else []
     return values, outs
-
-
-@functools.cache
-def _tensor_indices(op: OpOverload) -> tuple:
-    args = [a for a in op._schema.arguments
-            if not (a.kwarg_only and a.alias_info is not None and a.alias_info.is_write)]
-    return tuple(i for i, a in enumerate(args) if str(a.type) == "Tensor")
 
 
 def _signature(op: OpOverload, skip_out: bool) -> tuple:
