@@ -183,8 +183,8 @@ def _along_dim(x, dim: int):
 
 @lowers(aten.index_select.default)
 def index_select(x, dim, index):
-    if x.ndim == 0:
-        return x[index.reshape(-1)].reshape(index.shape)
+    if x.ndim == 0:  # the only valid index is 0, and PyTorch's result stays 0-dim
+        return x
     return jnp.take(x, index.reshape(-1), axis=dim)
 
 
