@@ -1,0 +1,131 @@
+"""The persistent compile cache across processes: hits after a restart, damaged entries, races."""
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+
+from torchtpu.runtime.compile_cache import MAGIC, SUFFIX, CompileCacheWarning, EntryStore
+
+# One process's work: a compiled forward and backward of a small model, and two eager ops.
+_SCRIPT = """
+import json, torch, torchtpu
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to("tpu")
+x = torch.randn(5, 6).to("tpu")
+loss = torch.compile(model, backend="tpu")(x).square().mean()
+loss.backward()
+eager = (torch.exp(x) * 3).sum()
+m = torchtpu.metrics.snapshot()
+print(json.dumps({"loss": loss.item(), "grad": model[0].weight.grad.sum().item(),
+                  "eager": eager.item(), "compiles": m["executable_compiles"],
+                  "hits": m["persistent_cache_hits"]}))
+"""
+
+
+def _start(cache: str) -> subprocess.Popen:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": cache, "TORCHTPU_CPU_FALLBACK": "error"}
+    return subprocess.Popen([sys.executable, "-c", _SCRIPT], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _finish(proc: subprocess.Popen) -> tuple[dict, str]:
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def _entries(cache) -> list:
+    return sorted(p for p in cache.iterdir() if p.name.endswith(SUFFIX))
+
+
+def _assert_whole(cache) -> None:
+    store = EntryStore(cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        for p in _entries(cache):
+            assert store.get(p.name.removesuffix(SUFFIX)) is not None
+    assert not [p for p in cache.iterdir() if p.name.endswith(".tmp")]
+
+
+@pytest.fixture(scope="module")
+def warm_cache(tmp_path_factory):
+    """Two processes racing to fill one empty cache, then the results of each."""
+    cache = tmp_path_factory.mktemp("compile_cache")
+    procs = [_start(str(cache)) for _ in range(2)]
+    return cache, [_finish(p)[0] for p in procs]
+
+
+def test_concurrent_writers_leave_whole_entries(warm_cache):
+    cache, (a, b) = warm_cache
+    assert a["compiles"] + b["compiles"] > 0
+    assert {k: a[k] for k in ("loss", "grad", "eager")} == \
+        {k: b[k] for k in ("loss", "grad", "eager")}
+    assert len(_entries(cache)) >= 4  # forward, backward, and the eager ops
+    _assert_whole(cache)
+
+
+def test_restart_compiles_nothing(warm_cache):
+    cache, (first, _) = warm_cache
+    again, err = _finish(_start(str(cache)))
+    assert again["compiles"] == 0, err
+    assert again["hits"] >= 4
+    assert {k: again[k] for k in ("loss", "grad", "eager")} == \
+        {k: first[k] for k in ("loss", "grad", "eager")}
+
+
+def test_damaged_entries_warn_and_recompile(warm_cache):
+    cache, (first, _) = warm_cache
+    entries = _entries(cache)
+    truncated, flipped = entries[0], entries[1]
+    truncated.write_bytes(truncated.read_bytes()[: len(MAGIC) + 40])
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    again, err = _finish(_start(str(cache)))
+    assert err.count("CompileCacheWarning") == 2, err
+    assert again["compiles"] == 2
+    assert {k: again[k] for k in ("loss", "grad", "eager")} == \
+        {k: first[k] for k in ("loss", "grad", "eager")}
+    assert _entries(cache) == entries  # rewritten
+    _assert_whole(cache)
+
+
+def test_racing_writers_and_readers_see_whole_entries(tmp_path):
+    store = EntryStore(tmp_path)
+    values = [bytes([i]) * (1 << 20) for i in range(4)]
+    seen = []
+
+    def work(i):
+        for k in range(8):
+            store.put(f"key{k}", values[(i + k) % 4])
+            seen.append(store.get(f"key{k}"))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert len(seen) == 32 and all(v in values for v in seen)
+    _assert_whole(tmp_path)
+
+
+def test_entry_store_rejects_foreign_and_short_files(tmp_path):
+    store = EntryStore(tmp_path)
+    store.put("k", b"payload")
+    assert store.get("k") == b"payload"
+    assert store.get("missing") is None
+    store.entry("j").write_bytes(b"\x00" * 100)  # e.g. a file in another format
+    with pytest.warns(CompileCacheWarning, match="no torchtpu header"):
+        assert store.get("j") is None
+    assert not store.entry("j").exists()
+    store.entry("k").write_bytes(MAGIC + b"\x01")
+    with pytest.warns(CompileCacheWarning, match="truncated"):
+        assert store.get("k") is None
