@@ -43,8 +43,10 @@ VIEW_OPS = (
 
 
 def _redispatch_cpu(op):
+    redispatch = op._handle.redispatch_boxed
+
     def kernel(*args, **kwargs):
-        return op.redispatch(_CPU, *args, **kwargs)
+        return redispatch(_CPU, *args, **kwargs)
 
     return kernel
 

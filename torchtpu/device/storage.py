@@ -9,6 +9,7 @@ attribute ``_tpu_array``: a C-contiguous array whose bytes, in order, are the st
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import jax
@@ -20,6 +21,11 @@ _lock = threading.Lock()
 _next_address = [1 << 40]
 
 
+@functools.cache
+def _device(index: int) -> torch.device:
+    return torch.device("tpu", index)
+
+
 def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     """A fresh device storage of nbytes with no array yet."""
     # Addresses are never dereferenced, but PyTorch's overlap checks compare address ranges,
@@ -27,9 +33,7 @@ def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     with _lock:
         address = _next_address[0]
         _next_address[0] += (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
-    storage = torch._C._construct_storage_from_data_pointer(
-        address, torch.device("tpu", index), nbytes
-    )
+    storage = torch._C._construct_storage_from_data_pointer(address, _device(index), nbytes)
     storage._tpu_array = None
     return storage
 

@@ -20,7 +20,9 @@ from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, read_view, write_view
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
-_set_storage = torch.ops.aten.set_.source_Storage_storage_offset
+# The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
+# and this runs for every tensor an op creates.
+_set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
 _create = torch._C._acc.create_empty_tensor
 
 
@@ -46,7 +48,7 @@ def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None)
         span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
         nbytes = span * dtype.itemsize
     t = _create(size, dtype)
-    _set_storage.redispatch(_CPU, t, storages.new_storage(nbytes), 0, size, stride)
+    _set_storage(_CPU, t, storages.new_storage(nbytes), 0, list(size), list(stride))
     return t
 
 
@@ -57,7 +59,7 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     t = _create(size, dtype)
     st = storages.new_storage(math.prod(size) * dtype.itemsize)
     st._tpu_array = array
-    _set_storage.redispatch(_CPU, t, st, 0, size, contiguous_strides(size))
+    _set_storage(_CPU, t, st, 0, list(size), list(contiguous_strides(size)))
     return t
 
 
