@@ -12,5 +12,6 @@ _register()
 
 from torchtpu import compile as _compile  # noqa: E402, F401 (the "tpu" torch.compile backend)
 from torchtpu import metrics  # noqa: E402
+from torchtpu.device.loader import DeviceLoader  # noqa: E402
 
-__all__ = ["metrics"]
+__all__ = ["DeviceLoader", "metrics"]

@@ -57,7 +57,7 @@ def register() -> None:
         if _libraries:
             return
         from torchtpu import lowering  # noqa: F401  (fills the lowering table)
-        from torchtpu.device import autocast, kernels, module, storage
+        from torchtpu.device import autocast, kernels, loader, module, storage
         from torchtpu.eager import dispatch
 
         _setup_privateuseone_for_python_backend(
@@ -70,6 +70,7 @@ def register() -> None:
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)
         storage.install_constructor()
+        loader.install_pin_memory()
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
         # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's

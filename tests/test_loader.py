@@ -1,0 +1,44 @@
+"""DataLoader with pin_memory=True, and DeviceLoader prefetching batches to the device."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import torchtpu
+
+
+def _dataset():
+    return TensorDataset(torch.arange(40, dtype=torch.float32).reshape(20, 2), torch.arange(20))
+
+
+def test_pin_memory_dataloader_runs():
+    batches = list(DataLoader(_dataset(), batch_size=5, pin_memory=True))
+    assert len(batches) == 4
+    torch.testing.assert_close(batches[1][1], torch.arange(5, 10))
+
+
+def test_device_loader_prefetches_to_tpu():
+    cpu = list(DataLoader(_dataset(), batch_size=6))
+    dev = list(torchtpu.DeviceLoader(DataLoader(_dataset(), batch_size=6), prefetch=2))
+    assert len(dev) == len(cpu) == 4
+    for (x, y), (cx, cy) in zip(dev, cpu):
+        assert x.device.type == "tpu" and y.device.type == "tpu"
+        torch.testing.assert_close(x.cpu(), cx)
+        torch.testing.assert_close(y.cpu(), cy)
+
+
+def test_device_loader_dict_batches_and_early_stop():
+    data = [{"ids": torch.full((2,), i), "name": f"b{i}"} for i in range(10)]
+    it = iter(torchtpu.DeviceLoader(data, prefetch=1))
+    first = next(it)
+    assert first["ids"].device.type == "tpu" and first["name"] == "b0"
+    it.close()  # stopping early must not hang on the producer thread
+
+
+def test_device_loader_reraises_loader_errors():
+    def broken():
+        yield torch.ones(1)
+        raise ValueError("bad sample 1")
+
+    with pytest.raises(ValueError, match="bad sample 1"):
+        list(torchtpu.DeviceLoader(broken()))
