@@ -105,3 +105,14 @@ def test_item_print_and_bool():
     assert x[0].item() == 1.5
     assert "device='tpu:0'" in repr(x)
     assert bool(x[0] > 0)
+
+
+def test_accelerator_api_works_for_tpu():
+    x = torch.ones(3, device="tpu") * 2
+    torch.accelerator.synchronize()
+    torch.accelerator.set_device_index(0)
+    assert torch.accelerator.current_device_index() == 0
+    with torch.device("tpu"):
+        y = torch.zeros(2)
+    assert y.device.type == "tpu"
+    assert x.sum().item() == 6.0

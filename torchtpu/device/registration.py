@@ -52,6 +52,25 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
         return torch._C.Generator(device)
 
 
+def _install_accelerator_synchronize() -> None:
+    """``torch.accelerator.synchronize()`` waits through ``torch.tpu.synchronize``.
+
+    PyTorch's version asks the device guard, which a Python backend cannot implement.
+    """
+    import torch.accelerator
+
+    from torchtpu.device import module
+
+    original = torch.accelerator.synchronize
+
+    def synchronize(device=None, /) -> None:
+        if torch.accelerator.current_accelerator().type == "tpu":
+            return module.synchronize(device)
+        return original(device)
+
+    torch.accelerator.synchronize = synchronize
+
+
 def register() -> None:
     with _lock:
         if _libraries:
@@ -71,6 +90,7 @@ def register() -> None:
         autocast.register(aten, fallback)
         storage.install_constructor()
         loader.install_pin_memory()
+        _install_accelerator_synchronize()
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
         # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's
