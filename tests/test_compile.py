@@ -217,3 +217,49 @@ def test_dynamo_knows_the_tpu_device():
     interface = get_interface_for_device("tpu")
     assert interface.is_available()
     assert interface.device_count() == torch.tpu.device_count()
+
+
+class TokenMLP(nn.Module):
+    """Position-wise over the sequence: exact under zero-padding of the sequence dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16)
+        self.ln = nn.LayerNorm(16)
+        self.up = nn.Linear(16, 32)
+        self.down = nn.Linear(32, 5)
+
+    def forward(self, idx):
+        x = self.ln(self.emb(idx))
+        return self.down(F.gelu(self.up(x))).softmax(-1)
+
+
+def test_dynamic_shapes_pad_to_a_few_buckets():
+    cpu = TokenMLP()
+    dev = _to_tpu(cpu)
+    compiled = torch.compile(dev, backend="tpu", dynamic=True)
+    before = torchtpu.metrics.snapshot()
+    with torch.no_grad():
+        for t in range(3, 200, 7):  # 29 lengths over the buckets 128 and 256
+            idx = torch.randint(0, 20, (2, t))
+            assert_same(compiled(idx.to("tpu")), cpu(idx), atol=1e-5, rtol=1e-5)
+    after = torchtpu.metrics.snapshot()
+    assert after["compiled_graphs"] - before.get("compiled_graphs", 0) == 2
+    assert after.get("dynamic_exact_shape_compiles", 0) == before.get(
+        "dynamic_exact_shape_compiles", 0)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda x: torch.softmax(x, dim=1) * 2,  # normalizes over the symbolic dim
+    lambda x: x.reshape(-1) + 1,  # a merged symbolic size is returned
+    lambda x: x[:, 1:] * 3,  # cuts the symbolic dim
+], ids=["softmax", "flatten", "slice"])
+def test_dynamic_shapes_fall_back_to_exact_shapes(fn, caplog):
+    compiled = torch.compile(fn, backend="tpu", dynamic=True)
+    before = torchtpu.metrics.snapshot().get("dynamic_exact_shape_compiles", 0)
+    with caplog.at_level("INFO", logger="torchtpu.compile"):
+        for t in (3, 4, 6):
+            x = torch.randn(2, t)
+            assert_same(compiled(x.to("tpu")), fn(x), atol=1e-6, rtol=1e-6)
+    assert torchtpu.metrics.snapshot()["dynamic_exact_shape_compiles"] - before >= 2
+    assert "compiles per exact shape" in caplog.text

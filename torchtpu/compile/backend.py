@@ -22,6 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import metrics
+from torchtpu.compile import dynamic
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
@@ -89,6 +90,14 @@ class CompiledGraph:
             for n in self.fn.output
         ]
         self.programs: dict = {}
+        problem = dynamic.plan(gm)
+        self.padded = problem is None
+        self.exact_dynamic = problem not in (None, dynamic.NO_SYMBOLS)
+        if self.exact_dynamic:
+            log.info("torchtpu.compile: %s graph with symbolic sizes compiles per exact shape: %s",
+                     kind, problem)
+        self.tensor_metas = [n.meta["val"] for n, t in
+                             zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if t]
 
     def _read(self, args: list) -> tuple[list, list]:
         arrays, symbols = [], []
@@ -124,19 +133,56 @@ class CompiledGraph:
         program = lowered.compile()
         seconds = time.perf_counter() - start
         metrics.count("compiled_graphs")
+        if self.exact_dynamic:
+            metrics.count("dynamic_exact_shape_compiles")
         if seconds > SLOW_COMPILE_SECONDS:
             log.info("torchtpu.compile: %s graph of %d nodes (inputs %s) compiled in %.1f s",
                      self.kind, len(self.gm.graph.nodes), _describe(arrays), seconds)
         return program
 
+    def _pad(self, args: list, arrays: list, symbols: list) -> tuple[list, list, dict]:
+        """Inputs padded to their size buckets, symbols at bucket values, and the real sizes."""
+        values = dynamic.sizes_of(self.fn.placeholders, args)
+        to = {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
+              for s, v in values.items()}
+        padded = []
+        for a, meta in zip(arrays, self.tensor_metas, strict=True):
+            shape = dynamic.padded_shape(meta, to)
+            padded.append(a if a.shape == shape else
+                          jax.device_put(dynamic.pad(a, shape), next(iter(a.devices()))))
+        syms = [n.meta["val"] for n, t in
+                zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if not t]
+        symbols = [to[s.node.expr] if isinstance(s, torch.SymInt) else v
+                   for s, v in zip(syms, symbols, strict=True)]
+        return padded, symbols, values
+
+    def _unpad(self, outs: list, values: dict) -> list:
+        real = []
+        for o, n in zip(outs, self.fn.output, strict=True):
+            val = n.meta.get("val") if isinstance(n, fx.Node) else None
+            if isinstance(val, torch.Tensor):
+                shape = dynamic.padded_shape(val, values)
+                if o.shape != shape:
+                    o = jax.device_put(dynamic.unpad(o, shape), next(iter(o.devices())))
+            elif isinstance(val, torch.SymInt):
+                o = dynamic.real_value(val, values)
+            real.append(o)
+        return real
+
     def __call__(self, args: list) -> list:
         arrays, symbols = self._read(args)
+        values = None
+        if self.padded:
+            arrays, symbols, values = self._pad(args, arrays, symbols)
         args.clear()
         constants = self._constants()
         scalars = tuple(self.fn.scalars)
         keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
         program = self._program(arrays, constants, scalars, keys, symbols)
-        outs = dispatch._dedupe(program(arrays, constants, scalars, keys), arrays)
+        outs = program(arrays, constants, scalars, keys)
+        if values is not None:
+            outs = self._unpad(outs, values)
+        outs = dispatch._dedupe(outs, arrays)
         return [self._wrap(o, d, i, outs) for i, (o, d) in
                 enumerate(zip(outs, self.out_dtypes, strict=True))]
 

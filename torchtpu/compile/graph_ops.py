@@ -9,6 +9,7 @@ an allocation is zeros. Only ops of that kind belong here; every op with math in
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -176,3 +177,13 @@ def full_like(x, fill_value, *_, **__):
            aten.sym_constrain_range_for_size.default)
 def no_op(*_, **__):
     return None
+
+
+# Size arithmetic of graphs with symbolic sizes (dynamic=True): plain Python ints in the trace.
+for _fn in (operator.add, operator.sub, operator.mul, operator.floordiv):
+    GRAPH_OPS[_fn] = _fn
+
+
+@_graph_op(aten.sym_size.int)
+def sym_size(x, dim):
+    return x.shape[dim]
