@@ -37,7 +37,8 @@ def unsafe_index(x, indices):
 _index = jax.jit(unsafe_index)
 
 
-@lowers(aten.index.Tensor, data_dependent_shape=True)
+@lowers(aten.index.Tensor, data_dependent_shape=lambda x, indices: any(
+    i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices))
 def index(x, indices):
     # ``x[mask]`` arrives with the boolean mask itself; its true positions decide the shape, so
     # masks become their nonzero indices here, and the gather runs as one jitted program.

@@ -1,0 +1,245 @@
+"""torch.compile(backend="tpu") figures: training throughput, cold vs warm start, dynamic shapes.
+
+In one run: the compiled TinyGPT training step (2 layers, width 64, sequence 32, batch 8, AdamW
+with clipping) against Strict eager and against the same step written directly in JAX (same
+weights, same batches, one ``jax.jit``); the first compiled step in a fresh process with an empty
+persistent compile cache and then with the filled one; and the XLA programs built for 27 new
+sequence lengths under ``dynamic=True``.
+
+    python bench/compile.py [--steps 20] [--warmup 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchtpu
+from torchtpu.testing.models import TinyGPT
+
+VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
+LR, BETAS, EPS, WD, MAX_NORM = 3e-3, (0.9, 0.999), 1e-8, 0.1, 1.0
+
+
+def _model() -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(VOCAB, BLOCK, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH)
+
+
+def _batches(n: int) -> list:
+    gen = torch.Generator().manual_seed(1)
+    data = torch.randint(VOCAB, (4096,), generator=gen)
+    out = []
+    for _ in range(n):
+        starts = torch.randint(len(data) - BLOCK - 1, (BATCH,), generator=gen).tolist()
+        out.append((torch.stack([data[s:s + BLOCK] for s in starts]),
+                    torch.stack([data[s + 1:s + BLOCK + 1] for s in starts])))
+    return out
+
+
+def _step(model, opt, x, y):
+    _, loss = model(x, y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
+    opt.step()
+    return loss
+
+
+def _torch_run(step, batches, warmup: int, mode=None) -> tuple[float, list]:
+    """(seconds per timed step, losses) of a TinyGPT trained on tpu by step."""
+    model = _model().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    context = torch.tpu.set_eager_mode(mode) if mode is not None else _Nothing()
+    losses = []
+    with context:
+        for i, (x, y) in enumerate(batches):
+            if i == warmup:
+                start = time.perf_counter()
+            losses.append(step(model, opt, x.to("tpu"), y.to("tpu")).item())
+        elapsed = time.perf_counter() - start
+    return elapsed / (len(batches) - warmup), losses
+
+
+class _Nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+# The same model and step written directly in JAX.
+def _jax_params(model: TinyGPT) -> dict:
+    # The head is tied to the token embedding: one array for both, as in the torch model.
+    return {k: jnp.asarray(v.detach().numpy()) for k, v in model.state_dict().items()
+            if k != "head.weight"}
+
+
+def _layer_norm(x, w, b):
+    mean = x.mean(-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + 1e-5) * w + b
+
+
+def _linear(p, name, x):
+    return x @ p[f"{name}.weight"].T + p[f"{name}.bias"]
+
+
+def _jax_loss(p, idx, targets):
+    b, t = idx.shape
+    x = p["tok_emb.weight"][idx] + p["pos_emb.weight"][jnp.arange(t)]
+    d = WIDTH // HEADS
+    mask = jnp.tril(jnp.ones((t, t), bool))
+    for i in range(LAYERS):
+        pre = f"blocks.{i}"
+        h = _layer_norm(x, p[f"{pre}.ln1.weight"], p[f"{pre}.ln1.bias"])
+        q, k, v = jnp.split(_linear(p, f"{pre}.attn.qkv", h), 3, axis=-1)
+        q, k, v = (z.reshape(b, t, HEADS, d).transpose(0, 2, 1, 3) for z in (q, k, v))
+        att = jnp.where(mask, q @ k.transpose(0, 1, 3, 2) / math.sqrt(d), -jnp.inf)
+        y = (jax.nn.softmax(att, -1) @ v).transpose(0, 2, 1, 3).reshape(b, t, WIDTH)
+        x = x + _linear(p, f"{pre}.attn.proj", y)
+        h = _layer_norm(x, p[f"{pre}.ln2.weight"], p[f"{pre}.ln2.bias"])
+        h = jax.nn.gelu(_linear(p, f"{pre}.mlp.0", h), approximate=False)
+        x = x + _linear(p, f"{pre}.mlp.2", h)
+    logits = _layer_norm(x, p["ln_f.weight"], p["ln_f.bias"]) @ p["tok_emb.weight"].T
+    logp = jax.nn.log_softmax(logits, -1)
+    return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
+
+
+def _jax_step(p, m, v, count, idx, targets):
+    loss, g = jax.value_and_grad(_jax_loss)(p, idx, targets)
+    norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
+    g = jax.tree.map(lambda x: x * jnp.minimum(1.0, MAX_NORM / (norm + 1e-6)), g)
+    count = count + 1
+    m = jax.tree.map(lambda a, x: BETAS[0] * a + (1 - BETAS[0]) * x, m, g)
+    v = jax.tree.map(lambda a, x: BETAS[1] * a + (1 - BETAS[1]) * x * x, v, g)
+    c1, c2 = 1 - BETAS[0] ** count, 1 - BETAS[1] ** count
+
+    def update(w, a, s):
+        w = w * (1 - LR * WD)
+        return w - LR * (a / c1) / (jnp.sqrt(s / c2) + EPS)
+
+    return jax.tree.map(update, p, m, v), m, v, count, loss
+
+
+def _jax_run(batches, warmup: int) -> tuple[float, list]:
+    p = _jax_params(_model())
+    m = jax.tree.map(jnp.zeros_like, p)
+    v = jax.tree.map(jnp.zeros_like, p)
+    count = jnp.zeros((), jnp.float32)
+    step = jax.jit(_jax_step, donate_argnums=(0, 1, 2))
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == warmup:
+            start = time.perf_counter()
+        p, m, v, count, loss = step(p, m, v, count, jnp.asarray(x.numpy()), jnp.asarray(y.numpy()))
+        losses.append(float(loss))
+    return (time.perf_counter() - start) / (len(batches) - warmup), losses
+
+
+def first_step() -> None:
+    """Child process: time the first compiled training step, print it as JSON."""
+    batches = _batches(1)
+    start = time.perf_counter()
+    model = _model().to("tpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
+    x, y = batches[0]
+    torch.compile(_step, backend="tpu")(model, opt, x.to("tpu"), y.to("tpu")).item()
+    m = torchtpu.metrics.snapshot()
+    print(json.dumps({"seconds": time.perf_counter() - start,
+                      "compiles": m["executable_compiles"],
+                      "hits": m["persistent_cache_hits"]}))
+
+
+def _fresh_process(cache: str) -> dict:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": cache}
+    out = subprocess.run([sys.executable, __file__, "--first-step"], env=env, text=True,
+                         capture_output=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+class _TokenMLP(nn.Module):
+    """TinyGPT's embedding and MLP without attention: position-wise over the sequence."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.ln = nn.LayerNorm(WIDTH)
+        self.up = nn.Linear(WIDTH, 4 * WIDTH)
+        self.down = nn.Linear(4 * WIDTH, VOCAB)
+
+    def forward(self, idx):
+        return self.down(F.gelu(self.up(self.ln(self.emb(idx)))))
+
+
+def _dynamic_programs(model: nn.Module) -> tuple[int, int]:
+    """(XLA programs built, of which per exact shape) for 27 new sequence lengths."""
+    compiled = torch.compile(model.to("tpu").eval(), backend="tpu", dynamic=True)
+    lengths = list(range(5, 205, 7))  # 29 lengths
+    with torch.no_grad():
+        for t in lengths[:2]:  # Dynamo's first graph, then the 27 new lengths
+            compiled(torch.randint(VOCAB, (BATCH, t), device="tpu"))
+        before = torchtpu.metrics.snapshot()
+        for t in lengths[2:]:
+            out = compiled(torch.randint(VOCAB, (BATCH, t), device="tpu"))
+            (out[0] if isinstance(out, tuple) else out).cpu()
+    after = torchtpu.metrics.snapshot()
+    torch._dynamo.reset()
+    return tuple(after.get(k, 0) - before.get(k, 0)
+                 for k in ("compiled_graphs", "dynamic_exact_shape_compiles"))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--first-step", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.first_step:
+        first_step()
+        return
+    batches = _batches(args.warmup + args.steps)
+    compiled, c_losses = _torch_run(torch.compile(_step, backend="tpu"), batches, args.warmup)
+    strict, s_losses = _torch_run(_step, batches, args.warmup, torch.tpu.EagerMode.DEFER_NEVER)
+    direct, j_losses = _jax_run(batches, args.warmup)
+    print(f"TinyGPT {LAYERS} layers, width {WIDTH}, seq {BLOCK}, batch {BATCH}, AdamW + clipping;"
+          f" {args.steps} timed steps after {args.warmup} warmup; platform "
+          f"{torchtpu.runtime.platform.platform()}")
+    print(f"{'run':<24}{'ms/step':>9}{'vs Strict':>11}{'vs JAX':>8}{'last loss':>11}")
+    for name, sec, losses in (("torch.compile tpu", compiled, c_losses),
+                              ("tpu Strict eager", strict, s_losses),
+                              ("jax.jit, same model", direct, j_losses)):
+        print(f"{name:<24}{sec * 1e3:>9.2f}{strict / sec:>10.2f}x{direct / sec:>7.2f}x"
+              f"{losses[-1]:>11.4f}")
+    print(f"max |loss difference| compiled vs JAX over {len(batches)} steps: "
+          f"{max(abs(a - b) for a, b in zip(c_losses, j_losses, strict=True)):.2e}")
+    with tempfile.TemporaryDirectory() as cache:
+        cold, warm = _fresh_process(cache), _fresh_process(cache)
+    print(f"first compiled step in a fresh process: cold cache {cold['seconds']:.2f} s "
+          f"({cold['compiles']} XLA compiles), warm cache {warm['seconds']:.2f} s "
+          f"({warm['compiles']} compiles, {warm['hits']} cache hits): "
+          f"{cold['seconds'] / warm['seconds']:.1f}x")
+    torch.manual_seed(0)
+    for name, model in (("position-wise model (embedding, LayerNorm, MLP)", _TokenMLP()),
+                        ("TinyGPT (causal attention over the sequence)",
+                         TinyGPT(VOCAB, 256, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH))):
+        built, exact = _dynamic_programs(model)
+        print(f"dynamic=True, 27 new sequence lengths 19..201, {name}: {built} XLA programs "
+              f"built ({exact} per exact shape)")
+
+
+if __name__ == "__main__":
+    main()
