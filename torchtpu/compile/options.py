@@ -19,6 +19,7 @@ _MODE_ADVICE = {
 
 @dataclasses.dataclass(frozen=True)
 class Options:
+    # dynamic=True pads symbolic sizes to bucket_size * 2**i, i < num_dynamic_buckets (dynamic.py).
     bucket_size: int = 128
     num_dynamic_buckets: int = 4
     debug_callback: Callable | None = None
