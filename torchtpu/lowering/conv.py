@@ -145,8 +145,12 @@ def avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_in
 @lowers(aten.max_pool2d_with_indices_backward.default,
         aten.max_pool3d_with_indices_backward.default)
 def max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
-    # indices are flat positions within each (batch, channel) plane: scatter-add the gradient.
-    nd = len(kernel_size)
+    return _scatter_to_planes(grad, x, len(kernel_size), indices)
+
+
+def _scatter_to_planes(grad, x, nd: int, indices):
+    """Scatter-add grad to x's shape at indices, flat positions within each (batch, channel)
+    plane of nd spatial dims: the backward of every pooling that returns indices."""
     lead = x.shape[:-nd]
     rows = math.prod(lead)
     flat_grad = grad.reshape(rows, -1)
@@ -154,6 +158,62 @@ def max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode
     out = jnp.zeros((rows, math.prod(x.shape[-nd:])), grad.dtype)
     out = out.at[jnp.arange(rows)[:, None], flat_idx].add(flat_grad)
     return out.reshape(x.shape)
+
+
+def _adaptive_windows(size: int, out: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per output position, the input positions of its window padded to the longest window
+    (repeating the start), and which of them are real."""
+    starts = [(i * size) // out for i in range(out)]
+    ends = [-(-((i + 1) * size) // out) for i in range(out)]
+    width = max(e - b for b, e in zip(starts, ends, strict=True))
+    offsets = np.arange(width)
+    valid = offsets[None, :] < np.array(ends)[:, None] - np.array(starts)[:, None]
+    where = np.where(valid, np.array(starts)[:, None] + offsets[None, :],
+                     np.array(starts)[:, None])
+    return where, valid
+
+
+def _adaptive_max_pool(x, output_size):
+    # Gather every (padded) window, then one argmax over the window's flattened positions:
+    # ties go to the first position in row-major order and NaN wins, as on CPU.
+    nd = len(output_size)
+    spatial = x.shape[-nd:]
+    windows = [_adaptive_windows(n, o) for n, o in zip(spatial, output_size, strict=True)]
+    lead = x.ndim - nd
+    # Output dims o_1..o_nd followed by window dims k_1..k_nd.
+    grids = []
+    valid = np.ones((), bool)
+    for i, (where, ok) in enumerate(windows):
+        shape = [1] * (2 * nd)
+        shape[i], shape[nd + i] = where.shape
+        grids.append(where.reshape(shape))
+        valid = valid & ok.reshape(shape)
+    flat_pos = sum(g * math.prod(spatial[i + 1:]) for i, g in enumerate(grids))
+    patches = x[(Ellipsis, *grids)]
+    fill = -jnp.inf if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.iinfo(x.dtype).min
+    patches = jnp.where(valid, patches, jnp.asarray(fill, x.dtype))
+    patches = patches.reshape(x.shape[:lead] + tuple(output_size) + (-1,))
+    best = jnp.argmax(patches, axis=-1)
+    values = jnp.take_along_axis(patches, best[..., None], -1)[..., 0]
+    positions = jnp.broadcast_to(flat_pos, valid.shape).reshape(tuple(output_size) + (-1,))
+    indices = jnp.take_along_axis(jnp.broadcast_to(positions, best.shape + positions.shape[-1:]),
+                                  best[..., None], -1)[..., 0]
+    return values, indices.astype(jnp.int64)
+
+
+@lowers(aten.adaptive_max_pool2d.default, aten.adaptive_max_pool3d.default)
+def adaptive_max_pool(x, output_size):
+    return _adaptive_max_pool(x, output_size)
+
+
+@lowers(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad, x, indices):
+    return _scatter_to_planes(grad, x, 2, indices)
+
+
+@lowers(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad, x, indices):
+    return _scatter_to_planes(grad, x, 3, indices)
 
 
 # ----------------------------------------------------------------------------- adaptive and

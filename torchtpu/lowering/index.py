@@ -178,6 +178,24 @@ def scatter_reduce(x, dim, index, src, reduce, include_self=True):
     return jnp.where(count > 0, mean, x)
 
 
+@lowers(aten.index_reduce.default)
+def index_reduce(x, dim, index, source, reduce, include_self=True):
+    # scatter_reduce with index spread over source's shape along dim.
+    if x.ndim == 0:
+        return scatter_reduce(x, 0, index, source, reduce, include_self)
+    dim = dim % x.ndim
+    spread = index.reshape((1,) * dim + (-1,) + (1,) * (source.ndim - dim - 1))
+    return scatter_reduce(x, dim, jnp.broadcast_to(spread, source.shape), source, reduce,
+                          include_self)
+
+
+@lowers(aten.put.default)
+def put(x, index, source, accumulate=False):
+    ref = x.reshape(-1).at[index.reshape(-1)]
+    src = source.reshape(-1).astype(x.dtype)
+    return (ref.add(src) if accumulate else ref.set(src)).reshape(x.shape)
+
+
 def _along_dim(x, dim: int):
     return (slice(None),) * (dim % x.ndim)
 

@@ -61,6 +61,8 @@ def _broadcast_batch(a, b):
 def _first_zero(diag):
     """LAPACK-style info: 1-based position of the first zero (or NaN) on diag, else 0."""
     bad = (diag == 0) | jnp.isnan(diag)
+    if diag.shape[-1] == 0:  # 0x0 matrices factor fine (argmax has no empty reduction)
+        return jnp.zeros(diag.shape[:-1], jnp.int32)
     return jnp.where(bad.any(-1), jnp.argmax(bad, -1) + 1, 0).astype(jnp.int32)
 
 
@@ -70,11 +72,10 @@ def _lu(a):
 
 
 def _lu_as_pytorch_saves(a):
-    """The LU PyTorch saves for solve/det backward: of A^T for real A, since its backward
+    """The LU PyTorch saves for det/slogdet backward: of A^T for real A, since its backward
     decides by A's contiguity (device tensors reach lowerings contiguous) and then solves with
-    adjoint=True. Returns (lu, pivots, whether A^T was factored)."""
-    use_a_t = not jnp.iscomplexobj(a)
-    return *_lu(_mT(a) if use_a_t else a), use_a_t
+    adjoint=True. Returns (lu, pivots)."""
+    return _lu(a if jnp.iscomplexobj(a) else _mT(a))
 
 
 def _diag(a):
@@ -124,10 +125,11 @@ def lu_solve(lu, pivots, b, left=True, adjoint=False):
 
 @lowers(aten._linalg_solve_ex.default)
 def solve_ex(a, b, left=True, check_errors=False):
-    lu, piv, use_a_t = _lu_as_pytorch_saves(a)
+    # Unlike det, PyTorch saves the LU of A itself here, and its backward solves with adjoint.
+    lu, piv = _lu(a)
     vector = b.ndim == 1 or (b.ndim == a.ndim - 1 and b.shape == a.shape[:-1])
     rhs = jnp.expand_dims(b, -1 if left else -2) if vector else b
-    x = _lu_solve(lu, piv, rhs, left, use_a_t)
+    x = _lu_solve(lu, piv, rhs, left, False)
     if vector:
         x = jnp.squeeze(x, -1 if left else -2)
     return x, lu, piv, _first_zero(_diag(lu))
@@ -147,14 +149,14 @@ def _permutation_sign(piv):
 
 @lowers(aten._linalg_det.default)
 def det(a):
-    lu, piv, _ = _lu_as_pytorch_saves(a)  # det(A^T) = det(A)
+    lu, piv = _lu_as_pytorch_saves(a)  # det(A^T) = det(A)
     d = jnp.prod(_diag(lu), -1) * _permutation_sign(piv).astype(lu.dtype)
     return d, lu, piv
 
 
 @lowers(aten._linalg_slogdet.default)
 def slogdet(a):
-    lu, piv, _ = _lu_as_pytorch_saves(a)
+    lu, piv = _lu_as_pytorch_saves(a)
     diag = _diag(lu)
     absdiag = jnp.abs(diag)
     unit = jnp.where(absdiag == 0, 0, diag / jnp.where(absdiag == 0, 1, absdiag))
@@ -216,3 +218,68 @@ def triangular_solve(b, a, upper=True, transpose=False, unitriangular=False):
 @lowers(aten.linalg_solve_triangular.default)
 def solve_triangular(a, b, upper, left=True, unitriangular=False):
     return _triangular_solve(a, b, upper=upper, left=left, transpose=False, unit=unitriangular)
+
+
+def _cholesky_lower(factor, upper: bool):
+    return _mH(factor) if upper else factor
+
+
+@lowers(aten._cholesky_solve_helper.default)
+def cholesky_solve_helper(b, factor, upper):
+    # A = L L^H: solve L Y = B, then L^H X = Y.
+    lower = _cholesky_lower(factor, upper)
+    y = _triangular_solve(lower, b, upper=False, left=True, transpose=False, unit=False)
+    lower, y = _broadcast_batch(lower, y)
+    return lax.linalg.triangular_solve(lower, y, left_side=True, lower=True, transpose_a=True,
+                                       conjugate_a=True)
+
+
+@lowers(aten.cholesky_inverse.default)
+def cholesky_inverse(factor, upper=False):
+    eye = jnp.broadcast_to(jnp.eye(factor.shape[-1], dtype=factor.dtype), factor.shape)
+    return cholesky_solve_helper(eye, factor, upper)
+
+
+@lowers(aten.geqrf.default)
+def geqrf(a):
+    # LAPACK's Householder form; XLA has it, but only under jax._src.
+    from jax._src.lax.linalg import geqrf as xla_geqrf
+
+    return tuple(xla_geqrf(a))
+
+
+def _geqrf_meta(a):
+    tau = a.new_empty(a.shape[:-2] + (min(a.shape[-2:]),))
+    return a.new_empty(a.shape), tau
+
+
+# PyTorch has no meta kernel for geqrf, and result shapes come from meta kernels.
+_meta_lib = torch.library.Library("aten", "IMPL")
+_meta_lib.impl(aten.geqrf.default, _geqrf_meta, "Meta")
+
+
+@lowers(aten.linalg_householder_product.default)
+def householder_product(a, tau):
+    return lax.linalg.householder_product(a, tau)
+
+
+@lowers(aten.ormqr.default)
+def ormqr(a, tau, c, left=True, transpose=False):
+    return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
+
+
+@lowers(aten.linalg_eig.default)
+def eig(a):
+    # XLA computes eig only on CPU (LAPACK geev, so vectors are normalized as PyTorch's are).
+    w, v = lax.linalg.eig(a, compute_left_eigenvectors=False)
+    return w, v
+
+
+@lowers(aten._linalg_eigvals.default)
+def eigvals(a):
+    return lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0]
+
+
+@lowers(aten.linalg_matrix_exp.default)
+def matrix_exp(a):
+    return jsl.expm(a)

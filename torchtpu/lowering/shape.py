@@ -7,6 +7,7 @@ functional view writes (slice/select/diagonal_scatter) that backward passes use.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -53,6 +54,25 @@ def reflection_pad(x, padding):
         aten.replication_pad3d.default)
 def replication_pad(x, padding):
     return _pad_last_dims(x, padding, "edge")
+
+
+def _pad_backward(grad, x, padding, mode: str):
+    _, vjp = jax.vjp(lambda a: _pad_last_dims(a, padding, mode), x)
+    return vjp(grad.astype(x.dtype))[0]
+
+
+# PyTorch's decomposition of the reflection backwards does not accept the out= form the autograd
+# kernels call, and the replication backwards have none.
+@lowers(aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
+        aten.reflection_pad3d_backward.default)
+def reflection_pad_backward(grad, x, padding):
+    return _pad_backward(grad, x, padding, "reflect")
+
+
+@lowers(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
+        aten.replication_pad3d_backward.default)
+def replication_pad_backward(grad, x, padding):
+    return _pad_backward(grad, x, padding, "edge")
 
 
 @lowers(aten.flip.default)
