@@ -1,6 +1,7 @@
 """Eager modes: Strict, Debug and DeferAndFuse compute the same numbers; Debug checks what a device
 cannot; DeferAndFuse fuses, caches its programs and flushes where it must."""
 
+import copy
 import os
 import traceback
 
@@ -139,6 +140,11 @@ def _bad_embedding(t):
     return torch.nn.functional.embedding(torch.tensor([0, 9], device="tpu"), t)
 
 
+def _internal_frames(error: BaseException) -> list:
+    package = os.path.dirname(torchtpu.__file__) + os.sep
+    return [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(package)]
+
+
 @pytest.mark.parametrize("fn, op, value, size", [
     (_bad_gather, "aten.gather", 7, 3),
     (_bad_index_select, "aten.index_select", 5, 2),
@@ -153,7 +159,13 @@ def test_debug_reports_bad_index_at_user_line(fn, op, value, size):
         assert op in msg and f"index {value}" in msg and f"size {size}" in msg
         last = traceback.extract_tb(info.value.__traceback__)[-1]
         assert last.filename == os.path.abspath(__file__) and last.name == fn.__name__
+        # torchtpu's frames are stripped (embedding keeps torch.nn.functional's, as on CPU).
+        assert _internal_frames(info.value) == []
         assert_same(t + 1, t.cpu() + 1)  # the device still works
+
+
+def _divide(a, b):
+    return a / b
 
 
 def test_debug_nans(monkeypatch):
@@ -161,6 +173,84 @@ def test_debug_nans(monkeypatch):
     t = torch.tensor([1.0, 0.0], device="tpu")
     with torch.tpu.set_eager_mode(DEBUG):
         ok = t * 2
-        with pytest.raises(FloatingPointError, match="aten.div"):
-            t / t
+        with pytest.raises(FloatingPointError, match="aten.div") as info:
+            _divide(t, t)
+        frames = traceback.extract_tb(info.value.__traceback__)
+        assert [f.name for f in frames[-2:]] == ["test_debug_nans", "_divide"]
+        assert _internal_frames(info.value) == []
         assert_same(ok + 1, torch.tensor([3.0, 1.0]))
+
+
+def test_defer_integer_index_records_and_mask_flushes():
+    x, idx = torch.randn(5, 3), torch.tensor([4, 0, 4])
+    mask = torch.tensor([True, False, True, False, True])
+    t, t_idx, t_mask = x.to("tpu"), idx.to("tpu"), mask.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        y = t * 2
+        before = torchtpu.metrics.snapshot()["executions"]
+        gathered = y[t_idx]
+        rows = y[t_idx, 1:]
+        assert torchtpu.metrics.snapshot()["executions"] == before
+        assert not torch.tpu.is_materialized(y) and not torch.tpu.is_materialized(gathered)
+        masked = y[t_mask]  # its shape needs the mask's values: runs what is pending
+        assert torch.tpu.is_materialized(y)
+    assert_same((gathered, rows, masked), ((x * 2)[idx], (x * 2)[idx, 1:], (x * 2)[mask]))
+
+
+# Model parity in the other two modes (Strict runs the full model suites): GPT training and a tiny
+# Llama's forward/backward, plus greedy generation, whose host reads flush DeferAndFuse per token.
+OTHER_MODES = [DEBUG, DEFER]
+
+
+@pytest.mark.parametrize("mode", OTHER_MODES, ids=lambda m: m.name)
+def test_gpt_training_matches_cpu(mode):
+    from test_models import CONFIG, cpu_and_tpu_models
+
+    from torchtpu.testing.models import train_steps
+
+    data = torch.randint(0, CONFIG["vocab"], (600,), generator=torch.Generator().manual_seed(1))
+    cpu, tpu = cpu_and_tpu_models()
+    expected = train_steps(cpu, data, 4, "cpu")
+    with torch.tpu.set_eager_mode(mode):
+        actual = train_steps(tpu, data, 4, "tpu")
+    assert expected[-1] < expected[0]
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-3, atol=0)
+    assert_same(tpu.state_dict(), cpu.state_dict(), rtol=1e-3, atol=1e-4)
+
+
+def _hf_pair(name: str):
+    from test_hf_models import MODELS
+
+    torch.manual_seed(0)
+    cpu = MODELS[name]().eval()
+    return cpu, copy.deepcopy(cpu).to("tpu")
+
+
+@pytest.mark.parametrize("mode", OTHER_MODES, ids=lambda m: m.name)
+def test_hf_llama_forward_backward_matches_cpu(mode):
+    from test_hf_models import TOL, inputs, on_tpu
+
+    cpu, tpu = _hf_pair("llama")
+    batch = inputs("llama")
+    expected = cpu(**batch)
+    expected.loss.backward()
+    with torch.tpu.set_eager_mode(mode):
+        actual = tpu(**on_tpu(batch))
+        actual.loss.backward()
+    assert_same((actual.logits, actual.loss), (expected.logits, expected.loss), **TOL)
+    cpu_params = dict(cpu.named_parameters())
+    grads = {n: p.grad for n, p in tpu.named_parameters()}
+    assert_same(grads, {n: cpu_params[n].grad for n in grads}, **TOL)
+
+
+def test_hf_gpt2_generate_matches_cpu_deferred():
+    from test_hf_models import inputs
+
+    cpu, tpu = _hf_pair("gpt2")
+    batch = inputs("gpt2")
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    expected = cpu.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
+    with torch.tpu.set_eager_mode(DEFER):
+        actual = tpu.generate(batch["input_ids"].to("tpu"),
+                              attention_mask=batch["attention_mask"].to("tpu"), **kwargs)
+    assert_same(actual, expected, atol=0, rtol=0)

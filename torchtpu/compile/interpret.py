@@ -80,13 +80,14 @@ class _Step:
             if self.graph_op is None:
                 raise missing_lowering(op)
             return
-        if self.lowering.data_dependent_shape:
+        self.oi = schema.info(op)
+        self.values, _ = schema.bind(self.oi, node.args, node.kwargs)
+        if self.lowering.data_dependent_shape and self.lowering.shape_depends_on_values(
+                fx.node.map_arg(self.values, _val)):
             raise NotImplementedError(
                 f"torchtpu.compile: {op} has a data-dependent output shape; it cannot be part of "
                 "a compiled graph (run it outside torch.compile)"
             )
-        self.oi = schema.info(op)
-        self.values, _ = schema.bind(self.oi, node.args, node.kwargs)
         self.promote = None
         if self.lowering.promote == "common":
             self.promote = dispatch._common_dtype([_promotion_stand_in(v) for v in self.values])

@@ -7,7 +7,8 @@ place of its array. A flush replays the recording inside one ``jax.jit`` (the pe
 inline into it), runs it, and hands each pending value that is still referenced its array.
 
 Flushes happen at host reads (a pending value converted to NumPy: ``.item()``, ``.cpu()``,
-printing, ``bool()``), before an op whose output shape depends on values, at
+printing, ``bool()``), before a call whose output shape depends on values (``x[mask]``, not
+``x[idx]``: see ``data_dependent_shape`` in ``lowering/registry.py``), at
 ``torch.tpu.synchronize()``, when the recording reaches ``MAX_OPS`` ops and when the mode is left.
 The fused program is cached by the recording's structure (programs called and how their values
 connect), which outputs are still alive and which inputs are donated; JAX adds the input shapes.
@@ -330,11 +331,13 @@ class DeferAndFuse(Strict):
     name = "defer_and_fuse"
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if lowering.data_dependent_shape:
-            RECORDER.flush()
-            return super().run(lowering, spec, _concrete(dyn))
         spec, dyn = lift_numbers(lowering, spec, dyn)
         return RECORDER.record(program(lowering, spec), dyn)
+
+    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        # The output shape needs the input values: run what is pending first.
+        RECORDER.flush()
+        return super().run_concrete(lowering, spec, _concrete(dyn))
 
     def flush(self) -> None:
         RECORDER.flush()

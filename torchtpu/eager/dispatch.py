@@ -241,9 +241,8 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 
     def handle(args, kwargs):
         values, _ = schema.bind(oi, args, kwargs)
-        if lowering.data_dependent_shape:
-            out = compute_unknown_shape(lowering, oi, values)
-            return out
+        if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
+            return compute_unknown_shape(lowering, oi, values)
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
         return list(out) if returns_list else out
@@ -252,8 +251,10 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 
 
 def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
+    """Run a call whose result shape depends on values, on concrete arrays."""
     spec = Spec(entries_of(oi, values, lowering), None, None, None)
-    out = compute(lowering, spec, values)
+    dyn = dynamic_values(values, spec.entries)
+    out = _dedupe(executor.current().run_concrete(lowering, spec, dyn), dyn)
     if isinstance(out, (tuple, list)):
         return tuple(tensors.wrap(o) for o in out)
     return tensors.wrap(out)
@@ -428,7 +429,13 @@ def handler(op: OpOverload):
 
 def kernel(op: OpOverload, *args, **kwargs):
     """The boxed PrivateUse1 fallback kernel."""
-    return handler(op)(args, kwargs)
+    try:
+        return handler(op)(args, kwargs)
+    except Exception as e:
+        if executor.reported_at_user(e):
+            # Debug's errors end at the user's line; a bare raise adds no frame of this one.
+            e.__traceback__ = executor.user_traceback()
+        raise
 
 
 def _needs_device_kernel(op: OpOverload) -> bool:

@@ -30,10 +30,12 @@ class Strict:
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
-        if lowering.data_dependent_shape:
-            # Output shapes depend on values: run on concrete arrays, op by op.
-            return cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn)), spec.final)
         return program(lowering, spec)(*dyn)
+
+    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        """A call whose output shapes depend on values: run on concrete arrays, op by op."""
+        metrics.count("executions")
+        return cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn)), spec.final)
 
     def flush(self) -> None:
         """Strict runs every op as it comes: nothing is ever pending."""
@@ -51,22 +53,40 @@ _INTERNAL = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     os.path.dirname(torch.__file__) + os.sep,
 )
+_AT_USER = "_torchtpu_reported_at_user"
 
 
-def _user_traceback() -> types.TracebackType | None:
-    """A one-entry traceback at the innermost frame of the caller's own code, if there is one."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+def _internal(frame: types.FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_INTERNAL)
+
+
+def reported_at_user(error: BaseException) -> bool:
+    """Whether error is one of Debug's, whose traceback should end at the user's line."""
+    return getattr(error, _AT_USER, False)
+
+
+def user_traceback() -> types.TracebackType | None:
+    """The traceback tail for a Debug error leaving the device kernel that calls this.
+
+    Every frame below the kernel is torchtpu's. The kernel's Python caller adds its own frame as
+    the error passes it: when that caller is the user's code, the tail is empty; when it is a
+    library (``torch.nn.functional``), the tail is one entry at the innermost user frame, so the
+    traceback still ends at the user's line. On the autograd thread there is no user frame.
+    """
+    caller = sys._getframe(1).f_back  # 0: here, 1: the kernel
+    if caller is None or not _internal(caller):
+        return None
+    frame = caller
+    while frame is not None and _internal(frame):
         frame = frame.f_back
-    if frame is None:  # e.g. on the autograd thread: no user frame on this stack
+    if frame is None:
         return None
     return types.TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
 
 
-def raise_at_user(error: BaseException):
-    """Raise error so that its traceback ends at the user's line, not inside torchtpu."""
-    tb = _user_traceback()
-    raise error.with_traceback(tb) if tb is not None else error
+def _at_user(error: BaseException) -> BaseException:
+    setattr(error, _AT_USER, True)
+    return error
 
 
 def _nonfinite(out) -> bool:
@@ -81,20 +101,26 @@ class Debug(Strict):
     it, and checks what the device cannot (``lowering/checks.py``) before running each op.
 
     ``TORCHTPU_DEBUG_NANS=1`` also raises ``FloatingPointError`` at the first op whose result
-    holds a NaN or an infinity.
+    holds a NaN or an infinity. Errors it raises end at the user's line (see ``dispatch.kernel``).
     """
 
     name = "debug"
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        return self._checked(super().run, lowering, spec, dyn)
+
+    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        return self._checked(super().run_concrete, lowering, spec, dyn)
+
+    def _checked(self, run, lowering: Lowering, spec: Spec, dyn: tuple):
         check = checks.find(lowering.op)
         if check is not None:
             error = check(*rebuild(spec, lowering, dyn))
             if error is not None:
-                raise_at_user(type(error)(f"{lowering.op}: {error}"))
-        out = jax.block_until_ready(super().run(lowering, spec, dyn))
+                raise _at_user(type(error)(f"{lowering.op}: {error}"))
+        out = jax.block_until_ready(run(lowering, spec, dyn))
         if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
-            raise_at_user(FloatingPointError(
+            raise _at_user(FloatingPointError(
                 f"{lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
         return out
 

@@ -13,7 +13,11 @@ Policy that many ops share is declared here instead of repeated in each lowering
   that need the value in Python). ``traced`` names other (e.g. ``float``) arguments to trace,
   such as the learning rate of the fused optimizers.
 - ``data_dependent_shape``: the output shape depends on values (``nonzero``); the executor runs
-  such a lowering on concrete arrays instead of compiling it whole.
+  such a call on concrete arrays instead of compiling it whole (and DeferAndFuse flushes first).
+  A predicate instead of ``True`` limits that to the calls it accepts: it gets the bound
+  arguments in schema order, torch tensors (real, fake or meta) where the schema has tensors,
+  so ``x[idx]`` with integer indices stays an ordinary, recordable op and only masks are run
+  concretely.
 - ``random``: the lowering takes a PRNG key as its first argument, drawn from the device
   generator by the executor.
 """
@@ -35,9 +39,14 @@ class Lowering:
     fn: Callable
     promote: str | None = None
     static_scalars: bool = False
-    data_dependent_shape: bool = False
+    data_dependent_shape: bool | Callable = False
     random: bool = False
     traced: tuple = ()
+
+    def shape_depends_on_values(self, values) -> bool:
+        """Whether this call's result shape depends on tensor values (see the module doc)."""
+        rule = self.data_dependent_shape
+        return bool(rule(*values)) if callable(rule) else rule
 
 
 TABLE: dict[OpOverload, Lowering] = {}
@@ -55,7 +64,7 @@ def _overloads(target) -> list[OpOverload]:
 
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
-           data_dependent_shape: bool = False, random: bool = False,
+           data_dependent_shape: bool | Callable = False, random: bool = False,
            traced: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
