@@ -173,6 +173,13 @@ def is_materialized(t: torch.Tensor) -> bool:
     return executor.is_materialized(t)
 
 
+def pending_hlo() -> str:
+    """The computation DeferAndFuse holds pending, as StableHLO text ("" when none), unrun."""
+    from torchtpu.eager import defer
+
+    return defer.pending_hlo()
+
+
 def set_eager_mode(mode: EagerMode):
     """Context manager: run the block in mode, then restore the previous mode."""
     from torchtpu.eager import modes
