@@ -4,6 +4,7 @@ from torchtpu.lowering import (  # noqa: F401
     conv,
     elementwise,
     factory,
+    fft,
     index,
     linalg,
     nn,

@@ -11,6 +11,7 @@ follows PyTorch's.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -202,6 +203,68 @@ _register({
 }, promote="result")
 
 
+# ----------------------------------------------------------------------------- special functions
+
+def _spherical_bessel_j0(x):
+    safe = jnp.where(x == 0, jnp.ones_like(x), x)
+    # sin(x)/x, 1 at 0 and 0 at +-inf (where sin is NaN), as on CPU.
+    return jnp.where(x == 0, 1, jnp.where(jnp.isinf(x), 0, jnp.sin(safe) / safe))
+
+
+_register({
+    aten.special_erfcx.default: jsp.erfcx,
+    aten.special_i0e.default: jsp.i0e,
+    aten.special_i1.default: jsp.i1,
+    aten.special_i1e.default: jsp.i1e,
+    aten.special_modified_bessel_i0.default: jsp.i0,
+    aten.special_modified_bessel_i1.default: jsp.i1,
+    aten.special_ndtri.default: jsp.ndtri,
+    aten.special_log_ndtr.default: jsp.log_ndtr,
+    aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
+    aten.igamma.default: jsp.gammainc,
+    aten.igammac.default: jsp.gammaincc,
+}, promote="result")
+
+
+def _trigamma(x):
+    # jsp.polygamma(1, .) goes through zeta(2, x), which is inaccurate for negative x; this is
+    # the reflection psi1(x) = pi^2 / sin^2(pi x) - psi1(1 - x), then the recurrence
+    # psi1(x) = 1/x^2 + psi1(x + 1) up to x + 6 and the asymptotic series there.
+    reflect = x < 0.5
+    pole = jnp.where(reflect, (jnp.pi / jnp.sin(jnp.pi * x)) ** 2, 0)
+    x = jnp.where(reflect, 1 - x, x)
+    total = jnp.zeros_like(x)
+    for _ in range(6):
+        total = total + 1 / (x * x)
+        x = x + 1
+    inv2 = 1 / (x * x)
+    total = total + (1 + 1 / (2 * x) + inv2 * (1 / 6 - inv2 * (1 / 30 - inv2 / 42))) / x
+    return jnp.where(reflect, pole - total, total)
+
+
+def _zeta(s, q):
+    """Hurwitz zeta; jsp.zeta is wrong for q < 0, so q is first shifted up past 1 with
+    zeta(s, q) = q^-s + zeta(s, q + 1)."""
+    def shift(state):
+        total, q = state
+        below = q < 1
+        return total + jnp.where(below, q ** -s, 0), jnp.where(below, q + 1, q)
+
+    total, q = lax.while_loop(lambda st: jnp.any(st[1] < 1), shift, (jnp.zeros_like(q), q))
+    return total + jsp.zeta(s, q)
+
+
+@lowers(aten.polygamma.default, promote="result")
+def polygamma(n, x):
+    # jsp.polygamma(0, .) is NaN at 0 where CPU's digamma gives -+inf.
+    if n == 0:
+        return _digamma(x)
+    if n == 1:
+        return _trigamma(x)
+    sign = 1.0 if n % 2 else -1.0
+    return sign * math.exp(math.lgamma(n + 1)) * _zeta(jnp.asarray(n + 1, x.dtype), x)
+
+
 @lowers(aten.round.decimals, promote="result")
 def round_decimals(x, decimals=0):
     if _is_int(x):
@@ -278,8 +341,18 @@ _register({
     aten.isneginf.default: jnp.isneginf,
     aten.signbit.default: jnp.signbit,
     aten._conj_physical.default: jnp.conj,
-    aten.complex.default: lax.complex,
 }, promote=None)
+
+
+@lowers(aten.complex.default)
+def complex_(real, imag):
+    # lax.complex does not broadcast; torch.complex (and polar, built on it) does.
+    return lax.complex(*jnp.broadcast_arrays(real, imag))
+
+
+@lowers(aten.frexp.Tensor)
+def frexp(x):
+    return jnp.frexp(x)
 
 
 # ----------------------------------------------------------------------------- comparisons, logic
@@ -334,3 +407,17 @@ def fill(x, value):
 @lowers(aten.zero.default)
 def zero(x):
     return jnp.zeros_like(x)
+
+
+# ----------------------------------------------------------------------------- equal
+
+def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
+    # equal returns a Python bool, which no lowering can: it is composed of device ops and one
+    # host read instead (registered as the device kernel, like a decomposition).
+    if x.shape != y.shape:
+        return False
+    return bool(torch.eq(x, y).all().item())
+
+
+_equal_lib = torch.library.Library("aten", "IMPL")
+_equal_lib.impl(aten.equal.default, _equal, "PrivateUse1")

@@ -80,7 +80,9 @@ def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None
     return jnp.full(tuple(size), fill_value)
 
 
-@lowers(aten.zeros.default)
+# _efficientzerotensor is what autograd uses for a known-zero gradient (sgn of a real tensor):
+# an ordinary zero tensor serves.
+@lowers(aten.zeros.default, aten._efficientzerotensor.default)
 def zeros(size, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size), jnp.bool_)
 

@@ -212,7 +212,17 @@ lowers(aten.cumsum.default, promote="result")(
     _over_dim(lambda x, d, dtype=None: jnp.cumsum(_acc(x), axis=d)))
 lowers(aten.cumprod.default, promote="result")(
     _over_dim(lambda x, d, dtype=None: jnp.cumprod(_acc(x), axis=d)))
-lowers(aten.logcumsumexp.default)(_over_dim(lambda x, d: lax.cumlogsumexp(_acc(x), axis=d)))
+
+
+def _logcumsumexp(x, d):
+    # CPU accumulates float32 in float64 (its acc_type). The difference is one float32 rounding
+    # per partial sum, but logcumsumexp's backward (exp(lcse(log|g| - y) + x)) cancels values of
+    # size |x|, so for |x| ~ 1e4 those roundings become 0.1% errors in the gradient.
+    wide = jnp.float64 if x.dtype == jnp.float32 else _acc(x).dtype
+    return lax.cumlogsumexp(x.astype(wide), axis=d)
+
+
+lowers(aten.logcumsumexp.default)(_over_dim(_logcumsumexp))
 
 
 def _cum_extreme(beats: Callable) -> Callable:
@@ -318,3 +328,25 @@ lowers(aten.median.default)(_median(False)[0])
 lowers(aten.median.dim)(_median(False)[1])
 lowers(aten.nanmedian.default)(_median(True)[0])
 lowers(aten.nanmedian.dim)(_median(True)[1])
+
+
+@lowers(aten.mode.default)
+def mode(x, dim=-1, keepdim=False):
+    def most_common(x, d):
+        values, idx = _sorted_along(x, d, False)
+        n = values.shape[-1]
+        pos = lax.broadcasted_iota(_INDEX, values.shape, values.ndim - 1)
+        # Runs of equal values in the sorted row (NaN != NaN: each NaN is its own run).
+        new_run = jnp.concatenate([jnp.ones_like(values[..., :1], bool),
+                                   values[..., 1:] != values[..., :-1]], -1)
+        ends_run = jnp.concatenate([new_run[..., 1:], jnp.ones_like(new_run[..., :1])], -1)
+        start = lax.cummax(jnp.where(new_run, pos, 0), axis=values.ndim - 1)
+        end = lax.cummin(jnp.where(ends_run, pos, n), axis=values.ndim - 1, reverse=True)
+        # The longest run, the smallest value among equally long ones; CPU reports the last
+        # index holding that value.
+        best = jnp.argmax(end - start, axis=-1, keepdims=True)
+        last = jnp.take_along_axis(end, best, -1)
+        out = (jnp.take_along_axis(values, best, -1), jnp.take_along_axis(idx, last, -1))
+        return _back(out, d) if keepdim else tuple(o[..., 0] for o in out)
+
+    return _over_dim(most_common)(x, dim)
