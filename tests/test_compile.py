@@ -263,3 +263,16 @@ def test_dynamic_shapes_fall_back_to_exact_shapes(fn, caplog):
             assert_same(compiled(x.to("tpu")), fn(x), atol=1e-6, rtol=1e-6)
     assert torchtpu.metrics.snapshot()["dynamic_exact_shape_compiles"] - before >= 2
     assert "compiles per exact shape" in caplog.text
+
+
+def test_dynamic_shapes_training_matches_cpu():
+    cpu = nn.Sequential(nn.Embedding(20, 8), nn.LayerNorm(8), nn.Linear(8, 5))
+    dev = _to_tpu(cpu)
+    compiled = torch.compile(dev, backend="tpu", dynamic=True)
+    for t in (3, 5, 9):
+        idx = torch.randint(0, 20, (2, t))
+        out, expected = compiled(idx.to("tpu")), cpu(idx)
+        assert_same(out, expected, atol=1e-5, rtol=1e-5)
+        out.square().sum().backward()
+        expected.square().sum().backward()
+    _check_grads(cpu, dev, atol=1e-4, rtol=1e-4)

@@ -69,6 +69,10 @@ def decompositions() -> dict:
     return {**table, **_prims_as_aten()}
 
 
+def _meta(n):
+    return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
 def _describe(arrays) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
 
@@ -182,6 +186,10 @@ class CompiledGraph:
         outs = program(arrays, constants, scalars, keys)
         if values is not None:
             outs = self._unpad(outs, values)
+        # jax.jit returns a size output (a SymInt saved for backward) as an array; AOTAutograd
+        # wants a number.
+        outs = [int(o) if isinstance(_meta(n), torch.SymInt) and not isinstance(o, int) else o
+                for o, n in zip(outs, self.fn.output, strict=True)]
         outs = dispatch._dedupe(outs, arrays)
         return [self._wrap(o, d, i, outs) for i, (o, d) in
                 enumerate(zip(outs, self.out_dtypes, strict=True))]
