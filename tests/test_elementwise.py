@@ -223,3 +223,53 @@ def test_print_does_not_fall_back():
         shown = "".join(repr(t.to("tpu")).split())  # the device suffix may wrap a line
         assert ",device='tpu:0'" in shown
         assert shown.replace(",device='tpu:0'", "") == "".join(repr(t).split())
+
+
+SPECIAL_FNS = ["erfcx", "i0e", "i1", "i1e", "ndtri", "log_ndtr", "modified_bessel_i0",
+               "modified_bessel_i1", "spherical_bessel_j0"]
+
+
+def test_special_functions():
+    x = _floats(4, 5)
+    p = torch.rand(4, 5)
+
+    def fn(x, p):
+        out = [getattr(torch.special, name)(p if name == "ndtri" else x) for name in SPECIAL_FNS]
+        return out + [torch.igamma(x.abs(), p * 3), torch.igammac(x.abs(), p * 3)]
+
+    check_against_cpu(fn, x, p, atol=1e-5, rtol=2e-5)
+
+
+def test_polygamma_negative_and_poles():
+    # Negative non-integers go through reflection (n == 1) or a shifted zeta (n >= 2).
+    x = torch.tensor([-8.4784, -3.0337, -0.5, 0.3, 1.0, 2.5, 30.0, 0.0, -2.0])
+    check_against_cpu(lambda x: [torch.polygamma(n, x) for n in range(5)], x, rtol=2e-6)
+
+
+def test_polygamma_gradient():
+    def grad(x):
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(torch.polygamma(1, x).sum(), x)[0]
+
+    x = torch.tensor([-2.5, 0.7, 3.0])
+    assert_same(grad(x.to("tpu")), grad(x), rtol=2e-6)
+
+
+def test_complex_and_polar_broadcast():
+    a, b = torch.rand(3), torch.randn(2, 3)
+    check_against_cpu(lambda a, b: (torch.complex(a, b), torch.polar(a, b)), a, b)
+
+
+def test_frexp():
+    x = _floats(3, 4) * 1000
+    check_against_cpu(lambda x: torch.frexp(x), x)
+
+
+def test_equal():
+    a = torch.tensor([1.0, 2.0, 3.0])
+    d = a.to("tpu")
+    assert torch.equal(d, d.clone())
+    assert not torch.equal(d, d + 1)
+    assert not torch.equal(d, d[:2])
+    nan = torch.tensor([float("nan")], device="tpu")
+    assert torch.equal(nan, nan) == torch.equal(nan.cpu(), nan.cpu())

@@ -134,3 +134,22 @@ def test_out_and_inplace():
         return s, v, i, c
 
     assert_same(fn(X.to("tpu")), fn(X))
+
+
+def test_mode():
+    x = torch.tensor([[3.0, 1, 3, 1, 2, 2, 2, 1], [5, 5, 5, 4, 4, 4, 4, 0]])
+    check_against_cpu(lambda x: (x.mode(), x.mode(0), x.mode(1, keepdim=True),
+                                 torch.tensor(2.0, device=x.device).mode()), x)
+
+
+def test_logcumsumexp_gradient_at_large_values():
+    # The backward cancels terms of size |x|: it matches CPU only if the forward accumulates
+    # float32 in float64 as CPU does.
+    x = torch.cat([torch.full((1, 5), 1e4), torch.randn(4, 5) * 5])
+    g = torch.randn(5, 5)
+
+    def grad(x, g):
+        x = x.detach().requires_grad_()
+        return torch.autograd.grad(torch.logcumsumexp(x, 0), x, g)[0]
+
+    assert_same(grad(x.to("tpu"), g.to("tpu")), grad(x, g))

@@ -211,6 +211,11 @@ def _spherical_bessel_j0(x):
     return jnp.where(x == 0, 1, jnp.where(jnp.isinf(x), 0, jnp.sin(safe) / safe))
 
 
+def _igamma(a, x):
+    # P(0, x) is 1 for x > 0 on CPU; jsp.gammainc gives NaN there.
+    return jnp.where((a == 0) & (x > 0), 1, jsp.gammainc(a, x))
+
+
 _register({
     aten.special_erfcx.default: jsp.erfcx,
     aten.special_i0e.default: jsp.i0e,
@@ -221,7 +226,7 @@ _register({
     aten.special_ndtri.default: jsp.ndtri,
     aten.special_log_ndtr.default: jsp.log_ndtr,
     aten.special_spherical_bessel_j0.default: _spherical_bessel_j0,
-    aten.igamma.default: jsp.gammainc,
+    aten.igamma.default: _igamma,
     aten.igammac.default: jsp.gammaincc,
 }, promote="result")
 
