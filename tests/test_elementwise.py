@@ -226,7 +226,8 @@ def test_print_does_not_fall_back():
 
 
 SPECIAL_FNS = ["erfcx", "i0e", "i1", "i1e", "ndtri", "log_ndtr", "modified_bessel_i0",
-               "modified_bessel_i1", "spherical_bessel_j0"]
+               "modified_bessel_i1", "spherical_bessel_j0", "modified_bessel_k0",
+               "modified_bessel_k1", "scaled_modified_bessel_k0", "scaled_modified_bessel_k1"]
 
 
 def test_special_functions():
