@@ -1,4 +1,4 @@
-"""Training-step throughput of a small GPT: Strict, DeferAndFuse and CPU eager, side by side.
+"""Training-step throughput of a small GPT: Strict, Debug, DeferAndFuse and CPU eager, side by side.
 
 One process, one model recipe (TinyGPT: 2 layers, width 64, sequence 32, batch 8, AdamW with
 clipping), the same batches everywhere. Each run warms up, then times steps; the table gives
@@ -58,6 +58,7 @@ def main() -> None:
     runs = {
         "cpu eager": ("cpu", None),
         "tpu Strict": ("tpu", torch.tpu.EagerMode.DEFER_NEVER),
+        "tpu Debug": ("tpu", torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING),
         "tpu DeferAndFuse": ("tpu", torch.tpu.EagerMode.DEFER_AND_FUSE),
     }
     results = {name: _measure(dev, mode, args.steps, args.warmup)

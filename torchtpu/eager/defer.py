@@ -20,7 +20,6 @@ has written a new one) are donated to the program, so in-place updates reuse the
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 import weakref
@@ -31,7 +30,7 @@ import numpy as np
 from torchtpu import metrics
 from torchtpu.device import tensors
 from torchtpu.eager.executor import Strict
-from torchtpu.eager.program import CONST, SCALAR, TENSORS, Spec, program
+from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
 
 MAX_OPS = 2000
@@ -293,45 +292,12 @@ def _concrete(x):
     return x
 
 
-@functools.cache
-def _tensor_positions(op) -> frozenset:
-    return frozenset(i for i, a in enumerate(op._schema.arguments) if str(a.type) == "Tensor")
-
-
-def lift_numbers(lowering: Lowering, spec: Spec, dyn: tuple) -> tuple[Spec, tuple]:
-    """Trace Python numbers passed where the schema has a Tensor instead of baking them in.
-
-    Decompositions pass numbers that change every step (AdamW's bias corrections) as ``Tensor``
-    arguments; baked in as constants they would make every step a new program. Traced, they
-    act as the weakly typed scalars PyTorch wraps them into. (This belongs in
-    ``dispatch.split``, where it would spare Strict the same recompiles.)
-    """
-    tensor_args = _tensor_positions(lowering.op)
-    lifted = [i for i, (kind, payload) in enumerate(spec.entries)
-              if kind == CONST and type(payload) in (int, float) and i in tensor_args]
-    if not lifted:
-        return spec, dyn
-    entries, values, it = [], [], iter(dyn)
-    for i, (kind, payload) in enumerate(spec.entries):
-        if i in lifted:
-            entries.append((SCALAR, None))
-            values.append(payload)
-            continue
-        entries.append((kind, payload))
-        if kind == TENSORS:
-            values.extend(next(it) for missing in payload if not missing)
-        elif kind != CONST:
-            values.append(next(it))
-    return Spec(tuple(entries), spec.compute, spec.final, spec.promote), tuple(values)
-
-
 class DeferAndFuse(Strict):
     """Records ops into the process's recording; flushes run them as one fused program."""
 
     name = "defer_and_fuse"
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        spec, dyn = lift_numbers(lowering, spec, dyn)
         return RECORDER.record(program(lowering, spec), dyn)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
