@@ -235,6 +235,8 @@ def index_fill(x, dim, index, value):
 @lowers(aten.masked_scatter.default)
 def masked_scatter(x, mask, source):
     mask = jnp.broadcast_to(mask, x.shape)
+    if source.size == 0:  # nothing to place (PyTorch rejects a true mask position then)
+        return x
     rank = jnp.clip(jnp.cumsum(mask.reshape(-1)) - 1, 0, max(source.size - 1, 0))
     placed = source.reshape(-1)[rank].reshape(x.shape).astype(x.dtype)
     return jnp.where(mask, placed, x)
@@ -258,6 +260,12 @@ def unique(x, sorted=True, return_inverse=False, return_counts=False):
     inverse = inverse.reshape(x.shape) if return_inverse else jnp.zeros((0,), jnp.int64)
     counts = counts if return_counts else jnp.zeros((0,), jnp.int64)
     return values, inverse.astype(jnp.int64), counts.astype(jnp.int64)
+
+
+@lowers(aten._unique.default, data_dependent_shape=True)
+def unique_legacy(x, sorted=True, return_inverse=False):
+    values, inverse, _ = unique(x, sorted, return_inverse)
+    return values, inverse
 
 
 @lowers(aten.embedding.default)

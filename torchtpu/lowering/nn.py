@@ -1,5 +1,5 @@
-"""Neural-network ops that need their own lowering: distances (cdist, pdist), embedding_bag and
-the CTC loss, forward and backward.
+"""Neural-network ops that need their own lowering: distances (cdist, pdist) forward and
+backward, the backwards of softshrink/hardshrink and of the multi-class margin losses.
 
 Most of the family needs none: every other op of it that reaches the device has a
 ``torch._decomp`` decomposition whose pieces are lowered elsewhere, and tests/test_nn_ops.py checks
@@ -106,3 +106,81 @@ def pdist_backward(grad, x, p, dist):
     i, j = _pairs(x.shape[0])
     g = grad[:, None] * _p_distance_grad(x[i] - x[j], dist, p)
     return jnp.zeros_like(x).at[i].add(g).at[j].add(-g)
+
+
+# ----------------------------------------------------------------------------- activations
+
+@lowers(aten.softshrink_backward.default, aten.hardshrink_backward.default, promote="result")
+def shrink_backward(grad, x, lambd):
+    # Both pass the gradient where |x| > lambd; PyTorch has no decomposition of either.
+    return jnp.where((x > lambd) | (x < -lambd), grad, 0)
+
+
+# ----------------------------------------------------------------------------- margin losses
+
+def _per_sample(grad, reduction: int, n: int, ndim: int):
+    """The gradient of each sample's loss: mean divides by the sample count."""
+    if reduction == 0:
+        return grad.reshape(grad.shape + (1,) * (ndim - grad.ndim))
+    return grad / n if reduction == 1 else grad
+
+
+@lowers(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
+    x2 = x.reshape((-1, x.shape[-1]))
+    n, c = x2.shape
+    target = target.reshape(-1)
+    picked = jnp.take_along_axis(x2, target[:, None], 1)
+    z = margin - picked + x2
+    others = jnp.arange(c)[None, :] != target[:, None]
+    g = jnp.where((z > 0) & others, p * z ** (p - 1), 0) / c  # p is 1 or 2
+    if weight is not None:
+        g = g * weight[target][:, None]
+    g = g.at[jnp.arange(n), target].add(-g.sum(1))
+    per = _per_sample(grad.reshape(-1) if reduction == 0 else grad, reduction, n, 2)
+    return (g * per).reshape(x.shape)
+
+
+def _multilabel_hinge(x, target):
+    """(x as rows, labels, label-vs-class margins z, which z count, is_target) of
+    multilabel_margin_loss: each row's labels are its targets before the first -1."""
+    x2 = x.reshape((-1, x.shape[-1]))
+    c = x2.shape[1]
+    target = target.reshape(x2.shape)
+    valid = jnp.cumprod(target >= 0, axis=1).astype(bool)
+    labels = jnp.where(valid, target, 0)
+    is_target = ((labels[:, :, None] == jnp.arange(c)) & valid[:, :, None]).any(1)
+    z = 1 - jnp.take_along_axis(x2, labels, 1)[:, :, None] + x2[:, None, :]
+    active = (z > 0) & valid[:, :, None] & ~is_target[:, None, :]
+    return x2, labels, z, active, is_target
+
+
+@lowers(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(x, target, reduction):
+    # Lowered: PyTorch's decomposition also counts the label slots after the first -1.
+    x2, _, z, active, is_target = _multilabel_hinge(x, target)
+    loss = jnp.where(active, z, 0).sum((1, 2)) / x2.shape[1]
+    loss = loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
+    return loss.reshape(x.shape[:-1]) if reduction == 0 else loss, is_target.reshape(x.shape)
+
+
+@lowers(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
+    x2, labels, _, active, _ = _multilabel_hinge(x, target)
+    n, c = x2.shape
+    active = active.astype(x.dtype) / c
+    g = active.sum(1)
+    g = g.at[jnp.arange(n)[:, None], labels].add(-active.sum(2))
+    per = _per_sample(grad.reshape(-1) if reduction == 0 else grad, reduction, n, 2)
+    return (g * per).reshape(x.shape)
+
+
+def _like_second(grad, x, *args, **kwargs):
+    return torch.empty_like(x)
+
+
+# These backwards have no meta kernel in PyTorch; result shapes come from meta kernels, and each
+# gradient has the shape of the op's second argument (the forward's input).
+_meta_lib = torch.library.Library("aten", "IMPL")
+for _op in (aten.multi_margin_loss_backward.default, aten.multilabel_margin_loss_backward.default):
+    _meta_lib.impl(_op, _like_second, "Meta")
