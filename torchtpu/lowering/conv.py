@@ -374,3 +374,97 @@ def upsample_nearest_exact_backward(grad, output_size, input_size, *scales):
 def upsample_linear_backward(grad, output_size, input_size, align_corners, *scales):
     return _upsample_backward(grad, output_size, input_size, scales,
                               lambda n, o, s: _linear_matrix(n, o, s, align_corners))
+
+
+# ----------------------------------------------------------------------------- grid sampling
+
+def _reflect(coord, low: float, high: float):
+    """Reflect coord into [low, high] (PyTorch's reflect_coordinates, over twice the span)."""
+    if high <= low:
+        return jnp.zeros_like(coord)
+    span = high - low
+    dist = jnp.abs(coord - low)
+    flips = jnp.floor(dist / span)
+    extra = dist - flips * span
+    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
+
+
+def _source_coord(coord, size: int, padding_mode: int, align_corners: bool):
+    """Grid coordinate in [-1, 1] -> input pixel coordinate, padding applied."""
+    if align_corners:
+        coord = (coord + 1) / 2 * (size - 1)
+    else:
+        coord = ((coord + 1) * size - 1) / 2
+    return _pad_coord(coord, size, padding_mode, align_corners)
+
+
+def _pad_coord(coord, size: int, padding_mode: int, align_corners: bool):
+    if padding_mode == 2:  # reflection
+        if align_corners:
+            coord = _reflect(coord, 0, size - 1)
+        else:
+            coord = _reflect(coord, -0.5, size - 0.5)
+    if padding_mode in (1, 2):  # border, and reflection's final clip
+        coord = jnp.clip(coord, 0, size - 1)
+    return coord
+
+
+def _sample(x, iy, ix):
+    """x[n, :, iy, ix] for integer (N, Ho, Wo) positions, zero outside: (N, C, Ho, Wo)."""
+    h, w = x.shape[-2:]
+    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
+    flat = jnp.clip(iy, 0, h - 1) * w + jnp.clip(ix, 0, w - 1)
+    n, c = x.shape[:2]
+    got = jnp.take_along_axis(x.reshape(n, c, h * w), flat.reshape(n, 1, -1), 2)
+    return jnp.where(inside[:, None], got.reshape((n, c) + iy.shape[1:]), 0)
+
+
+def _grid_sample(x, grid, mode: int, padding_mode: int, align_corners: bool):
+    h, w = x.shape[-2:]
+    gx, gy = grid[..., 0], grid[..., 1]
+    if mode == 2:  # bicubic: taps at unpadded coordinates, padding applied to each tap
+        fx = _source_coord(gx, w, 0, align_corners)
+        fy = _source_coord(gy, h, 0, align_corners)
+        x0, y0 = jnp.floor(fx), jnp.floor(fy)
+        wx = _cubic_weights(fx - x0)
+        wy = _cubic_weights(fy - y0)
+        out = 0
+        for i in range(4):
+            ty = _pad_coord(y0 - 1 + i, h, padding_mode, align_corners).astype(jnp.int32)
+            for j in range(4):
+                tx = _pad_coord(x0 - 1 + j, w, padding_mode, align_corners).astype(jnp.int32)
+                out = out + _sample(x, ty, tx) * (wy[i] * wx[j])[:, None]
+        return out
+    fx = _source_coord(gx, w, padding_mode, align_corners)
+    fy = _source_coord(gy, h, padding_mode, align_corners)
+    if mode == 1:  # nearest, ties to even as nearbyint
+        return _sample(x, jnp.round(fy).astype(jnp.int32), jnp.round(fx).astype(jnp.int32))
+    x0, y0 = jnp.floor(fx), jnp.floor(fy)
+    tx, ty = fx - x0, fy - y0
+    x0, y0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
+    out = 0
+    for dy, wy in ((0, 1 - ty), (1, ty)):
+        for dx, wx in ((0, 1 - tx), (1, tx)):
+            out = out + _sample(x, y0 + dy, x0 + dx) * (wy * wx)[:, None]
+    return out
+
+
+def _cubic_weights(t):
+    a = -0.75
+    near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1  # noqa: E731
+    far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a  # noqa: E731
+    return far(t + 1), near(t), near(1 - t), far(2 - t)
+
+
+@lowers(aten.grid_sampler_2d.default, promote="result")
+def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@lowers(aten.grid_sampler_2d_backward.default, promote="result")
+def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
+                             output_mask):
+    _, vjp = jax.vjp(lambda a, g: _grid_sample(a, g, interpolation_mode, padding_mode,
+                                               align_corners), x, grid)
+    gx, ggrid = vjp(grad)
+    return gx if output_mask[0] else None, ggrid if output_mask[1] else None
