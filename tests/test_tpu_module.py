@@ -40,30 +40,31 @@ def test_mixed_devices_raise_like_cuda():
     torch.testing.assert_close((a + torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
 
 
-def test_fallback_error_names_the_op(monkeypatch):
-    from torchtpu.lowering import registry
+# An op with a CPU kernel and no tpu lowering or decomposition: what the CPU fallback serves.
+_lib = torch.library.Library("torchtpu_test", "DEF")
+_lib.define("scaled_cumsum(Tensor x, float scale) -> Tensor")
+_lib.impl("scaled_cumsum", lambda x, scale: torch.cumsum(x, 0) * scale, "CPU")
+_no_lowering = torch.ops.torchtpu_test.scaled_cumsum.default
 
-    op = torch.ops.aten.add.Tensor
+
+def test_fallback_error_names_the_op(monkeypatch):
     monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "error")
-    # An op that has no lowering and no decomposition: pick one from the aten namespace.
-    assert registry.lookup(torch.ops.aten._cdist_forward.default) is None
     a = torch.ones(2, 3, device="tpu")
-    with pytest.raises(NotImplementedError, match="aten._cdist_forward.default"):
-        torch.ops.aten._cdist_forward.default(a, a, 2.0, None)
-    assert registry.lookup(op) is not None
+    with pytest.raises(NotImplementedError, match="torchtpu_test.scaled_cumsum.default"):
+        _no_lowering(a, 2.0)
 
 
 def test_fallback_counts_and_warns(monkeypatch):
     monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "warn")
     torchtpu.metrics.reset()
-    a, b = torch.randn(2, 3), torch.randn(4, 3)
-    with pytest.warns(UserWarning, match="_cdist_forward"):
-        out = torch.ops.aten._cdist_forward.default(a.to("tpu"), b.to("tpu"), 2.0, None)
+    a = torch.randn(4, 3)
+    with pytest.warns(UserWarning, match="scaled_cumsum"):
+        out = _no_lowering(a.to("tpu"), 2.0)
     assert out.device.type == "tpu"
-    torch.testing.assert_close(out.cpu(), torch.ops.aten._cdist_forward.default(a, b, 2.0, None))
+    torch.testing.assert_close(out.cpu(), torch.cumsum(a, 0) * 2.0)
     snap = torchtpu.metrics.snapshot()
-    assert snap["cpu_fallbacks"] == {"aten._cdist_forward.default": 1}
-    assert "aten._cdist_forward.default: 1" in torchtpu.metrics.report()
+    assert snap["cpu_fallbacks"] == {"torchtpu_test.scaled_cumsum.default": 1}
+    assert "torchtpu_test.scaled_cumsum.default: 1" in torchtpu.metrics.report()
 
 
 def test_metrics_count_transfers_and_executions():
