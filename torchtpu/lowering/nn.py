@@ -1,5 +1,5 @@
-"""Neural-network ops that need their own lowering: distances (cdist, pdist) forward and
-backward, the backwards of softshrink/hardshrink and of the multi-class margin losses.
+"""Neural-network ops that need their own lowering: distances (cdist, pdist) and embedding_bag,
+forward and backward, the backwards of softshrink/hardshrink and of the multi-class margin losses.
 
 Most of the family needs none: every other op of it that reaches the device has a
 ``torch._decomp`` decomposition whose pieces are lowered elsewhere, and tests/test_nn_ops.py checks
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -106,6 +107,88 @@ def pdist_backward(grad, x, p, dist):
     i, j = _pairs(x.shape[0])
     g = grad[:, None] * _p_distance_grad(x[i] - x[j], dist, p)
     return jnp.zeros_like(x).at[i].add(g).at[j].add(-g)
+
+
+# ----------------------------------------------------------------------------- embedding_bag
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+def _bag_of(indices, offsets, include_last_offset: bool):
+    """(bag of each index position (the bag count past the last bag), number of bags)."""
+    starts = offsets[:-1] if include_last_offset else offsets
+    position = jnp.arange(indices.shape[0])
+    bag = (starts[None, :] <= position[:, None]).sum(1) - 1
+    if include_last_offset:
+        bag = jnp.where(position < offsets[-1], bag, starts.shape[0])
+    return bag, starts.shape[0]
+
+
+@lowers(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False,
+                  per_sample_weights=None, include_last_offset=False, padding_idx=-1):
+    bag, bags = _bag_of(indices, offsets, include_last_offset)
+    keep = (indices != padding_idx)[:, None]
+    rows = jnp.take(weight, indices, axis=0)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    size = jax.ops.segment_sum(keep[:, 0].astype(jnp.int64), bag, bags)
+    if mode == _MAX:
+        low = jnp.asarray(-jnp.inf, rows.dtype)
+        best = jax.ops.segment_max(jnp.where(keep, rows, low), bag, bags)
+        best = jnp.where(size[:, None] > 0, best, 0)
+        # The first position holding each bag's maximum, per column.
+        hit = keep & (rows == best[jnp.clip(bag, 0, bags - 1)])
+        first = jax.ops.segment_min(jnp.where(hit, jnp.arange(indices.shape[0])[:, None],
+                                              indices.shape[0]), bag, bags)
+        picked = jnp.take(indices, jnp.clip(first, 0, indices.shape[0] - 1))
+        return best, bag, size, jnp.where(size[:, None] > 0, picked, 0)
+    total = jax.ops.segment_sum(jnp.where(keep, rows, 0), bag, bags)
+    if mode == _MEAN:
+        total = total / jnp.maximum(size, 1)[:, None].astype(total.dtype)
+    # CPU reports bag sizes for mean and max only.
+    size = size if mode == _MEAN else jnp.zeros_like(size)
+    return total, bag, size, jnp.zeros((0,), jnp.int64)
+
+
+@lowers(aten._embedding_bag_backward.default)
+def embedding_bag_backward(grad, indices, offsets, offset2bag, bag_size, maximum_indices,
+                           num_weights, scale_grad_by_freq, mode, sparse, per_sample_weights,
+                           padding_idx=-1):
+    return embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                        num_weights, scale_grad_by_freq, mode,
+                                        per_sample_weights, padding_idx)
+
+
+@lowers(aten._embedding_bag_dense_backward.default)
+def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_indices,
+                                 num_weights, scale_grad_by_freq, mode, per_sample_weights,
+                                 padding_idx=-1):
+    out = jnp.zeros((num_weights, grad.shape[1]), grad.dtype)
+    if mode == _MAX:
+        columns = jnp.arange(grad.shape[1])[None, :]
+        g = jnp.where(bag_size[:, None] > 0, grad, 0)
+        return out.at[maximum_indices, columns].add(g)
+    bags = grad.shape[0]
+    valid = (offset2bag < bags) & (indices != padding_idx)
+    rows = jnp.take(grad, jnp.clip(offset2bag, 0, bags - 1), axis=0)
+    if mode == _MEAN:
+        rows = rows / jnp.maximum(bag_size[jnp.clip(offset2bag, 0, bags - 1)], 1)[:, None]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights[:, None].astype(rows.dtype)
+    if scale_grad_by_freq:
+        counts = jnp.zeros(num_weights, grad.dtype).at[indices].add(1)
+        rows = rows / counts[indices][:, None]
+    return out.at[indices].add(jnp.where(valid[:, None], rows, 0))
+
+
+@lowers(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode,
+                                              padding_idx=-1):
+    bags = grad.shape[0]
+    rows = jnp.take(grad, jnp.clip(offset2bag, 0, bags - 1), axis=0)
+    dot = (rows * jnp.take(weight, indices, axis=0)).sum(1)
+    return jnp.where((offset2bag < bags) & (indices != padding_idx), dot, 0)
 
 
 # ----------------------------------------------------------------------------- activations
