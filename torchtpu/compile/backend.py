@@ -200,7 +200,7 @@ class CompiledGraph:
             return out
         # Two outputs may be one array (a graph returning x twice); storages never share one.
         if any(o is out for o in outs[:i]):
-            out = out.copy()
+            out = tensors.fresh_copy(out)
         return tensors.wrap(out, dtype)
 
 

@@ -117,7 +117,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
         if src.device.type == "tpu":
             value = _convert(_resolve_bits(tensors.read(src), src), dst)
             if value is src.untyped_storage()._tpu_array:
-                value = value.copy()
+                value = tensors.fresh_copy(value)
         else:
             # A copy: on the CPU platform device_put may alias the NumPy buffer, and the CPU
             # tensor's later in-place writes would then show through on the device.

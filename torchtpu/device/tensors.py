@@ -90,6 +90,15 @@ def call(fn, *args):
     return fn(*args)
 
 
+# A copy into a new buffer, jitted: ``jax.Array.copy()`` goes through slow Python paths.
+copy_buffer = jax.jit(jnp.copy)
+
+
+def fresh_copy(array):
+    """array in a buffer of its own (recorded while deferring): storages never share buffers."""
+    return call(copy_buffer, array)
+
+
 def _covers_storage(t: torch.Tensor, st) -> bool:
     return (
         t.storage_offset() == 0

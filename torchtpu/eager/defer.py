@@ -261,7 +261,7 @@ class Recorder:
             seen = {id(x) for x in inputs}
             for p, r in zip(targets, results, strict=True):
                 if id(r) in seen:  # a program may hand an input back; storages never share one
-                    r = r.copy()
+                    r = tensors.copy_buffer(r)
                 seen.add(id(r))
                 p._value, p._trace = r, None
 

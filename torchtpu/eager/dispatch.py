@@ -221,10 +221,16 @@ def compute(lowering: Lowering, spec: Spec, values: list):
 def _dedupe(out, inputs):
     """A program may hand an input array back as an output; storages never share a buffer."""
     if isinstance(out, (tuple, list)):
-        return type(out)(_dedupe(o, inputs) for o in out)
+        return _dedupe_all(out, {id(x) for x in inputs})  # foreach ops: many of each
     if out is not None and any(out is x for x in inputs):
-        return out.copy()
+        return tensors.fresh_copy(out)
     return out
+
+
+def _dedupe_all(out, ids: set):
+    if isinstance(out, (tuple, list)):
+        return type(out)(_dedupe_all(o, ids) for o in out)
+    return tensors.fresh_copy(out) if out is not None and id(out) in ids else out
 
 
 def _wrap(arrays, result):
