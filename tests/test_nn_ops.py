@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtpu.testing.compare import assert_same, to_device
+from torchtpu.testing.compare import assert_same, check_against_cpu, to_device
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -206,3 +206,95 @@ def test_linalg():
     check_fwd_bwd(lambda a, b: la.solve_triangular(a, b, upper=True), upper, r(3, 2))
     check_fwd_bwd(lambda a, b: la.solve_triangular(a.mT, b, upper=False, left=False), upper,
                   r(2, 3))
+
+
+def test_solve_gradients_and_empty_matrices():
+    # solve saves the LU of A itself (det saves A^T's); the backward depends on which.
+    check_fwd_bwd(torch.linalg.solve, r(5, 5), r(5))
+    check_fwd_bwd(lambda a, b: torch.linalg.solve_ex(a, b)[0], r(2, 4, 4), r(2, 4, 3))
+    check_fwd_bwd(torch.linalg.tensorsolve, r(6, 2, 3), r(6))
+    for fn in (torch.linalg.inv, torch.linalg.cholesky, torch.linalg.inv_ex,
+               torch.linalg.cholesky_ex):
+        check_against_cpu(fn, torch.empty(2, 0, 0))
+
+
+def test_linalg_factorization_helpers():
+    spd = _spd(4, 2)
+    factor = torch.linalg.cholesky(spd).detach().requires_grad_()
+    check_fwd_bwd(torch.cholesky_solve, r(2, 4, 3), factor)
+    check_fwd_bwd(lambda b, u: torch.cholesky_solve(b, u, upper=True), r(4, 2),
+                  factor[0].mT.detach().requires_grad_())
+    check_fwd_bwd(torch.cholesky_inverse, factor[0].detach().requires_grad_())
+    a = torch.randn(5, 3)
+    check_against_cpu(torch.geqrf, a, atol=1e-5, rtol=1e-5)
+    h, tau = torch.geqrf(a)
+    check_fwd_bwd(torch.linalg.householder_product, h.requires_grad_(), tau.requires_grad_())
+    check_against_cpu(lambda *t: torch.ormqr(*t, left=False, transpose=True), h, tau,
+                      torch.randn(2, 5), atol=1e-5, rtol=1e-5)
+    m = torch.randn(2, 4, 4)
+    check_against_cpu(torch.linalg.eig, m, atol=1e-5, rtol=1e-5)
+    check_against_cpu(torch.linalg.eigvals, m, atol=1e-5, rtol=1e-5)
+    check_against_cpu(torch.linalg.matrix_exp, m, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("p", [0.0, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_cdist_pdist(p):
+    x1, x2 = torch.randn(2, 4, 3), torch.randn(2, 5, 3)
+    x2[0, 1] = x1[0, 1]  # a zero distance: PyTorch's gradient is 0 there
+    check_fwd_bwd(lambda a, b: torch.cdist(a, b, p=p), x1.requires_grad_(), x2.requires_grad_())
+    check_fwd_bwd(lambda a: torch.pdist(a, p=p), torch.cat([x1[1], x1[1, :1]]).detach()
+                  .requires_grad_())
+    if p == 2:  # more than 25 rows: the CPU switches to the matmul formula
+        check_fwd_bwd(torch.cdist, r(30, 3), r(27, 3))
+
+
+def test_adaptive_max_pool_and_upsampling_backwards():
+    for fn, x in ((lambda t: F.adaptive_max_pool1d(t, 4, True), torch.randn(2, 3, 7)),
+                  (lambda t: F.adaptive_max_pool2d(t, (3, 4), True), torch.randn(2, 3, 7, 9)),
+                  (lambda t: F.adaptive_max_pool3d(t, (2, 3, 4), True), torch.randn(2, 5, 6, 7))):
+        check_against_cpu(fn, x)  # values and indices
+        check_fwd_bwd(lambda t, f=fn: f(t)[0], x.requires_grad_())
+    x = r(1, 2, 5, 6)
+    check_fwd_bwd(lambda t: F.interpolate(t, size=(7, 4), mode="nearest-exact"), x)
+    check_fwd_bwd(lambda t: F.interpolate(t[0], size=9, mode="nearest-exact"), x)
+    check_fwd_bwd(lambda t: F.interpolate(t, size=(7, 4), mode="bicubic"), x)
+    for align in (False, True):
+        check_fwd_bwd(lambda t, a=align: F.interpolate(t, size=(3, 11), mode="bilinear",
+                                                      antialias=True, align_corners=a), x)
+
+
+@pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
+def test_grid_sample(mode):
+    grid = (torch.rand(2, 4, 3, 2) * 2.4 - 1.2).requires_grad_()
+    for padding in ("zeros", "border", "reflection"):
+        check_fwd_bwd(lambda x, g, p=padding: F.grid_sample(x, g, mode=mode, padding_mode=p,
+                                                            align_corners=p == "border"),
+                      r(2, 3, 5, 6), grid)
+
+
+def test_embedding_bag():
+    weight, weights = r(10, 3), torch.rand(8, requires_grad=True)
+    idx, offsets = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]), torch.tensor([0, 4, 4])
+    for mode in ("sum", "mean", "max"):
+        check_fwd_bwd(lambda w, m=mode: F.embedding_bag(idx.to(w.device), w,
+                                                        offsets.to(w.device), mode=m,
+                                                        padding_idx=4), weight)
+    check_fwd_bwd(lambda w, s: F.embedding_bag(idx.to(w.device), w, offsets.to(w.device),
+                                               mode="sum", per_sample_weights=s), weight, weights)
+    check_fwd_bwd(lambda w: F.embedding_bag(idx.reshape(2, 4).to(w.device), w, mode="max"),
+                  weight)
+
+
+def test_margin_losses_and_shrink():
+    x = r(4, 5)
+    target = torch.tensor([1, 0, 4, 2])
+    for p, reduction in ((1, "mean"), (2, "none")):
+        check_fwd_bwd(lambda t, y, w, p=p, red=reduction: F.multi_margin_loss(
+                          t, y, p=p, margin=0.7, weight=w, reduction=red),
+                      x, target, torch.rand(5))
+    # Labels stop at the first -1; PyTorch's decomposition also counted the slots after it.
+    labels = torch.tensor([[1, 3, -1, 0, 0], [0, -1, 2, 2, 2], [4, 3, 2, 1, 0], [-1, 0, 0, 0, 0]])
+    for reduction in ("none", "sum"):
+        check_fwd_bwd(lambda t, y, red=reduction: F.multilabel_margin_loss(t, y, reduction=red),
+                      x, labels)
+    check_fwd_bwd(lambda t: F.softshrink(t, 0.5) + F.hardshrink(t, 0.7), x)
