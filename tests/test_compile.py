@@ -276,3 +276,14 @@ def test_dynamic_shapes_training_matches_cpu():
         out.square().sum().backward()
         expected.square().sum().backward()
     _check_grads(cpu, dev, atol=1e-4, rtol=1e-4)
+
+
+def test_plain_torch_compile_picks_tpu_for_device_inputs():
+    torch.manual_seed(0)
+    cpu_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    dev_model = copy.deepcopy(cpu_model).to("tpu")
+    x = torch.randn(5, 4)
+    before = torchtpu.metrics.snapshot().get("compiled_graphs", 0)
+    out = torch.compile(dev_model)(x.to("tpu"))  # no backend given
+    assert torchtpu.metrics.snapshot()["compiled_graphs"] > before
+    torch.testing.assert_close(out.cpu(), cpu_model(x), atol=1e-5, rtol=1e-5)

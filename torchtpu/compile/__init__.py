@@ -9,5 +9,6 @@ kernels (views, copies, allocation), ``options`` checks what the user passed.
 from torchtpu.compile import backend, device_interface
 
 device_interface.register()
+backend.install_default_backend()
 
 __all__ = ["backend"]

@@ -240,3 +240,23 @@ def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = Non
         inference_compiler=_graph_compiler("inference", opts),
         decompositions=decompositions(),
     )(gm, example_inputs)
+
+
+def _on_device(example_inputs: list) -> bool:
+    return any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs)
+
+
+def default_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
+                    options: dict | None = None) -> Callable:
+    """``torch.compile`` without a backend: "tpu" for graphs on the device, else Inductor."""
+    if _on_device(example_inputs):
+        return tpu_backend(gm, example_inputs, mode=mode, options=options)
+    return torch._TorchCompileInductorWrapper(mode, options, None)(gm, example_inputs)
+
+
+def install_default_backend() -> None:
+    """Make a plain ``torch.compile(model)`` pick "tpu" when the model's inputs are on it."""
+    from torch._dynamo.backends import registry
+
+    if hasattr(registry, "set_default_backend"):  # torch >= 2.13
+        registry.set_default_backend(default_backend)
