@@ -190,3 +190,62 @@ def test_backward(name):
     }
     actual, expected = _grads(fns[name], x, i, m)
     assert_same(actual, expected)
+
+
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_pad_backward(mode):
+    # Autograd calls the backward's out= form, which PyTorch's reflection decomposition rejects.
+    for shape, pad in (((2, 5), (2, 1)), ((2, 4, 5), (1, 2, 2, 1)),
+                       ((1, 3, 4, 5), (1, 1, 2, 1, 0, 2))):
+        actual, expected = _grads(lambda t, p=pad: F.pad(t, p, mode=mode), torch.randn(shape))
+        assert_same(actual, expected)
+
+
+@pytest.mark.filterwarnings("ignore:index_reduce")
+@pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
+def test_index_reduce(reduce):
+    x, source, index = torch.randn(4, 5), torch.randn(4, 3), torch.tensor([0, 4, 0])
+    for include_self in (True, False):
+        check_against_cpu(lambda a, i, s, inc=include_self: a.index_reduce(1, i, s, reduce,
+                                                                           include_self=inc),
+                          x, index, source)
+    actual, expected = _grads(lambda a, i, s: a.index_reduce(0, i, s, reduce), x,
+                              torch.tensor([3, 1, 3]), torch.randn(3, 5))
+    assert_same(actual, expected)
+
+
+def test_put_take_and_small_edge_cases():
+    x = torch.randn(3, 4)
+    check_against_cpu(lambda a, i, s: a.put(i, s, accumulate=True), x,
+                      torch.tensor([0, -1, 3, 3]), torch.randn(4))
+    check_against_cpu(lambda a, i, s: a.clone().put_(i, s), x, torch.tensor([[0, -1], [5, 7]]),
+                      torch.randn(2, 2))
+    actual, expected = _grads(lambda a: a.take(torch.tensor([[0, 11], [5, 5]], device=a.device)),
+                              x)
+    assert_same(actual, expected)
+    # combinations of one element: masked_scatter with an empty source in the backward.
+    actual, expected = _grads(lambda a: torch.combinations(a, r=2).sum(0), torch.randn(1))
+    assert_same(actual, expected)
+    # index_fill's backward calls _unique.
+    actual, expected = _grads(lambda a: a.index_fill(1, torch.tensor([0, 2, 0], device=a.device),
+                                                     -1.0), x)
+    assert_same(actual, expected)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "min", "prod"])
+def test_segment_reduce(reduce):
+    data = torch.tensor([1.0, 2.0, 2.0, 0.0, 3.0, -1.0])
+    for key, value in (("lengths", torch.tensor([0, 1, 2, 3])),
+                       ("offsets", torch.tensor([0, 0, 1, 3, 6]))):
+        for initial in (None, 2.0):
+            def fn(d, v, k=key, i=initial):
+                return torch.segment_reduce(d, reduce, initial=i, **{k: v})
+
+            check_against_cpu(fn, data, value)
+            actual, expected = _grads(fn, data, value)
+            assert_same(actual, expected)
+    batched = torch.randn(2, 6, 3)
+    lengths = torch.tensor([[1, 2, 3], [0, 5, 1]])
+    actual, expected = _grads(lambda d: torch.segment_reduce(
+        d, reduce, lengths=lengths.to(d.device), axis=1), batched)
+    assert_same(actual, expected)
