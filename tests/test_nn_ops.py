@@ -298,3 +298,15 @@ def test_margin_losses_and_shrink():
         check_fwd_bwd(lambda t, y, red=reduction: F.multilabel_margin_loss(t, y, reduction=red),
                       x, labels)
     check_fwd_bwd(lambda t: F.softshrink(t, 0.5) + F.hardshrink(t, 0.7), x)
+
+
+def test_ctc_loss():
+    log_probs = torch.randn(7, 3, 5).log_softmax(2).detach().requires_grad_()
+    padded = torch.tensor([[1, 2, 2], [3, 1, 0], [4, 0, 0]])
+    lengths = ([7, 6, 5], [3, 2, 0])  # a repeated label, a shorter input, an empty target
+    for targets, reduction in ((padded, "mean"), (torch.tensor([1, 2, 2, 3, 1]), "none")):
+        check_fwd_bwd(lambda lp, t, red=reduction: F.ctc_loss(lp, t, *lengths, reduction=red),
+                      log_probs, targets)
+    # No alignment fits: infinite loss, zeroed with zero_infinity.
+    check_fwd_bwd(lambda lp, t: F.ctc_loss(lp, t, [3], [3], zero_infinity=True),
+                  log_probs[:3, :1].detach().requires_grad_(), torch.tensor([[1, 1, 1]]))

@@ -1,5 +1,6 @@
-"""Neural-network ops that need their own lowering: distances (cdist, pdist) and embedding_bag,
-forward and backward, the backwards of softshrink/hardshrink and of the multi-class margin losses.
+"""Neural-network ops that need their own lowering: distances (cdist, pdist), embedding_bag and
+the CTC loss, forward and backward; the backwards of softshrink/hardshrink and of the
+multi-class margin losses.
 
 Most of the family needs none: every other op of it that reaches the device has a
 ``torch._decomp`` decomposition whose pieces are lowered elsewhere, and tests/test_nn_ops.py checks
@@ -22,6 +23,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -191,6 +193,110 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     return jnp.where((offset2bag < bags) & (indices != padding_idx), dot, 0)
 
 
+# ----------------------------------------------------------------------------- CTC loss
+
+def _ctc_labels(targets, target_lengths, blank: int):
+    """Per batch, the blank-interleaved label sequence l' (N, 2S+1), padded with blank."""
+    if targets.ndim == 1:  # concatenated targets: cut them into padded rows
+        starts = np.cumsum([0] + list(target_lengths[:-1]))
+        width = max(max(target_lengths, default=0), 1)
+        where = np.minimum(starts[:, None] + np.arange(width), max(targets.shape[0] - 1, 0))
+        targets = targets[where] if targets.shape[0] else jnp.zeros(where.shape, jnp.int64)
+    width = max(target_lengths, default=0)
+    labels = jnp.full((targets.shape[0], 2 * width + 1), blank, jnp.int64)
+    return labels.at[:, 1::2].set(targets[:, :width].astype(jnp.int64))
+
+
+def _logsumexp(*xs):
+    stacked = jnp.stack(xs)
+    top = stacked.max(0)
+    safe = jnp.where(jnp.isneginf(top), 0, top)
+    return jnp.log(jnp.exp(stacked - safe).sum(0)) + safe
+
+
+def _ctc_tables(log_probs, targets, input_lengths, target_lengths, blank: int):
+    """(log_alpha (N, T, 2S+1), log_beta, per-position label log-probs, l', nll)."""
+    n = log_probs.shape[1]
+    labels = _ctc_labels(targets, target_lengths, blank)
+    positions = labels.shape[1]
+    lp = jnp.swapaxes(log_probs, 0, 1)  # (N, T, C)
+    emit = jnp.take_along_axis(lp, jnp.broadcast_to(labels[:, None, :], (n, lp.shape[1],
+                                                                          positions)), 2)
+    s = jnp.arange(positions)
+    valid = s[None, :] <= 2 * jnp.asarray(target_lengths, jnp.int64)[:, None]
+    shifted = jnp.concatenate([jnp.full((n, 2), blank, jnp.int64), labels[:, :-2]], 1)
+    skip = (labels != blank) & (labels != shifted)  # may come from s - 2
+    neg = jnp.asarray(-jnp.inf, log_probs.dtype)
+    t_len = jnp.asarray(input_lengths, jnp.int64)[:, None]
+
+    def shift(a, k):
+        return jnp.concatenate([jnp.full((n, k), neg), a[:, :-k]], 1)
+
+    def forward(alpha, t):
+        new = _logsumexp(alpha, shift(alpha, 1), jnp.where(skip, shift(alpha, 2), neg))
+        new = jnp.where(valid, new + emit[:, t], neg)
+        alpha = jnp.where(t < t_len, new, alpha)
+        return alpha, new
+
+    start = jnp.where((s[None, :] < 2) & valid, emit[:, 0], neg)
+    last, rest = jax.lax.scan(forward, start, jnp.arange(1, lp.shape[1]))
+    alpha = jnp.concatenate([start[:, None], jnp.swapaxes(rest, 0, 1)], 1)
+    end = 2 * jnp.asarray(target_lengths, jnp.int64)
+    final = _logsumexp(jnp.take_along_axis(last, end[:, None], 1)[:, 0],
+                       jnp.where(end > 0, jnp.take_along_axis(
+                           last, jnp.maximum(end - 1, 0)[:, None], 1)[:, 0], neg))
+    nll = -final
+
+    skip_back = jnp.concatenate([skip[:, 2:], jnp.zeros((n, 2), bool)], 1)  # s + 2 -> s
+
+    def unshift(b, k):
+        return jnp.concatenate([b[:, k:], jnp.full((n, k), neg)], 1)
+
+    def backward(beta, t):
+        rec = _logsumexp(beta, unshift(beta, 1), jnp.where(skip_back, unshift(beta, 2), neg))
+        init = jnp.where((s[None, :] >= end[:, None] - 1) & valid, 0.0, neg)
+        new = jnp.where(t == t_len - 1, init, rec)
+        new = jnp.where(valid & (t <= t_len - 1), new + emit[:, t], neg)
+        return new, new
+
+    _, betas = jax.lax.scan(backward, jnp.full((n, positions), neg),
+                            jnp.arange(lp.shape[1] - 1, -1, -1))
+    beta = jnp.flip(jnp.swapaxes(betas, 0, 1), 1)
+    return alpha, beta, labels, nll
+
+
+@lowers(aten._ctc_loss.default)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    alpha, _, _, nll = _ctc_tables(log_probs, targets, input_lengths, target_lengths, blank)
+    if zero_infinity:
+        nll = jnp.where(jnp.isinf(nll), 0, nll)
+    return nll, alpha
+
+
+@lowers(aten._ctc_loss_backward.default)
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths,
+                      neg_log_likelihood, log_alpha, blank, zero_infinity=False):
+    # PyTorch's formula treats log_probs as a log_softmax output: exp(lp) minus the posterior
+    # of each class at each step, so it is not the vjp of the forward above.
+    alpha, beta, labels, nll = _ctc_tables(log_probs, targets, input_lengths, target_lengths,
+                                           blank)
+    n, t_max, c = log_probs.shape[1], log_probs.shape[0], log_probs.shape[2]
+    both = alpha + beta  # (N, T, 2S+1)
+    onehot = labels[:, None, :, None] == jnp.arange(c)  # (N, 1, 2S+1, C)
+    per_class = jnp.where(onehot, both[..., None], -jnp.inf)
+    top = per_class.max(2)
+    safe = jnp.where(jnp.isneginf(top), 0, top)
+    lcab = jnp.log(jnp.exp(per_class - safe[:, :, None]).sum(2)) + safe  # (N, T, C)
+    lp = jnp.swapaxes(log_probs, 0, 1)
+    g = jnp.exp(lp) - jnp.exp(lcab + nll[:, None, None] - lp)
+    g = g * grad.reshape(n, 1, 1)
+    inside = jnp.arange(t_max)[None, :, None] < jnp.asarray(input_lengths)[:, None, None]
+    g = jnp.where(inside, g, 0)
+    if zero_infinity:
+        g = jnp.where(jnp.isinf(nll)[:, None, None], 0, g)
+    return jnp.swapaxes(g, 0, 1)
+
+
 # ----------------------------------------------------------------------------- activations
 
 @lowers(aten.softshrink_backward.default, aten.hardshrink_backward.default, promote="result")
@@ -265,5 +371,6 @@ def _like_second(grad, x, *args, **kwargs):
 # These backwards have no meta kernel in PyTorch; result shapes come from meta kernels, and each
 # gradient has the shape of the op's second argument (the forward's input).
 _meta_lib = torch.library.Library("aten", "IMPL")
-for _op in (aten.multi_margin_loss_backward.default, aten.multilabel_margin_loss_backward.default):
+for _op in (aten.multi_margin_loss_backward.default, aten.multilabel_margin_loss_backward.default,
+            aten._ctc_loss_backward.default):
     _meta_lib.impl(_op, _like_second, "Meta")
