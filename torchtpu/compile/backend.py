@@ -176,6 +176,7 @@ class CompiledGraph:
         return real
 
     def __call__(self, args: list) -> list:
+        mutated = [args[i] for i, _ in self.fn.mutations]
         arrays, symbols = self._read(args)
         values = None
         if self.padded:
@@ -186,6 +187,10 @@ class CompiledGraph:
         keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
         program = self._program(arrays, constants, scalars, keys, symbols)
         outs = program(arrays, constants, scalars, keys)
+        if mutated:
+            outs, new_values = outs[:len(outs) - len(mutated)], outs[len(outs) - len(mutated):]
+            for t, value in zip(mutated, dispatch._dedupe(new_values, arrays), strict=True):
+                tensors.write(t, value)
         if values is not None:
             outs = self._unpad(outs, values)
         # jax.jit returns a size output (a SymInt saved for backward) as an array; AOTAutograd
@@ -239,6 +244,9 @@ def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = Non
         bw_compiler=_graph_compiler("backward", opts),
         inference_compiler=_graph_compiler("inference", opts),
         decompositions=decompositions(),
+        # Mutated inputs (an optimizer's parameters and state) are written by the compiled
+        # graph's caller in one pass, instead of one copy_ dispatch each.
+        keep_inference_input_mutations=True,
     )(gm, example_inputs)
 
 

@@ -33,6 +33,7 @@ from torchtpu.eager.program import (
 from torchtpu.lowering.registry import Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
+aten = torch.ops.aten
 
 
 def missing_lowering(op) -> NotImplementedError:
@@ -74,6 +75,11 @@ class _Step:
         self.lowering: Lowering | None = lookup(op) if isinstance(op, OpOverload) else None
         self.dtypes = result_dtypes(node.meta.get("val"))
         if op is operator.getitem:
+            return
+        if op is aten.copy_.default and node.args[0].op == "placeholder":
+            # An input mutation kept in an inference graph: the new value becomes an extra
+            # output that the caller writes into the input tensor.
+            self.graph_op = GRAPH_OPS[aten.copy.default]
             return
         if self.lowering is None:
             self.graph_op = GRAPH_OPS.get(op)
@@ -166,6 +172,10 @@ class GraphFunction:
         self.steps = [_Step(n, self.key_nodes) for n in graph.nodes if n.op == "call_function"]
         self.scalars = [s for step in self.steps for s in step.scalar_args()]
         self.output = next(n for n in graph.nodes if n.op == "output").args[0]
+        # (position in the placeholders, copy_ node) for each input the graph mutates.
+        self.mutations = [(self.placeholders.index(s.node.args[0]), s.node) for s in self.steps
+                          if s.node.target is aten.copy_.default
+                          and s.node.args[0].op == "placeholder"]
 
     def run(self, arrays: tuple, constants: tuple, scalars: tuple, keys: tuple,
             symbols: tuple) -> list:
@@ -178,4 +188,5 @@ class GraphFunction:
         pending = list(scalars)
         for step in self.steps:
             env[step.node] = step.run(env, keys, pending)
-        return [env[o] if isinstance(o, fx.Node) else o for o in self.output]
+        outputs = [env[o] if isinstance(o, fx.Node) else o for o in self.output]
+        return outputs + [env[node] for _, node in self.mutations]
