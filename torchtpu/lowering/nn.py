@@ -333,7 +333,7 @@ def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reductio
 def _multilabel_hinge(x, target):
     """(x as rows, labels, label-vs-class margins z, which z count, is_target) of
     multilabel_margin_loss: each row's labels are its targets before the first -1."""
-    x2 = x.reshape((-1, x.shape[-1]))
+    x2 = x.reshape((-1, x.shape[-1] if x.ndim else 1))
     c = x2.shape[1]
     target = target.reshape(x2.shape)
     valid = jnp.cumprod(target >= 0, axis=1).astype(bool)
