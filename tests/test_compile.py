@@ -287,3 +287,28 @@ def test_plain_torch_compile_picks_tpu_for_device_inputs():
     out = torch.compile(dev_model)(x.to("tpu"))  # no backend given
     assert torchtpu.metrics.snapshot()["compiled_graphs"] > before
     torch.testing.assert_close(out.cpu(), cpu_model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_compiled_adamw_steps_match_cpu_eager():
+    # AdamW keeps its step counts in CPU tensors that the compiled step mutates.
+    torch.manual_seed(0)
+    cpu_model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 2))
+    dev_model = copy.deepcopy(cpu_model).to("tpu")
+    cpu_opt = torch.optim.AdamW(cpu_model.parameters(), lr=1e-2)
+    dev_opt = torch.optim.AdamW(dev_model.parameters(), lr=1e-2)
+
+    def step(model, opt, x):
+        loss = model(x).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled = torch.compile(step, backend="tpu")
+    for _ in range(4):
+        x = torch.randn(4, 6)
+        expected = step(cpu_model, cpu_opt, x)
+        actual = compiled(dev_model, dev_opt, x.to("tpu"))
+        torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-5)
+    for p, q in zip(dev_model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)

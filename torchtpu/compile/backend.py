@@ -27,7 +27,7 @@ from torchtpu.compile import dynamic
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import dispatch, schema
 from torchtpu.lowering.registry import lookup
@@ -190,7 +190,10 @@ class CompiledGraph:
         if mutated:
             outs, new_values = outs[:len(outs) - len(mutated)], outs[len(outs) - len(mutated):]
             for t, value in zip(mutated, dispatch._dedupe(new_values, arrays), strict=True):
-                tensors.write(t, value)
+                if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
+                    t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
+                else:
+                    tensors.write(t, value)
         if values is not None:
             outs = self._unpad(outs, values)
         # jax.jit returns a size output (a SymInt saved for backward) as an array; AOTAutograd
