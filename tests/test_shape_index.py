@@ -249,3 +249,14 @@ def test_segment_reduce(reduce):
     actual, expected = _grads(lambda d: torch.segment_reduce(
         d, reduce, lengths=lengths.to(d.device), axis=1), batched)
     assert_same(actual, expected)
+
+
+def test_unique_consecutive_and_nonzero_static():
+    x = torch.tensor([[1, 1, 2], [1, 1, 2], [3, 3, 3]])
+    for args in ((), (True, True), (False, False, 0), (True, False, -1)):
+        check_against_cpu(lambda t, a=args: torch.ops.aten.unique_consecutive(t, *a), x)
+    check_against_cpu(lambda t: torch.unique_consecutive(t, return_counts=True),
+                      torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0, 0.0]))
+    for size, fill in ((3, -1), (1, 7), (6, 0)):
+        check_against_cpu(lambda t, s=size, f=fill: torch.nonzero_static(t, size=s, fill_value=f),
+                          x - 1)

@@ -253,6 +253,28 @@ def nonzero(x):
     return jnp.argwhere(x).astype(jnp.int64)
 
 
+@lowers(aten.nonzero_static.default)
+def nonzero_static(x, size, fill_value=-1):
+    found = jnp.nonzero(x.reshape(x.shape or (1,)), size=size, fill_value=fill_value)
+    return jnp.stack(found[:x.ndim], 1).astype(jnp.int64)
+
+
+@lowers(aten.unique_consecutive.default, data_dependent_shape=True)
+def unique_consecutive(x, return_inverse=False, return_counts=False, dim=None):
+    rows = x.reshape(-1, 1) if dim is None else jnp.moveaxis(x, dim, 0).reshape(x.shape[dim], -1)
+    change = jnp.concatenate([jnp.ones(min(rows.shape[0], 1), bool),
+                              (rows[1:] != rows[:-1]).any(1)])
+    starts = jnp.nonzero(change)[0]
+    inverse = (jnp.cumsum(change) - 1).astype(jnp.int64)
+    counts = jnp.diff(jnp.append(starts, rows.shape[0])).astype(jnp.int64)
+    if dim is not None:  # along a dim, PyTorch returns inverse and counts unasked
+        values = jnp.moveaxis(jnp.take(jnp.moveaxis(x, dim, 0), starts, 0), 0, dim)
+        return values, inverse, counts
+    empty = jnp.zeros((0,), jnp.int64)
+    return (x.reshape(-1)[starts], inverse.reshape(x.shape) if return_inverse else empty,
+            counts if return_counts else empty)
+
+
 @lowers(aten._unique2.default, data_dependent_shape=True)
 def unique(x, sorted=True, return_inverse=False, return_counts=False):
     # PyTorch always sorts on CPU; unrequested results are empty tensors.
