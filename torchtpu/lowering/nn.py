@@ -316,7 +316,7 @@ def _per_sample(grad, reduction: int, n: int, ndim: int):
 
 @lowers(aten.multi_margin_loss_backward.default)
 def multi_margin_loss_backward(grad, x, target, p, margin, weight=None, reduction=1):
-    x2 = x.reshape((-1, x.shape[-1]))
+    x2 = x.reshape((-1, x.shape[-1] if x.ndim else 1))
     n, c = x2.shape
     target = target.reshape(-1)
     picked = jnp.take_along_axis(x2, target[:, None], 1)

@@ -65,6 +65,10 @@ LOOSER: dict[str, tuple[float, float]] = {
         "nn.functional.normalize", "norm", "linalg.vector_norm", "dist", "cdist",
     )
 }
+# The CTC gradient is exp(log_alpha + log_beta + nll - log_prob), a difference of log-space sums
+# of ~100 in magnitude over every alignment: in float32 both CPU and tpu land ~1e-4 from the
+# float64 result (measured on the OpInfo samples) and ~2e-5 from each other.
+LOOSER["nn.functional.ctc_loss"] = (5e-5, 1e-5)
 
 # OpInfos whose samples pass a tensor that PyTorch requires on CPU (split points, sizes): their
 # positional args stay on CPU in the device copy.
