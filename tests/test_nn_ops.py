@@ -298,7 +298,7 @@ def test_margin_losses_and_shrink():
         check_fwd_bwd(lambda t, y, red=reduction: F.multilabel_margin_loss(t, y, reduction=red),
                       x, labels)
     check_fwd_bwd(lambda t: F.softshrink(t, 0.5) + F.hardshrink(t, 0.7), x)
-    scalar = r()  # a 0-dim input is one sample of one class
+    scalar = torch.randn((), requires_grad=True)  # a 0-dim input: one sample, one class
     check_fwd_bwd(lambda t, y: F.multi_margin_loss(t, y), scalar, torch.tensor(0))
     check_fwd_bwd(lambda t, y: F.multilabel_margin_loss(t, y), scalar, torch.tensor(0))
 
