@@ -132,6 +132,13 @@ def infer(op: OpOverload, values: list, outs: list = ()):
 
 # ----------------------------------------------------------------------------- running lowerings
 
+def _is_default(oi: schema.OpInfo, i: int, v) -> bool:
+    # A scalar at its schema default (add's alpha=1) is baked in: passing a Python number to a
+    # program costs a transfer per call, and other values still share one traced program.
+    d = oi.defaults[i]
+    return type(v) is type(d) and v == d
+
+
 def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     """The static spec entries for bound arguments (what is traced, what is baked in)."""
     entries = []
@@ -142,7 +149,7 @@ def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
             entries.append((TENSORS, tuple(x is None for x in v)))
         elif i == oi.generator_index:
             entries.append((KEY, None))
-        elif v is not None and (
+        elif v is not None and not _is_default(oi, i, v) and (
                 (i in oi.scalar_indices and not lowering.static_scalars)
                 or oi.names[i] in lowering.traced):
             entries.append((SCALAR, None))
