@@ -260,3 +260,4 @@ def test_unique_consecutive_and_nonzero_static():
     for size, fill in ((3, -1), (1, 7), (6, 0)):
         check_against_cpu(lambda t, s=size, f=fill: torch.nonzero_static(t, size=s, fill_value=f),
                           x - 1)
+    check_against_cpu(lambda t: torch.nonzero_static(t, size=2), torch.tensor(3.0))

@@ -255,8 +255,10 @@ def nonzero(x):
 
 @lowers(aten.nonzero_static.default)
 def nonzero_static(x, size, fill_value=-1):
-    found = jnp.nonzero(x.reshape(x.shape or (1,)), size=size, fill_value=fill_value)
-    return jnp.stack(found[:x.ndim], 1).astype(jnp.int64)
+    if x.ndim == 0:  # one row per hit, zero coordinates each
+        return jnp.zeros((size, 0), jnp.int64)
+    found = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(found, 1).astype(jnp.int64)
 
 
 @lowers(aten.unique_consecutive.default, data_dependent_shape=True)
