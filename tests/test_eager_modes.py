@@ -1,7 +1,6 @@
 """Eager modes: Strict, Debug and DeferAndFuse compute the same numbers; Debug checks what a device
 cannot; DeferAndFuse fuses, caches its programs and flushes where it must."""
 
-import copy
 import os
 import traceback
 
@@ -216,41 +215,3 @@ def test_gpt_training_matches_cpu(mode):
     assert expected[-1] < expected[0]
     torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-3, atol=0)
     assert_same(tpu.state_dict(), cpu.state_dict(), rtol=1e-3, atol=1e-4)
-
-
-def _hf_pair(name: str):
-    from test_hf_models import MODELS
-
-    torch.manual_seed(0)
-    cpu = MODELS[name]().eval()
-    return cpu, copy.deepcopy(cpu).to("tpu")
-
-
-@pytest.mark.parametrize("mode", OTHER_MODES, ids=lambda m: m.name)
-def test_hf_llama_forward_backward_matches_cpu(mode):
-    from test_hf_models import TOL, inputs, on_tpu
-
-    cpu, tpu = _hf_pair("llama")
-    batch = inputs("llama")
-    expected = cpu(**batch)
-    expected.loss.backward()
-    with torch.tpu.set_eager_mode(mode):
-        actual = tpu(**on_tpu(batch))
-        actual.loss.backward()
-    assert_same((actual.logits, actual.loss), (expected.logits, expected.loss), **TOL)
-    cpu_params = dict(cpu.named_parameters())
-    grads = {n: p.grad for n, p in tpu.named_parameters()}
-    assert_same(grads, {n: cpu_params[n].grad for n in grads}, **TOL)
-
-
-def test_hf_gpt2_generate_matches_cpu_deferred():
-    from test_hf_models import inputs
-
-    cpu, tpu = _hf_pair("gpt2")
-    batch = inputs("gpt2")
-    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
-    expected = cpu.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
-    with torch.tpu.set_eager_mode(DEFER):
-        actual = tpu.generate(batch["input_ids"].to("tpu"),
-                              attention_mask=batch["attention_mask"].to("tpu"), **kwargs)
-    assert_same(actual, expected, atol=0, rtol=0)

@@ -71,30 +71,38 @@ def pair(request):
     return request.param, cpu, tpu
 
 
-def test_forward_and_backward_match_cpu(pair):
+# Every eager mode must give the same numbers (issue: Strict, Debug, DeferAndFuse parity).
+MODES = list(torch.tpu.EagerMode)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_forward_and_backward_match_cpu(pair, mode):
     name, cpu, tpu = pair
     batch = inputs(name)
     expected = cpu(**batch)
-    actual = tpu(**on_tpu(batch))
+    expected.loss.backward()
+    with torch.tpu.set_eager_mode(mode):
+        actual = tpu(**on_tpu(batch))
+        actual.loss.backward()
     assert_same(actual.logits, expected.logits, **TOL)
     assert_same(actual.loss, expected.loss, **TOL)
-    expected.loss.backward()
-    actual.loss.backward()
     cpu_params = dict(cpu.named_parameters())
     grads = {n: p.grad for n, p in tpu.named_parameters()}
     assert all(g is not None and g.device.type == "tpu" for g in grads.values())
     # Every gradient, tied input/output embeddings included.
     assert_same(grads, {n: cpu_params[n].grad for n in grads}, **TOL)
 
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
 @pytest.mark.parametrize("name", GENERATES)
-def test_greedy_generate_matches_cpu(name):
+def test_greedy_generate_matches_cpu(name, mode):
     torch.manual_seed(0)
     cpu = MODELS[name]().eval()
     tpu = copy.deepcopy(cpu).to("tpu")
     batch = inputs(name)
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     expected = cpu.generate(batch["input_ids"], attention_mask=batch["attention_mask"], **kwargs)
-    actual = tpu.generate(batch["input_ids"].to("tpu"),
-                          attention_mask=batch["attention_mask"].to("tpu"), **kwargs)
+    with torch.tpu.set_eager_mode(mode):
+        actual = tpu.generate(batch["input_ids"].to("tpu"),
+                              attention_mask=batch["attention_mask"].to("tpu"), **kwargs)
     assert actual.device.type == "tpu"
     assert_same(actual, expected, atol=0, rtol=0)
