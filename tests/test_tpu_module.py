@@ -117,3 +117,13 @@ def test_accelerator_api_works_for_tpu():
         y = torch.zeros(2)
     assert y.device.type == "tpu"
     assert x.sum().item() == 6.0
+
+
+def test_synchronize_tensors_materializes_pending_values():
+    x = torch.arange(4.0).to("tpu")
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        y = x * 3
+        assert not torch.tpu.is_materialized(y)
+        torch.tpu.synchronize([y])
+        assert torch.tpu.is_materialized(y)
+    torch.testing.assert_close(y.cpu(), torch.arange(4.0) * 3)

@@ -83,14 +83,25 @@ def device(index):
         set_device(previous)
 
 
-def synchronize(device=None) -> None:
-    """Wait until every queued computation on the device has finished."""
-    _index(device)
+def synchronize(device=None, wait: bool = True) -> None:
+    """Run everything pending and wait for the device.
+
+    ``device`` may also be a list of tpu tensors (the reference's ``synchronize(tensors, wait)``):
+    then only their values are waited for; ``wait=False`` starts the work without waiting.
+    """
+    from torchtpu.device import tensors
     from torchtpu.eager import executor
 
-    executor.flush()
-    for array in jax.live_arrays():
-        array.block_until_ready()
+    if isinstance(device, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in device):
+        executor.flush()
+        arrays = [tensors.storage_array(t) for t in device]
+    else:
+        _index(device)
+        executor.flush()
+        arrays = jax.live_arrays()
+    if wait:
+        for array in arrays:
+            array.block_until_ready()
 
 
 def get_device_name(device=None) -> str:
