@@ -128,3 +128,18 @@ def test_copy_between_dtypes_and_devices(dtype):
     z = torch.zeros(4, 3, dtype=dtype, device="tpu")
     z.t().copy_(expected)  # CPU -> a tpu view
     assert_same(z, expected.t())
+
+
+def test_lazy_conjugate_and_negative_views_read_and_write_like_cpu():
+    torch.manual_seed(0)
+    v = torch.linalg.eig(torch.randn(4, 4))[1]
+    g = torch.randn(4, 4, dtype=torch.complex64)
+    # mm receives the conjugated view itself: the device must apply the bit.
+    torch.testing.assert_close((v.to("tpu").mH @ g.to("tpu")).cpu(), v.mH @ g)
+    z = torch.randn(3, dtype=torch.complex64)
+    dev, host = z.to("tpu"), z.clone()
+    dev.conj().copy_(torch.full((3,), 1 + 2j).to("tpu"))
+    host.conj().copy_(torch.full((3,), 1 + 2j))
+    torch.testing.assert_close(dev.cpu(), host)
+    neg = torch._neg_view(torch.arange(3.0).to("tpu"))
+    torch.testing.assert_close((neg + 1).cpu(), torch._neg_view(torch.arange(3.0)) + 1)

@@ -103,19 +103,10 @@ def _convert(array, t: torch.Tensor):
     return tensors.call(_converter(dtype, shape), array)
 
 
-def _resolve_bits(value, t: torch.Tensor):
-    """Apply t's lazy conjugate/negative bits (``conj()``, ``_neg_view``) to its array."""
-    if t.is_conj():
-        value = jnp.conj(value)
-    if t.is_neg():
-        value = -value
-    return value
-
-
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "tpu":
         if src.device.type == "tpu":
-            value = _convert(_resolve_bits(tensors.read(src), src), dst)
+            value = _convert(tensors.read(src), dst)
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)
         else:
@@ -126,13 +117,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             value = _convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
         tensors.write(dst, value)
         return dst
-    host = numpy_to_torch(to_numpy(src), src.dtype)
-    # The CPU copy_ resolves the lazy conjugate/negative bits the device array does not carry.
-    if src.is_conj():
-        host = host.conj()
-    if src.is_neg():
-        host = torch._neg_view(host)
-    dst.copy_(host)
+    dst.copy_(numpy_to_torch(to_numpy(src), src.dtype))
     return dst
 
 

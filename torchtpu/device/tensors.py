@@ -143,21 +143,39 @@ def storage_array(t: torch.Tensor):
     return array
 
 
+_conj = jax.jit(jnp.conj)
+_negate = jax.jit(jnp.negative)
+
+
+def _apply_lazy_bits(t: torch.Tensor, value):
+    # PyTorch's conj() and _neg_view are lazy: the storage keeps the plain values and the tensor
+    # carries a bit. Both are involutions, so the same step serves reading and writing.
+    if t.is_conj():
+        value = call(_conj, value)
+    if t.is_neg():
+        value = call(_negate, value)
+    return value
+
+
 def read(t: torch.Tensor) -> jax.Array:
     """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
     array = storage_array(t)
-    if (
+    if not (
         array.shape == t.shape
         and t.storage_offset() == 0
         and t.is_contiguous()
         and array.dtype == dtypes.to_jax(t.dtype)
     ):
-        return array
-    return call(_reader(_geometry(t, array)), array)
+        array = call(_reader(_geometry(t, array)), array)
+    if t.is_conj() or t.is_neg():
+        array = _apply_lazy_bits(t, array)
+    return array
 
 
 def write(t: torch.Tensor, value: jax.Array) -> None:
     """Store value (t's shape and dtype, owned by no storage) into device tensor t (any view)."""
+    if t.is_conj() or t.is_neg():
+        value = _apply_lazy_bits(t, value)
     st = t.untyped_storage()
     if _covers_storage(t, st):
         st._tpu_array = value
