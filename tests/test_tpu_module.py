@@ -127,3 +127,21 @@ def test_synchronize_tensors_materializes_pending_values():
         torch.tpu.synchronize([y])
         assert torch.tpu.is_materialized(y)
     torch.testing.assert_close(y.cpu(), torch.arange(4.0) * 3)
+
+
+def test_precision_api():
+    assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
+    a, b = torch.randn(16, 16), torch.randn(16, 16)
+    with torch.tpu.precision(torch.tpu.Precision.DEFAULT):
+        assert torch.tpu.get_precision() is torch.tpu.Precision.DEFAULT
+        low = (a.to("tpu") @ b.to("tpu")).cpu()
+    assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
+    torch.testing.assert_close(low, a @ b, atol=0.1, rtol=0.05)
+    torch.set_float32_matmul_precision("high")
+    try:
+        assert torch.tpu.get_precision() is torch.tpu.Precision.HIGH
+    finally:
+        torch.set_float32_matmul_precision("highest")
+    assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
+    with pytest.raises(TypeError, match="torch.tpu.Precision"):
+        torch.tpu.set_precision("highest")

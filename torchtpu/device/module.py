@@ -34,6 +34,29 @@ class DeviceProperties(NamedTuple):
     total_memory: int
 
 
+def get_precision() -> Precision:
+    """The matmul/convolution precision of float32 work on the device."""
+    return Precision(jax.config.jax_default_matmul_precision or "default")
+
+
+def set_precision(mode: Precision) -> None:
+    """Set the matmul/convolution precision; programs are cached per precision."""
+    if not isinstance(mode, Precision):
+        raise TypeError(f"precision must be a torch.tpu.Precision, not {mode!r}")
+    jax.config.update("jax_default_matmul_precision", mode.value)
+
+
+@contextlib.contextmanager
+def precision(mode: Precision):
+    """Run the block at mode (process-wide, so ops on the autograd thread follow it too)."""
+    previous = get_precision()
+    set_precision(mode)
+    try:
+        yield
+    finally:
+        set_precision(previous)
+
+
 def is_available() -> bool:
     try:
         return platform.device_count() > 0

@@ -71,6 +71,23 @@ def _install_accelerator_synchronize() -> None:
     torch.accelerator.synchronize = synchronize
 
 
+# torch.set_float32_matmul_precision's names, as torch.tpu.Precision.
+_TORCH_PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "medium": "DEFAULT"}
+
+
+def _install_matmul_precision() -> None:
+    """``torch.set_float32_matmul_precision`` also sets ``torch.tpu``'s precision."""
+    from torchtpu.device import module
+
+    original = torch.set_float32_matmul_precision
+
+    def set_float32_matmul_precision(precision: str) -> None:
+        original(precision)
+        module.set_precision(module.Precision[_TORCH_PRECISIONS[precision]])
+
+    torch.set_float32_matmul_precision = set_float32_matmul_precision
+
+
 def register() -> None:
     with _lock:
         if _libraries:
@@ -91,6 +108,7 @@ def register() -> None:
         storage.install_constructor()
         loader.install_pin_memory()
         _install_accelerator_synchronize()
+        _install_matmul_precision()
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
         # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's

@@ -41,12 +41,10 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
                 for n, p, d, op in zip(k, padding, dilation, output_padding, strict=True)]
         return lax.conv_general_dilated(
             x, w, (1,) * nd, pads, lhs_dilation=tuple(stride), rhs_dilation=tuple(dilation),
-            dimension_numbers=_dimension_numbers(nd), feature_group_count=groups,
-            precision=lax.Precision.HIGHEST)
+            dimension_numbers=_dimension_numbers(nd), feature_group_count=groups)
     return lax.conv_general_dilated(
         x, w, tuple(stride), [(p, p) for p in padding], rhs_dilation=tuple(dilation),
-        dimension_numbers=_dimension_numbers(nd), feature_group_count=groups,
-        precision=lax.Precision.HIGHEST)
+        dimension_numbers=_dimension_numbers(nd), feature_group_count=groups)
 
 
 @lowers(aten.convolution.default, aten.convolution_overrideable.default, promote="result")
@@ -224,8 +222,7 @@ def _apply_per_dim(x, matrices):
     nd = len(matrices)
     for i, m in enumerate(matrices):
         axis = x.ndim - nd + i
-        x = jnp.moveaxis(jnp.tensordot(x, jnp.asarray(m, x.dtype), ((axis,), (1,)),
-                                       precision=lax.Precision.HIGHEST), -1, axis)
+        x = jnp.moveaxis(jnp.tensordot(x, jnp.asarray(m, x.dtype), ((axis,), (1,))), -1, axis)
     return x
 
 

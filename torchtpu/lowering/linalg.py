@@ -1,7 +1,8 @@
 """Matrix products and linear algebra: mm, bmm, addbmm and the ``_linalg_*`` factorizations.
 
 ``addmm``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
-the products here. Every product uses ``Precision.HIGHEST`` so float32 matches the CPU.
+the products here. Products use JAX's default matmul precision, which ``torch.tpu.precision``
+sets (HIGHEST unless changed, so float32 matches the CPU).
 
 LU results follow LAPACK: pivots are 1-based int32 row swaps, and ``info`` is the 1-based index of
 the first zero pivot (0 when the factorization succeeded), because PyTorch's backward formulas and
@@ -19,12 +20,11 @@ from jax import lax
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
-HIGHEST = lax.Precision.HIGHEST
 
 
 @lowers(aten.mm.default, aten.bmm.default, promote="result")
 def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
-    return jnp.matmul(x, y, precision=HIGHEST)
+    return jnp.matmul(x, y)
 
 
 def _scaled_sum(x, product, beta, alpha):
@@ -35,12 +35,12 @@ def _scaled_sum(x, product, beta, alpha):
 @lowers(aten.addmv.default, promote="result")
 def addmv(x, mat, vec, beta=1, alpha=1):
     # Lowered although PyTorch has a decomposition: it calls mv, whose kernel calls addmv.out.
-    return _scaled_sum(x, jnp.matmul(mat, vec, precision=HIGHEST), beta, alpha)
+    return _scaled_sum(x, jnp.matmul(mat, vec), beta, alpha)
 
 
 @lowers(aten.addbmm.default, promote="result")
 def addbmm(x, batch1, batch2, beta=1, alpha=1):
-    total = jnp.einsum("bij,bjk->ik", batch1, batch2, precision=HIGHEST)
+    total = jnp.einsum("bij,bjk->ik", batch1, batch2)
     return _scaled_sum(x, total, beta, alpha)
 
 

@@ -25,12 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
 
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
-HIGHEST = lax.Precision.HIGHEST
 
 
 # ----------------------------------------------------------------------------- distances
@@ -83,7 +81,7 @@ def cdist(x1, x2, p, compute_mode=None):
         # |a|^2 + |b|^2 - 2 a.b, as the CPU computes it (cheaper, less accurate).
         sq1 = (x1 * x1).sum(-1)[..., :, None]
         sq2 = (x2 * x2).sum(-1)[..., None, :]
-        cross = jnp.matmul(x1, jnp.swapaxes(x2, -1, -2), precision=HIGHEST)
+        cross = jnp.matmul(x1, jnp.swapaxes(x2, -1, -2))
         return jnp.sqrt(jnp.maximum(sq1 + sq2 - 2 * cross, 0))
     return _p_distance(x1[..., :, None, :] - x2[..., None, :, :], p)
 

@@ -17,6 +17,9 @@ _PLATFORMS = ("tpu", "gpu", "cpu")
 def _configure_jax() -> None:
     # PyTorch semantics need real int64/float64; JAX's default truncates them to 32 bits.
     jax.config.update("jax_enable_x64", True)
+    # PyTorch's float32 matmuls are exact float32 by default ("highest");
+    # torch.tpu.precision and torch.set_float32_matmul_precision change it.
+    jax.config.update("jax_default_matmul_precision", "highest")
     from torchtpu.runtime import compile_cache
 
     compile_cache.enable()
