@@ -44,12 +44,16 @@ def test_training_matches_cpu(data, fused):
     assert_same(tpu.state_dict(), cpu.state_dict(), rtol=1e-3, atol=1e-4)
 
 
+def _save_and_load(model, map_location: str) -> dict:
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    buf.seek(0)
+    return torch.load(buf, map_location=map_location)
+
+
 def test_state_dict_round_trip_through_torch_save():
     _, tpu = cpu_and_tpu_models()
-    buf = io.BytesIO()
-    torch.save(tpu.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, map_location="tpu")
+    loaded = _save_and_load(tpu, "tpu")
     assert all(t.device.type == "tpu" for t in loaded.values())
     assert_same(loaded, tpu.state_dict(), atol=0, rtol=0)
     # torch.save keeps storage sharing: the tied weights come back as one storage.
@@ -66,10 +70,7 @@ def test_state_dict_round_trip_through_torch_save():
 
 def test_torch_load_of_tpu_checkpoint_to_cpu():
     _, tpu = cpu_and_tpu_models()
-    buf = io.BytesIO()
-    torch.save(tpu.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, map_location="cpu")
+    loaded = _save_and_load(tpu, "cpu")
     assert all(t.device.type == "cpu" for t in loaded.values())
     assert_same(tpu.state_dict(), loaded, atol=0, rtol=0)
 
