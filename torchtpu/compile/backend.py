@@ -29,7 +29,7 @@ from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import dispatch, schema
+from torchtpu.eager import dispatch, meta, schema
 from torchtpu.lowering.registry import lookup
 
 log = logging.getLogger("torchtpu.compile")
@@ -115,7 +115,7 @@ class CompiledGraph:
                 # A NumPy scalar: jit transfers it in its fast path (jnp.asarray is ~15x slower).
                 arrays.append(np.asarray(a.item(), dtypes.to_jax(a.dtype)))
             else:
-                raise dispatch._device_error(a)
+                raise meta.device_error(a)
         return arrays, symbols
 
     def _constants(self) -> tuple:
@@ -152,8 +152,8 @@ class CompiledGraph:
         to = {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
               for s, v in values.items()}
         padded = []
-        for a, meta in zip(arrays, self.tensor_metas, strict=True):
-            shape = dynamic.padded_shape(meta, to)
+        for a, val in zip(arrays, self.tensor_metas, strict=True):
+            shape = dynamic.padded_shape(val, to)
             padded.append(a if a.shape == shape else
                           jax.device_put(dynamic.pad(a, shape), next(iter(a.devices()))))
         syms = [n.meta["val"] for n, t in
@@ -189,7 +189,7 @@ class CompiledGraph:
         outs = program(arrays, constants, scalars, keys)
         if mutated:
             outs, new_values = outs[:len(outs) - len(mutated)], outs[len(outs) - len(mutated):]
-            for t, value in zip(mutated, dispatch._dedupe(new_values, arrays), strict=True):
+            for t, value in zip(mutated, dispatch.dedupe(new_values, arrays), strict=True):
                 if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
                     t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
                 else:
@@ -200,7 +200,7 @@ class CompiledGraph:
         # wants a number.
         outs = [int(o) if isinstance(_meta(n), torch.SymInt) and not isinstance(o, int) else o
                 for o, n in zip(outs, self.fn.output, strict=True)]
-        outs = dispatch._dedupe(outs, arrays)
+        outs = dispatch.dedupe(outs, arrays)
         wrapped, seen = [], set()
         for o, dtype in zip(outs, self.out_dtypes, strict=True):
             if dtype is None:

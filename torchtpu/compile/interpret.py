@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
-from torchtpu.eager import dispatch, schema
+from torchtpu.eager import meta, schema
 from torchtpu.eager.program import (
     CONST,
     KEY,
@@ -96,7 +96,7 @@ class _Step:
             )
         self.promote = None
         if self.lowering.promote == "common":
-            self.promote = dispatch._common_dtype([_promotion_stand_in(v) for v in self.values])
+            self.promote = meta.common_dtype([_promotion_stand_in(v) for v in self.values])
         # One PRNG key per random draw, in graph order, like one per op call in eager.
         self.key_slots = []
         for _ in range(int(self.lowering.random) + int(self.oi.generator_index >= 0)):
@@ -118,7 +118,7 @@ class _Step:
         return cast_outputs(self.lowering.fn(*args), spec.final)
 
     def _split(self, env: dict, keys: tuple, scalars: list):
-        """The eager split (``dispatch.split``) over graph values instead of tensors."""
+        """Eager's split (``dispatch.entries_of``, ``dynamic_values``) over graph values."""
         entries, dyn = [], []
         if self.lowering.random:
             # No Generator argument: a leading key from the default device generator, as in eager.

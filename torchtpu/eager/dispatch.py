@@ -21,113 +21,11 @@ from torch._decomp import decomposition_table
 
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import executor, fallback, schema
+from torchtpu.eager import executor, fallback, meta, schema
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec
 from torchtpu.lowering.registry import Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
-
-
-def _device_error(t: torch.Tensor) -> RuntimeError:
-    return RuntimeError(
-        "Expected all tensors to be on the same device, but found at least two devices, "
-        f"tpu:0 and {t.device}! (move the tensor with .to('tpu') first; torchtpu never copies "
-        "between devices silently)"
-    )
-
-
-def _is_device(t: torch.Tensor) -> bool:
-    return t.device.type == "tpu"
-
-
-# ----------------------------------------------------------------------------- meta inference
-
-def _meta(v):
-    if isinstance(v, torch.Tensor):
-        # CPU 0-dim tensors (scalars) become meta too: PyTorch's out= references refuse to
-        # "copy" a CPU input into a meta output.
-        if _is_device(v) or v.dim() == 0:
-            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
-        return v
-    if isinstance(v, (list, tuple)):
-        return type(v)(_meta(x) for x in v)
-    if isinstance(v, torch.Generator):
-        return None
-    if isinstance(v, torch.device) and v.type == "tpu":
-        # A factory's device argument: inferring on "tpu" would call this kernel again.
-        return torch.device("meta")
-    return v
-
-
-def _leaf_key(v):
-    if isinstance(v, torch.Tensor):
-        if not v.is_cpu:
-            return (tuple(v.shape), v.dtype)
-        if v.dim() != 0:
-            raise _device_error(v)
-        return ("cpu", v.dtype)
-    # 1, 1.0 and True are equal as dict keys but promote differently.
-    return (type(v), v)
-
-
-def call_key(oi: schema.OpInfo, values: list) -> tuple:
-    """What determines an op call's result shapes, dtypes and program: everything but data."""
-    parts = []
-    for i, v in enumerate(values):
-        if isinstance(v, (list, tuple)):
-            parts.append(tuple(_leaf_key(x) for x in v))
-        elif i == oi.generator_index:
-            parts.append("gen")
-        else:
-            parts.append(_leaf_key(v))
-    return tuple(parts)
-
-
-def _describe(m):
-    if isinstance(m, torch.Tensor):
-        return (tuple(m.shape), m.dtype)
-    if isinstance(m, (list, tuple)):
-        return tuple(_describe(x) for x in m)
-    return None
-
-
-_CACHE_LIMIT = 50_000
-_meta_cache: dict = {}
-
-
-def _bounded_put(cache: dict, key, value) -> None:
-    # Keys include Python scalar values (a learning rate that changes every step), so the
-    # caches are bounded; dropping everything is simplest and rare.
-    if len(cache) >= _CACHE_LIMIT:
-        cache.clear()
-    cache[key] = value
-
-
-def infer(op: OpOverload, values: list, outs: list = ()):
-    """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
-    oi = schema.info(op)
-    try:
-        key = (op, call_key(oi, values), tuple(_leaf_key(o) for o in outs))
-        hit = _meta_cache.get(key)
-    except TypeError:  # something unhashable: do not cache
-        key, hit = None, None
-    if hit is not None:
-        return hit
-    args = [_meta(v) for v in values]
-    for i in oi.scalar_indices:
-        if isinstance(args[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
-            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
-            # ``remainder.Tensor_out`` with one) arrives as a plain number; meta kernels want a
-            # tensor, and a 0-dim one of the number's default dtype promotes the same way.
-            args[i] = torch.tensor(args[i], device="meta")
-    kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
-    pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
-    for n, o in zip(oi.out_names, outs):
-        kwargs[n] = _meta(o)
-    result = _describe(op(*pos, **kwargs))
-    if key is not None:
-        _bounded_put(_meta_cache, key, result)
-    return result
 
 
 # ----------------------------------------------------------------------------- running lowerings
@@ -170,7 +68,7 @@ def dynamic_values(values: list, entries: tuple) -> tuple:
             for x in v:
                 if x is not None:
                     if x.is_cpu:
-                        raise _device_error(x)
+                        raise meta.device_error(x)
                     dyn.append(tensors.read(x))
         elif kind == KEY:
             dyn.append(key_data_for(v))
@@ -189,43 +87,35 @@ def _map(d, fn):
     return tuple(_map(x, fn) for x in d)
 
 
-def _common_dtype(values):
-    operands = [v for v in values if isinstance(v, (torch.Tensor, int, float, complex, bool))]
-    if len(operands) < 2:
-        return None
-    a, b = (_meta(x) for x in operands[:2])
-    return dtypes.to_jax(torch.result_type(a, b))
-
-
 _plans: dict = {}
 
 
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key."""
-    key = (op, call_key(oi, values), final)
+    key = (op, meta.call_key(oi, values), final)
     hit = _plans.get(key)
     if hit is None:
-        result = infer(op, values)
+        result = meta.infer(op, values)
         compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
-        promote = _common_dtype(values) if lowering.promote == "common" else None
+        promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
         if lowering.random:
             # No Generator argument: a leading key from the default device generator.
             entries = ((KEY, None), *entries)
         spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
         hit = (result, spec)
-        _bounded_put(_plans, key, hit)
+        meta.bounded_put(_plans, key, hit)
     return hit
 
 
 def compute(lowering: Lowering, spec: Spec, values: list):
     """Run lowering on bound values through the current executor; returns arrays."""
     dyn = dynamic_values([None, *values] if lowering.random else values, spec.entries)
-    return _dedupe(executor.current().run(lowering, spec, dyn), dyn)
+    return dedupe(executor.current().run(lowering, spec, dyn), dyn)
 
 
-def _dedupe(out, inputs):
+def dedupe(out, inputs):
     """A program may hand an input array back as an output; storages never share a buffer."""
     if isinstance(out, (tuple, list)):
         return _dedupe_all(out, {id(x) for x in inputs})  # foreach ops: many of each
@@ -267,7 +157,7 @@ def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
     """Run a call whose result shape depends on values, on concrete arrays."""
     spec = Spec(entries_of(oi, values, lowering), None, None, None)
     dyn = dynamic_values(values, spec.entries)
-    out = _dedupe(executor.current().run_concrete(lowering, spec, dyn), dyn)
+    out = dedupe(executor.current().run_concrete(lowering, spec, dyn), dyn)
     if isinstance(out, (tuple, list)):
         return tuple(tensors.wrap(o) for o in out)
     return tensors.wrap(out)
@@ -313,13 +203,13 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         values, outs = schema.bind(oi, args, kwargs)
         # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
         # and says what shape each out= argument must take.
-        validated = infer(op, values, outs)
+        validated = meta.infer(op, values, outs)
         targets, flat = _flat_targets(values, oi, outs)
         if outs:
             shapes = [d[0] for d in _leaves(validated)]
             for t, s in zip(flat, shapes):
-                if not _is_device(t):
-                    raise _device_error(t)
+                if not meta.is_device(t):
+                    raise meta.device_error(t)
                 _resize_out(t, s)
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
         for t, a in zip(flat, _flat_arrays(arrays)):

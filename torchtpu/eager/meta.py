@@ -1,0 +1,125 @@
+"""Result shapes and dtypes of ATen calls on tpu tensors, from PyTorch's own meta kernels.
+
+Running an op on meta tensors gives exactly PyTorch's type promotion, broadcasting and shape
+errors, so lowerings never re-derive them. Results are cached per call signature (``call_key``):
+shapes, dtypes and Python scalar values, never data.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchtpu.device import dtypes
+from torchtpu.eager import schema
+
+OpOverload = torch._ops.OpOverload
+
+
+def device_error(t: torch.Tensor) -> RuntimeError:
+    return RuntimeError(
+        "Expected all tensors to be on the same device, but found at least two devices, "
+        f"tpu:0 and {t.device}! (move the tensor with .to('tpu') first; torchtpu never copies "
+        "between devices silently)"
+    )
+
+
+def is_device(t: torch.Tensor) -> bool:
+    return t.device.type == "tpu"
+
+
+# ----------------------------------------------------------------------------- meta inference
+
+def to_meta(v):
+    if isinstance(v, torch.Tensor):
+        # CPU 0-dim tensors (scalars) become meta too: PyTorch's out= references refuse to
+        # "copy" a CPU input into a meta output.
+        if is_device(v) or v.dim() == 0:
+            return torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+        return v
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_meta(x) for x in v)
+    if isinstance(v, torch.Generator):
+        return None
+    if isinstance(v, torch.device) and v.type == "tpu":
+        # A factory's device argument: inferring on "tpu" would call this kernel again.
+        return torch.device("meta")
+    return v
+
+
+def leaf_key(v):
+    if isinstance(v, torch.Tensor):
+        if not v.is_cpu:
+            return (tuple(v.shape), v.dtype)
+        if v.dim() != 0:
+            raise device_error(v)
+        return ("cpu", v.dtype)
+    # 1, 1.0 and True are equal as dict keys but promote differently.
+    return (type(v), v)
+
+
+def call_key(oi: schema.OpInfo, values: list) -> tuple:
+    """What determines an op call's result shapes, dtypes and program: everything but data."""
+    parts = []
+    for i, v in enumerate(values):
+        if isinstance(v, (list, tuple)):
+            parts.append(tuple(leaf_key(x) for x in v))
+        elif i == oi.generator_index:
+            parts.append("gen")
+        else:
+            parts.append(leaf_key(v))
+    return tuple(parts)
+
+
+def describe(m):
+    if isinstance(m, torch.Tensor):
+        return (tuple(m.shape), m.dtype)
+    if isinstance(m, (list, tuple)):
+        return tuple(describe(x) for x in m)
+    return None
+
+
+CACHE_LIMIT = 50_000
+_meta_cache: dict = {}
+
+
+def bounded_put(cache: dict, key, value) -> None:
+    # Keys include Python scalar values (a learning rate that changes every step), so the
+    # caches are bounded; dropping everything is simplest and rare.
+    if len(cache) >= CACHE_LIMIT:
+        cache.clear()
+    cache[key] = value
+
+
+def infer(op: OpOverload, values: list, outs: list = ()):
+    """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
+    oi = schema.info(op)
+    try:
+        key = (op, call_key(oi, values), tuple(leaf_key(o) for o in outs))
+        hit = _meta_cache.get(key)
+    except TypeError:  # something unhashable: do not cache
+        key, hit = None, None
+    if hit is not None:
+        return hit
+    args = [to_meta(v) for v in values]
+    for i in oi.scalar_indices:
+        if isinstance(args[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
+            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
+            # ``remainder.Tensor_out`` with one) arrives as a plain number; meta kernels want a
+            # tensor, and a 0-dim one of the number's default dtype promotes the same way.
+            args[i] = torch.tensor(args[i], device="meta")
+    kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
+    pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
+    for n, o in zip(oi.out_names, outs):
+        kwargs[n] = to_meta(o)
+    result = describe(op(*pos, **kwargs))
+    if key is not None:
+        bounded_put(_meta_cache, key, result)
+    return result
+
+
+def common_dtype(values):
+    operands = [v for v in values if isinstance(v, (torch.Tensor, int, float, complex, bool))]
+    if len(operands) < 2:
+        return None
+    a, b = (to_meta(x) for x in operands[:2])
+    return dtypes.to_jax(torch.result_type(a, b))
