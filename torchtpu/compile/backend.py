@@ -58,6 +58,7 @@ def _prims_as_aten() -> dict:
     return table
 
 
+@functools.cache  # building it walks PyTorch's whole table (~0.1-0.5 s); every graph uses it
 def decompositions() -> dict:
     """What AOTAutograd decomposes: ops without a lowering, as eager decomposes them.
 
