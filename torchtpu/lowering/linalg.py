@@ -283,3 +283,67 @@ def eigvals(a):
 @lowers(aten.linalg_matrix_exp.default)
 def matrix_exp(a):
     return jsl.expm(a)
+
+
+# ----------------------------------------------------------------------------- least squares
+# Which results LAPACK's drivers fill, as PyTorch returns them: rank for all but gels, singular
+# values for gelsd/gelss, and residuals (squared column norms of A X - B) when m > n for gels, and
+# for gelsd/gelss only if every matrix has full rank -- a shape that depends on values, so such
+# calls run on concrete arrays. gelsy (the default) never returns residuals. The solution is the
+# minimum-norm one every driver computes for the rank it finds, here from the SVD. The backward
+# is PyTorch's formula (through pinv), which reads none of these results.
+
+def _lstsq_parts(driver: str | None) -> tuple[bool, bool]:
+    """(rank returned, singular values returned) for driver."""
+    driver = driver or "gelsy"
+    return driver != "gels", driver in ("gelsd", "gelss")
+
+
+def _lstsq_residuals_depend_on_rank(a, b, rcond=None, driver=None) -> bool:
+    return driver in ("gelsd", "gelss") and a.shape[-2] > a.shape[-1]
+
+
+@lowers(aten.linalg_lstsq.default, data_dependent_shape=_lstsq_residuals_depend_on_rank)
+def lstsq(a, b, rcond=None, driver=None):
+    m, n = a.shape[-2:]
+    vector = b.ndim == a.ndim - 1
+    rhs = b[..., None] if vector else b
+    a, rhs = _broadcast_batch(a, rhs)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    if rcond is None or rcond < 0:
+        rcond = jnp.finfo(a.dtype).eps * max(m, n)
+    keep = s > rcond * s[..., :1]
+    inv_s = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    x = _mH(vh) @ (inv_s[..., None] * (_mH(u) @ rhs))
+    rank = keep.sum(-1).astype(jnp.int64)
+    with_rank, with_sv = _lstsq_parts(driver)
+    real = s.dtype
+    residuals = jnp.zeros((0,), real)
+    # Under data_dependent_shape the gelsd/gelss call runs concretely, so rank is concrete here.
+    if m > n and (driver == "gels" or (with_sv and bool(jnp.all(rank == n)))):
+        residuals = jnp.sum(jnp.abs(a @ x - rhs) ** 2, -2)
+    if vector:
+        x = x[..., 0]
+        residuals = residuals[..., 0] if residuals.size else residuals
+    return (x, residuals, rank if with_rank else jnp.zeros((0,), jnp.int64),
+            s if with_sv else jnp.zeros((0,), real))
+
+
+def _lstsq_meta(a, b, rcond=None, *, driver=None):
+    m, n = a.shape[-2:]
+    vector = b.ndim == a.ndim - 1
+    batch = torch.broadcast_shapes(a.shape[:-2], b.shape[:-1] if vector else b.shape[:-2])
+    k = () if vector else b.shape[-1:]
+    with_rank, with_sv = _lstsq_parts(driver)
+    real = a.real.dtype if a.is_complex() else a.dtype
+    if m > n and driver in ("gelsd", "gelss"):
+        raise NotImplementedError(
+            f"linalg_lstsq with driver={driver!r} and m > n: whether residuals are returned "
+            "depends on the rank, so the result shapes cannot be known without values")
+    res = batch + k if (m > n and driver == "gels") else (0,)
+    return (a.new_empty(batch + (n,) + k), a.new_empty(res, dtype=real),
+            a.new_empty(batch if with_rank else (0,), dtype=torch.int64),
+            a.new_empty(batch + (min(m, n),) if with_sv else (0,), dtype=real))
+
+
+_meta_lib.impl(aten.linalg_lstsq.default, _lstsq_meta, "Meta")
