@@ -274,3 +274,12 @@ def test_equal():
     assert not torch.equal(d, d[:2])
     nan = torch.tensor([float("nan")], device="tpu")
     assert torch.equal(nan, nan) == torch.equal(nan.cpu(), nan.cpu())
+
+
+@pytest.mark.parametrize("name", ["bessel_j0", "bessel_j1", "bessel_y0", "bessel_y1", "airy_ai"])
+def test_bessel_and_airy(name):
+    # Across the series/asymptotic switch points, far out where the phase rounding matters,
+    # and at the special values (0, -0, +-inf, NaN, negative x for Y).
+    x = torch.cat([torch.linspace(-40, 40, 2001), torch.logspace(-6, 4, 200),
+                   torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, -1e4])])
+    check_against_cpu(getattr(torch.special, name), x)

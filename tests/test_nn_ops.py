@@ -313,3 +313,19 @@ def test_ctc_loss():
     # No alignment fits: infinite loss, zeroed with zero_infinity.
     check_fwd_bwd(lambda lp, t: F.ctc_loss(lp, t, [3], [3], zero_infinity=True),
                   log_probs[:3, :1].detach().requires_grad_(), torch.tensor([[1, 1, 1]]))
+
+
+def test_lstsq_drivers():
+    # Each driver returns a different set of results (rank, singular values, residuals).
+    torch.manual_seed(0)
+    for driver in ("gels", "gelsy", "gelsd", "gelss"):
+        for m, n in ((4, 3), (2, 3)):
+            check_against_cpu(lambda a, b, d=driver: tuple(torch.linalg.lstsq(a, b, driver=d)),
+                              torch.randn(2, m, n), torch.randn(2, m, 2), atol=1e-5, rtol=1e-5)
+    deficient = torch.randn(5, 3)
+    deficient[:, 2] = deficient[:, 1]  # rank 2: min-norm solution, no residuals for gelsd
+    check_against_cpu(lambda a, b: tuple(torch.linalg.lstsq(a, b, driver="gelsd")), deficient,
+                      torch.randn(5, 2), atol=1e-5, rtol=1e-5)
+    check_against_cpu(lambda a, b: tuple(torch.linalg.lstsq(a, b, driver="gels")),
+                      torch.randn(4, 3), torch.randn(4), atol=1e-5, rtol=1e-5)
+    check_fwd_bwd(lambda a, b: torch.linalg.lstsq(a, b).solution, r(3, 4, 3), r(3, 4, 2))

@@ -153,3 +153,34 @@ def test_logcumsumexp_gradient_at_large_values():
         return torch.autograd.grad(torch.logcumsumexp(x, 0), x, g)[0]
 
     assert_same(grad(x.to("tpu"), g.to("tpu")), grad(x, g))
+
+
+def test_histograms():
+    # Outer edges inclusive, the last bin closed, NaN and out-of-range points ignored.
+    x = torch.tensor([0.0, 1.0, 1.0, 2.5, 3.0, math.nan, -1.0, 4.0, 2.0, 0.75])
+    w = torch.arange(10.0)
+    check_against_cpu(lambda x: torch.histc(x, bins=4, min=0, max=3), x)
+    check_against_cpu(lambda x: torch.histc(x, bins=5, min=2, max=2), x[:5])  # data's extent
+    check_against_cpu(lambda x: torch.histc(x, bins=3), torch.full((3,), 2.0))  # widened by 1
+    check_against_cpu(lambda x: torch.histogram(x, bins=3), x[:5])
+    check_against_cpu(lambda x: torch.histogram(x, bins=3, density=True), torch.full((3,), 2.0))
+    check_against_cpu(lambda x, w: torch.histogram(x, bins=4, range=(0.0, 3.0), weight=w,
+                                                   density=True), x, w)
+    check_against_cpu(lambda x, b, w: torch.histogram(x, b, weight=w), x,
+                      torch.tensor([0.0, 0.5, 2.0, 3.0]), w)
+    # Points on interior edges: linear interpolation must agree with the edge comparisons.
+    check_against_cpu(lambda x: torch.histogram(x, bins=13), torch.linspace(0, 1, 101) * 3.3)
+    pts = torch.randn(40, 2)
+    check_against_cpu(lambda p: torch.histogramdd(p, bins=[3, 4], range=[-1.0, 1.0, 0.0, 1.0],
+                                                  density=True), pts)
+    check_against_cpu(lambda p, b0, b1, w: torch.histogramdd(p, bins=[b0, b1], weight=w), pts,
+                      torch.tensor([-1.0, 0.0, 2.0]), torch.tensor([-2.0, 0.0, 1.0]),
+                      torch.rand(40))
+
+
+def test_hash_tensor():
+    # An xor of the values' 64-bit patterns (floats as float64, integers as int64).
+    x = torch.tensor([[1.0, -0.0, math.nan], [2.0, 3.0, 4.0]])
+    check_against_cpu(lambda x: torch.hash_tensor(x, dim=1, keepdim=True), x)
+    check_against_cpu(torch.hash_tensor, torch.tensor([[1, 2, 3], [-4, 5, 6]], dtype=torch.int32))
+    check_against_cpu(torch.hash_tensor, torch.tensor([True, False, True]))

@@ -322,9 +322,8 @@ def lstsq(a, b, rcond=None, driver=None):
     # Under data_dependent_shape the gelsd/gelss call runs concretely, so rank is concrete here.
     if m > n and (driver == "gels" or (with_sv and bool(jnp.all(rank == n)))):
         residuals = jnp.sum(jnp.abs(a @ x - rhs) ** 2, -2)
-    if vector:
+    if vector:  # residuals keep their column of one
         x = x[..., 0]
-        residuals = residuals[..., 0] if residuals.size else residuals
     return (x, residuals, rank if with_rank else jnp.zeros((0,), jnp.int64),
             s if with_sv else jnp.zeros((0,), real))
 
@@ -340,7 +339,7 @@ def _lstsq_meta(a, b, rcond=None, *, driver=None):
         raise NotImplementedError(
             f"linalg_lstsq with driver={driver!r} and m > n: whether residuals are returned "
             "depends on the rank, so the result shapes cannot be known without values")
-    res = batch + k if (m > n and driver == "gels") else (0,)
+    res = batch + (k or (1,)) if m > n and driver == "gels" else (0,)
     return (a.new_empty(batch + (n,) + k), a.new_empty(res, dtype=real),
             a.new_empty(batch if with_rank else (0,), dtype=torch.int64),
             a.new_empty(batch + (min(m, n),) if with_sv else (0,), dtype=real))
