@@ -145,3 +145,10 @@ def test_precision_api():
     assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
     with pytest.raises(TypeError, match="torch.tpu.Precision"):
         torch.tpu.set_precision("highest")
+
+
+def test_every_factory_rejects_other_device_indices():
+    for make in (lambda d: torch.ones(2, device=d), lambda d: torch.full((2,), 3.0, device=d),
+                 lambda d: torch.arange(3, device=d), lambda d: torch.zeros(1).to(d)):
+        with pytest.raises(RuntimeError, match="this process drives one device, tpu:0"):
+            make("tpu:1")

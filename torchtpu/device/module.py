@@ -92,8 +92,7 @@ def _index(device) -> int:
 
 
 def set_device(device) -> None:
-    platform.set_current_index(_index(device))
-    jax.config.update("jax_default_device", platform.jax_device())
+    _index(device)  # one device per process: only tpu:0 is valid
 
 
 @contextlib.contextmanager

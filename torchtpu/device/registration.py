@@ -109,6 +109,9 @@ def register() -> None:
         loader.install_pin_memory()
         _install_accelerator_synchronize()
         _install_matmul_precision()
+        from torchtpu.runtime import platform
+
+        platform.local_device()  # pins JAX's default device to this process's accelerator
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
         # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's

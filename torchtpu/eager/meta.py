@@ -11,6 +11,7 @@ import torch
 
 from torchtpu.device import dtypes
 from torchtpu.eager import schema
+from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
 
@@ -41,6 +42,8 @@ def to_meta(v):
     if isinstance(v, torch.Generator):
         return None
     if isinstance(v, torch.device) and v.type == "tpu":
+        if v.index is not None:
+            platform.check_index(v.index)
         # A factory's device argument: inferring on "tpu" would call this kernel again.
         return torch.device("meta")
     return v

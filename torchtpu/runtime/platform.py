@@ -1,7 +1,8 @@
 """Which PJRT platform and device this process runs on.
 
-TPU if present, else GPU, else CPU; ``TORCHTPU_PLATFORM=tpu|gpu|cpu`` overrides. One process drives
-the devices it sees; ``set_device`` picks which of them the "tpu" device index 0..n-1 means.
+TPU if present, else GPU, else CPU; ``TORCHTPU_PLATFORM=tpu|gpu|cpu`` overrides. One process
+drives one device, "tpu:0": ``TORCHTPU_LOCAL_DEVICE`` (or torchrun's ``LOCAL_RANK``) picks which
+of the host's devices it is.
 """
 
 from __future__ import annotations
@@ -59,32 +60,51 @@ def devices() -> tuple:
     return tuple(jax.local_devices(backend=platform()))
 
 
-_current = 0
+@functools.cache
+def local_device():
+    """The one JAX device this process drives as "tpu:0".
+
+    PyTorch's Python-backend hooks know a single device per process (its device guard reports
+    index 0 and a count of 1), so torchtpu is one process per device, as torchrun runs it:
+    ``TORCHTPU_LOCAL_DEVICE`` picks the local accelerator, else ``LOCAL_RANK``, else the first.
+    """
+    local = devices()
+    chosen = os.environ.get("TORCHTPU_LOCAL_DEVICE", os.environ.get("LOCAL_RANK", "0"))
+    try:
+        index = int(chosen)
+    except ValueError:
+        raise ValueError(f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={chosen!r} is not an integer") from None
+    if not 0 <= index < len(local):
+        raise RuntimeError(
+            f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has {len(local)} "
+            f"{platform()} device(s)"
+        )
+    device = local[index]
+    jax.config.update("jax_default_device", device)
+    return device
 
 
 def device_count() -> int:
-    return len(devices())
+    """Devices this process drives: one (see ``local_device``)."""
+    return 1
 
 
 def check_index(index: int) -> int:
-    n = device_count()
-    if not isinstance(index, int) or not 0 <= index < n:
+    if not isinstance(index, int) or index != 0:
         raise RuntimeError(
-            f"invalid tpu device index {index!r}: this process sees {n} device(s) "
-            f"(valid indices 0..{n - 1})"
+            f"invalid tpu device index {index!r}: this process drives one device, tpu:0 "
+            f"(one process per device; pick the local accelerator with TORCHTPU_LOCAL_DEVICE "
+            f"or torchrun's LOCAL_RANK; this host has {len(devices())} {platform()} device(s))"
         )
     return index
 
 
 def current_index() -> int:
-    return _current
-
-
-def set_current_index(index: int) -> None:
-    global _current
-    _current = check_index(index)
+    return 0
 
 
 def jax_device(index: int | None = None):
-    """The JAX device behind tpu:index (the current one when index is None)."""
-    return devices()[_current if index is None else check_index(index)]
+    """The JAX device behind tpu:index."""
+    if index is not None:
+        check_index(index)
+    return local_device()
