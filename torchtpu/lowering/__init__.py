@@ -12,4 +12,5 @@ from torchtpu.lowering import (  # noqa: F401
     random,
     reduction,
     shape,
+    special,
 )

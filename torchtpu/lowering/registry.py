@@ -82,5 +82,11 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
     return register
 
 
+def lowers_each(table: dict, **policy) -> None:
+    """Register many one-line lowerings at once: {op: fn}, all with the same policy."""
+    for op, fn in table.items():
+        lowers(op, **policy)(fn)
+
+
 def lookup(op: OpOverload) -> Lowering | None:
     return TABLE.get(op)
