@@ -5,6 +5,7 @@ from torchtpu.lowering import (  # noqa: F401
     elementwise,
     factory,
     fft,
+    histogram,
     index,
     linalg,
     nn,
