@@ -37,6 +37,17 @@ def _is_default(oi: schema.OpInfo, i: int, v) -> bool:
     return type(v) is type(d) and v == d
 
 
+@functools.cache
+def traced_arguments(op: OpOverload, lowering: Lowering) -> frozenset:
+    """Argument positions whose Python numbers the program takes as inputs (not constants)."""
+    oi = schema.info(op)
+    return frozenset(
+        i for i, name in enumerate(oi.names)
+        if i != oi.generator_index and (
+            (i in oi.scalar_indices and not lowering.static_scalars) or name in lowering.traced)
+    )
+
+
 def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     """The static spec entries for bound arguments (what is traced, what is baked in)."""
     entries = []
@@ -93,10 +104,11 @@ _plans: dict = {}
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key."""
-    key = (op, meta.call_key(oi, values), final)
+    traced = traced_arguments(op, lowering)
+    key = (op, meta.call_key(oi, values, traced), final)
     hit = _plans.get(key)
     if hit is None:
-        result = meta.infer(op, values)
+        result = meta.infer(op, values, traced=traced)
         compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
         promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
@@ -194,8 +206,12 @@ def _returns(op, targets):
     return tuple(targets)
 
 
-def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional):
-    """In-place and out= overloads: compute the functional twin, write into the targets."""
+def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional,
+                      traced: frozenset = frozenset()):
+    """In-place and out= overloads: compute the functional twin, write into the targets.
+
+    ``traced``: the twin's traced number arguments (same positions: the signatures match).
+    """
     oi = schema.info(op)
     foi = schema.info(functional)
 
@@ -203,7 +219,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         values, outs = schema.bind(oi, args, kwargs)
         # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
         # and says what shape each out= argument must take.
-        validated = meta.infer(op, values, outs)
+        validated = meta.infer(op, values, outs, traced)
         targets, flat = _flat_targets(values, oi, outs)
         if outs:
             shapes = [d[0] for d in _leaves(validated)]
@@ -319,7 +335,8 @@ def handler(op: OpOverload):
     if functional is not None and functional is not op:
         lowering = lookup(functional)
         if lowering is not None:
-            return _mutating_handler(op, functional, _lowered_functional(functional, lowering))
+            return _mutating_handler(op, functional, _lowered_functional(functional, lowering),
+                                     traced_arguments(functional, lowering))
     decomp = decomposition_table.get(op)
     if decomp is not None:
         return _decomposition_handler(op, decomp)

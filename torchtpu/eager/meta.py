@@ -60,11 +60,25 @@ def leaf_key(v):
     return (type(v), v)
 
 
-def call_key(oi: schema.OpInfo, values: list) -> tuple:
-    """What determines an op call's result shapes, dtypes and program: everything but data."""
+def _traced_number_key(v, default):
+    # A traced number's value never changes result shapes or programs; its type does, and so
+    # does whether it is the schema default (which is baked in; see dispatch.entries_of).
+    if isinstance(v, (list, tuple)):
+        return tuple(type(x) for x in v)
+    return (type(v), type(v) is type(default) and v == default)
+
+
+def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -> tuple:
+    """What determines an op call's result shapes, dtypes and program: everything but data.
+
+    ``traced`` are the arguments whose Python numbers the program takes as inputs: only their
+    types count, so a learning rate or bias correction that changes every step reuses one plan.
+    """
     parts = []
     for i, v in enumerate(values):
-        if isinstance(v, (list, tuple)):
+        if i in traced and not _holds_tensor(v):
+            parts.append(_traced_number_key(v, oi.defaults[i]))
+        elif isinstance(v, (list, tuple)):
             parts.append(tuple(leaf_key(x) for x in v))
         elif i == oi.generator_index:
             parts.append("gen")
@@ -93,11 +107,17 @@ def bounded_put(cache: dict, key, value) -> None:
     cache[key] = value
 
 
-def infer(op: OpOverload, values: list, outs: list = ()):
+def _holds_tensor(v) -> bool:
+    if isinstance(v, (list, tuple)):
+        return any(isinstance(x, torch.Tensor) for x in v)
+    return isinstance(v, torch.Tensor) or v is None
+
+
+def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()):
     """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
     oi = schema.info(op)
     try:
-        key = (op, call_key(oi, values), tuple(leaf_key(o) for o in outs))
+        key = (op, call_key(oi, values, traced), tuple(leaf_key(o) for o in outs))
         hit = _meta_cache.get(key)
     except TypeError:  # something unhashable: do not cache
         key, hit = None, None
