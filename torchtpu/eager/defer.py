@@ -189,8 +189,10 @@ class Recorder:
     def record(self, fn, args: tuple):
         """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
         tree = None
-        if any(isinstance(a, (list, tuple)) for a in args):
-            args, tree = jax.tree_util.tree_flatten(args)
+        for a in args:
+            if isinstance(a, (list, tuple)):
+                args, tree = jax.tree_util.tree_flatten(args)
+                break
         with self._lock:
             trace = self._trace
             refs, sig = [], []
@@ -211,9 +213,11 @@ class Recorder:
             if shapes is None:
                 abstract = [_abstract(s) for s in sig]
                 call_args = tree.unflatten(abstract) if tree is not None else abstract
-                shapes = jax.tree_util.tree_flatten(jax.eval_shape(fn, *call_args))
-                self._shapes[key] = shapes
-            avals, out_tree = shapes
+                avals, out_tree = jax.tree_util.tree_flatten(jax.eval_shape(fn, *call_args))
+                # Most ops have one plain output: hand it back without a pytree round trip.
+                single = out_tree == jax.tree_util.tree_structure(0)
+                shapes = self._shapes[key] = (avals, out_tree, single)
+            avals, out_tree, single = shapes
             node = len(trace.nodes)
             trace.nodes.append((fn, tree, tuple(refs)))
             outs = [Pending(aval, trace, node, i) for i, aval in enumerate(avals)]
@@ -221,7 +225,7 @@ class Recorder:
             metrics.count("deferred_ops")
             if node + 1 >= MAX_OPS:
                 self.flush()
-            return out_tree.unflatten(outs)
+            return outs[0] if single else out_tree.unflatten(outs)
 
     def _alive(self, trace: _Trace) -> tuple[list, tuple]:
         targets, wanted = [], []
