@@ -7,6 +7,7 @@ from torchtpu.lowering import (  # noqa: F401
     fft,
     histogram,
     index,
+    layers,
     linalg,
     nn,
     optim,
