@@ -19,7 +19,7 @@ import torch.fx as fx
 
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
-from torchtpu.eager import meta, schema
+from torchtpu.eager import dispatch, meta, schema
 from torchtpu.eager.program import (
     CONST,
     KEY,
@@ -87,6 +87,8 @@ class _Step:
                 raise missing_lowering(op)
             return
         self.oi = schema.info(op)
+        # The same traced arguments as eager (dispatch.traced_arguments).
+        self.traced = dispatch.traced_arguments(op, self.lowering)
         self.values, _ = schema.bind(self.oi, node.args, node.kwargs)
         if self.lowering.data_dependent_shape and self.lowering.shape_depends_on_values(
                 fx.node.map_arg(self.values, _val)):
@@ -137,7 +139,7 @@ class _Step:
             elif i == oi.generator_index:
                 entries.append((KEY, None))
                 dyn.append(keys[self.key_slots[-1]])
-            elif i in oi.scalar_indices and not self.lowering.static_scalars and v is not None:
+            elif i in self.traced and v is not None:
                 entries.append((SCALAR, None))
                 # A symbolic number is a plain value of the trace; a constant is a traced input.
                 dyn.append(env[v] if isinstance(v, fx.Node) else scalars.pop(0))
@@ -153,7 +155,7 @@ class _Step:
         oi = self.oi
         out = []
         for i, v in enumerate(self.values):
-            if (i in oi.scalar_indices and not self.lowering.static_scalars and v is not None
+            if (i in self.traced and v is not None
                     and i != oi.generator_index and not isinstance(v, fx.Node)):
                 out.append(v)
         return out

@@ -30,13 +30,6 @@ OpOverload = torch._ops.OpOverload
 
 # ----------------------------------------------------------------------------- running lowerings
 
-def _is_default(oi: schema.OpInfo, i: int, v) -> bool:
-    # A scalar at its schema default (add's alpha=1) is baked in: passing a Python number to a
-    # program costs a transfer per call, and other values still share one traced program.
-    d = oi.defaults[i]
-    return type(v) is type(d) and v == d
-
-
 @functools.cache
 def traced_arguments(op: OpOverload, lowering: Lowering) -> frozenset:
     """Argument positions whose Python numbers the program takes as inputs (not constants)."""
@@ -58,9 +51,10 @@ def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
             entries.append((TENSORS, tuple(x is None for x in v)))
         elif i == oi.generator_index:
             entries.append((KEY, None))
-        elif v is not None and not _is_default(oi, i, v) and (
-                (i in oi.scalar_indices and not lowering.static_scalars)
-                or oi.names[i] in lowering.traced):
+        elif (v is not None and i in traced_arguments(oi.op, lowering)
+              # A number at its schema default (add's alpha=1) is baked in: passing a Python
+              # number to a program costs a transfer per call.
+              and not meta.is_default_number(v, oi.defaults[i])):
             entries.append((SCALAR, None))
         else:
             entries.append((CONST, tuple(v) if isinstance(v, list) else v))

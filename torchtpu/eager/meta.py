@@ -60,12 +60,17 @@ def leaf_key(v):
     return (type(v), v)
 
 
+def is_default_number(v, default) -> bool:
+    """v is its argument's schema default (so ``dispatch.entries_of`` bakes it in)."""
+    return type(v) is type(default) and v == default
+
+
 def _traced_number_key(v, default):
     # A traced number's value never changes result shapes or programs; its type does, and so
-    # does whether it is the schema default (which is baked in; see dispatch.entries_of).
+    # does whether it is the schema default.
     if isinstance(v, (list, tuple)):
         return tuple(type(x) for x in v)
-    return (type(v), type(v) is type(default) and v == default)
+    return (type(v), is_default_number(v, default))
 
 
 def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -> tuple:
