@@ -361,15 +361,32 @@ def _needs_device_kernel(op: OpOverload) -> bool:
         return False
 
 
-def register_lowered_ops(lib: torch.library.Library) -> None:
-    """Give every lowered op a direct PrivateUse1 kernel.
+def _mutating_variants(op: OpOverload) -> list:
+    """In-place and out= overloads whose functional twin is op (``add_.Tensor``, ``add.out``)."""
+    ns, name = op._schema.name.split("::")
+    found = []
+    for packet_name in (name, name + "_"):
+        packet = getattr(getattr(torch.ops, ns), packet_name, None)
+        if packet is None:
+            continue
+        for overload in packet.overloads():
+            variant = getattr(packet, overload)
+            if variant._schema.is_mutable and schema.functional_of(variant) is op:
+                found.append(variant)
+    return found
 
-    Without one, an op that has a CompositeExplicitAutograd kernel (``abs``, ``fill_``...) would
-    run that kernel and reach the device only as its ``out=`` variant. CompositeImplicitAutograd
-    ops are left alone: a backend kernel would switch off their autograd formula.
+
+def register_lowered_ops(lib: torch.library.Library) -> None:
+    """Give every lowered op, and its in-place and out= variants, a direct PrivateUse1 kernel.
+
+    Without one, an op that has a CompositeExplicitAutograd kernel (``abs``, ``fill_``, the
+    ``_foreach_*_`` ops, whose composite kernel loops over the list one tensor at a time) would
+    run that kernel and reach the device piecemeal. CompositeImplicitAutograd ops are left
+    alone: a backend kernel would switch off their autograd formula.
     """
     from torchtpu.lowering.registry import TABLE
 
-    for op in TABLE:
-        if _needs_device_kernel(op):
-            lib.impl(op, functools.partial(kernel, op), "PrivateUse1")
+    for op in list(TABLE):
+        for target in [op, *_mutating_variants(op)]:
+            if _needs_device_kernel(target):
+                lib.impl(target, functools.partial(kernel, target), "PrivateUse1")

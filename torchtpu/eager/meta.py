@@ -118,15 +118,19 @@ def _holds_tensor(v) -> bool:
     return isinstance(v, torch.Tensor) or v is None
 
 
+_MISSING = object()
+
+
 def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()):
     """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
     oi = schema.info(op)
     try:
         key = (op, call_key(oi, values, traced), tuple(leaf_key(o) for o in outs))
-        hit = _meta_cache.get(key)
+        hit = _meta_cache.get(key, _MISSING)
     except TypeError:  # something unhashable: do not cache
-        key, hit = None, None
-    if hit is not None:
+        key, hit = None, _MISSING
+    # None is a real result (in-place foreach ops return nothing), hence the sentinel.
+    if hit is not _MISSING:
         return hit
     args = [to_meta(v) for v in values]
     for i in oi.scalar_indices:

@@ -55,7 +55,9 @@ def info(op: OpOverload) -> OpInfo:
             gen = i
         # A Python number where the schema says Tensor (``div.Tensor(t, 0.03)`` from optimizers)
         # is a scalar too: tracing it keeps a changing value from recompiling the program.
-        if t.removeprefix("Optional[").startswith(("Scalar", "number", "Tensor")):
+        # Lists of numbers (``Scalar[]``: the foreach ops' per-tensor scalars) are traced too.
+        if t.removeprefix("Optional[").startswith(
+                ("Scalar", "number", "Tensor", "List[number]", "List[Scalar]")):
             scalars.add(i)
     return OpInfo(op, tuple(names), tuple(defaults), frozenset(kwonly), tuple(written),
                   tuple(outs), gen, frozenset(scalars), tuple(tensor_typed))
