@@ -96,7 +96,8 @@ def _converter(dtype, shape):
     return jax.jit(lambda a: jnp.broadcast_to(a.astype(dtype), shape))
 
 
-def _convert(array, t: torch.Tensor):
+def convert(array, t: torch.Tensor):
+    """array cast to t's dtype and broadcast to t's shape (recorded while deferring)."""
     dtype, shape = dtypes.to_jax(t.dtype), tuple(t.shape)
     if array.dtype == dtype and array.shape == shape:
         return array
@@ -106,7 +107,7 @@ def _convert(array, t: torch.Tensor):
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "tpu":
         if src.device.type == "tpu":
-            value = _convert(tensors.read(src), dst)
+            value = convert(tensors.read(src), dst)
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)
         else:
@@ -114,7 +115,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             # tensor's later in-place writes would then show through on the device.
             host = np.array(torch_to_numpy(src), copy=True)
             metrics.count("host_to_device_bytes", host.nbytes)
-            value = _convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
+            value = convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
         tensors.write(dst, value)
         return dst
     dst.copy_(numpy_to_torch(to_numpy(src), src.dtype))

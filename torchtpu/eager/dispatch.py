@@ -19,7 +19,7 @@ import threading
 import torch
 from torch._decomp import decomposition_table
 
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, fallback, meta, schema
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec
@@ -177,11 +177,12 @@ def _flat_targets(values, oi, outs):
     return targets, flat
 
 
-def _flat_arrays(out):
+def _flatten(out) -> list:
+    """The leaves of nested lists and tuples (a single value is one leaf)."""
     if isinstance(out, (tuple, list)):
         flat = []
         for o in out:
-            flat.extend(_flat_arrays(o))
+            flat.extend(_flatten(o))
         return flat
     return [out]
 
@@ -222,21 +223,11 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
                     raise meta.device_error(t)
                 _resize_out(t, s)
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
-        for t, a in zip(flat, _flat_arrays(arrays)):
-            if a.dtype != dtypes.to_jax(t.dtype):
-                a = a.astype(dtypes.to_jax(t.dtype))
-            if tuple(a.shape) != tuple(t.shape):
-                a = _broadcast(a, t.shape)
-            tensors.write(t, a)
+        for t, a in zip(flat, _flatten(arrays)):
+            tensors.write(t, kernels.convert(a, t))
         return _returns(op, targets)
 
     return handle
-
-
-def _broadcast(a, shape):
-    import jax.numpy as jnp
-
-    return jnp.broadcast_to(a, tuple(shape))
 
 
 def _leaves(d):
@@ -262,21 +253,9 @@ def _lowered_functional(functional: OpOverload, lowering: Lowering):
 def _decomposed_functional(functional: OpOverload, decomp):
     def run(foi, values, target_dtypes):
         args, kwargs = _unbind(foi, values)
-        out = decomp(*args, **kwargs)
-        flat = out if isinstance(out, (tuple, list)) else [out]
-        return [tensors.read(t) for t in _flatten_tensors(flat)]
+        return [tensors.read(t) for t in _flatten(decomp(*args, **kwargs))]
 
     return run
-
-
-def _flatten_tensors(xs):
-    flat = []
-    for x in xs:
-        if isinstance(x, (tuple, list)):
-            flat.extend(_flatten_tensors(x))
-        else:
-            flat.append(x)
-    return flat
 
 
 def _unbind(oi: schema.OpInfo, values: list):
