@@ -96,7 +96,9 @@ class CompiledGraph:
             for n in self.fn.output
         ]
         self.programs: dict = {}
-        problem = dynamic.plan(gm)
+        traced = {step.node: getattr(step, "traced", frozenset()) for step in self.fn.steps}
+        self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
+        problem = self.plan if isinstance(self.plan, str) else None
         self.padded = problem is None
         self.exact_dynamic = problem not in (None, dynamic.NO_SYMBOLS)
         if self.exact_dynamic:
@@ -132,7 +134,8 @@ class CompiledGraph:
 
     def _compile(self, arrays, constants, scalars, keys, symbols):
         start = time.perf_counter()
-        run = functools.partial(self.fn.run, symbols=symbols)
+        run = functools.partial(self.fn.run, symbols=symbols,
+                                plan=self.plan if self.padded else None)
         jitted = jax.jit(run)
         lowered = jitted.lower(arrays, constants, scalars, keys)
         if self.opts.debug_callback is not None:
@@ -147,30 +150,38 @@ class CompiledGraph:
                      self.kind, len(self.gm.graph.nodes), _describe(arrays), seconds)
         return program
 
+    def _buckets(self, values: dict) -> dict:
+        return {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
+                for s, v in values.items()}
+
     def _pad(self, args: list, arrays: list, symbols: list) -> tuple[list, list, dict]:
-        """Inputs padded to their size buckets, symbols at bucket values, and the real sizes."""
+        """Inputs laid out at their size buckets, then the real size of each symbol (int32
+        scalars the program reads); symbols at bucket values; the real sizes."""
         values = dynamic.sizes_of(self.fn.placeholders, args)
-        to = {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
-              for s, v in values.items()}
+        to = self._buckets(values)
         padded = []
-        for a, val in zip(arrays, self.tensor_metas, strict=True):
-            shape = dynamic.padded_shape(val, to)
-            padded.append(a if a.shape == shape else
-                          jax.device_put(dynamic.pad(a, shape), next(iter(a.devices()))))
+        tensor_nodes = [n for n, t in zip(self.fn.placeholders, self.fn.tensor_inputs,
+                                          strict=True) if t]
+        for a, n in zip(arrays, tensor_nodes, strict=True):
+            host = dynamic.pad(a, self.plan.layouts[n], values, to)
+            padded.append(a if host.shape == a.shape else
+                          jax.device_put(host, next(iter(a.devices()))))
+        padded += [np.asarray(values[s], np.int32) for s in self.plan.order]
         syms = [n.meta["val"] for n, t in
                 zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if not t]
-        symbols = [to[s.node.expr] if isinstance(s, torch.SymInt) else v
+        symbols = [dynamic.evaluate(s, to) if isinstance(s, torch.SymInt) else v
                    for s, v in zip(syms, symbols, strict=True)]
         return padded, symbols, values
 
     def _unpad(self, outs: list, values: dict) -> list:
-        real = []
+        real, to = [], self._buckets(values)
         for o, n in zip(outs, self.fn.output, strict=True):
             val = n.meta.get("val") if isinstance(n, fx.Node) else None
             if isinstance(val, torch.Tensor):
-                shape = dynamic.padded_shape(val, values)
+                shape = tuple(int(dynamic.evaluate(d, values)) for d in val.shape)
                 if o.shape != shape:
-                    o = jax.device_put(dynamic.unpad(o, shape), next(iter(o.devices())))
+                    host = dynamic.unpad(o, self.plan.layouts[n], values, to)
+                    o = jax.device_put(host, next(iter(o.devices())))
             elif isinstance(val, torch.SymInt):
                 o = dynamic.real_value(val, values)
             real.append(o)

@@ -1,13 +1,30 @@
-"""Dynamic shapes by padding: a graph with symbolic sizes runs as one program per size bucket.
+"""Dynamic shapes by padding and masking: symbolic sizes run as one program per size bucket.
 
-Under ``torch.compile(dynamic=True)`` a graph's sizes are symbols (``s0``, ``s1``). When every
-op a symbolic dimension flows through treats positions along it independently (elementwise ops,
-matmuls and reductions over other dims, views that keep it whole, causal masks), zero-padding
-each symbolic input dimension up to a bucket and slicing the outputs back gives exactly the
-unpadded results: padded positions only ever produce padded positions. ``plan`` checks that,
-op by op, from the graph's symbolic metadata; a graph that fails the check (a softmax or sum
-over a symbolic dim, a slice that cuts one, a symbol used as a number) is compiled per exact
-shape instead, which ``backend`` counts and logs.
+Under ``torch.compile(dynamic=True)`` a graph's sizes are symbols (``s0``, ``s1``). Each symbolic
+input dimension is zero-padded on the host up to a size bucket, the program is built for the
+bucket sizes, and the real sizes of the symbols reach it as traced runtime inputs, so one program
+serves every size in a bucket. ``plan`` decides, op by op from the graph's symbolic metadata,
+whether that gives exactly the unpadded results, and what the program must mask:
+
+- Every tensor dim has a *layout*: its factors, major to minor (``(s0,)`` for a plain symbol,
+  ``(s0, 2)`` for ``[s0, 2, ...]`` merged by a reshape). The real elements sit where every factor
+  index is below the factor's real size; all other positions hold padding, which is treated as
+  garbage (it may be anything, NaN included). Reshapes must keep symbolic factors whole; an op
+  whose output dim has a compound size takes the layout of the input dims of the same size, and
+  two disagreeing layouts are refused.
+- Ops that treat positions independently (elementwise, views, embedding, causal masks) need
+  nothing: garbage stays in padding positions.
+- Ops that mix positions along a padded dim get their inputs masked with ``jnp.where`` on an
+  iota-against-real-size mask (``masking``): reductions with their identity (0 for sum, -inf for
+  amax/softmax/logsumexp, True for all...), contractions (mm, bmm, addmm) with 0 on both operands,
+  mean divides by the real count, nll_loss ignores padded rows through ``ignore_index``, and the
+  backward ops of softmax, log_softmax, layer norm and embedding are masked likewise.
+- A symbolic size used as a number (a traced scalar argument) sees the real size; shapes see the
+  bucket.
+
+A graph with anything else on a symbolic dim (a normalization or variance over it, a slice that
+cuts it, cat along it, a symbol as a fill value, an unknown op) is compiled per exact shape
+instead, which ``backend`` counts and logs.
 
 Buckets are ``bucket_size * 2**i`` for ``i < num_dynamic_buckets``; larger sizes round up to a
 multiple of the largest bucket. Padding and slicing happen on the host: a device pad or slice
@@ -16,6 +33,7 @@ would itself be one XLA program per size, which is what bucketing avoids.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 
@@ -23,6 +41,8 @@ import numpy as np
 import sympy
 import torch
 import torch.fx as fx
+
+from torchtpu.eager import schema
 
 aten = torch.ops.aten
 
@@ -33,19 +53,52 @@ _POSITIONWISE = {
     aten.squeeze.dim, aten.expand.default, aten.embedding.default, aten.full.default,
     aten.ones.default, aten.zeros.default, aten.empty.memory_format, aten.full_like.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.scalar_tensor.default, aten.tril.default, aten.triu.default, aten.copy.default,
-    aten.arange.default, aten.sym_size.int, operator.getitem,
+    aten.scalar_tensor.default, aten.copy.default, aten.arange.default, aten.sym_size.int,
+    operator.getitem,
 }
+_INDEXED = {aten.tril.default, aten.triu.default}  # position-wise for leading-block layouts
 _SYM_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv}
-# Reductions and normalizations: (dims argument index, True when it counts from the end).
-_REDUCING = {
-    aten.sum.dim_IntList: (1, False), aten.mean.dim: (1, False), aten.amax.default: (1, False),
-    aten.amin.default: (1, False), aten.var_mean.correction: (1, False),
-    aten.var.correction: (1, False), aten._softmax.default: (1, False),
-    aten._log_softmax.default: (1, False), aten.native_layer_norm.default: (1, True),
-}
-_CONTRACTING = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}
+# Symbolic-size arguments that only set a size (a slice end, arange length): buckets are right.
+_SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0)}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+
+# Reductions: (dims argument index or None for every dim, identity the padding is replaced by).
+_REDUCING = {
+    aten.sum.dim_IntList: (1, "zero"), aten.sum.default: (None, "zero"),
+    aten.mean.dim: (1, "zero"), aten.mean.default: (None, "zero"),
+    aten.amax.default: (1, "lowest"), aten.amin.default: (1, "highest"),
+    aten.all.dim: (1, "true"), aten.all.dims: (1, "true"),
+    aten.any.dim: (1, "false"), aten.any.dims: (1, "false"),
+    aten.prod.dim_int: (1, "one"), aten.logsumexp.default: (1, "lowest"),
+    aten._softmax.default: (1, "lowest"), aten._log_softmax.default: (1, "lowest"),
+}
+MEAN_OPS = {aten.mean.dim, aten.mean.default}
+# Contractions: ((arg, contracted dim) of each operand).
+_CONTRACTING = {aten.mm.default: ((0, 1), (1, 0)), aten.bmm.default: ((0, 2), (1, 1)),
+                aten.addmm.default: ((1, 1), (2, 0))}
+
+
+@dataclasses.dataclass(frozen=True)
+class Mask:
+    """Replace the padding of argument ``arg`` along ``dims`` by ``fill`` before the op runs."""
+
+    arg: int
+    dims: tuple
+    fill: str | int
+
+
+@dataclasses.dataclass
+class Plan:
+    """How a graph runs padded: its symbols, each tensor's dim layouts, the masks of each node."""
+
+    order: list
+    layouts: dict
+    masks: dict
+    numbers: dict  # node -> the symbolic-size arguments it takes as traced numbers
+
+
+class _Refused(Exception):
+    pass
 
 
 def _expr(d):
@@ -60,6 +113,10 @@ def _val(a):
     return a.meta.get("val") if isinstance(a, fx.Node) else a
 
 
+def _is_sym(a) -> bool:
+    return isinstance(a, fx.Node) and isinstance(_val(a), torch.SymInt)
+
+
 def _tensors(node: fx.Node) -> list:
     vals = [_val(a) for a in node.all_input_nodes] + [_val(node)]
     flat = [v for x in vals for v in (x if isinstance(x, (list, tuple)) else [x])]
@@ -67,130 +124,265 @@ def _tensors(node: fx.Node) -> list:
 
 
 def _touches_symbols(node: fx.Node) -> bool:
-    return any(_symbolic(d) for t in _tensors(node) for d in t.shape)
+    return any(_symbolic(d) for t in _tensors(node) for d in t.shape) or any(
+        _is_sym(a) for a in node.all_input_nodes)
 
 
-def _reshape_ok(src, dst, order: list) -> bool:
-    """Whether a reshape regroups only constant dims, or merges/splits whole symbolic dims."""
-    def factors(shape):
-        out = []
-        for d in shape:
-            e = _expr(d)
-            if e.free_symbols:
-                coeff, syms = e.as_coeff_mul()
-                if coeff != 1 or any(not isinstance(s, sympy.Symbol) for s in syms):
-                    return None
-                out.append(sorted(syms, key=order.index))
+def canonical_layout(d, order: list) -> tuple:
+    """The layout given to an input dim: its symbols in graph order, then its constant factor."""
+    e = _expr(d)
+    if not e.free_symbols:
+        return (int(e),)
+    coeff, syms = e.as_coeff_mul()
+    if any(not isinstance(s, sympy.Symbol) for s in syms) or len(set(syms)) != len(syms) \
+            or not coeff.is_Integer:
+        raise _Refused(f"a size {e} that is not a product of symbols")
+    return tuple(sorted(syms, key=order.index)) + ((int(coeff),) if coeff != 1 else ())
+
+
+def _size(layout: tuple) -> sympy.Expr:
+    return sympy.Mul(*[f if isinstance(f, sympy.Symbol) else sympy.Integer(f) for f in layout])
+
+
+def _reshape_layout(src: tuple, dst_shape) -> tuple:
+    """The layouts after a reshape that keeps every symbolic factor whole, in order."""
+    atoms = [f for dim in src for f in dim if f != 1]
+    out = []
+    for d in dst_shape:
+        need, dim = _expr(d), []
+        while need != 1:
+            if not atoms:
+                raise _Refused("a reshape that does not keep symbolic factors whole")
+            head = atoms[0]
+            if isinstance(head, sympy.Symbol):
+                if sympy.fraction(sympy.cancel(need / head))[1] != 1:
+                    raise _Refused(f"a reshape that splits the symbolic size {head}")
+                take = head
+                atoms.pop(0)
             else:
-                out.append(int(e))
-        return out
-
-    a, b = factors(src), factors(dst)
-    if a is None or b is None:
-        return False
-    i = j = 0
-    while i < len(a) or j < len(b):
-        ga, gb = [a[i]] if i < len(a) else [], [b[j]] if j < len(b) else []
-        i, j = i + len(ga), j + len(gb)
-        while _product(ga) != _product(gb):
-            ratio = sympy.fraction(sympy.simplify(_product(gb) / _product(ga)))[1]
-            if ratio == 1 and i < len(a):
-                ga.append(a[i])
-                i += 1
-            elif j < len(b):
-                gb.append(b[j])
-                j += 1
-            else:
-                return False
-        sym_a = [s for g in ga if isinstance(g, list) for s in g]
-        sym_b = [s for g in gb if isinstance(g, list) for s in g]
-        consts = [g for g in ga + gb if not isinstance(g, list) and g != 1]
-        if (sym_a or sym_b) and (sym_a != sym_b or consts):
-            return False
-    return True
+                coeff = need.as_coeff_mul()[0]
+                take = math.gcd(head, int(coeff)) if coeff.is_Integer else 1
+                if take == 1:
+                    raise _Refused("a reshape that splits a symbolic size")
+                atoms[0] = head // take
+                if atoms[0] == 1:
+                    atoms.pop(0)
+            dim.append(take)
+            need = sympy.cancel(need / take)
+        out.append(_merge_constants(dim))
+    if atoms:
+        raise _Refused("a reshape that drops elements")
+    return tuple(out)
 
 
-def _product(group) -> sympy.Expr:
-    return sympy.Mul(*[sympy.Mul(*g) if isinstance(g, list) else sympy.Integer(g)
-                       for g in group])
+def _merge_constants(dim: list) -> tuple:
+    """One layout per dim: adjacent constant factors merged (they hold no padding)."""
+    out: list = []
+    for f in dim:
+        if out and not isinstance(f, sympy.Symbol) and not isinstance(out[-1], sympy.Symbol):
+            out[-1] *= f
+        else:
+            out.append(f)
+    return tuple(out) or (1,)
 
 
-def _node_problem(node: fx.Node, order: list) -> str | None:
-    op = node.target
-    if not _touches_symbols(node) and not any(
-            isinstance(_val(a), torch.SymInt) for a in node.all_input_nodes):
+def _generic_layout(node: fx.Node, val, layouts: dict) -> tuple:
+    """Dims of plain sizes have plain layouts; a compound one takes its inputs' of equal size."""
+    out = []
+    for d in val.shape:
+        e = _expr(d)
+        if not e.free_symbols or isinstance(e, sympy.Symbol):
+            out.append((e,) if e.free_symbols else (int(e),))
+            continue
+        found = {lay for a in node.all_input_nodes for lt in _flat_layouts(layouts.get(a))
+                 for lay in lt if _size(lay) == e}
+        if len(found) != 1:
+            raise _Refused(f"{node.target} gives a dim of size {e} with no single layout")
+        out.append(found.pop())
+    return tuple(out)
+
+
+def _flat_layouts(lt) -> list:
+    if lt is None:
+        return []
+    return [x for x in lt if x is not None] if isinstance(lt, list) else [lt]
+
+
+def _layout_of(node: fx.Node, layouts: dict, order: list):
+    val = _val(node)
+    if node.target is operator.getitem:
+        src = layouts.get(node.args[0])
+        return src[node.args[1]] if isinstance(src, list) else None
+    if isinstance(val, (list, tuple)):
+        return [_generic_layout(node, v, layouts) if isinstance(v, torch.Tensor) else None
+                for v in val]
+    if not isinstance(val, torch.Tensor):
         return None
+    if node.target in _RESHAPES:
+        return _reshape_layout(layouts[node.args[0]], val.shape)
+    return _generic_layout(node, val, layouts)
+
+
+def reduced_dims(node: fx.Node, index, ndim: int) -> tuple:
+    dims = None if index is None else (node.args[index] if len(node.args) > index else None)
+    if dims is None or dims == []:
+        return tuple(range(ndim))
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return tuple(sorted(d % max(ndim, 1) for d in dims))
+
+
+def _padded(layout: tuple, dims) -> tuple:
+    return tuple(d for d in dims if any(isinstance(f, sympy.Symbol) for f in layout[d]))
+
+
+def _same(layouts: list, what: str) -> None:
+    if len(set(layouts)) > 1:
+        raise _Refused(f"{what} over dims laid out differently")
+
+
+def _masks(node: fx.Node, layouts: dict) -> list:
+    """The masks node needs (empty when it is position-wise); raises when it cannot be exact."""
+    op, args = node.target, node.args
     if op in _SYM_ARITHMETIC or op in _POSITIONWISE:
-        return None
+        return []
     if isinstance(op, torch._ops.OpOverload) and torch.Tag.pointwise in op.tags:
-        if any(isinstance(_val(a), torch.SymInt) for a in node.all_input_nodes):
-            return f"{op} uses a symbolic size as a number"
-        return None
-    x = _val(node.args[0]) if node.args else None
+        return []
+    lay = layouts.get(args[0]) if args and isinstance(args[0], fx.Node) else None
     if op in _REDUCING:
-        index, from_end = _REDUCING[op]
-        dims = node.args[index] if len(node.args) > index else None
-        if dims is None:
-            return f"{op} reduces every dim"
-        dims = [dims] if isinstance(dims, int) else list(dims)
-        nd = x.dim()
-        axes = range(nd - len(dims), nd) if from_end else [d % max(nd, 1) for d in dims]
-        return f"{op} reduces a symbolic dim" if any(_symbolic(x.shape[a]) for a in axes) \
-            else None
+        index, fill = _REDUCING[op]
+        dims = _padded(lay, reduced_dims(node, index, len(lay)))
+        return [Mask(0, dims, fill)] if dims else []
     if op in _CONTRACTING:
-        lhs = _val(node.args[_CONTRACTING[op]])
-        return f"{op} contracts a symbolic dim" if _symbolic(lhs.shape[-1]) else None
+        (a, da), (b, db) = _CONTRACTING[op]
+        if args[a] is args[b]:
+            raise _Refused(f"{op} of a tensor with itself")
+        la, lb = layouts[args[a]][da], layouts[args[b]][db]
+        _same([la, lb], f"{op} contracts")
+        return [Mask(a, (da,), "zero"), Mask(b, (db,), "zero")] if _padded((la,), [0]) else []
+    if op in _INDEXED:
+        if any(len(lay[d]) > 1 for d in (-2, -1)):
+            raise _Refused(f"{op} on a merged dim")
+        return []
     if op in _RESHAPES:
-        return None if _reshape_ok(x.shape, _val(node).shape, order) else \
-            f"{op} {list(x.shape)} -> {list(_val(node).shape)} splits a symbolic dim"
+        return []
+    if op is aten.native_layer_norm.default:
+        if _padded(lay, range(len(lay) - len(args[1]), len(lay))):
+            raise _Refused(f"{op} normalizes over a symbolic dim")
+        return []
+    if op is aten.native_layer_norm_backward.default:
+        if _padded(lay, range(len(lay) - len(args[2]), len(lay))):
+            raise _Refused(f"{op} normalizes over a symbolic dim")
+        lead = _padded(lay, range(len(lay) - len(args[2])))
+        return [Mask(i, lead, "zero") for i in (0, 1, 3, 4)] if lead else []
+    if op in (aten._softmax_backward_data.default, aten._log_softmax_backward_data.default):
+        dims = _padded(lay, reduced_dims(node, 2, len(lay)))
+        both = op is aten._softmax_backward_data.default
+        return [Mask(i, dims, "zero") for i in ((0, 1) if both else (0,))] if dims else []
+    if op is aten.nll_loss_forward.default:
+        if _padded(lay, [len(lay) - 1]):
+            raise _Refused(f"{op} over a symbolic number of classes")
+        if args[3] == 0 or not _padded(lay, [0]):
+            return []
+        _same([lay[0], layouts[args[1]][0]], f"{op} reduces")
+        return [Mask(0, (0,), "zero"), Mask(1, (0,), args[4])]
+    if op is aten.nll_loss_backward.default:
+        if _padded(lay, [len(lay) - 1]) and len(lay) > 1:
+            raise _Refused(f"{op} over a symbolic number of classes")
+        return []
+    if op is aten.embedding_dense_backward.default:
+        ind = layouts[args[1]]
+        if args[4]:
+            raise _Refused(f"{op} scales by frequency")
+        _same([lay[:len(ind)], ind], f"{op} scatters")
+        dims = _padded(ind, range(len(ind)))
+        return [Mask(0, dims, "zero"), Mask(1, dims, max(args[3], 0))] if dims else []
+    x = _val(args[0]) if args else None
     if op is aten.slice.Tensor:
-        dim, start, end = (list(node.args[1:4]) + [0, None, None])[:3]
+        dim, start, end = (list(args[1:4]) + [0, None, None])[:3]
         n = x.shape[dim]
         if not _symbolic(n) or ((start or 0) == 0 and (end is None or _val(end) is n or (
                 isinstance(end, int) and end >= 2**62))):
-            return None
-        return f"{op} cuts a symbolic dim"
+            return []
+        raise _Refused(f"{op} cuts a symbolic dim")
     if op in (aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default):
-        dim = node.args[1] if op is aten.select.int else (node.args[2] if len(node.args) > 2
-                                                             else node.kwargs.get("dim", 0))
-        t = _val(node.args[0][0]) if op is aten.cat.default else x
-        return f"{op} along a symbolic dim" if _symbolic(t.shape[dim % t.dim()]) else None
-    return f"{op} is not known to be exact under padding"
+        dim = args[1] if op is aten.select.int else (args[2] if len(args) > 2
+                                                     else node.kwargs.get("dim", 0))
+        t = _val(args[0][0]) if op is aten.cat.default else x
+        if _symbolic(t.shape[dim % t.dim()]):
+            raise _Refused(f"{op} along a symbolic dim")
+        return []
+    raise _Refused(f"{op} is not known to be exact under padding")
+
+
+def _numbers(node: fx.Node, traced: frozenset) -> tuple:
+    """The symbolic sizes node takes as traced numbers; refused where it takes one otherwise."""
+    op = node.target
+    if op in _SYM_ARITHMETIC or op is operator.getitem or op is aten.sym_size.int:
+        return ()
+    values = schema.bind(schema.info(op), node.args, node.kwargs)[0] \
+        if isinstance(op, torch._ops.OpOverload) else node.args
+    numbers = []
+    for i, v in enumerate(values):
+        if _is_sym(v):
+            if i in traced:
+                numbers.append(v)
+            elif (op, i) not in _SIZE_ARGUMENTS:
+                raise _Refused(f"{op} takes a symbolic size as a value")
+    if numbers and any(_is_sym(x) for v in values if isinstance(v, (list, tuple)) for x in v):
+        raise _Refused(f"{op} uses a symbolic size both as a number and as a size")
+    return tuple(numbers)
 
 
 NO_SYMBOLS = "the graph has no symbolic sizes"
 
 
-def plan(gm: fx.GraphModule) -> str | None:
-    """None when the graph can run padded to buckets, else why not (for the log)."""
+def plan(gm: fx.GraphModule, traced_of) -> Plan | str:
+    """How the graph runs padded to buckets, or why it cannot (for the log).
+
+    ``traced_of(node)`` gives the argument positions the node's lowering takes as traced values
+    (empty for graph ops).
+    """
     order: list = []
-    for n in gm.graph.nodes:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in placeholders:
         v = _val(n)
-        if n.op != "placeholder":
-            continue
-        dims = list(v.shape) if isinstance(v, torch.Tensor) else [v] \
-            if isinstance(v, torch.SymInt) else []
-        for d in dims:
-            e = _expr(d)
-            if e.free_symbols and not isinstance(e, sympy.Symbol):
-                return f"input {n.name} has a size {e} that is not a plain symbol"
-            if isinstance(e, sympy.Symbol) and e not in order:
-                order.append(e)
-    if not order:
+        if isinstance(v, torch.SymInt) and isinstance(_expr(v), sympy.Symbol) \
+                and _expr(v) not in order:
+            order.append(_expr(v))
+        for d in (v.shape if isinstance(v, torch.Tensor) else []):
+            if isinstance(_expr(d), sympy.Symbol) and _expr(d) not in order:
+                order.append(_expr(d))
+    symbols = {s for n in placeholders for d in (
+        _val(n).shape if isinstance(_val(n), torch.Tensor) else [_val(n)]
+        if isinstance(_val(n), torch.SymInt) else []) for s in _expr(d).free_symbols}
+    if not symbols:
         return NO_SYMBOLS
-    for n in gm.graph.nodes:
-        if n.op == "call_function":
-            problem = _node_problem(n, order)
-            if problem:
-                return problem
-    outputs = next(n for n in gm.graph.nodes if n.op == "output").args[0]
-    for o in outputs:
-        v = _val(o)
-        dims = list(v.shape) if isinstance(v, torch.Tensor) else [v] \
-            if isinstance(v, torch.SymInt) else []
-        if any(_expr(d).free_symbols and not isinstance(_expr(d), sympy.Symbol) for d in dims):
-            return f"output {o} has a size that is not a plain symbol"
-    return None
+    if symbols - set(order):
+        return "a symbol is not the size of an input dim"
+    layouts, masks, numbers = {}, {}, {}
+    try:
+        for n in placeholders:
+            if isinstance(_val(n), torch.Tensor):
+                layouts[n] = tuple(canonical_layout(d, order) for d in _val(n).shape)
+            elif isinstance(_val(n), torch.SymInt):
+                canonical_layout(_val(n), order)
+        for n in gm.graph.nodes:
+            if n.op != "call_function" or not _touches_symbols(n):
+                if n.op == "call_function":
+                    layouts[n] = _layout_of(n, layouts, order)
+                continue
+            if n.target is aten.copy_.default:
+                raise _Refused("an input with a symbolic size is mutated")
+            layouts[n] = _layout_of(n, layouts, order)
+            node_masks = _masks(n, layouts)
+            if node_masks:
+                masks[n] = node_masks
+            nums = _numbers(n, traced_of(n))
+            if nums:
+                numbers[n] = nums
+    except _Refused as e:
+        return str(e)
+    return Plan(order, layouts, masks, numbers)
 
 
 def bucket(n: int, bucket_size: int, num_buckets: int) -> int:
@@ -203,12 +395,13 @@ def bucket(n: int, bucket_size: int, num_buckets: int) -> int:
 
 
 def sizes_of(placeholders: list, args: list) -> dict:
-    """Each symbol's runtime value, read from the inputs whose sizes name it."""
+    """Each symbol's value, read from the inputs whose sizes name it (arrays or tensors)."""
     values = {}
     for n, a in zip(placeholders, args, strict=True):
         v = _val(n)
         if isinstance(v, torch.SymInt):
-            values[_expr(v)] = int(a)
+            if isinstance(_expr(v), sympy.Symbol):
+                values[_expr(v)] = int(a)
         elif isinstance(v, torch.Tensor):
             for d, actual in zip(v.shape, a.shape, strict=True):
                 if isinstance(_expr(d), sympy.Symbol):
@@ -216,23 +409,55 @@ def sizes_of(placeholders: list, args: list) -> dict:
     return values
 
 
+def evaluate(expr, values: dict):
+    """A size expression at the given symbol values (ints, or traced scalars in a program)."""
+    expr = _expr(expr) if isinstance(expr, torch.SymInt) else sympy.sympify(expr)
+    if expr.is_Integer:
+        return int(expr)
+    if isinstance(expr, sympy.Symbol):
+        return values[expr]
+    parts = [evaluate(a, values) for a in expr.args]
+    if expr.is_Add:
+        return sum(parts[1:], parts[0])
+    if expr.is_Mul:
+        out = parts[0]
+        for p in parts[1:]:
+            out = out * p
+        return out
+    if expr.func.__name__ == "FloorDiv":
+        return parts[0] // parts[1]
+    raise NotImplementedError(f"torchtpu.compile: cannot evaluate the size {expr}")
+
+
 def real_value(val, values: dict):
     """A symbolic output number at the real sizes (the program saw padded ones)."""
     return int(_expr(val).subs(values)) if isinstance(val, torch.SymInt) else val
 
 
-def padded_shape(val, to: dict) -> tuple:
-    return tuple(to[_expr(d)] if _symbolic(d) else int(d) for d in val.shape)
+def _factor_sizes(layout: tuple, values: dict) -> list:
+    return [[int(values[f]) if isinstance(f, sympy.Symbol) else int(f) for f in dim]
+            for dim in layout]
 
 
-def pad(array, shape: tuple):
-    """array zero-padded at the end of each dim up to shape, as a host array."""
+def pad(array, layout: tuple, values: dict, to: dict):
+    """The real host array laid out at the bucket sizes (zeros in padding), as a host array."""
     host = np.asarray(array)
-    if host.shape == shape:
+    real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
+    if real == padded:
         return host
-    return np.pad(host, [(0, p - s) for s, p in zip(host.shape, shape, strict=True)])
+    flat_real = [f for dim in real for f in dim]
+    flat_pad = [f for dim in padded for f in dim]
+    split = host.reshape(flat_real)
+    split = np.pad(split, [(0, p - r) for r, p in zip(flat_real, flat_pad, strict=True)])
+    return split.reshape([math.prod(dim) for dim in padded])
 
 
-def unpad(array, shape: tuple):
-    """The leading shape block of array, as a host array."""
-    return np.asarray(array)[tuple(slice(0, s) for s in shape)]
+def unpad(array, layout: tuple, values: dict, to: dict):
+    """The real elements of a padded array, as a host array."""
+    host = np.asarray(array)
+    real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
+    if real == padded:
+        return host
+    split = host.reshape([f for dim in padded for f in dim])
+    split = split[tuple(slice(0, f) for dim in real for f in dim)]
+    return split.reshape([math.prod(dim) for dim in real])

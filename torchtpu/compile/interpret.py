@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torchtpu.compile import dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch, meta, schema
@@ -180,15 +181,29 @@ class GraphFunction:
                           and s.node.args[0].op == "placeholder"]
 
     def run(self, arrays: tuple, constants: tuple, scalars: tuple, keys: tuple,
-            symbols: tuple) -> list:
-        """The graph's outputs from its tensor inputs (arrays) and non-tensor inputs (symbols)."""
+            symbols: tuple, plan: dynamic.Plan | None = None) -> list:
+        """The graph's outputs from its tensor inputs (arrays) and non-tensor inputs (symbols).
+
+        With a padding plan, arrays and symbols are at bucket sizes and the arrays end with the
+        real size of each of the plan's symbols.
+        """
+        real = ()
+        if plan is not None:
+            arrays, real = arrays[:len(arrays) - len(plan.order)], arrays[len(arrays) - len(
+                plan.order):]
         env: dict[fx.Node, Any] = {}
         tensors_in, symbols_in = iter(arrays), iter(symbols)
         for n, is_tensor in zip(self.placeholders, self.tensor_inputs, strict=True):
             env[n] = next(tensors_in) if is_tensor else next(symbols_in)
         env.update(zip(self.constants, constants, strict=True))
         pending = list(scalars)
+        run = _Step.run
+        if plan is not None:
+            padding = masking.Padding(
+                plan, dynamic.sizes_of(self.placeholders, [env[n] for n in self.placeholders]),
+                tuple(real))
+            run = padding.run
         for step in self.steps:
-            env[step.node] = step.run(env, keys, pending)
+            env[step.node] = run(step, env, keys, pending)
         outputs = [env[o] if isinstance(o, fx.Node) else o for o in self.output]
         return outputs + [env[node] for _, node in self.mutations]
