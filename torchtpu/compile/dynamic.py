@@ -286,7 +286,7 @@ def _masks(node: fx.Node, layouts: dict) -> list:
         _same([lay[0], layouts[args[1]][0]], f"{op} reduces")
         return [Mask(0, (0,), "zero"), Mask(1, (0,), args[4])]
     if op is aten.nll_loss_backward.default:
-        if _padded(lay, [len(lay) - 1]) and len(lay) > 1:
+        if _padded(layouts[args[1]], [len(layouts[args[1]]) - 1]):
             raise _Refused(f"{op} over a symbolic number of classes")
         return []
     if op is aten.embedding_dense_backward.default:
@@ -305,8 +305,8 @@ def _masks(node: fx.Node, layouts: dict) -> list:
             return []
         raise _Refused(f"{op} cuts a symbolic dim")
     if op in (aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default):
-        dim = args[1] if op is aten.select.int else (args[2] if len(args) > 2
-                                                     else node.kwargs.get("dim", 0))
+        at = 1 if op in (aten.select.int, aten.cat.default) else 2
+        dim = args[at] if len(args) > at else node.kwargs.get("dim", 0)
         t = _val(args[0][0]) if op is aten.cat.default else x
         if _symbolic(t.shape[dim % t.dim()]):
             raise _Refused(f"{op} along a symbolic dim")
