@@ -1,14 +1,13 @@
 """``torch.compile(backend="tpu")``: Dynamo + AOTAutograd graphs run as XLA programs.
 
-Importing this package registers the backend name "tpu" with Dynamo and the Dynamo device
-interface for "tpu". ``backend`` wires AOTAutograd, ``interpret`` turns one FX graph into one
-JAX function from the lowering table, ``graph_ops`` holds the graph forms of eager's device
-kernels (views, copies, allocation), ``options`` checks what the user passed.
+Importing this package arranges for "tpu" to be registered with Dynamo (``registration``) the
+moment Dynamo is first imported (``on_import``), so ``import torch`` stays free of Dynamo's import
+cost. ``backend`` wires AOTAutograd, ``interpret`` turns one FX graph into one JAX function from
+the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views, copies,
+allocation), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks what the user passed.
 """
 
-from torchtpu.compile import backend, device_interface
+from torchtpu.compile import registration
+from torchtpu.compile.on_import import after_import
 
-device_interface.register()
-backend.install_default_backend()
-
-__all__ = ["backend"]
+after_import("torch._dynamo", registration.register)

@@ -20,7 +20,6 @@ import torch
 import torch.fx as fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
-from torch._dynamo.backends.registry import register_backend
 
 from torchtpu import metrics
 from torchtpu.compile import dynamic
@@ -233,23 +232,6 @@ def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
     return compile_graph
 
 
-# The device runtime runs inside PyTorch's dispatcher, also when a compiled function falls back
-# to eager (a graph break): Dynamo must run those frames, never trace them as user code.
-_RUNTIME_PACKAGES = ("torchtpu.device", "torchtpu.eager", "torchtpu.lowering",
-                     "torchtpu.runtime", "torchtpu.compile", "torchtpu.metrics", "jax", "jaxlib")
-
-
-def _skip_runtime_frames() -> None:
-    from torch._dynamo import trace_rules
-
-    for name in _RUNTIME_PACKAGES:
-        trace_rules.add(name)
-
-
-_skip_runtime_frames()
-
-
-@register_backend(name="tpu")
 def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
                 options: dict | None = None) -> Callable:
     """``torch.compile(model, backend="tpu", options={...})``."""
@@ -264,22 +246,3 @@ def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = Non
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
 
-
-def _on_device(example_inputs: list) -> bool:
-    return any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs)
-
-
-def default_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = None,
-                    options: dict | None = None) -> Callable:
-    """``torch.compile`` without a backend: "tpu" for graphs on the device, else Inductor."""
-    if _on_device(example_inputs):
-        return tpu_backend(gm, example_inputs, mode=mode, options=options)
-    return torch._TorchCompileInductorWrapper(mode, options, None)(gm, example_inputs)
-
-
-def install_default_backend() -> None:
-    """Make a plain ``torch.compile(model)`` pick "tpu" when the model's inputs are on it."""
-    from torch._dynamo.backends import registry
-
-    if hasattr(registry, "set_default_backend"):  # torch >= 2.13
-        registry.set_default_backend(default_backend)
