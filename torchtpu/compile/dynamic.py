@@ -59,7 +59,9 @@ _POSITIONWISE = {
 _INDEXED = {aten.tril.default, aten.triu.default}  # position-wise for leading-block layouts
 _SYM_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv}
 # Symbolic-size arguments that only set a size (a slice end, arange length): buckets are right.
-_SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0)}
+_SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0),
+                   (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 10),
+                   (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 11)}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 
 # Reductions: (dims argument index or None for every dim, identity the padding is replaced by).
@@ -296,6 +298,8 @@ def _masks(node: fx.Node, layouts: dict) -> list:
         _same([lay[:len(ind)], ind], f"{op} scatters")
         dims = _padded(ind, range(len(ind)))
         return [Mask(0, dims, "zero"), Mask(1, dims, max(args[3], 0))] if dims else []
+    if op in _ATTENTION:
+        return _attention_masks(node, layouts)
     x = _val(args[0]) if args else None
     if op is aten.slice.Tensor:
         dim, start, end = (list(args[1:4]) + [0, None, None])[:3]
@@ -312,6 +316,30 @@ def _masks(node: fx.Node, layouts: dict) -> list:
             raise _Refused(f"{op} along a symbolic dim")
         return []
     raise _Refused(f"{op} is not known to be exact under padding")
+
+
+_ATTENTION = {
+    # (is_causal index, attn_bias index, masked args): causal attention needs only padded keys
+    # and values zeroed forward; backward also zeroes the padded query rows' inputs, which
+    # would otherwise reach real keys' gradients.
+    aten._scaled_dot_product_fused_attention_overrideable.default: (5, 3, (1, 2)),
+    aten._scaled_dot_product_fused_attention_overrideable_backward.default: (
+        13, 4, (0, 1, 2, 3, 6, 7)),
+}
+
+
+def _attention_masks(node: fx.Node, layouts: dict) -> list:
+    causal, bias, masked = _ATTENTION[node.target]
+    args = node.args
+    seq = [layouts[args[i]][2] for i in masked]
+    if not _padded((seq[0],), [0]):
+        return []
+    if not (len(args) > causal and args[causal] is True) or args[bias] is not None:
+        raise _Refused(f"{node.target} over a symbolic length is exact only causal, unbiased")
+    _same(seq, f"{node.target} attends")
+    if len(seq[0]) > 1:
+        raise _Refused(f"{node.target} over a merged dim")
+    return [Mask(i, (2,), "zero") for i in masked]
 
 
 def _numbers(node: fx.Node, traced: frozenset) -> tuple:
