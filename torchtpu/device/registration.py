@@ -95,6 +95,7 @@ def register() -> None:
         from torchtpu import lowering  # noqa: F401  (fills the lowering table)
         from torchtpu.device import autocast, kernels, loader, module, storage
         from torchtpu.eager import dispatch
+        from torchtpu.lowering import attention
 
         _setup_privateuseone_for_python_backend(
             "tpu", backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard()
@@ -102,6 +103,7 @@ def register() -> None:
         aten = torch.library.Library("aten", "IMPL")
         kernels.register(aten)
         dispatch.register_lowered_ops(aten)
+        attention.register(aten)
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)

@@ -85,7 +85,7 @@ def _is_leaf(d) -> bool:
 
 
 def _map(d, fn):
-    if d is None:
+    if d is None or type(d) is int:  # an int result has no dtype (see meta.describe)
         return None
     if _is_leaf(d):
         return fn(d)
@@ -139,6 +139,8 @@ def _dedupe_all(out, ids: set):
 def _wrap(arrays, result):
     if result is None or arrays is None:
         return None
+    if type(result) is int:
+        return result
     if _is_leaf(result):
         return tensors.wrap(arrays, result[1])
     return tuple(_wrap(a, r) for a, r in zip(arrays, result))

@@ -97,7 +97,8 @@ def describe(m):
         return (tuple(m.shape), m.dtype)
     if isinstance(m, (list, tuple)):
         return tuple(describe(x) for x in m)
-    return None
+    # An int result (a SymInt return, e.g. SDPA's max_q) is its value, known from the meta call.
+    return m if type(m) is int else None
 
 
 CACHE_LIMIT = 50_000

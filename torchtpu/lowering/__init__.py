@@ -1,6 +1,7 @@
 """ATen op -> JAX lowerings, one module per op family; importing this fills the table."""
 
 from torchtpu.lowering import (  # noqa: F401
+    attention,
     conv,
     elementwise,
     factory,

@@ -9,9 +9,8 @@ hardswish/hardsigmoid and their backwards, ``native_batch_norm`` (its decomposit
 running stats back with ``copy_``, which lands in the device storage), ``native_group_norm``,
 ``_fused_rms_norm``, the mse/bce/smooth_l1/huber losses. The ops every transformer step runs
 (softmax, GELU, layer norm, NLL loss) are lowered whole in ``layers`` for speed.
-``scaled_dot_product_attention`` on a tpu tensor takes the math path (no fused kernel is
-registered for PrivateUse1), which is CompositeImplicitAutograd and so reaches the device as
-bmm/softmax/where pieces.
+``scaled_dot_product_attention`` on a tpu tensor runs as one fused op forward and one backward
+(``attention``), except dropout and GQA, which take PyTorch's math path as bmm/softmax pieces.
 
 Lower an op here only when it has no decomposition, or its decomposition is wrong or measurably
 too slow. Backward lowerings follow PyTorch's formulas where they differ from the gradient of the
