@@ -18,6 +18,7 @@ import jax
 import numpy as np
 import torch
 import torch.fx as fx
+from jax._src.array import ArrayImpl
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
@@ -28,7 +29,7 @@ from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import dispatch, meta, schema
+from torchtpu.eager import meta, schema
 from torchtpu.lowering.registry import lookup
 
 log = logging.getLogger("torchtpu.compile")
@@ -78,6 +79,47 @@ def _describe(arrays) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
 
 
+def _whole_array(t: torch.Tensor):
+    """``tensors.read(t)``, without its general machinery when t is its storage's whole array.
+
+    Graph inputs are nearly always so (parameters, optimizer state, saved activations); this
+    check costs a fraction of the general read, which handles every other case.
+    """
+    # Only tpu storages carry an array.
+    array = getattr(t.untyped_storage(), "_tpu_array", None)
+    if type(array) is ArrayImpl and t.storage_offset() == 0 and t.is_contiguous() \
+            and not t.is_conj() and not t.is_neg():
+        aval = array.aval
+        if aval.shape == t.shape and aval.dtype == dtypes.to_jax(t.dtype):
+            return array
+    if t.device.type != "tpu":
+        raise meta.device_error(t)
+    return tensors.read(t)
+
+
+def _unshared(array, owned: set):
+    """array, or a copy of it if a storage already holds it; then counted as held."""
+    if id(array) in owned:
+        array = tensors.fresh_copy(array)
+    owned.add(id(array))
+    return array
+
+
+def _write_back(mutated: list, new_values: list) -> None:
+    """Each mutated input takes its new value: the ``tensors.write`` of each, inlined for the
+    usual tensor that covers its storage (an optimizer writes back every parameter and state)."""
+    for t, value in zip(mutated, new_values, strict=True):
+        if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
+            t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
+            continue
+        st = t.untyped_storage()
+        if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
+                and not t.is_neg() and t.numel() * t.element_size() == st.nbytes():
+            st._tpu_array = value
+        else:
+            tensors.write(t, value)
+
+
 class CompiledGraph:
     """One AOTAutograd graph: reads inputs, runs the cached XLA program, wraps outputs."""
 
@@ -94,6 +136,7 @@ class CompiledGraph:
                 n.meta.get("val"), torch.Tensor) else None
             for n in self.fn.output
         ]
+        self.size_outputs = [isinstance(_meta(n), torch.SymInt) for n in self.fn.output]
         self.programs: dict = {}
         traced = {step.node: getattr(step, "traced", frozenset()) for step in self.fn.steps}
         self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
@@ -111,13 +154,13 @@ class CompiledGraph:
         for a, is_tensor in zip(args, self.fn.tensor_inputs, strict=True):
             if not is_tensor:
                 symbols.append(int(a) if isinstance(a, torch.SymInt) else a)
-            elif a.device.type == "tpu":
-                arrays.append(tensors.read(a))
-            elif a.dim() == 0:
+            elif a.is_cpu:
+                if a.dim() != 0:
+                    raise meta.device_error(a)
                 # A NumPy scalar: jit transfers it in its fast path (jnp.asarray is ~15x slower).
                 arrays.append(np.asarray(a.item(), dtypes.to_jax(a.dtype)))
             else:
-                raise meta.device_error(a)
+                arrays.append(_whole_array(a))
         return arrays, symbols
 
     def _constants(self) -> tuple:
@@ -198,30 +241,24 @@ class CompiledGraph:
         keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
         program = self._program(arrays, constants, scalars, keys, symbols)
         outs = program(arrays, constants, scalars, keys)
+        # Every array a storage holds or is about to hold: a program may hand an input back, or
+        # one array twice, and storages never share one.
+        owned = {id(a) for a in arrays}
         if mutated:
-            outs, new_values = outs[:len(outs) - len(mutated)], outs[len(outs) - len(mutated):]
-            for t, value in zip(mutated, dispatch.dedupe(new_values, arrays), strict=True):
-                if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
-                    t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
-                else:
-                    tensors.write(t, value)
+            split = len(outs) - len(mutated)
+            outs, new_values = outs[:split], outs[split:]
+            _write_back(mutated, [_unshared(v, owned) for v in new_values])
         if values is not None:
             outs = self._unpad(outs, values)
-        # jax.jit returns a size output (a SymInt saved for backward) as an array; AOTAutograd
-        # wants a number.
-        outs = [int(o) if isinstance(_meta(n), torch.SymInt) and not isinstance(o, int) else o
-                for o, n in zip(outs, self.fn.output, strict=True)]
-        outs = dispatch.dedupe(outs, arrays)
-        wrapped, seen = [], set()
-        for o, dtype in zip(outs, self.out_dtypes, strict=True):
-            if dtype is None:
-                wrapped.append(o)
-                continue
-            # Two outputs may be one array (a graph returning x twice); storages never share one.
-            if id(o) in seen:
-                o = tensors.fresh_copy(o)
-            seen.add(id(o))
-            wrapped.append(tensors.wrap(o, dtype))
+        wrapped = []
+        for o, dtype, size in zip(outs, self.out_dtypes, self.size_outputs, strict=True):
+            if dtype is not None:
+                o = tensors.wrap(_unshared(o, owned), dtype)
+            elif size and not isinstance(o, int):
+                # jax.jit returns a size output (a SymInt saved for backward) as an array;
+                # AOTAutograd wants a number.
+                o = int(o)
+            wrapped.append(o)
         return wrapped
 
 
