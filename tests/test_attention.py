@@ -106,6 +106,11 @@ def test_gqa_takes_the_math_path():
     _check(lambda q, k, v: sdpa(q, k, v, enable_gqa=True), [q, k, v], fused=False)
 
 
+def test_float64_takes_the_math_path_at_full_precision():
+    _check(lambda q, k, v: sdpa(q, k, v, is_causal=True), _qkv(dtype=torch.float64),
+           fused=False, atol=1e-12, rtol=1e-12)
+
+
 def test_dropout_takes_the_math_path_without_fallback():
     q, k, v = to_device(_qkv(L=32, S=32))
     v = torch.ones_like(v, requires_grad=True)

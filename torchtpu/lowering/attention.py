@@ -9,9 +9,9 @@ the device (Autograd and plain PrivateUse1 keys): ``sdp_choice`` (also the devic
 overrideable backward; anything else runs PyTorch's own composite (math path, its checks and
 errors). Both overrideable ops are lowered here, so eager and compiled graphs share them.
 
-Numerics follow the math path: scores in float32 for every input dtype, a causal mask aligned
-top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is added, and a row
-with nothing left to attend to gives zeros (``_safe_softmax``), not NaN.
+Numerics follow the math path: scores in float32 (float64 inputs take the math path itself), a
+causal mask aligned top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is
+added, and a row with nothing left to attend to gives zeros (``_safe_softmax``), not NaN.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torchtpu.lowering.registry import lowers
 aten = torch.ops.aten
 _SDPBackend = torch._C._SDPBackend
 _HIGHEST = lax.Precision.HIGHEST
+_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------- lowerings
@@ -117,7 +118,8 @@ def sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     math_path = int(_SDPBackend.MATH)
     if dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
         return math_path
-    if not (query.dtype == key.dtype == value.dtype and query.is_floating_point()):
+    # float64 keeps the math path: the fused op's logsumexp is float32 by its schema's meta.
+    if not (query.dtype == key.dtype == value.dtype and query.dtype in _FUSED_DTYPES):
         return math_path
     n, h, L, e = query.shape
     if key.shape[:2] != (n, h) or value.shape[:3] != key.shape[:3] or key.shape[-1] != e:
