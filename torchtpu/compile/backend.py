@@ -5,12 +5,19 @@ apply (an op with a lowering stays whole, as in eager), and splits forward from 
 graph becomes a ``CompiledGraph``: tpu tensors are read as arrays, the ``interpret`` function of
 the graph runs under ``jax.jit``, and results are wrapped as new tpu tensors. AOTAutograd's own
 runtime writes input mutations (BatchNorm running stats, in-place updates) back with ``copy_``.
+
+Inputs the graph mutates are kept in the graph (``keep_inference_input_mutations``): their new
+values are extra outputs that the caller stores into the input storages. A mutated input whose
+old array nothing else can see again (the whole array of its storage, passed once, held by no one
+but that storage) is donated to the program, so XLA updates it in place and an optimizer step
+does not hold two copies of the model state.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import sys
 import time
 from collections.abc import Callable
 
@@ -94,7 +101,15 @@ def _whole_array(t: torch.Tensor):
             return array
     if t.device.type != "tpu":
         raise meta.device_error(t)
-    return tensors.read(t)
+    return _computed(tensors.read(t))
+
+
+def _computed(array):
+    """array, or the array of a value DeferAndFuse holds pending (flushing the recording): a
+    program takes arrays only, and JAX no longer converts other objects at its inputs."""
+    if isinstance(array, tensors.Deferred):
+        return array.__jax_array__()
+    return array
 
 
 def _unshared(array, owned: set):
@@ -103,6 +118,50 @@ def _unshared(array, owned: set):
         array = tensors.fresh_copy(array)
     owned.add(id(array))
     return array
+
+
+def _donatable(arrays: list, mutated_at: list, args: list) -> tuple:
+    """Positions (in arrays) of the mutated inputs whose old array is dead after the call.
+
+    Such an array is its storage's whole array (the write-back replaces it), appears once among
+    the inputs, and has no holder but that storage: not a pending value of DeferAndFuse or its
+    recording, not another storage. Anything else is not donated.
+    """
+    counts: dict = {}
+    for a in arrays:
+        counts[id(a)] = counts.get(id(a), 0) + 1
+    donate = []
+    for k, i in mutated_at:
+        a = arrays[k]
+        t = args[i]
+        if type(a) is not ArrayImpl or counts[id(a)] != 1 or t.is_cpu:
+            continue
+        if t.untyped_storage()._tpu_array is not a:
+            continue  # a view or reinterpretation: the storage keeps the old array
+        # References: the storage, the arrays list, a, and getrefcount's argument.
+        if sys.getrefcount(a) <= 4:
+            donate.append(k)
+    return tuple(donate)
+
+
+def _split(arrays: list, donate: tuple) -> tuple[tuple, tuple]:
+    """(the donated arrays, the others), each in input order."""
+    chosen = set(donate)
+    return (tuple(arrays[k] for k in donate),
+            tuple(a for k, a in enumerate(arrays) if k not in chosen))
+
+
+def _merging(run: Callable, donate: tuple) -> Callable:
+    """run, taking its arrays as (donated, kept): the donated ones form one argument that
+    ``jax.jit`` donates as a whole."""
+
+    def program(donated, kept, constants, scalars, keys):
+        arrays = list(kept)
+        for k, a in zip(donate, donated, strict=True):  # ascending positions
+            arrays.insert(k, a)
+        return run(arrays, constants, scalars, keys)
+
+    return program
 
 
 def _write_back(mutated: list, new_values: list) -> None:
@@ -148,6 +207,9 @@ class CompiledGraph:
                      kind, problem)
         self.tensor_metas = [n.meta["val"] for n, t in
                              zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if t]
+        # (position among the tensor inputs, position among all inputs) of each mutated input.
+        self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
+                           if self.fn.tensor_inputs[i]]
 
     def _read(self, args: list) -> tuple[list, list]:
         arrays, symbols = [], []
@@ -164,22 +226,24 @@ class CompiledGraph:
         return arrays, symbols
 
     def _constants(self) -> tuple:
-        return tuple(tensors.read(getattr(self.gm, n.target)) for n in self.fn.constants)
+        return tuple(_computed(tensors.read(getattr(self.gm, n.target)))
+                     for n in self.fn.constants)
 
-    def _program(self, arrays, constants, scalars, keys, symbols):
-        sig = (tuple((a.shape, a.dtype) for a in arrays), tuple(symbols))
+    def _program(self, arrays, constants, scalars, keys, symbols, donate: tuple):
+        # Donating other inputs is another program: XLA aliases them to outputs.
+        sig = (tuple((a.shape, a.dtype) for a in arrays), tuple(symbols), donate)
         program = self.programs.get(sig)
         if program is None:
-            program = self._compile(arrays, constants, scalars, keys, tuple(symbols))
+            program = self._compile(arrays, constants, scalars, keys, tuple(symbols), donate)
             self.programs[sig] = program
         return program
 
-    def _compile(self, arrays, constants, scalars, keys, symbols):
+    def _compile(self, arrays, constants, scalars, keys, symbols, donate: tuple):
         start = time.perf_counter()
         run = functools.partial(self.fn.run, symbols=symbols,
                                 plan=self.plan if self.padded else None)
-        jitted = jax.jit(run)
-        lowered = jitted.lower(arrays, constants, scalars, keys)
+        jitted = jax.jit(_merging(run, donate), donate_argnums=0)
+        lowered = jitted.lower(*_split(arrays, donate), constants, scalars, keys)
         if self.opts.debug_callback is not None:
             self.opts.debug_callback(self.gm, lowered.as_text())
         program = lowered.compile()
@@ -233,14 +297,20 @@ class CompiledGraph:
         mutated = [args[i] for i, _ in self.fn.mutations]
         arrays, symbols = self._read(args)
         values = None
+        donate = ()
         if self.padded:
+            # Padded inputs may be copies at bucket sizes: nothing is donated.
             arrays, symbols, values = self._pad(args, arrays, symbols)
+        elif self.mutated_at:
+            donate = _donatable(arrays, self.mutated_at, args)
         args.clear()
         constants = self._constants()
         scalars = tuple(self.fn.scalars)
         keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
-        program = self._program(arrays, constants, scalars, keys, symbols)
-        outs = program(arrays, constants, scalars, keys)
+        program = self._program(arrays, constants, scalars, keys, symbols, donate)
+        if donate:
+            metrics.count("compiled_donated_inputs", len(donate))
+        outs = program(*_split(arrays, donate), constants, scalars, keys)
         # Every array a storage holds or is about to hold: a program may hand an input back, or
         # one array twice, and storages never share one.
         owned = {id(a) for a in arrays}
