@@ -128,6 +128,12 @@ def _writer(g: Geometry):
     return jax.jit(functools.partial(write_view, g=g), donate_argnums=0)
 
 
+@functools.lru_cache(maxsize=1024)
+def _zeros(shape: tuple, dtype):
+    # Jitted: an eager jnp.zeros costs ~70 us, and every empty() that is then filled reads one.
+    return jax.jit(functools.partial(jnp.zeros, shape, dtype))
+
+
 def storage_array(t: torch.Tensor):
     """The array behind t's storage, materializing zeros for a never-written storage."""
     st = t.untyped_storage()
@@ -136,8 +142,7 @@ def storage_array(t: torch.Tensor):
         array = st._tpu_array = array.resolve()
     if array is None:
         if _covers_storage(t, st):
-            array = jnp.zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
-            st._tpu_array = array
+            array = st._tpu_array = call(_zeros(tuple(t.shape), dtypes.to_jax(t.dtype)))
         else:
             array = storages.zeros_for(st)
     return array
