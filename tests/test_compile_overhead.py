@@ -88,3 +88,28 @@ def test_outputs_of_one_value_own_separate_storages():
     assert_same(outs, f(x))
     outs[2].zero_()
     assert_same(outs[0], x * 3)
+
+
+def test_inputs_saved_for_backward_are_handed_back_not_copied(monkeypatch):
+    from torchtpu.compile import backend
+
+    graphs = []
+    original = backend.CompiledGraph.__init__
+
+    def spy(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        graphs.append(self)
+
+    monkeypatch.setattr(backend.CompiledGraph, "__init__", spy)
+
+    def f(w, x):
+        return (x @ w).tanh().sum()
+
+    w, x = torch.randn(3, 2, requires_grad=True), torch.randn(4, 3)
+    dev_w = w.detach().to("tpu").requires_grad_()
+    loss = torch.compile(f, backend="tpu")(dev_w, x.to("tpu"))
+    loss.backward()
+    f(w, x).backward()
+    assert_same(dev_w.grad, w.grad)
+    forward = next(g for g in graphs if g.kind == "forward")
+    assert forward.forwarded  # x (and w) saved for backward: outputs the program does not copy

@@ -151,15 +151,16 @@ def _split(arrays: list, donate: tuple) -> tuple[tuple, tuple]:
             tuple(a for k, a in enumerate(arrays) if k not in chosen))
 
 
-def _merging(run: Callable, donate: tuple) -> Callable:
+def _merging(run: Callable, donate: tuple, forwarded: frozenset) -> Callable:
     """run, taking its arrays as (donated, kept): the donated ones form one argument that
-    ``jax.jit`` donates as a whole."""
+    ``jax.jit`` donates as a whole; without the outputs the caller forwards from its inputs."""
 
     def program(donated, kept, constants, scalars, keys):
         arrays = list(kept)
         for k, a in zip(donate, donated, strict=True):  # ascending positions
             arrays.insert(k, a)
-        return run(arrays, constants, scalars, keys)
+        outs = run(arrays, constants, scalars, keys)
+        return [o for k, o in enumerate(outs) if k not in forwarded]
 
     return program
 
@@ -207,6 +208,15 @@ class CompiledGraph:
                      kind, problem)
         self.tensor_metas = [n.meta["val"] for n, t in
                              zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if t]
+        # Outputs that are unmutated tpu inputs (a forward graph's parameters and token ids
+        # saved for backward): the caller hands back the input tensor itself, as Inductor
+        # does, where the program would copy it.
+        mutated_inputs = {i for i, _ in self.fn.mutations}
+        self.forwarded = {} if self.padded else {
+            k: self.fn.placeholders.index(n) for k, n in enumerate(self.fn.output)
+            if isinstance(n, fx.Node) and n.op == "placeholder"
+            and isinstance(_meta(n), torch.Tensor) and _meta(n).device.type == "tpu"
+            and self.fn.placeholders.index(n) not in mutated_inputs}
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
@@ -242,7 +252,7 @@ class CompiledGraph:
         start = time.perf_counter()
         run = functools.partial(self.fn.run, symbols=symbols,
                                 plan=self.plan if self.padded else None)
-        jitted = jax.jit(_merging(run, donate), donate_argnums=0)
+        jitted = jax.jit(_merging(run, donate, frozenset(self.forwarded)), donate_argnums=0)
         lowered = jitted.lower(*_split(arrays, donate), constants, scalars, keys)
         if self.opts.debug_callback is not None:
             self.opts.debug_callback(self.gm, lowered.as_text())
@@ -295,6 +305,7 @@ class CompiledGraph:
 
     def __call__(self, args: list) -> list:
         mutated = [args[i] for i, _ in self.fn.mutations]
+        forwarded = {k: args[i] for k, i in self.forwarded.items()}
         arrays, symbols = self._read(args)
         values = None
         donate = ()
@@ -320,8 +331,16 @@ class CompiledGraph:
             _write_back(mutated, [_unshared(v, owned) for v in new_values])
         if values is not None:
             outs = self._unpad(outs, values)
+        if forwarded:
+            outs = list(outs)
+            for k in sorted(forwarded):
+                outs.insert(k, forwarded[k])
         wrapped = []
-        for o, dtype, size in zip(outs, self.out_dtypes, self.size_outputs, strict=True):
+        for k, (o, dtype, size) in enumerate(zip(outs, self.out_dtypes, self.size_outputs,
+                                                 strict=True)):
+            if k in forwarded:  # the input tensor itself
+                wrapped.append(o)
+                continue
             if dtype is not None:
                 o = tensors.wrap(_unshared(o, owned), dtype)
             elif size and not isinstance(o, int):
