@@ -140,6 +140,20 @@ def test_in_place_update_of_an_input_is_written_back():
     assert_same(xd, x)
 
 
+def test_mutation_through_an_aliased_input_is_seen_by_the_other():
+    # AOTAutograd turns it into as_strided_scatter on the shared base.
+    def fn(a, b):
+        b.mul_(3)
+        return a + 1
+
+    x = torch.arange(12.0).reshape(3, 4)
+    xd = x.to("tpu")
+    out = torch.compile(fn, backend="tpu", fullgraph=True)(xd, xd[1:, ::2])
+    expected = fn(x, x[1:, ::2])
+    assert_same(out, expected)
+    assert_same(xd, x)
+
+
 def test_training_step_with_optimizer_matches_cpu():
     cpu = _mlp()
     dev = _to_tpu(cpu)

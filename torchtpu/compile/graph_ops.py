@@ -18,7 +18,7 @@ import torch
 from jax import lax
 
 from torchtpu.device import dtypes
-from torchtpu.device.views import Geometry, read_view
+from torchtpu.device.views import Geometry, read_view, write_view
 
 aten = torch.ops.aten
 
@@ -130,6 +130,14 @@ def as_strided(x, size, stride, storage_offset=None):
     g = Geometry(tuple(x.shape), x.dtype, tuple(size), tuple(stride), storage_offset or 0,
                  x.dtype)
     return read_view(x, g)
+
+
+@_graph_op(aten.as_strided_scatter.default)
+def as_strided_scatter(x, src, size, stride, storage_offset=None):
+    # AOTAutograd's form of a mutation through an aliased input; x is read as in as_strided.
+    g = Geometry(tuple(x.shape), x.dtype, tuple(size), tuple(stride), storage_offset or 0,
+                 x.dtype)
+    return write_view(x, src.astype(x.dtype), g)
 
 
 @_graph_op(aten.view.dtype)
