@@ -38,6 +38,11 @@ def test_mixed_devices_raise_like_cuda():
         a + torch.ones(3)
     # A 0-dim CPU tensor is a scalar, as on CUDA.
     torch.testing.assert_close((a + torch.tensor(2.0)).cpu(), torch.full((3,), 2.0))
+    # Also inside a foreach op's list (a compiled optimizer's eager fallback passes such lists).
+    out = torch._foreach_mul([a, a[:2]], [torch.tensor(2.0), torch.tensor(3)])
+    torch.testing.assert_close([o.cpu() for o in out], [torch.zeros(3), torch.zeros(2)])
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch._foreach_mul([a], [torch.ones(3)])
 
 
 # An op with a CPU kernel and no tpu lowering or decomposition: what the CPU fallback serves.

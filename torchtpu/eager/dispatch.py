@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import threading
 
+import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
@@ -71,10 +72,16 @@ def dynamic_values(values: list, entries: tuple) -> tuple:
             dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
         elif kind == TENSORS:
             for x in v:
-                if x is not None:
-                    if x.is_cpu:
-                        raise meta.device_error(x)
+                if x is None:
+                    continue
+                if not x.is_cpu:
                     dyn.append(tensors.read(x))
+                elif x.dim() == 0:
+                    # A CPU scalar tensor in a list (``_foreach_mul(ts, cpu_scalars)``) is allowed,
+                    # as alone; a NumPy scalar, which the program call transfers.
+                    dyn.append(np.asarray(x.item(), dtypes.to_jax(x.dtype)))
+                else:
+                    raise meta.device_error(x)
         elif kind == KEY:
             dyn.append(key_data_for(v))
     return tuple(dyn)
