@@ -202,6 +202,9 @@ class CompiledGraph:
         self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
         problem = self.plan if isinstance(self.plan, str) else None
         self.padded = problem is None
+        # Each symbol's size at the first call, and the symbols seen at another size since.
+        self.first_sizes: dict = {}
+        self.varying: set = set()
         self.exact_dynamic = problem not in (None, dynamic.NO_SYMBOLS)
         if self.exact_dynamic:
             log.info("torchtpu.compile: %s graph with symbolic sizes compiles per exact shape: %s",
@@ -267,13 +270,22 @@ class CompiledGraph:
         return program
 
     def _buckets(self, values: dict) -> dict:
+        """Each symbol's padded size: its bucket once it has varied between calls, else its
+        size. Under ``dynamic=True`` every dim is a symbol, the batch too; padding a dim that
+        never changes (a batch of 8 to 128 rows) would only multiply the work."""
         return {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
-                for s, v in values.items()}
+                if s in self.varying else v for s, v in values.items()}
+
+    def _note_sizes(self, values: dict) -> None:
+        for s, v in values.items():
+            if self.first_sizes.setdefault(s, v) != v:
+                self.varying.add(s)
 
     def _pad(self, args: list, arrays: list, symbols: list) -> tuple[list, list, dict]:
         """Inputs laid out at their size buckets, then the real size of each symbol (int32
         scalars the program reads); symbols at bucket values; the real sizes."""
         values = dynamic.sizes_of(self.fn.placeholders, args)
+        self._note_sizes(values)
         to = self._buckets(values)
         padded = []
         tensor_nodes = [n for n, t in zip(self.fn.placeholders, self.fn.tensor_inputs,

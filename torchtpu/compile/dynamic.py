@@ -27,8 +27,11 @@ cuts it, cat along it, a symbol as a fill value, an unknown op) is compiled per 
 instead, which ``backend`` counts and logs.
 
 Buckets are ``bucket_size * 2**i`` for ``i < num_dynamic_buckets``; larger sizes round up to a
-multiple of the largest bucket. Padding and slicing happen on the host: a device pad or slice
-would itself be one XLA program per size, which is what bucketing avoids.
+multiple of the largest bucket. Only symbols whose size has varied between calls of a graph are
+padded (``backend``): the first call runs at its own sizes, and a dim that never changes (the
+batch, when ``dynamic=True`` makes every dim a symbol) keeps its size. Padding and slicing
+happen on the host: a device pad or slice would itself be one XLA program per size, which is
+what bucketing avoids.
 """
 
 from __future__ import annotations
