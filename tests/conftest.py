@@ -1,4 +1,4 @@
-"""Test settings: no silent CPU fallback, and a fixed seed per test."""
+"""Test settings: no silent CPU fallback, a fixed seed per test, and ``fresh_dynamo``."""
 
 import os
 
@@ -14,3 +14,12 @@ import torchtpu  # noqa: E402, F401
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo's caches emptied around a test: graphs cached for another test's model would
+    change what gets compiled (and counted) here."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

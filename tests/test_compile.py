@@ -10,12 +10,7 @@ from torch import nn
 import torchtpu
 from torchtpu.testing.compare import assert_same, to_device
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 

@@ -19,11 +19,7 @@ from torchtpu.testing.models import TinyGPT
 OPTIONS = {"bucket_size": 16, "num_dynamic_buckets": 2}
 
 
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    # Graphs Dynamo cached for another test's model would change what gets compiled here.
-    torch._dynamo.reset()
-    yield
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _count(name: str) -> int:

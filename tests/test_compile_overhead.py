@@ -9,12 +9,7 @@ import torch
 
 from torchtpu.testing.compare import assert_same
 
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 def _compiled(fn):
