@@ -3,8 +3,7 @@
 Dynamo captures a graph; AOTAutograd functionalizes it, applies the decompositions eager would
 apply (an op with a lowering stays whole, as in eager), and splits forward from backward. Each
 graph becomes a ``CompiledGraph``: tpu tensors are read as arrays, the ``interpret`` function of
-the graph runs under ``jax.jit``, and results are wrapped as new tpu tensors. AOTAutograd's own
-runtime writes input mutations (BatchNorm running stats, in-place updates) back with ``copy_``.
+the graph runs under ``jax.jit``, and results are wrapped as new tpu tensors.
 
 Inputs the graph mutates are kept in the graph (``keep_inference_input_mutations``): their new
 values are extra outputs that the caller stores into the input storages. A mutated input whose
@@ -166,16 +165,10 @@ def _merging(run: Callable, donate: tuple, forwarded: frozenset) -> Callable:
 
 
 def _write_back(mutated: list, new_values: list) -> None:
-    """Each mutated input takes its new value: the ``tensors.write`` of each, inlined for the
-    usual tensor that covers its storage (an optimizer writes back every parameter and state)."""
+    """Each mutated input takes its new value (an optimizer's parameters and state)."""
     for t, value in zip(mutated, new_values, strict=True):
         if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
             t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
-            continue
-        st = t.untyped_storage()
-        if t.storage_offset() == 0 and t.is_contiguous() and not t.is_conj() \
-                and not t.is_neg() and t.numel() * t.element_size() == st.nbytes():
-            st._tpu_array = value
         else:
             tensors.write(t, value)
 
