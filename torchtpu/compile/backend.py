@@ -285,8 +285,7 @@ class CompiledGraph:
                                           strict=True) if t]
         for a, n in zip(arrays, tensor_nodes, strict=True):
             host = dynamic.pad(a, self.plan.layouts[n], values, to)
-            padded.append(a if host.shape == a.shape else
-                          jax.device_put(host, next(iter(a.devices()))))
+            padded.append(a if host is a else jax.device_put(host, next(iter(a.devices()))))
         padded += [np.asarray(values[s], np.int32) for s in self.plan.order]
         syms = [n.meta["val"] for n, t in
                 zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if not t]
@@ -299,9 +298,8 @@ class CompiledGraph:
         for o, n in zip(outs, self.fn.output, strict=True):
             val = n.meta.get("val") if isinstance(n, fx.Node) else None
             if isinstance(val, torch.Tensor):
-                shape = tuple(int(dynamic.evaluate(d, values)) for d in val.shape)
-                if o.shape != shape:
-                    host = dynamic.unpad(o, self.plan.layouts[n], values, to)
+                host = dynamic.unpad(o, self.plan.layouts[n], values, to)
+                if host is not o:
                     o = jax.device_put(host, next(iter(o.devices())))
             elif isinstance(val, torch.SymInt):
                 o = dynamic.real_value(val, values)

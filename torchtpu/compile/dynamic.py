@@ -471,11 +471,12 @@ def _factor_sizes(layout: tuple, values: dict) -> list:
 
 
 def pad(array, layout: tuple, values: dict, to: dict):
-    """The real host array laid out at the bucket sizes (zeros in padding), as a host array."""
-    host = np.asarray(array)
+    """array laid out at the bucket sizes (zeros in padding) as a host array; array itself
+    when no dim of it is padded (never a round trip through the host for nothing)."""
     real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
     if real == padded:
-        return host
+        return array
+    host = np.asarray(array)
     flat_real = [f for dim in real for f in dim]
     flat_pad = [f for dim in padded for f in dim]
     split = host.reshape(flat_real)
@@ -484,11 +485,12 @@ def pad(array, layout: tuple, values: dict, to: dict):
 
 
 def unpad(array, layout: tuple, values: dict, to: dict):
-    """The real elements of a padded array, as a host array."""
-    host = np.asarray(array)
+    """The real elements of a padded array as a host array; array itself when nothing is
+    padded."""
     real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
     if real == padded:
-        return host
+        return array
+    host = np.asarray(array)
     split = host.reshape([f for dim in padded for f in dim])
     split = split[tuple(slice(0, f) for dim in real for f in dim)]
     return split.reshape([math.prod(dim) for dim in real])
