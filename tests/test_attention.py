@@ -111,26 +111,122 @@ def test_float64_takes_the_math_path_at_full_precision():
            fused=False, atol=1e-12, rtol=1e-12)
 
 
-def test_dropout_takes_the_math_path_without_fallback():
-    q, k, v = to_device(_qkv(L=32, S=32))
-    v = torch.ones_like(v, requires_grad=True)
+def _fused_dropout_run(fn, inputs, seed=0, seed_with=torch.tpu.manual_seed):
+    """fn on tpu after seed_with(seed): output and gradients (see _run), checking that the fused
+    ops ran without the math path's pieces or a CPU fallback."""
     before = torchtpu.metrics.snapshot()["cpu_fallbacks"]
-    with _OpLog() as log:
-        out = sdpa(q, k, v, dropout_p=0.5)
-        out.sum().backward()
-    assert FUSED not in log.ops and aten.bmm.default in log.ops
+    seed_with(seed)
+    out, grads, ops = _run(fn, inputs, "tpu")
+    assert FUSED in ops and FUSED_BACKWARD in ops
+    assert aten.bmm.default not in ops and aten._safe_softmax.default not in ops
     assert torchtpu.metrics.snapshot()["cpu_fallbacks"] == before
-    # With v = 1 each output is (kept probability mass) / (1 - p): 2 when all kept, 0 when none;
-    # dropout must have dropped some but not all of it.
-    row = out[..., 0].cpu()
-    assert torch.isfinite(row).all() and row.min() < 1.5 and row.max() > 0.5
-    assert all(torch.isfinite(x.grad.cpu()).all() for x in (q, k, v))
+    return out, grads
+
+
+def test_dropout_is_fused_and_keeps_one_minus_p_of_the_mass():
+    p = 0.25
+    q, k, _ = _qkv(L=64, S=64)
+    v = torch.ones(2, 2, 64, 1, requires_grad=True)
+    out, grads = _fused_dropout_run(lambda q, k, v: sdpa(q, k, v, dropout_p=p), [q, k, v])
+    # With v = 1 each output is the row's kept probability mass / (1 - p): 1 on average.
+    rows = out.detach().cpu().flatten()
+    assert abs(rows.mean().item() - 1.0) < 0.05
+    assert rows.min() < 0.95 and rows.max() > 1.05  # dropped some, not nothing
+    assert all(torch.isfinite(g.cpu()).all() for g in grads)
+
+
+def test_dropout_keeps_uniform_probabilities_at_0_or_1_over_keep():
+    # q = k = 0: every probability is 1/S; v = one-hot per key puts each of them in its own
+    # column, so out * S is the dropout factor, 0 or 1 / (1 - p), at a rate close to 1 - p.
+    p, S = 0.5, 32
+    q, k = torch.zeros(2, 2, 16, 8), torch.zeros(2, 2, S, 8)
+    v = torch.eye(S).expand(2, 2, S, S).requires_grad_()
+    out, _ = _fused_dropout_run(lambda q, k, v: sdpa(q, k, v, dropout_p=p), [q, k, v])
+    factor = out.detach().cpu() * S
+    kept = factor > 1.0
+    assert_same(factor, kept.float() / (1 - p), atol=1e-5, rtol=1e-5)
+    assert 0.4 < kept.float().mean().item() < 0.6
+
+
+def _reveal_mask_values(S: int, ev: int = 3) -> torch.Tensor:
+    """v = [one-hot per key | random]: out[..., :S] is p * mask, nonzero where kept."""
+    return torch.cat([torch.eye(S).expand(2, 2, S, S), torch.randn(2, 2, S, ev)], -1)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["float_mask", "causal"])
+def test_dropout_gradients_match_a_reference_with_the_same_mask(causal):
+    """Backward regenerates the forward's mask: the gradients equal PyTorch's math path run on
+    CPU with the mask the forward used (read from out, where v puts each probability alone)."""
+    p, S = 0.3, 6
+    q, k, _ = _qkv(S=S)
+    v = _reveal_mask_values(S).requires_grad_()
+    if causal:
+        inputs, kwargs = [q, k, v], dict(is_causal=True)
+        fn = lambda q, k, v: sdpa(q, k, v, dropout_p=p, is_causal=True)  # noqa: E731
+    else:
+        inputs, kwargs = [q, k, v, torch.randn(2, 1, 4, S, requires_grad=True)], {}
+        fn = lambda q, k, v, m: sdpa(q, k, v, attn_mask=m, dropout_p=p)  # noqa: E731
+    out, grads = _fused_dropout_run(fn, inputs)
+    mask = out.detach().cpu()[..., :S] > 0
+    assert 0 < mask.float().mean() < 1
+
+    def reference(q, k, v, m=None):
+        return aten._scaled_dot_product_attention_math(q, k, v, m, p, dropout_mask=mask,
+                                                        **kwargs)[0]
+
+    expected, expected_grads, _ = _run(reference, inputs, "cpu")
+    assert_same(out, expected, atol=1e-5, rtol=1e-5)
+    assert_same(grads, expected_grads, atol=1e-5, rtol=1e-5)
+
+
+def _dropout_out_and_grads(seed: int, seed_with=torch.tpu.manual_seed):
+    torch.manual_seed(0)  # the same inputs every time
+    inputs = _qkv(L=8, S=16)
+    return _fused_dropout_run(lambda q, k, v: sdpa(q, k, v, dropout_p=0.5), inputs, seed,
+                              seed_with)
+
+
+def test_dropout_repeats_for_a_seed():
+    out, grads = _dropout_out_and_grads(seed=1)
+    again, again_grads = _dropout_out_and_grads(seed=1, seed_with=torch.manual_seed)
+    other, _ = _dropout_out_and_grads(seed=2)
+    assert_same(again, out, atol=0, rtol=0)
+    assert_same(again_grads, grads, atol=0, rtol=0)
+    assert not torch.equal(other.cpu(), out.cpu())
+
+
+@pytest.mark.parametrize("mode", [torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+                                  torch.tpu.EagerMode.DEFER_AND_FUSE])
+def test_dropout_is_the_same_in_every_eager_mode(mode):
+    out, grads = _dropout_out_and_grads(seed=3)
+    with torch.tpu.set_eager_mode(mode):
+        out_mode, grads_mode = _dropout_out_and_grads(seed=3)
+    assert_same(out_mode, out, atol=0, rtol=0)
+    assert_same(grads_mode, grads, atol=0, rtol=0)
+
+
+def test_dropout_compiled_forward_and_backward_match_eager(compiled_graphs):
+    """The compiled backward graph gets the forward graph's key (philox_seed) and redraws the
+    forward's mask; the forward is not recomputed there with a fresh key."""
+    torch.manual_seed(0)
+    inputs = _qkv(L=8, S=16)
+    fn = lambda q, k, v: sdpa(q, k, v, dropout_p=0.5)  # noqa: E731
+    out, grads = _fused_dropout_run(fn, inputs, seed=4)
+    torch.manual_seed(4)
+    compiled, compiled_grads, _ = _run(torch.compile(fn, backend="tpu"), inputs, "tpu", log=False)
+    assert_same(compiled, out, atol=1e-6, rtol=1e-6)
+    assert_same(compiled_grads, grads, atol=1e-6, rtol=1e-6)
+    _fused_forward_then_backward(compiled_graphs)
+
+
+def test_dropout_p_1_drops_everything_like_pytorch():
+    _check(lambda q, k, v: sdpa(q, k, v, dropout_p=1.0), _qkv(), atol=0, rtol=0)
 
 
 def test_choice_kernel():
     q, k, v = (x.detach() for x in to_device(_qkv(S=4)))
     assert aten._fused_sdp_choice(q, k, v) == int(torch._C._SDPBackend.OVERRIDEABLE)
-    assert aten._fused_sdp_choice(q, k, v, None, 0.1) == int(torch._C._SDPBackend.MATH)
+    assert aten._fused_sdp_choice(q, k, v, None, 0.1) == int(torch._C._SDPBackend.OVERRIDEABLE)
     assert aten._fused_sdp_choice(q[0], k[0], v[0]) == int(torch._C._SDPBackend.MATH)
 
 
@@ -159,7 +255,9 @@ def test_autocast_runs_fused_in_bfloat16():
     assert_same(out.float(), sdpa(q, k, v), atol=2e-2, rtol=2e-2)
 
 
-def test_compiled_forward_and_backward(monkeypatch):
+@pytest.fixture
+def compiled_graphs(monkeypatch):
+    """The op targets of each graph the tpu compile backend gets, in order."""
     graphs = []
     original = backend.CompiledGraph.__init__
 
@@ -169,14 +267,22 @@ def test_compiled_forward_and_backward(monkeypatch):
 
     monkeypatch.setattr(backend.CompiledGraph, "__init__", spy)
     torch._dynamo.reset()
+    yield graphs
+    torch._dynamo.reset()
+
+
+def _fused_forward_then_backward(graphs) -> None:
+    assert [FUSED in g for g in graphs] == [True, False]
+    assert [FUSED_BACKWARD in g for g in graphs] == [False, True]
+
+
+def test_compiled_forward_and_backward(compiled_graphs):
     mask = torch.randn(4, 6, requires_grad=True)
     fn = torch.compile(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), backend="tpu")
     inputs = [*_qkv(), mask]
     out, grads, _ = _run(fn, inputs, "tpu", log=False)
     expected, expected_grads, _ = _run(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), inputs,
                                        "cpu")
-    torch._dynamo.reset()
     assert_same(out, expected, atol=1e-5, rtol=1e-5)
     assert_same(grads, expected_grads, atol=1e-5, rtol=1e-5)
-    assert [FUSED in g for g in graphs] == [True, False]
-    assert [FUSED_BACKWARD in g for g in graphs] == [False, True]
+    _fused_forward_then_backward(compiled_graphs)

@@ -12,12 +12,21 @@ errors). Both overrideable ops are lowered here, so eager and compiled graphs sh
 Numerics follow the math path: scores in float32 (float64 inputs take the math path itself), a
 causal mask aligned top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is
 added, and a row with nothing left to attend to gives zeros (``_safe_softmax``), not NaN.
+
+Dropout (``dropout_p > 0``) drops attention probabilities after the softmax, keeping each with
+probability ``1 - p`` and scaling kept ones by ``1 / (1 - p)``. Its mask comes from the default
+device generator (a ``random=True`` lowering), so a seed replays it in every executor. The
+forward returns the key it used, packed bit for bit into ``philox_seed`` (``philox_offset`` is
+0), and the backward draws the same mask again from it: no mask is stored, and both ops stay pure
+functions of their inputs, so AOTAutograd hands the key from the compiled forward to the compiled
+backward like any saved tensor.
 """
 
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -56,18 +65,45 @@ def _probabilities(s, lse):
     return jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None])
 
 
-@lowers(aten._scaled_dot_product_fused_attention_overrideable.default)
-def sdpa_forward(q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
+def _pack_key(key):
+    """A PRNG key's two uint32 words as one int64, bit for bit (the philox_seed tensor)."""
+    lo, hi = jax.random.key_data(key).astype(jnp.uint64)
+    return lax.bitcast_convert_type((hi << 32) | lo, jnp.int64)
+
+
+def _unpack_key(seed):
+    """The key _pack_key packed into seed."""
+    bits = lax.bitcast_convert_type(seed, jnp.uint64)
+    words = jnp.stack([bits & 0xFFFFFFFF, bits >> 32]).astype(jnp.uint32)
+    return jax.random.wrap_key_data(words, impl="threefry2x32")
+
+
+def _dropout_scale(key, shape: tuple, dropout_p: float):
+    """Per-probability factors: 1 / (1 - p) where kept (probability 1 - p), 0 where dropped."""
+    keep = 1.0 - dropout_p
+    if keep == 0.0:
+        return jnp.zeros(shape, jnp.float32)
+    kept = jax.random.uniform(key, shape, jnp.float32) < keep
+    return jnp.where(kept, jnp.float32(1.0 / keep), jnp.float32(0.0))
+
+
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
     s, _ = _scores(q, k, attn_bias, is_causal, scale)
     m = s.max(-1)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     lse = m + jnp.log(jnp.exp(s - m[..., None]).sum(-1))
-    out = _mm("nhls,nhsv->nhlv", _probabilities(s, lse), v.astype(jnp.float32))
-    seed = jnp.zeros((), jnp.int64)
+    p = _probabilities(s, lse)
+    # The key travels to backward as philox_seed (the offset stays 0): backward rebuilds it and
+    # draws the same mask, so no mask is stored and the op stays a pure function of its inputs.
+    seed = _pack_key(key) if dropout_p > 0.0 else jnp.zeros((), jnp.int64)
+    if dropout_p > 0.0:
+        p = p * _dropout_scale(key, p.shape, dropout_p)
+    out = _mm("nhls,nhsv->nhlv", p, v.astype(jnp.float32))
     # cum_seq_q/k and the debug mask are undefined (no nested tensors, no debug mask); max_q and
     # max_k are the sequence lengths.
-    return out, lse, None, None, q.shape[-2], k.shape[-2], seed, seed, None
+    return out, lse, None, None, q.shape[-2], k.shape[-2], seed, jnp.zeros((), jnp.int64), None
 
 
 def _sum_to(x, shape: tuple):
@@ -85,8 +121,13 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_s
     p = _probabilities(s, lse)
     g = grad_out.astype(jnp.float32)
     dp = _mm("nhlv,nhsv->nhls", g, v.astype(jnp.float32))
+    if dropout_p > 0.0:
+        drop = _dropout_scale(_unpack_key(philox_seed), p.shape, dropout_p)
+        dp = dp * drop
     # d(softmax): rowsum(p * dp) equals rowsum(grad_out * out), without out's rounding.
     ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    if dropout_p > 0.0:
+        p = p * drop  # what multiplied v in forward
     want_q, want_k, want_v, want_bias = grad_input_mask
     dq = _mm("nhls,nhse->nhle", ds, k.astype(jnp.float32)) * scale if want_q else None
     dk = _mm("nhls,nhle->nhse", ds, q.astype(jnp.float32)) * scale if want_k else None
@@ -111,12 +152,11 @@ def sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     """OVERRIDEABLE where the fused lowering computes what the math path would, else MATH.
 
     MATH also gets every call PyTorch would reject (mismatched dtypes or shapes), so its own
-    composite raises its own errors. Dropout goes to MATH: its mask must be the one backward
-    sees, which the math path keeps for us.
+    composite raises its own errors.
     """
     fused = int(_SDPBackend.OVERRIDEABLE)
     math_path = int(_SDPBackend.MATH)
-    if dropout_p > 0.0 or any(t.dim() != 4 for t in (query, key, value)):
+    if any(t.dim() != 4 for t in (query, key, value)):
         return math_path
     # float64 keeps the math path: the fused op's logsumexp is float32 by its schema's meta.
     if not (query.dtype == key.dtype == value.dtype and query.dtype in _FUSED_DTYPES):
