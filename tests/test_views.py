@@ -143,3 +143,20 @@ def test_lazy_conjugate_and_negative_views_read_and_write_like_cpu():
     torch.testing.assert_close(dev.cpu(), host)
     neg = torch._neg_view(torch.arange(3.0).to("tpu"))
     torch.testing.assert_close((neg + 1).cpu(), torch._neg_view(torch.arange(3.0)) + 1)
+
+
+@pytest.mark.parametrize("mode", ["DEFER_NEVER", "DEFER_AND_FUSE"])
+def test_a_view_operand_is_read_inside_the_op_program(monkeypatch, mode):
+    # Strided, offset and reshaped operands reach the op's program as their storage's array:
+    # no separate program call reads the view first.
+    from torchtpu.device import tensors
+
+    calls = []
+    real_call = tensors.call
+    monkeypatch.setattr(tensors, "call", lambda fn, *a: calls.append(fn) or real_call(fn, *a))
+    a, b = torch.randn(6, 4), torch.randn(8, 5)
+    ad, bd = to_device((a, b))
+    with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
+        out = ad[1:5].t() @ bd[::2] + ad.view(4, 6)[:, 2, None]
+        assert calls == []
+        assert_same(out, a[1:5].t() @ b[::2] + a.view(4, 6)[:, 2, None])

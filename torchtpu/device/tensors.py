@@ -162,19 +162,35 @@ def _apply_lazy_bits(t: torch.Tensor, value):
     return value
 
 
-def read(t: torch.Tensor) -> jax.Array:
-    """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
+def _parts(t: torch.Tensor) -> tuple:
     array = storage_array(t)
-    if not (
+    if (
         array.shape == t.shape
         and t.storage_offset() == 0
         and t.is_contiguous()
         and array.dtype == dtypes.to_jax(t.dtype)
     ):
-        array = call(_reader(_geometry(t, array)), array)
+        return array, None
+    return array, _geometry(t, array)
+
+
+def read(t: torch.Tensor) -> jax.Array:
+    """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
+    array, g = _parts(t)
+    if g is not None:
+        array = call(_reader(g), array)
     if t.is_conj() or t.is_neg():
         array = _apply_lazy_bits(t, array)
     return array
+
+
+def read_parts(t: torch.Tensor) -> tuple:
+    """(array, geometry): t's value is ``read_view(array, geometry)``, or array itself when the
+    geometry is None. A program that takes t can read the view itself, inside its own
+    computation, instead of a separate program call reading it first."""
+    if t.is_conj() or t.is_neg():
+        return read(t), None
+    return _parts(t)
 
 
 def write(t: torch.Tensor, value: jax.Array) -> None:

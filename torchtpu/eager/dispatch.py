@@ -23,7 +23,7 @@ from torch._decomp import decomposition_table
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, fallback, meta, schema
-from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec
+from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
@@ -62,12 +62,17 @@ def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     return tuple(entries)
 
 
-def dynamic_values(values: list, entries: tuple) -> tuple:
-    """The traced values of bound arguments, in the order the spec consumes them."""
-    dyn = []
-    for (kind, _), v in zip(entries, values):
+def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
+    """The traced values of bound arguments, in the order the spec consumes them, and the views
+    among them (``program.with_views``): a view's storage array goes to the program, which
+    reads the view itself rather than a program call of its own doing it first."""
+    dyn, views = [], []
+    for i, ((kind, _), v) in enumerate(zip(entries, values)):
         if kind == TENSOR:
-            dyn.append(tensors.read(v))
+            array, g = tensors.read_parts(v)
+            dyn.append(array)
+            if g is not None:
+                views.append((i, g))
         elif kind == SCALAR:
             dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
         elif kind == TENSORS:
@@ -84,7 +89,7 @@ def dynamic_values(values: list, entries: tuple) -> tuple:
                     raise meta.device_error(x)
         elif kind == KEY:
             dyn.append(key_data_for(v))
-    return tuple(dyn)
+    return tuple(dyn), tuple(views)
 
 
 def _is_leaf(d) -> bool:
@@ -124,7 +129,9 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
 
 def compute(lowering: Lowering, spec: Spec, values: list):
     """Run lowering on bound values through the current executor; returns arrays."""
-    dyn = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    if views:
+        spec = with_views(spec, views)
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)
 
 
@@ -171,7 +178,9 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
     """Run a call whose result shape depends on values, on concrete arrays."""
     spec = Spec(entries_of(oi, values, lowering), None, None, None)
-    dyn = dynamic_values(values, spec.entries)
+    dyn, views = dynamic_values(values, spec.entries)
+    if views:
+        spec = with_views(spec, views)
     out = dedupe(executor.current().run_concrete(lowering, spec, dyn), dyn)
     if isinstance(out, (tuple, list)):
         return tuple(tensors.wrap(o) for o in out)

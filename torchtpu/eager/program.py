@@ -13,10 +13,11 @@ from typing import Any
 import jax
 
 from torchtpu.device import dtypes
+from torchtpu.device.views import read_view
 from torchtpu.lowering.registry import Lowering
 
 # Spec entries, one per bound argument.
-TENSOR = "t"       # one array
+TENSOR = "t"       # one array; payload: None, or the view Geometry to read it through
 TENSORS = "l"      # a list of arrays/None: payload says, per element, whether it is None
 SCALAR = "s"       # a traced Python number
 KEY = "k"          # PRNG key data -> a JAX key
@@ -80,6 +81,8 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
     for kind, payload in spec.entries:
         if kind == TENSOR:
             v = next(it)
+            if payload is not None:
+                v = read_view(v, payload)
             if promote_to is not None and v.dtype != promote_to:
                 v = v.astype(promote_to)
             args.append(v)
@@ -92,6 +95,23 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
         else:
             args.append(payload)
     return args
+
+
+_with_views: dict = {}
+
+
+def with_views(spec: Spec, views: tuple) -> Spec:
+    """spec with the tensor arguments at the given entry positions read through a view Geometry
+    (``((entry index, geometry), ...)``) inside the program."""
+    key = (spec, views)
+    derived = _with_views.get(key)
+    if derived is None:
+        entries = list(spec.entries)
+        for i, g in views:
+            entries[i] = (TENSOR, g)
+        derived = Spec(tuple(entries), spec.compute, spec.final, spec.promote)
+        _with_views[key] = derived
+    return derived
 
 
 @functools.cache
