@@ -186,6 +186,18 @@ def _dropout_out_and_grads(seed: int, seed_with=torch.tpu.manual_seed):
                               seed_with)
 
 
+def test_attention_without_dropout_leaves_the_generator_alone():
+    q, k, v = to_device(_qkv())
+    torch.manual_seed(3)
+    expected = torch.rand(5, device="tpu").cpu()
+    torch.manual_seed(3)
+    sdpa(q, k, v, is_causal=True).square().sum().backward()
+    assert torch.equal(torch.rand(5, device="tpu").cpu(), expected)
+    torch.manual_seed(3)
+    sdpa(q, k, v, dropout_p=0.3)
+    assert not torch.equal(torch.rand(5, device="tpu").cpu(), expected)
+
+
 def test_dropout_repeats_for_a_seed():
     out, grads = _dropout_out_and_grads(seed=1)
     again, again_grads = _dropout_out_and_grads(seed=1, seed_with=torch.manual_seed)

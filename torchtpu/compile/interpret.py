@@ -102,7 +102,9 @@ class _Step:
             self.promote = meta.common_dtype([_promotion_stand_in(v) for v in self.values])
         # One PRNG key per random draw, in graph order, like one per op call in eager.
         self.key_slots = []
-        for _ in range(int(self.lowering.random) + int(self.oi.generator_index >= 0)):
+        self.draws_key = bool(self.lowering.random) and self.lowering.draws_key(
+            fx.node.map_arg(self.values, _val))
+        for _ in range(int(self.draws_key) + int(self.oi.generator_index >= 0)):
             self.key_slots.append(len(key_slots))
             key_slots.append(node)
 
@@ -123,10 +125,12 @@ class _Step:
     def _split(self, env: dict, keys: tuple, scalars: list):
         """Eager's split (``dispatch.entries_of``, ``dynamic_values``) over graph values."""
         entries, dyn = [], []
-        if self.lowering.random:
+        if self.draws_key:
             # No Generator argument: a leading key from the default device generator, as in eager.
             entries.append((KEY, None))
             dyn.append(keys[self.key_slots[0]])
+        elif self.lowering.random:
+            entries.append((CONST, None))  # a call that draws no key gets None, as in eager
         oi = self.oi
         for i, v in enumerate(self.values):
             if isinstance(v, fx.Node) and _is_tensor_val(_val(v)):

@@ -119,8 +119,9 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
         promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
         if lowering.random:
-            # No Generator argument: a leading key from the default device generator.
-            entries = ((KEY, None), *entries)
+            # No Generator argument: a leading key from the default device generator, or None
+            # for a call that draws none.
+            entries = ((KEY if lowering.draws_key(values) else CONST, None), *entries)
         spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
         hit = (result, spec)
         meta.bounded_put(_plans, key, hit)

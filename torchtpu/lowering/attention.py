@@ -15,7 +15,8 @@ added, and a row with nothing left to attend to gives zeros (``_safe_softmax``),
 
 Dropout (``dropout_p > 0``) drops attention probabilities after the softmax, keeping each with
 probability ``1 - p`` and scaling kept ones by ``1 / (1 - p)``. Its mask comes from the default
-device generator (a ``random=True`` lowering), so a seed replays it in every executor. The
+device generator (a lowering that draws a key only for calls with dropout), so a seed replays
+it in every executor, and attention without dropout leaves the generator where it was. The
 forward returns the key it used, packed bit for bit into ``philox_seed`` (``philox_offset`` is
 0), and the backward draws the same mask again from it: no mask is stored, and both ops stay pure
 functions of their inputs, so AOTAutograd hands the key from the compiled forward to the compiled
@@ -87,7 +88,13 @@ def _dropout_scale(key, shape: tuple, dropout_p: float):
     return jnp.where(kept, jnp.float32(1.0 / keep), jnp.float32(0.0))
 
 
-@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=True)
+def _has_dropout(q, k, v, attn_bias=None, dropout_p=0.0, *_, **__) -> bool:
+    return dropout_p > 0.0
+
+
+# Only a call with dropout draws a key: without it the device generator does not advance, as
+# with PyTorch's own fused kernels.
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout)
 def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
     s, _ = _scores(q, k, attn_bias, is_causal, scale)

@@ -19,7 +19,10 @@ Policy that many ops share is declared here instead of repeated in each lowering
   so ``x[idx]`` with integer indices stays an ordinary, recordable op and only masks are run
   concretely.
 - ``random``: the lowering takes a PRNG key as its first argument, drawn from the device
-  generator by the executor.
+  generator by the executor. A predicate instead of ``True`` draws the key only for the calls it
+  accepts (SDPA draws one only with dropout); it gets the bound arguments like
+  ``data_dependent_shape``, may look only at arguments that are not traced (a plan is cached per
+  call signature), and for the other calls the lowering gets None as its key.
 """
 
 from __future__ import annotations
@@ -40,12 +43,17 @@ class Lowering:
     promote: str | None = None
     static_scalars: bool = False
     data_dependent_shape: bool | Callable = False
-    random: bool = False
+    random: bool | Callable = False
     traced: tuple = ()
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
         rule = self.data_dependent_shape
+        return bool(rule(*values)) if callable(rule) else rule
+
+    def draws_key(self, values) -> bool:
+        """Whether this call draws a PRNG key from the device generator (see the module doc)."""
+        rule = self.random
         return bool(rule(*values)) if callable(rule) else rule
 
 
@@ -64,7 +72,7 @@ def _overloads(target) -> list[OpOverload]:
 
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
-           data_dependent_shape: bool | Callable = False, random: bool = False,
+           data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
            traced: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
