@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtpu
+from torchtpu.compile import backend
 from torchtpu.testing.compare import assert_same, to_device
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -299,7 +300,7 @@ def test_plain_torch_compile_picks_tpu_for_device_inputs():
     torch.testing.assert_close(out.cpu(), cpu_model(x), atol=1e-5, rtol=1e-5)
 
 
-def test_compiled_adamw_steps_match_cpu_eager():
+def test_compiled_adamw_steps_match_cpu_eager(monkeypatch):
     # AdamW keeps its step counts in CPU tensors that the compiled step mutates.
     torch.manual_seed(0)
     cpu_model = nn.Sequential(nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 2))
@@ -315,6 +316,11 @@ def test_compiled_adamw_steps_match_cpu_eager():
         return loss
 
     compiled = torch.compile(step, backend="tpu")
+    host_reads = []
+    real_write_back = backend._write_back
+    monkeypatch.setattr(backend, "_write_back", lambda mutated, values: host_reads.extend(
+        t for t, v in zip(mutated, values) if t.is_cpu and not isinstance(v, torch.Tensor))
+        or real_write_back(mutated, values))
     for _ in range(4):
         x = torch.randn(4, 6)
         expected = step(cpu_model, cpu_opt, x)
@@ -322,3 +328,7 @@ def test_compiled_adamw_steps_match_cpu_eager():
         torch.testing.assert_close(actual.cpu(), expected, atol=1e-5, rtol=1e-5)
     for p, q in zip(dev_model.parameters(), cpu_model.parameters()):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+        assert dev_opt.state[p]["step"].is_cpu
+        assert dev_opt.state[p]["step"].item() == cpu_opt.state[q]["step"].item() == 4
+    # The step counts are computed on the host: none waits for the program's copy of it.
+    assert host_reads == []

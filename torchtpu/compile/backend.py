@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import operator
 import sys
 import time
 from collections.abc import Callable
@@ -167,10 +168,46 @@ def _merging(run: Callable, donate: tuple, forwarded: frozenset) -> Callable:
 def _write_back(mutated: list, new_values: list) -> None:
     """Each mutated input takes its new value (an optimizer's parameters and state)."""
     for t, value in zip(mutated, new_values, strict=True):
-        if t.is_cpu:  # a CPU scalar input (an optimizer's step count)
+        if isinstance(value, torch.Tensor):  # computed on the host (see _host_cones)
+            t.copy_(value)
+        elif t.is_cpu:  # a CPU scalar input the program computed: reading it waits for it
             t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
         else:
             tensors.write(t, value)
+
+
+def _on_cpu(n) -> bool:
+    """Whether node n's value is a CPU tensor, or a list of them (a foreach op's)."""
+    v = _meta(n)
+    values = v if isinstance(v, (list, tuple)) and v else [v]
+    return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in values)
+
+
+def _host_cones(fn: GraphFunction) -> dict:
+    """{mutation index: its new value's node} for the mutated CPU inputs (an optimizer's step
+    counts) whose new value comes from CPU tensors alone: PyTorch computes those on the host,
+    so writing them back does not wait for the program to finish."""
+    def host_only(n) -> bool:
+        if n.op == "placeholder":
+            return _on_cpu(n)
+        target = n.target
+        deterministic = target is operator.getitem or (
+            isinstance(target, torch._ops.OpOverload)
+            and torch.Tag.nondeterministic_seeded not in target.tags)
+        return (n.op == "call_function" and deterministic and _on_cpu(n)
+                and all(host_only(a) for a in n.all_input_nodes))
+
+    return {k: node.args[1] for k, (i, node) in enumerate(fn.mutations)
+            if _on_cpu(fn.placeholders[i]) and host_only(node.args[1])}
+
+
+def _host_value(n, env: dict):
+    """Node n evaluated with PyTorch on the CPU tensors env gives its placeholders."""
+    if n not in env:
+        args = fx.node.map_arg(n.args, lambda a: _host_value(a, env))
+        kwargs = fx.node.map_arg(n.kwargs, lambda a: _host_value(a, env))
+        env[n] = n.target(*args, **kwargs)
+    return env[n]
 
 
 class CompiledGraph:
@@ -213,6 +250,7 @@ class CompiledGraph:
             if isinstance(n, fx.Node) and n.op == "placeholder"
             and isinstance(_meta(n), torch.Tensor) and _meta(n).device.type == "tpu"
             and self.fn.placeholders.index(n) not in mutated_inputs}
+        self.host_cones = _host_cones(self.fn)
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
@@ -309,6 +347,10 @@ class CompiledGraph:
     def __call__(self, args: list) -> list:
         mutated = [args[i] for i, _ in self.fn.mutations]
         forwarded = {k: args[i] for k, i in self.forwarded.items()}
+        on_host = {}
+        if self.host_cones:
+            env = {n: a for n, a in zip(self.fn.placeholders, args, strict=True) if _on_cpu(n)}
+            on_host = {k: _host_value(node, env) for k, node in self.host_cones.items()}
         arrays, symbols = self._read(args)
         values = None
         donate = ()
@@ -331,7 +373,8 @@ class CompiledGraph:
         if mutated:
             split = len(outs) - len(mutated)
             outs, new_values = outs[:split], outs[split:]
-            _write_back(mutated, [_unshared(v, owned) for v in new_values])
+            _write_back(mutated, [on_host[k] if k in on_host else _unshared(v, owned)
+                                  for k, v in enumerate(new_values)])
         if values is not None:
             outs = self._unpad(outs, values)
         if forwarded:
