@@ -158,5 +158,10 @@ def test_a_view_operand_is_read_inside_the_op_program(monkeypatch, mode):
     ad, bd = to_device((a, b))
     with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):
         out = ad[1:5].t() @ bd[::2] + ad.view(4, 6)[:, 2, None]
+        # Tensor lists too (cat, foreach ops).
+        joined = torch.cat([ad[1:3], bd.t()[:2, :4]])
+        summed = torch._foreach_add([ad.t(), bd[2:4]], 1.0)
         assert calls == []
         assert_same(out, a[1:5].t() @ b[::2] + a.view(4, 6)[:, 2, None])
+        assert_same(joined, torch.cat([a[1:3], b.t()[:2, :4]]))
+        assert_same(summed, torch._foreach_add([a.t(), b[2:4]], 1.0))

@@ -72,15 +72,18 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
             array, g = tensors.read_parts(v)
             dyn.append(array)
             if g is not None:
-                views.append((i, g))
+                views.append((i, None, g))
         elif kind == SCALAR:
             dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
         elif kind == TENSORS:
-            for x in v:
+            for j, x in enumerate(v):
                 if x is None:
                     continue
                 if not x.is_cpu:
-                    dyn.append(tensors.read(x))
+                    array, g = tensors.read_parts(x)
+                    dyn.append(array)
+                    if g is not None:
+                        views.append((i, j, g))
                 elif x.dim() == 0:
                     # A CPU scalar tensor in a list (``_foreach_mul(ts, cpu_scalars)``) is allowed,
                     # as alone; a NumPy scalar, which the program call transfers.

@@ -18,7 +18,8 @@ from torchtpu.lowering.registry import Lowering
 
 # Spec entries, one per bound argument.
 TENSOR = "t"       # one array; payload: None, or the view Geometry to read it through
-TENSORS = "l"      # a list of arrays/None: payload says, per element, whether it is None
+TENSORS = "l"      # a list of arrays/None: payload, per element: True (None), False (an
+                   # array) or the view Geometry to read the array through
 SCALAR = "s"       # a traced Python number
 KEY = "k"          # PRNG key data -> a JAX key
 CONST = "c"        # baked-in constant: payload is the value
@@ -87,7 +88,14 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
                 v = v.astype(promote_to)
             args.append(v)
         elif kind == TENSORS:
-            args.append([None if missing else next(it) for missing in payload])
+            items = []
+            for element in payload:
+                if element is True:
+                    items.append(None)
+                else:
+                    v = next(it)
+                    items.append(v if element is False else read_view(v, element))
+            args.append(items)
         elif kind == SCALAR:
             args.append(next(it))
         elif kind == KEY:
@@ -98,18 +106,26 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
 
 
 _with_views: dict = {}
+_WITH_VIEWS_LIMIT = 50_000
 
 
 def with_views(spec: Spec, views: tuple) -> Spec:
-    """spec with the tensor arguments at the given entry positions read through a view Geometry
-    (``((entry index, geometry), ...)``) inside the program."""
+    """spec with tensor arguments read through a view Geometry inside the program: ``views``
+    holds ``(entry index, list position or None, geometry)`` for each."""
     key = (spec, views)
     derived = _with_views.get(key)
     if derived is None:
-        entries = list(spec.entries)
-        for i, g in views:
-            entries[i] = (TENSOR, g)
-        derived = Spec(tuple(entries), spec.compute, spec.final, spec.promote)
+        entries = [list(e) for e in spec.entries]
+        for i, j, g in views:
+            if j is None:
+                entries[i][1] = g
+            else:
+                payload = list(entries[i][1])
+                payload[j] = g
+                entries[i][1] = tuple(payload)
+        derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
+        if len(_with_views) >= _WITH_VIEWS_LIMIT:  # rare: many distinct view geometries
+            _with_views.clear()
         _with_views[key] = derived
     return derived
 
