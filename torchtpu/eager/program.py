@@ -14,6 +14,7 @@ import jax
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import read_view
+from torchtpu.eager.meta import bounded_put
 from torchtpu.lowering.registry import Lowering
 
 # Spec entries, one per bound argument.
@@ -106,7 +107,6 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
 
 
 _with_views: dict = {}
-_WITH_VIEWS_LIMIT = 50_000
 
 
 def with_views(spec: Spec, views: tuple) -> Spec:
@@ -124,9 +124,7 @@ def with_views(spec: Spec, views: tuple) -> Spec:
                 payload[j] = g
                 entries[i][1] = tuple(payload)
         derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
-        if len(_with_views) >= _WITH_VIEWS_LIMIT:  # rare: many distinct view geometries
-            _with_views.clear()
-        _with_views[key] = derived
+        bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
     return derived
 
 
