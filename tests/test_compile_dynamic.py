@@ -118,3 +118,31 @@ def test_reduction_that_cannot_be_masked_falls_back_to_exact_shapes():
         x = torch.randn(3, t)
         assert_same(compiled(x.to("tpu")), fn(x), atol=1e-5, rtol=1e-5)
     assert _count("dynamic_exact_shape_compiles") - before >= 2
+
+
+@pytest.mark.parametrize("bool_mask", [True, False], ids=["bool", "additive"])
+def test_attention_with_a_padding_mask_runs_padded(bool_mask):
+    # An encoder's attention: not causal, keys masked by a per-sequence padding mask.
+    def attend(q, k, v, mask):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    compiled = torch.compile(attend, backend="tpu", dynamic=True, options=OPTIONS)
+    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
+    for t in (5, 9, 12):
+        q, k, v = (torch.randn(2, 2, t, 8, requires_grad=True) for _ in range(3))
+        keep = torch.rand(2, 1, 1, t) > 0.3
+        keep[..., 0] = True
+        mask = keep if bool_mask else torch.where(keep, 0.0, -1e9).requires_grad_()
+        inputs = [q, k, v, mask]
+        dev = [x.detach().to("tpu").requires_grad_(x.requires_grad) for x in inputs]
+        out = compiled(*dev)
+        out.square().sum().backward()
+        expected = attend(*inputs)
+        expected.square().sum().backward()
+        assert_same(out, expected, atol=1e-5, rtol=1e-5)
+        for d, c in zip(dev, inputs, strict=True):
+            if c.requires_grad:
+                assert_same(d.grad, c.grad, atol=1e-5, rtol=1e-4)
+    assert _count("dynamic_exact_shape_compiles") == exact
+    # Forward and backward at the first call's sizes, then at bucket 16.
+    assert _count("compiled_graphs") - programs == 4

@@ -18,7 +18,9 @@ whether that gives exactly the unpadded results, and what the program must mask:
   iota-against-real-size mask (``masking``): reductions with their identity (0 for sum, -inf for
   amax/softmax/logsumexp, True for all...), contractions (mm, bmm, addmm) with 0 on both operands,
   mean divides by the real count, nll_loss ignores padded rows through ``ignore_index``, and the
-  backward ops of softmax, log_softmax, layer norm and embedding are masked likewise.
+  backward ops of softmax, log_softmax, layer norm and embedding are masked likewise. Fused
+  attention runs padded when it is causal or has an attention mask (whose padded key columns
+  become "never attend"); padded keys and values are zeroed.
 - A symbolic size used as a number (a traced scalar argument) sees the real size; shapes see the
   bucket.
 
@@ -322,9 +324,11 @@ def _masks(node: fx.Node, layouts: dict) -> list:
 
 
 _ATTENTION = {
-    # (is_causal index, attn_bias index, masked args): causal attention needs only padded keys
-    # and values zeroed forward; backward also zeroes the padded query rows' inputs, which
-    # would otherwise reach real keys' gradients.
+    # (is_causal index, attn_bias index, masked args): padded keys and values are zeroed
+    # forward; backward also zeroes the padded query rows' inputs, which would otherwise reach
+    # real keys' gradients. What keeps real queries off padded keys is causality (a padded key
+    # comes after every real query) or the attention mask, whose padded key columns are set to
+    # "never attend" (False, or -inf for an additive mask).
     aten._scaled_dot_product_fused_attention_overrideable.default: (5, 3, (1, 2)),
     aten._scaled_dot_product_fused_attention_overrideable_backward.default: (
         13, 4, (0, 1, 2, 3, 6, 7)),
@@ -337,12 +341,20 @@ def _attention_masks(node: fx.Node, layouts: dict) -> list:
     seq = [layouts[args[i]][2] for i in masked]
     if not _padded((seq[0],), [0]):
         return []
-    if not (len(args) > causal and args[causal] is True) or args[bias] is not None:
-        raise _Refused(f"{node.target} over a symbolic length is exact only causal, unbiased")
     _same(seq, f"{node.target} attends")
     if len(seq[0]) > 1:
         raise _Refused(f"{node.target} over a merged dim")
-    return [Mask(i, (2,), "zero") for i in masked]
+    masks = [Mask(i, (2,), "zero") for i in masked]
+    mask = args[bias] if len(args) > bias else None
+    if isinstance(mask, fx.Node):
+        key_dim = _val(mask).dim() - 1
+        if layouts[mask][key_dim] != seq[0]:
+            raise _Refused(f"{node.target}: the attention mask's key dim is not the keys'")
+        never = "false" if _val(mask).dtype == torch.bool else "lowest"
+        return [*masks, Mask(bias, (key_dim,), never)]
+    if len(args) > causal and args[causal] is True:
+        return masks
+    raise _Refused(f"{node.target} over a symbolic length without a causal or attention mask")
 
 
 def _numbers(node: fx.Node, traced: frozenset) -> tuple:
