@@ -146,3 +146,51 @@ def test_attention_with_a_padding_mask_runs_padded(bool_mask):
     assert _count("dynamic_exact_shape_compiles") == exact
     # Forward and backward at the first call's sizes, then at bucket 16.
     assert _count("compiled_graphs") - programs == 4
+
+
+def _reads(x, positions):
+    # gather and integer-tensor indexing along the padded dim, a select from its start.
+    table = torch.arange(64.0, device=x.device).reshape(2, 32)
+    return (x.gather(1, positions) * 2, table[:, positions[0]] + x[:, :1], x[:, 0] + 1)
+
+
+def test_gather_index_and_select_from_the_start_run_padded():
+    compiled = torch.compile(_reads, backend="tpu", dynamic=True, options=OPTIONS)
+    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
+    for t in (5, 9, 12):
+        x, positions = torch.randn(2, t), torch.randint(t, (2, t))
+        dev = compiled(x.to("tpu"), positions.to("tpu"))
+        assert_same(dev, _reads(x, positions))
+    assert _count("dynamic_exact_shape_compiles") == exact
+    assert _count("compiled_graphs") - programs == 2
+
+
+def test_select_from_the_end_falls_back_and_stays_right():
+    compiled = torch.compile(lambda x: x[:, -1] * 2, backend="tpu", dynamic=True,
+                             options=OPTIONS)
+    before = _count("dynamic_exact_shape_compiles")
+    for t in (5, 9, 12):
+        x = torch.randn(2, t)
+        assert_same(compiled(x.to("tpu")), x[:, -1] * 2)
+    assert _count("dynamic_exact_shape_compiles") - before >= 2
+
+
+def test_hugging_face_bert_with_padding_masks_runs_padded():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa")
+    cpu = transformers.BertModel(config).eval()
+    compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu", dynamic=True,
+                             options=OPTIONS)
+    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
+    with torch.no_grad():
+        for t in (5, 9, 12, 14):
+            ids, mask = torch.randint(50, (2, t)), torch.ones(2, t, dtype=torch.long)
+            mask[1, t // 2:] = 0
+            out = compiled(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"))
+            expected = cpu(input_ids=ids, attention_mask=mask)
+            assert_same(out.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
+            assert_same(out.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+    assert _count("dynamic_exact_shape_compiles") == exact
+    assert _count("compiled_graphs") - programs == 2  # the first call's sizes, then bucket 16

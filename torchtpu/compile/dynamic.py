@@ -24,9 +24,13 @@ whether that gives exactly the unpadded results, and what the program must mask:
 - A symbolic size used as a number (a traced scalar argument) sees the real size; shapes see the
   bucket.
 
+Reads that only look at real positions need nothing either: ``gather`` and integer-tensor
+indexing (padded index positions give padded outputs), a ``select`` or a fixed slice counted
+from the start (``x[:, 0]``, ``x[:, :1]``; Dynamo guards that they fit the real size).
+
 A graph with anything else on a symbolic dim (a normalization or variance over it, a slice that
-cuts it, cat along it, a symbol as a fill value, an unknown op) is compiled per exact shape
-instead, which ``backend`` counts and logs.
+cuts it elsewhere, ``x[:, -1]``, cat along it, a symbol as a fill value, an unknown op) is
+compiled per exact shape instead, which ``backend`` counts and logs.
 
 Buckets are ``bucket_size * 2**i`` for ``i < num_dynamic_buckets``; larger sizes round up to a
 multiple of the largest bucket. Only symbols whose size has varied between calls of a graph are
@@ -305,6 +309,20 @@ def _masks(node: fx.Node, layouts: dict) -> list:
         return [Mask(0, dims, "zero"), Mask(1, dims, max(args[3], 0))] if dims else []
     if op in _ATTENTION:
         return _attention_masks(node, layouts)
+    if op is aten.gather.default:
+        # Each output position reads where its index points: padded index positions give
+        # padded outputs, and real indices point at real input positions.
+        dim, index = args[1] % max(len(lay), 1), layouts[args[2]]
+        others = [d for d in range(len(lay)) if d != dim]
+        if _padded(lay, others) or _padded(index, others):
+            _same([tuple(lay[d] for d in others), tuple(index[d] for d in others)],
+                  f"{op} reads")
+        return []
+    if op is aten.index.Tensor:
+        # The same for advanced indexing with integer index tensors (masks are data-dependent).
+        if any(isinstance(i, fx.Node) and _val(i).dtype == torch.bool for i in args[1]):
+            raise _Refused(f"{op} with a boolean mask")
+        return []
     x = _val(args[0]) if args else None
     if op is aten.slice.Tensor:
         dim, start, end = (list(args[1:4]) + [0, None, None])[:3]
@@ -312,7 +330,15 @@ def _masks(node: fx.Node, layouts: dict) -> list:
         if not _symbolic(n) or ((start or 0) == 0 and (end is None or _val(end) is n or (
                 isinstance(end, int) and end >= 2**62))):
             return []
+        start = start or 0
+        if isinstance(start, int) and isinstance(end, int) and 0 <= start <= end \
+                and not _symbolic(_val(node).shape[dim]):
+            return []  # a fixed block from the start (x[:, :1]): real positions, as guarded
         raise _Refused(f"{op} cuts a symbolic dim")
+    if op is aten.select.int and isinstance(args[2], int) and args[2] >= 0:
+        # A position counted from the start is real (Dynamo guards that it is below the size);
+        # one counted from the end (-1) would land in the padding.
+        return []
     if op in (aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default):
         at = 1 if op in (aten.select.int, aten.cat.default) else 2
         dim = args[at] if len(args) > at else node.kwargs.get("dim", 0)
