@@ -165,14 +165,19 @@ def test_gather_index_and_select_from_the_start_run_padded():
     assert _count("compiled_graphs") - programs == 2
 
 
-def test_select_from_the_end_falls_back_and_stays_right():
-    compiled = torch.compile(lambda x: x[:, -1] * 2, backend="tpu", dynamic=True,
-                             options=OPTIONS)
-    before = _count("dynamic_exact_shape_compiles")
+def _last(x):
+    # An LM's next-token logits (x[:, -1]) and a trailing window, counted from the real end.
+    return x[:, -1] * 2, x[:, -3:] + 1
+
+
+def test_positions_counted_from_the_end_run_padded():
+    compiled = torch.compile(_last, backend="tpu", dynamic=True, options=OPTIONS)
+    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
     for t in (5, 9, 12):
-        x = torch.randn(2, t)
-        assert_same(compiled(x.to("tpu")), x[:, -1] * 2)
-    assert _count("dynamic_exact_shape_compiles") - before >= 2
+        x = torch.randn(2, t, 4)
+        assert_same(compiled(x.to("tpu")), _last(x))
+    assert _count("dynamic_exact_shape_compiles") == exact
+    assert _count("compiled_graphs") - programs == 2
 
 
 def test_hugging_face_bert_with_padding_masks_runs_padded():

@@ -26,11 +26,13 @@ whether that gives exactly the unpadded results, and what the program must mask:
 
 Reads that only look at real positions need nothing either: ``gather`` and integer-tensor
 indexing (padded index positions give padded outputs), a ``select`` or a fixed slice counted
-from the start (``x[:, 0]``, ``x[:, :1]``; Dynamo guards that they fit the real size).
+from the start (``x[:, 0]``, ``x[:, :1]``; Dynamo guards that they fit the real size). Counted
+from the end (``x[:, -1]``, ``x[:, -3:]``), the input is first rolled so that its real elements
+end where the padded dim ends.
 
 A graph with anything else on a symbolic dim (a normalization or variance over it, a slice that
-cuts it elsewhere, ``x[:, -1]``, cat along it, a symbol as a fill value, an unknown op) is
-compiled per exact shape instead, which ``backend`` counts and logs.
+cuts it elsewhere, cat along it, a symbol as a fill value, an unknown op) is compiled per exact
+shape instead, which ``backend`` counts and logs.
 
 Buckets are ``bucket_size * 2**i`` for ``i < num_dynamic_buckets``; larger sizes round up to a
 multiple of the largest bucket. Only symbols whose size has varied between calls of a graph are
@@ -334,11 +336,14 @@ def _masks(node: fx.Node, layouts: dict) -> list:
         if isinstance(start, int) and isinstance(end, int) and 0 <= start <= end \
                 and not _symbolic(_val(node).shape[dim]):
             return []  # a fixed block from the start (x[:, :1]): real positions, as guarded
+        if isinstance(start, int) and start < 0 and (end is None or (
+                isinstance(end, int) and end >= 2**62)):
+            return _from_end(node, lay, dim)  # the last positions (x[:, -3:])
         raise _Refused(f"{op} cuts a symbolic dim")
-    if op is aten.select.int and isinstance(args[2], int) and args[2] >= 0:
+    if op is aten.select.int and isinstance(args[2], int):
         # A position counted from the start is real (Dynamo guards that it is below the size);
-        # one counted from the end (-1) would land in the padding.
-        return []
+        # one counted from the end (x[:, -1]) reads the real end once that is moved to the end.
+        return [] if args[2] >= 0 else _from_end(node, lay, args[1])
     if op in (aten.select.int, aten.split.Tensor, aten.split_with_sizes.default, aten.cat.default):
         at = 1 if op in (aten.select.int, aten.cat.default) else 2
         dim = args[at] if len(args) > at else node.kwargs.get("dim", 0)
@@ -381,6 +386,17 @@ def _attention_masks(node: fx.Node, layouts: dict) -> list:
     if len(args) > causal and args[causal] is True:
         return masks
     raise _Refused(f"{node.target} over a symbolic length without a causal or attention mask")
+
+
+def _from_end(node: fx.Node, layout: tuple, dim: int) -> list:
+    """Positions counted from the end of a padded dim: the input is rolled so that its real
+    elements end where the padded dim ends."""
+    dim %= len(layout)
+    if not _padded(layout, [dim]):
+        return []
+    if len(layout[dim]) > 1:
+        raise _Refused(f"{node.target} counts from the end of a merged dim")
+    return [Mask(0, (dim,), "end")]
 
 
 def _numbers(node: fx.Node, traced: frozenset) -> tuple:

@@ -66,6 +66,11 @@ class Padding:
         for m in masks:
             arg = node.args[m.arg]
             x = env[arg]
+            if m.fill == "end":  # real elements moved to the end, for positions counted from it
+                (d,) = m.dims
+                (f,) = self.plan.layouts[arg][d]
+                local[arg] = jnp.roll(x, self.to[f] - self.real[f], axis=d)
+                continue
             keep = self.keep(x.shape, self.plan.layouts[arg], m.dims)
             local[arg] = jnp.where(keep, x, _fill(m.fill, x.dtype))
         for n in numbers:
