@@ -199,3 +199,23 @@ def test_hugging_face_bert_with_padding_masks_runs_padded():
             assert_same(out.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
     assert _count("dynamic_exact_shape_compiles") == exact
     assert _count("compiled_graphs") - programs == 2  # the first call's sizes, then bucket 16
+
+
+def test_hugging_face_gpt2_runs_padded():
+    # Its graph also holds ops Dynamo adds after decomposition (true_divide, convert_element_type
+    # from symbolic float arithmetic turned into tensor ops).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=64, attn_implementation="sdpa",
+                                     bos_token_id=0, eos_token_id=0)
+    cpu = transformers.GPT2LMHeadModel(config).eval()
+    compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu", dynamic=True,
+                             options=OPTIONS)
+    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
+    with torch.no_grad():
+        for t in (5, 9, 12, 14):
+            ids = torch.randint(50, (2, t))
+            assert_same(compiled(input_ids=ids.to("tpu")).logits, cpu(input_ids=ids).logits,
+                        atol=1e-5, rtol=1e-5)
+    assert _count("dynamic_exact_shape_compiles") == exact
+    assert _count("compiled_graphs") - programs == 2

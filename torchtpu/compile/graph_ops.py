@@ -155,8 +155,8 @@ def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src, x.shape)
 
 
-@_graph_op(aten._to_copy.default)
-def to_copy(x, **_):
+@_graph_op(aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+def to_copy(x, *_, **__):
     return x  # the result dtype comes from the node's meta and is applied by the caller
 
 

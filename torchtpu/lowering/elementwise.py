@@ -61,8 +61,10 @@ def _floor_divide(x, y):
     return jnp.where(y == 0, x / y, floor)
 
 
+# true_divide is CompositeImplicit, so eager never sees it; a compiled graph does when Dynamo
+# turns a symbolic float computation into tensor ops after decomposition (tensorify pass).
 @lowers(aten.div.Tensor, aten.div.Scalar, aten.div.Tensor_mode, aten.div.Scalar_mode,
-        promote="result")
+        aten.true_divide.Tensor, aten.true_divide.Scalar, promote="result")
 def div(x, y, rounding_mode=None):
     if rounding_mode is None:
         return x / y
@@ -72,6 +74,11 @@ def div(x, y, rounding_mode=None):
         # lax.div truncates integers; unlike jnp it does not broadcast.
         return lax.div(*jnp.broadcast_arrays(x, jnp.asarray(y, x.dtype)))
     return jnp.trunc(x / y)
+
+
+@lowers(aten.square.default, promote="result")  # also from the tensorify pass, as above
+def square(x):
+    return jnp.square(x)
 
 
 @lowers(aten.floor_divide.default, aten.floor_divide.Scalar, promote="result")
