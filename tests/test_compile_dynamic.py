@@ -219,3 +219,26 @@ def test_hugging_face_gpt2_runs_padded():
                         atol=1e-5, rtol=1e-5)
     assert _count("dynamic_exact_shape_compiles") == exact
     assert _count("compiled_graphs") - programs == 2
+
+
+def test_hugging_face_gpt2_training_stays_right():
+    # Its training graphs use negated sizes and shift the labels by padding the sequence dim
+    # (not exact under padding: compiled per shape); the gradients must still match CPU.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2,
+                                     n_positions=64, attn_implementation="sdpa",
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
+                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    cpu = transformers.GPT2LMHeadModel(config).train()
+    dev = copy.deepcopy(cpu).to("tpu")
+    compiled = torch.compile(dev, backend="tpu", dynamic=True, options=OPTIONS)
+    for t in (5, 9):
+        ids = torch.randint(50, (2, t))
+        loss = compiled(input_ids=ids.to("tpu"), labels=ids.to("tpu")).loss
+        loss.backward()
+        expected = cpu(input_ids=ids, labels=ids).loss
+        expected.backward()
+        assert_same(loss, expected, atol=1e-5, rtol=1e-5)
+        for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
+            assert_same(p.grad, q.grad, atol=1e-5, rtol=1e-4)
+            p.grad = q.grad = None

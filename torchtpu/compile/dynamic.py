@@ -53,6 +53,7 @@ import sympy
 import torch
 import torch.fx as fx
 
+from torchtpu.compile.graph_ops import SIZE_ARITHMETIC
 from torchtpu.eager import schema
 
 aten = torch.ops.aten
@@ -68,7 +69,7 @@ _POSITIONWISE = {
     operator.getitem,
 }
 _INDEXED = {aten.tril.default, aten.triu.default}  # position-wise for leading-block layouts
-_SYM_ARITHMETIC = {operator.add, operator.sub, operator.mul, operator.floordiv}
+_SYM_ARITHMETIC = set(SIZE_ARITHMETIC)
 # Symbolic-size arguments that only set a size (a slice end, arange length): buckets are right.
 _SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0),
                    (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 10),

@@ -188,7 +188,9 @@ def no_op(*_, **__):
 
 
 # Size arithmetic of graphs with symbolic sizes (dynamic=True): plain Python ints in the trace.
-for _fn in (operator.add, operator.sub, operator.mul, operator.floordiv):
+SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
+                   operator.truediv, operator.pow, operator.neg)
+for _fn in SIZE_ARITHMETIC:
     GRAPH_OPS[_fn] = _fn
 
 
