@@ -180,55 +180,57 @@ def test_positions_counted_from_the_end_run_padded():
     assert _count("compiled_graphs") - programs == 2
 
 
-def test_hugging_face_bert_with_padding_masks_runs_padded():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa")
-    cpu = transformers.BertModel(config).eval()
+def _runs_padded(cpu, inputs_at, outputs: tuple) -> None:
+    """cpu's model compiled with dynamic=True matches it at 4 lengths with 2 programs."""
     compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu", dynamic=True,
                              options=OPTIONS)
     programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
     with torch.no_grad():
         for t in (5, 9, 12, 14):
-            ids, mask = torch.randint(50, (2, t)), torch.ones(2, t, dtype=torch.long)
-            mask[1, t // 2:] = 0
-            out = compiled(input_ids=ids.to("tpu"), attention_mask=mask.to("tpu"))
-            expected = cpu(input_ids=ids, attention_mask=mask)
-            assert_same(out.last_hidden_state, expected.last_hidden_state, atol=1e-5, rtol=1e-5)
-            assert_same(out.pooler_output, expected.pooler_output, atol=1e-5, rtol=1e-5)
+            inputs = inputs_at(t)
+            out = compiled(**{k: v.to("tpu") for k, v in inputs.items()})
+            expected = cpu(**inputs)
+            for name in outputs:
+                assert_same(getattr(out, name), getattr(expected, name), atol=1e-5, rtol=1e-5)
     assert _count("dynamic_exact_shape_compiles") == exact
     assert _count("compiled_graphs") - programs == 2  # the first call's sizes, then bucket 16
+
+
+def _gpt2_config(**extra):
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2,
+                                   n_positions=64, attn_implementation="sdpa",
+                                   bos_token_id=0, eos_token_id=0, **extra)
+
+
+def test_hugging_face_bert_with_padding_masks_runs_padded():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+        intermediate_size=64, max_position_embeddings=64, attn_implementation="sdpa")
+
+    def inputs_at(t):
+        mask = torch.ones(2, t, dtype=torch.long)
+        mask[1, t // 2:] = 0
+        return {"input_ids": torch.randint(50, (2, t)), "attention_mask": mask}
+
+    _runs_padded(transformers.BertModel(config).eval(), inputs_at,
+                 ("last_hidden_state", "pooler_output"))
 
 
 def test_hugging_face_gpt2_runs_padded():
     # Its graph also holds ops Dynamo adds after decomposition (true_divide, convert_element_type
     # from symbolic float arithmetic turned into tensor ops).
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2,
-                                     n_positions=64, attn_implementation="sdpa",
-                                     bos_token_id=0, eos_token_id=0)
-    cpu = transformers.GPT2LMHeadModel(config).eval()
-    compiled = torch.compile(copy.deepcopy(cpu).to("tpu"), backend="tpu", dynamic=True,
-                             options=OPTIONS)
-    programs, exact = _count("compiled_graphs"), _count("dynamic_exact_shape_compiles")
-    with torch.no_grad():
-        for t in (5, 9, 12, 14):
-            ids = torch.randint(50, (2, t))
-            assert_same(compiled(input_ids=ids.to("tpu")).logits, cpu(input_ids=ids).logits,
-                        atol=1e-5, rtol=1e-5)
-    assert _count("dynamic_exact_shape_compiles") == exact
-    assert _count("compiled_graphs") - programs == 2
+    _runs_padded(transformers.GPT2LMHeadModel(_gpt2_config()).eval(),
+                 lambda t: {"input_ids": torch.randint(50, (2, t))}, ("logits",))
 
 
 def test_hugging_face_gpt2_training_stays_right():
     # Its training graphs use negated sizes and shift the labels by padding the sequence dim
     # (not exact under padding: compiled per shape); the gradients must still match CPU.
     transformers = pytest.importorskip("transformers")
-    config = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=2,
-                                     n_positions=64, attn_implementation="sdpa",
-                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0,
-                                     embd_pdrop=0.0, attn_pdrop=0.0)
+    config = _gpt2_config(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     cpu = transformers.GPT2LMHeadModel(config).train()
     dev = copy.deepcopy(cpu).to("tpu")
     compiled = torch.compile(dev, backend="tpu", dynamic=True, options=OPTIONS)
