@@ -25,7 +25,6 @@ import jax
 import numpy as np
 import torch
 import torch.fx as fx
-from jax._src.array import ArrayImpl
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
@@ -86,24 +85,6 @@ def _describe(arrays) -> str:
     return ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
 
 
-def _whole_array(t: torch.Tensor):
-    """``tensors.read(t)``, without its general machinery when t is its storage's whole array.
-
-    Graph inputs are nearly always so (parameters, optimizer state, saved activations); this
-    check costs a fraction of the general read, which handles every other case.
-    """
-    # Only tpu storages carry an array.
-    array = getattr(t.untyped_storage(), "_tpu_array", None)
-    if type(array) is ArrayImpl and t.storage_offset() == 0 and t.is_contiguous() \
-            and not t.is_conj() and not t.is_neg():
-        aval = array.aval
-        if aval.shape == t.shape and aval.dtype == dtypes.to_jax(t.dtype):
-            return array
-    if t.device.type != "tpu":
-        raise meta.device_error(t)
-    return _computed(tensors.read(t))
-
-
 def _computed(array):
     """array, or the array of a value DeferAndFuse holds pending (flushing the recording): a
     program takes arrays only, and JAX no longer converts other objects at its inputs."""
@@ -134,7 +115,7 @@ def _donatable(arrays: list, mutated_at: list, args: list) -> tuple:
     for k, i in mutated_at:
         a = arrays[k]
         t = args[i]
-        if type(a) is not ArrayImpl or counts[id(a)] != 1 or t.is_cpu:
+        if not isinstance(a, jax.Array) or counts[id(a)] != 1 or t.is_cpu:
             continue
         if t.untyped_storage()._tpu_array is not a:
             continue  # a view or reinterpretation: the storage keeps the old array
@@ -239,8 +220,8 @@ class CompiledGraph:
         if self.exact_dynamic:
             log.info("torchtpu.compile: %s graph with symbolic sizes compiles per exact shape: %s",
                      kind, problem)
-        self.tensor_metas = [n.meta["val"] for n, t in
-                             zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if t]
+        self.tensor_nodes = [n for n, t in zip(self.fn.placeholders, self.fn.tensor_inputs,
+                                               strict=True) if t]
         # Outputs that are unmutated tpu inputs (a forward graph's parameters and token ids
         # saved for backward): the caller hands back the input tensor itself, as Inductor
         # does, where the program would copy it.
@@ -251,6 +232,8 @@ class CompiledGraph:
             and isinstance(_meta(n), torch.Tensor) and _meta(n).device.type == "tpu"
             and self.fn.placeholders.index(n) not in mutated_inputs}
         self.host_cones = _host_cones(self.fn)
+        self.cpu_placeholders = [(k, n) for k, n in enumerate(self.fn.placeholders)
+                                 if self.host_cones and _on_cpu(n)]
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
@@ -265,8 +248,10 @@ class CompiledGraph:
                     raise meta.device_error(a)
                 # A NumPy scalar: jit transfers it in its fast path (jnp.asarray is ~15x slower).
                 arrays.append(np.asarray(a.item(), dtypes.to_jax(a.dtype)))
+            elif a.device.type != "tpu":
+                raise meta.device_error(a)
             else:
-                arrays.append(_whole_array(a))
+                arrays.append(_computed(tensors.read(a)))
         return arrays, symbols
 
     def _constants(self) -> tuple:
@@ -319,9 +304,7 @@ class CompiledGraph:
         self._note_sizes(values)
         to = self._buckets(values)
         padded = []
-        tensor_nodes = [n for n, t in zip(self.fn.placeholders, self.fn.tensor_inputs,
-                                          strict=True) if t]
-        for a, n in zip(arrays, tensor_nodes, strict=True):
+        for a, n in zip(arrays, self.tensor_nodes, strict=True):
             host = dynamic.pad(a, self.plan.layouts[n], values, to)
             padded.append(a if host is a else jax.device_put(host, next(iter(a.devices()))))
         padded += [np.asarray(values[s], np.int32) for s in self.plan.order]
@@ -349,7 +332,7 @@ class CompiledGraph:
         forwarded = {k: args[i] for k, i in self.forwarded.items()}
         on_host = {}
         if self.host_cones:
-            env = {n: a for n, a in zip(self.fn.placeholders, args, strict=True) if _on_cpu(n)}
+            env = {n: args[k] for k, n in self.cpu_placeholders}
             on_host = {k: _host_value(node, env) for k, node in self.host_cones.items()}
         arrays, symbols = self._read(args)
         values = None

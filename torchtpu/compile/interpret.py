@@ -193,8 +193,8 @@ class GraphFunction:
         """
         real = ()
         if plan is not None:
-            arrays, real = arrays[:len(arrays) - len(plan.order)], arrays[len(arrays) - len(
-                plan.order):]
+            split = len(arrays) - len(plan.order)
+            arrays, real = arrays[:split], arrays[split:]
         env: dict[fx.Node, Any] = {}
         tensors_in, symbols_in = iter(arrays), iter(symbols)
         for n, is_tensor in zip(self.placeholders, self.tensor_inputs, strict=True):
