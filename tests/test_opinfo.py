@@ -22,10 +22,10 @@ def test_common_ops_pass(mode):
     pattern = "|".join(re.escape(name) for name in COMMON_OPS)
     report = opinfo.run(pattern, mode=mode, max_samples=2)
     table = report.format()
-    assert set(COMMON_OPS) <= {r.name for r in report.ops}, table
+    assert set(COMMON_OPS) <= {r.name for r in report.results}, table
     assert report.failed == 0, table
     # Every op ran samples on the device: an op skipped whole would pass vacuously.
-    assert all(r.passed > 0 for r in report.ops if r.name in COMMON_OPS), table
+    assert all(r.passed > 0 for r in report.results if r.name in COMMON_OPS), table
 
 
 # A custom op with only a CPU kernel stands for an aten op that has no tpu lowering.

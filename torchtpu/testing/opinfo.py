@@ -16,17 +16,7 @@ subclass tensors. ``failed`` in the last line counts both wrong results and erro
 
 from __future__ import annotations
 
-import argparse
-import collections
-import contextlib
-import dataclasses
-import os
-import re
-import signal
 import sys
-import threading
-import time
-import warnings
 from collections.abc import Iterator
 from typing import Any, TextIO
 
@@ -34,7 +24,9 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import torchtpu  # noqa: F401  (registers the device)
+from torchtpu.testing import conformance
 from torchtpu.testing.compare import assert_same
+from torchtpu.testing.conformance import Report, Result, same, shorten
 
 # The OpInfo tests whose skips, expected failures and tolerances describe a comparison of one
 # device against CPU; decorations of other tests (jit, vmap, numpy references...) do not apply.
@@ -73,77 +65,6 @@ LOOSER["nn.functional.ctc_loss"] = (5e-5, 1e-5)
 # OpInfos whose samples pass a tensor that PyTorch requires on CPU (split points, sizes): their
 # positional args stay on CPU in the device copy.
 CPU_ARGS = {"tensor_split"}
-
-_MISSING = re.compile(r"aten op '([^']+)' has no tpu lowering")
-
-
-@dataclasses.dataclass
-class OpResult:
-    """Sample counts for one OpInfo (``name`` includes its variant, e.g. ``max.reduction``)."""
-
-    name: str
-    passed: int = 0
-    failed: int = 0
-    errored: int = 0
-    skipped: int = 0
-    first_error: str = ""
-    missing: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-
-    @property
-    def counted(self) -> int:
-        return self.passed + self.failed + self.errored
-
-    def note(self, message: str) -> None:
-        if not self.first_error:
-            self.first_error = message
-
-
-@dataclasses.dataclass
-class Report:
-    mode: str
-    ops: list[OpResult]
-    seconds: float = 0.0
-
-    @property
-    def passed(self) -> int:
-        return sum(r.passed for r in self.ops)
-
-    @property
-    def failed(self) -> int:
-        return sum(r.failed + r.errored for r in self.ops)
-
-    def missing(self) -> list[tuple[str, int, int]]:
-        """(aten op, OpInfos it blocks, samples it blocks), most OpInfos first."""
-        ops: collections.Counter = collections.Counter()
-        samples: collections.Counter = collections.Counter()
-        for r in self.ops:
-            for name, n in r.missing.items():
-                ops[name] += 1
-                samples[name] += n
-        return sorted(((k, ops[k], samples[k]) for k in ops), key=lambda t: (-t[1], -t[2], t[0]))
-
-    def format(self, top: int = 25) -> str:
-        width = max([len(r.name) for r in self.ops] + [8])
-        lines = [f"{'op':<{width}}  pass  fail   err  skip  first error"]
-        for r in self.ops:
-            lines.append(f"{r.name:<{width}}  {r.passed:4d}  {r.failed:4d}  {r.errored:4d}  "
-                         f"{r.skipped:4d}  {r.first_error}")
-        missing = self.missing()
-        if missing:
-            lines.append("")
-            lines.append(f"top missing aten ops (OpInfos blocked, samples blocked), "
-                         f"{len(missing)} in all:")
-            lines.extend(f"  {name:<50} {n_ops:4d} {n_samples:5d}"
-                         for name, n_ops, n_samples in missing[:top])
-        total = self.passed + self.failed
-        fully = sum(1 for r in self.ops if r.counted and r.passed == r.counted)
-        lines.append("")
-        lines.append(f"mode {self.mode}: {len(self.ops)} OpInfos, {fully} with every sample "
-                     f"passing; samples {100.0 * self.passed / max(total, 1):.1f}% passing; "
-                     f"{self.seconds:.0f} s")
-        lines.append(f"{self.passed} passed, {self.failed} failed")
-        return "\n".join(lines)
-
 
 # ----------------------------------------------------------------------------- OpInfo metadata
 
@@ -249,30 +170,13 @@ def _run_grad(op, sample, seed: int):
     return torch.autograd.grad(outs, inputs, cotangents, allow_unused=True)
 
 
-def _shorten(exc: BaseException) -> str:
-    text = " ".join(str(exc).split())
-    missing = _MISSING.search(text)
-    if missing:
-        return f"missing {missing.group(1)}"
-    text = f"{type(exc).__name__}: {text}"
-    return text if len(text) <= 110 else text[:107] + "..."
-
-
-def _same(a: Any, b: Any) -> bool:
-    try:
-        assert_same(a, b, atol=0.0, rtol=0.0)
-    except Exception:
-        return False
-    return True
-
-
 def _seeds_itself(op) -> bool:
     """Random OpInfos reseed CPU inside the call, so two CPU runs agree but tpu may not."""
     code = getattr(op.op, "__code__", None)
     return code is not None and "wrapper_set_seed" in code.co_names
 
 
-def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: OpResult) -> None:
+def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: Result) -> None:
     compute = _run_grad if mode == "grad" else _call
     device_sample = _copy(sample, "tpu", cpu_args=op.name in CPU_ARGS)
     cpu_again = _copy(sample, "cpu")
@@ -281,7 +185,7 @@ def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: OpRes
         if expected is None:
             result.skipped += 1
             return
-        if not _same(compute(op, cpu_again, 1), expected):
+        if not same(compute(op, cpu_again, 1), expected):
             result.skipped += 1  # random: two CPU runs with different seeds differ
             return
     except Exception:
@@ -298,11 +202,7 @@ def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: OpRes
         if on_cpu:
             raise AssertionError(f"a result is on {on_cpu[0].device}, not tpu")
     except Exception as exc:  # one broken op must not stop the run
-        result.errored += 1
-        missing = _MISSING.search(str(exc))
-        if missing:
-            result.missing[missing.group(1)] += 1
-        result.note(_shorten(exc))
+        result.error(exc)
         return
     try:
         assert_same(actual, expected, atol=tol[0], rtol=tol[1])
@@ -310,39 +210,16 @@ def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: OpRes
         if _seeds_itself(op):
             result.skipped += 1  # random: equal seeds do not make tpu and CPU streams equal
             return
-        result.failed += 1
-        result.note(_shorten(exc))
+        result.mismatch(exc)
         return
     result.passed += 1
 
 
-class _OpTimeout(BaseException):
-    """Raised by the alarm; a BaseException so per-sample handlers let it through."""
-
-
-@contextlib.contextmanager
-def _time_limit(seconds: float):
-    if not seconds or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise _OpTimeout(f"timed out after {seconds:g} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def check_op(op, *, mode: str = "forward", max_samples: int = 3,
-             dtype: torch.dtype = torch.float32, timeout: float = 60.0) -> OpResult:
+             dtype: torch.dtype = torch.float32, timeout: float = 60.0) -> Result:
     """Run up to max_samples counted samples of one OpInfo on tpu against CPU."""
     name = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
-    result = OpResult(name)
+    result = Result(name)
     reason = _skip_reason(op, dtype, mode)
     if reason is not None:
         result.first_error = f"(skipped: {reason})"
@@ -350,7 +227,7 @@ def check_op(op, *, mode: str = "forward", max_samples: int = 3,
     tol = _tolerance(op, dtype, mode)
     seen = 0
     try:
-        with _time_limit(timeout):
+        with conformance.time_limit(timeout):
             torch.manual_seed(0)
             for sample in op.sample_inputs("cpu", dtype, requires_grad=mode == "grad"):
                 seen += 1
@@ -361,12 +238,12 @@ def check_op(op, *, mode: str = "forward", max_samples: int = 3,
                     result.skipped += 1
                     continue
                 _check_sample(op, sample, mode, tol, result)
-    except _OpTimeout as exc:
+    except conformance.Timeout as exc:
         result.errored += 1
         result.note(str(exc))
     except Exception as exc:  # generating samples failed: nothing device-specific yet
         if not result.counted:
-            result.first_error = f"(skipped: sample generation: {_shorten(exc)})"
+            result.first_error = f"(skipped: sample generation: {shorten(exc)})"
     return result
 
 
@@ -382,45 +259,22 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
     """Check every OpInfo whose full name (``name`` or ``name.variant``) matches ops fully."""
     if mode not in _TESTS:
         raise ValueError(f"mode must be one of {sorted(_TESTS)}, not {mode!r}")
-    pattern = re.compile(ops) if ops else None
-    previous = os.environ.get("TORCHTPU_CPU_FALLBACK")
-    os.environ["TORCHTPU_CPU_FALLBACK"] = "error"
-    start = time.perf_counter()
-    results = []
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            for op in _op_db():
-                full = op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
-                if pattern is not None and not (pattern.fullmatch(full)
-                                                or pattern.fullmatch(op.name)):
-                    continue
-                t0 = time.perf_counter()
-                results.append(check_op(op, mode=mode, max_samples=max_samples, dtype=dtype,
-                                        timeout=timeout_per_op))
-                if progress is not None:
-                    r = results[-1]
-                    progress.write(f"[{len(results)}] {r.name}: {r.passed}/{r.counted} "
-                                   f"({time.perf_counter() - t0:.1f} s)\n")
-                    progress.flush()
-    finally:
-        if previous is None:
-            os.environ.pop("TORCHTPU_CPU_FALLBACK", None)
-        else:
-            os.environ["TORCHTPU_CPU_FALLBACK"] = previous
-    return Report(mode, results, time.perf_counter() - start)
+
+    def names(op):
+        return op.name, op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+    def check(op):
+        return check_op(op, mode=mode, max_samples=max_samples, dtype=dtype,
+                        timeout=timeout_per_op)
+
+    results, seconds = conformance.run_each(_op_db(), names, check, ops, progress)
+    return Report(mode, results, seconds)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchtpu.testing.opinfo",
-                                     description=__doc__.split("\n\n")[0])
+    parser = conformance.parser("python -m torchtpu.testing.opinfo", __doc__, "--ops", 3)
     parser.add_argument("--mode", choices=sorted(_TESTS), default="forward")
-    parser.add_argument("--ops", help="regex matched fully against OpInfo names")
-    parser.add_argument("--max-samples", type=int, default=3, help="counted samples per op")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--timeout-per-op", type=float, default=60.0, help="seconds; 0: none")
-    parser.add_argument("--top", type=int, default=25, help="missing aten ops to list")
-    parser.add_argument("--progress", action="store_true", help="one line per op on stderr")
     args = parser.parse_args(argv)
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
