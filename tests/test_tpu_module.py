@@ -106,6 +106,30 @@ def test_memory_allocated_tracks_live_tensors():
     del x
 
 
+def test_peak_memory_and_reset_as_cuda_reports_them():
+    torch.tpu.reset_peak_memory_stats()
+    base = torch.tpu.max_memory_allocated()
+    nbytes = 4 * 1024 * 1024
+    x = torch.ones(nbytes // 4, device="tpu") + 1
+    torch.tpu.synchronize()
+    peak = torch.tpu.max_memory_allocated()
+    assert peak >= base + nbytes
+    del x
+    assert torch.tpu.max_memory_allocated() == peak  # a peak outlives the tensor
+    torch.tpu.reset_peak_memory_stats()
+    assert torch.tpu.max_memory_allocated() < peak
+    stats = torch.tpu.memory_stats()
+    for key in ("active_bytes.all.peak", "reserved_bytes.all.peak", "num_alloc_retries",
+                "num_ooms", "allocated_bytes.all.current"):
+        assert isinstance(stats[key], int)
+    free, total = torch.tpu.mem_get_info()
+    assert 0 < free <= total == torch.tpu.get_device_properties().total_memory
+    assert torch.tpu.memory_reserved() >= torch.tpu.memory_allocated()
+    torch.tpu.empty_cache()
+    with pytest.raises(RuntimeError, match="invalid tpu device index"):
+        torch.tpu.memory_allocated(5)
+
+
 def test_item_print_and_bool():
     x = torch.tensor([1.5, -2.0]).to("tpu")
     assert x[0].item() == 1.5

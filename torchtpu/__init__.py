@@ -1,12 +1,13 @@
 """torchtpu: XLA devices (TPU, GPU, CPU through PJRT) as the native PyTorch device "tpu".
 
 Importing torchtpu (or plain ``import torch``, through the ``torch.backends`` entry point)
-registers the device. Layers, one folder each: ``runtime`` (PJRT platform and compile cache),
-``device`` (tensors, storages, transfers, RNG, ``torch.tpu``), ``lowering`` (the one ATen -> JAX
-table), ``eager`` (the executors), ``testing`` (conformance against CPU).
+registers the device. Layers, one folder each, bottom up: ``runtime`` (PJRT platform and compile
+cache), ``device`` (tensors, storages, transfers, RNG, memory), ``lowering`` (the one ATen -> JAX
+table), ``eager`` (the executors), ``compile`` (the ``torch.compile`` backend), ``testing``
+(conformance against CPU). ``tpu`` is ``torch.tpu``, the face of all of them.
 """
 
-from torchtpu.device.registration import register as _register
+from torchtpu.registration import register as _register
 
 _register()
 

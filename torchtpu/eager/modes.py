@@ -7,10 +7,17 @@ Leaving a mode flushes what it holds, so pending values never cross a mode chang
 from __future__ import annotations
 
 import contextlib
+import enum
 import os
 
-from torchtpu.device.module import EagerMode
 from torchtpu.eager import defer, executor
+
+
+class EagerMode(enum.Enum):
+    DEFER_NEVER = "strict"
+    DEFER_NEVER_AND_LAUNCH_BLOCKING = "debug"
+    DEFER_AND_FUSE = "defer_and_fuse"
+
 
 _EXECUTORS = {
     EagerMode.DEFER_NEVER: executor.Strict,

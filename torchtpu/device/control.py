@@ -1,25 +1,21 @@
-"""The ``torch.tpu`` device module: the reference's device, RNG, memory and eager-mode API."""
+"""The device layer's half of ``torch.tpu``: device choice and properties, RNG seeding, precision.
+
+``torchtpu.tpu`` (the module users see as ``torch.tpu``) re-exports these beside the other layers'
+functions; nothing here knows about executors.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import enum
-import sys
-import types
 from typing import NamedTuple
 
 import jax
 import torch
 
+from torchtpu.device import memory
 from torchtpu.device import random as _random
-from torchtpu.device import storage as _storage
 from torchtpu.runtime import platform
-
-
-class EagerMode(enum.Enum):
-    DEFER_NEVER = "strict"
-    DEFER_NEVER_AND_LAUNCH_BLOCKING = "debug"
-    DEFER_AND_FUSE = "defer_and_fuse"
 
 
 class Precision(enum.Enum):
@@ -105,21 +101,17 @@ def device(index):
         set_device(previous)
 
 
-def synchronize(device=None, wait: bool = True) -> None:
-    """Run everything pending and wait for the device.
+def wait(device=None, wait: bool = True) -> None:
+    """Wait for the device's arrays, or only for those of ``device`` when it is a list of tensors.
 
-    ``device`` may also be a list of tpu tensors (the reference's ``synchronize(tensors, wait)``):
-    then only their values are waited for; ``wait=False`` starts the work without waiting.
+    Nothing pending in an executor is run here: ``torch.tpu.synchronize`` flushes first.
     """
     from torchtpu.device import tensors
-    from torchtpu.eager import executor
 
     if isinstance(device, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in device):
-        executor.flush()
         arrays = [tensors.storage_array(t) for t in device]
     else:
         _index(device)
-        executor.flush()
         arrays = jax.live_arrays()
     if wait:
         for array in arrays:
@@ -132,20 +124,8 @@ def get_device_name(device=None) -> str:
 
 
 def get_device_properties(device=None) -> DeviceProperties:
-    d = platform.jax_device(_index(device))
-    stats = d.memory_stats() if hasattr(d, "memory_stats") else None
-    total = (stats or {}).get("bytes_limit", 0)
-    if not total:
-        import os
-
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return DeviceProperties(get_device_name(device), platform.platform(), int(total))
-
-
-def memory_allocated(device=None) -> int:
-    """Bytes held by live tpu tensors' storages in this process."""
     _index(device)
-    return _storage.live_bytes()
+    return DeviceProperties(get_device_name(device), platform.platform(), memory.total_memory())
 
 
 def manual_seed(seed: int) -> None:
@@ -197,43 +177,3 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 def default_generators() -> tuple:
     return tuple(_random.default_generator(i) for i in range(device_count()))
-
-
-def is_materialized(t: torch.Tensor) -> bool:
-    """Whether t's value exists on the device (False while DeferAndFuse holds it pending)."""
-    from torchtpu.eager import executor
-
-    return executor.is_materialized(t)
-
-
-def pending_hlo() -> str:
-    """The computation DeferAndFuse holds pending, as StableHLO text ("" when none), unrun."""
-    from torchtpu.eager import defer
-
-    return defer.pending_hlo()
-
-
-def set_eager_mode(mode: EagerMode):
-    """Context manager: run the block in mode, then restore the previous mode."""
-    from torchtpu.eager import modes
-
-    return modes.set_eager_mode(mode)
-
-
-class _TpuModule(types.ModuleType):
-    """Module type of ``torch.tpu`` so that ``eager_mode`` reads and assigns like an attribute."""
-
-    @property
-    def eager_mode(self) -> EagerMode:
-        from torchtpu.eager import modes
-
-        return modes.get_eager_mode()
-
-    @eager_mode.setter
-    def eager_mode(self, mode: EagerMode) -> None:
-        from torchtpu.eager import modes
-
-        modes.switch(mode)
-
-
-sys.modules[__name__].__class__ = _TpuModule

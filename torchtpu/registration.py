@@ -1,5 +1,8 @@
 """Registering "tpu" with PyTorch: PrivateUse1 renamed, hooks, device guard, kernels, generators.
 
+It wires every layer into PyTorch (the device's kernels, the executors' dispatch entry, the
+lowering table, ``torchtpu.tpu`` as ``torch.tpu``), so it sits above them all.
+
 ``register()`` is idempotent and is what both ``import torchtpu`` and the ``torch.backends``
 entry point (plain ``import torch``) call.
 """
@@ -17,9 +20,9 @@ _libraries: list = []
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:
-        from torchtpu.device import module
+        from torchtpu.device import control
 
-        return module.is_available()
+        return control.is_available()
 
     def has_primary_context(self, device_index: int) -> bool:
         return True
@@ -59,13 +62,13 @@ def _install_accelerator_synchronize() -> None:
     """
     import torch.accelerator
 
-    from torchtpu.device import module
+    from torchtpu import tpu
 
     original = torch.accelerator.synchronize
 
     def synchronize(device=None, /) -> None:
         if torch.accelerator.current_accelerator().type == "tpu":
-            return module.synchronize(device)
+            return tpu.synchronize(device)
         return original(device)
 
     torch.accelerator.synchronize = synchronize
@@ -77,13 +80,13 @@ _TORCH_PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "medium": "DEFAULT"}
 
 def _install_matmul_precision() -> None:
     """``torch.set_float32_matmul_precision`` also sets ``torch.tpu``'s precision."""
-    from torchtpu.device import module
+    from torchtpu.device import control
 
     original = torch.set_float32_matmul_precision
 
     def set_float32_matmul_precision(precision: str) -> None:
         original(precision)
-        module.set_precision(module.Precision[_TORCH_PRECISIONS[precision]])
+        control.set_precision(control.Precision[_TORCH_PRECISIONS[precision]])
 
     torch.set_float32_matmul_precision = set_float32_matmul_precision
 
@@ -92,13 +95,13 @@ def register() -> None:
     with _lock:
         if _libraries:
             return
-        from torchtpu import lowering  # noqa: F401  (fills the lowering table)
-        from torchtpu.device import autocast, kernels, loader, module, storage
+        from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
+        from torchtpu.device import autocast, kernels, loader, storage
         from torchtpu.eager import dispatch
         from torchtpu.lowering import attention
 
         _setup_privateuseone_for_python_backend(
-            "tpu", backend_module=module, hook=_Hooks(), device_guard=_DeviceGuard()
+            "tpu", backend_module=tpu, hook=_Hooks(), device_guard=_DeviceGuard()
         )
         aten = torch.library.Library("aten", "IMPL")
         kernels.register(aten)

@@ -1,0 +1,123 @@
+"""Device memory figures in CUDA's shape: ``torch.tpu.memory_stats``, ``max_memory_allocated``...
+
+Training frameworks call these (TorchTitan's memory monitor, vLLM's ``mem_get_info``). Figures come
+from the runtime: PJRT's allocator statistics where the platform keeps them (TPU, GPU), else the
+bytes of the live JAX arrays on this process's device (XLA:CPU has no allocator statistics). XLA
+allocates per array and frees when the last reference dies, so "reserved" equals "allocated"
+where the runtime does not report a pool, and ``empty_cache`` has nothing to release.
+
+PJRT's peak cannot be reset, so the peak is also sampled here (at each query and at
+``torch.tpu.synchronize``); after ``reset_peak_memory_stats`` the runtime's peak counts again only
+once it rises above the value it had at the reset.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+
+from torchtpu.runtime import platform
+
+_lock = threading.Lock()
+_peak = {"allocated": 0, "reserved": 0}
+_runtime_peak_at_reset = {"allocated": 0, "reserved": 0}
+
+
+def _runtime_stats() -> dict:
+    return platform.local_device().memory_stats() or {}
+
+
+def _live_bytes() -> int:
+    device = platform.local_device()
+    return sum(
+        a.nbytes for a in jax.live_arrays() if not a.is_deleted() and device in a.devices()
+    )
+
+
+def _current() -> dict:
+    stats = _runtime_stats()
+    allocated = stats.get("bytes_in_use", _live_bytes() if not stats else 0)
+    reserved = stats.get("bytes_reserved", 0) + allocated if "bytes_reserved" in stats \
+        else allocated
+    runtime_peak = {
+        "allocated": stats.get("peak_bytes_in_use", 0),
+        "reserved": stats.get("peak_bytes_reserved", stats.get("peak_bytes_in_use", 0)),
+    }
+    current = {"allocated": allocated, "reserved": reserved}
+    with _lock:
+        for key, value in current.items():
+            sampled = max(_peak[key], value)
+            if runtime_peak[key] > _runtime_peak_at_reset[key]:
+                sampled = max(sampled, runtime_peak[key])
+            _peak[key] = sampled
+        peak = dict(_peak)
+    return {"current": current, "peak": peak, "limit": stats.get("bytes_limit", 0),
+            "num_allocs": stats.get("num_allocs", 0), "num_ooms": stats.get("num_ooms", 0)}
+
+
+def sample() -> None:
+    """Fold the current figures into the sampled peak (called at synchronize)."""
+    _current()
+
+
+def memory_allocated() -> int:
+    """Bytes held by live arrays on this process's device."""
+    return _current()["current"]["allocated"]
+
+
+def max_memory_allocated() -> int:
+    return _current()["peak"]["allocated"]
+
+
+def memory_reserved() -> int:
+    return _current()["current"]["reserved"]
+
+
+def max_memory_reserved() -> int:
+    return _current()["peak"]["reserved"]
+
+
+def reset_peak_memory_stats() -> None:
+    stats = _runtime_stats()
+    current = _current()["current"]
+    with _lock:
+        _peak.update(current)
+        _runtime_peak_at_reset["allocated"] = stats.get("peak_bytes_in_use", 0)
+        _runtime_peak_at_reset["reserved"] = stats.get(
+            "peak_bytes_reserved", stats.get("peak_bytes_in_use", 0))
+
+
+def total_memory() -> int:
+    """The device's memory: the runtime's limit, else (XLA:CPU) the host's physical memory."""
+    limit = _runtime_stats().get("bytes_limit", 0)
+    return int(limit or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def mem_get_info() -> tuple[int, int]:
+    """(free, total) bytes, as ``torch.cuda.mem_get_info``."""
+    total = total_memory()
+    if _runtime_stats().get("bytes_limit"):
+        return max(total - memory_reserved(), 0), total
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
+
+
+def memory_stats() -> dict:
+    """The keys of ``torch.cuda.memory_stats`` that frameworks read, from the figures above."""
+    figures = _current()
+    stats = {}
+    for name, key in (("allocated_bytes", "allocated"), ("active_bytes", "allocated"),
+                      ("reserved_bytes", "reserved")):
+        stats[f"{name}.all.current"] = figures["current"][key]
+        stats[f"{name}.all.peak"] = figures["peak"][key]
+    stats["num_alloc_retries"] = 0
+    stats["num_ooms"] = figures["num_ooms"]
+    stats["num_device_alloc"] = figures["num_allocs"]
+    return stats
+
+
+def memory_summary() -> str:
+    stats = memory_stats()
+    width = max(len(k) for k in stats)
+    return "\n".join(f"{k:<{width}}  {v:>16,}" for k, v in stats.items())

@@ -1,0 +1,141 @@
+"""``torch.tpu``: the one module users see, the face of every layer.
+
+It sits above the layers and only gathers their public functions: device selection, RNG and
+precision from ``device/``, memory figures from ``device/memory``, eager modes and
+materialization from ``eager/``. Submodules that pull in heavier layers (``torch.tpu.distributed``,
+``torch.tpu.pallas``, ...) are imported on first access, so ``import torch`` stays cheap.
+Registration installs this module as ``torch.tpu`` (``torchtpu/registration.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import torch
+
+from torchtpu.device import memory as _memory
+from torchtpu.device.control import (
+    DeviceProperties,
+    Precision,
+    _is_in_bad_fork,
+    current_device,
+    default_generators,
+    device,
+    device_count,
+    get_amp_supported_dtype,
+    get_device_name,
+    get_device_properties,
+    get_precision,
+    get_rng_state,
+    get_rng_state_all,
+    initial_seed,
+    is_available,
+    is_bf16_supported,
+    is_initialized,
+    manual_seed,
+    manual_seed_all,
+    precision,
+    seed,
+    seed_all,
+    set_device,
+    set_precision,
+    set_rng_state,
+    set_rng_state_all,
+)
+from torchtpu.device.control import _index as _check  # validates a device argument
+from torchtpu.device.control import wait as _wait
+from torchtpu.eager import executor as _executor
+from torchtpu.eager import modes as _modes
+from torchtpu.eager.modes import EagerMode, set_eager_mode
+
+# Submodules imported on first attribute access (each is ``torchtpu/tpu/<name>.py``).
+_LAZY_SUBMODULES: frozenset = frozenset()
+
+
+def synchronize(device=None, wait: bool = True) -> None:
+    """Run everything pending and wait for the device.
+
+    ``device`` may also be a list of tpu tensors (the reference's ``synchronize(tensors, wait)``):
+    then only their values are waited for; ``wait=False`` starts the work without waiting.
+    """
+    _executor.flush()
+    _wait(device, wait)
+    _memory.sample()
+
+
+def is_materialized(t: torch.Tensor) -> bool:
+    """Whether t's value exists on the device (False while DeferAndFuse holds it pending)."""
+    return _executor.is_materialized(t)
+
+
+def pending_hlo() -> str:
+    """The computation DeferAndFuse holds pending, as StableHLO text ("" when none), unrun."""
+    from torchtpu.eager import defer
+
+    return defer.pending_hlo()
+
+
+def _memory_function(figure):
+    def query(device=None) -> int:
+        _check(device)
+        return figure()
+
+    query.__name__ = figure.__name__
+    query.__doc__ = figure.__doc__
+    return query
+
+
+memory_allocated = _memory_function(_memory.memory_allocated)
+max_memory_allocated = _memory_function(_memory.max_memory_allocated)
+memory_reserved = _memory_function(_memory.memory_reserved)
+max_memory_reserved = _memory_function(_memory.max_memory_reserved)
+memory_stats = _memory_function(_memory.memory_stats)
+memory_summary = _memory_function(_memory.memory_summary)
+mem_get_info = _memory_function(_memory.mem_get_info)
+
+
+def reset_peak_memory_stats(device=None) -> None:
+    _check(device)
+    _memory.reset_peak_memory_stats()
+
+
+reset_max_memory_allocated = reset_peak_memory_stats
+
+
+def empty_cache() -> None:
+    """Nothing to release: XLA frees each buffer when its last array dies (no caching pool)."""
+
+
+class _TpuModule(types.ModuleType):
+    """Module type of ``torch.tpu``: ``eager_mode`` reads and assigns like an attribute, and the
+    heavier submodules load on first use."""
+
+    @property
+    def eager_mode(self) -> EagerMode:
+        return _modes.get_eager_mode()
+
+    @eager_mode.setter
+    def eager_mode(self, mode: EagerMode) -> None:
+        _modes.switch(mode)
+
+    def __getattr__(self, name: str):
+        if name in _LAZY_SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module 'torch.tpu' has no attribute {name!r}")
+
+
+sys.modules[__name__].__class__ = _TpuModule
+
+__all__ = [
+    "DeviceProperties", "EagerMode", "Precision", "current_device", "default_generators",
+    "device", "device_count", "empty_cache", "get_amp_supported_dtype", "get_device_name",
+    "get_device_properties", "get_precision", "get_rng_state", "get_rng_state_all",
+    "initial_seed", "is_available", "is_bf16_supported", "is_initialized", "is_materialized",
+    "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
+    "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
+    "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats", "seed",
+    "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
+    "set_rng_state_all", "synchronize", "_is_in_bad_fork",
+]
