@@ -9,6 +9,7 @@ import warnings
 
 import pytest
 
+from torchtpu.runtime import compile_cache
 from torchtpu.runtime.compile_cache import MAGIC, SUFFIX, CompileCacheWarning, EntryStore
 
 # One process's work: a compiled forward and backward of a small model, and two eager ops.
@@ -22,9 +23,10 @@ loss = torch.compile(model, backend="tpu")(x).square().mean()
 loss.backward()
 eager = (torch.exp(x) * 3).sum()
 m = torchtpu.metrics.snapshot()
+stats = torch.tpu._get_cache_stats()
 print(json.dumps({"loss": loss.item(), "grad": model[0].weight.grad.sum().item(),
                   "eager": eager.item(), "compiles": m["executable_compiles"],
-                  "hits": m["persistent_cache_hits"]}))
+                  "hits": m["persistent_cache_hits"], "stats": stats}))
 """
 
 
@@ -75,6 +77,10 @@ def test_restart_compiles_nothing(warm_cache):
     again, err = _finish(_start(str(cache)))
     assert again["compiles"] == 0, err
     assert again["hits"] >= 4
+    stats = again["stats"]
+    assert stats["num_cache_hits"] == again["hits"] <= stats["num_cache_reqs"]
+    assert all(e["read_count"] >= 1 and e["compilation_duration"] > 0
+               for e in stats["entries"].values())
     assert {k: again[k] for k in ("loss", "grad", "eager")} == \
         {k: first[k] for k in ("loss", "grad", "eager")}
 
@@ -129,3 +135,63 @@ def test_entry_store_rejects_foreign_and_short_files(tmp_path):
     store.entry("k").write_bytes(MAGIC + b"\x01")
     with pytest.warns(CompileCacheWarning, match="truncated"):
         assert store.get("k") is None
+
+
+def _fill(store: EntryStore, keys, size: int = 1000) -> None:
+    for k in keys:
+        assert store.get(k) is None
+        store.put(k, bytes(size))
+
+
+def test_eviction_keeps_the_directory_under_its_cap_least_recently_used_first(tmp_path):
+    store = EntryStore(tmp_path, max_bytes=10_000)
+    _fill(store, [f"a{i}" for i in range(5)])
+    for i in range(5):
+        os.utime(store.entry(f"a{i}"), (1000 + i, 1000 + i))  # a0 is the oldest
+    assert store.get("a0") is not None  # a hit makes a0 the newest
+    _fill(store, [f"b{i}" for i in range(7)])  # ~1045 B each: two evictions of two entries
+    left = {p.name.removesuffix(SUFFIX) for p in _entries(tmp_path)}
+    assert sum(p.stat().st_size for p in _entries(tmp_path)) <= 10_000
+    assert "a0" in left and not {"a1", "a2", "a3", "a4"} & left
+    assert {f"b{i}" for i in range(7)} <= left
+    assert store.stats()["entries"]["a0"]["read_count"] == 1
+
+
+def test_two_processes_sharing_a_directory_stay_bounded(tmp_path):
+    first, second = EntryStore(tmp_path, 20_000), EntryStore(tmp_path, 20_000)
+    for i in range(30):
+        _fill(first if i % 2 else second, [f"k{i}"])
+    total = sum(p.stat().st_size for p in _entries(tmp_path))
+    assert total <= 20_000 * 1.2 + 2 * 1100  # each overshoots by at most a tenth of the cap
+    _assert_whole(tmp_path)
+
+
+def test_stats_count_requests_hits_and_compile_time(tmp_path):
+    store = EntryStore(tmp_path)
+    assert store.get("k") is None
+    store.put("k", b"executable")
+    assert store.get("k") == b"executable" and store.get("k") == b"executable"
+    stats = store.stats()
+    assert (stats["num_cache_reqs"], stats["num_cache_hits"]) == (3, 2)
+    entry = stats["entries"]["k"]
+    assert entry["read_count"] == 2 and 0 <= entry["compilation_duration"] < 60
+
+
+def test_an_older_format_is_replaced_without_a_warning(tmp_path):
+    store = EntryStore(tmp_path)
+    store.entry("old").write_bytes(b"TTPU1" + bytes(64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        assert store.get("old") is None
+    assert not store.entry("old").exists()
+
+
+def test_max_bytes_from_the_environment(monkeypatch):
+    cases = (("", compile_cache.DEFAULT_MAX_BYTES), ("2048", 2048), ("512M", 512 << 20),
+             ("1.5G", 3 << 29), ("0", 0))
+    for raw, expected in cases:
+        monkeypatch.setenv("TORCHTPU_CACHE_MAX_BYTES", raw)
+        assert compile_cache.max_bytes() == expected
+    monkeypatch.setenv("TORCHTPU_CACHE_MAX_BYTES", "lots")
+    with pytest.raises(ValueError, match="TORCHTPU_CACHE_MAX_BYTES='LOTS' is not a byte count"):
+        compile_cache.max_bytes()

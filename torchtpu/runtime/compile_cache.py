@@ -10,15 +10,30 @@ devices and JAX/XLA versions); ``EntryStore`` replaces JAX's file store, which w
 place and keeps a broken one forever (its reader warns and recompiles, its writer then skips the
 key because the file exists). Here each entry is one file ``<key>.ttpu``:
 
-    b"TTPU1" | sha256(payload) (32 bytes) | payload
+    b"TTPU2" | sha256(rest) (32 bytes) | rest = compile seconds (float64, big-endian) | payload
 
 where payload is JAX's own entry: a zlib- or zstd-compressed 4-byte compile time followed by
 XLA's serialized executable (the runtime's binary format; nothing here or in JAX unpickles
-anything read from the cache directory). An entry that is short, has another header or fails its
-digest is reported with a ``CompileCacheWarning``, deleted, and treated as a miss, so the program
-is recompiled and written again. Writes go to a private temporary file in the same directory and
-are renamed into place (atomic on POSIX), so concurrent writers and readers only ever see whole
-entries; two processes writing one key leave one whole entry.
+anything read from the cache directory). JAX rounds its compile time down to whole seconds, so
+the store keeps its own: the time from JAX's miss on a key to its write of that key. An entry
+that is short, has another header or fails its digest is reported with a
+``CompileCacheWarning``, deleted, and treated as a miss, so the program is recompiled and
+written again; one written by an older torchtpu (``TTPU1``) is replaced without a warning.
+Writes go to a private temporary file in the same directory and are renamed into place (atomic
+on POSIX), so concurrent writers and readers only ever see whole entries; two processes writing
+one key leave one whole entry.
+
+The directory is bounded: ``TORCHTPU_CACHE_MAX_BYTES`` (default 1 GiB; ``0`` means no limit) caps
+the bytes of its entries, and when a write takes it over the cap the least recently used entries
+are deleted down to 90% of it. "Used" is the file's modification time, which a hit refreshes, so
+the order is shared by every process using the directory. Each process counts what it writes and
+rescans the directory (a sizes-only ``scandir``) when its count reaches the cap or it has written
+a tenth of the cap since its last scan, so each concurrent writer overshoots by at most a tenth
+of the cap; an ``flock`` keeps two processes from evicting at once, and a reader whose entry was
+just evicted sees a miss.
+
+``stats()`` (``torch.tpu._get_cache_stats()``) reports this process's requests and hits and, per
+entry it read, the read count, the last read and the compile time stored in the entry.
 
 The digest detects damage, not tampering: like JAX's cache, the directory is trusted (whoever can
 write to it can make this process run code of their choosing). Do not share it with untrusted
@@ -27,9 +42,13 @@ users.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
+import struct
 import tempfile
+import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -37,9 +56,15 @@ import jax
 from jax._src import compilation_cache as jax_cache
 from jax._src.compilation_cache_interface import CacheInterface
 
-MAGIC = b"TTPU1"
+MAGIC = b"TTPU2"
+_FORMAT = b"TTPU"  # any version: an older one is replaced quietly
 SUFFIX = ".ttpu"
 _DIGEST = 32
+DEFAULT_MAX_BYTES = 1 << 30
+_EVICT_TO = 0.9  # of the cap: evicting a margin at once keeps scans rare
+_RESCAN_EVERY = 0.1  # of the cap: what one process writes between scans of the directory
+_HEAD = len(MAGIC) + _DIGEST
+_SECONDS = struct.Struct(">d")
 
 
 class CompileCacheWarning(UserWarning):
@@ -47,51 +72,185 @@ class CompileCacheWarning(UserWarning):
 
 
 class EntryStore(CacheInterface):
-    """JAX's cache interface over a directory of checksummed, atomically written entries."""
+    """JAX's cache interface over a directory of checksummed, atomically written entries,
+    bounded to ``max_bytes`` by least-recently-used eviction."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._path = path
+        self._max_bytes = max_bytes
         path.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self._bytes: int | None = None  # entry bytes as of the last scan, plus our writes since
+        self._unscanned = 0  # bytes we wrote since the last scan
+        self._requests = 0
+        self._reads: dict[str, list] = {}  # key -> [read count, last read (time.time())]
+        self._missed: dict[str, float] = {}  # key -> when JAX missed it (its compile follows)
 
     def entry(self, key: str) -> Path:
         return self._path / f"{key}{SUFFIX}"
 
     def get(self, key: str) -> bytes | None:
         path = self.entry(key)
+        with self._lock:
+            self._requests += 1
         try:
             data = path.read_bytes()
         except FileNotFoundError:
-            return None
-        payload = data[len(MAGIC) + _DIGEST:]
-        if not data.startswith(MAGIC):
-            problem = "it has no torchtpu header"
-        elif len(data) <= len(MAGIC) + _DIGEST:
-            problem = f"it is truncated ({len(data)} bytes)"
-        elif hashlib.sha256(payload).digest() != data[len(MAGIC):len(MAGIC) + _DIGEST]:
-            problem = "its checksum does not match (truncated or damaged)"
-        else:
-            return payload
-        warnings.warn(f"torchtpu: compile cache entry {path} is unusable: {problem}; "
-                      "recompiling and replacing it", CompileCacheWarning, stacklevel=2)
-        path.unlink(missing_ok=True)
+            data = None
+        if data is not None:
+            problem = _problem(data)
+            if problem is None:
+                self._record_read(key, path)
+                return data[_HEAD + _SECONDS.size:]
+            if problem:
+                warnings.warn(f"torchtpu: compile cache entry {path} is unusable: {problem}; "
+                              "recompiling and replacing it", CompileCacheWarning, stacklevel=2)
+            path.unlink(missing_ok=True)
+        with self._lock:
+            self._missed[key] = time.monotonic()
         return None
+
+    def _record_read(self, key: str, path: Path) -> None:
+        now = time.time()
+        with self._lock:
+            read = self._reads.setdefault(key, [0, now])
+            read[0] += 1
+            read[1] = now
+        try:
+            os.utime(path)  # the LRU order: a hit makes the entry the newest
+        except FileNotFoundError:
+            pass  # evicted by another process since we read it; we have the bytes
 
     def put(self, key: str, value: bytes) -> None:
         path = self.entry(key)
+        with self._lock:
+            missed = self._missed.pop(key, None)
         if path.exists():
             return
+        seconds = time.monotonic() - missed if missed is not None else float("nan")
+        rest = _SECONDS.pack(seconds) + value
+        data = MAGIC + hashlib.sha256(rest).digest() + rest
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=self._path)
         try:
             with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(value).digest() + value)
+                f.write(data)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+        self._account(len(data))
 
     def clear(self) -> None:
         for p in self._path.glob(f"*{SUFFIX}"):
             p.unlink(missing_ok=True)
+        with self._lock:
+            self._bytes = 0
+
+    # ------------------------------------------------------------------ size bound
+
+    def _entries(self) -> list[tuple[float, int, str]]:
+        """(last use, bytes, path) of every entry now in the directory."""
+        found = []
+        with os.scandir(self._path) as it:
+            for e in it:
+                if e.name.endswith(SUFFIX):
+                    try:
+                        st = e.stat()
+                    except FileNotFoundError:
+                        continue
+                    found.append((st.st_mtime, st.st_size, e.path))
+        return found
+
+    def _account(self, nbytes: int) -> None:
+        if not self._max_bytes:
+            return
+        with self._lock:
+            self._unscanned += nbytes
+            rescan = self._bytes is None or self._unscanned > self._max_bytes * _RESCAN_EVERY
+            if not rescan:
+                self._bytes += nbytes
+                rescan = self._bytes > self._max_bytes
+            if rescan:
+                self._unscanned = 0
+        if rescan:
+            total = sum(size for _, size, _ in self._entries())
+            with self._lock:
+                self._bytes = total
+            if total > self._max_bytes:
+                self.evict()
+
+    def evict(self) -> None:
+        """Delete least recently used entries until the directory is under 90% of the cap."""
+        with open(self._path / ".evict.lock", "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return  # another process is evicting now
+            entries = sorted(self._entries())
+            total = sum(size for _, size, _ in entries)
+            target = int(self._max_bytes * _EVICT_TO)
+            for _, size, path in entries:
+                if total <= target:
+                    break
+                Path(path).unlink(missing_ok=True)
+                total -= size
+        with self._lock:
+            self._bytes = total
+
+    # ------------------------------------------------------------------ statistics
+
+    def stats(self) -> dict:
+        """This process's requests and hits, and per entry read: reads, last read, compile time."""
+        with self._lock:
+            reads = {k: list(v) for k, v in self._reads.items()}
+            requests = self._requests
+        entries = {
+            key: {"read_count": count, "last_read": last,
+                  "compilation_duration": _stored_compile_seconds(self.entry(key))}
+            for key, (count, last) in reads.items()
+        }
+        return {"num_cache_reqs": requests,
+                "num_cache_hits": sum(count for count, _ in reads.values()),
+                "entries": entries, "cache_dir": str(self._path),
+                "max_bytes": self._max_bytes}
+
+
+def _problem(data: bytes) -> str | None:
+    """Why an entry cannot be used ("" for an older format, replaced quietly); None if whole."""
+    if not data.startswith(MAGIC):
+        return "" if data.startswith(_FORMAT) else "it has no torchtpu header"
+    if len(data) <= _HEAD + _SECONDS.size:
+        return f"it is truncated ({len(data)} bytes)"
+    if hashlib.sha256(data[_HEAD:]).digest() != data[len(MAGIC):_HEAD]:
+        return "its checksum does not match (truncated or damaged)"
+    return None
+
+
+def _stored_compile_seconds(path: Path) -> float | None:
+    """The compile time kept in an entry's header (None once the entry is gone)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HEAD + _SECONDS.size)
+    except FileNotFoundError:
+        return None  # evicted since it was read
+    return _SECONDS.unpack_from(head, _HEAD)[0]
+
+
+def max_bytes() -> int:
+    """The cap ``TORCHTPU_CACHE_MAX_BYTES`` asks for (bytes, or with a K/M/G suffix); 0: none."""
+    raw = os.environ.get("TORCHTPU_CACHE_MAX_BYTES", "").strip().upper()
+    if not raw:
+        return DEFAULT_MAX_BYTES
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1], 1)
+    number = raw[:-1] if scale > 1 else raw
+    try:
+        value = int(float(number) * scale)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"TORCHTPU_CACHE_MAX_BYTES={raw!r} is not a byte count "
+                         "(e.g. 1073741824, 512M, 2G; 0 for no limit)")
+    return value
 
 
 def cache_dir() -> Path | None:
@@ -110,7 +269,7 @@ def enable() -> None:
     path = cache_dir()
     if path is None:
         return
-    store = EntryStore(path)
+    store = EntryStore(path, max_bytes())
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
@@ -118,3 +277,9 @@ def enable() -> None:
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = store
         jax_cache._cache_initialized = True
+
+
+def store() -> EntryStore | None:
+    """The store JAX writes through, or None when the cache is off."""
+    cache = jax_cache._cache
+    return cache if isinstance(cache, EntryStore) else None

@@ -49,6 +49,7 @@ from torchtpu.device.control import wait as _wait
 from torchtpu.eager import executor as _executor
 from torchtpu.eager import modes as _modes
 from torchtpu.eager.modes import EagerMode, set_eager_mode
+from torchtpu.runtime import compile_cache as _compile_cache
 
 # Submodules imported on first attribute access (each is ``torchtpu/tpu/<name>.py``).
 _LAZY_SUBMODULES: frozenset = frozenset()
@@ -108,6 +109,17 @@ def empty_cache() -> None:
     """Nothing to release: XLA frees each buffer when its last array dies (no caching pool)."""
 
 
+def _get_cache_stats() -> dict:
+    """The persistent compile cache's statistics in this process (the reference's names):
+    ``num_cache_reqs``, ``num_cache_hits`` and, per entry read, ``read_count``, ``last_read`` and
+    ``compilation_duration`` (seconds); empty figures when the cache is off."""
+    store = _compile_cache.store()
+    if store is None:
+        return {"num_cache_reqs": 0, "num_cache_hits": 0, "entries": {}, "cache_dir": None,
+                "max_bytes": 0}
+    return store.stats()
+
+
 class _TpuModule(types.ModuleType):
     """Module type of ``torch.tpu``: ``eager_mode`` reads and assigns like an attribute, and the
     heavier submodules load on first use."""
@@ -137,5 +149,5 @@ __all__ = [
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
     "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats", "seed",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
-    "set_rng_state_all", "synchronize", "_is_in_bad_fork",
+    "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork",
 ]
