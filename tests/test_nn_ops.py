@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtpu.testing.compare import assert_same, check_against_cpu, to_device
+from torchtpu.testing.compare import assert_permutation, assert_same, check_against_cpu, to_device
 
 TOL = {"atol": 1e-4, "rtol": 1e-4}
 
@@ -232,9 +232,29 @@ def test_linalg_factorization_helpers():
     check_against_cpu(lambda *t: torch.ormqr(*t, left=False, transpose=True), h, tau,
                       torch.randn(2, 5), atol=1e-5, rtol=1e-5)
     m = torch.randn(2, 4, 4)
-    check_against_cpu(torch.linalg.eig, m, atol=1e-5, rtol=1e-5)
-    check_against_cpu(torch.linalg.eigvals, m, atol=1e-5, rtol=1e-5)
+    check_eig(m)
     check_against_cpu(torch.linalg.matrix_exp, m, atol=1e-5, rtol=1e-5)
+
+
+def assert_same_spectrum(actual, expected, atol=1e-5):
+    """Equal multisets of eigenvalues along the last dim: LAPACK builds order them differently."""
+    distance = (actual[..., :, None] - expected[..., None, :]).abs()
+    nearest = distance.argmin(-1)
+    assert_permutation(nearest)  # each eigenvalue pairs with a different one
+    torch.testing.assert_close(actual, expected.gather(-1, nearest), atol=atol, rtol=atol)
+
+
+def check_eig(m):
+    """What linalg.eig defines: A V = V diag(w), unit-norm columns, the spectrum. The order of
+    the eigenvalues and each eigenvector's phase are the implementation's choice."""
+    w, v = (t.cpu() for t in torch.linalg.eig(m.to("tpu")))
+    a = m.to(w.dtype)
+    torch.testing.assert_close(a @ v, v * w.unsqueeze(-2), atol=1e-5, rtol=1e-5)
+    norms = torch.linalg.vector_norm(v, dim=-2)
+    torch.testing.assert_close(norms, torch.ones_like(norms), atol=1e-5, rtol=1e-5)
+    expected = torch.linalg.eigvals(m)
+    assert_same_spectrum(w, expected)
+    assert_same_spectrum(torch.linalg.eigvals(m.to("tpu")).cpu(), expected)
 
 
 @pytest.mark.parametrize("p", [0.0, 1.0, 1.5, 2.0, 3.0, float("inf")])

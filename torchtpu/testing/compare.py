@@ -39,6 +39,13 @@ def assert_same(actual: Any, expected: Any, *, atol: float = 1e-5, rtol: float =
             assert a == e or (a != a and e != e), f"{a!r} != {e!r}"
 
 
+def assert_permutation(indices: torch.Tensor, dim: int = -1) -> None:
+    """indices holds each of 0..n-1 exactly once along dim (n its size there)."""
+    moved = indices.cpu().movedim(dim, -1)
+    expected = torch.arange(moved.shape[-1]).expand_as(moved)
+    assert torch.equal(moved.sort(-1).values, expected), f"not a permutation along {dim}: {indices}"
+
+
 def check_against_cpu(fn: Callable, *args: Any, atol: float = 1e-5, rtol: float = 1.3e-6,
                       **kwargs: Any) -> Any:
     """Run fn on CPU inputs and on tpu copies of them; assert the results match."""
