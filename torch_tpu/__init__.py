@@ -23,6 +23,8 @@ class _Forward(types.ModuleType):
     """``torch_tpu.<name>``: attributes come from ``torchtpu.tpu.<name>`` on first access."""
 
     def __getattr__(self, attr: str):
+        if attr.startswith("__"):  # module protocol probes (__file__, __path__) do not forward
+            raise AttributeError(attr)
         target = importlib.import_module(f"torchtpu.tpu.{self.__name__.rsplit('.', 1)[1]}")
         return getattr(target, attr)
 
