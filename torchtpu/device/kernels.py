@@ -71,6 +71,8 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer)."""
+    if tensors.capture is not None:
+        tensors.capture.host_read()
     array = np.array(tensors.read(t))  # a copy: a donated buffer must never back a CPU tensor
     metrics.count("device_to_host_bytes", array.nbytes)
     return array

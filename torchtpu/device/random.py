@@ -81,9 +81,16 @@ class TpuGenerator(torch.Generator):
             offset = self._offset
             self._offset += 1
         s = self._seed
-        return np.array([s & 0xFFFFFFFF, s >> 32, offset & 0xFFFFFFFF, offset >> 32],
+        data = np.array([s & 0xFFFFFFFF, s >> 32, offset & 0xFFFFFFFF, offset >> 32],
                         dtype=np.uint32)
+        if on_draw is not None:
+            on_draw(self, data)
+        return data
 
+
+# Called with (generator, key data) for every draw while a capture (``eager/capture.py``) is in
+# progress: replaying it draws again from the same generators.
+on_draw = None
 
 _defaults: dict[int, TpuGenerator] = {}
 

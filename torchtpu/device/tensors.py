@@ -58,6 +58,9 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     size = tuple(array.shape)
     t = _create(size, dtype)
     st = storages.new_storage(math.prod(size) * dtype.itemsize)
+    if capture is not None:
+        capture.seen(st)
+        array = capture.recorded(array)
     st._tpu_array = array
     _set_storage(_CPU, t, st, 0, list(size), list(contiguous_strides(size)))
     return t
@@ -88,6 +91,11 @@ def call(fn, *args):
     if recorder is not None:
         return recorder.record(fn, args)
     return fn(*args)
+
+
+# The capture in progress (``eager/capture.py``), else None. It is told of every storage read or
+# written, so that replaying the capture can read and rebind the same storages.
+capture = None
 
 
 # A copy into a new buffer, jitted: ``jax.Array.copy()`` goes through slow Python paths.
@@ -142,9 +150,13 @@ def storage_array(t: torch.Tensor):
         array = st._tpu_array = array.resolve()
     if array is None:
         if _covers_storage(t, st):
-            array = st._tpu_array = call(_zeros(tuple(t.shape), dtypes.to_jax(t.dtype)))
+            zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
+            # A capture reads a never-written storage as a real input, not as zeros it records.
+            array = st._tpu_array = zeros() if capture is not None else call(zeros)
         else:
             array = storages.zeros_for(st)
+    if capture is not None:
+        capture.seen(st)
     return array
 
 
@@ -199,6 +211,9 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         value = _apply_lazy_bits(t, value)
     st = t.untyped_storage()
     if _covers_storage(t, st):
+        if capture is not None:
+            capture.seen(st)
+            value = capture.recorded(value)
         st._tpu_array = value
         return
     array = storage_array(t)

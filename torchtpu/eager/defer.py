@@ -83,16 +83,19 @@ class Pending(tensors.Deferred):
         """The array, flushing the recording if it is still pending."""
         value = self.resolve()
         if value is self:
-            RECORDER.flush()
+            self._trace.recorder.flush()
             value = self.resolve()
         return value
 
+    def _recorder(self) -> Recorder:
+        return self._trace.recorder if self.resolve() is self else tensors.deferrer or RECORDER
+
     def copy(self):
         # A storage never shares its array with another, so a copy is a distinct output.
-        return RECORDER.record(_identity, (self,))
+        return self._recorder().record(_identity, (self,))
 
     def astype(self, dtype):
-        return RECORDER.record(_astype(np.dtype(dtype)), (self,))
+        return self._recorder().record(_astype(np.dtype(dtype)), (self,))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return np.array(self.materialize(), dtype=dtype)  # a copy: buffers may be donated later
@@ -114,7 +117,8 @@ class Pending(tensors.Deferred):
 class _Trace:
     """One recording: calls, their inputs from outside, and weak references to their outputs."""
 
-    def __init__(self) -> None:
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
         self.nodes: list = []    # (fn, args treedef or None, refs)
         self.outs: list = []     # per node, weakrefs to its Pending outputs
         self.inputs: list = []   # arrays and numbers from outside the recording
@@ -180,9 +184,11 @@ def _donatable(inputs: list, targets: list) -> tuple:
 class Recorder:
     """The process's recording; thread-safe, since backward runs on PyTorch's autograd thread."""
 
+    max_ops = MAX_OPS
+
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._trace = _Trace()
+        self._trace = _Trace(self)
         self._shapes: dict = {}
         self._programs: dict = {}
 
@@ -223,7 +229,7 @@ class Recorder:
             outs = [Pending(aval, trace, node, i) for i, aval in enumerate(avals)]
             trace.outs.append([weakref.ref(p) for p in outs])
             metrics.count("deferred_ops")
-            if node + 1 >= MAX_OPS:
+            if node + 1 >= self.max_ops:
                 self.flush()
             return outs[0] if single else out_tree.unflatten(outs)
 
@@ -243,7 +249,7 @@ class Recorder:
             trace = self._trace
             if not trace.nodes:
                 return
-            self._trace = _Trace()
+            self._trace = _Trace(self)
             targets, wanted = self._alive(trace)
             inputs, trace.inputs = trace.inputs, None
             if not targets:

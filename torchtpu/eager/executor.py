@@ -60,6 +60,16 @@ def _internal(frame: types.FrameType) -> bool:
     return frame.f_code.co_filename.startswith(_INTERNAL)
 
 
+def user_location() -> str:
+    """Where the user's code is: "file:line" of the innermost frame outside the internals."""
+    frame = sys._getframe(1)
+    while frame is not None and _internal(frame):
+        frame = frame.f_back
+    if frame is None:
+        return "on PyTorch's autograd thread (in backward)"
+    return f"at {frame.f_code.co_filename}:{frame.f_lineno}"
+
+
 def reported_at_user(error: BaseException) -> bool:
     """Whether error is one of Debug's, whose traceback should end at the user's line."""
     return getattr(error, _AT_USER, False)

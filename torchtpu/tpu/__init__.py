@@ -50,6 +50,8 @@ from torchtpu.eager import executor as _executor
 from torchtpu.eager import modes as _modes
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.runtime import compile_cache as _compile_cache
+from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_callables, streams)
+from torchtpu.tpu.graphs import __all__ as _graphs_all
 
 # Submodules imported on first attribute access (each is ``torchtpu/tpu/<name>.py``).
 _LAZY_SUBMODULES: frozenset = frozenset()
@@ -149,5 +151,5 @@ __all__ = [
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
     "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats", "seed",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
-    "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork",
+    "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
 ]

@@ -1,0 +1,184 @@
+"""Captured steps (torch.tpu.TPUGraph, torch.tpu.graph, make_graphed_callables): one program per
+replay, the same losses as eager training, guards that raise, RNG that advances, host reads
+that raise at the user's line."""
+
+import inspect
+
+import numpy as np
+import pytest
+import torch
+
+from torchtpu import metrics
+
+N, D_IN, H, D_OUT = 16, 12, 20, 6
+
+
+def _net(dropout: float = 0.0) -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(D_IN, H), torch.nn.Dropout(dropout),
+                               torch.nn.GELU(), torch.nn.Linear(H, D_OUT)).to("tpu")
+
+
+def _batches(n: int) -> list:
+    gen = torch.Generator().manual_seed(4)
+    return [(torch.randn(N, D_IN, generator=gen), torch.randn(N, D_OUT, generator=gen))
+            for _ in range(n)]
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1, capturable=True)
+
+
+def _eager(batches, schedule=None) -> list:
+    model = _net()
+    opt = _adamw(model)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if schedule:
+            opt.param_groups[0]["lr"] = schedule(i)
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x.to("tpu")), y.to("tpu"))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _captured(model, opt, static_x, static_y):
+    """The whole-network pattern of PyTorch's CUDA Graphs notes, "cuda" -> "tpu"."""
+    g = torch.tpu.TPUGraph()
+    opt.zero_grad(set_to_none=True)
+    with torch.tpu.graph(g):
+        static_loss = torch.nn.functional.mse_loss(model(static_x), static_y)
+        static_loss.backward()
+        opt.step()
+    return g, static_loss
+
+
+def test_whole_step_replay_matches_eager_training_with_a_scheduled_lr():
+    batches = _batches(7)
+    schedule = lambda i: 0.02 * 0.8 ** i  # noqa: E731
+    expected = _eager(batches, schedule)
+    model = _net()
+    opt = _adamw(model)
+    static_x, static_y = (t.to("tpu") for t in batches[0])
+    losses = []
+    s = torch.tpu.Stream()
+    s.wait_stream(torch.tpu.current_stream())
+    with torch.tpu.stream(s):
+        for i, (x, y) in enumerate(batches[:3]):  # warm-up: creates the optimizer state
+            opt.param_groups[0]["lr"] = schedule(i)
+            static_x.copy_(x)
+            static_y.copy_(y)
+            opt.zero_grad(set_to_none=True)
+            loss = torch.nn.functional.mse_loss(model(static_x), static_y)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    torch.tpu.current_stream().wait_stream(s)
+    before = [p.detach().cpu() for p in model.parameters()]
+    g, static_loss = _captured(model, opt, static_x, static_y)
+    # Capturing records without running: the parameters did not move.
+    for p, q in zip(model.parameters(), before):
+        assert torch.equal(p.detach().cpu(), q)
+    runs = metrics.snapshot()["executions"]
+    for i, (x, y) in enumerate(batches[3:], start=3):
+        opt.param_groups[0]["lr"] = schedule(i)  # an input of the program, not a constant
+        static_x.copy_(x)
+        static_y.copy_(y)
+        g.replay()
+        losses.append(static_loss.item())
+    np.testing.assert_allclose(losses, expected, rtol=2e-6, atol=1e-7)
+    # Each replay is one program (the copies in are one each, the loss read none).
+    assert metrics.snapshot()["executions"] - runs <= 4 * 3
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_dropout_masks_differ_between_replays():
+    model = _net(dropout=0.5)
+    static_x = torch.randn(N, D_IN, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        static_out = model(static_x)
+    outs = []
+    for _ in range(2):
+        g.replay()
+        outs.append(static_out.cpu())
+    assert not torch.equal(outs[0], outs[1])
+
+
+def test_host_read_inside_a_capture_raises_at_the_users_line():
+    x = torch.randn(4, device="tpu")
+    g = torch.tpu.TPUGraph()
+    line = inspect.currentframe().f_lineno + 3
+    with pytest.raises(torch.tpu.CaptureError, match=rf"test_graphs.py:{line}"):
+        with torch.tpu.graph(g):
+            (x * 2).sum().item()
+    with pytest.raises(torch.tpu.CaptureError, match="result shape depends on values"):
+        with torch.tpu.graph(torch.tpu.TPUGraph()):
+            x[x > 0]
+    # The aborted capture left the device as it was.
+    assert torch.tpu.is_current_stream_capturing() is False
+    assert (x + 1).cpu().shape == (4,)
+
+
+def test_guards_raise_rather_than_replay_stale_programs():
+    model = _net()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    static_x, static_y = torch.randn(N, D_IN, device="tpu"), torch.randn(N, D_OUT, device="tpu")
+    g, _ = _captured(model, sgd, static_x, static_y)
+    g.replay()
+    sgd.param_groups[0]["lr"] = 0.05  # SGD's lr is baked into its program: must raise
+    with pytest.raises(torch.tpu.CaptureError, match=r"\['lr'\] changed"):
+        g.replay()
+    sgd.param_groups[0]["lr"] = 0.1
+    g.replay()
+    sgd.zero_grad(set_to_none=True)
+    with pytest.raises(torch.tpu.CaptureError, match="not the tensor the capture used"):
+        g.replay()
+
+
+def test_optimizers_a_replay_could_not_repeat_raise_at_capture():
+    model = _net()
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)  # CPU step counts
+    static_x, static_y = torch.randn(N, D_IN, device="tpu"), torch.randn(N, D_OUT, device="tpu")
+    torch.nn.functional.mse_loss(model(static_x), static_y).backward()
+    plain.step()
+    with pytest.raises(torch.tpu.CaptureError, match="capturable=True"):
+        _captured(model, plain, static_x, static_y)
+    cold = _adamw(model)  # no warm-up step: its state would be created inside the capture
+    with pytest.raises(torch.tpu.CaptureError, match="warm-up"):
+        _captured(model, cold, static_x, static_y)
+
+
+def test_make_graphed_callables_matches_cpu_forward_and_backward(tmp_path):
+    model = _net()
+    cpu = torch.nn.Sequential(torch.nn.Linear(D_IN, H), torch.nn.Dropout(0.0),
+                              torch.nn.GELU(), torch.nn.Linear(H, D_OUT))
+    cpu.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+    sample = torch.randn(N, D_IN, device="tpu", requires_grad=True)
+    graphed = torch.tpu.make_graphed_callables(model, (sample,), num_warmup_iters=1)
+    for x, _ in _batches(2):
+        a = x.to("tpu").requires_grad_()
+        out = graphed(a)
+        out.square().sum().backward()
+        b = x.clone().requires_grad_()
+        expected = cpu(b)
+        expected.square().sum().backward()
+        np.testing.assert_allclose(out.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(a.grad.cpu(), b.grad, rtol=1e-5, atol=1e-6)
+        for p, q in zip(model.parameters(), cpu.parameters()):
+            np.testing.assert_allclose(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(torch.tpu.CaptureError, match="captured as"):
+        graphed(torch.randn(N + 1, D_IN, device="tpu", requires_grad=True))
+
+
+def test_debug_dump_writes_the_captured_program(tmp_path):
+    x = torch.randn(4, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        y = x.pow(2) + 1
+    g.replay()
+    np.testing.assert_allclose(y.cpu(), x.cpu() ** 2 + 1, rtol=1e-6)
+    g.debug_dump(str(tmp_path / "g.mlir"))
+    assert "func.func" in (tmp_path / "g.mlir").read_text()

@@ -1,0 +1,303 @@
+"""Captured steps: one run of eager code recorded into one XLA program, then replayed.
+
+A capture makes the process's executor record instead of run, as DeferAndFuse does
+(``eager/defer.py``), into a recording of its own that is never flushed: nothing runs while
+capturing. The device layer tells the capture of every storage an op reads or writes
+(``tensors.capture``) and of every random key drawn (``random.on_draw``). ``Capture.finish``
+turns the recording into a ``Captured`` program:
+- its inputs are the arrays the storages held when the capture first touched them (a parameter,
+  a gradient, an optimizer moment, a static input), the key data of each random draw, inputs fed
+  by a function at replay (``Capture.feed``: a learning rate), and constants (Python numbers,
+  host data copied in during the capture);
+- its outputs are the values the capture left in storages (an updated parameter, a new
+  gradient, the loss).
+Each storage then gets back the array it held before the capture (nothing ran); a storage the
+capture created holds zeros until the first replay.
+
+``Captured.replay()`` reads the same storages, draws new keys from the same generators, calls the
+one program, and rebinds each written storage to its new array. A storage both read and written
+is donated, so parameters and optimizer state are updated in place. No per-op Python, no
+autograd engine: one program call.
+
+Inside a capture, whatever needs a value on the host (``.item()``, ``.cpu()``, printing,
+``torch.tpu.synchronize()``, an op whose result shape depends on values, an op that runs on the
+CPU) raises ``CaptureError`` naming the user's line: a replay could not repeat it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torchtpu import metrics
+from torchtpu.device import random, tensors
+from torchtpu.eager import executor
+from torchtpu.eager.defer import Pending, Recorder, _identity, _replay
+from torchtpu.eager.program import Spec, program
+from torchtpu.lowering.registry import Lowering
+
+# Input sources of a captured program.
+STORAGE = "storage"   # the array a storage holds at replay
+KEY = "key"           # key data drawn from a generator at replay
+FED = "fed"           # the value a function returns at replay
+CONST = "const"       # the value seen at capture
+
+
+class CaptureError(RuntimeError):
+    """Something inside a capture that a replay could not repeat."""
+
+
+def _at(what: str) -> CaptureError:
+    return CaptureError(
+        f"torchtpu: {what} inside a graph capture, {executor.user_location()}: a capture records "
+        "device work without running it, so no value exists yet and a replay could not repeat "
+        "what the host did with it. Move it out of the captured region (read results after "
+        "g.replay()), or run this code eagerly.")
+
+
+class _Recording(Recorder):
+    """A capture's recording: unbounded, and never flushed (a flush would be a host read)."""
+
+    max_ops = float("inf")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed = False
+
+    def flush(self) -> None:
+        if self.closed:
+            raise RuntimeError("torchtpu: this value was computed inside a graph capture and "
+                               "exists only in the captured program's storages; read it "
+                               "through a tensor after replay()")
+        raise _at("a host read of a device value (.item(), .cpu(), print, bool, ...)")
+
+
+class _Capturing(executor.Strict):
+    """The executor while a capture is in progress: every op is recorded into the capture."""
+
+    name = "capture"
+
+    def __init__(self, capture: Capture) -> None:
+        self._capture = capture
+
+    def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        return self._capture.recording.record(program(lowering, spec), dyn)
+
+    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        raise _at(f"{lowering.op}, whose result shape depends on values,")
+
+    def flush(self) -> None:
+        raise _at("torch.tpu.synchronize()")
+
+    def enter(self) -> None:
+        tensors.deferrer = self._capture.recording
+        tensors.capture = self._capture
+        random.on_draw = self._capture.drew
+
+    def leave(self) -> None:
+        tensors.deferrer = None
+        tensors.capture = None
+        random.on_draw = None
+
+
+
+class Capture:
+    """One capture in progress: ``begin()``, run the code, ``finish()`` (or ``abort()``)."""
+
+    def __init__(self) -> None:
+        self.recording = _Recording()
+        self._storages: dict = {}   # id -> (storage, its array when first touched)
+        self._draws: dict = {}      # id(key data) -> (generator, key data)
+        self._fed: dict = {}        # id(storage) -> function giving its value at replay
+        self._previous = None
+
+    # ---- called by the device layer while capturing
+
+    def seen(self, st) -> None:
+        """st is about to be read or written: remember what it holds first."""
+        if id(st) not in self._storages:
+            self._storages[id(st)] = (st, st._tpu_array)
+
+    def recorded(self, value):
+        """A concrete array stored during the capture becomes a recorded value too."""
+        if isinstance(value, jax.Array):
+            return self.recording.record(_identity, (value,))
+        return value
+
+    def drew(self, generator, data) -> None:
+        self._draws[id(data)] = (generator, data)
+
+    def host_read(self) -> None:
+        raise _at("a host read of a device value (.item(), .cpu(), print, bool, ...)")
+
+    # ---- called by the capturing code
+
+    def feed(self, st, fn: Callable[[], object]) -> None:
+        """At replay, storage st's input is fn()'s value instead of what st holds."""
+        self._fed[id(st)] = fn
+
+    def created(self, st) -> bool:
+        """Whether storage st was first written inside this capture (it held nothing before)."""
+        entry = self._storages.get(id(st))
+        return entry is not None and entry[1] is None
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Run the block eagerly, outside the recording (to make a tensor the capture reads)."""
+        executor.set_current(self._previous)
+        try:
+            yield
+        finally:
+            executor.set_current(self._capturing)
+
+    def begin(self) -> None:
+        if executor.current().name == "capture":
+            raise CaptureError("torchtpu: a graph capture is already in progress; captures "
+                               "do not nest")
+        executor.flush()  # DeferAndFuse's pending work runs first: it is not part of the capture
+        self._previous = executor.current()
+        self._capturing = _Capturing(self)
+        executor.set_current(self._capturing)
+
+    def _end(self) -> None:
+        executor.set_current(self._previous)
+        self.recording.closed = True
+
+    def abort(self) -> None:
+        """Leave the capture and give every storage back what it held."""
+        self._end()
+        for st, start in self._storages.values():
+            st._tpu_array = start
+
+    def finish(self) -> Captured:
+        """Leave the capture; the recording as one program over the storages it touched."""
+        self._end()
+        trace = self.recording._trace
+        outputs: dict = {}   # (node, leaf) -> storages holding that value
+        for st, _ in self._storages.values():
+            value = st._tpu_array
+            if isinstance(value, Pending) and value.resolve() is value and value._trace is trace:
+                outputs.setdefault((value._node, value._leaf), []).append(st)
+        wanted = tuple(outputs)
+        targets = [outputs[w] for w in wanted]
+        avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
+        sources = self._sources(trace.inputs)
+        written = {id(st) for sts in targets for st in sts}
+        donate = _donations(sources, written, avals)
+        for st, start in self._storages.values():
+            value = st._tpu_array
+            if start is None and isinstance(value, Pending):
+                # Created by the capture: zeros until a replay writes it, so that a later
+                # capture (a backward after a forward) reads it as an input of its shape.
+                start = jnp.zeros(value.shape, value.dtype)
+            st._tpu_array = start
+        fn = jax.jit(_replay(tuple(trace.nodes), wanted), donate_argnums=donate)
+        metrics.count("captures")
+        return Captured(fn, sources, targets, len(trace.nodes))
+
+    def _sources(self, inputs: list) -> list:
+        by_array = {id(start): st for st, start in self._storages.values()
+                    if isinstance(start, jax.Array)}
+        sources = []
+        for x in inputs:
+            st = by_array.get(id(x)) if isinstance(x, jax.Array) else None
+            if st is not None:
+                fed = self._fed.get(id(st))
+                if fed is not None:
+                    sources.append((FED, fed, None))
+                else:
+                    sources.append((STORAGE, st, (x.shape, x.dtype)))
+            elif isinstance(x, np.ndarray) and id(x) in self._draws:
+                sources.append((KEY, self._draws[id(x)][0], None))
+            else:
+                sources.append((CONST, x, None))
+        return sources
+
+
+def _aval(p: Pending) -> tuple:
+    return (tuple(p.shape), np.dtype(p.dtype))
+
+
+def _donations(sources: list, written: set, avals: list) -> tuple:
+    """Storage inputs the program overwrites, each with an output of its shape to reuse."""
+    free: dict = {}
+    for a in avals:
+        free[a] = free.get(a, 0) + 1
+    donate = []
+    for i, (kind, st, sig) in enumerate(sources):
+        if kind is STORAGE and id(st) in written:
+            k = (tuple(sig[0]), np.dtype(sig[1]))
+            if free.get(k):
+                free[k] -= 1
+                donate.append(i)
+    return tuple(donate)
+
+
+class Captured:
+    """A captured program bound to the storages it reads and writes."""
+
+    def __init__(self, fn, sources: list, targets: list, ops: int) -> None:
+        self._fn = fn
+        self._sources = sources
+        self._targets = targets
+        self.ops = ops  # recorded calls in the program
+
+    def storages_read(self) -> list:
+        return [st for kind, st, _ in self._sources if kind is STORAGE]
+
+    def storages_written(self) -> list:
+        return [st for sts in self._targets for st in sts]
+
+    def _arguments(self, bind: dict | None) -> list:
+        args = []
+        for kind, x, sig in self._sources:
+            if kind is STORAGE:
+                a = bind.get(id(x)) if bind else None
+                args.append(_storage_input(x, sig) if a is None else a)
+            elif kind is KEY:
+                args.append(x.next_key_data())
+            elif kind is FED:
+                args.append(x())
+            else:
+                args.append(x)
+        return args
+
+    def replay(self, bind: dict | None = None) -> None:
+        """Run the program once: read the storages, rebind the written ones.
+
+        ``bind`` maps ``id(storage)`` to an array to use instead of what that storage holds.
+        """
+        if tensors.capture is not None:
+            raise CaptureError("torchtpu: replay() inside a graph capture; captures do not nest")
+        args = self._arguments(bind)
+        metrics.count("executions")
+        results = self._fn(*args)
+        seen = {id(a) for a in args}
+        for sts, r in zip(self._targets, results, strict=True):
+            for st in sts:
+                if id(r) in seen:  # a program may hand an input back; storages never share one
+                    r = tensors.copy_buffer(r)
+                seen.add(id(r))
+                st._tpu_array = r
+
+    def hlo(self) -> str:
+        """The captured program as StableHLO text."""
+        return self._fn.lower(*self._arguments(None)).as_text()
+
+
+def _storage_input(st, sig: tuple):
+    a = st._tpu_array
+    if isinstance(a, tensors.Deferred):
+        a = st._tpu_array = a.materialize()  # written by DeferAndFuse since: run it now
+    if a is None or a.shape != sig[0] or a.dtype != sig[1]:
+        if a is not None and a.dtype == sig[1] and a.size == np.prod(sig[0], dtype=int):
+            return a.reshape(sig[0])  # the same bytes, last written through another shape
+        raise CaptureError(
+            "torchtpu: a storage the captured program reads no longer holds a value of the "
+            f"captured shape and dtype ({sig[0]}, {sig[1]}; it holds "
+            f"{None if a is None else (a.shape, a.dtype)}); capture again")
+    return a

@@ -1,0 +1,226 @@
+"""``torch.tpu.TPUGraph`` and ``torch.tpu.graph``: CUDA Graphs' capture and replay on the device.
+
+A ``TPUGraph`` holds one capture (``eager/capture.py``): ``with torch.tpu.graph(g): ...`` records
+the block's device work without running it, and each ``g.replay()`` runs it as one XLA program.
+What this module adds to the capture is what a training step needs to stay correct from replay
+to replay:
+- every optimizer stepped inside the capture is watched (PyTorch's global optimizer step hooks):
+  a ``capturable=True`` group's learning rate becomes an input of the program, read from
+  ``param_groups`` at each replay, so a scheduler's new ``lr`` is used without a recapture;
+- guards, checked before each replay: the optimizer's other hyperparameters, and the identity of
+  every parameter, gradient and state tensor (and of the storage under it); a change raises
+  ``CaptureError`` rather than replaying a program that no longer matches;
+- an optimizer that keeps its step count on the CPU (``capturable=False``), or whose state would
+  be created inside the capture (no warm-up step), raises at capture: a replay would repeat the
+  first step's bias correction, or recreate the state every step.
+
+Replay cannot repeat what Python did during the capture: counters (``optimizer._step_count``,
+an LR scheduler's ``step()``), prints, host-side data structures. The random generators advance
+on every replay, so dropout masks differ from step to step as in eager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+from torchtpu.eager import executor
+from torchtpu.eager.capture import Capture, Captured, CaptureError
+
+
+def _state_tensors(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple:
+    state = opt.state.get(p, {})
+    return tuple((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
+
+
+def _hyperparameters(group: dict, fed_lr: bool) -> tuple:
+    return tuple((k, v) for k, v in group.items()
+                 if k != "params" and not (fed_lr and k == "lr"))
+
+
+class _OptimizerWatch:
+    """The optimizers stepped during one capture: their learning rates fed, their guards."""
+
+    def __init__(self, capture: Capture) -> None:
+        self._capture = capture
+        self._seen: dict = {}       # id -> optimizer
+        self._swapped: list = []    # (group, lr) while a step runs
+        self._fed: set = set()      # id(group) whose lr is an input of the program
+        self._handles: list = []
+
+    def install(self) -> None:
+        self._handles = [register_optimizer_step_pre_hook(self._before),
+                         register_optimizer_step_post_hook(self._after)]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._restore()
+
+    def _before(self, opt, args, kwargs) -> None:
+        self._seen[id(opt)] = opt
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for _, t in _state_tensors(opt, p):
+                    if t.device.type == "cpu" and t.dim() == 0:
+                        raise CaptureError(
+                            f"torchtpu: {type(opt).__name__} keeps its step count on the CPU "
+                            f"(capturable=False), {executor.user_location()}: a replay would "
+                            "repeat the first step's bias correction. Construct it with "
+                            "capturable=True to capture its step.")
+            lr = group.get("lr")
+            if group.get("capturable") and isinstance(lr, (int, float)):
+                self._swapped.append((group, lr))
+                group["lr"] = self._lr_tensor(group, lr)
+
+    def _lr_tensor(self, group: dict, lr: float) -> torch.Tensor:
+        # Made outside the recording, so that it is a storage the program reads; at each replay
+        # that input is the group's lr of the moment.
+        double = any(p.dtype == torch.float64 for p in group["params"])
+        dtype = torch.float64 if double else torch.float32
+        with self._capture.paused():
+            t = torch.tensor(float(lr), dtype=dtype, device=group["params"][0].device)
+        np_dtype = np.float64 if double else np.float32
+        self._capture.feed(t.untyped_storage(), lambda: np.asarray(group["lr"], np_dtype))
+        self._fed.add(id(group))
+        return t
+
+    def _after(self, opt, args, kwargs) -> None:
+        self._restore()
+        for group in opt.param_groups:
+            for p in group["params"]:
+                for name, t in _state_tensors(opt, p):
+                    if self._capture.created(t.untyped_storage()):
+                        raise CaptureError(
+                            f"torchtpu: {type(opt).__name__}'s state {name!r} was created "
+                            f"inside the capture, {executor.user_location()}: a replay would "
+                            "create it afresh every step. Run a few warm-up steps before "
+                            "capturing.")
+
+    def _restore(self) -> None:
+        for group, lr in self._swapped:
+            group["lr"] = lr
+        self._swapped = []
+
+    def guards(self) -> list:
+        out = []
+        for opt in self._seen.values():
+            groups = []
+            for group in opt.param_groups:
+                tensors = tuple((p, p.untyped_storage(), p.grad, _state_tensors(opt, p))
+                                for p in group["params"])
+                fed = id(group) in self._fed
+                groups.append((group, fed, _hyperparameters(group, fed), tensors))
+            out.append((opt, groups))
+        return out
+
+
+def _check(guards: list) -> None:
+    for opt, groups in guards:
+        name = type(opt).__name__
+        if len(opt.param_groups) != len(groups):
+            raise CaptureError(f"torchtpu: {name}'s param_groups changed since the capture; "
+                               "capture again")
+        for group, (captured, fed, hyper, tensors) in zip(opt.param_groups, groups):
+            if group is not captured or len(group["params"]) != len(tensors):
+                raise CaptureError(f"torchtpu: {name}'s param_groups changed since the "
+                                   "capture; capture again")
+            if _hyperparameters(group, fed) != hyper:
+                changed = [k for k, v in hyper if group.get(k) != v]
+                raise CaptureError(
+                    f"torchtpu: {name} hyperparameter(s) {changed} changed since the capture "
+                    "(they are constants of the captured program; only the lr of a "
+                    "capturable=True optimizer is an input); capture again")
+            for p, (q, st, grad, state) in zip(group["params"], tensors):
+                if p is not q or p.untyped_storage() is not st or p.grad is not grad \
+                        or _state_tensors(opt, p) != state:
+                    raise CaptureError(
+                        f"torchtpu: a parameter, its .grad or its {name} state is not the "
+                        "tensor the capture used (replaced, or set to None by zero_grad?); the "
+                        "captured program updates the tensors it captured: do not zero or "
+                        "replace them between replays (replay refills .grad), or capture again")
+
+
+class TPUGraph:
+    """A captured region of device work, replayed as one XLA program (CUDA Graphs' CUDAGraph)."""
+
+    def __init__(self, keep_graph: bool = False) -> None:
+        self._capture: Capture | None = None
+        self._watch: _OptimizerWatch | None = None
+        self._captured: Captured | None = None
+        self._guards: list = []
+
+    def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
+        """Start recording (use ``torch.tpu.graph(g)`` rather than calling this)."""
+        if self._captured is not None:
+            raise RuntimeError("torchtpu: this TPUGraph already holds a capture; reset() it or "
+                               "use a new one")
+        self._capture = Capture()
+        self._watch = _OptimizerWatch(self._capture)
+        self._watch.install()
+        try:
+            self._capture.begin()
+        except BaseException:
+            self._watch.remove()
+            raise
+
+    def capture_end(self) -> None:
+        """Stop recording and build the program."""
+        self._watch.remove()
+        self._captured = self._capture.finish()
+        self._guards = self._watch.guards()
+        self._capture = self._watch = None
+
+    def _abort(self) -> None:
+        self._watch.remove()
+        self._capture.abort()
+        self._capture = self._watch = None
+
+    def replay(self) -> None:
+        """Run the captured work once (one program call)."""
+        if self._captured is None:
+            raise RuntimeError("torchtpu: replay() of a TPUGraph that holds no capture")
+        _check(self._guards)
+        self._captured.replay()
+
+    def reset(self) -> None:
+        """Drop the capture (and the storages it holds on to)."""
+        self._captured = None
+        self._guards = []
+
+    def pool(self) -> tuple:
+        """A memory-pool handle, for API compatibility: XLA buffers need no private pool."""
+        return ()
+
+    def enable_debug_mode(self) -> None:
+        """Kept for API compatibility; ``debug_dump`` needs no switch."""
+
+    def debug_dump(self, debug_path: str) -> None:
+        """Write the captured program as StableHLO text to debug_path."""
+        if self._captured is None:
+            raise RuntimeError("torchtpu: debug_dump() of a TPUGraph that holds no capture")
+        with open(debug_path, "w") as f:
+            f.write(self._captured.hlo())
+
+    @property
+    def captured(self) -> Captured | None:
+        return self._captured
+
+
+@contextlib.contextmanager
+def graph(tpu_graph: TPUGraph, pool=None, stream=None, capture_error_mode: str = "global"):
+    """Capture the block's device work into tpu_graph (``torch.cuda.graph``'s counterpart)."""
+    tpu_graph.capture_begin(pool, capture_error_mode)
+    try:
+        yield tpu_graph
+    except BaseException:
+        tpu_graph._abort()
+        raise
+    tpu_graph.capture_end()

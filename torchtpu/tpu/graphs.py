@@ -1,0 +1,101 @@
+"""``torch.tpu``'s CUDA Graphs surface: ``TPUGraph``, ``graph``, ``make_graphed_callables``, and
+the stream API that CUDA Graphs code uses around them.
+
+The machinery is in the eager layer (``eager/capture.py``, ``eager/graphs.py``,
+``eager/graphed.py``). Streams exist so that code written for CUDA runs unchanged: the device
+runs one ordered queue of programs, so every stream is that queue, ``wait_stream`` and events
+have nothing to wait for beyond it, and ``synchronize`` waits for the device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from torchtpu.eager.capture import CaptureError
+from torchtpu.eager.graphed import make_graphed_callables
+from torchtpu.eager.graphs import TPUGraph, graph
+
+
+def _synchronize() -> None:
+    torch.tpu.synchronize()
+
+
+class Stream:
+    """A device stream: the device's one ordered queue (see the module docstring)."""
+
+    def __init__(self, device=None, priority: int = 0) -> None:
+        self.device = torch.device("tpu", torch.tpu.current_device() if device is None
+                                   else torch.device(device).index or 0)
+        self.priority = priority
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Nothing to wait for: all streams are one queue."""
+
+    def wait_event(self, event: Event) -> None:
+        """Nothing to wait for: all streams are one queue."""
+
+    def record_event(self, event: Event | None = None) -> Event:
+        return event if event is not None else Event()
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _synchronize()
+
+
+class Event:
+    """A stream event: everything before it is in the same queue."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Nothing to record: all streams are one queue."""
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Nothing to wait for: all streams are one queue."""
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        _synchronize()
+
+
+_default = {}
+
+
+def current_stream(device=None) -> Stream:
+    index = torch.tpu.current_device() if device is None else torch.device(device).index or 0
+    if index not in _default:
+        _default[index] = Stream(torch.device("tpu", index))
+    return _default[index]
+
+
+default_stream = current_stream
+
+
+@contextlib.contextmanager
+def stream(s: Stream | None):
+    """Run the block on stream s (the device's one queue)."""
+    yield
+
+
+def set_stream(s: Stream) -> None:
+    """Streams are one queue: nothing to switch."""
+
+
+def is_current_stream_capturing() -> bool:
+    """Whether a ``torch.tpu.graph`` capture is in progress."""
+    from torchtpu.device import tensors
+
+    return tensors.capture is not None
+
+
+__all__ = ["CaptureError", "Event", "Stream", "TPUGraph", "current_stream", "default_stream",
+           "graph", "is_current_stream_capturing", "make_graphed_callables", "set_stream",
+           "stream"]
