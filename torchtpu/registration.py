@@ -91,6 +91,27 @@ def _install_matmul_precision() -> None:
     torch.set_float32_matmul_precision = set_float32_matmul_precision
 
 
+def _install_parameter_swap() -> None:
+    # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's
+    # shallow-copy check does not know PrivateUse1), splitting tied weights in two.
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    # The flag makes load_state_dict swap too, and swap_tensors refuses a tensor that has weak
+    # references: the RNN modules keep one to each weight, so their load_state_dict failed (on
+    # CPU as well). Their own _apply drops and rebuilds those references around a conversion;
+    # loading does the same here.
+    rnn = torch.nn.modules.rnn.RNNBase
+    load = rnn._load_from_state_dict
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._flat_weight_refs = []
+        try:
+            load(self, *args, **kwargs)
+        finally:
+            self._init_flat_weights()
+
+    rnn._load_from_state_dict = _load_from_state_dict
+
+
 def register() -> None:
     with _lock:
         if _libraries:
@@ -119,9 +140,7 @@ def register() -> None:
         platform.local_device()  # pins JAX's default device to this process's accelerator
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
-        # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's
-        # shallow-copy check does not know PrivateUse1), splitting tied weights in two.
-        torch.__future__.set_swap_module_params_on_conversion(True)
+        _install_parameter_swap()
 
         from torchtpu.eager import modes
 

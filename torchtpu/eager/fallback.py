@@ -40,6 +40,13 @@ def _to_cpu(x):
 
 def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
     name = str(op)
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
+        # Said in the op's terms: running it would end in a dispatcher error about CPU.
+        raise NotImplementedError(
+            f"torchtpu: aten op '{name}' has no tpu lowering, and the CPU fallback cannot run "
+            "it: PyTorch has no CPU kernel for it (only device kernels, such as CUDA's). "
+            "Please report it to torchtpu."
+        )
     mode = policy()
     if mode == "error":
         raise NotImplementedError(

@@ -14,6 +14,7 @@ from torchtpu.lowering import (  # noqa: F401
     optim,
     random,
     reduction,
+    rnn,
     shape,
     special,
 )
