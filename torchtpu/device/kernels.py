@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 
 import jax
 import jax.numpy as jnp
@@ -69,12 +70,22 @@ def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory
     return tensors.new_tensor(size, dtype or torch.get_default_dtype(), stride)
 
 
+# Every host read (``.item()``, ``.cpu()``, ``print``) goes through to_numpy. A tool that
+# watches them (``torchtpu.tools``) sets this to ``fn(nbytes, seconds)``; while it is None a read
+# pays one global lookup and no clock.
+host_read_watcher = None
+
+
 def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer)."""
     if tensors.capture is not None:
         tensors.capture.host_read()
+    watcher = host_read_watcher
+    start = time.perf_counter() if watcher is not None else 0.0
     array = np.array(tensors.read(t))  # a copy: a donated buffer must never back a CPU tensor
     metrics.count("device_to_host_bytes", array.nbytes)
+    if watcher is not None:
+        watcher(array.nbytes, time.perf_counter() - start)
     return array
 
 

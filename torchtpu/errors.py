@@ -1,0 +1,106 @@
+"""The categories every torchtpu error and warning message starts with, and their glossary.
+
+A message reads ``"torchtpu.<category>: <what happened and what to do>"``. The prefix is stable,
+so a program can filter on it (``warnings.filterwarnings("ignore", message="torchtpu.fallback")``)
+and a person can look it up: ``GLOSSARY`` gives each category's cause and fix, and the README's
+glossary is ``glossary_markdown()``. Raise sites keep their Python exception types (``ValueError``,
+``RuntimeError``, ...); only the text carries the category:
+
+    raise ValueError(errors.message("config", f"TORCHTPU_PLATFORM={v!r} is not one of ..."))
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from typing import NamedTuple
+
+
+class Entry(NamedTuple):
+    cause: str
+    fix: str
+
+
+GLOSSARY: dict[str, Entry] = {
+    "config": Entry(
+        "An environment variable or setting torchtpu reads has a value it does not accept.",
+        "Use one of the values the message lists (README, Settings); `python -m torchtpu.doctor` "
+        "checks them all."),
+    "device": Entry(
+        "A device that does not exist was asked for (an index other than 0, a platform with no "
+        "devices), or none could be opened.",
+        "Use `tpu` / `tpu:0` (one process per device); pick the chip with TORCHTPU_LOCAL_DEVICE "
+        "or torchrun's LOCAL_RANK, the platform with TORCHTPU_PLATFORM."),
+    "placement": Entry(
+        "An op got a tensor on another device (usually CPU) where a tpu tensor was needed.",
+        "Move the tensor with `.to(\"tpu\")` (inputs, targets, buffers created in `forward`)."),
+    "dtype": Entry(
+        "A dtype the device cannot hold or an op cannot take.",
+        "Cast to a supported dtype (float32, bfloat16, float16, float64, the integer and bool "
+        "types, complex64/128)."),
+    "fallback": Entry(
+        "An ATen op has no tpu lowering and no decomposition, so it ran on CPU (a warning; "
+        "copies both ways each call) or was refused (TORCHTPU_CPU_FALLBACK=error).",
+        "Avoid the op, or add a lowering (README, Adding an op); `python -m torchtpu.onboard` "
+        "lists every fallback with the module it came from."),
+    "check": Entry(
+        "Debug eager mode found an argument the op cannot take (an index out of bounds, ...).",
+        "Fix the argument at the line the error points to; Debug mode reports it there."),
+    "numerics": Entry(
+        "TORCHTPU_DEBUG_NANS=1 found a NaN or an infinity in an op's result.",
+        "Look at the op the message names and at its inputs (learning rate, log of zero, "
+        "division by zero, overflow in float16)."),
+    "compile": Entry(
+        "The torch.compile backend \"tpu\" could not compile a graph as asked (an option it "
+        "does not take, a graph it cannot run exactly).",
+        "Follow the message; a graph that cannot compile may run eagerly "
+        "(`torch.compiler.disable`) until it is supported."),
+    "cache": Entry(
+        "A persistent compile cache entry was unreadable (damaged, truncated), or the cache "
+        "directory cannot be used.",
+        "Nothing for a damaged entry: it is deleted and recompiled. For the directory, set "
+        "TORCHTPU_CACHE_DIR to a writable one (or `off`)."),
+    "unsupported": Entry(
+        "A feature or argument combination torchtpu does not implement yet.",
+        "Use the alternative the message names, or file an issue with the call."),
+    "argument": Entry(
+        "A torchtpu API got an argument of the wrong type or value.",
+        "Pass what the message and the function's docstring ask for."),
+    "experimental": Entry(
+        "An experimental API was used: it works, but its behaviour may change.",
+        "Nothing to do; filter the warning by its prefix to silence it."),
+    "tool": Entry(
+        "A torchtpu tool (doctor, onboard, diagnose, the MCP server) got input it cannot use: "
+        "a target that does not import, a model that fails on CPU, inputs on the wrong device.",
+        "Follow the message: the tools name the problem and never need a traceback to explain "
+        "it."),
+}
+
+_PREFIX = re.compile(r"^torchtpu\.([a-z]+): ")
+
+
+def message(category: str, text: str) -> str:
+    """text with category's prefix, ``"torchtpu.<category>: <text>"``."""
+    if category not in GLOSSARY:
+        raise ValueError(f"torchtpu.argument: unknown error category {category!r}; "
+                         f"use one of {', '.join(GLOSSARY)}")
+    return f"torchtpu.{category}: {text}"
+
+
+def warn(category: str, text: str, warning: type[Warning] = UserWarning,
+         stacklevel: int = 2) -> None:
+    """warnings.warn with category's prefix, attributed stacklevel frames above the caller."""
+    warnings.warn(message(category, text), warning, stacklevel=stacklevel + 1)
+
+
+def category_of(error: BaseException | Warning | str) -> str | None:
+    """The category a torchtpu message (an exception, a warning or its text) starts with."""
+    found = _PREFIX.match(str(error))
+    return found.group(1) if found and found.group(1) in GLOSSARY else None
+
+
+def glossary_markdown() -> str:
+    """The glossary as the README's table: one row per category, cause and fix."""
+    rows = ["| prefix | cause | fix |", "| --- | --- | --- |"]
+    rows += [f"| `torchtpu.{name}` | {e.cause} | {e.fix} |" for name, e in GLOSSARY.items()]
+    return "\n".join(rows)

@@ -1,0 +1,276 @@
+"""``python -m torchtpu.doctor [--json]``: what this machine gives torchtpu, and what is wrong.
+
+It reports the platform and devices, the torch / jax / jaxlib versions and whether they are a
+tested combination, whether ``import torch`` loads torchtpu, the compile cache (directory, size,
+writable, entries that fail their checksum), the torchtpu and TorchTPU environment variables in
+effect (values checked, unknown names flagged), and runs a self-test: an op in each eager mode,
+one compiled graph, and a program written to the persistent cache and read back. Each check is
+"ok", "warning" or "error", with the fix for anything not ok; the exit status is 1 when any check
+is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import jax
+import torch
+
+from torchtpu import metrics
+from torchtpu.runtime import compile_cache, platform
+from torchtpu.tools import render
+from torchtpu.tools.target import describe
+from torchtpu.tools.target import main as tool_main
+
+# The dev extra's pins (pyproject.toml): the combination the test suite runs on.
+TESTED = (("2.13.0", "0.10.2", "0.10.2"),)
+_PACKAGE = Path(__file__).resolve().parents[1]
+_NAME = re.compile(r"\b(?:TORCHTPU|TORCH_TPU)_[A-Z0-9_]+\b")
+# Settings with a closed set of values; the others take paths, sizes or indices.
+_VALUES = {
+    "TORCHTPU_PLATFORM": ("tpu", "gpu", "cpu"),
+    "TORCHTPU_CPU_FALLBACK": ("warn", "error", "silent"),
+    "TORCH_TPU_LAUNCH_BLOCKING": ("0", "1"),
+    "TORCH_TPU_DEFER_AND_FUSE": ("0", "1"),
+    "TORCHTPU_DEBUG_NANS": ("0", "1"),
+    "TORCH_DEVICE_BACKEND_AUTOLOAD": ("0", "1"),
+}
+_ALSO_SHOWN = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "LOCAL_RANK", "JAX_PLATFORMS", "XLA_FLAGS")
+
+
+@dataclass
+class Check:
+    name: str
+    status: str          # "ok", "warning" or "error"
+    detail: str
+    fix: str = ""
+
+
+def _version(name: str) -> str:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def check_platform() -> tuple[Check, dict]:
+    try:
+        name = platform.platform()
+        devices = [{"id": d.id, "kind": d.device_kind} for d in platform.devices()]
+    except Exception as e:
+        return Check("platform", "error", f"no usable device: {describe(e)}",
+                     "check TORCHTPU_PLATFORM / JAX_PLATFORMS; for TPU install libtpu "
+                     "(pip install 'jax[tpu]')"), {}
+    facts = {"platform": name, "devices": devices, "local_device": str(platform.local_device())}
+    return Check("platform", "ok", f"{name}: {len(devices)} device(s), "
+                 f"this process drives {facts['local_device']}"), facts
+
+
+def check_versions() -> tuple[Check, dict]:
+    found = (torch.__version__.split("+")[0], _version("jax"), _version("jaxlib"))
+    facts = dict(zip(("torch", "jax", "jaxlib"), found))
+    text = ", ".join(f"{k} {v}" for k, v in facts.items())
+    if found in TESTED:
+        return Check("versions", "ok", f"{text} (tested)"), facts
+    tested = "; ".join(f"torch {t}, jax {j}, jaxlib {jl}" for t, j, jl in TESTED)
+    return Check("versions", "warning", f"{text} is not a tested combination",
+                 f"install a tested one ({tested}): pip install -e '.[dev]'"), facts
+
+
+def check_autoload() -> tuple[Check, dict]:
+    points = [e for e in importlib.metadata.entry_points(group="torch.backends")
+              if e.value.startswith("torchtpu")]
+    setting = os.environ.get("TORCH_DEVICE_BACKEND_AUTOLOAD", "1")
+    facts = {"entry_point": points[0].value if points else None, "autoload": setting != "0"}
+    if not points:
+        return Check("autoload", "warning", "no torch.backends entry point for torchtpu: "
+                     "`import torch` alone does not give the tpu device",
+                     "install the package (pip install -e .), or `import torchtpu`"), facts
+    if setting == "0":
+        return Check("autoload", "warning", "TORCH_DEVICE_BACKEND_AUTOLOAD=0: `import torch` "
+                     "does not load torchtpu", "unset it, or `import torchtpu`"), facts
+    return Check("autoload", "ok", f"`import torch` loads torchtpu ({points[0].value})"), facts
+
+
+def cache_state() -> dict:
+    """The compile cache as the doctor sees it: the only place tools read the cache."""
+    path = compile_cache.cache_dir()
+    if path is None:
+        return {"enabled": False}
+    state = {"enabled": True, "path": str(path), "exists": path.is_dir(), "entries": 0,
+             "bytes": 0, "damaged": [], "max_bytes": compile_cache.max_bytes()}
+    if state["exists"]:
+        for entry in path.glob(f"*{compile_cache.SUFFIX}"):
+            try:
+                data = entry.read_bytes()
+            except OSError:
+                continue
+            state["entries"] += 1
+            state["bytes"] += len(data)
+            if compile_cache._problem(data):  # "" is an older format, replaced quietly
+                state["damaged"].append(entry.name)
+    try:
+        probe = path if state["exists"] else path.parent
+        with tempfile.NamedTemporaryFile(dir=probe):
+            state["writable"] = True
+    except OSError:
+        state["writable"] = False
+    return state
+
+
+def check_cache() -> tuple[Check, dict]:
+    try:
+        state = cache_state()
+    except ValueError as e:  # a bad TORCHTPU_CACHE_MAX_BYTES
+        return Check("compile cache", "error", str(e), "fix the variable"), {}
+    if not state["enabled"]:
+        return Check("compile cache", "warning", "off: every process compiles every program",
+                     "unset TORCHTPU_CACHE_DIR=off to keep programs across runs"), state
+    where = f"{state['path']}: {state['entries']} entries, {render.size(state['bytes'])}"
+    if not state["writable"]:
+        return Check("compile cache", "error", f"{where}, not writable",
+                     "set TORCHTPU_CACHE_DIR to a directory this user can write"), state
+    if state["damaged"]:
+        return Check("compile cache", "warning",
+                     f"{where}, {len(state['damaged'])} fail their checksum",
+                     "nothing needed: damaged entries are deleted and recompiled on use "
+                     f"(or delete them: {state['path']})"), state
+    return Check("compile cache", "ok", f"{where}, writable, checksums good"), state
+
+
+def _known_names() -> set:
+    """Every TORCHTPU_* / TORCH_TPU_* name torchtpu's own source reads."""
+    names = set(_VALUES)
+    for file in _PACKAGE.rglob("*.py"):
+        names.update(_NAME.findall(file.read_text(errors="replace")))
+    return names
+
+
+def check_environment() -> tuple[list, dict]:
+    shown = {k: v for k, v in sorted(os.environ.items())
+             if k.startswith(("TORCHTPU_", "TORCH_TPU_")) or k in _ALSO_SHOWN}
+    known, found = _known_names(), []
+    for name, value in shown.items():
+        allowed = _VALUES.get(name)
+        if allowed and value.strip().lower() not in allowed:
+            found.append(Check(f"env {name}", "error", f"{name}={value!r} is not accepted",
+                               f"use one of {', '.join(allowed)}"))
+        elif name.startswith(("TORCHTPU_", "TORCH_TPU_")) and name not in known:
+            close = [k for k in known if k.split("_")[-1] == name.split("_")[-1]]
+            found.append(Check(f"env {name}", "warning", f"{name} is not a variable torchtpu "
+                               "reads", f"a typo? did you mean {' or '.join(sorted(close))}"
+                               if close else "remove it (README, Settings lists them)"))
+    if not found:
+        found.append(Check("environment", "ok", f"{len(shown)} setting(s) in effect, all valid"))
+    return found, shown
+
+
+def _self_test_steps():
+    x = torch.arange(6.0).reshape(2, 3)
+    expected = (x * 2 + 1).sum(0)
+    for mode in torch.tpu.EagerMode:
+        def op(mode=mode):
+            with torch.tpu.set_eager_mode(mode):
+                got = (x.to("tpu") * 2 + 1).sum(0).cpu()
+            torch.testing.assert_close(got, expected)
+        yield f"eager {mode.name}", op
+
+    def graph():
+        fn = torch.compile(lambda a: (a.sin() * 2).sum(1), backend="tpu")
+        torch.testing.assert_close(fn(x.to("tpu")).cpu(), (x.sin() * 2).sum(1))
+    yield "torch.compile graph", graph
+
+    def round_trip():
+        path = compile_cache.cache_dir()
+        if path is None:
+            return "skipped: the cache is off"
+        before = set(path.glob(f"*{compile_cache.SUFFIX}"))
+        nonce = float(time.time_ns() % 1_000_003)  # a program no earlier run has cached
+
+        def fresh():
+            return jax.jit(lambda a: a * 3 + nonce)
+
+        hits = metrics.snapshot()["persistent_cache_hits"]
+        first = fresh()(jax.numpy.ones(3))
+        written = set(path.glob(f"*{compile_cache.SUFFIX}")) - before
+        second = fresh()(jax.numpy.ones(3))  # a new function: JAX looks in the persistent cache
+        hit = metrics.snapshot()["persistent_cache_hits"] - hits
+        for entry in written:
+            entry.unlink(missing_ok=True)
+        if not written:
+            raise RuntimeError(f"no entry was written to {path}")
+        if hit < 1 or not bool((first == second).all()):
+            raise RuntimeError(f"the entry written to {path} was not read back")
+        return None
+    yield "persistent cache round trip", round_trip
+
+
+def check_self_test() -> list:
+    found = []
+    for name, step in _self_test_steps():
+        start = time.perf_counter()
+        try:
+            note = step()
+        except Exception as e:
+            found.append(Check(f"self-test: {name}", "error", describe(e),
+                               "run the test suite (pytest) to narrow it down, and report it"))
+            continue
+        ms = (time.perf_counter() - start) * 1e3
+        found.append(Check(f"self-test: {name}", "warning" if note else "ok",
+                           note or f"passed ({ms:.0f} ms)",
+                           "set TORCHTPU_CACHE_DIR to enable the cache" if note else ""))
+    return found
+
+
+def run(self_test: bool = True) -> dict:
+    """Every check (the self-test too, unless self_test=False) and the facts behind them."""
+    checks, facts = [], {}
+    for probe, key in ((check_platform, "device"), (check_versions, "versions"),
+                       (check_autoload, "autoload"), (check_cache, "compile_cache")):
+        c, f = probe()
+        checks.append(c)
+        facts[key] = f
+    env_checks, facts["environment"] = check_environment()
+    checks += env_checks
+    if self_test and checks[0].status != "error":
+        checks += check_self_test()
+    return {"ok": all(c.status != "error" for c in checks),
+            "problems": [asdict(c) for c in checks if c.status != "ok"],
+            "checks": [asdict(c) for c in checks], **facts}
+
+
+def format_report(result: dict) -> str:
+    lines = ["torchtpu doctor"]
+    lines += render.table(["check", "status", "detail"],
+                          [[c["name"], c["status"], c["detail"]] for c in result["checks"]])
+    for p in result["problems"]:
+        lines.append(f"{p['status']}: {p['name']}: fix: {p['fix']}")
+    lines.append("all good" if result["ok"] and not result["problems"] else
+                 ("no errors" if result["ok"] else "errors found"))
+    return "\n".join(lines)
+
+
+def main(argv: list | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchtpu.doctor", description=__doc__)
+    parser.add_argument("--json", action="store_true", help="print JSON for programs")
+    parser.add_argument("--no-self-test", action="store_true", help="skip the self-test")
+    args = parser.parse_args(argv)
+
+    def go() -> int:
+        result = run(self_test=not args.no_self_test)
+        print(json.dumps(result, indent=1) if args.json else format_report(result))
+        return 0 if result["ok"] else 1
+    return tool_main(go)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
