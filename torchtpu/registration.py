@@ -135,6 +135,9 @@ def register() -> None:
         loader.install_pin_memory()
         _install_accelerator_synchronize()
         _install_matmul_precision()
+        from torchtpu import profiler
+
+        profiler.install()  # torch.profiler's ProfilerActivity.TPU records the device
         from torchtpu.runtime import platform
 
         platform.local_device()  # pins JAX's default device to this process's accelerator

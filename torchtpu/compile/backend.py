@@ -15,6 +15,7 @@ does not hold two copies of the model state.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import operator
 import sys
@@ -37,11 +38,16 @@ from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import meta, schema
 from torchtpu.lowering.registry import lookup
+from torchtpu.runtime import launch
 
 log = logging.getLogger("torchtpu.compile")
 
 # A compile slower than this is reported at INFO.
 SLOW_COMPILE_SECONDS = 1.0
+
+# Numbers the process's graphs, to tell them apart in profiles (``compiled_<kind>_<n>``); the XLA
+# module is ``compiled_<kind>`` alone, so the persistent cache does not depend on the numbering.
+_graph_numbers = itertools.count()
 
 
 def _lowered(op) -> bool:
@@ -201,6 +207,7 @@ class CompiledGraph:
         self.gm = gm
         self.kind = kind
         self.opts = opts
+        self.name = f"compiled_{kind}_{next(_graph_numbers)}"
         self.fn = GraphFunction(gm)
         self.out_dtypes = [
             n.meta["val"].dtype if isinstance(n, fx.Node) and isinstance(
@@ -271,7 +278,9 @@ class CompiledGraph:
         start = time.perf_counter()
         run = functools.partial(self.fn.run, symbols=symbols,
                                 plan=self.plan if self.padded else None)
-        jitted = jax.jit(_merging(run, donate, frozenset(self.forwarded)), donate_argnums=0)
+        merged = _merging(run, donate, frozenset(self.forwarded))
+        merged.__name__ = f"compiled_{self.kind}"
+        jitted = jax.jit(merged, donate_argnums=0)
         lowered = jitted.lower(*_split(arrays, donate), constants, scalars, keys)
         if self.opts.debug_callback is not None:
             self.opts.debug_callback(self.gm, lowered.as_text())
@@ -349,7 +358,11 @@ class CompiledGraph:
         program = self._program(arrays, constants, scalars, keys, symbols, donate)
         if donate:
             metrics.count("compiled_donated_inputs", len(donate))
-        outs = program(*_split(arrays, donate), constants, scalars, keys)
+        observe = launch.observer
+        if observe is None:
+            outs = program(*_split(arrays, donate), constants, scalars, keys)
+        else:
+            outs = observe(self.name, program, (*_split(arrays, donate), constants, scalars, keys))
         # Every array a storage holds or is about to hold: a program may hand an input back, or
         # one array twice, and storages never share one.
         owned = {id(a) for a in arrays}

@@ -18,6 +18,7 @@ import torch
 from torchtpu.device import dtypes
 from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, read_view, write_view
+from torchtpu.runtime import launch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
@@ -90,6 +91,9 @@ def call(fn, *args):
     recorder = deferrer
     if recorder is not None:
         return recorder.record(fn, args)
+    observe = launch.observer
+    if observe is not None:
+        return observe(None, fn, args)
     return fn(*args)
 
 

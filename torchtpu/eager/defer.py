@@ -32,6 +32,7 @@ from torchtpu.device import tensors
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
+from torchtpu.runtime import launch
 
 MAX_OPS = 2000
 
@@ -263,7 +264,11 @@ class Recorder:
             metrics.count("executions")
             metrics.count("donated_inputs", len(donate))
             try:
-                results = fused(*inputs)
+                observe = launch.observer
+                if observe is None:
+                    results = fused(*inputs)
+                else:
+                    results = observe(f"defer_and_fuse[{len(trace.nodes)} ops]", fused, inputs)
             except BaseException as e:
                 for p in targets:
                     p._error, p._trace = e, None

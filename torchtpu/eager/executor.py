@@ -21,6 +21,7 @@ from torchtpu.device import tensors
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
 from torchtpu.lowering import checks
 from torchtpu.lowering.registry import Lowering
+from torchtpu.runtime import launch
 
 
 class Strict:
@@ -30,11 +31,21 @@ class Strict:
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
+        observe = launch.observer
+        if observe is not None:
+            return observe(lowering.op, program(lowering, spec), dyn)
         return program(lowering, spec)(*dyn)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""
         metrics.count("executions")
+        observe = launch.observer
+        if observe is not None:
+            return observe(lowering.op, self._concrete, (lowering, spec, dyn))
+        return self._concrete(lowering, spec, dyn)
+
+    @staticmethod
+    def _concrete(lowering: Lowering, spec: Spec, dyn: tuple):
         return cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn)), spec.final)
 
     def flush(self) -> None:

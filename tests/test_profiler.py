@@ -1,0 +1,166 @@
+"""torch.profiler on device "tpu": the Chrome trace and the XProf run are written, read back and
+checked (device programs present, named after their ops, in launch order, inside the host window
+that waited for them)."""
+
+import glob
+import gzip
+import json
+import os
+
+import pytest
+import torch
+from jax.profiler import ProfileData
+from torch.profiler import (
+    ProfilerActivity,
+    profile,
+    record_function,
+    schedule,
+    tensorboard_trace_handler,
+)
+
+from torchtpu.runtime import launch
+
+ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.TPU]
+
+
+def _events(path):
+    with open(path) as f:
+        return json.load(f)["traceEvents"]
+
+
+def _programs(events):
+    return sorted((e for e in events if e.get("cat") == "tpu_program"), key=lambda e: e["ts"])
+
+
+def _step(x, w):
+    loss = torch.relu(x @ w).sum()
+    loss.backward()
+    return loss.item()
+
+
+def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
+    x = torch.randn(8, 8, device="tpu")
+    w = torch.randn(8, 8, device="tpu", requires_grad=True)
+    _step(x, w)  # compiled before the window
+    w.grad = None
+    assert ProfilerActivity.TPU is ProfilerActivity.PrivateUse1
+    with profile(activities=ACTIVITIES) as prof:
+        with record_function("train_step"):
+            value = _step(x, w)
+    assert launch.observer is None
+    xc, wc = x.cpu(), w.detach().cpu().requires_grad_()
+    assert value == pytest.approx(_step(xc, wc), rel=1e-5)
+    torch.testing.assert_close(w.grad.cpu(), wc.grad)
+
+    path = str(tmp_path / "trace.json")
+    prof.export_chrome_trace(path)
+    events = _events(path)
+    programs = _programs(events)
+    names = [e["name"] for e in programs]
+    assert names.index("aten::mm") < names.index("aten::sum"), names
+    assert names.count("aten::mm") == 2  # forward, and the weight gradient
+    assert all(e["pid"] == 0 and e["tid"] == 0 for e in programs)
+    assert any(e.get("ph") == "M" and e["name"] == "process_name" and e["pid"] == 0
+               and e["args"]["name"].startswith("tpu:0") for e in events)
+    assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::mm" for e in events)
+    # One device at a time: the runs do not overlap.
+    for a, b in zip(programs, programs[1:]):
+        assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
+    # Aligned: each run starts after its launch, inside the profiled window; the forward's runs
+    # end inside the range whose .item() waited for them (backward's may end later).
+    (step,) = [e for e in events if e.get("name") == "train_step" and e.get("ph") == "X"]
+    (window,) = [e for e in events if e.get("cat") == "Trace"]
+    launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "tpu_runtime"}
+    matched = [e for e in programs if "correlation" in e["args"]]
+    assert len(matched) >= len(programs) - 1 and matched
+    for e in matched:
+        la = launches[e["args"]["correlation"]]
+        assert la["name"] == "launch " + e["name"]
+        assert step["ts"] <= la["ts"] <= e["ts"] + 1.0
+        assert e["ts"] + e["dur"] <= window["ts"] + window["dur"]
+    forward = matched[:names.index("aten::sum") + 1]
+    assert forward[-1]["ts"] + forward[-1]["dur"] <= step["ts"] + step["dur"]
+    flows = [e for e in events if e.get("cat") == "ac2g"]
+    assert len(flows) == 2 * len(matched)
+    assert torch.tpu.profiler.device_trace(prof).programs
+
+
+def test_xprof_run_with_torch_names_deferred_and_compiled(tmp_path, fresh_dynamo):
+    x = torch.randn(8, 8, device="tpu")
+    fn = torch.compile(lambda a: torch.sin(a) * 2, backend="tpu")
+    fn(x)
+    config = torch.tpu.profiler.TpuProfilerConfig(run_dir=str(tmp_path / "logs"))
+    with profile(activities=ACTIVITIES, experimental_config=config) as prof:
+        y = (x @ x).sum()
+        z = fn(x)
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            d = (x + 1) * x
+        values = y.item(), z.cpu(), d.cpu()
+    torch.testing.assert_close(values[1], torch.sin(x.cpu()) * 2)
+    torch.testing.assert_close(values[2], (x.cpu() + 1) * x.cpu())
+
+    (xplane,) = glob.glob(str(tmp_path / "logs" / "plugins" / "profile" / "*" / "*.xplane.pb"))
+    data = ProfileData.from_file(xplane)
+    names = {e.name for plane in data.planes for line in plane.lines for e in line.events}
+    assert {"aten::mm", "aten::sum"} <= names  # the TraceAnnotations around launches
+    assert any(n.startswith("compiled_inference_") for n in names)
+    assert any(n.startswith("defer_and_fuse[") for n in names)
+    modules = {dict(e.stats).get("hlo_module") for plane in data.planes
+               for line in plane.lines for e in line.events}
+    assert {"jit_aten_mm_default", "jit_compiled_inference", "jit_defer_and_fuse"} <= modules
+
+    path = str(tmp_path / "trace.json.gz")
+    prof.export_chrome_trace(path)
+    with gzip.open(path) as f:
+        trace = json.load(f)
+    assert trace["tpuXprofRun"] == os.path.dirname(xplane)
+    names = [e["name"] for e in _programs(trace["traceEvents"])]
+    assert names[:2] == ["aten::mm", "aten::sum"]
+    assert any(n.startswith("compiled_inference_") for n in names)
+    assert any(n.startswith("defer_and_fuse[2 ops]") for n in names), names
+
+
+def test_schedule_and_tensorboard_handler_write_one_trace_per_cycle(tmp_path):
+    x = torch.randn(4, 4, device="tpu")
+    (x * 3).sum().item()
+    with profile(activities=ACTIVITIES, schedule=schedule(wait=1, warmup=1, active=1, repeat=2),
+                 on_trace_ready=tensorboard_trace_handler(str(tmp_path), worker_name="w")) as p:
+        for _ in range(6):
+            (x * 3).sum().item()
+            p.step()
+    files = sorted(glob.glob(str(tmp_path / "w.*.pt.trace.json")))
+    assert len(files) == 2
+    windows = []
+    for f in files:
+        programs = _programs(_events(f))
+        assert [e["name"] for e in programs] == ["aten::mul.Tensor", "aten::sum"]
+        windows.append((programs[0]["ts"], programs[-1]["ts"]))
+    assert windows[0][1] < windows[1][0]
+
+
+def test_unwritable_trace_directory_names_the_path(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = str(blocker / "logs")
+    config = torch.tpu.profiler.TpuProfilerConfig(run_dir=bad)
+    x = torch.randn(4, 4, device="tpu")
+    with pytest.raises(OSError, match="cannot write the XProf trace directory") as info:
+        with profile(activities=ACTIVITIES, experimental_config=config):
+            x.sum()
+    assert bad in str(info.value)
+    assert launch.observer is None
+    # Nothing was left running: the next profile works.
+    with profile(activities=ACTIVITIES) as prof:
+        x.sum().item()
+    with pytest.raises(OSError, match="cannot write the Chrome trace") as info:
+        prof.export_chrome_trace(str(blocker / "trace.json"))
+    assert str(blocker / "trace.json") in str(info.value)
+
+
+def test_config_rejects_bad_levels():
+    with pytest.raises(ValueError, match="host_tracer_level"):
+        torch.tpu.profiler.TpuProfilerConfig(host_tracer_level=0)
+    with pytest.raises(ValueError, match="device_tracer_level"):
+        torch.tpu.profiler.TpuProfilerConfig(device_tracer_level=2)
+    with pytest.raises(TypeError, match="run_dir"):
+        torch.tpu.profiler.TpuProfilerConfig(run_dir=3)
