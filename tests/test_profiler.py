@@ -89,6 +89,9 @@ def test_xprof_run_with_torch_names_deferred_and_compiled(tmp_path, fresh_dynamo
     x = torch.randn(8, 8, device="tpu")
     fn = torch.compile(lambda a: torch.sin(a) * 2, backend="tpu")
     fn(x)
+    graph = torch.tpu.TPUGraph()
+    with torch.tpu.graph(graph):
+        captured = torch.cos(x) + 1
     config = torch.tpu.profiler.TpuProfilerConfig(run_dir=str(tmp_path / "logs"))
     with profile(activities=ACTIVITIES, experimental_config=config) as prof:
         y = (x @ x).sum()
@@ -96,6 +99,8 @@ def test_xprof_run_with_torch_names_deferred_and_compiled(tmp_path, fresh_dynamo
         with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
             d = (x + 1) * x
         values = y.item(), z.cpu(), d.cpu()
+        graph.replay()
+        torch.testing.assert_close(captured.cpu(), torch.cos(x.cpu()) + 1)
     torch.testing.assert_close(values[1], torch.sin(x.cpu()) * 2)
     torch.testing.assert_close(values[2], (x.cpu() + 1) * x.cpu())
 
@@ -118,6 +123,7 @@ def test_xprof_run_with_torch_names_deferred_and_compiled(tmp_path, fresh_dynamo
     assert names[:2] == ["aten::mm", "aten::sum"]
     assert any(n.startswith("compiled_inference_") for n in names)
     assert any(n.startswith("defer_and_fuse[2 ops]") for n in names), names
+    assert names[-1] == "captured_graph[2 ops]", names
 
 
 def test_schedule_and_tensorboard_handler_write_one_trace_per_cycle(tmp_path):

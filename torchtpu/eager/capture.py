@@ -39,6 +39,7 @@ from torchtpu.eager import executor
 from torchtpu.eager.defer import Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
+from torchtpu.runtime import launch
 
 # Input sources of a captured program.
 STORAGE = "storage"   # the array a storage holds at replay
@@ -275,7 +276,11 @@ class Captured:
             raise CaptureError("torchtpu: replay() inside a graph capture; captures do not nest")
         args = self._arguments(bind)
         metrics.count("executions")
-        results = self._fn(*args)
+        observe = launch.observer
+        if observe is None:
+            results = self._fn(*args)
+        else:
+            results = observe(f"captured_graph[{self.ops} ops]", self._fn, args)
         seen = {id(a) for a in args}
         for sts, r in zip(self._targets, results, strict=True):
             for st in sts:
