@@ -161,9 +161,12 @@ class Watch:
                                "(tools watch one stretch of code at a time)")
         self._compile_logger = logging.getLogger(_JAX_COMPILE_LOGGER)
         self._old_level = self._compile_logger.level
+        self._old_propagate = self._compile_logger.propagate
         self._compile_handler = _CompileLog(self.record.programs_built)
         self._compile_logger.addHandler(self._compile_handler)
         self._compile_logger.setLevel(logging.DEBUG)
+        # The DEBUG records are ours: the application's handlers never asked for them.
+        self._compile_logger.propagate = False
         self._trace_handler = _DynamoTrace(self.record.recompiles)
         logging.getLogger("torch.__trace").addHandler(self._trace_handler)
         self._breaks, self._graphs = _dynamo_counters()
@@ -176,6 +179,7 @@ class Watch:
         logging.getLogger("torch.__trace").removeHandler(self._trace_handler)
         self._compile_logger.removeHandler(self._compile_handler)
         self._compile_logger.setLevel(self._old_level)
+        self._compile_logger.propagate = self._old_propagate
         breaks, graphs = _dynamo_counters()
         self.record.graph_breaks = dict(breaks - self._breaks)
         self.record.dynamo_graphs = graphs - self._graphs

@@ -1,0 +1,106 @@
+"""``python -m torchtpu.mcp``: the tools as a Model Context Protocol server on stdio.
+
+Tools, each returning JSON: ``doctor``, ``onboard`` and ``diagnose`` (on a
+``path/to/script.py:factory`` target), ``metrics`` (this server process's
+``torchtpu.metrics``) and ``trace_summary`` (a profiler trace file). A problem with the
+arguments comes back as ``{"ok": false, "error": "torchtpu.tool: ..."}``, not as a crash of the
+server. Needs the ``mcp`` package: ``pip install 'torchtpu[mcp]'``. ``SKILL.md`` beside this
+file tells an assistant when to call which tool.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from torchtpu import metrics as _metrics
+from torchtpu.tools import doctor as _doctor
+from torchtpu.tools import onboard as _onboard
+from torchtpu.tools import trace as _trace
+from torchtpu.tools.target import ToolError, describe, load
+
+SKILL = Path(__file__).with_name("SKILL.md")
+
+
+def _guarded(fn, *args, **kwargs) -> dict:
+    try:
+        return {"ok": True, **fn(*args, **kwargs)}
+    except ToolError as e:
+        return {"ok": False, "error": str(e)}
+    except Exception as e:
+        return {"ok": False, "error": f"torchtpu.tool: failed: {describe(e)}"}
+
+
+def _onboard_target(target, backward, modes, atol, rtol) -> dict:
+    model, inputs = load(target)
+    report = _onboard.run(model, inputs, backward=backward,
+                          modes=tuple(modes) if modes else _onboard.MODES, atol=atol, rtol=rtol)
+    return report.to_dict()
+
+
+def _diagnose_target(target, backward) -> dict:
+    model, inputs = load(target)
+    return _onboard.diagnose_model(model, inputs, backward).to_dict()
+
+
+def _metrics_report() -> dict:
+    return {"metrics": _metrics.snapshot(), "report": _metrics.report()}
+
+
+def build():
+    """The server, its tools registered (imports ``mcp``)."""
+    from mcp.server.mcpserver import MCPServer
+
+    server = MCPServer("torchtpu", instructions=SKILL.read_text())
+
+    @server.tool()
+    def doctor(self_test: bool = True) -> dict:
+        """What this machine gives torchtpu (platform, versions, compile cache, settings) and
+        every problem with its fix; self_test runs an op in each eager mode, a compiled graph
+        and a cache round trip (about 10 s)."""
+        return _guarded(_doctor.run, self_test)
+
+    @server.tool()
+    def onboard(target: str, backward: bool = False, modes: list[str] | None = None,
+                atol: float = 1e-4, rtol: float = 1e-4) -> dict:
+        """Run the model from target ("path/to/script.py:factory", factory() returning
+        (model, inputs)) on CPU and on tpu in each mode (strict, debug, defer_and_fuse,
+        compile): first diverging submodule, CPU fallbacks by module, graph breaks,
+        recompiles, ms per step."""
+        return _guarded(_onboard_target, target, backward, modes, atol, rtol)
+
+    @server.tool()
+    def diagnose(target: str, backward: bool = False) -> dict:
+        """Run the target's forward (and backward) a few times on tpu and name the top
+        problem with its fix: recompiles, new shapes per step, CPU fallbacks, host syncs with
+        their lines, transfers, host-bound steps."""
+        return _guarded(_diagnose_target, target, backward)
+
+    @server.tool()
+    def metrics() -> dict:
+        """torchtpu.metrics of this server process: compiles, cache hits, executions, CPU
+        fallbacks by op, bytes each way (cumulative over the tools run so far)."""
+        return _guarded(_metrics_report)
+
+    @server.tool()
+    def trace_summary(path: str, top: int = 15) -> dict:
+        """Summary of a profiler trace (Chrome trace JSON, .json.gz, or a folder holding
+        one): span and the events with the most total time."""
+        return _guarded(_trace.summarize, path, top)
+
+    return server
+
+
+def main(argv: list | None = None) -> int:
+    if argv:
+        print("usage: python -m torchtpu.mcp  (an MCP server on stdin/stdout; no arguments)",
+              file=sys.stderr)
+        return 2
+    try:
+        import mcp  # noqa: F401
+    except ImportError:
+        print("torchtpu.tool: the MCP server needs the mcp package: "
+              "pip install 'torchtpu[mcp]'", file=sys.stderr)
+        return 2
+    build().run("stdio")
+    return 0
