@@ -204,3 +204,20 @@ def test_doctor_command_json_and_self_test():
         "self-test: persistent cache round trip"]
     assert all(c["status"] == "ok" for c in result["checks"] if c["name"].startswith("self"))
     assert result["device"]["devices"] and result["versions"]["torch"] == "2.13.0"
+
+
+def test_error_categories_prefix_messages_and_the_readme_has_the_glossary():
+    from torchtpu import errors
+
+    text = errors.message("fallback", "aten op 'x' has no tpu lowering")
+    assert text.startswith("torchtpu.fallback: ") and errors.category_of(text) == "fallback"
+    assert errors.category_of(RuntimeError("torchtpu.nope: x")) is None
+    with pytest.raises(ValueError, match="torchtpu.argument: unknown error category"):
+        errors.message("nope", "x")
+    assert errors.glossary_markdown() in (ROOT / "README.md").read_text()
+
+
+def test_torch_tpu_tools_is_the_same_api():
+    assert torch.tpu.tools.onboard is onboard.run
+    assert torch.tpu.tools.diagnose_step is diagnose.step
+    assert torch.tpu.tools.doctor is doctor.run
