@@ -30,7 +30,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
 from torchtpu import metrics
-from torchtpu.compile import dynamic
+from torchtpu.compile import dynamic, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
@@ -404,6 +404,10 @@ def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = Non
                 options: dict | None = None) -> Callable:
     """``torch.compile(model, backend="tpu", options={...})``."""
     opts = options_mod.parse(mode, options)
+    if mode == "reduce-overhead":
+        graphed = reduce_overhead.graphed(gm, example_inputs)
+        if graphed is not None:
+            return graphed
     return aot_autograd(
         fw_compiler=_graph_compiler("forward", opts),
         bw_compiler=_graph_compiler("backward", opts),

@@ -1,7 +1,8 @@
 """``torch.compile(backend="tpu", mode=..., options=...)``: what is accepted, what is refused.
 
 The option names are the reference's. Inductor's modes and options mean nothing to an XLA
-backend, so they are refused with a message saying what to use instead, never ignored.
+backend, so they are refused with a message saying what to use instead, never ignored;
+"reduce-overhead" is served by captured graphs (``compile/reduce_overhead.py``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,6 @@ from collections.abc import Callable
 _MODE_ADVICE = {
     "max-autotune": "XLA already optimizes each whole graph; leave mode unset",
     "max-autotune-no-cudagraphs": "XLA already optimizes each whole graph; leave mode unset",
-    "reduce-overhead": "a compiled graph already runs as one XLA program with one launch; "
-                       "leave mode unset",
 }
 
 
@@ -36,7 +35,7 @@ def _is_inductor_option(name: str) -> bool:
 
 def parse(mode: str | None, options: dict | None) -> Options:
     """Validated options; raises ValueError in the user's terms for anything not ours."""
-    if mode not in (None, "default"):
+    if mode not in (None, "default", "reduce-overhead"):
         advice = _MODE_ADVICE.get(mode, "leave mode unset")
         raise ValueError(
             f"torch.compile(mode={mode!r}) is an Inductor mode; backend 'tpu' compiles with XLA: "

@@ -119,6 +119,11 @@ def _covers_storage(t: torch.Tensor, st) -> bool:
     )
 
 
+def covers_storage(t: torch.Tensor) -> bool:
+    """Whether device tensor t is its whole storage, contiguous from the start."""
+    return _covers_storage(t, t.untyped_storage())
+
+
 def _geometry(t: torch.Tensor, array) -> Geometry:
     return Geometry(
         tuple(array.shape),

@@ -195,6 +195,10 @@ class Capture:
                 # Created by the capture: zeros until a replay writes it, so that a later
                 # capture (a backward after a forward) reads it as an input of its shape.
                 start = jnp.zeros(value.shape, value.dtype)
+            if isinstance(start, jax.Array) and not start.committed:
+                # The program's outputs are committed to the device: an uncommitted input
+                # (from jnp.zeros, say) would make the second replay compile again.
+                start = jax.device_put(start, next(iter(start.devices())))
             st._tpu_array = start
         fn = jax.jit(_replay(tuple(trace.nodes), wanted), donate_argnums=donate)
         metrics.count("captures")

@@ -67,7 +67,8 @@ def _bind(binding: list, static: list, values, what: str) -> None:
 class _Graphed:
     """A callable's captured forward and backward, and the static tensors they are bound to."""
 
-    def __init__(self, fn, sample_args: tuple, warmup: int, allow_unused: bool) -> None:
+    def __init__(self, fn, sample_args: tuple, warmup: int, allow_unused: bool,
+                 inputs_written: bool = False) -> None:
         flat, self._spec = pytree.tree_flatten(sample_args)
         if not all(isinstance(t, torch.Tensor) and t.device.type == "tpu" for t in flat):
             raise TypeError("torchtpu: make_graphed_callables: sample_args must be tpu tensors")
@@ -86,7 +87,13 @@ class _Graphed:
         outputs, self._forward = _captured(fn, *sample_args)
         flat_out, self._out_spec = pytree.tree_flatten(outputs)
         self._outputs = flat_out
-        self._check_no_input_written(tensor_inputs)
+        written = {id(st) for st in self._forward.storages_written()}
+        # Arguments the callable writes in place (an optimizer's parameters and state, the
+        # gradients clipping scales): see ``_write_through``.
+        self._written = [i for i, t in enumerate(flat) if id(t.untyped_storage()) in written]
+        if self._written and not inputs_written:
+            raise CaptureError("torchtpu: make_graphed_callables: the callable writes one of "
+                               "its arguments in place; graphed callables must not")
         self._backward: Captured | None = None
         self._diff_outputs = [o for o in flat_out
                               if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -96,15 +103,32 @@ class _Graphed:
                 _grad_inputs, self._diff_outputs, tensor_inputs, self._grad_outputs,
                 allow_unused)
             self._grads = list(grads)
-        self._binding = _binding(self._static[:self._n_args])
+        self._binding = [b for b in _binding(self._static[:self._n_args])
+                         if b[0] not in self._written]
         self._function = self._autograd_function()
 
-    def _check_no_input_written(self, inputs: list) -> None:
-        written = {id(st) for st in self._forward.storages_written()}
-        for t in inputs[:self._n_args]:
-            if id(t.untyped_storage()) in written:
-                raise CaptureError("torchtpu: make_graphed_callables: the callable writes one "
-                                   "of its arguments in place; graphed callables must not")
+    def can_write(self, flat: list) -> bool:
+        """Whether a call's arguments written in place can stand in for the captured ones:
+        the same storage, or a tensor that covers a storage of the same shape and dtype."""
+        for i in self._written:
+            t, static = flat[i], self._static[i]
+            if t.untyped_storage() is static.untyped_storage():
+                continue
+            if not (tuple(t.shape) == tuple(static.shape) and t.dtype == static.dtype
+                    and tensors.covers_storage(t)):
+                return False
+        return True
+
+    def _write_through(self, inputs: tuple) -> list:
+        """Point the captured storage of each argument written in place at the call's array;
+        returns (call storage, captured storage) pairs to hand the results back through."""
+        moved = []
+        for i in self._written:
+            st, static = inputs[i].untyped_storage(), self._static[i].untyped_storage()
+            if st is not static:
+                static._tpu_array = tensors.storage_array(inputs[i])
+                moved.append((st, static))
+        return moved
 
     def _autograd_function(self):
         graphed = self
@@ -113,7 +137,12 @@ class _Graphed:
             @staticmethod
             def forward(ctx, *inputs):
                 _bind(graphed._binding, graphed._static, inputs, "argument")
+                moved = graphed._write_through(inputs)
                 graphed._forward.replay()
+                for st, static in moved:
+                    # The call's tensor gets the new value; the captured storage lets go of it
+                    # (its old buffer was donated), so no two storages share a buffer.
+                    st._tpu_array, static._tpu_array = static._tpu_array, None
                 return tuple(o.detach() if isinstance(o, torch.Tensor) else o
                              for o in graphed._outputs)
 
