@@ -139,23 +139,56 @@ def local_scalar_dense(t: torch.Tensor):
     return to_numpy(t).item()
 
 
+@functools.lru_cache(maxsize=256)
+def _rebyter(shape: tuple, dtype, nbytes: int):
+    def rebyte(array):
+        flat = _bitcast_flat(array.reshape(-1), np.dtype(np.uint8))
+        if flat.size >= nbytes:
+            return flat[:nbytes]
+        return jnp.concatenate([flat, jnp.zeros(nbytes - flat.size, np.uint8)])
+
+    return jax.jit(rebyte)
+
+
+def resize_storage(st: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:
+    """``UntypedStorage.resize_`` for a device storage: in place, so every tensor on it sees
+    the new size; the leading bytes are kept and new ones read as zeros. Size 0 drops the
+    array, freeing its device memory (FSDP2 frees unsharded parameters this way)."""
+    if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
+        raise ValueError(f"storage resize_ takes a byte count >= 0, got {nbytes!r}")
+    if nbytes == st.nbytes():
+        return st
+    array = tensors.stored_array(st) if nbytes else None
+    storages.set_nbytes(st, nbytes)
+    if array is not None:
+        array = tensors.call(_rebyter(tuple(array.shape), np.dtype(array.dtype), nbytes), array)
+    st._tpu_array = array
+    return st
+
+
 def resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     size = tuple(size)
     st = t.untyped_storage()
     needed = (t.storage_offset() + math.prod(size)) * t.element_size()
     if needed > st.nbytes():
-        grown = storages.new_storage(needed, t.device.index or 0)
-        old = st._tpu_array
-        if old is not None:
-            old_bytes = _bitcast_flat(old.reshape(-1), np.dtype(np.uint8))
-            grown._tpu_array = jnp.concatenate(
-                [old_bytes, jnp.zeros(needed - old_bytes.size, np.uint8)]
-            )
-        st = grown
+        resize_storage(st, needed)
     aten.set_.source_Storage_storage_offset.redispatch(
         _CPU, t, st, t.storage_offset(), size, tensors.contiguous_strides(size)
     )
     return t
+
+
+def _install_storage_resize() -> None:
+    # PyTorch sends a PrivateUse1 storage's resize_ to a C++ hook a Python backend cannot fill.
+    cls = torch.UntypedStorage
+    base_resize = cls.resize_
+
+    def resize_(self, size: int):
+        if self.device.type == "tpu":
+            return resize_storage(self, size)
+        return base_resize(self, size)
+
+    cls.resize_ = resize_
 
 
 def register(lib: torch.library.Library) -> None:
@@ -166,3 +199,4 @@ def register(lib: torch.library.Library) -> None:
     lib.impl(aten.copy_.default, copy_, "PrivateUse1")
     lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
     lib.impl(aten.resize_.default, resize_, "PrivateUse1")
+    _install_storage_resize()

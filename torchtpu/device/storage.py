@@ -38,6 +38,21 @@ def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     return storage
 
 
+def set_nbytes(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give storage a new byte size and a fresh address range in place, its array untouched.
+
+    Every tensor on the storage sees the new size, as with a CPU storage's ``resize_``. PyTorch
+    cannot resize a PrivateUse1 StorageImpl from Python, but it can swap a storage's data pointer
+    (and with it its size) with another's when one of them is empty; two swaps through an empty
+    storage give any size.
+    """
+    index = storage.device.index or 0
+    if storage.nbytes():
+        storage._swap_data_ptr_(new_storage(0, index))
+    if nbytes:
+        storage._swap_data_ptr_(new_storage(nbytes, index))
+
+
 def live_bytes() -> int:
     """Bytes of device memory held by live arrays in this process.
 

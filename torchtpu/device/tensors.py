@@ -17,7 +17,7 @@ import torch
 
 from torchtpu.device import dtypes
 from torchtpu.device import storage as storages
-from torchtpu.device.views import Geometry, read_view, write_view
+from torchtpu.device.views import Geometry, check_in_bounds, read_view, write_view
 from torchtpu.runtime import launch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -135,13 +135,17 @@ def _geometry(t: torch.Tensor, array) -> Geometry:
     )
 
 
+# Geometries include the storage array's shape, so checking bounds when a reader or writer is
+# first built checks every later call too.
 @functools.lru_cache(maxsize=4096)
 def _reader(g: Geometry):
+    check_in_bounds(g)
     return jax.jit(functools.partial(read_view, g=g))
 
 
 @functools.lru_cache(maxsize=4096)
 def _writer(g: Geometry):
+    check_in_bounds(g)
     return jax.jit(functools.partial(write_view, g=g), donate_argnums=0)
 
 
@@ -151,12 +155,18 @@ def _zeros(shape: tuple, dtype):
     return jax.jit(functools.partial(jnp.zeros, shape, dtype))
 
 
-def storage_array(t: torch.Tensor):
-    """The array behind t's storage, materializing zeros for a never-written storage."""
-    st = t.untyped_storage()
+def stored_array(st: torch.UntypedStorage):
+    """The array (or pending value) st holds; None for a never-written storage."""
     array = st._tpu_array
     if isinstance(array, Deferred):
         array = st._tpu_array = array.resolve()
+    return array
+
+
+def storage_array(t: torch.Tensor):
+    """The array behind t's storage, materializing zeros for a never-written storage."""
+    st = t.untyped_storage()
+    array = stored_array(st)
     if array is None:
         if _covers_storage(t, st):
             zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))

@@ -64,6 +64,23 @@ def _bitcast_flat(flat, dtype: np.dtype):
     return flat != 0 if dtype == np.bool_ else flat
 
 
+def check_in_bounds(g: Geometry) -> None:
+    """Raise if g reaches past the end of its storage array."""
+    # A storage shrunk under its tensors (``untyped_storage().resize_(0)``, as FSDP2 frees
+    # parameters) leaves views that reach past its end; say so rather than fail inside JAX.
+    if 0 in g.size:
+        return
+    itemsize = np.dtype(g.dtype).itemsize
+    end = (g.offset + 1 + sum((n - 1) * s for n, s in zip(g.size, g.stride))) * itemsize
+    have = math.prod(g.array_shape) * np.dtype(g.array_dtype).itemsize
+    if end > have:
+        raise RuntimeError(
+            f"a tpu tensor of shape {list(g.size)} reaches byte {end} of its storage, which "
+            f"holds {have} bytes (was the storage resized, e.g. freed by FSDP2 outside "
+            f"forward/backward?); resize the storage back before using the tensor"
+        )
+
+
 def _dense_plan(size: tuple, stride: tuple):
     """(block sizes, dim order) when the view permutes a contiguous block, else None.
 

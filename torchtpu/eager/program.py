@@ -13,7 +13,7 @@ from typing import Any
 import jax
 
 from torchtpu.device import dtypes
-from torchtpu.device.views import read_view
+from torchtpu.device.views import check_in_bounds, read_view
 from torchtpu.eager.meta import bounded_put
 from torchtpu.lowering.registry import Lowering
 
@@ -117,6 +117,7 @@ def with_views(spec: Spec, views: tuple) -> Spec:
     if derived is None:
         entries = [list(e) for e in spec.entries]
         for i, j, g in views:
+            check_in_bounds(g)
             if j is None:
                 entries[i][1] = g
             else:
