@@ -23,3 +23,17 @@ def test_is_plain_tensor():
     x = torch.zeros(2, device="tpu")
     assert type(x) is torch.Tensor
     assert x.is_tpu
+
+
+def test_non_blocking_copy_to_host_keeps_strides_and_autograd():
+    # DCP's checkpoint writer and many training loops copy this way; PyTorch's own kernel
+    # would ask the backend for pinned host memory.
+    base = torch.arange(6.0).view(2, 3)
+    x = base.to("tpu").t().requires_grad_()
+    host = x.to("cpu", non_blocking=True)
+    assert host.stride() == (1, 3) and host.requires_grad
+    torch.testing.assert_close(host, base.t())
+    (host * 3).sum().backward()
+    torch.testing.assert_close(x.grad.cpu(), torch.full((3, 2), 3.0))
+    half = x.detach().to(torch.float16)
+    assert half.device.type == "tpu" and half.dtype == torch.float16 and half.stride() == (1, 3)

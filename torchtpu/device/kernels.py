@@ -135,6 +135,20 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
     return dst
 
 
+def to_copy(t: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory=None,
+            non_blocking: bool = False, memory_format=None) -> torch.Tensor:
+    """``Tensor.to`` from the device. PyTorch's own kernel stages a non-blocking copy to the
+    host in pinned memory, which only a C++ backend can allocate; the device's copies are
+    asynchronous anyway, so every copy takes the same path."""
+    if layout not in (None, torch.strided):
+        raise RuntimeError(f"tpu tensors are strided; .to(layout={layout}) is not supported")
+    out = torch.empty_like(
+        t, dtype=dtype or t.dtype, device=device or t.device,
+        memory_format=memory_format or torch.preserve_format,
+    )
+    return out.copy_(t)
+
+
 def local_scalar_dense(t: torch.Tensor):
     return to_numpy(t).item()
 
@@ -198,5 +212,6 @@ def register(lib: torch.library.Library) -> None:
     lib.impl(aten.empty_strided.default, empty_strided, "PrivateUse1")
     lib.impl(aten.copy_.default, copy_, "PrivateUse1")
     lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
+    lib.impl(aten._to_copy.default, to_copy, "PrivateUse1")
     lib.impl(aten.resize_.default, resize_, "PrivateUse1")
     _install_storage_resize()
