@@ -106,10 +106,14 @@ def batch(data: torch.Tensor, batch_size: int, block: int, generator: torch.Gene
 def train_steps(model: TinyGPT, data: torch.Tensor, steps: int, device: str | torch.device,
                 *, batch_size: int = 8, lr: float = 3e-3, weight_decay: float = 0.1,
                 max_norm: float = 1.0, fused: bool | None = None, seed: int = 0,
+                shard: tuple[int, int] | None = None,
                 on_step: Callable[[int, float], None] | None = None) -> list[float]:
     """Train model (already on device) for steps AdamW steps with clipping; per-step losses.
 
     Batches come from a CPU generator seeded with seed, so every device sees the same ones.
+    ``shard=(rank, world_size)`` trains on this rank's contiguous share of each batch: under
+    data parallelism (DDP, FSDP2), which averages gradients, the ranks together take the
+    full-batch steps, and the losses returned are this rank's.
     ``on_step(step, loss)`` is called after each step (the demo's progress bar).
     """
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=fused)
@@ -118,6 +122,9 @@ def train_steps(model: TinyGPT, data: torch.Tensor, steps: int, device: str | to
     losses = []
     for step in range(steps):
         x, y = batch(data, batch_size, model.block, gen)
+        if shard is not None:
+            rank, world_size = shard
+            x, y = x.chunk(world_size)[rank], y.chunk(world_size)[rank]
         _, loss = model(x.to(device), y.to(device))
         opt.zero_grad(set_to_none=True)
         loss.backward()
