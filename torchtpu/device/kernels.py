@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu import metrics
+from torchtpu import errors, metrics
 from torchtpu.device import dtypes, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
@@ -141,7 +141,8 @@ def to_copy(t: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory
     host in pinned memory, which only a C++ backend can allocate; the device's copies are
     asynchronous anyway, so every copy takes the same path."""
     if layout not in (None, torch.strided):
-        raise RuntimeError(f"tpu tensors are strided; .to(layout={layout}) is not supported")
+        raise RuntimeError(errors.message(
+            "unsupported", f"tpu tensors are strided; .to(layout={layout}) is not supported"))
     out = torch.empty_like(
         t, dtype=dtype or t.dtype, device=device or t.device,
         memory_format=memory_format or torch.preserve_format,
@@ -169,7 +170,8 @@ def resize_storage(st: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorag
     the new size; the leading bytes are kept and new ones read as zeros. Size 0 drops the
     array, freeing its device memory (FSDP2 frees unsharded parameters this way)."""
     if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes < 0:
-        raise ValueError(f"storage resize_ takes a byte count >= 0, got {nbytes!r}")
+        raise ValueError(errors.message(
+            "argument", f"storage resize_ takes a byte count >= 0, got {nbytes!r}"))
     if nbytes == st.nbytes():
         return st
     array = tensors.stored_array(st) if nbytes else None

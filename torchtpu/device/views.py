@@ -21,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from torchtpu import errors
+
 
 class Geometry(NamedTuple):
     """Everything static about reading one tensor out of one storage array."""
@@ -74,11 +76,10 @@ def check_in_bounds(g: Geometry) -> None:
     end = (g.offset + 1 + sum((n - 1) * s for n, s in zip(g.size, g.stride))) * itemsize
     have = math.prod(g.array_shape) * np.dtype(g.array_dtype).itemsize
     if end > have:
-        raise RuntimeError(
-            f"a tpu tensor of shape {list(g.size)} reaches byte {end} of its storage, which "
-            f"holds {have} bytes (was the storage resized, e.g. freed by FSDP2 outside "
-            f"forward/backward?); resize the storage back before using the tensor"
-        )
+        raise RuntimeError(errors.message(
+            "argument", f"a tpu tensor of shape {list(g.size)} reaches byte {end} of its "
+            f"storage, which holds {have} bytes (was the storage resized, e.g. freed by FSDP2 "
+            f"outside forward/backward?); resize the storage back before using the tensor"))
 
 
 def _dense_plan(size: tuple, stride: tuple):
