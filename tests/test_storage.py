@@ -1,5 +1,6 @@
 """Device storages: in-place writes donate the old buffer; storages never share one."""
 
+import pytest
 import torch
 
 
@@ -38,3 +39,47 @@ def test_storage_addresses_do_not_overlap():
     b = torch.empty(100, device="tpu")
     lo, hi = sorted([a.data_ptr(), b.data_ptr()])
     assert hi >= lo + 400
+
+
+def test_storage_resize_is_in_place_and_keeps_bytes():
+    x = torch.arange(8, dtype=torch.float32).to("tpu")
+    view = x[2:4]
+    st = x.untyped_storage()
+    st.resize_(48)
+    assert x.untyped_storage().nbytes() == 48 and view.untyped_storage().nbytes() == 48
+    torch.testing.assert_close(x.cpu(), torch.arange(8, dtype=torch.float32))
+    torch.testing.assert_close(view.cpu(), torch.tensor([2.0, 3.0]))
+    grown = torch.empty(0, device="tpu").set_(st, 0, (12,), (1,))
+    torch.testing.assert_close(grown.cpu()[8:], torch.zeros(4))  # new bytes read as zeros
+    st.resize_(8)  # shrinking keeps the leading bytes
+    torch.testing.assert_close(x[:2].cpu(), torch.tensor([0.0, 1.0]))
+
+
+def test_storage_resize_to_zero_frees_and_reallocates():
+    # FSDP2's way of freeing an unsharded parameter and bringing it back.
+    x = torch.arange(1024, dtype=torch.float32).to("tpu")
+    before = torch.tpu.memory_allocated()
+    x.untyped_storage().resize_(0)
+    assert x.untyped_storage().nbytes() == 0 and _array(x) is None
+    assert torch.tpu.memory_allocated() <= before - 4096
+    x.untyped_storage().resize_(4096)
+    x.copy_(torch.ones(1024))
+    torch.testing.assert_close(x.cpu(), torch.ones(1024))
+
+
+def test_tensor_past_its_resized_storage_raises():
+    x = torch.arange(8, dtype=torch.float32).to("tpu")
+    x.untyped_storage().resize_(0)
+    for use in (lambda: (x + 1).cpu(), x.cpu):
+        with pytest.raises(RuntimeError, match="reaches byte 32 of its storage, which holds 0"):
+            use()
+    with pytest.raises(ValueError, match="byte count >= 0"):
+        x.untyped_storage().resize_(-1)
+
+
+def test_tensor_resize_grows_the_shared_storage():
+    x = torch.arange(4, dtype=torch.float32).to("tpu")
+    alias = x.view(4)
+    x.resize_(6)
+    assert alias.untyped_storage().nbytes() == 24  # the same storage, grown in place
+    torch.testing.assert_close(x.cpu()[:4], torch.arange(4, dtype=torch.float32))
