@@ -138,6 +138,9 @@ def register() -> None:
         from torchtpu import profiler
 
         profiler.install()  # torch.profiler's ProfilerActivity.TPU records the device
+        from torchtpu import integrations
+
+        integrations.install()
         from torchtpu.runtime import platform
 
         platform.local_device()  # pins JAX's default device to this process's accelerator

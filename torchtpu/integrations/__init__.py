@@ -1,0 +1,14 @@
+"""Where third-party libraries need to be told about device "tpu", and only there.
+
+Each module here adapts one library (the library's own code is never edited) and is applied by
+a post-import hook when that library is first imported, so ``import torch`` pays nothing for
+libraries a program never uses.
+"""
+
+from torchtpu.compile.on_import import after_import
+
+
+def install() -> None:
+    from torchtpu.integrations import accelerate
+
+    after_import("accelerate.state", accelerate.patch)
