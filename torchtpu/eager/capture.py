@@ -27,6 +27,7 @@ CPU) raises ``CaptureError`` naming the user's line: a replay could not repeat i
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 
 import jax
@@ -111,17 +112,20 @@ class Capture:
 
     def __init__(self) -> None:
         self.recording = _Recording()
-        self._storages: dict = {}   # id -> (storage, its array when first touched)
+        self._storages: dict = {}   # id -> (weakref to a storage, its array when first touched)
         self._draws: dict = {}      # id(key data) -> (generator, key data)
-        self._fed: dict = {}        # id(storage) -> function giving its value at replay
+        self._fed: dict = {}        # id(array) -> (function giving its value at replay, array)
         self._previous = None
 
     # ---- called by the device layer while capturing
 
     def seen(self, st) -> None:
         """st is about to be read or written: remember what it holds first."""
-        if id(st) not in self._storages:
-            self._storages[id(st)] = (st, st._tpu_array)
+        entry = self._storages.get(id(st))
+        # Weak: a temporary's storage dies during the capture and is no output of the program
+        # (a dead entry's id may be a new storage's).
+        if entry is None or entry[0]() is not st:
+            self._storages[id(st)] = (weakref.ref(st), st._tpu_array)
 
     def recorded(self, value):
         """A concrete array stored during the capture becomes a recorded value too."""
@@ -139,12 +143,12 @@ class Capture:
 
     def feed(self, st, fn: Callable[[], object]) -> None:
         """At replay, storage st's input is fn()'s value instead of what st holds."""
-        self._fed[id(st)] = fn
+        self._fed[id(st._tpu_array)] = (fn, st._tpu_array)  # st itself may die first
 
     def created(self, st) -> bool:
         """Whether storage st was first written inside this capture (it held nothing before)."""
         entry = self._storages.get(id(st))
-        return entry is not None and entry[1] is None
+        return entry is not None and entry[0]() is st and entry[1] is None
 
     @contextlib.contextmanager
     def paused(self):
@@ -168,28 +172,38 @@ class Capture:
         executor.set_current(self._previous)
         self.recording.closed = True
 
+    def _live(self) -> list:
+        """(storage, what it held first) for each storage touched and still alive."""
+        live = []
+        for ref, start in self._storages.values():
+            st = ref()
+            if st is not None:
+                live.append((st, start))
+        return live
+
     def abort(self) -> None:
         """Leave the capture and give every storage back what it held."""
         self._end()
-        for st, start in self._storages.values():
+        for st, start in self._live():
             st._tpu_array = start
 
     def finish(self) -> Captured:
         """Leave the capture; the recording as one program over the storages it touched."""
         self._end()
         trace = self.recording._trace
+        live = self._live()
         outputs: dict = {}   # (node, leaf) -> storages holding that value
-        for st, _ in self._storages.values():
+        for st, _ in live:
             value = st._tpu_array
             if isinstance(value, Pending) and value.resolve() is value and value._trace is trace:
                 outputs.setdefault((value._node, value._leaf), []).append(st)
         wanted = tuple(outputs)
         targets = [outputs[w] for w in wanted]
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
-        sources = self._sources(trace.inputs)
+        sources = self._sources(trace.inputs, live)
         written = {id(st) for sts in targets for st in sts}
         donate = _donations(sources, written, avals)
-        for st, start in self._storages.values():
+        for st, start in live:
             value = st._tpu_array
             if start is None and isinstance(value, Pending):
                 # Created by the capture: zeros until a replay writes it, so that a later
@@ -204,18 +218,15 @@ class Capture:
         metrics.count("captures")
         return Captured(fn, sources, targets, len(trace.nodes))
 
-    def _sources(self, inputs: list) -> list:
-        by_array = {id(start): st for st, start in self._storages.values()
-                    if isinstance(start, jax.Array)}
+    def _sources(self, inputs: list, live: list) -> list:
+        by_array = {id(start): st for st, start in live if isinstance(start, jax.Array)}
         sources = []
         for x in inputs:
             st = by_array.get(id(x)) if isinstance(x, jax.Array) else None
-            if st is not None:
-                fed = self._fed.get(id(st))
-                if fed is not None:
-                    sources.append((FED, fed, None))
-                else:
-                    sources.append((STORAGE, st, (x.shape, x.dtype)))
+            if isinstance(x, jax.Array) and id(x) in self._fed:
+                sources.append((FED, self._fed[id(x)][0], None))
+            elif st is not None:
+                sources.append((STORAGE, st, (x.shape, x.dtype)))
             elif isinstance(x, np.ndarray) and id(x) in self._draws:
                 sources.append((KEY, self._draws[id(x)][0], None))
             else:
