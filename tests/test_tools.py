@@ -170,6 +170,21 @@ def test_diagnose_names_a_shape_that_recompiles():
         diagnose.step(step_with_new_lengths, steps=1)
 
 
+def test_diagnose_gives_dynamo_recompile_reasons(fresh_dynamo):
+    f = torch.compile(lambda x: (x * 2).sum(), backend="tpu", dynamic=False)
+    count = [0]
+
+    def step():
+        count[0] += 1
+        return f(torch.ones(4, 8 + count[0], device="tpu"))
+
+    d = diagnose.step(step, steps=3)
+    assert d.top.kind == "recompile", diagnose.format_report(d)
+    assert "recompiles 1 time(s) per step" in d.top.problem
+    assert "tensor 'x' size mismatch at index 1" in d.top.problem
+    assert d.per_step["dynamo_recompiles"] == 1
+
+
 def test_watch_records_syncs_only_while_open():
     x = torch.ones(3, device="tpu")
     with Watch() as w:

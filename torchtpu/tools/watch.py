@@ -113,8 +113,9 @@ class _DynamoTrace(logging.Handler):
             reasons = json.loads(payload)
         except (TypeError, ValueError):
             reasons = payload
-        for reason in reasons if isinstance(reasons, list) else [reasons]:
-            self._sink.append({"reason": str(reason).strip()})
+        # One recompile; a reason per cached graph whose guards failed.
+        reasons = [str(r).strip() for r in (reasons if isinstance(reasons, list) else [reasons])]
+        self._sink.append({"reason": reasons[0] if reasons else "", "reasons": reasons})
 
 
 def _dynamo_counters() -> tuple[collections.Counter, int]:
