@@ -147,11 +147,15 @@ def test_diagnose_names_a_per_step_item():
         opt.step()
         seen.append(loss.item())
 
-    d = diagnose.step(train_step, steps=3)
+    d = diagnose.step(train_step, steps=3, profile=True)
     line = train_step.__code__.co_firstlineno + 5
     assert d.top.kind == "host_sync", diagnose.format_report(d)
     assert f"`seen.append(loss.item())` at {__file__}:{line} syncs every step" in d.top.problem
     assert d.per_step["host_syncs"] == 1 and d.per_step["programs_built"] == 0
+    # The profiled step's trace: the device ran the linear layer's programs.
+    assert d.profile["device_busy_share"] > 0 and d.profile["span_ms"] > 0
+    assert any(p["name"].startswith("aten::") for p in d.profile["device"]), d.profile
+    assert "programs by device time" in diagnose.format_report(d)
     assert kernels.host_read_watcher is None  # the hook is off again
 
 

@@ -71,6 +71,7 @@ def test_mcp_server_serves_every_tool(tmp_path):
     assert good["ok"] and good["modes"][0]["mode"] == "strict" and good["modes"][0]["ok"]
     assert not missing["ok"] and missing["error"].startswith("torchtpu.tool: ")
     assert r["diagnose"][0]["ok"] and r["diagnose"][0]["per_step"]["executions"] > 0
+    assert r["diagnose"][0]["profile"]["device"], r["diagnose"][0]["profile"]
     assert r["metrics"][0]["metrics"]["executions"] > 0, r["metrics"]
     summary = r["trace_summary"][0]
     assert summary["events"] > 0 and summary["top"][0]["total_ms"] >= 0

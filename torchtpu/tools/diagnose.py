@@ -13,20 +13,25 @@ the others are the steady state, where each of these is a problem, in this order
 
 The ``Diagnosis`` lists every problem found with its fix, the worst first (``top``), and the
 per-step figures they come from: programs run, programs built, syncs, fallbacks, bytes each way,
-and the share of the step the host spent not waiting for the device.
+and the share of the step the host spent not waiting for the device. With ``profile=True`` one
+more step runs under ``torch.profiler`` (host and device activity) and ``profile`` holds that
+trace's summary (``tools/trace.py``): the programs that took the most device time and the
+share of the step the device was busy.
 """
 
 from __future__ import annotations
 
 import collections
 import math
+import os
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
-from torchtpu.tools import render
+from torchtpu.tools import render, trace
 from torchtpu.tools.target import ToolError
 from torchtpu.tools.watch import Watch
 
@@ -51,6 +56,7 @@ class Diagnosis:
     recompiles: list                  # Dynamo's reasons, all steps
     graph_breaks: list                # {"reason", "count"}, all steps
     findings: list = field(default_factory=list)
+    profile: dict | None = None       # trace.summarize of one profiled step
 
     @property
     def top(self) -> Finding | None:
@@ -163,7 +169,21 @@ def _findings(d: Diagnosis, steady: list) -> list:
     return found
 
 
-def step(fn: Callable, *args, steps: int = 5, warmup: int = 1, **kwargs) -> Diagnosis:
+def _profiled(fn: Callable, args: tuple, kwargs: dict) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    # PrivateUse1 is ProfilerActivity.TPU under its own name, there in every PyTorch build.
+    with tempfile.TemporaryDirectory() as tmp:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.PrivateUse1]) as prof:
+            fn(*args, **kwargs)
+            torch.tpu.synchronize()
+        path = os.path.join(tmp, "step.json")
+        prof.export_chrome_trace(path)
+        return trace.summarize(path, top=10)
+
+
+def step(fn: Callable, *args, steps: int = 5, warmup: int = 1, profile: bool = False,
+         **kwargs) -> Diagnosis:
     """Diagnose ``fn(*args, **kwargs)``, one training step, over steps calls (see the module)."""
     if not callable(fn):
         raise ToolError(f"diagnose.step needs a callable step function, not {type(fn).__name__}")
@@ -197,6 +217,8 @@ def step(fn: Callable, *args, steps: int = 5, warmup: int = 1, **kwargs) -> Diag
             (collections.Counter(r.graph_breaks) for r in records), collections.Counter()).items()],
     )
     d.findings = _findings(d, steady)
+    if profile:
+        d.profile = _profiled(fn, args, kwargs)
     return d
 
 
@@ -212,4 +234,9 @@ def format_report(d: Diagnosis) -> str:
     per = {k: v for k, v in d.per_step.items() if v and k != "cpu_fallbacks"}
     lines.append("per step:")
     lines += render.table(["figure", "value"], sorted(per.items()))
+    if d.profile is not None:
+        lines.append(f"profiled step: {d.profile['span_ms']:.2f} ms, device busy "
+                     f"{d.profile['device_busy_share']:.0%}; programs by device time:")
+        lines += render.table(["program", "runs", "ms"], [
+            [p["name"], p["count"], p["total_ms"]] for p in d.profile["device"]])
     return "\n".join(lines)

@@ -38,9 +38,9 @@ def _onboard_target(target, backward, modes, atol, rtol) -> dict:
     return report.to_dict()
 
 
-def _diagnose_target(target, backward) -> dict:
+def _diagnose_target(target, backward, profile) -> dict:
     model, inputs = load(target)
-    return _onboard.diagnose_model(model, inputs, backward).to_dict()
+    return _onboard.diagnose_model(model, inputs, backward, profile).to_dict()
 
 
 def _metrics_report() -> dict:
@@ -70,11 +70,12 @@ def build():
         return _guarded(_onboard_target, target, backward, modes, atol, rtol)
 
     @server.tool()
-    def diagnose(target: str, backward: bool = False) -> dict:
+    def diagnose(target: str, backward: bool = False, profile: bool = True) -> dict:
         """Run the target's forward (and backward) a few times on tpu and name the top
         problem with its fix: recompiles, new shapes per step, CPU fallbacks, host syncs with
-        their lines, transfers, host-bound steps."""
-        return _guarded(_diagnose_target, target, backward)
+        their lines, transfers, host-bound steps; profile adds one profiled step (device time
+        by program)."""
+        return _guarded(_diagnose_target, target, backward, profile)
 
     @server.tool()
     def metrics() -> dict:

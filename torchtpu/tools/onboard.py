@@ -381,6 +381,8 @@ def main(argv: list | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print JSON for programs")
     parser.add_argument("--diagnose", action="store_true",
                         help="also diagnose a step (forward, and backward with --backward)")
+    parser.add_argument("--profile", action="store_true",
+                        help="with --diagnose: profile one step too (device time by program)")
     parser.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of "
                         + ", ".join(MODES))
     parser.add_argument("--atol", type=float, default=1e-4)
@@ -393,7 +395,8 @@ def main(argv: list | None = None) -> int:
         report = run(model, inputs, backward=args.backward, modes=modes, atol=args.atol,
                      rtol=args.rtol)
         out = {"onboard": report.to_dict()}
-        diagnosis = diagnose_model(model, inputs, args.backward) if args.diagnose else None
+        diagnosis = (diagnose_model(model, inputs, args.backward, args.profile)
+                     if args.diagnose else None)
         if diagnosis is not None:
             out["diagnosis"] = diagnosis.to_dict()
         if args.json:
@@ -406,7 +409,8 @@ def main(argv: list | None = None) -> int:
     return tool_main(go)
 
 
-def diagnose_model(model: torch.nn.Module, inputs: tuple, backward: bool) -> diagnose.Diagnosis:
+def diagnose_model(model: torch.nn.Module, inputs: tuple, backward: bool,
+                   profile: bool = False) -> diagnose.Diagnosis:
     """diagnose.step on the model's forward (and backward) on tpu, in the default eager mode."""
     from torch.utils._pytree import tree_map
 
@@ -419,4 +423,4 @@ def diagnose_model(model: torch.nn.Module, inputs: tuple, backward: bool) -> dia
 
     with _fallbacks_allowed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return diagnose.step(train_step)
+        return diagnose.step(train_step, profile=profile)

@@ -1,8 +1,10 @@
 """A summary of a profiler trace: where the time went, by event name.
 
 ``summarize(path)`` reads a Chrome trace (``torch.profiler``'s ``export_chrome_trace``, JAX's
-``*.trace.json.gz``; a folder means the newest trace file under it) and returns its span and the
-events that took the most time in total, each with its count and share of the span.
+``*.trace.json.gz``; a folder means the newest trace file under it) and returns its span, the
+time per event category, and the events that took the most time in total, each with its count
+and share of the span; ``device`` lists the device programs alone (``tpu_program`` events,
+which ``torch.profiler`` with ``ProfilerActivity.TPU`` records) and their share of the span.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from pathlib import Path
 
 from torchtpu.tools.target import ToolError
 
+_DEVICE = "tpu_program"  # the category of a device program run in torchtpu's traces
 _PATTERNS = ("*.trace.json.gz", "*.trace.json", "*.json.gz", "*.json")
 
 
@@ -39,22 +42,31 @@ def summarize(path: str | Path, top: int = 15) -> dict:
     events = data.get("traceEvents") if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ToolError(f"{file} has no traceEvents list")
-    total = collections.Counter()
-    count = collections.Counter()
+    total, count, device, categories = (collections.Counter() for _ in range(4))
     start, end = float("inf"), float("-inf")
     for e in events:
         if not isinstance(e, dict) or e.get("ph") != "X" or "dur" not in e:
             continue
-        ts, dur = float(e.get("ts", 0)), float(e["dur"])
+        ts, dur, name = float(e.get("ts", 0)), float(e["dur"]), e.get("name", "?")
         start, end = min(start, ts), max(end, ts + dur)
-        total[e.get("name", "?")] += dur
-        count[e.get("name", "?")] += 1
+        total[name] += dur
+        count[name] += 1
+        categories[e.get("cat", "?")] += dur
+        if e.get("cat") == _DEVICE:
+            device[name] += dur
     span = max(end - start, 0.0) if count else 0.0
+
+    def ranked(totals: collections.Counter) -> list:
+        return [{"name": name, "count": count[name], "total_ms": round(us / 1e3, 3),
+                 "share_of_span": round(us / span, 4) if span else 0.0}
+                for name, us in totals.most_common(top)]
+
     return {
         "file": str(file),
         "events": sum(count.values()),
         "span_ms": round(span / 1e3, 3),
-        "top": [{"name": name, "count": count[name], "total_ms": round(us / 1e3, 3),
-                 "share_of_span": round(us / span, 4) if span else 0.0}
-                for name, us in total.most_common(top)],
+        "by_category_ms": {c: round(us / 1e3, 3) for c, us in categories.most_common()},
+        "device_busy_share": round(sum(device.values()) / span, 4) if span else 0.0,
+        "top": ranked(total),
+        "device": ranked(device),
     }
