@@ -3,8 +3,9 @@
 Importing torchtpu (or plain ``import torch``, through the ``torch.backends`` entry point)
 registers the device. Layers, one folder each, bottom up: ``runtime`` (PJRT platform and compile
 cache), ``device`` (tensors, storages, transfers, RNG, memory), ``lowering`` (the one ATen -> JAX
-table), ``eager`` (the executors), ``compile`` (the ``torch.compile`` backend), ``testing``
-(conformance against CPU). ``tpu`` is ``torch.tpu``, the face of all of them.
+table), ``eager`` (the executors), ``compile`` (the ``torch.compile`` backend), ``distributed``
+(the process-group backend ``tpu_dist``), ``testing`` (conformance against CPU). ``tpu`` is
+``torch.tpu``, the face of all of them.
 """
 
 from torchtpu.registration import register as _register
@@ -12,6 +13,10 @@ from torchtpu.registration import register as _register
 _register()
 
 from torchtpu import compile as _compile  # noqa: E402, F401 (the "tpu" torch.compile backend)
+from torchtpu import distributed as _distributed  # noqa: E402
+
+_distributed.register()
+
 from torchtpu import metrics  # noqa: E402
 from torchtpu.device.loader import DeviceLoader  # noqa: E402
 

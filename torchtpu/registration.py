@@ -141,9 +141,8 @@ def register() -> None:
         from torchtpu import integrations
 
         integrations.install()
-        from torchtpu.runtime import platform
-
-        platform.local_device()  # pins JAX's default device to this process's accelerator
+        # JAX's backend starts at the first tpu op, not here (eager/dispatch.handler), so that
+        # torchtpu.distributed can start JAX's multi-process runtime first.
         _libraries.extend([aten, fallback])
         torch.Generator = Generator
         _install_parameter_swap()

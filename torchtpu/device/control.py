@@ -132,9 +132,10 @@ def manual_seed(seed: int) -> None:
     _random.default_generator().manual_seed(seed)
 
 
+# The "_all" functions cover the devices this process drives: one. device_count() also counts
+# the host's other processes' devices (their indices), which this process cannot seed.
 def manual_seed_all(seed: int) -> None:
-    for i in range(device_count()):
-        _random.default_generator(i).manual_seed(seed)
+    _random.default_generator().manual_seed(seed)
 
 
 def seed() -> None:
@@ -159,12 +160,12 @@ def set_rng_state(new_state: torch.Tensor, device="tpu") -> None:
 
 
 def get_rng_state_all() -> list:
-    return [get_rng_state(i) for i in range(device_count())]
+    return [get_rng_state()]
 
 
 def set_rng_state_all(states) -> None:
-    for i, s in enumerate(states):
-        set_rng_state(s, i)
+    for s in states:
+        set_rng_state(s)
 
 
 def get_amp_supported_dtype() -> list:
@@ -176,4 +177,4 @@ def is_bf16_supported(including_emulation: bool = True) -> bool:
 
 
 def default_generators() -> tuple:
-    return tuple(_random.default_generator(i) for i in range(device_count()))
+    return (_random.default_generator(),)

@@ -25,6 +25,7 @@ from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, fallback, meta, schema
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
+from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
 
@@ -323,6 +324,9 @@ def _fallback_handler(op: OpOverload):
 @functools.cache
 def handler(op: OpOverload):
     """How op runs on the device; chosen once per overload."""
+    # The first op starts JAX's backend on this process's device (import does not, so that
+    # torchtpu.distributed can start JAX's multi-process runtime before it).
+    platform.local_device()
     lowering = lookup(op)
     if lowering is not None:
         return _functional_handler(op, lowering)

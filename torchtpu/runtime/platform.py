@@ -1,8 +1,9 @@
 """Which PJRT platform and device this process runs on.
 
 TPU if present, else GPU, else CPU; ``TORCHTPU_PLATFORM=tpu|gpu|cpu`` overrides. One process
-drives one device, "tpu:0": ``TORCHTPU_LOCAL_DEVICE`` (or torchrun's ``LOCAL_RANK``) picks which
-of the host's devices it is.
+drives one device: tensors say "tpu:0", and "tpu:LOCAL_RANK" names the same device (see
+``check_index``); ``TORCHTPU_LOCAL_DEVICE`` (or torchrun's ``LOCAL_RANK``) picks which of the
+host's devices it is.
 """
 
 from __future__ import annotations
@@ -60,43 +61,87 @@ def devices() -> tuple:
     return tuple(jax.local_devices(backend=platform()))
 
 
+def _env_int(names: tuple, default: int) -> int:
+    for name in names:
+        value = os.environ.get(name)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                raise ValueError(f"{name}={value!r} is not an integer") from None
+    return default
+
+
+# This process's place among the processes of its host: its host-local index (torchrun's
+# LOCAL_RANK) and how many processes share the host (LOCAL_WORLD_SIZE). Without torchrun both
+# start as (0, 1); ``torchtpu.distributed`` sets them at init_process_group (mp.spawn).
+_slot = [_env_int(("LOCAL_RANK",), 0), _env_int(("LOCAL_WORLD_SIZE",), 1)]
+
+
+def set_process_slot(local_index: int, local_world_size: int) -> None:
+    """Record this process's host-local index and the number of processes on its host."""
+    if not 0 <= local_index < local_world_size:
+        raise ValueError(f"local index {local_index} is not in [0, {local_world_size})")
+    _slot[:] = [local_index, local_world_size]
+
+
+def process_slot() -> tuple[int, int]:
+    """(host-local index, processes on this host)."""
+    return _slot[0], _slot[1]
+
+
 @functools.cache
 def local_device():
     """The one JAX device this process drives as "tpu:0".
 
     PyTorch's Python-backend hooks know a single device per process (its device guard reports
-    index 0 and a count of 1), so torchtpu is one process per device, as torchrun runs it:
-    ``TORCHTPU_LOCAL_DEVICE`` picks the local accelerator, else ``LOCAL_RANK``, else the first.
+    index 0 and a count of 1, and new tensors are made on index 0), so torchtpu is one process
+    per device, as torchrun runs it. Which of the host's devices: ``TORCHTPU_LOCAL_DEVICE``, else
+    ``LOCAL_RANK``, else the first; a process that sees a single device (XLA:CPU, a TPU or GPU
+    limited to one chip per process) drives that one. The first call starts JAX's backend and pins
+    its default device; nothing at import does, so ``torchtpu.distributed`` can start JAX's
+    multi-process runtime first.
     """
     local = devices()
-    chosen = os.environ.get("TORCHTPU_LOCAL_DEVICE", os.environ.get("LOCAL_RANK", "0"))
-    try:
-        index = int(chosen)
-    except ValueError:
-        raise ValueError(f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={chosen!r} is not an integer") from None
-    if not 0 <= index < len(local):
-        raise RuntimeError(
-            f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has {len(local)} "
-            f"{platform()} device(s)"
-        )
-    device = local[index]
+    if len(local) == 1:
+        device = local[0]
+    else:
+        index = _env_int(("TORCHTPU_LOCAL_DEVICE", "LOCAL_RANK"), 0)
+        if not 0 <= index < len(local):
+            raise RuntimeError(
+                f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has {len(local)} "
+                f"{platform()} device(s)"
+            )
+        device = local[index]
     jax.config.update("jax_default_device", device)
     return device
 
 
 def device_count() -> int:
-    """Devices this process drives: one (see ``local_device``)."""
-    return 1
+    """Devices addressable by index: one per process of this host (``LOCAL_WORLD_SIZE``)."""
+    return _slot[1]
 
 
 def check_index(index: int) -> int:
-    if not isinstance(index, int) or index != 0:
+    """The index tensors carry (always 0) for a device index the user gave.
+
+    tpu:0 is this process's device (the reference's convention) and so is tpu:LOCAL_RANK (the
+    CUDA convention, ``f"cuda:{LOCAL_RANK}"``); every other index belongs to another process.
+    """
+    mine, count = _slot
+    if isinstance(index, int) and not isinstance(index, bool) and index in (0, mine):
+        return 0
+    if isinstance(index, int) and 0 < index < count:
         raise RuntimeError(
-            f"invalid tpu device index {index!r}: this process drives one device, tpu:0 "
-            f"(one process per device; pick the local accelerator with TORCHTPU_LOCAL_DEVICE "
-            f"or torchrun's LOCAL_RANK; this host has {len(devices())} {platform()} device(s))"
+            f"tpu:{index} belongs to another process of this host: this process (host-local "
+            f"index {mine}) drives one device, addressable as tpu:0 or tpu:{mine}; use "
+            f'torch.device("tpu") or f"tpu:{{LOCAL_RANK}}"'
         )
-    return index
+    raise RuntimeError(
+        f"invalid tpu device index {index!r}: this process drives one device, tpu:0 "
+        f"(also tpu:{mine}, its host-local index); {count} process(es) share this host, one per "
+        f"device (torchrun's LOCAL_RANK picks each one's device)"
+    )
 
 
 def current_index() -> int:

@@ -1,0 +1,209 @@
+"""tpu_dist in real processes: collectives against values computed on CPU, DDP against
+single-process full-batch training. Each test is one multi-process run sharing a few shapes."""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from torchtpu.testing.distributed import run
+
+
+def _cpu(t):
+    return t.detach().cpu()
+
+
+def _collectives(rank, world):
+    """Every collective once on tpu tensors; returns (name, got, expected) triples."""
+    checks = []
+    dev = torch.device("tpu")
+    base = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    mine = base + 10 * rank
+    every = [base + 10 * r for r in range(world)]
+    big = torch.linspace(0, 1, 4096) + rank  # above the inline size: the bulk path
+
+    for op, reduce in [
+        (dist.ReduceOp.SUM, lambda rows: rows.sum(0)),
+        (dist.ReduceOp.AVG, lambda rows: rows.mean(0)),
+        (dist.ReduceOp.MIN, lambda rows: rows.min(0).values),
+        (dist.ReduceOp.MAX, lambda rows: rows.max(0).values),
+        (dist.ReduceOp.PRODUCT, lambda rows: rows.prod(0)),
+        (dist._make_nccl_premul_sum(0.5), lambda rows: rows.sum(0) * 0.5),
+    ]:
+        for shift, value in [(10, base), (1, torch.linspace(0, 1, 4096))]:  # inline and bulk
+            x = (value + shift * rank).to(dev)
+            dist.all_reduce(x, op=op)
+            rows = torch.stack([value + shift * r for r in range(world)])
+            checks.append((f"all_reduce {op} {tuple(value.shape)}", _cpu(x), reduce(rows)))
+    bits = torch.tensor([1, 2, 4, 8], dtype=torch.int32) << rank
+    for op, fn in [(dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
+                   (dist.ReduceOp.BXOR, torch.bitwise_xor)]:
+        x = bits.to(dev)
+        dist.all_reduce(x, op=op)
+        expect = torch.tensor([1, 2, 4, 8], dtype=torch.int32)
+        for r in range(1, world):
+            expect = fn(expect, torch.tensor([1, 2, 4, 8], dtype=torch.int32) << r)
+        checks.append((f"all_reduce {op}", _cpu(x), expect))
+
+    work = dist.all_reduce(mine.to(dev), async_op=True)
+    work.wait()
+    checks.append(("async all_reduce", _cpu(work.get_future().wait()[0]), sum(every)))
+
+    outs = [torch.empty(2, 3, device=dev) for _ in range(world)]
+    dist.all_gather(outs, mine.to(dev))
+    checks.append(("all_gather", torch.stack([_cpu(o) for o in outs]), torch.stack(every)))
+    flat = torch.empty(world * 4096, device=dev)
+    dist.all_gather_into_tensor(flat, big.to(dev))
+    checks.append(("all_gather_into_tensor", _cpu(flat),
+                   torch.cat([torch.linspace(0, 1, 4096) + r for r in range(world)])))
+
+    chunks = torch.arange(world * 3, dtype=torch.float32) * (rank + 1)
+    out = torch.empty(3, device=dev)
+    dist.reduce_scatter_tensor(out, chunks.to(dev))
+    total = sum(torch.arange(world * 3, dtype=torch.float32) * (r + 1) for r in range(world))
+    checks.append(("reduce_scatter_tensor", _cpu(out), total[3 * rank: 3 * rank + 3]))
+    out = torch.empty(3, device=dev)
+    dist.reduce_scatter(out, [c.to(dev) for c in chunks.split(3)], op=dist.ReduceOp.MAX)
+    checks.append(("reduce_scatter", _cpu(out),
+                   (torch.arange(world * 3.0) * world)[3 * rank: 3 * rank + 3]))
+
+    x = mine.to(dev)
+    dist.broadcast(x, src=world - 1)
+    checks.append(("broadcast", _cpu(x), every[-1]))
+    objs = [{"rank": rank}, "x" * rank]
+    dist.broadcast_object_list(objs, src=1)
+    checks.append(("broadcast_object_list", objs, [{"rank": 1}, "x"]))
+
+    send = torch.arange(world * 2, dtype=torch.float32) + 100 * rank
+    recv = torch.empty(world * 2, device=dev)
+    dist.all_to_all_single(recv, send.to(dev))
+    checks.append(("all_to_all_single", _cpu(recv),
+                   torch.cat([torch.arange(2.0 * rank, 2.0 * rank + 2) + 100 * r
+                              for r in range(world)])))
+    outs = [torch.empty(2, device=dev) for _ in range(world)]
+    dist.all_to_all(outs, [c.to(dev) for c in send.split(2)])
+    checks.append(("all_to_all", torch.cat([_cpu(o) for o in outs]), _cpu(recv)))
+
+    gathered = [torch.empty(2, 3, device=dev) for _ in range(world)] if rank == 0 else None
+    dist.gather(mine.to(dev), gathered, dst=0)
+    if rank == 0:
+        checks.append(("gather", torch.stack([_cpu(g) for g in gathered]), torch.stack(every)))
+    out = torch.empty(2, 3, device=dev)
+    dist.scatter(out, [e.to(dev) for e in every] if rank == 0 else None, src=0)
+    checks.append(("scatter", _cpu(out), every[rank]))
+    x = mine.to(dev)
+    dist.reduce(x, dst=0)
+    if rank == 0:
+        checks.append(("reduce", _cpu(x), sum(every)))
+
+    if rank == 0:
+        dist.send(mine.to(dev), dst=1)
+    elif rank == 1:
+        got = torch.empty(2, 3, device=dev)
+        dist.recv(got, src=0)
+        checks.append(("send/recv", _cpu(got), every[0]))
+    dist.barrier()
+
+    import torch.distributed._functional_collectives as fc
+
+    y = fc.all_reduce(mine.to(dev), "sum", dist.group.WORLD)
+    checks.append(("functional all_reduce", _cpu(y), sum(every)))
+    y = fc.all_gather_tensor(mine.to(dev), 0, dist.group.WORLD)
+    checks.append(("functional all_gather_tensor", _cpu(y), torch.cat(every)))
+    y = fc.reduce_scatter_tensor(chunks.to(dev), "sum", 0, dist.group.WORLD)
+    checks.append(("functional reduce_scatter_tensor", _cpu(y), total[3 * rank: 3 * rank + 3]))
+    y = torch.ops._c10d_functional.broadcast(mine.to(dev), 0, dist.group.WORLD.group_name)
+    y = torch.ops._c10d_functional.wait_tensor(y)
+    checks.append(("_c10d_functional.broadcast", _cpu(y), every[0]))
+
+    sub = dist.new_group([0, 1])
+    if rank in (0, 1):
+        x = mine.to(dev)
+        dist.all_reduce(x, group=sub)
+        checks.append(("new_group all_reduce", _cpu(x), every[0] + every[1]))
+    checks.append(("default backend", dist.get_default_backend_for_device("tpu"), "tpu_dist"))
+    return [(name, got, expect) for name, got, expect in checks]
+
+
+def _assert_checks(results):
+    for rank, checks in enumerate(results):
+        for name, got, expect in checks:
+            if isinstance(expect, torch.Tensor):
+                torch.testing.assert_close(got, expect, msg=lambda m, n=name, r=rank:
+                                           f"rank {r}: {n}: {m}")
+            else:
+                assert got == expect, f"rank {rank}: {name}: {got!r} != {expect!r}"
+
+
+def test_collectives_match_cpu():
+    _assert_checks(run(_collectives, 2))
+
+
+def _ddp(rank, world):
+    """DDP with the CUDA idioms (tpu:LOCAL_RANK, set_device_index, device_ids) on TinyGPT."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from torchtpu.testing.models import TinyGPT
+
+    local = int(os.environ["LOCAL_RANK"])
+    assert torch.accelerator.device_count() >= world
+    torch.accelerator.set_device_index(local)
+    device = torch.device(f"{torch.accelerator.current_accelerator()}:{local}")
+    torch.manual_seed(0)
+    data = torch.randint(0, 17, (8, 9))
+    x, y = data[:, :-1], data[:, 1:]
+
+    def make():
+        torch.manual_seed(1)
+        return TinyGPT(vocab=17, block=8).to(device)
+
+    def step(model, opt, xs, ys):
+        _, loss = model(xs.to(device), ys.to(device))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    ref = make()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for _ in range(3):
+        step(ref, ref_opt, x, y)  # full batch, one process
+
+    model = DDP(make(), device_ids=[local])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    half = slice(4 * rank, 4 * rank + 4)
+    for _ in range(2):
+        step(model, opt, x[half], y[half])
+    # no_sync: two half-steps' gradients accumulate locally, then synchronize on the second.
+    quarter = [slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)]
+    opt.zero_grad()
+    with model.no_sync():
+        _, loss = model(x[quarter[0]].to(device), y[quarter[0]].to(device))
+        (loss / 2).backward()
+    _, loss = model(x[quarter[1]].to(device), y[quarter[1]].to(device))
+    (loss / 2).backward()
+    opt.step()
+    bucket_views = all(p.grad is not None for p in model.parameters())
+    return {
+        "devices": {str(p.device) for p in model.parameters()},
+        "bucket_views": bucket_views,
+        "diff": max((a - b).abs().max().item()
+                    for a, b in zip(model.module.parameters(), ref.parameters())),
+    }
+
+
+def test_ddp_gpt_equals_full_batch():
+    for out in run(_ddp, 2):
+        assert out["devices"] == {"tpu:0"}
+        assert out["bucket_views"]
+        assert out["diff"] < 2e-5, out
+
+
+def test_backend_default_without_process_group():
+    assert dist.get_default_backend_for_device("tpu") == "tpu_dist"
+    assert "tpu_dist" in dist.Backend.backend_list and "tpu" in dist.Backend.backend_list
+
+
+def test_index_of_another_process_raises():
+    with pytest.raises(RuntimeError, match="invalid tpu device index 1"):
+        torch.ones(2, device="tpu:1")

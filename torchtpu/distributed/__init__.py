@@ -1,0 +1,28 @@
+"""torch.distributed on the tpu device: the process-group backend ``tpu_dist`` (alias ``tpu``).
+
+``register()`` (run when torchtpu loads) makes ``dist.init_process_group("tpu_dist")`` work and
+makes it the default backend for device "tpu": ``init_process_group()`` with no backend picks it,
+and ``"cpu:gloo,tpu:tpu_dist"`` serves CPU tensors by gloo in the same group. Layers: ``group``
+(the ProcessGroup), ``protocol`` (the header that catches mismatched collectives), ``host`` (the
+host transport through gloo), ``launch`` (the backend creator and start-up).
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from torchtpu.distributed.protocol import CollectiveMismatchError
+
+BACKENDS = ("tpu_dist", "tpu")
+
+
+def register() -> None:
+    """Register tpu_dist (and its alias tpu) with torch.distributed; idempotent."""
+    from torchtpu.distributed.launch import create
+
+    for name in BACKENDS:
+        if name.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
+
+
+__all__ = ["BACKENDS", "CollectiveMismatchError", "register"]
