@@ -151,39 +151,42 @@ def _ddp(rank, world):
     torch.accelerator.set_device_index(local)
     device = torch.device(f"{torch.accelerator.current_accelerator()}:{local}")
     torch.manual_seed(0)
-    data = torch.randint(0, 17, (8, 9))
-    x, y = data[:, :-1], data[:, 1:]
+    data = torch.randint(0, 17, (3, 16, 9))  # 3 steps of 16 sequences; every call sees 4
+    micro = 4  # one shape for every forward: programs compile once
 
     def make():
         torch.manual_seed(1)
         return TinyGPT(vocab=17, block=8).to(device)
 
-    def step(model, opt, xs, ys):
-        _, loss = model(xs.to(device), ys.to(device))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    def accumulate(model, rows, parts):
+        for part in rows.split(micro):
+            _, loss = model(part[:, :-1].to(device), part[:, 1:].to(device))
+            (loss / parts).backward()
 
-    ref = make()
+    ref = make()  # single process: the mean gradient of all 16 sequences of a step
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    for _ in range(3):
-        step(ref, ref_opt, x, y)  # full batch, one process
+    for batch in data:
+        ref_opt.zero_grad()
+        accumulate(ref, batch, 4)
+        ref_opt.step()
 
-    model = DDP(make(), device_ids=[local])
+    model = DDP(make(), device_ids=[local], gradient_as_bucket_view=True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    half = slice(4 * rank, 4 * rank + 4)
-    for _ in range(2):
-        step(model, opt, x[half], y[half])
-    # no_sync: two half-steps' gradients accumulate locally, then synchronize on the second.
-    quarter = [slice(4 * rank, 4 * rank + 2), slice(4 * rank + 2, 4 * rank + 4)]
-    opt.zero_grad()
-    with model.no_sync():
-        _, loss = model(x[quarter[0]].to(device), y[quarter[0]].to(device))
-        (loss / 2).backward()
-    _, loss = model(x[quarter[1]].to(device), y[quarter[1]].to(device))
-    (loss / 2).backward()
-    opt.step()
-    bucket_views = all(p.grad is not None for p in model.parameters())
+    share = 16 // world
+    for i, batch in enumerate(data):
+        mine = batch[rank * share:(rank + 1) * share]
+        opt.zero_grad()
+        if i == 2:
+            # no_sync: the first micro-batches accumulate locally; the last one synchronizes.
+            with model.no_sync():
+                accumulate(model, mine[:-micro], share // micro)
+            accumulate(model, mine[-micro:], share // micro)
+        else:  # every backward averages across ranks (accumulating into the bucket views)
+            accumulate(model, mine, share // micro)
+        opt.step()
+    # With gradient_as_bucket_view the gradients are views into a few shared bucket storages.
+    grads = [p.grad for p in model.parameters()]
+    bucket_views = len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)
     return {
         "devices": {str(p.device) for p in model.parameters()},
         "bucket_views": bucket_views,

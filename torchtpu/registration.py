@@ -56,9 +56,10 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
 
 
 def _install_accelerator_synchronize() -> None:
-    """``torch.accelerator.synchronize()`` waits through ``torch.tpu.synchronize``.
+    """``torch.accelerator.synchronize()`` waits through ``torch.tpu.synchronize``, and
+    ``set_device_index`` checks through ``torch.tpu.set_device``.
 
-    PyTorch's version asks the device guard, which a Python backend cannot implement.
+    PyTorch's versions ask the device guard, which a Python backend cannot implement.
     """
     import torch.accelerator
 
@@ -72,6 +73,16 @@ def _install_accelerator_synchronize() -> None:
         return original(device)
 
     torch.accelerator.synchronize = synchronize
+    original_set = torch.accelerator.set_device_index
+
+    # PyTorch's version is a no-op for a Python backend; this one checks the index (CUDA scripts
+    # call set_device_index(LOCAL_RANK), which names this process's device).
+    def set_device_index(device, /) -> None:
+        if torch.accelerator.current_accelerator().type == "tpu":
+            return tpu.set_device(device)
+        return original_set(device)
+
+    torch.accelerator.set_device_index = set_device_index
 
 
 # torch.set_float32_matmul_precision's names, as torch.tpu.Precision.

@@ -88,7 +88,7 @@ def _index(device) -> int:
 
 
 def set_device(device) -> None:
-    _index(device)  # one device per process: only tpu:0 is valid
+    _index(device)  # one device per process: tpu:0 (or tpu:LOCAL_RANK) names it; no switching
 
 
 @contextlib.contextmanager

@@ -216,4 +216,6 @@ def register(lib: torch.library.Library) -> None:
     lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
     lib.impl(aten._to_copy.default, to_copy, "PrivateUse1")
     lib.impl(aten.resize_.default, resize_, "PrivateUse1")
+    # One stream per device, and JAX orders work on it: nothing to record (DDP's input copies).
+    lib.impl(aten.record_stream.default, lambda t, stream: None, "PrivateUse1")
     _install_storage_resize()

@@ -27,9 +27,9 @@ def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
 
 
 def _check_device() -> None:
-    from torchtpu.device import module
+    from torchtpu.device import control
 
-    if not module.is_available():
+    if not control.is_available():
         raise RuntimeError(
             "tpu_dist needs the tpu device, but torchtpu found none (JAX saw no usable "
             "device); check TORCHTPU_PLATFORM, or use backend='gloo' for CPU tensors"
