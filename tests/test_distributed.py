@@ -196,7 +196,7 @@ def _ddp(rank, world):
 
 
 def test_ddp_gpt_equals_full_batch():
-    for out in run(_ddp, 2):
+    for out in run(_ddp, 2, timeout=300):
         assert out["devices"] == {"tpu:0"}
         assert out["bucket_views"]
         assert out["diff"] < 2e-5, out
