@@ -39,8 +39,9 @@ GLOSSARY: dict[str, Entry] = {
         "Cast to a supported dtype (float32, bfloat16, float16, float64, the integer and bool "
         "types, complex64/128)."),
     "fallback": Entry(
-        "An ATen op has no tpu lowering and no decomposition, so it ran on CPU (a warning; "
-        "copies both ways each call) or was refused (TORCHTPU_CPU_FALLBACK=error).",
+        "An ATen op has no tpu lowering and no decomposition: eager mode ran it on CPU (a "
+        "warning; copies both ways each call) or refused it (TORCHTPU_CPU_FALLBACK=error); a "
+        "compiled graph cannot hold it.",
         "Avoid the op, or add a lowering (README, Adding an op); `python -m torchtpu.onboard` "
         "lists every fallback with the module it came from."),
     "check": Entry(
@@ -50,6 +51,18 @@ GLOSSARY: dict[str, Entry] = {
         "TORCHTPU_DEBUG_NANS=1 found a NaN or an infinity in an op's result.",
         "Look at the op the message names and at its inputs (learning rate, log of zero, "
         "division by zero, overflow in float16)."),
+    "deferred": Entry(
+        "A value DeferAndFuse recorded could not be computed: the fused program that computes "
+        "it failed (its error is attached).",
+        "Read the attached error; rerun in Debug mode (TORCH_TPU_LAUNCH_BLOCKING=1) to see the "
+        "failing op at its line."),
+    "capture": Entry(
+        "A captured step (torch.tpu.graph, TPUGraph, make_graphed_callables, "
+        "mode=\"reduce-overhead\") met something a replay cannot repeat: a host read inside "
+        "the capture, optimizer settings or tensors changed since it, arguments unlike the "
+        "captured ones.",
+        "Move host reads out of the captured region, capture again after changing the "
+        "optimizer, call with tensors of the captured shapes and flags."),
     "compile": Entry(
         "The torch.compile backend \"tpu\" could not compile a graph as asked (an option it "
         "does not take, a graph it cannot run exactly).",
@@ -60,6 +73,11 @@ GLOSSARY: dict[str, Entry] = {
         "directory cannot be used.",
         "Nothing for a damaged entry: it is deleted and recompiled. For the directory, set "
         "TORCHTPU_CACHE_DIR to a writable one (or `off`)."),
+    "profiler": Entry(
+        "torch.profiler with ProfilerActivity.TPU or TpuProfilerConfig got an option it does not "
+        "take, or the JAX profiler could not start or wrote no trace.",
+        "Use the options the message lists; stop any other jax.profiler trace; leave "
+        "ProfilerActivity.TPU out to profile the host alone."),
     "unsupported": Entry(
         "A feature or argument combination torchtpu does not implement yet.",
         "Use the alternative the message names, or file an issue with the call."),

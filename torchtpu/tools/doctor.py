@@ -25,7 +25,7 @@ from pathlib import Path
 import jax
 import torch
 
-from torchtpu import metrics
+from torchtpu import errors, metrics
 from torchtpu.runtime import compile_cache, platform
 from torchtpu.tools import render
 from torchtpu.tools.target import describe
@@ -207,9 +207,10 @@ def _self_test_steps():
         for entry in written:
             entry.unlink(missing_ok=True)
         if not written:
-            raise RuntimeError(f"no entry was written to {path}")
+            raise RuntimeError(errors.message("cache", f"no entry was written to {path}"))
         if hit < 1 or not bool((first == second).all()):
-            raise RuntimeError(f"the entry written to {path} was not read back")
+            raise RuntimeError(errors.message("cache", f"the entry written to {path} was not "
+                                              "read back"))
         return None
     yield "persistent cache round trip", round_trip
 
