@@ -223,6 +223,7 @@ def test_doctor_command_json_and_self_test():
         "self-test: persistent cache round trip"]
     assert all(c["status"] == "ok" for c in result["checks"] if c["name"].startswith("self"))
     assert result["device"]["devices"] and result["versions"]["torch"] == "2.13.0"
+    assert result["self_test_seconds"] > 0
 
 
 def test_error_categories_prefix_messages_and_the_readme_has_the_glossary():
@@ -240,3 +241,14 @@ def test_torch_tpu_tools_is_the_same_api():
     assert torch.tpu.tools.onboard is onboard.run
     assert torch.tpu.tools.diagnose_step is diagnose.step
     assert torch.tpu.tools.doctor is doctor.run
+
+
+def test_onboard_compile_mode_reports_graph_breaks(fresh_dynamo):
+    class Branchy(nn.Module):
+        def forward(self, x):
+            return x * 2 if x.sum().item() > 0 else x  # .item(): Dynamo breaks the graph
+
+    model = nn.Sequential(nn.Linear(4, 4), Branchy(), nn.Linear(4, 2))
+    (m,) = onboard.run(model, (torch.ones(2, 4),), modes=("compile",), steps=1).modes
+    assert m.ok and m.graphs >= 1, m
+    assert any("item" in b["reason"].lower() for b in m.graph_breaks), m.graph_breaks

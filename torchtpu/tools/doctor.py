@@ -243,7 +243,9 @@ def run(self_test: bool = True) -> dict:
     env_checks, facts["environment"] = check_environment()
     checks += env_checks
     if self_test and checks[0].status != "error":
+        start = time.perf_counter()
         checks += check_self_test()
+        facts["self_test_seconds"] = round(time.perf_counter() - start, 3)
     return {"ok": all(c.status != "error" for c in checks),
             "problems": [asdict(c) for c in checks if c.status != "ok"],
             "checks": [asdict(c) for c in checks], **facts}
@@ -255,6 +257,8 @@ def format_report(result: dict) -> str:
                           [[c["name"], c["status"], c["detail"]] for c in result["checks"]])
     for p in result["problems"]:
         lines.append(f"{p['status']}: {p['name']}: fix: {p['fix']}")
+    if "self_test_seconds" in result:
+        lines.append(f"self-test: {result['self_test_seconds']:.1f} s")
     lines.append("all good" if result["ok"] and not result["problems"] else
                  ("no errors" if result["ok"] else "errors found"))
     return "\n".join(lines)
