@@ -73,6 +73,12 @@ GLOSSARY: dict[str, Entry] = {
         "directory cannot be used.",
         "Nothing for a damaged entry: it is deleted and recompiled. For the directory, set "
         "TORCHTPU_CACHE_DIR to a writable one (or `off`)."),
+    "distributed": Entry(
+        "torch.distributed on the tpu_dist backend got what it cannot do: CPU tensors in a "
+        "collective, collectives that differ between ranks, an operation it does not serve, a "
+        "rank that did not answer in time.",
+        "Follow the message: put tensors on \"tpu\", make every rank call the same collectives "
+        "in the same order, check that all ranks started."),
     "profiler": Entry(
         "torch.profiler with ProfilerActivity.TPU or TpuProfilerConfig got an option it does not "
         "take, or the JAX profiler could not start or wrote no trace.",
