@@ -26,7 +26,7 @@ import warnings
 from dataclasses import asdict, dataclass, field
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 from torchtpu import metrics
 from torchtpu.tools import diagnose, render
@@ -240,8 +240,6 @@ def _to_tpu(x):
 
 
 def _run_mode(mode, reference, ref_hooks, inputs, backward, atol, rtol, steps) -> ModeResult:
-    from torch.utils._pytree import tree_map
-
     result = ModeResult(mode)
     model = copy.deepcopy(reference).to("tpu")
     model.zero_grad(set_to_none=True)
@@ -309,8 +307,6 @@ def run(model: torch.nn.Module, inputs, *, backward: bool = False,
     unknown = set(modes) - set(MODES)
     if unknown:
         raise ToolError(f"unknown mode(s) {', '.join(sorted(unknown))}; use {', '.join(MODES)}")
-    from torch.utils._pytree import tree_map
-
     reference = copy.deepcopy(model).cpu().eval()
     reference.zero_grad(set_to_none=True)
     cpu_inputs = tree_map(lambda x: x.detach().cpu().requires_grad_(x.requires_grad)
@@ -412,8 +408,6 @@ def main(argv: list | None = None) -> int:
 def diagnose_model(model: torch.nn.Module, inputs: tuple, backward: bool,
                    profile: bool = False) -> diagnose.Diagnosis:
     """diagnose.step on the model's forward (and backward) on tpu, in the default eager mode."""
-    from torch.utils._pytree import tree_map
-
     model = copy.deepcopy(model).to("tpu").eval()
     args = tree_map(_to_tpu, inputs)
 
