@@ -191,14 +191,14 @@ def run_each(items: Iterable[Any], names: Callable[[Any], Iterable[str]],
     return results, time.perf_counter() - start
 
 
-def parser(prog: str, doc: str, filter_flag: str, max_default: int,
-           unit: str = "samples") -> argparse.ArgumentParser:
+def parser(prog: str, doc: str, filter_flag: str, max_default: int, unit: str = "samples",
+           timeout: float = 60.0) -> argparse.ArgumentParser:
     """The options every runner takes: a name filter, a cap, a time limit, the report's length."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument(filter_flag, help="regex matched fully against the entries' names")
     p.add_argument("--max-samples", type=int, default=max_default,
                    help=f"counted {unit} per entry")
-    p.add_argument("--timeout-per-op", type=float, default=60.0,
+    p.add_argument("--timeout-per-op", type=float, default=timeout,
                    help="seconds per entry; 0: none")
     p.add_argument("--top", type=int, default=25, help="missing aten ops to list")
     p.add_argument("--progress", action="store_true", help="one line per entry on stderr")
