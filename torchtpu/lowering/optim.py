@@ -1,12 +1,13 @@
-"""Multi-tensor ops for optimizers: the ``_foreach_*`` family and the fused Adam/AdamW/SGD steps.
+"""Multi-tensor ops for optimizers: the ``_foreach_*`` family and the fused optimizer steps.
 
 A ``_foreach_*`` overload is the per-tensor ATen op mapped over lists: its lowering applies that
 op's own lowering to each element (lists and ``Scalar[]`` are taken elementwise, anything else is
 shared), so a foreach step computes exactly what the for-loop optimizer path computes, in one
 program. The in-place ``_foreach_*_`` overloads come from these functional ones. The fused
-optimizer steps follow the formulas of PyTorch's for-loop implementations, so ``fused=True``,
-``foreach=True`` and the plain loop agree. PyTorch has no meta kernel for some fused steps
-(``_fused_sgd_``, the tensor-lr overloads); as they return nothing, an empty one is registered.
+optimizer steps (Adam, AdamW, SGD, Adagrad) follow the formulas of PyTorch's for-loop
+implementations, so ``fused=True``, ``foreach=True`` and the plain loop agree. PyTorch has no
+meta kernel for some fused steps (``_fused_sgd_``, ``_fused_adagrad_``, the tensor-lr
+overloads); as they return nothing, an empty one is registered.
 """
 
 from __future__ import annotations
@@ -171,7 +172,38 @@ def fused_sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampe
             else momentum_buffers)
 
 
+def _adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps, maximize,
+             grad_scale=None, found_inf=None):
+    # The optimizer counts the step before calling, and takes it back if found_inf is set.
+    unscaled = _unscale(grads, grad_scale)
+    new_p, new_sums = [], []
+    for p, g, state_sum, step in zip(params, unscaled, state_sums, state_steps, strict=True):
+        p, state_sum = _opmath(p), _opmath(state_sum)
+        d = -g if maximize else g
+        if weight_decay != 0:
+            d = d + weight_decay * p
+        # The decayed rate in float64, like the for-loop path's Python floats.
+        clr = (lr / (1 + (step.astype(jnp.float64) - 1) * lr_decay)).astype(p.dtype)
+        state_sum = state_sum + d * d
+        new_p.append(p - clr * (d / (jnp.sqrt(state_sum) + eps)))
+        new_sums.append(state_sum)
+    return (_skip_if_inf(found_inf, new_p, params), _skip_if_inf(found_inf, unscaled, grads),
+            _skip_if_inf(found_inf, new_sums, state_sums))
+
+
+@lowers(aten._fused_adagrad.default, traced=("lr",))
+def fused_adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps,
+                  maximize, grad_scale=None, found_inf=None):
+    # This overload lists the steps among its outputs, unchanged.
+    return (*_adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weight_decay, eps,
+                      maximize, grad_scale, found_inf), state_steps)
+
+
+lowers(aten._fused_adagrad.tensor_lr, traced=("lr",))(_adagrad)
+
+
 _meta_lib = torch.library.Library("aten", "IMPL")
 for _op in (aten._fused_adam_.tensor_lr, aten._fused_adamw_.tensor_lr, aten._fused_sgd_.default,
-            aten._fused_sgd_.tensor_lr):
+            aten._fused_sgd_.tensor_lr, aten._fused_adagrad_.default,
+            aten._fused_adagrad_.tensor_lr):
     _meta_lib.impl(_op, lambda *args, **kwargs: None, "Meta")

@@ -11,16 +11,19 @@ the optimizer's state; then the tpu optimizer's ``state_dict`` goes through ``to
 ``torch.load`` into a fresh optimizer on a copy of the model, which takes one more step that
 must match CPU's next one.
 
-CPU runs the for-loop implementation (foreach, fused and capturable change the kernels, not the
-arithmetic), so every tpu implementation is held to the same reference. The CPU fallback is an
-error. Not counted: configurations that raise on CPU, sparse-gradient and complex ones.
+CPU runs the same configuration (PyTorch's refusal of capturable=True on CPU is a device check,
+lifted for the reference), so a configuration that PyTorch itself cannot run is not counted
+against tpu. The CPU fallback is an error. Not counted: configurations that raise on CPU, and
+SparseAdam (sparse gradients only).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import re
 import sys
+from collections.abc import Iterator
 from typing import Any, TextIO
 
 import torch
@@ -30,9 +33,14 @@ from torchtpu.testing import conformance
 from torchtpu.testing.compare import assert_same
 from torchtpu.testing.conformance import Report, Result, shorten
 
-# Flags that choose how the step is computed, not what it computes.
-_IMPL_FLAGS = ("foreach", "fused", "capturable")
 _TOL = (1e-5, 1e-5)
+# float32 (atol, rtol), measured. Three LBFGS steps are sixty inner iterations with line
+# searches, which amplify rounding: CPU's and tpu's parameters are equally far from a float64
+# run (2e-5), and its last flat gradient (up to 37 in size) differs between them by up to
+# 6.5e-4. Muon orthogonalizes each update by Newton-Schulz iterations in bfloat16 (PyTorch's
+# choice), where one rounding step is 7.8e-3: CPU's and XLA's bfloat16 matmuls round
+# differently, up to 1.3e-2 relative on the parameters.
+LOOSER = {"LBFGS": (1e-3, 1e-5), "Muon": (1e-3, 1.6e-2)}
 # Optimizers that take matrices only.
 _MATRICES_ONLY = {"Muon"}
 
@@ -128,7 +136,8 @@ class _Training:
                 if isinstance(v, torch.Tensor):
                     state[f"param{i}.{k}"] = v.detach().clone()
                 elif isinstance(v, (int, float)):
-                    state[f"param{i}.{k}"] = v
+                    # A tensor, so that the tolerance applies (LBFGS keeps losses as floats).
+                    state[f"param{i}.{k}"] = torch.tensor(v, dtype=torch.float64)
         if self.differentiable:
             total = sum(p.sum() for p in self.params)
             through = torch.autograd.grad(total, self.leaves, retain_graph=True,
@@ -150,41 +159,57 @@ class _Training:
         return copy
 
 
-def _reference_kwargs(kwargs: dict) -> dict:
-    return {k: v for k, v in kwargs.items() if k not in _IMPL_FLAGS}
+@contextlib.contextmanager
+def _capturable_on_cpu() -> Iterator[None]:
+    """PyTorch refuses capturable=True on CPU by a device check alone; the reference lifts it,
+    so CPU runs the very code path that tpu runs."""
+    patched = []
+    for name, module in list(sys.modules.items()):
+        original = getattr(module, "_get_capturable_supported_devices", None)
+        if name.startswith("torch.optim") and original is not None:
+            patched.append((module, original))
+            module._get_capturable_supported_devices = (
+                lambda supports_xla=True, f=original: [*f(supports_xla), "cpu"])
+    try:
+        yield
+    finally:
+        for module, original in patched:
+            module._get_capturable_supported_devices = original
 
 
 def _check_config(info, desc: str, kwargs: dict, schedulers: list, steps: int,
                   result: Result) -> None:
-    try:
-        cpu = _Training(info, _reference_kwargs(kwargs), schedulers, "cpu")
-        expected = []
-        for _ in range(steps):
-            cpu.step()
-            expected.append(cpu.state())
-    except Exception:
-        result.skipped += 1  # fails on CPU too: not ours to count
-        return
-    try:
-        # The reference goes through the same round trip: a state that cannot be stepped
-        # after loading (differentiable=True saves moments that require grad) is PyTorch's.
-        again = cpu.reloaded()
-        again.step()
-        reloaded = again.state()
-    except Exception:
-        reloaded = None
+    tol = LOOSER.get(info.name, _TOL)
+    with _capturable_on_cpu():
+        try:
+            cpu = _Training(info, kwargs, schedulers, "cpu")
+            expected = []
+            for _ in range(steps):
+                cpu.step()
+                expected.append(cpu.state())
+        except Exception:
+            result.skipped += 1  # fails on CPU too: not ours to count
+            return
+        try:
+            # The reference goes through the same round trip: a state that cannot be stepped
+            # after loading (differentiable=True saves moments that require grad) is PyTorch's.
+            again = cpu.reloaded()
+            again.step()
+            reloaded = again.state()
+        except Exception:
+            reloaded = None
     stage, where = "step", f"[{desc}] "
     try:
         tpu = _Training(info, kwargs, schedulers, "tpu")
         for i in range(steps):
             stage = f"step {i + 1}"
             tpu.step()
-            assert_same(_cpu_state(tpu), expected[i], atol=_TOL[0], rtol=_TOL[1])
+            assert_same(_cpu_state(tpu), expected[i], atol=tol[0], rtol=tol[1])
         if reloaded is not None:
             stage = "state_dict"
             again = tpu.reloaded()
             again.step()
-            assert_same(_cpu_state(again), reloaded, atol=_TOL[0], rtol=_TOL[1])
+            assert_same(_cpu_state(again), reloaded, atol=tol[0], rtol=tol[1])
     except AssertionError as exc:
         result.mismatch(exc, f"{stage} {where}")
         return
@@ -196,8 +221,9 @@ def _check_config(info, desc: str, kwargs: dict, schedulers: list, steps: int,
 
 def _cpu_state(training: _Training) -> dict:
     state = training.state()
+    # PyTorch keeps some scalars (step counts, NAdam's mu_product) on CPU unless capturable.
     on_cpu = [k for k, v in state.items() if isinstance(v, torch.Tensor) and v.is_cpu
-              and not k.endswith(".step")]
+              and v.dim() > 0]
     if on_cpu:
         raise AssertionError(f"optimizer state {on_cpu[0]} is on CPU, not tpu")
     return {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
