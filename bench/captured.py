@@ -1,10 +1,11 @@
 """Captured steps (torch.tpu.TPUGraph) against Strict eager, torch.compile and jax.jit.
 
 The TinyGPT training step of ``bench/compile.py`` (2 layers, width 64, sequence 32, batch 8,
-AdamW with clipping; same weights and batches), run four ways in one process: Strict eager, the
-whole step under ``torch.compile(backend="tpu")``, the step captured once with
-``torch.tpu.graph`` and replayed (``static_x.copy_(x)``, ``g.replay()``, read ``static_loss``: the
-pattern of PyTorch's CUDA Graphs notes), and the same step in one ``jax.jit``. The torch runs use
+AdamW with clipping; same weights and batches), run five ways in one process: Strict eager, the
+whole step under ``torch.compile(backend="tpu")`` in the default mode and in
+``mode="reduce-overhead"``, the step captured once with ``torch.tpu.graph`` and replayed
+(``static_x.copy_(x)``, ``g.replay()``, read ``static_loss``: the pattern of PyTorch's CUDA Graphs
+notes), and the same step in one ``jax.jit``. The torch runs use
 ``AdamW(capturable=True)`` so that all of them run the same optimizer.
 
     python bench/captured.py [--steps 20] [--warmup 4]
@@ -80,6 +81,9 @@ def main() -> None:
     batches = cb._batches(args.warmup + args.steps + 1)
     captured, g_losses, capture = _captured_run(batches, args.warmup)
     compiled, c_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup)
+    torch._dynamo.reset()
+    reduced, r_losses = _eager_run(torch.compile(cb._step, backend="tpu", mode="reduce-overhead"),
+                                   batches, args.warmup)
     strict, s_losses = _eager_run(cb._step, batches, args.warmup)
     direct, j_losses = cb._jax_run(batches, args.warmup)
     print(f"TinyGPT {cb.LAYERS} layers, width {cb.WIDTH}, seq {cb.BLOCK}, batch {cb.BATCH}, "
@@ -89,12 +93,14 @@ def main() -> None:
     print(f"{'run':<26}{'ms/step':>9}{'vs Strict':>11}{'vs JAX':>8}{'last loss':>11}")
     for name, sec, losses in (("captured (TPUGraph)", captured, g_losses),
                               ("torch.compile tpu", compiled, c_losses),
+                              ("compile reduce-overhead", reduced, r_losses),
                               ("tpu Strict eager", strict, s_losses),
                               ("jax.jit, same step", direct, j_losses)):
         print(f"{name:<26}{sec * 1e3:>9.2f}{strict / sec:>10.2f}x{direct / sec:>7.2f}x"
               f"{losses[-1]:>11.4f}")
     print(f"capture took {capture * 1e3:.0f} ms (recording only: nothing runs)")
-    for name, losses in (("captured", g_losses), ("Strict", s_losses)):
+    for name, losses in (("captured", g_losses), ("reduce-overhead", r_losses),
+                         ("Strict", s_losses)):
         diff = max(abs(a - b) for a, b in zip(losses, j_losses, strict=True))
         print(f"max |loss difference| {name} vs JAX over {len(batches)} steps: {diff:.2e}")
 

@@ -55,8 +55,9 @@ def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
             entries.append((KEY, None))
         elif (v is not None and i in traced_arguments(oi.op, lowering)
               # A number at its schema default (add's alpha=1) is baked in: passing a Python
-              # number to a program costs a transfer per call.
-              and not meta.is_default_number(v, oi.defaults[i])):
+              # number to a program costs a transfer per call. So is a special number (x ** 2):
+              # XLA computes with it differently from any other value.
+              and not meta.is_baked_number(v, oi.defaults[i])):
             entries.append((SCALAR, None))
         else:
             entries.append((CONST, tuple(v) if isinstance(v, list) else v))

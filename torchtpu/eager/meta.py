@@ -7,6 +7,8 @@ shapes, dtypes and Python scalar values, never data.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchtpu.device import dtypes
@@ -65,12 +67,31 @@ def is_default_number(v, default) -> bool:
     return type(v) is type(default) and v == default
 
 
+# Numbers a program is specialized on even where numbers are traced, because XLA (or the
+# lowering) computes with them differently from any other value: ``x ** 2`` is ``x * x`` and
+# ``x ** 0.5`` a square root, not exp(y * log(x)); a multiply by 1 or 0, a clamp at 0, ``where``
+# with a 0 branch simplify. Each adds at most one program per op; a value that changes every
+# step (a learning rate, a bias correction) is almost never one of them.
+SPECIAL_NUMBERS = frozenset({0, 1, -1, 2, -2, 3, 4, 0.5, -0.5})
+
+
+def is_special_number(v) -> bool:
+    # -0.0 == 0 but computes differently (its sign survives a multiply): it stays traced.
+    return (type(v) in (int, float) and v in SPECIAL_NUMBERS
+            and not (v == 0 and math.copysign(1.0, v) < 0))
+
+
+def is_baked_number(v, default) -> bool:
+    """A traced argument's number that ``dispatch.entries_of`` bakes in all the same."""
+    return is_default_number(v, default) or is_special_number(v)
+
+
 def _traced_number_key(v, default):
     # A traced number's value never changes result shapes or programs; its type does, and so
-    # does whether it is the schema default.
+    # does whether it is baked in (the schema default, or a special number: then its value).
     if isinstance(v, (list, tuple)):
         return tuple(type(x) for x in v)
-    return (type(v), is_default_number(v, default))
+    return (type(v), is_default_number(v, default), v if is_special_number(v) else None)
 
 
 def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -> tuple:

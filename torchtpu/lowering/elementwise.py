@@ -81,6 +81,19 @@ def square(x):
     return jnp.square(x)
 
 
+def pow_scalar_exponent(x, y):
+    # A baked-in exponent (``eager/meta.SPECIAL_NUMBERS``) becomes multiplies or a square root,
+    # as PyTorch computes them, instead of the general exp(y * log(x)).
+    if isinstance(y, (int, float)) and jnp.issubdtype(x.dtype, jnp.inexact):
+        if y == int(y) and abs(y) <= 4:
+            return lax.integer_pow(x, int(y))
+        if y == 0.5:
+            return jnp.sqrt(x)
+        if y == -0.5:
+            return lax.rsqrt(x)
+    return jnp.power(x, y)
+
+
 @lowers(aten.floor_divide.default, aten.floor_divide.Scalar, promote="result")
 def floor_divide(x, y):
     return _floor_divide(x, y)
@@ -94,7 +107,7 @@ lowers_each({
     aten.fmod.Tensor: jnp.fmod,
     aten.fmod.Scalar: jnp.fmod,
     aten.pow.Tensor_Tensor: jnp.power,
-    aten.pow.Tensor_Scalar: jnp.power,
+    aten.pow.Tensor_Scalar: pow_scalar_exponent,
     aten.pow.Scalar: jnp.power,
     aten.atan2.default: jnp.arctan2,
     aten.hypot.default: jnp.hypot,

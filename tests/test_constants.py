@@ -1,0 +1,38 @@
+"""Numbers XLA should see: special exponents and operands are baked into the program (x ** 2 runs
+as x * x), other numbers stay program inputs (a changing value does not recompile)."""
+
+import numpy as np
+import pytest
+import torch
+
+from torchtpu import metrics
+
+
+def _compiles() -> int:
+    return metrics.snapshot().get("compiles", 0)
+
+
+@pytest.mark.parametrize("exponent", [2, 3, -1, -2, 0.5, -0.5, 2.0, 0, 1.7])
+def test_pow_matches_cpu_for_special_and_other_exponents(exponent):
+    x = torch.rand(64) + 0.25
+    np.testing.assert_allclose(x.to("tpu").pow(exponent).cpu(), x.pow(exponent), rtol=2e-6)
+
+
+def test_special_numbers_are_baked_and_others_share_one_program():
+    x = torch.rand(33, device="tpu") + 0.5
+    for e in (1.3, 1.7):  # warm: the traced-exponent program
+        (x ** e).cpu()
+    before = _compiles()
+    for e in (1.1, 1.9, 2.3, 3.7):
+        np.testing.assert_allclose((x ** e).cpu(), x.cpu() ** e, rtol=2e-6)
+    assert _compiles() == before  # other exponents are inputs of one program
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        y = x ** 2
+        squared = torch.tpu.pending_hlo()
+        z = x ** 1.5
+        general = torch.tpu.pending_hlo()
+    # A squared tensor is a multiply in the program, not a general power.
+    assert "stablehlo.multiply" in squared and "stablehlo.power" not in squared
+    assert "stablehlo.power" in general
+    np.testing.assert_allclose(y.cpu(), x.cpu() ** 2, rtol=1e-6)
+    np.testing.assert_allclose(z.cpu(), x.cpu() ** 1.5, rtol=1e-6)
