@@ -78,6 +78,8 @@ class Window:
         self.launches: list = []
         self._keys: dict = {}
         self._temporary = config is None
+        # Torch names in the XProf run: only when one is kept (an annotation costs ~2 us).
+        self._annotate = config is not None
         self._directory = None if config is None else config.directory()
         self._session = f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_{os.getpid()}_{next(_runs)}"
         self._sync = (0, 0)
@@ -110,7 +112,7 @@ class Window:
         with TraceAnnotation(xplane.CLOCK_SYNC):
             pass
         self._sync = (before, time.time_ns())
-        launch.observer = self._observe_annotated if self.config is not None else self._observe
+        launch.observer = self._observe
 
     def _key(self, label, fn) -> tuple[str, str]:
         # Cached per program and label (the window holds both until it ends): launching the
@@ -126,17 +128,10 @@ class Window:
         name, key = self._key(label, fn)
         start = time.time_ns()
         try:
+            if self._annotate:
+                with TraceAnnotation(name):
+                    return fn(*args)
             return fn(*args)
-        finally:
-            self.launches.append(Launch(name, key, start, time.time_ns(),
-                                        threading.get_native_id()))
-
-    def _observe_annotated(self, label, fn, args: tuple):
-        name, key = self._key(label, fn)
-        start = time.time_ns()
-        try:
-            with TraceAnnotation(name):
-                return fn(*args)
         finally:
             self.launches.append(Launch(name, key, start, time.time_ns(),
                                         threading.get_native_id()))
