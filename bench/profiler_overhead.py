@@ -2,10 +2,11 @@
 
 One process, TinyGPT (2 layers, width 64, sequence 32, batch 8, AdamW with clipping), in Strict,
 DeferAndFuse and torch.compile. Per mode, after warmup, rounds of: N steps unprofiled; N steps
-inside ``profile(activities=[CPU, TPU])``; N steps inside the same with
-``TpuProfilerConfig`` (an XProf run written to a temporary directory). The step time is taken
-inside the window; the window's fixed cost (start, stop, reading the device trace and exporting
-the Chrome trace) is given apart. Best round of each.
+inside ``profile(activities=[CPU])`` (PyTorch's own host recording alone); N steps inside
+``profile(activities=[CPU, TPU])``; N steps inside the same with ``TpuProfilerConfig`` (an XProf
+run written to a temporary directory). The step time is taken inside the window; the window's
+fixed cost (start, stop, reading the device trace and exporting the Chrome trace) is given
+apart. Best round of each.
 
     python bench/profiler_overhead.py [--steps 10] [--rounds 3] [--warmup 3]
 """
@@ -26,6 +27,7 @@ from torchtpu.testing.models import TinyGPT, batch
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
 ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.TPU]
+VARIANTS = ("CPU only", "CPU+TPU", "+XProf")
 
 
 def _trainer(compiled: bool):
@@ -51,10 +53,10 @@ def _trainer(compiled: bool):
     return steps
 
 
-def _profiled(steps, n: int, config, directory: str) -> tuple[float, float]:
+def _profiled(steps, n: int, activities, config, directory: str) -> tuple[float, float]:
     """(seconds per step inside the window, the window's fixed seconds)."""
     start = time.perf_counter()
-    with profile(activities=ACTIVITIES, experimental_config=config) as prof:
+    with profile(activities=activities, experimental_config=config) as prof:
         per_step = steps(n)
     prof.export_chrome_trace(os.path.join(directory, "trace.json"))
     return per_step, time.perf_counter() - start - per_step * n
@@ -75,28 +77,31 @@ def main() -> None:
     print(f"TinyGPT {LAYERS} layers, width {WIDTH}, seq {BLOCK}, batch {BATCH}, AdamW; "
           f"best of {args.rounds} rounds of {args.steps} steps; "
           f"platform {torchtpu.runtime.platform.platform()}")
-    print(f"{'mode':<15}{'off ms':>8}{'TPU ms':>8}{'ratio':>7}{'+XProf ms':>10}{'ratio':>7}"
-          f"{'window s':>10}{'+XProf s':>10}")
+    print(f"{'mode':<15}{'off ms':>8}" + "".join(f"{v + ' ms':>12}{'ratio':>7}" for v in VARIANTS)
+          + "".join(f"{v + ' window s':>18}" for v in VARIANTS))
     with tempfile.TemporaryDirectory() as directory:
         xprof = torch.tpu.profiler.TpuProfilerConfig(run_dir=os.path.join(directory, "xprof"))
+        variants = {"CPU only": ([ProfilerActivity.CPU], None), "CPU+TPU": (ACTIVITIES, None),
+                    "+XProf": (ACTIVITIES, xprof)}
         for name, (mode, compiled) in modes.items():
             with torch.tpu.set_eager_mode(mode):
                 steps = _trainer(compiled)
                 steps(args.warmup)
-                _profiled(steps, 1, None, directory)  # the profiler's own first start
-                off, on, on_x, fixed, fixed_x = [], [], [], [], []
+                _profiled(steps, 1, ACTIVITIES, None, directory)  # the profiler's first start
+                off = []
+                on: dict = {v: [] for v in variants}
+                fixed: dict = {v: [] for v in variants}
                 for _ in range(args.rounds):
                     off.append(steps(args.steps))
-                    s, f = _profiled(steps, args.steps, None, directory)
-                    on.append(s)
-                    fixed.append(f)
-                    s, f = _profiled(steps, args.steps, xprof, directory)
-                    on_x.append(s)
-                    fixed_x.append(f)
+                    for v, (activities, config) in variants.items():
+                        s, f = _profiled(steps, args.steps, activities, config, directory)
+                        on[v].append(s)
+                        fixed[v].append(f)
             base = min(off)
-            print(f"{name:<15}{base * 1e3:>8.2f}{min(on) * 1e3:>8.2f}{min(on) / base:>6.2f}x"
-                  f"{min(on_x) * 1e3:>10.2f}{min(on_x) / base:>6.2f}x"
-                  f"{min(fixed):>10.2f}{min(fixed_x):>10.2f}")
+            print(f"{name:<15}{base * 1e3:>8.2f}"
+                  + "".join(f"{min(on[v]) * 1e3:>12.2f}{min(on[v]) / base:>6.2f}x"
+                            for v in variants)
+                  + "".join(f"{min(fixed[v]):>18.2f}" for v in variants))
 
 
 if __name__ == "__main__":

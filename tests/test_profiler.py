@@ -68,7 +68,7 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
         assert a["ts"] + a["dur"] <= b["ts"] + 1e-3
     # Aligned: each run starts after its launch, inside the profiled window; the forward's runs
     # end inside the range whose .item() waited for them (backward's may end later).
-    (step,) = [e for e in events if e.get("name") == "train_step" and e.get("ph") == "X"]
+    (step,) = [e for e in events if e.get("cat") == "user_annotation"]
     (window,) = [e for e in events if e.get("cat") == "Trace"]
     launches = {e["args"]["correlation"]: e for e in events if e.get("cat") == "tpu_runtime"}
     matched = [e for e in programs if "correlation" in e["args"]]
@@ -80,6 +80,12 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
         assert e["ts"] + e["dur"] <= window["ts"] + window["dur"]
     forward = matched[:names.index("aten::sum") + 1]
     assert forward[-1]["ts"] + forward[-1]["dur"] <= step["ts"] + step["dur"]
+    # The record_function range again on the device track, over the runs launched inside it by
+    # its thread (backward's launches come from the autograd thread).
+    (ranged,) = [e for e in events if e.get("cat") == "tpu_user_annotation"]
+    assert ranged["name"] == "train_step" and ranged["pid"] == 0
+    own = [e for e in matched if launches[e["args"]["correlation"]]["tid"] == step["tid"]]
+    assert ranged["ts"] == own[0]["ts"] and ranged["args"]["programs"] == len(own) < len(matched)
     flows = [e for e in events if e.get("cat") == "ac2g"]
     assert len(flows) == 2 * len(matched)
     assert torch.tpu.profiler.device_trace(prof).programs

@@ -7,7 +7,8 @@ clock; the device trace's times are wall-clock nanoseconds already (``session.py
 - each program run on the device's track (``pid`` = the device's ordinal, as PyTorch does for
   GPUs; ``cat: tpu_program``), named after what it ran, and its HLO ops on a second thread
   (``cat: tpu_op``);
-- a flow arrow from each launch to its run (``cat: ac2g``, PyTorch's name for these).
+- a flow arrow from each launch to its run (``cat: ac2g``, PyTorch's name for these);
+- each ``record_function`` range again on the device track, over the runs launched inside it.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ from torchtpu.profiler.session import DeviceTrace
 
 PROGRAMS_TID = 0
 OPS_TID = 1
+RANGES_TID = 2
 
 
-def _metadata(pid: int, device: int, platform: str) -> list:
+def _metadata(pid: int, device: int, platform: str, local: int) -> list:
+    # This process drives one XLA device as torch's "tpu:0"; any other device is named as such.
+    name = f"tpu:0 (XLA {platform}:{device})" if device == local else f"XLA {platform}:{device}"
     return [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
-         "args": {"name": f"tpu:{device} ({platform})"}},
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": name}},
         {"ph": "M", "name": "process_labels", "pid": pid, "tid": 0,
          "args": {"labels": f"TPU {device}"}},
         {"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0,
@@ -33,10 +36,35 @@ def _metadata(pid: int, device: int, platform: str) -> list:
          "args": {"name": "programs"}},
         {"ph": "M", "name": "thread_name", "pid": pid, "tid": OPS_TID,
          "args": {"name": "XLA ops"}},
+        {"ph": "M", "name": "thread_name", "pid": pid, "tid": RANGES_TID,
+         "args": {"name": "record_function ranges"}},
     ]
 
 
-def device_events(trace: DeviceTrace, base_ns: int, platform: str) -> list:
+def device_ranges(host_events: list, added: list) -> list:
+    """Each host ``record_function`` range (and ``ProfilerStep#n``) again on the device track,
+    spanning the runs of the programs launched inside it, as PyTorch shows
+    ``gpu_user_annotation`` ranges for CUDA. ``added``: ``device_events``' events."""
+    launches = {e["args"]["correlation"]: e for e in added if e.get("cat") == "tpu_runtime"}
+    runs = [(launches[e["args"]["correlation"]], e) for e in added
+            if e.get("cat") == "tpu_program" and "correlation" in e["args"]]
+    ranges = []
+    for e in host_events:
+        if e.get("cat") != "user_annotation" or e.get("ph") != "X":
+            continue
+        start, end = e["ts"], e["ts"] + e.get("dur", 0)
+        inside = [r for la, r in runs if la["tid"] == e.get("tid") and start <= la["ts"] <= end]
+        if not inside:
+            continue
+        first = min(r["ts"] for r in inside)
+        last = max(r["ts"] + r["dur"] for r in inside)
+        ranges.append({"ph": "X", "cat": "tpu_user_annotation", "name": e["name"],
+                       "pid": inside[0]["pid"], "tid": RANGES_TID, "ts": first,
+                       "dur": round(last - first, 3), "args": {"programs": len(inside)}})
+    return ranges
+
+
+def device_events(trace: DeviceTrace, base_ns: int, platform: str, local: int) -> list:
     """The Chrome trace events of one window, ``ts`` relative to base_ns."""
     def us(ns: float) -> float:
         return round((ns - base_ns) / 1000, 3)
@@ -51,11 +79,11 @@ def device_events(trace: DeviceTrace, base_ns: int, platform: str) -> list:
                        "pid": host, "tid": la.tid, "ts": us(la.start_ns),
                        "dur": dur(la.start_ns, la.end_ns), "args": {"correlation": i}})
     for device in sorted({p.device for p in trace.programs}):
-        events += _metadata(device, device, platform)
+        events += _metadata(device, device, platform, local)
     for i, p in enumerate(trace.programs):
         k = trace.launched_by.get(i)
         name = trace.launches[k].label if k is not None else p.module
-        args = {"program": p.module, "device": f"tpu:{p.device}", "ops": len(p.ops)}
+        args = {"program": p.module, "xla_device": p.device, "ops": len(p.ops)}
         if k is not None:
             args["correlation"] = k
         events.append({"ph": "X", "cat": "tpu_program", "name": name, "pid": p.device,
@@ -74,7 +102,7 @@ def device_events(trace: DeviceTrace, base_ns: int, platform: str) -> list:
     return events
 
 
-def merge(path: str, trace: DeviceTrace, platform: str) -> None:
+def merge(path: str, trace: DeviceTrace, platform: str, local: int) -> None:
     """Add trace's events to the Chrome trace file PyTorch wrote at path."""
     with open(path) as f:
         data = json.load(f)
@@ -83,7 +111,8 @@ def merge(path: str, trace: DeviceTrace, platform: str) -> None:
     # PyTorch labels pids 0-15 "GPU <n>" ahead of any device; the device's pids are ours.
     events = [e for e in data.get("traceEvents", [])
               if not (e.get("ph") == "M" and e.get("pid") in ours)]
-    data["traceEvents"] = events + device_events(trace, base, platform)
+    added = device_events(trace, base, platform, local)
+    data["traceEvents"] = events + added + device_ranges(events, added)
     if trace.xprof_run is not None:
         data["tpuXprofRun"] = trace.xprof_run
     with open(path, "w") as f:

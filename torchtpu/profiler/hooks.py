@@ -36,10 +36,11 @@ def device_trace(prof) -> session.DeviceTrace | None:
     return getattr(inner, "_tpu_trace", None)
 
 
-def _platform() -> str:
-    import jax
+def _device() -> tuple[str, int]:
+    from torchtpu.runtime import platform
 
-    return jax.devices()[0].platform
+    device = platform.local_device()
+    return device.platform, device.id
 
 
 def install() -> None:
@@ -85,7 +86,7 @@ def install() -> None:
                                   str(path)) from None
             out = export(self, path, metadata, use_python_export)
             if trace is not None:
-                chrome.merge(path, trace, _platform())
+                chrome.merge(path, trace, *_device())
             return out
 
         export_chrome_trace.__doc__ = export.__doc__
