@@ -176,3 +176,10 @@ def test_config_rejects_bad_levels():
         torch.tpu.profiler.TpuProfilerConfig(device_tracer_level=2)
     with pytest.raises(TypeError, match="run_dir"):
         torch.tpu.profiler.TpuProfilerConfig(run_dir=3)
+
+
+def test_legacy_profiler_without_kineto_says_what_to_do():
+    with pytest.raises(RuntimeError, match="use_kineto=True"):
+        with torch.autograd.profiler.profile(use_device="tpu"):
+            pass
+    assert launch.observer is None

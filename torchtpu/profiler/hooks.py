@@ -3,7 +3,8 @@ otherwise (its PrivateUse1 hooks, ``ProfilerStubs`` and Kineto's ``IActivityProf
 C++ only).
 
 ``install()`` wraps three methods of ``torch.autograd.profiler.profile``, the object behind both
-``torch.profiler.profile`` and the legacy ``torch.autograd.profiler.profile(use_device="tpu")``,
+``torch.profiler.profile`` and the legacy ``torch.autograd.profiler.profile(use_device="tpu",
+use_kineto=True)``,
 for profilers whose device is "tpu" (``ProfilerActivity.TPU``, PyTorch's renamed
 ``PrivateUse1``); other profilers run PyTorch's code untouched:
 - ``_start_trace``: a ``session.Window`` starts before PyTorch's collection does;
@@ -18,6 +19,7 @@ from __future__ import annotations
 import threading
 
 import torch.autograd.profiler as autograd_profiler
+from torch._C._profiler import ProfilerState
 
 from torchtpu.profiler import chrome, session
 from torchtpu.profiler.config import TpuProfilerConfig
@@ -53,6 +55,11 @@ def install() -> None:
         def _start_trace(self):
             window = None
             if _is_tpu(self):
+                if self.profiler_kind == ProfilerState.KINETO_PRIVATEUSE1_FALLBACK:
+                    raise RuntimeError(
+                        "torch.autograd.profiler.profile(use_device='tpu') needs "
+                        "use_kineto=True: without it PyTorch asks C++ profiler stubs that a "
+                        "Python backend cannot register (torch.profiler.profile uses Kineto)")
                 config = self.experimental_config
                 window = session.Window(config if isinstance(config, TpuProfilerConfig)
                                         else None)

@@ -133,8 +133,8 @@ class Window:
                     return fn(*args)
             return fn(*args)
         finally:
-            self.launches.append(Launch(name, key, start, time.time_ns(),
-                                        threading.get_native_id()))
+            # A plain tuple: a dataclass per launch would cost ~0.4 us more.
+            self.launches.append((name, key, start, time.time_ns(), threading.get_native_id()))
 
     def stop(self) -> DeviceTrace:
         launch.observer = None
@@ -154,7 +154,8 @@ class Window:
                 p.start_ns += offset
                 p.end_ns += offset
                 p.ops = [(n, s + offset, e + offset) for n, s, e in p.ops]
-            return DeviceTrace(self.launches, runs, _match(self.launches, runs),
+            launches = [Launch(*la) for la in self.launches]
+            return DeviceTrace(launches, runs, _match(launches, runs),
                                None if self._temporary else run)
         finally:
             self._discard()
