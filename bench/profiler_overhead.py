@@ -17,12 +17,17 @@ import argparse
 import os
 import tempfile
 import time
+import timeit
 import warnings
 
+import jax
+import jax.numpy as jnp
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchtpu  # noqa: F401
+from torchtpu.profiler import session
+from torchtpu.runtime import launch
 from torchtpu.testing.models import TinyGPT, batch
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
@@ -56,13 +61,47 @@ def _trainer(compiled: bool):
     return steps
 
 
-def _profiled(steps, n: int, activities, config, directory: str) -> tuple[float, float]:
-    """(seconds per step inside the window, the window's fixed seconds)."""
+def _profiled(steps, n: int, activities, config, directory: str) -> tuple[float, float, float]:
+    """(seconds per step inside the window, the window's fixed seconds, launches per step)."""
     start = CLOCK[0]()
     with profile(activities=activities, experimental_config=config) as prof:
         per_step = steps(n)
     prof.export_chrome_trace(os.path.join(directory, "trace.json"))
-    return per_step, CLOCK[0]() - start - per_step * n
+    trace = torch.tpu.profiler.device_trace(prof)
+    return (per_step, CLOCK[0]() - start - per_step * n,
+            len(trace.launches) / n if trace is not None else 0.0)
+
+
+def _launch_costs(xprof) -> dict:
+    """Microseconds one launch of a tiny program takes: called bare (no hook at all); through
+    the launch hook with no profiler; inside a CPU+TPU window; inside one writing an XProf run.
+    Best of many short loops, so a loaded box disturbs it little."""
+    fn = jax.jit(lambda a: a + 1)
+    a = jnp.ones(4)
+    fn(a).block_until_ready()
+
+    def one() -> None:
+        observe = launch.observer
+        if observe is not None:
+            observe(None, fn, (a,))
+        else:
+            fn(a)
+
+    def bare() -> None:
+        fn(a)
+
+    costs = {"bare": min(timeit.repeat(bare, number=200, repeat=400)) / 200 * 1e6}
+    for name, config in (("off", None), ("CPU+TPU", None), ("+XProf", xprof)):
+        window = session.Window(config) if name != "off" else None
+        if window is not None:
+            window.start()
+        try:
+            costs[name] = min(timeit.repeat(one, number=200, repeat=400)) / 200 * 1e6
+        finally:
+            if window is not None:
+                window.stop()
+    jax.effects_barrier()
+    return costs
 
 
 def main() -> None:
@@ -84,30 +123,41 @@ def main() -> None:
           f"best of {args.rounds} rounds of {args.steps} steps ({args.clock} clock); "
           f"platform {torchtpu.runtime.platform.platform()}")
     print(f"{'mode':<15}{'off ms':>8}" + "".join(f"{v + ' ms':>12}{'ratio':>7}" for v in VARIANTS)
-          + "".join(f"{v + ' window s':>18}" for v in VARIANTS))
+          + "".join(f"{v + ' window s':>18}" for v in VARIANTS)
+          + f"{'launches/step':>15}{'hook share':>13}")
     with tempfile.TemporaryDirectory() as directory:
         xprof = torch.tpu.profiler.TpuProfilerConfig(run_dir=os.path.join(directory, "xprof"))
         variants = {"CPU only": ([ProfilerActivity.CPU], None), "CPU+TPU": (ACTIVITIES, None),
                     "+XProf": (ACTIVITIES, xprof)}
+        costs = _launch_costs(xprof)
+        print("one launch of a tiny program: " + ", ".join(
+            f"{k} {v:.3f} us" for k, v in costs.items()) + "; the hook costs "
+            f"{(costs['off'] - costs['bare']) * 1e3:.0f} ns per launch when off, "
+            f"{costs['CPU+TPU'] - costs['off']:.2f} us on, "
+            f"{costs['+XProf'] - costs['off']:.2f} us with XProf")
+        # The hook's share of a step with XProf: launches per step x its cost per launch.
+        hook = costs["+XProf"] - costs["off"]
         for name, (mode, compiled) in modes.items():
             with torch.tpu.set_eager_mode(mode):
                 steps = _trainer(compiled)
                 steps(args.warmup)
-                _profiled(steps, 1, ACTIVITIES, None, directory)  # the profiler's first start
+                # The profiler's first start, and the launches a step makes.
+                per_step = _profiled(steps, 2, ACTIVITIES, None, directory)[2]
                 off = []
                 on: dict = {v: [] for v in variants}
                 fixed: dict = {v: [] for v in variants}
                 for _ in range(args.rounds):
                     off.append(steps(args.steps))
                     for v, (activities, config) in variants.items():
-                        s, f = _profiled(steps, args.steps, activities, config, directory)
+                        s, f, _ = _profiled(steps, args.steps, activities, config, directory)
                         on[v].append(s)
                         fixed[v].append(f)
             base = min(off)
             print(f"{name:<15}{base * 1e3:>8.2f}"
                   + "".join(f"{min(on[v]) * 1e3:>12.2f}{min(on[v]) / base:>6.2f}x"
                             for v in variants)
-                  + "".join(f"{min(fixed[v]):>18.2f}" for v in variants))
+                  + "".join(f"{min(fixed[v]):>18.2f}" for v in variants)
+                  + f"{per_step:>15.0f}{per_step * hook / 1e3 / (base * 1e3) * 100:>12.1f}%")
 
 
 if __name__ == "__main__":
