@@ -1,12 +1,14 @@
 """DTensor, tensor parallel and 2-D (FSDP x TP) meshes on device "tpu", ranks as threads.
 
-Every result is compared with the same computation on local CPU tensors. Multi-process runs
-over ``tpu_dist`` are in ``test_distributed_fsdp.py``.
+Every result is compared with the same computation on local CPU tensors. Each test also runs
+its ranks as processes over ``tpu_dist`` on request (``runners.py``).
 """
 
 import copy
 
+import pytest
 import torch
+from runners import ALL
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -17,15 +19,13 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from torchtpu.testing.threaded import run_threads
-
 
 def _dtensor_ops(rank, world, a, b):
     mesh = init_device_mesh("tpu", (world,))
     da = distribute_tensor(a.to("tpu"), mesh, [Shard(0)])
     db = distribute_tensor(b.to("tpu"), mesh, [Replicate()])
     assert da.to_local().shape == (a.shape[0] // world, a.shape[1])
-    return {
+    out = {
         "matmul": (da @ db).full_tensor(),  # Shard(0) @ Replicate stays sharded: no collective
         "sum": da.sum().full_tensor(),  # Partial -> all-reduce
         "softmax": torch.softmax(da, dim=0).full_tensor(),  # over the sharded dim
@@ -33,13 +33,14 @@ def _dtensor_ops(rank, world, a, b):
         "replicate": da.redistribute(mesh, [Replicate()]).to_local(),  # all-gather
         "scaled": (da * 2 + 1).full_tensor(),
     }
+    assert all(v.device.type == "tpu" for v in out.values())
+    return {k: v.cpu() for k, v in out.items()}
 
 
-def test_dtensor_ops_equal_local_reference():
+@pytest.mark.parametrize("run", ALL)
+def test_dtensor_ops_equal_local_reference(run):
     a, b = torch.randn(8, 6), torch.randn(6, 4)
-    for rank, out in enumerate(run_threads(_dtensor_ops, 2, args=(a, b))):
-        assert all(v.device.type == "tpu" for v in out.values())
-        out = {k: v.cpu() for k, v in out.items()}
+    for rank, out in enumerate(run(_dtensor_ops, 2, args=(a, b))):
         torch.testing.assert_close(out["matmul"], a @ b)
         torch.testing.assert_close(out["sum"], a.sum())
         torch.testing.assert_close(out["softmax"], torch.softmax(a, dim=0))
@@ -70,11 +71,12 @@ def _tensor_parallel(rank, world, ref, x):
     return y.cpu(), _full_grads(model)
 
 
-def test_tensor_parallel_mlp_equals_local():
+@pytest.mark.parametrize("run", ALL)
+def test_tensor_parallel_mlp_equals_local(run):
     ref, x = _mlp(), torch.randn(8, 16)
     expected = ref(x)
     expected.pow(2).sum().backward()
-    for y, grads in run_threads(_tensor_parallel, 2, args=(ref, x)):
+    for y, grads in run(_tensor_parallel, 2, args=(ref, x)):
         torch.testing.assert_close(y, expected)
         for g, p in zip(grads, ref.parameters()):
             torch.testing.assert_close(g, p.grad)
@@ -92,9 +94,10 @@ def _fsdp_x_tp(rank, world, ref, x):
     return _full_grads(model)
 
 
-def test_2d_mesh_fsdp_x_tp_equals_full_batch():
+@pytest.mark.parametrize("run", ALL)
+def test_2d_mesh_fsdp_x_tp_equals_full_batch(run):
     ref, x = _mlp(), torch.randn(8, 16)
     ref(x).pow(2).sum().backward()
-    for grads in run_threads(_fsdp_x_tp, 4, args=(ref, x)):
+    for grads in run(_fsdp_x_tp, 4, args=(ref, x)):
         for g, p in zip(grads, ref.parameters()):
             torch.testing.assert_close(g, p.grad)

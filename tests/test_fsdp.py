@@ -3,14 +3,16 @@
 The ranks share the device and the compiled programs (``torchtpu.testing.threaded``); what is
 tested is the device layer under FSDP2: meta-device init and ``to_empty``, sharded DTensor
 parameters, the copy-in/copy-out of its all-gathers, the storage resizes that free unsharded
-parameters, reduce-scattered gradients and mixed precision. Multi-process runs over
-``tpu_dist`` are in ``test_distributed_fsdp.py``.
+parameters, reduce-scattered gradients and mixed precision. Each test also runs its ranks as
+processes over ``tpu_dist`` (``runners.py``: the GPT training by default, the rest on request).
 """
 
 import copy
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from runners import ALL, SMOKE
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -65,11 +67,12 @@ def _fsdp_training(rank, world, state, data):
     return losses, params, freed
 
 
-def test_fsdp2_gpt_training_equals_full_batch():
+@pytest.mark.parametrize("run", SMOKE)
+def test_fsdp2_gpt_training_equals_full_batch(run):
     data, ref = _data(), _reference()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     expected = train_steps(ref, data, STEPS, "cpu")
-    outs = run_threads(_fsdp_training, 2, args=(state, data))
+    outs = run(_fsdp_training, 2, args=(state, data))
     losses = torch.tensor([o[0] for o in outs]).mean(0)  # each rank's loss is over its half
     torch.testing.assert_close(losses, torch.tensor(expected), atol=1e-5, rtol=1e-5)
     for _, params, freed in outs:
@@ -100,9 +103,10 @@ def _mixed_precision(rank, world, device, ref, x):
     }
 
 
-def test_fsdp2_mixed_precision_bf16_params_fp32_reduce_matches_cpu():
+@pytest.mark.parametrize("run", ALL)
+def test_fsdp2_mixed_precision_bf16_params_fp32_reduce_matches_cpu(run):
     ref, x = _mlp(), torch.randn(8, 16)
-    on_tpu = run_threads(_mixed_precision, 2, args=("tpu", ref, x))
+    on_tpu = run(_mixed_precision, 2, args=("tpu", ref, x))
     on_cpu = run_threads(_mixed_precision, 2, args=("cpu", ref, x))
     for tpu, cpu in zip(on_tpu, on_cpu):
         # Computed in bf16, sharded parameters and reduced gradients kept in fp32.
@@ -155,9 +159,9 @@ def _checkpoint_round_trip(rank, world, path):
     return saved, loaded, _local_leaves(model.state_dict()), _local_leaves(other.state_dict())
 
 
-def test_dcp_round_trip_of_sharded_model_and_optimizer_is_exact(tmp_path):
-    for saved, loaded, trained, resumed in run_threads(_checkpoint_round_trip, 2,
-                                                       args=(str(tmp_path),)):
+@pytest.mark.parametrize("run", ALL)
+def test_dcp_round_trip_of_sharded_model_and_optimizer_is_exact(run, tmp_path):
+    for saved, loaded, trained, resumed in run(_checkpoint_round_trip, 2, args=(str(tmp_path),)):
         assert len(saved) == len(loaded) > 8  # parameters, Adam moments, steps, hyperparameters
         for a, b in [*zip(saved, loaded), *zip(trained, resumed)]:
             if isinstance(a, torch.Tensor):

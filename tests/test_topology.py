@@ -6,6 +6,8 @@ import warnings
 
 import numpy as np
 import pytest
+import torch
+from runners import ALL
 
 from torchtpu.distributed import topology
 from torchtpu.distributed.topology import DeviceInfo, layout, topology_aware_mesh
@@ -15,6 +17,10 @@ from torchtpu.testing.threaded import run_threads
 def _v4_chips(coords, slice_index=0, first_rank=0):
     return [DeviceInfo(first_rank + i, "tpu", "TPU v4", f"host{slice_index}", i, c, 0,
                        slice_index) for i, c in enumerate(coords)]
+
+
+def _cpu_processes(n):
+    return [DeviceInfo(r, "cpu", "cpu", "h", 0, pid=100 + r) for r in range(n)]
 
 
 def test_tpu_layout_follows_chip_coordinates_not_rank_order():
@@ -38,7 +44,7 @@ def test_tpu_multi_slice_puts_each_slice_on_its_own_dcn_row():
 
 
 def test_cpu_and_gpu_layout_is_rank_order():
-    devices = [DeviceInfo(r, "cpu", "cpu", "h", r) for r in range(4)]
+    devices = _cpu_processes(4)
     np.testing.assert_array_equal(layout(devices, (2, 2)), [[0, 1], [2, 3]])
     gpus = [DeviceInfo(r, "gpu", "H200", "h", 3 - r) for r in range(4)]
     np.testing.assert_array_equal(layout(gpus, (4,)), [0, 1, 2, 3])
@@ -50,7 +56,7 @@ def test_cpu_and_gpu_layout_is_rank_order():
 
 
 def test_bad_layouts_raise():
-    devices = [DeviceInfo(r, "cpu", "cpu", "h", r) for r in range(4)]
+    devices = _cpu_processes(4)
     with pytest.raises(ValueError, match="multi_slice' needs dcn_mesh_shape"):
         layout(devices, (2, 2), topology="multi_slice")
     with pytest.raises(ValueError, match="topology must be one of"):
@@ -61,9 +67,9 @@ def test_bad_layouts_raise():
         layout(devices, (2, 2), topology="multi_slice", dcn_mesh_shape=(1,))
     with pytest.raises(ValueError, match="positive ints"):
         layout(devices, (2, 0))
-    shared = devices[:3] + [DeviceInfo(3, "cpu", "cpu", "h", 1)]
+    gpus = [DeviceInfo(r, "gpu", "H200", "h", r) for r in range(3)]
     with pytest.raises(ValueError, match="ranks 1 and 3 share one device"):
-        layout(shared, (4,))
+        layout([*gpus, DeviceInfo(3, "gpu", "H200", "h", 1)], (4,))
 
 
 def test_needs_an_initialized_process_group_and_warns_experimental(monkeypatch):
@@ -77,13 +83,20 @@ def test_needs_an_initialized_process_group_and_warns_experimental(monkeypatch):
 
 def _gathered(rank, world):
     try:
-        topology_aware_mesh((world,))
+        return (topology_aware_mesh((world,)),
+                topology_aware_mesh((1,), topology="multi_slice", dcn_mesh_shape=(world,)))
     except ValueError as e:
         return str(e)
-    return None
 
 
-def test_ranks_gather_their_devices():
-    # Thread ranks all drive this process's one device, which the gathered descriptions show.
-    for message in run_threads(_gathered, 2):
-        assert message is not None and "ranks 0 and 1 share one device" in message
+@pytest.mark.parametrize("run", ALL)
+def test_ranks_gather_their_devices(run):
+    for out in run(_gathered, 2):
+        if run is run_threads:
+            # Thread ranks all drive this process's one device, and the gathered descriptions
+            # say so.
+            assert "ranks 0 and 1 share one device" in out
+        else:  # processes, one device each, on CPU: the trivial layout
+            single, multi = out
+            assert single.dtype == torch.int64 and single.tolist() == [0, 1]
+            assert multi.tolist() == [0, 1]  # shape mesh_shape * dcn_mesh_shape

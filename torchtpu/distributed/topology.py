@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import socket
 from collections.abc import Sequence
 
@@ -39,6 +40,7 @@ class DeviceInfo:
     coords: tuple | None = None
     core_on_chip: int = 0
     slice_index: int = 0
+    pid: int = 0
 
     @property
     def id(self) -> int:
@@ -52,6 +54,8 @@ class DeviceInfo:
         """Where the device is: two ranks at the same place share a device."""
         if self.platform == "tpu":
             return ("tpu", self.slice_index, self.coords, self.core_on_chip)
+        if self.platform == "cpu":  # each process's XLA:CPU client is a device of its own
+            return ("cpu", self.host, self.pid)
         return (self.platform, self.host, self.local_id)
 
 
@@ -65,7 +69,7 @@ def this_device(rank: int) -> DeviceInfo:
         rank=rank, platform=d.platform, device_kind=d.device_kind, host=socket.gethostname(),
         local_id=d.id, coords=tuple(coords) if coords is not None else None,
         core_on_chip=getattr(d, "core_on_chip", 0) or 0,
-        slice_index=getattr(d, "slice_index", 0) or 0,
+        slice_index=getattr(d, "slice_index", 0) or 0, pid=os.getpid(),
     )
 
 
