@@ -103,7 +103,7 @@ class EntryStore(CacheInterface):
                 self._record_read(key, path)
                 return data[_HEAD + _SECONDS.size:]
             if problem:
-                warnings.warn(f"torchtpu: compile cache entry {path} is unusable: {problem}; "
+                warnings.warn(f"torchtpu.cache: compile cache entry {path} is unusable: {problem}; "
                               "recompiling and replacing it", CompileCacheWarning, stacklevel=2)
             path.unlink(missing_ok=True)
         with self._lock:
@@ -248,7 +248,7 @@ def max_bytes() -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"TORCHTPU_CACHE_MAX_BYTES={raw!r} is not a byte count "
+        raise ValueError(f"torchtpu.config: TORCHTPU_CACHE_MAX_BYTES={raw!r} is not a byte count "
                          "(e.g. 1073741824, 512M, 2G; 0 for no limit)")
     return value
 

@@ -37,13 +37,15 @@ def platform() -> str:
     if wanted:
         if wanted not in _PLATFORMS:
             raise ValueError(
-                f"TORCHTPU_PLATFORM={wanted!r} is not one of {', '.join(_PLATFORMS)}"
+                f"torchtpu.config: TORCHTPU_PLATFORM={wanted!r} is not one of "
+                f"{', '.join(_PLATFORMS)}"
             )
         try:
             jax.devices(wanted)
         except RuntimeError as e:
             raise RuntimeError(
-                f"TORCHTPU_PLATFORM={wanted} was asked for, but JAX found no {wanted} devices: {e}"
+                f"torchtpu.device: TORCHTPU_PLATFORM={wanted} was asked for, but JAX found no "
+                f"{wanted} devices: {e}"
             ) from e
         return wanted
     for name in _PLATFORMS:
@@ -52,7 +54,7 @@ def platform() -> str:
                 return name
         except RuntimeError:
             continue
-    raise RuntimeError("JAX found no usable device (not even CPU)")
+    raise RuntimeError("torchtpu.device: JAX found no usable device (not even CPU)")
 
 
 @functools.cache
@@ -68,7 +70,7 @@ def _env_int(names: tuple, default: int) -> int:
             try:
                 return int(value)
             except ValueError:
-                raise ValueError(f"{name}={value!r} is not an integer") from None
+                raise ValueError(f"torchtpu.config: {name}={value!r} is not an integer") from None
     return default
 
 
@@ -81,7 +83,8 @@ _slot = [_env_int(("LOCAL_RANK",), 0), _env_int(("LOCAL_WORLD_SIZE",), 1)]
 def set_process_slot(local_index: int, local_world_size: int) -> None:
     """Record this process's host-local index and the number of processes on its host."""
     if not 0 <= local_index < local_world_size:
-        raise ValueError(f"local index {local_index} is not in [0, {local_world_size})")
+        raise ValueError(f"torchtpu.device: local index {local_index} is not in [0, "
+                         f"{local_world_size})")
     _slot[:] = [local_index, local_world_size]
 
 
@@ -109,7 +112,8 @@ def local_device():
         index = _env_int(("TORCHTPU_LOCAL_DEVICE", "LOCAL_RANK"), 0)
         if not 0 <= index < len(local):
             raise RuntimeError(
-                f"TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has {len(local)} "
+                f"torchtpu.device: TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has "
+                f"{len(local)} "
                 f"{platform()} device(s)"
             )
         device = local[index]
@@ -133,12 +137,14 @@ def check_index(index: int) -> int:
         return 0
     if isinstance(index, int) and 0 < index < count:
         raise RuntimeError(
-            f"tpu:{index} belongs to another process of this host: this process (host-local "
+            f"torchtpu.device: tpu:{index} belongs to another process of this host: this process "
+            "(host-local "
             f"index {mine}) drives one device, addressable as tpu:0 or tpu:{mine}; use "
             f'torch.device("tpu") or f"tpu:{{LOCAL_RANK}}"'
         )
     raise RuntimeError(
-        f"invalid tpu device index {index!r}: this process drives one device, tpu:0 "
+        f"torchtpu.device: invalid tpu device index {index!r}: this process drives one device, "
+        "tpu:0 "
         f"(also tpu:{mine}, its host-local index); {count} process(es) share this host, one per "
         f"device (torchrun's LOCAL_RANK picks each one's device)"
     )
