@@ -38,7 +38,7 @@ def get_precision() -> Precision:
 def set_precision(mode: Precision) -> None:
     """Set the matmul/convolution precision; programs are cached per precision."""
     if not isinstance(mode, Precision):
-        raise TypeError(f"precision must be a torch.tpu.Precision, not {mode!r}")
+        raise TypeError(f"torchtpu.argument: precision must be a torch.tpu.Precision, not {mode!r}")
     jax.config.update("jax_default_matmul_precision", mode.value)
 
 
@@ -83,7 +83,7 @@ def _index(device) -> int:
         return platform.check_index(device)
     d = torch.device(device)
     if d.type != "tpu":
-        raise ValueError(f"expected a tpu device, got {d}")
+        raise ValueError(f"torchtpu.device: expected a tpu device, got {d}")
     return platform.check_index(d.index if d.index is not None else platform.current_index())
 
 

@@ -33,7 +33,7 @@ def to_jax(dtype: torch.dtype) -> np.dtype:
         return _TORCH_TO_NP[dtype]
     except KeyError:
         raise TypeError(
-            f"dtype {dtype} is not supported on the tpu device; supported: "
+            f"torchtpu.dtype: dtype {dtype} is not supported on the tpu device; supported: "
             + ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_JAX)
         ) from None
 

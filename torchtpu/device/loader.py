@@ -31,7 +31,7 @@ class DeviceLoader:
     def __init__(self, loader: Iterable, device: torch.device | str = "tpu",
                  prefetch: int = 2) -> None:
         if prefetch < 1:
-            raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+            raise ValueError(f"torchtpu.argument: prefetch must be at least 1, got {prefetch}")
         self.loader, self.device, self.prefetch = loader, torch.device(device), prefetch
 
     def __len__(self) -> int:

@@ -43,7 +43,8 @@ class TpuGenerator(torch.Generator):
     def manual_seed(self, seed) -> TpuGenerator:
         seed = int(seed)
         if not -(2**63) <= seed < 2**64:
-            raise RuntimeError(f"Overflow when unpacking long long: seed {seed} is out of range")
+            raise RuntimeError(f"torchtpu.argument: Overflow when unpacking long long: seed "
+                               f"{seed} is out of range")
         with self._lock:
             self._seed = seed % 2**64
             self._offset = 0
@@ -65,7 +66,8 @@ class TpuGenerator(torch.Generator):
     def set_state(self, state: torch.Tensor) -> TpuGenerator:
         if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8
                 and state.numel() == 16):
-            raise RuntimeError("tpu generator state must be a uint8 tensor of 16 bytes "
+            raise RuntimeError("torchtpu.argument: tpu generator state must be a uint8 tensor of "
+                               "16 bytes "
                                "(from get_state())")
         seed, offset = np.frombuffer(state.cpu().numpy().tobytes(), dtype=np.uint64)
         with self._lock:
@@ -116,6 +118,7 @@ def key_data_for(generator) -> np.ndarray:
         generator = _by_impl.get(generator._cdata, generator)
     if not isinstance(generator, TpuGenerator):
         raise RuntimeError(
-            f"Expected a 'tpu' device type for generator but found '{generator.device.type}'"
+            f"torchtpu.device: Expected a 'tpu' device type for generator but found "
+            f"'{generator.device.type}'"
         )
     return generator.next_key_data()

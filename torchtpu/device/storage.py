@@ -102,7 +102,8 @@ def install_constructor() -> None:
             index = platform.check_index(device.index) if device.index is not None \
                 else platform.current_index()
             if len(args) != 1 or not isinstance(args[0], int):
-                raise TypeError("torch.UntypedStorage(size, device='tpu') takes one int size")
+                raise TypeError("torchtpu.argument: torch.UntypedStorage(size, device='tpu') "
+                                "takes one int size")
             return new_storage(args[0], index)
         return base_new(klass, *args, **kwargs)
 
