@@ -75,7 +75,8 @@ def index_put(x, indices, values, accumulate=False):
     if any(_is_mask(i) for i in present):
         if len(present) > 1:
             raise NotImplementedError(
-                "torchtpu: index_put with a boolean mask and other index tensors; index with "
+                "torchtpu.unsupported: index_put with a boolean mask and other index tensors; "
+                "index with "
                 "mask.nonzero() instead"
             )
         mask, placed = _mask_values(x, indices, values)

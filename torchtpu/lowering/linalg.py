@@ -337,7 +337,8 @@ def _lstsq_meta(a, b, rcond=None, *, driver=None):
     real = a.real.dtype if a.is_complex() else a.dtype
     if m > n and driver in ("gelsd", "gelss"):
         raise NotImplementedError(
-            f"linalg_lstsq with driver={driver!r} and m > n: whether residuals are returned "
+            f"torchtpu.unsupported: linalg_lstsq with driver={driver!r} and m > n: whether "
+            "residuals are returned "
             "depends on the rank, so the result shapes cannot be known without values")
     res = batch + (k or (1,)) if m > n and driver == "gels" else (0,)
     return (a.new_empty(batch + (n,) + k), a.new_empty(res, dtype=real),

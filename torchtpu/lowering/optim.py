@@ -27,7 +27,8 @@ def _apply(op: torch._ops.OpOverload, *args):
     """op's lowering on one element's arguments, with the op's promotion policy applied."""
     lowering = TABLE.get(op)
     if lowering is None:
-        raise NotImplementedError(f"torchtpu: the foreach lowering needs a lowering of {op}")
+        raise NotImplementedError(f"torchtpu.unsupported: the foreach lowering needs a lowering "
+                                  f"of {op}")
     if lowering.promote == "result":
         dtype = jnp.result_type(*(a for a in args if a is not None and not isinstance(a, bool)))
         args = tuple(a.astype(dtype) if hasattr(a, "astype") and a.dtype != dtype else a

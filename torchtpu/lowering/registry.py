@@ -76,13 +76,15 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            traced: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
-        raise ValueError(f"promote must be None, 'result' or 'common', not {promote!r}")
+        raise ValueError(f"torchtpu.argument: promote must be None, 'result' or 'common', not "
+                         f"{promote!r}")
 
     def register(fn: Callable) -> Callable:
         for target in targets:
             for op in _overloads(target):
                 if op in TABLE:
-                    raise RuntimeError(f"{op} has two lowerings: {TABLE[op].fn} and {fn}")
+                    raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
+                                       f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
                                      tuple(traced))
         return fn

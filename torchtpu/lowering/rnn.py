@@ -104,7 +104,7 @@ def _check_sizes(op: str, input_gates, hidden_gates, input_bias, hidden_bias, fa
                          f"{factor}) = ({batch}, {size // factor})")
     for bias in (input_bias, hidden_bias):
         if bias is not None and bias.shape != (size,):
-            raise RuntimeError(f"{op}: a bias must have shape ({size},), not "
+            raise RuntimeError(f"torchtpu.argument: {op}: a bias must have shape ({size},), not "
                                f"{tuple(bias.shape)}")
 
 
