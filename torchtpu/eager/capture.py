@@ -55,7 +55,8 @@ class CaptureError(RuntimeError):
 
 def _at(what: str) -> CaptureError:
     return CaptureError(
-        f"torchtpu: {what} inside a graph capture, {executor.user_location()}: a capture records "
+        f"torchtpu.capture: {what} inside a graph capture, {executor.user_location()}: a capture "
+        "records "
         "device work without running it, so no value exists yet and a replay could not repeat "
         "what the host did with it. Move it out of the captured region (read results after "
         "g.replay()), or run this code eagerly.")
@@ -72,7 +73,8 @@ class _Recording(Recorder):
 
     def flush(self) -> None:
         if self.closed:
-            raise RuntimeError("torchtpu: this value was computed inside a graph capture and "
+            raise RuntimeError("torchtpu.capture: this value was computed inside a graph capture "
+                               "and "
                                "exists only in the captured program's storages; read it "
                                "through a tensor after replay()")
         raise _at("a host read of a device value (.item(), .cpu(), print, bool, ...)")
@@ -161,7 +163,7 @@ class Capture:
 
     def begin(self) -> None:
         if executor.current().name == "capture":
-            raise CaptureError("torchtpu: a graph capture is already in progress; captures "
+            raise CaptureError("torchtpu.capture: a graph capture is already in progress; captures "
                                "do not nest")
         executor.flush()  # DeferAndFuse's pending work runs first: it is not part of the capture
         self._previous = executor.current()
@@ -288,7 +290,8 @@ class Captured:
         ``bind`` maps ``id(storage)`` to an array to use instead of what that storage holds.
         """
         if tensors.capture is not None:
-            raise CaptureError("torchtpu: replay() inside a graph capture; captures do not nest")
+            raise CaptureError("torchtpu.capture: replay() inside a graph capture; captures do "
+                               "not nest")
         args = self._arguments(bind)
         metrics.count("executions")
         observe = launch.observer
@@ -317,7 +320,7 @@ def _storage_input(st, sig: tuple):
         if a is not None and a.dtype == sig[1] and a.size == np.prod(sig[0], dtype=int):
             return a.reshape(sig[0])  # the same bytes, last written through another shape
         raise CaptureError(
-            "torchtpu: a storage the captured program reads no longer holds a value of the "
+            "torchtpu.capture: a storage the captured program reads no longer holds a value of the "
             f"captured shape and dtype ({sig[0]}, {sig[1]}; it holds "
             f"{None if a is None else (a.shape, a.dtype)}); capture again")
     return a

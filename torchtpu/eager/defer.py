@@ -76,7 +76,8 @@ class Pending(tensors.Deferred):
         if self._value is not None:
             return self._value
         if self._error is not None:
-            raise RuntimeError("torchtpu: this value was lost because the deferred program that "
+            raise RuntimeError("torchtpu.deferred: this value was lost because the deferred "
+                               "program that "
                                f"computes it failed: {self._error!r}") from self._error
         return self
 
@@ -208,7 +209,8 @@ class Recorder:
                     value = a.resolve()
                     if value is a:
                         if a._trace is not trace:
-                            raise RuntimeError("torchtpu: a pending value outlived its recording")
+                            raise RuntimeError("torchtpu.deferred: a pending value outlived its "
+                                               "recording")
                         refs.append((a._node, a._leaf))
                         sig.append((a.shape, a.dtype, a.weak_type))
                         continue

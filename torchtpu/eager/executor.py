@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu import metrics
+from torchtpu import errors, metrics
 from torchtpu.device import tensors
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
 from torchtpu.lowering import checks
@@ -138,11 +138,11 @@ class Debug(Strict):
         if check is not None:
             error = check(*rebuild(spec, lowering, dyn))
             if error is not None:
-                raise _at_user(type(error)(f"{lowering.op}: {error}"))
+                raise _at_user(type(error)(errors.message("check", f"{lowering.op}: {error}")))
         out = jax.block_until_ready(run(lowering, spec, dyn))
         if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
             raise _at_user(FloatingPointError(
-                f"{lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
+                f"torchtpu.numerics: {lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
         return out
 
 

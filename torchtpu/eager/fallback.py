@@ -22,7 +22,8 @@ _warned: set = set()
 def policy() -> str:
     value = os.environ.get("TORCHTPU_CPU_FALLBACK", "warn").strip().lower()
     if value not in ("warn", "error", "silent"):
-        raise ValueError(f"TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or silent")
+        raise ValueError(f"torchtpu.config: TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or "
+                         "silent")
     return value
 
 
@@ -43,20 +44,22 @@ def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict):
     if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
         # Said in the op's terms: running it would end in a dispatcher error about CPU.
         raise NotImplementedError(
-            f"torchtpu: aten op '{name}' has no tpu lowering, and the CPU fallback cannot run "
+            f"torchtpu.fallback: aten op '{name}' has no tpu lowering, and the CPU fallback "
+            "cannot run "
             "it: PyTorch has no CPU kernel for it (only device kernels, such as CUDA's). "
             "Please report it to torchtpu."
         )
     mode = policy()
     if mode == "error":
         raise NotImplementedError(
-            f"torchtpu: aten op '{name}' has no tpu lowering and TORCHTPU_CPU_FALLBACK=error "
+            f"torchtpu.fallback: aten op '{name}' has no tpu lowering and "
+            "TORCHTPU_CPU_FALLBACK=error "
             "forbids running it on CPU"
         )
     if mode == "warn" and name not in _warned:
         _warned.add(name)
         warnings.warn(
-            f"torchtpu: aten op '{name}' has no tpu lowering; running it on CPU "
+            f"torchtpu.fallback: aten op '{name}' has no tpu lowering; running it on CPU "
             "(counted in torchtpu.metrics; TORCHTPU_CPU_FALLBACK=error makes this an error)",
             stacklevel=3,
         )

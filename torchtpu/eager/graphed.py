@@ -58,7 +58,8 @@ def _bind(binding: list, static: list, values, what: str) -> None:
         if not isinstance(v, torch.Tensor) or tuple(v.shape) != shape or v.dtype != dtype \
                 or v.device.type != "tpu":
             got = (tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else v
-            raise CaptureError(f"torchtpu: a graphed callable's {what} {i} is {got}, but it "
+            raise CaptureError(f"torchtpu.capture: a graphed callable's {what} {i} is {got}, but "
+                               "it "
                                f"was captured as ({shape}, {dtype}, tpu); make a new graphed "
                                "callable for other shapes")
         st._tpu_array = tensors.read(v) if v.is_contiguous() else tensors.read(v.contiguous())
@@ -71,7 +72,8 @@ class _Graphed:
                  inputs_written: bool = False) -> None:
         flat, self._spec = pytree.tree_flatten(sample_args)
         if not all(isinstance(t, torch.Tensor) and t.device.type == "tpu" for t in flat):
-            raise TypeError("torchtpu: make_graphed_callables: sample_args must be tpu tensors")
+            raise TypeError("torchtpu.capture: make_graphed_callables: sample_args must be tpu "
+                            "tensors")
         params = tuple(fn.parameters()) if isinstance(fn, torch.nn.Module) else ()
         self._static = [*flat, *params]
         self._n_args = len(flat)
@@ -92,7 +94,8 @@ class _Graphed:
         # gradients clipping scales): see ``_write_through``.
         self._written = [i for i, t in enumerate(flat) if id(t.untyped_storage()) in written]
         if self._written and not inputs_written:
-            raise CaptureError("torchtpu: make_graphed_callables: the callable writes one of "
+            raise CaptureError("torchtpu.capture: make_graphed_callables: the callable writes one "
+                               "of "
                                "its arguments in place; graphed callables must not")
         self._backward: Captured | None = None
         self._diff_outputs = [o for o in flat_out
@@ -155,7 +158,7 @@ class _Graphed:
 
     def backward(self, grads: tuple) -> tuple:
         if self._backward is None:
-            raise RuntimeError("torchtpu: this graphed callable was captured without "
+            raise RuntimeError("torchtpu.capture: this graphed callable was captured without "
                                "gradients (grad mode was off, or no output requires grad)")
         incoming = [g for o, g in zip(self._outputs, grads)
                     if isinstance(o, torch.Tensor) and o.requires_grad]
@@ -169,11 +172,11 @@ class _Graphed:
     def __call__(self, *args):
         flat = pytree.tree_leaves(args)
         if len(flat) != self._n_args:
-            raise CaptureError(f"torchtpu: a graphed callable takes {self._n_args} tensor "
+            raise CaptureError(f"torchtpu.capture: a graphed callable takes {self._n_args} tensor "
                                f"arguments (as its samples), not {len(flat)}")
         for t, req in zip(flat, self._requires):
             if isinstance(t, torch.Tensor) and t.requires_grad != req:
-                raise CaptureError("torchtpu: a graphed callable's argument requires_grad "
+                raise CaptureError("torchtpu.capture: a graphed callable's argument requires_grad "
                                    "differs from its sample's; make a new graphed callable")
         out = self._function.apply(*flat, *self._static[self._n_args:])
         return pytree.tree_unflatten(list(out), self._out_spec)
@@ -201,7 +204,7 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3,
         args = args if isinstance(args, tuple) else (args,)
         if isinstance(fn, torch.nn.Module):
             if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
-                raise CaptureError("torchtpu: make_graphed_callables: modules must have no "
+                raise CaptureError("torchtpu.capture: make_graphed_callables: modules must have no "
                                    "hooks registered")
             graphed = _Graphed(fn, args, num_warmup_iters, allow_unused_input)
             fn.forward = graphed

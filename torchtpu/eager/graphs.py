@@ -71,7 +71,8 @@ class _OptimizerWatch:
                 for _, t in _state_tensors(opt, p):
                     if t.device.type == "cpu" and t.dim() == 0:
                         raise CaptureError(
-                            f"torchtpu: {type(opt).__name__} keeps its step count on the CPU "
+                            f"torchtpu.capture: {type(opt).__name__} keeps its step count on the "
+                            "CPU "
                             f"(capturable=False), {executor.user_location()}: a replay would "
                             "repeat the first step's bias correction. Construct it with "
                             "capturable=True to capture its step.")
@@ -99,7 +100,7 @@ class _OptimizerWatch:
                 for name, t in _state_tensors(opt, p):
                     if self._capture.created(t.untyped_storage()):
                         raise CaptureError(
-                            f"torchtpu: {type(opt).__name__}'s state {name!r} was created "
+                            f"torchtpu.capture: {type(opt).__name__}'s state {name!r} was created "
                             f"inside the capture, {executor.user_location()}: a replay would "
                             "create it afresh every step. Run a few warm-up steps before "
                             "capturing.")
@@ -126,23 +127,25 @@ def _check(guards: list) -> None:
     for opt, groups in guards:
         name = type(opt).__name__
         if len(opt.param_groups) != len(groups):
-            raise CaptureError(f"torchtpu: {name}'s param_groups changed since the capture; "
+            raise CaptureError(f"torchtpu.capture: {name}'s param_groups changed since the "
+                               "capture; "
                                "capture again")
         for group, (captured, fed, hyper, tensors) in zip(opt.param_groups, groups):
             if group is not captured or len(group["params"]) != len(tensors):
-                raise CaptureError(f"torchtpu: {name}'s param_groups changed since the "
+                raise CaptureError(f"torchtpu.capture: {name}'s param_groups changed since the "
                                    "capture; capture again")
             if _hyperparameters(group, fed) != hyper:
                 changed = [k for k, v in hyper if group.get(k) != v]
                 raise CaptureError(
-                    f"torchtpu: {name} hyperparameter(s) {changed} changed since the capture "
+                    f"torchtpu.capture: {name} hyperparameter(s) {changed} changed since the "
+                    "capture "
                     "(they are constants of the captured program; only the lr of a "
                     "capturable=True optimizer is an input); capture again")
             for p, (q, st, grad, state) in zip(group["params"], tensors):
                 if p is not q or p.untyped_storage() is not st or p.grad is not grad \
                         or _state_tensors(opt, p) != state:
                     raise CaptureError(
-                        f"torchtpu: a parameter, its .grad or its {name} state is not the "
+                        f"torchtpu.capture: a parameter, its .grad or its {name} state is not the "
                         "tensor the capture used (replaced, or set to None by zero_grad?); the "
                         "captured program updates the tensors it captured: do not zero or "
                         "replace them between replays (replay refills .grad), or capture again")
@@ -160,7 +163,8 @@ class TPUGraph:
     def capture_begin(self, pool=None, capture_error_mode: str = "global") -> None:
         """Start recording (use ``torch.tpu.graph(g)`` rather than calling this)."""
         if self._captured is not None:
-            raise RuntimeError("torchtpu: this TPUGraph already holds a capture; reset() it or "
+            raise RuntimeError("torchtpu.capture: this TPUGraph already holds a capture; reset() "
+                               "it or "
                                "use a new one")
         self._capture = Capture()
         self._watch = _OptimizerWatch(self._capture)
@@ -186,7 +190,7 @@ class TPUGraph:
     def replay(self) -> None:
         """Run the captured work once (one program call)."""
         if self._captured is None:
-            raise RuntimeError("torchtpu: replay() of a TPUGraph that holds no capture")
+            raise RuntimeError("torchtpu.capture: replay() of a TPUGraph that holds no capture")
         _check(self._guards)
         self._captured.replay()
 
@@ -205,7 +209,7 @@ class TPUGraph:
     def debug_dump(self, debug_path: str) -> None:
         """Write the captured program as StableHLO text to debug_path."""
         if self._captured is None:
-            raise RuntimeError("torchtpu: debug_dump() of a TPUGraph that holds no capture")
+            raise RuntimeError("torchtpu.capture: debug_dump() of a TPUGraph that holds no capture")
         with open(debug_path, "w") as f:
             f.write(self._captured.hlo())
 

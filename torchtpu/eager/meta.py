@@ -20,7 +20,8 @@ OpOverload = torch._ops.OpOverload
 
 def device_error(t: torch.Tensor) -> RuntimeError:
     return RuntimeError(
-        "Expected all tensors to be on the same device, but found at least two devices, "
+        "torchtpu.placement: Expected all tensors to be on the same device, but found at least "
+        "two devices, "
         f"tpu:0 and {t.device}! (move the tensor with .to('tpu') first; torchtpu never copies "
         "between devices silently)"
     )

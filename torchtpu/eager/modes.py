@@ -33,7 +33,8 @@ def get_eager_mode() -> EagerMode:
 
 def switch(mode: EagerMode) -> None:
     if not isinstance(mode, EagerMode):
-        raise TypeError(f"eager mode must be a torch.tpu.EagerMode, not {mode!r}")
+        raise TypeError(f"torchtpu.argument: eager mode must be a torch.tpu.EagerMode, not "
+                        f"{mode!r}")
     if mode is _mode[0]:
         return
     executor.set_current(_EXECUTORS[mode]())

@@ -73,7 +73,7 @@ def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
         else:
             d = oi.defaults[i]
             if d is _REQUIRED:
-                raise TypeError(f"{oi.op}: missing required argument {name!r}")
+                raise TypeError(f"torchtpu.argument: {oi.op}: missing required argument {name!r}")
             values[i] = d
     outs = [kwargs[n] for n in oi.out_names] if oi.out_names else []
     return values, outs
