@@ -38,7 +38,8 @@ aten = torch.ops.aten
 
 
 def missing_lowering(op) -> NotImplementedError:
-    return NotImplementedError(f"torchtpu: aten op '{op}' has no tpu lowering (compiled graph)")
+    return NotImplementedError(f"torchtpu.fallback: aten op '{op}' has no tpu lowering (compiled "
+                               "graph)")
 
 
 def _is_tensor_val(v) -> bool:

@@ -38,7 +38,8 @@ def parse(mode: str | None, options: dict | None) -> Options:
     if mode not in (None, "default", "reduce-overhead"):
         advice = _MODE_ADVICE.get(mode, "leave mode unset")
         raise ValueError(
-            f"torch.compile(mode={mode!r}) is an Inductor mode; backend 'tpu' compiles with XLA: "
+            f"torchtpu.compile: torch.compile(mode={mode!r}) is an Inductor mode; backend 'tpu' "
+            "compiles with XLA: "
             f"{advice} (tune it with options={{'bucket_size': ..., 'num_dynamic_buckets': ...}})"
         )
     options = dict(options or {})
@@ -47,18 +48,22 @@ def parse(mode: str | None, options: dict | None) -> Options:
             continue
         if _is_inductor_option(name):
             raise ValueError(
-                f"torch.compile option {name!r} is an Inductor option; backend 'tpu' compiles "
+                f"torchtpu.compile: torch.compile option {name!r} is an Inductor option; backend "
+                "'tpu' compiles "
                 f"with XLA and takes only {sorted(_KNOWN)}"
             )
-        raise ValueError(f"unknown torch.compile option {name!r} for backend 'tpu'; "
+        raise ValueError(f"torchtpu.compile: unknown torch.compile option {name!r} for backend "
+                         "'tpu'; "
                          f"the options are {sorted(_KNOWN)}")
     parsed = Options(**options)
     if not (isinstance(parsed.bucket_size, int) and parsed.bucket_size > 0):
-        raise ValueError(f"bucket_size must be a positive int, not {parsed.bucket_size!r}")
+        raise ValueError(f"torchtpu.compile: bucket_size must be a positive int, not "
+                         f"{parsed.bucket_size!r}")
     if not (isinstance(parsed.num_dynamic_buckets, int) and 1 <= parsed.num_dynamic_buckets <= 8):
-        raise ValueError("num_dynamic_buckets must be an int from 1 to 8, not "
+        raise ValueError("torchtpu.compile: num_dynamic_buckets must be an int from 1 to 8, not "
                          f"{parsed.num_dynamic_buckets!r}")
     if parsed.debug_callback is not None and not callable(parsed.debug_callback):
-        raise ValueError("debug_callback must be callable (it receives the FX graph and the "
+        raise ValueError("torchtpu.compile: debug_callback must be callable (it receives the FX "
+                         "graph and the "
                          "StableHLO text)")
     return parsed

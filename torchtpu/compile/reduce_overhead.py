@@ -36,7 +36,7 @@ def _signature(args: tuple) -> tuple:
 def graphed(gm: torch.fx.GraphModule, example_inputs: list):
     """A callable replaying gm's captured programs, or None if gm must be compiled normally."""
     if not all(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs):
-        log.info("torchtpu: reduce-overhead: a graph with non-tpu or non-tensor inputs is "
+        log.info("torchtpu.compile: reduce-overhead: a graph with non-tpu or non-tensor inputs is "
                  "compiled without capture")
         return None
     captures: dict = {}
