@@ -123,12 +123,14 @@ class TpuProcessGroup(dist.ProcessGroup):
             return True
         if kinds != {"cpu"}:
             raise ValueError(
-                f"tpu_dist: a collective got tensors on {sorted(kinds)}; pass tpu tensors "
+                f"torchtpu.distributed: tpu_dist: a collective got tensors on {sorted(kinds)}; "
+                "pass tpu tensors "
                 f"(or CPU tensors alone, with backend='cpu:gloo,tpu:tpu_dist')"
             )
         if not self._serves_cpu():
             raise ValueError(
-                "tpu_dist: a collective got CPU tensors, but this process group serves tpu "
+                "torchtpu.distributed: tpu_dist: a collective got CPU tensors, but this process "
+                "group serves tpu "
                 "tensors only; move them with .to('tpu'), or create the group with "
                 "backend='cpu:gloo,tpu:tpu_dist' (or no backend) to serve CPU tensors by gloo"
             )
@@ -139,7 +141,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             work.wait()
         except RuntimeError as e:
             raise dist.DistBackendError(
-                f"tpu_dist: {op} in process group {self._label()!r} failed: a rank exited, "
+                f"torchtpu.distributed: tpu_dist: {op} in process group {self._label()!r} failed: "
+                "a rank exited, "
                 f"hung past the timeout ({self._timeout.total_seconds():g} s) or called another "
                 f"collective: {e}"
             ) from e
@@ -246,7 +249,8 @@ class TpuProcessGroup(dist.ProcessGroup):
                              reduce_op) -> None:
         if whole.numel() != out.numel() * self.size():
             raise ValueError(
-                f"tpu_dist: {op}: the input has {whole.numel()} elements, but the output "
+                f"torchtpu.distributed: tpu_dist: {op}: the input has {whole.numel()} elements, "
+                "but the output "
                 f"({out.numel()} elements) times the group size ({self.size()}) is "
                 f"{out.numel() * self.size()}"
             )
@@ -270,7 +274,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         for o in outs:
             if o.shape != t.shape or o.dtype != t.dtype:
                 raise ValueError(
-                    f"tpu_dist: all_gather: every output must be like the input "
+                    f"torchtpu.distributed: tpu_dist: all_gather: every output must be like the "
+                    "input "
                     f"({t.dtype}{list(t.shape)}), got {o.dtype}{list(o.shape)}"
                 )
         for o, value in zip(outs, self._gather_all("all_gather", t)):
@@ -284,7 +289,8 @@ class TpuProcessGroup(dist.ProcessGroup):
             return self._gloo._allgather_base(output, input, opts)
         if output.numel() != input.numel() * self.size() or output.dtype != input.dtype:
             raise ValueError(
-                f"tpu_dist: all_gather_into_tensor: the output ({output.dtype}"
+                f"torchtpu.distributed: tpu_dist: all_gather_into_tensor: the output "
+                f"({output.dtype}"
                 f"{list(output.shape)}) must hold group size ({self.size()}) times the input "
                 f"({input.dtype}{list(input.shape)})"
             )
@@ -414,7 +420,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._wait("send", self._gloo.recv([verdict], dst, tag))
         if verdict.item():
             raise protocol.CollectiveMismatchError(
-                f"tpu_dist: rank {self.rank()} sent {protocol.describe(words)} to rank {dst}, "
+                f"torchtpu.distributed: tpu_dist: rank {self.rank()} sent "
+                f"{protocol.describe(words)} to rank {dst}, "
                 f"which expected a tensor of another shape or dtype (see the error on rank "
                 f"{dst}); send and recv must agree on shape and dtype"
             )
@@ -432,7 +439,8 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._wait("recv", self._gloo.send([torch.tensor([int(bad)])], src, tag))
         if bad:
             raise protocol.CollectiveMismatchError(
-                f"tpu_dist: rank {self.rank()} expected {protocol.describe(mine)} from rank "
+                f"torchtpu.distributed: tpu_dist: rank {self.rank()} expected "
+                f"{protocol.describe(mine)} from rank "
                 f"{src}, but it sent {protocol.describe(theirs.numpy())}; send and recv must "
                 f"agree on shape and dtype"
             )
@@ -443,7 +451,8 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag):
         raise NotImplementedError(
-            "tpu_dist: recv from any source is not supported; name the source rank (src=...)"
+            "torchtpu.distributed: tpu_dist: recv from any source is not supported; name the "
+            "source rank (src=...)"
         )
 
     def barrier(self, opts=None) -> dist.Work:

@@ -66,16 +66,19 @@ def reduce_op(op: ReduceOp, dtype: torch.dtype) -> tuple[RedOpType, float | None
     """(op type, PREMUL_SUM's factor) of op, checked against dtype."""
     kind = op.op if isinstance(op, ReduceOp) else RedOpType(op)
     if kind in _BITWISE and (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"tpu_dist: {kind.name} needs an integer or bool tensor, got {dtype}")
+        raise TypeError(f"torchtpu.distributed: tpu_dist: {kind.name} needs an integer or bool "
+                        f"tensor, got {dtype}")
     if kind == RedOpType.AVG and not (dtype.is_floating_point or dtype.is_complex):
-        raise TypeError(f"tpu_dist: AVG needs a floating-point tensor, got {dtype}")
+        raise TypeError(f"torchtpu.distributed: tpu_dist: AVG needs a floating-point tensor, got "
+                        f"{dtype}")
     factor = None
     if kind == RedOpType.PREMUL_SUM:
         factor = getattr(op, "factor", None)
         if isinstance(factor, torch.Tensor):
             factor = factor.item()
         if factor is None:
-            raise ValueError("tpu_dist: PREMUL_SUM needs a factor (dist._make_nccl_premul_sum)")
+            raise ValueError("torchtpu.distributed: tpu_dist: PREMUL_SUM needs a factor "
+                             "(dist._make_nccl_premul_sum)")
     return kind, factor
 
 

@@ -31,7 +31,8 @@ def _check_device() -> None:
 
     if not control.is_available():
         raise RuntimeError(
-            "tpu_dist needs the tpu device, but torchtpu found none (JAX saw no usable "
+            "torchtpu.distributed: tpu_dist needs the tpu device, but torchtpu found none (JAX "
+            "saw no usable "
             "device); check TORCHTPU_PLATFORM, or use backend='gloo' for CPU tensors"
         )
 
@@ -45,7 +46,8 @@ def _check_devices_for(local_world: int) -> None:
     visible = len(platform.devices())
     if visible > 1 and local_world > visible:
         raise RuntimeError(
-            f"tpu_dist: {local_world} processes on this host, but it has {visible} "
+            f"torchtpu.distributed: tpu_dist: {local_world} processes on this host, but it has "
+            f"{visible} "
             f"{platform.platform()} devices: run at most one process per device "
             f"(torchrun --nproc-per-node {visible})"
         )

@@ -97,7 +97,8 @@ def check(headers: np.ndarray, rank: int, group: str, ranks: list[int] | None = 
         if not _agree(mine, other):
             name = (lambda i: f"rank {ranks[i]}") if ranks else (lambda i: f"rank {i}")
             raise CollectiveMismatchError(
-                f"tpu_dist: mismatched collectives in process group {group!r}: this rank "
+                f"torchtpu.distributed: tpu_dist: mismatched collectives in process group "
+                f"{group!r}: this rank "
                 f"({name(rank)}) called {describe(mine)}, but {name(r)} called "
                 f"{describe(other)}. Every rank of a group must call the same collectives, "
                 f"in the same order, with the same shapes and dtypes."
