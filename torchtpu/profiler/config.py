@@ -21,7 +21,8 @@ _warned: list = []
 
 def _level(name: str, value: int, allowed: range) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value not in allowed:
-        raise ValueError(f"TpuProfilerConfig: {name} must be one of {list(allowed)}, "
+        raise ValueError(f"torchtpu.profiler: TpuProfilerConfig: {name} must be one of "
+                         f"{list(allowed)}, "
                          f"not {value!r}")
     return value
 
@@ -46,10 +47,12 @@ class TpuProfilerConfig(_ExperimentalConfig):
         self.device_tracer_level = _level("device_tracer_level", device_tracer_level, range(2))
         self.python_tracer_level = _level("python_tracer_level", python_tracer_level, range(2))
         if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
-            raise TypeError(f"TpuProfilerConfig: run_dir must be a path or None, not {run_dir!r}")
+            raise TypeError(f"torchtpu.profiler: TpuProfilerConfig: run_dir must be a path or "
+                            f"None, not {run_dir!r}")
         self.run_dir = os.fspath(run_dir) if run_dir is not None else None
         if experimental_options is not None and not isinstance(experimental_options, dict):
-            raise TypeError("TpuProfilerConfig: experimental_options must be a dict, not "
+            raise TypeError("torchtpu.profiler: TpuProfilerConfig: experimental_options must be a "
+                            "dict, not "
                             f"{experimental_options!r}")
         self.experimental_options = dict(experimental_options or {})
         if not _warned:
