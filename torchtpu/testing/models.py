@@ -19,7 +19,8 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, n_embd: int, n_head: int, dropout: float) -> None:
         super().__init__()
         if n_embd % n_head:
-            raise ValueError(f"n_embd={n_embd} is not a multiple of n_head={n_head}")
+            raise ValueError(f"torchtpu.argument: n_embd={n_embd} is not a multiple of "
+                             f"n_head={n_head}")
         self.n_head = n_head
         self.qkv = nn.Linear(n_embd, 3 * n_embd)
         self.proj = nn.Linear(n_embd, n_embd)
@@ -82,7 +83,8 @@ class TinyGPT(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         t = idx.shape[1]
         if t > self.block:
-            raise ValueError(f"sequence of {t} tokens is longer than the block size {self.block}")
+            raise ValueError(f"torchtpu.argument: sequence of {t} tokens is longer than the block "
+                             f"size {self.block}")
         pos = torch.arange(t, device=idx.device)
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for blk in self.blocks:

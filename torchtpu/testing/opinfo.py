@@ -295,7 +295,7 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
         progress: TextIO | None = None) -> Report:
     """Check every OpInfo whose full name (``name`` or ``name.variant``) matches ops fully."""
     if mode not in _TESTS:
-        raise ValueError(f"mode must be one of {sorted(_TESTS)}, not {mode!r}")
+        raise ValueError(f"torchtpu.argument: mode must be one of {sorted(_TESTS)}, not {mode!r}")
 
     def names(op):
         return op.name, op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")

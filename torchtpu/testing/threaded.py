@@ -58,7 +58,8 @@ def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = ()
             threaded.ProcessLocalGroup.exception_handle(TimeoutError())
             for t in threads:
                 t.join(10)
-            raise TimeoutError(f"ranks {hung} still running after {timeout} s")
+            raise TimeoutError(f"torchtpu.distributed: ranks {hung} still running after {timeout} "
+                               "s")
     finally:
         threaded.ProcessLocalGroup.reset()
         torch._C._distributed_c10d._set_thread_isolation_mode(False)
