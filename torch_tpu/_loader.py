@@ -11,7 +11,7 @@ def _init_device(device: str = "tpu") -> torch.device:
     """Register the device and return it. Only "tpu" exists here: torchtpu serves TPU, GPU and
     CPU all as "tpu" (the reference's "xla_cuda" / "xla_cpu" devices are this one device)."""
     if device not in ("tpu", "xla_cuda", "xla_cpu"):
-        raise ValueError(f"torch_tpu: unknown device {device!r}; torchtpu's device is 'tpu'")
+        raise ValueError(f"torchtpu.device: unknown device {device!r}; torchtpu's device is 'tpu'")
     from torchtpu.registration import register
 
     register()
