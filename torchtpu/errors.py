@@ -7,6 +7,10 @@ glossary is ``glossary_markdown()``. Raise sites keep their Python exception typ
 ``RuntimeError``, ...); only the text carries the category:
 
     raise ValueError(errors.message("config", f"TORCHTPU_PLATFORM={v!r} is not one of ..."))
+    raise ValueError(f"torchtpu.config: TORCHTPU_PLATFORM={v!r} is not one of ...")  # the same
+
+``tests/test_error_messages.py`` reads the source and fails on a literal message made into an
+exception or warning without a known category.
 """
 
 from __future__ import annotations
