@@ -57,7 +57,8 @@ def install() -> None:
             if _is_tpu(self):
                 if self.profiler_kind == ProfilerState.KINETO_PRIVATEUSE1_FALLBACK:
                     raise RuntimeError(
-                        "torch.autograd.profiler.profile(use_device='tpu') needs "
+                        "torchtpu.profiler: torch.autograd.profiler.profile(use_device='tpu') "
+                        "needs "
                         "use_kineto=True: without it PyTorch asks C++ profiler stubs that a "
                         "Python backend cannot register (torch.profiler.profile uses Kineto)")
                 config = self.experimental_config
