@@ -181,8 +181,30 @@ def sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False
     return fused
 
 
+# (min length, op) installed by an upper layer (``torch.tpu.ops.flash_sdpa``): calls without
+# mask and dropout at least that long go to op(q, k, v, is_causal, scale) instead.
+_long_sequence_path: list = [None]
+
+
+def set_long_sequence_path(path: tuple | None) -> None:
+    _long_sequence_path[0] = path
+
+
+def _long_sequence_op(query, key, attn_mask, dropout_p, enable_gqa):
+    path = _long_sequence_path[0]
+    if path is None or attn_mask is not None or dropout_p > 0.0 or enable_gqa:
+        return None
+    min_len, op = path
+    if max(query.shape[-2], key.shape[-2]) < min_len or query.dim() != 4:
+        return None
+    return op
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
+    long_op = _long_sequence_op(query, key, attn_mask, dropout_p, enable_gqa)
+    if long_op is not None and sdp_choice(query, key, value) == int(_SDPBackend.OVERRIDEABLE):
+        return long_op(query, key, value, is_causal, scale)
     if sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                   enable_gqa=enable_gqa) == int(_SDPBackend.OVERRIDEABLE):
         return aten._scaled_dot_product_fused_attention_overrideable.default(
