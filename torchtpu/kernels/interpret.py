@@ -39,7 +39,8 @@ def setting(where: str = "this jax_op"):
         if here != "cpu":
             raise RuntimeError(
                 f"{where}: TORCHTPU_PALLAS_INTERPRET=tpu asks for JAX's TPU-simulating "
-                f"interpreter, which runs only on the CPU platform, but this process runs on {here!r}; use "
+                f"interpreter, which runs only on the CPU platform, but this process runs on "
+                f"{here!r}; use "
                 "TORCHTPU_PALLAS_INTERPRET=on (HLO interpreter, any platform) or auto, or run "
                 "with TORCHTPU_PLATFORM=cpu")
         from jax.experimental.pallas import tpu as pltpu

@@ -1,0 +1,96 @@
+"""Tokamax's kernels on tpu tensors: each a ``jax_op`` (``torchtpu::tokamax_<name>``).
+
+Needs the optional extra ``pip install -e '.[tokamax]'`` (``tokamax==0.0.12``: the newest release
+that installs on Python 3.11 with our JAX; an unpinned ``pip install tokamax`` resolves to an
+empty placeholder). Importing this module without it raises ImportError saying so.
+
+``implementation`` is Tokamax's: None lets it choose on TPU (its Mosaic kernels first); on
+other platforms None means ``"xla"``, because Tokamax refuses its Mosaic kernels off TPU instead
+of interpreting them. Layouts are Tokamax's: attention takes (batch, length, heads, head_dim),
+not PyTorch's (batch, heads, length, head_dim). Gradients come from Tokamax's own VJPs (through
+``jax_op``'s derived backward).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from torchtpu.kernels.jax_op import jax_op
+from torchtpu.runtime import platform
+
+try:
+    import tokamax as _tokamax
+except ImportError as e:
+    raise ImportError(
+        "torchtpu.kernels.tokamax needs Tokamax: pip install -e '.[tokamax]' (pins "
+        "tokamax==0.0.12; an unpinned `pip install tokamax` gets an empty placeholder)") from e
+
+from absl import flags as _absl_flags  # noqa: E402 (a Tokamax dependency)
+
+# Tokamax reads its options as absl flags and, when nothing parsed them yet, parses sys.argv: in
+# any program with its own command line (pytest, a training script) that raises "Unknown command
+# line flag". Marking the flags parsed keeps Tokamax's defaults (and its config context managers).
+if not _absl_flags.FLAGS.is_parsed():
+    _absl_flags.FLAGS.mark_as_parsed()
+
+_ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu,
+                "sigmoid": jax.nn.sigmoid, "none": None}
+
+
+def _implementation(requested: Optional[str]):
+    if requested is None and platform.platform() != "tpu":
+        return "xla"
+    return requested
+
+
+def _dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
+                           bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
+                           scale: Optional[float] = None, is_causal: bool = False,
+                           implementation: Optional[str] = None) -> jax.Array:
+    return _tokamax.dot_product_attention(query, key, value, bias, mask, scale=scale,
+                                          is_causal=is_causal,
+                                          implementation=_implementation(implementation))
+
+
+def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                implementation: Optional[str] = None) -> jax.Array:
+    return _tokamax.ragged_dot(lhs, rhs, group_sizes.astype("int32"),
+                               precision=jax.lax.Precision.HIGHEST,
+                               implementation=_implementation(implementation))
+
+
+def _layer_norm(x: jax.Array, scale: Optional[jax.Array] = None,
+                offset: Optional[jax.Array] = None, epsilon: float = 1e-6,
+                subtract_mean: bool = True, implementation: Optional[str] = None) -> jax.Array:
+    return _tokamax.layer_norm(x, scale, offset, epsilon=epsilon, subtract_mean=subtract_mean,
+                               implementation=_implementation(implementation))
+
+
+def _gated_linear_unit(x: jax.Array, weights: jax.Array, activation: str = "silu",
+                       implementation: Optional[str] = None) -> jax.Array:
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"tokamax gated_linear_unit: activation {activation!r} is not one of "
+                         f"{', '.join(_ACTIVATIONS)}")
+    return _tokamax.gated_linear_unit(x, weights, activation=_ACTIVATIONS[activation],
+                                      precision=jax.lax.Precision.HIGHEST,
+                                      implementation=_implementation(implementation))
+
+
+def _linear_softmax_cross_entropy_loss(x: jax.Array, labels: jax.Array, weights: jax.Array,
+                                       reduction: str = "sum",
+                                       implementation: Optional[str] = None) -> jax.Array:
+    return _tokamax.linear_softmax_cross_entropy_loss(
+        x, labels, weights, reduction=reduction, implementation=_implementation(implementation))
+
+
+dot_product_attention = jax_op("torchtpu::tokamax_dot_product_attention", _dot_product_attention)
+ragged_dot = jax_op("torchtpu::tokamax_ragged_dot", _ragged_dot)
+layer_norm = jax_op("torchtpu::tokamax_layer_norm", _layer_norm)
+gated_linear_unit = jax_op("torchtpu::tokamax_gated_linear_unit", _gated_linear_unit)
+linear_softmax_cross_entropy_loss = jax_op("torchtpu::tokamax_linear_softmax_cross_entropy_loss",
+                                           _linear_softmax_cross_entropy_loss)
+
+__all__ = ["dot_product_attention", "gated_linear_unit", "layer_norm",
+           "linear_softmax_cross_entropy_loss", "ragged_dot"]
