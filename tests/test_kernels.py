@@ -73,7 +73,8 @@ def test_sdpa_takes_the_flash_kernel_for_long_sequences_when_asked(fresh_dynamo)
     inputs = _qkv(1, 2, 8, 8, 4)
     codes = []
     fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                       backend="tpu", options={"debug_callback": lambda gm, _: codes.append(gm.code)})
+                       backend="tpu",
+                       options={"debug_callback": lambda gm, _: codes.append(gm.code)})
     ops.flash_sdpa(8)
     try:
         got = _value_and_grads(fn, inputs, "tpu")
@@ -136,11 +137,11 @@ def _ragged_reference(lhs, rhs, sizes):
 def test_ragged_dot_eager_and_compiled(fresh_dynamo):
     lhs, rhs = torch.randn(10, 4, requires_grad=True), torch.randn(3, 4, 5, requires_grad=True)
     sizes = torch.tensor([3, 0, 5], dtype=torch.int32)  # 2 rows past the groups: zeros
-    expected = _value_and_grads(lambda l, r: _ragged_reference(l, r, sizes), [lhs, rhs], "cpu")
+    expected = _value_and_grads(lambda a, b: _ragged_reference(a, b, sizes), [lhs, rhs], "cpu")
     tpu_sizes = sizes.to("tpu")
-    eager = _value_and_grads(lambda l, r: ops.ragged_dot(l, r, tpu_sizes), [lhs, rhs], "tpu")
-    compiled = torch.compile(lambda l, r, s: ops.ragged_dot(l, r, s), backend="tpu")
-    graph = _value_and_grads(lambda l, r: compiled(l, r, tpu_sizes), [lhs, rhs], "tpu")
+    eager = _value_and_grads(lambda a, b: ops.ragged_dot(a, b, tpu_sizes), [lhs, rhs], "tpu")
+    compiled = torch.compile(lambda a, b, s: ops.ragged_dot(a, b, s), backend="tpu")
+    graph = _value_and_grads(lambda a, b: compiled(a, b, tpu_sizes), [lhs, rhs], "tpu")
     assert_same(eager, expected, atol=1e-5)
     assert_same(graph, expected, atol=1e-5)
     with pytest.raises(ValueError, match=r"ragged_dot: lhs \(10, 4\).*do not fit"):

@@ -13,8 +13,6 @@ not PyTorch's (batch, heads, length, head_dim). Gradients come from Tokamax's ow
 
 from __future__ import annotations
 
-from typing import Optional
-
 import jax
 
 from torchtpu.kernels.jax_op import jax_op
@@ -39,37 +37,37 @@ _ACTIVATIONS = {"silu": jax.nn.silu, "gelu": jax.nn.gelu, "relu": jax.nn.relu,
                 "sigmoid": jax.nn.sigmoid, "none": None}
 
 
-def _implementation(requested: Optional[str]):
+def _implementation(requested: str | None):
     if requested is None and platform.platform() != "tpu":
         return "xla"
     return requested
 
 
 def _dot_product_attention(query: jax.Array, key: jax.Array, value: jax.Array,
-                           bias: Optional[jax.Array] = None, mask: Optional[jax.Array] = None,
-                           scale: Optional[float] = None, is_causal: bool = False,
-                           implementation: Optional[str] = None) -> jax.Array:
+                           bias: jax.Array | None = None, mask: jax.Array | None = None,
+                           scale: float | None = None, is_causal: bool = False,
+                           implementation: str | None = None) -> jax.Array:
     return _tokamax.dot_product_attention(query, key, value, bias, mask, scale=scale,
                                           is_causal=is_causal,
                                           implementation=_implementation(implementation))
 
 
 def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                implementation: Optional[str] = None) -> jax.Array:
+                implementation: str | None = None) -> jax.Array:
     return _tokamax.ragged_dot(lhs, rhs, group_sizes.astype("int32"),
                                precision=jax.lax.Precision.HIGHEST,
                                implementation=_implementation(implementation))
 
 
-def _layer_norm(x: jax.Array, scale: Optional[jax.Array] = None,
-                offset: Optional[jax.Array] = None, epsilon: float = 1e-6,
-                subtract_mean: bool = True, implementation: Optional[str] = None) -> jax.Array:
+def _layer_norm(x: jax.Array, scale: jax.Array | None = None,
+                offset: jax.Array | None = None, epsilon: float = 1e-6,
+                subtract_mean: bool = True, implementation: str | None = None) -> jax.Array:
     return _tokamax.layer_norm(x, scale, offset, epsilon=epsilon, subtract_mean=subtract_mean,
                                implementation=_implementation(implementation))
 
 
 def _gated_linear_unit(x: jax.Array, weights: jax.Array, activation: str = "silu",
-                       implementation: Optional[str] = None) -> jax.Array:
+                       implementation: str | None = None) -> jax.Array:
     if activation not in _ACTIVATIONS:
         raise ValueError(f"tokamax gated_linear_unit: activation {activation!r} is not one of "
                          f"{', '.join(_ACTIVATIONS)}")
@@ -80,7 +78,7 @@ def _gated_linear_unit(x: jax.Array, weights: jax.Array, activation: str = "silu
 
 def _linear_softmax_cross_entropy_loss(x: jax.Array, labels: jax.Array, weights: jax.Array,
                                        reduction: str = "sum",
-                                       implementation: Optional[str] = None) -> jax.Array:
+                                       implementation: str | None = None) -> jax.Array:
     return _tokamax.linear_softmax_cross_entropy_loss(
         x, labels, weights, reduction=reduction, implementation=_implementation(implementation))
 
