@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch
@@ -137,7 +138,10 @@ def _fake(name: str, fn: Callable, sig: Signature) -> Callable:
     def fake(*args):
         like = next(a for a in _flat(args) if isinstance(a, torch.Tensor))
         structs = [_struct(a) for a in args]
-        out = jax.eval_shape(lambda *xs: _call(name, fn, sig, xs), *structs)
+        # The function is traced by JAX, outside the fake mode that calls this: a function that
+        # makes torch tensors of its own (Helion's jax_fn does) must not get fake ones.
+        with unset_fake_temporarily():
+            out = jax.eval_shape(lambda *xs: _call(name, fn, sig, xs), *structs)
         made = [like.new_empty(o.shape, dtype=dtypes.to_torch(o.dtype)) for o in _leaves(out)]
         return made[0] if sig.single and sig.returns[0] == "Tensor" else (
             made if sig.returns[0] == "Tensor[]" else tuple(made))
