@@ -42,7 +42,7 @@ def _as_jax(annotation):
 
 
 def helion_op(name: str, kernel) -> CustomOpDef:
-    """The custom op ``name`` running the Helion ``kernel`` (a ``@helion.kernel``) on tpu tensors."""
+    """The custom op ``name`` running the Helion ``kernel`` (``@helion.kernel``) on tpu tensors."""
     backend = kernel.settings.backend
     if backend != "pallas":
         raise ValueError(f"helion_op {name!r}: the kernel was built for Helion's {backend!r} "
