@@ -8,6 +8,7 @@ import pytest
 import torch
 from jax.sharding import Mesh, PartitionSpec
 
+from torchtpu import errors
 from torchtpu.kernels import interpret
 from torchtpu.kernels.jax_op import jax_op
 from torchtpu.testing.compare import assert_same
@@ -149,8 +150,9 @@ def test_bad_definitions_name_the_problem():
     def unannotated(x):
         return x
 
-    with pytest.raises(ValueError, match="parameter 'x'.*no type annotation"):
+    with pytest.raises(ValueError, match="parameter 'x'.*no type annotation") as caught:
         jax_op("test_jax_op::unannotated", unannotated)
+    assert errors.category_of(caught.value) == "kernel"
 
     def listy(x: jax.Array, n: list) -> jax.Array:
         return x

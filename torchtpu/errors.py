@@ -88,6 +88,12 @@ GLOSSARY: dict[str, Entry] = {
         "take, or the JAX profiler could not start or wrote no trace.",
         "Use the options the message lists; stop any other jax.profiler trace; leave "
         "ProfilerActivity.TPU out to profile the host alone."),
+    "kernel": Entry(
+        "A custom kernel (jax_op, a Pallas, Tokamax or Helion kernel) was defined or called "
+        "wrongly: an annotation with no schema type, a fake kernel that disagrees with the "
+        "function, a Pallas kernel that cannot lower on this platform.",
+        "Follow the message: it names the op and the fix (annotations, register_fake, "
+        "TORCHTPU_PALLAS_INTERPRET)."),
     "unsupported": Entry(
         "A feature or argument combination torchtpu does not implement yet.",
         "Use the alternative the message names, or file an issue with the call."),

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from torchtpu import errors
 from torchtpu.kernels.jax_op import jax_op
 
 _BLOCK = 128
@@ -201,8 +202,9 @@ flash_attention_jax.defvjp(_fwd, _bwd)
 def _flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, is_causal: bool = False,
                      scale: float | None = None) -> jax.Array:
     if q.shape[:-2] != k.shape[:-2] or k.shape[:-1] != v.shape[:-1] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"torchtpu::flash_attention: q {q.shape}, k {k.shape}, v {v.shape} do "
-                         "not fit (batch..., length, head_dim); k and v need q's batch and heads")
+        raise ValueError(errors.message(
+            "kernel", f"torchtpu::flash_attention: q {q.shape}, k {k.shape}, v {v.shape} do "
+            "not fit (batch..., length, head_dim); k and v need q's batch and heads"))
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     return flash_attention_jax(q, k, v, float(scale), bool(is_causal))
 

@@ -24,13 +24,15 @@ import typing
 import jax
 import torch
 
+from torchtpu import errors
 from torchtpu.kernels.jax_op import CustomOpDef, jax_op
 
 try:
     import helion as _helion  # noqa: F401
 except ImportError as e:
-    raise ImportError("torchtpu.kernels.helion needs Helion: pip install -e '.[helion]' "
-                      "(helion==1.5.1) and HELION_BACKEND=pallas") from e
+    raise ImportError(errors.message(
+        "kernel", "torchtpu.kernels.helion needs Helion: pip install -e '.[helion]' "
+        "(helion==1.5.1) and HELION_BACKEND=pallas")) from e
 
 
 def _as_jax(annotation):
@@ -45,9 +47,10 @@ def helion_op(name: str, kernel) -> CustomOpDef:
     """The custom op ``name`` running the Helion ``kernel`` (``@helion.kernel``) on tpu tensors."""
     backend = kernel.settings.backend
     if backend != "pallas":
-        raise ValueError(f"helion_op {name!r}: the kernel was built for Helion's {backend!r} "
-                         "backend; set HELION_BACKEND=pallas before defining it (only the Pallas "
-                         "backend has a pure-JAX form to lower)")
+        raise ValueError(errors.message(
+            "kernel", f"helion_op {name!r}: the kernel was built for Helion's {backend!r} "
+            "backend; set HELION_BACKEND=pallas before defining it (only the Pallas "
+            "backend has a pure-JAX form to lower)"))
     hints = typing.get_type_hints(kernel.fn)
     signature = inspect.signature(kernel.fn)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import os
 
+from torchtpu import errors
 from torchtpu.runtime import platform
 
 _MODES = ("auto", "on", "off", "tpu")
@@ -27,7 +28,8 @@ _MODES = ("auto", "on", "off", "tpu")
 def mode() -> str:
     value = os.environ.get("TORCHTPU_PALLAS_INTERPRET", "auto").strip().lower() or "auto"
     if value not in _MODES:
-        raise ValueError(f"TORCHTPU_PALLAS_INTERPRET={value!r} is not one of {', '.join(_MODES)}")
+        raise ValueError(errors.message(
+            "config", f"TORCHTPU_PALLAS_INTERPRET={value!r} is not one of {', '.join(_MODES)}"))
     return value
 
 
@@ -37,12 +39,12 @@ def setting(where: str = "this jax_op"):
     chosen, here = mode(), platform.platform()
     if chosen == "tpu":
         if here != "cpu":
-            raise RuntimeError(
+            raise RuntimeError(errors.message("kernel",
                 f"{where}: TORCHTPU_PALLAS_INTERPRET=tpu asks for JAX's TPU-simulating "
                 f"interpreter, which runs only on the CPU platform, but this process runs on "
                 f"{here!r}; use "
                 "TORCHTPU_PALLAS_INTERPRET=on (HLO interpreter, any platform) or auto, or run "
-                "with TORCHTPU_PLATFORM=cpu")
+                "with TORCHTPU_PLATFORM=cpu"))
         from jax.experimental.pallas import tpu as pltpu
 
         return pltpu.InterpretParams()

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch
 from torchtpu.kernels import interpret, signature
@@ -64,8 +65,9 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True)
     """The custom op ``name`` computing ``fn`` with schema ``sig`` (see the module doc)."""
     ns, opname = _split(name)
     if hasattr(getattr(torch.ops, ns), opname):
-        raise ValueError(f"jax_op {name!r}: an op of that name already exists; choose another "
-                         "name (op names are global to the process)")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: an op of that name already exists; choose another "
+            "name (op names are global to the process)"))
     opdef = torch.library.custom_op(name, _off_device(name), mutates_args=(),
                                     schema=sig.schema())
     op = getattr(getattr(torch.ops, ns), opname).default
@@ -83,7 +85,8 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True)
 def _split(name: str) -> tuple[str, str]:
     ns, sep, opname = name.partition("::")
     if not sep or not ns.isidentifier() or not opname.isidentifier():
-        raise ValueError(f"jax_op name {name!r} must be 'namespace::op_name' (identifiers)")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op name {name!r} must be 'namespace::op_name' (identifiers)"))
     return ns, opname
 
 
@@ -93,16 +96,18 @@ def _check_donation(name: str, sig: Signature, donate_argnums) -> None:
     positions = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     for i in positions:
         if not (isinstance(i, int) and 0 <= i < len(sig.params) and sig.params[i].is_tensor):
-            raise ValueError(f"jax_op {name!r}: donate_argnums entry {i!r} is not the position "
-                             f"of a jax.Array parameter (parameters: "
-                             f"{', '.join(p.name for p in sig.params)})")
+            raise ValueError(errors.message(
+                "kernel", f"jax_op {name!r}: donate_argnums entry {i!r} is not the position "
+                f"of a jax.Array parameter (parameters: "
+                f"{', '.join(p.name for p in sig.params)})"))
 
 
 def _off_device(name: str) -> Callable:
     def run(*args, **kwargs):
         where = {a.device.type for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)}
-        raise RuntimeError(f"jax_op {name!r} runs on tpu tensors, but got tensors on "
-                           f"{', '.join(sorted(where)) or 'no device'}; move them with .to('tpu')")
+        raise RuntimeError(errors.message(
+            "kernel", f"jax_op {name!r} runs on tpu tensors, but got tensors on "
+            f"{', '.join(sorted(where)) or 'no device'}; move them with .to('tpu')"))
 
     return run
 
@@ -115,7 +120,7 @@ def _kernel(name: str, op, *args, **kwargs):
         hint = interpret.lowering_hint(f"jax_op {name!r}", e)
         if hint is None:
             raise
-        raise RuntimeError(hint) from e
+        raise RuntimeError(errors.message("kernel", hint)) from e
 
 
 def _as_declared(sig: Signature, args: tuple) -> list:
@@ -209,9 +214,10 @@ def _check_against_fake(name: str, op, args: tuple, out) -> None:
                            f"{want[1].name}{list(want[0])}")
                 break
     if problem is not None:
-        raise ValueError(f"jax_op {name!r}: the function {problem}; make the function and the "
-                         "kernel given to register_fake agree (the fake kernel must return "
-                         "tensors of exactly the shapes and dtypes the function returns)")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: the function {problem}; make the function and the "
+            "kernel given to register_fake agree (the fake kernel must return "
+            "tensors of exactly the shapes and dtypes the function returns)"))
 
 
 # ----------------------------------------------------------------------------- default backward
@@ -274,17 +280,20 @@ def _register_default_autograd(opdef: CustomOpDef, backward_op: CustomOpDef,
 
 def _sharded(name: str, fn: Callable, sig: Signature, mesh, in_specs, out_specs) -> Callable:
     if mesh is None or in_specs is None or out_specs is None:
-        raise ValueError(f"jax_op {name!r}: mesh, input_partition_specs and "
-                         "output_partition_specs go together; give all three or none")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: mesh, input_partition_specs and "
+            "output_partition_specs go together; give all three or none"))
     positions = sig.tensor_positions
     in_specs = tuple(in_specs)
     if len(in_specs) != len(positions):
-        raise ValueError(f"jax_op {name!r}: input_partition_specs has {len(in_specs)} entries; "
-                         f"give one per jax.Array parameter ({len(positions)})")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: input_partition_specs has {len(in_specs)} entries; "
+            f"give one per jax.Array parameter ({len(positions)})"))
     n_out = len(sig.returns)
     if not sig.single and (not isinstance(out_specs, (tuple, list)) or len(out_specs) != n_out):
-        raise ValueError(f"jax_op {name!r}: output_partition_specs must be a tuple of {n_out} "
-                         "specs, one per result")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: output_partition_specs must be a tuple of {n_out} "
+            "specs, one per result"))
     out_specs = tuple(out_specs) if not sig.single else out_specs
 
     @functools.wraps(fn)

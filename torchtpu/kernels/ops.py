@@ -16,6 +16,7 @@ from __future__ import annotations
 import jax
 import torch
 
+from torchtpu import errors
 from torchtpu.kernels.flash_attention import flash_attention
 from torchtpu.kernels.jax_op import define, jax_op
 from torchtpu.kernels.rms_norm import rms_norm
@@ -37,8 +38,9 @@ _optimization_barrier.register_autograd(
 def optimization_barrier(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> list:
     """``tensors``' values, with an XLA optimization barrier around them (see the module doc)."""
     if isinstance(tensors, torch.Tensor):
-        raise TypeError("optimization_barrier takes a list or tuple of tensors, not one tensor "
-                        "(wrap it: optimization_barrier([t]))")
+        raise TypeError(errors.message(
+            "kernel", "optimization_barrier takes a list or tuple of tensors, not one tensor "
+            "(wrap it: optimization_barrier([t]))"))
     out = _optimization_barrier(list(tensors))
     return type(tensors)(out) if isinstance(tensors, tuple) else out
 
@@ -46,8 +48,9 @@ def optimization_barrier(tensors: list[torch.Tensor] | tuple[torch.Tensor, ...])
 def _ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
     if lhs.ndim != 2 or rhs.ndim != 3 or group_sizes.shape != (rhs.shape[0],) \
             or lhs.shape[1] != rhs.shape[1]:
-        raise ValueError(f"torch.tpu.ops.ragged_dot: lhs {lhs.shape} (m, k), rhs {rhs.shape} "
-                         f"(groups, k, n) and group_sizes {group_sizes.shape} (groups,) do not fit")
+        raise ValueError(errors.message(
+            "kernel", f"torch.tpu.ops.ragged_dot: lhs {lhs.shape} (m, k), rhs {rhs.shape} "
+            f"(groups, k, n) and group_sizes {group_sizes.shape} (groups,) do not fit"))
     return jax.lax.ragged_dot(lhs, rhs, group_sizes.astype("int32"),
                               precision=jax.lax.Precision.HIGHEST)
 
@@ -59,8 +62,9 @@ def flash_sdpa(min_seq_len: int | None) -> None:
     """Route ``F.scaled_dot_product_attention`` calls without mask and dropout whose query or key
     length is at least ``min_seq_len`` to the Pallas flash kernel; ``None`` switches it off."""
     if min_seq_len is not None and (not isinstance(min_seq_len, int) or min_seq_len < 1):
-        raise ValueError(f"flash_sdpa: min_seq_len must be a positive int or None, not "
-                         f"{min_seq_len!r}")
+        raise ValueError(errors.message(
+            "kernel", f"flash_sdpa: min_seq_len must be a positive int or None, not "
+            f"{min_seq_len!r}"))
     attention.set_long_sequence_path(
         None if min_seq_len is None else (min_seq_len, flash_attention))
 

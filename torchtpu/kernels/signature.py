@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import jax
 
+from torchtpu import errors
+
 _SCALARS = {int: "int", float: "float", bool: "bool", str: "str"}
 
 
@@ -108,27 +110,32 @@ def from_function(name: str, fn: Callable) -> Signature:
     try:
         hints = typing.get_type_hints(fn)
     except Exception as e:  # a forward reference that does not resolve
-        raise ValueError(f"jax_op {name!r}: cannot read the type annotations of {fn!r}: {e}") \
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: cannot read the type annotations of {fn!r}: {e}")) \
             from e
     params = []
     for p in inspect.signature(fn).parameters.values():
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
-            raise ValueError(f"jax_op {name!r}: *{p.name} / **{p.name} cannot be part of a torch "
-                             "op schema; give each argument its own annotated parameter")
+            raise ValueError(errors.message(
+                "kernel", f"jax_op {name!r}: *{p.name} / **{p.name} cannot be part of a torch "
+                "op schema; give each argument its own annotated parameter"))
         if p.name not in hints:
-            raise ValueError(f"jax_op {name!r}: parameter {p.name!r} of {fn.__qualname__} has no "
-                             f"type annotation; {_HOW}")
+            raise ValueError(errors.message(
+                "kernel", f"jax_op {name!r}: parameter {p.name!r} of {fn.__qualname__} has no "
+                f"type annotation; {_HOW}"))
         t = param_type(hints[p.name])
         if t is None:
-            raise ValueError(f"jax_op {name!r}: parameter {p.name!r} is annotated "
-                             f"{hints[p.name]!r}, which has no torch schema type; {_HOW}")
+            raise ValueError(errors.message(
+                "kernel", f"jax_op {name!r}: parameter {p.name!r} is annotated "
+                f"{hints[p.name]!r}, which has no torch schema type; {_HOW}"))
         default = p.default
         if isinstance(default, list):
             default = tuple(default)
         params.append(Param(p.name, t, default))
     if "return" not in hints:
-        raise ValueError(f"jax_op {name!r}: {fn.__qualname__} has no return annotation; annotate "
-                         "it -> jax.Array or -> tuple[jax.Array, jax.Array] (one per result)")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: {fn.__qualname__} has no return annotation; annotate "
+            "it -> jax.Array or -> tuple[jax.Array, jax.Array] (one per result)"))
     ret = hints["return"]
     if _is_array(ret):
         returns, single = ("Tensor",), True
@@ -136,10 +143,12 @@ def from_function(name: str, fn: Callable) -> Signature:
             _is_array(a) for a in typing.get_args(ret)):
         returns, single = ("Tensor",) * len(typing.get_args(ret)), False
     else:
-        raise ValueError(f"jax_op {name!r}: return annotation {ret!r} is not a jax.Array or a "
-                         "fixed tuple of them (tuple[jax.Array, jax.Array])")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: return annotation {ret!r} is not a jax.Array or a "
+            "fixed tuple of them (tuple[jax.Array, jax.Array])"))
     sig = Signature(tuple(params), returns, single)
     if not any(p.type.startswith("Tensor") for p in sig.params):
-        raise ValueError(f"jax_op {name!r}: {fn.__qualname__} takes no jax.Array; a tpu op needs "
-                         "at least one tensor argument to run on the device")
+        raise ValueError(errors.message(
+            "kernel", f"jax_op {name!r}: {fn.__qualname__} takes no jax.Array; a tpu op needs "
+            "at least one tensor argument to run on the device"))
     return sig

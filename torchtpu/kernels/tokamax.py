@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import jax
 
+from torchtpu import errors
 from torchtpu.kernels.jax_op import jax_op
 from torchtpu.runtime import platform
 
 try:
     import tokamax as _tokamax
 except ImportError as e:
-    raise ImportError(
-        "torchtpu.kernels.tokamax needs Tokamax: pip install -e '.[tokamax]' (pins "
-        "tokamax==0.0.12; an unpinned `pip install tokamax` gets an empty placeholder)") from e
+    raise ImportError(errors.message(
+        "kernel", "torchtpu.kernels.tokamax needs Tokamax: pip install -e '.[tokamax]' (pins "
+        "tokamax==0.0.12; an unpinned `pip install tokamax` gets an empty placeholder)")) from e
 
 from absl import flags as _absl_flags  # noqa: E402 (a Tokamax dependency)
 
@@ -69,8 +70,9 @@ def _layer_norm(x: jax.Array, scale: jax.Array | None = None,
 def _gated_linear_unit(x: jax.Array, weights: jax.Array, activation: str = "silu",
                        implementation: str | None = None) -> jax.Array:
     if activation not in _ACTIVATIONS:
-        raise ValueError(f"tokamax gated_linear_unit: activation {activation!r} is not one of "
-                         f"{', '.join(_ACTIVATIONS)}")
+        raise ValueError(errors.message(
+            "kernel", f"tokamax gated_linear_unit: activation {activation!r} is not one of "
+            f"{', '.join(_ACTIVATIONS)}"))
     return _tokamax.gated_linear_unit(x, weights, activation=_ACTIVATIONS[activation],
                                       precision=jax.lax.Precision.HIGHEST,
                                       implementation=_implementation(implementation))
