@@ -15,6 +15,7 @@ import dataclasses
 import os
 import re
 import signal
+import sys
 import threading
 import time
 import warnings
@@ -57,6 +58,10 @@ class Result:
     def mismatch(self, exc: BaseException, where: str = "") -> None:
         self.failed += 1
         self.note(where + shorten(exc))
+
+    def fail(self, exc: BaseException, where: str = "") -> None:
+        """A wrong result (an AssertionError from a comparison) or an error on tpu."""
+        (self.mismatch if isinstance(exc, AssertionError) else self.error)(exc, where)
 
 
 @dataclasses.dataclass
@@ -154,6 +159,27 @@ def time_limit(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def check_samples(result: Result, samples: Iterable[Any], check: Callable[[Any], None], *,
+                  max_samples: int, timeout: float, search: int | None = None) -> Result:
+    """check each sample until max_samples are counted, or search samples were seen (a bound
+    on a search through skipped ones), within timeout seconds in all."""
+    seen = 0
+    try:
+        with time_limit(timeout):
+            for sample in samples:
+                seen += 1
+                if result.counted >= max_samples or (search is not None and seen > search):
+                    break
+                check(sample)
+    except Timeout as exc:
+        result.errored += 1
+        result.note(str(exc))
+    except Exception as exc:  # generating samples failed: nothing device-specific yet
+        if not result.counted:
+            result.first_error = f"(skipped: sample generation: {shorten(exc)})"
+    return result
+
+
 @contextlib.contextmanager
 def fallback_as_error() -> Iterator[None]:
     """TORCHTPU_CPU_FALLBACK=error (restored after), and the samples' warnings silenced."""
@@ -191,9 +217,19 @@ def run_each(items: Iterable[Any], names: Callable[[Any], Iterable[str]],
     return results, time.perf_counter() - start
 
 
+def _dtype(name: str):
+    import torch
+
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise argparse.ArgumentTypeError(f"unknown dtype {name!r}")
+    return dtype
+
+
 def parser(prog: str, doc: str, filter_flag: str, max_default: int, unit: str = "samples",
-           timeout: float = 60.0) -> argparse.ArgumentParser:
-    """The options every runner takes: a name filter, a cap, a time limit, the report's length."""
+           timeout: float = 60.0, dtype: bool = True) -> argparse.ArgumentParser:
+    """The options every runner takes: a name filter, a cap, a time limit, the report's length;
+    ``--progress`` parses to a stream or None, ``--dtype`` to a torch.dtype."""
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     p.add_argument(filter_flag, help="regex matched fully against the entries' names")
     p.add_argument("--max-samples", type=int, default=max_default,
@@ -201,5 +237,14 @@ def parser(prog: str, doc: str, filter_flag: str, max_default: int, unit: str = 
     p.add_argument("--timeout-per-op", type=float, default=timeout,
                    help="seconds per entry; 0: none")
     p.add_argument("--top", type=int, default=25, help="missing aten ops to list")
-    p.add_argument("--progress", action="store_true", help="one line per entry on stderr")
+    p.add_argument("--progress", action="store_const", const=sys.stderr, default=None,
+                   help="one line per entry on stderr")
+    if dtype:
+        p.add_argument("--dtype", type=_dtype, default="float32")
     return p
+
+
+def finish(report: Report, top: int) -> int:
+    """Print the report; the exit status is 0 when nothing failed."""
+    print(report.format(top=top))
+    return 0 if report.failed == 0 else 1

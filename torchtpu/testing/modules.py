@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import torchtpu  # noqa: F401  (registers the device)
 from torchtpu.testing import conformance
 from torchtpu.testing.compare import assert_same
-from torchtpu.testing.conformance import Report, Result, same, shorten
+from torchtpu.testing.conformance import Report, Result, same
 
 # The tests of test_modules.py whose decorations describe comparing a device with CPU.
 _SKIP_TESTS = ("test_cpu_gpu_parity",)
@@ -191,11 +191,8 @@ def _check_sample(info, module_input, training: bool, inplace: bool,
         stage = "state_dict"
         assert_same(_round_trip(case, build("tpu")), expected["state"], atol=tol[0],
                     rtol=tol[1])
-    except AssertionError as exc:
-        result.mismatch(exc, f"{stage} {where}")
-        return
     except Exception as exc:  # one broken module must not stop the run
-        result.error(exc, f"{stage} {where}")
+        result.fail(exc, f"{stage} {where}")
         return
     result.passed += 1
 
@@ -240,22 +237,14 @@ def check_module(info, *, max_samples: int = 4, dtype: torch.dtype = torch.float
         result.first_error = f"(skipped: {reason})"
         return result
     tol = _tolerance(info, dtype)
-    seen = 0
-    try:
-        with conformance.time_limit(timeout):
-            for module_input, training, inplace in _interleaved(info, dtype):
-                seen += 1
-                # Samples skipped on CPU do not use up the cap, but do bound the search.
-                if result.counted >= max_samples or seen > 4 * max_samples:
-                    break
-                _check_sample(info, module_input, training, inplace, tol, result)
-    except conformance.Timeout as exc:
-        result.errored += 1
-        result.note(str(exc))
-    except Exception as exc:  # generating samples failed: nothing device-specific yet
-        if not result.counted:
-            result.first_error = f"(skipped: sample generation: {shorten(exc)})"
-    return result
+
+    def check(sample):
+        _check_sample(info, *sample, tol, result)
+
+    # Samples skipped on CPU do not use up the cap, but do bound the search.
+    return conformance.check_samples(result, _interleaved(info, dtype), check,
+                                     max_samples=max_samples, timeout=timeout,
+                                     search=4 * max_samples)
 
 
 def _module_db():
@@ -282,16 +271,10 @@ def run(modules: str | None = None, *, max_samples: int = 4,
 
 def main(argv: list[str] | None = None) -> int:
     parser = conformance.parser("python -m torchtpu.testing.modules", __doc__, "--modules", 4)
-    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        parser.error(f"unknown dtype {args.dtype!r}")
-    report = run(args.modules, max_samples=args.max_samples, dtype=dtype,
-                 timeout_per_module=args.timeout_per_op,
-                 progress=sys.stderr if args.progress else None)
-    print(report.format(top=args.top))
-    return 0 if report.failed == 0 else 1
+    return conformance.finish(run(args.modules, max_samples=args.max_samples, dtype=args.dtype,
+                                  timeout_per_module=args.timeout_per_op,
+                                  progress=args.progress), args.top)
 
 
 if __name__ == "__main__":

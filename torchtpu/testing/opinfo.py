@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten
 import torchtpu  # noqa: F401  (registers the device)
 from torchtpu.testing import conformance
 from torchtpu.testing.compare import assert_same
-from torchtpu.testing.conformance import Report, Result, same, shorten
+from torchtpu.testing.conformance import Report, Result, same
 
 # The OpInfo tests whose skips, expected failures and tolerances describe a comparison of one
 # device against CPU; decorations of other tests (jit, vmap, numpy references...) do not apply.
@@ -262,26 +262,20 @@ def check_op(op, *, mode: str = "forward", max_samples: int = 3,
         result.first_error = f"(skipped: {reason})"
         return result
     tol = _tolerance(op, dtype, mode)
-    seen = 0
-    try:
-        with conformance.time_limit(timeout):
-            torch.manual_seed(0)
-            for sample in op.sample_inputs("cpu", dtype, requires_grad=mode == "grad"):
-                seen += 1
-                # Samples skipped on CPU do not use up the cap, but do bound the search.
-                if result.counted >= max_samples or seen > 4 * max_samples:
-                    break
-                if not _plain(sample):
-                    result.skipped += 1
-                    continue
-                _check_sample(op, sample, mode, tol, result)
-    except conformance.Timeout as exc:
-        result.errored += 1
-        result.note(str(exc))
-    except Exception as exc:  # generating samples failed: nothing device-specific yet
-        if not result.counted:
-            result.first_error = f"(skipped: sample generation: {shorten(exc)})"
-    return result
+
+    def samples():
+        torch.manual_seed(0)
+        yield from op.sample_inputs("cpu", dtype, requires_grad=mode == "grad")
+
+    def check(sample):
+        if not _plain(sample):
+            result.skipped += 1
+        else:
+            _check_sample(op, sample, mode, tol, result)
+
+    # Samples skipped on CPU do not use up the cap, but do bound the search.
+    return conformance.check_samples(result, samples(), check, max_samples=max_samples,
+                                     timeout=timeout, search=4 * max_samples)
 
 
 def _op_db():
@@ -311,16 +305,10 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
 def main(argv: list[str] | None = None) -> int:
     parser = conformance.parser("python -m torchtpu.testing.opinfo", __doc__, "--ops", 3)
     parser.add_argument("--mode", choices=sorted(_TESTS), default="forward")
-    parser.add_argument("--dtype", default="float32")
     args = parser.parse_args(argv)
-    dtype = getattr(torch, args.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        parser.error(f"unknown dtype {args.dtype!r}")
-    report = run(args.ops, mode=args.mode, max_samples=args.max_samples, dtype=dtype,
-                 timeout_per_op=args.timeout_per_op,
-                 progress=sys.stderr if args.progress else None)
-    print(report.format(top=args.top))
-    return 0 if report.failed == 0 else 1
+    return conformance.finish(run(args.ops, mode=args.mode, max_samples=args.max_samples,
+                                  dtype=args.dtype, timeout_per_op=args.timeout_per_op,
+                                  progress=args.progress), args.top)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ import torch
 import torchtpu  # noqa: F401  (registers the device)
 from torchtpu.testing import conformance
 from torchtpu.testing.compare import assert_same
-from torchtpu.testing.conformance import Report, Result, shorten
+from torchtpu.testing.conformance import Report, Result
 
 _TOL = (1e-5, 1e-5)
 # float32 (atol, rtol), measured. Three LBFGS steps are sixty inner iterations with line
@@ -210,11 +210,8 @@ def _check_config(info, desc: str, kwargs: dict, schedulers: list, steps: int,
             again = tpu.reloaded()
             again.step()
             assert_same(_cpu_state(again), reloaded, atol=tol[0], rtol=tol[1])
-    except AssertionError as exc:
-        result.mismatch(exc, f"{stage} {where}")
-        return
     except Exception as exc:  # one broken configuration must not stop the run
-        result.error(exc, f"{stage} {where}")
+        result.fail(exc, f"{stage} {where}")
         return
     result.passed += 1
 
@@ -237,21 +234,17 @@ def check_optimizer(info, *, max_samples: int = 100, steps: int = 3, configs: st
     if info.only_supports_sparse_grads:
         result.first_error = "(skipped: sparse gradients only)"
         return result
-    try:
-        with conformance.time_limit(timeout):
-            for desc, kwargs, schedulers in _configs(info):
-                if result.counted >= max_samples:
-                    break
-                if configs is not None and not re.fullmatch(configs, desc):
-                    continue
-                _check_config(info, desc, kwargs, schedulers, steps, result)
-    except conformance.Timeout as exc:
-        result.errored += 1
-        result.note(str(exc))
-    except Exception as exc:  # generating configurations failed: nothing device-specific yet
-        if not result.counted:
-            result.first_error = f"(skipped: configurations: {shorten(exc)})"
-    return result
+
+    def chosen():
+        for config in _configs(info):
+            if configs is None or re.fullmatch(configs, config[0]):
+                yield config
+
+    def check(config):
+        _check_config(info, *config, steps, result)
+
+    return conformance.check_samples(result, chosen(), check, max_samples=max_samples,
+                                     timeout=timeout)
 
 
 def _optim_db():
@@ -277,18 +270,16 @@ def run(optimizers: str | None = None, *, max_samples: int = 100, steps: int = 3
 
 def main(argv: list[str] | None = None) -> int:
     parser = conformance.parser("python -m torchtpu.testing.optimizers", __doc__,
-                                "--optimizers", 100, unit="configurations",
-                                timeout=120.0)
+                                "--optimizers", 100, unit="configurations", timeout=120.0,
+                                dtype=False)
     parser.add_argument("--steps", type=int, default=3, help="steps compared one by one")
     parser.add_argument("--configs", help="regex matched fully against configuration "
                                           "descriptions, e.g. 'capturable.*'")
     args = parser.parse_args(argv)
-    report = run(args.optimizers, max_samples=args.max_samples, steps=args.steps,
-                 configs=args.configs,
-                 timeout_per_optimizer=args.timeout_per_op,
-                 progress=sys.stderr if args.progress else None)
-    print(report.format(top=args.top))
-    return 0 if report.failed == 0 else 1
+    return conformance.finish(run(args.optimizers, max_samples=args.max_samples,
+                                  steps=args.steps, configs=args.configs,
+                                  timeout_per_optimizer=args.timeout_per_op,
+                                  progress=args.progress), args.top)
 
 
 if __name__ == "__main__":
