@@ -10,7 +10,7 @@ from torchtpu.testing import optimizers
 # A capped subset for the default suite: the default configuration in each implementation
 # (for-loop, foreach, differentiable, fused), capturable, and an LR scheduler.
 COMMON = "SGD|Adam|Adagrad"
-CONFIGS = r"default( & \w+)?|capturable( & \w+)?|default with StepLR"
+CONFIGS = r"default( & \w+)?|capturable( & \w+)?|default with StepLR.*"
 
 
 def test_common_optimizers_pass():
