@@ -200,6 +200,13 @@ def test_a_pallas_kernel_is_interpreted_off_tpu_unedited(monkeypatch):
     assert_same(pallas_double(x.to("tpu")), x * 2)
 
 
+def test_a_kernel_jax_cannot_differentiate_says_what_to_do():
+    x = torch.ones(3, device="tpu", requires_grad=True)
+    with pytest.raises(ValueError, match=r"pallas_double': JAX cannot differentiate.*"
+                                         r"register_autograd.*custom_vjp"):
+        pallas_double(x).sum().backward()
+
+
 def test_interpret_off_on_cpu_names_the_op_and_the_fix(monkeypatch):
     monkeypatch.setenv("TORCHTPU_PALLAS_INTERPRET", "off")
     with pytest.raises(RuntimeError, match=r"pallas_double'.*failed to lower.*"

@@ -77,7 +77,8 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True)
     lib.impl(opname, functools.partial(_kernel, name, op), "PrivateUse1")
     _libraries.append(lib)
     if differentiable:
-        backward = define(f"{name}_vjp", _vjp(fn, sig), _vjp_signature(sig), differentiable=False)
+        backward = define(f"{name}_vjp", _vjp(name, fn, sig), _vjp_signature(sig),
+                          differentiable=False)
         _register_default_autograd(opdef, backward, sig)
     return opdef
 
@@ -233,7 +234,7 @@ def _vjp_signature(sig: Signature) -> Signature:
     return Signature((*params, Param("cotangents", "Tensor[]")), ("Tensor[]",), True)
 
 
-def _vjp(fn: Callable, sig: Signature) -> Callable:
+def _vjp(name: str, fn: Callable, sig: Signature) -> Callable:
     """(inputs..., cotangents) -> gradients of the differentiable tensor inputs, by jax.vjp."""
 
     def backward(*args):
@@ -246,7 +247,14 @@ def _vjp(fn: Callable, sig: Signature) -> Callable:
                 full[i] = x
             return fn(*full)
 
-        out, pullback = jax.vjp(forward, *[primal[i] for i in diff])
+        try:
+            out, pullback = jax.vjp(forward, *[primal[i] for i in diff])
+        except (ValueError, NotImplementedError, TypeError) as e:
+            # A bare pallas_call has no reverse-mode rule; JAX's error does not say which op.
+            raise type(e)(errors.message(
+                "kernel", f"jax_op {name!r}: JAX cannot differentiate its function ({e}); "
+                "give it a backward with .register_autograd(backward, setup_context=...) or "
+                "wrap the kernel in jax.custom_vjp")) from e
         cts = [ct if jnp.issubdtype(o.dtype, jnp.inexact) else np.zeros(o.shape, jax.dtypes.float0)
                for o, ct in zip(_leaves(out), cotangents)]
         return list(pullback(cts[0] if sig.single else tuple(cts)))
