@@ -36,6 +36,7 @@ import numpy as np
 
 from torchtpu import metrics
 from torchtpu.device import random, tensors
+from torchtpu.device.views import _bitcast_flat
 from torchtpu.eager import executor
 from torchtpu.eager.defer import Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
@@ -317,8 +318,10 @@ def _storage_input(st, sig: tuple):
     if isinstance(a, tensors.Deferred):
         a = st._tpu_array = a.materialize()  # written by DeferAndFuse since: run it now
     if a is None or a.shape != sig[0] or a.dtype != sig[1]:
-        if a is not None and a.dtype == sig[1] and a.size == np.prod(sig[0], dtype=int):
-            return a.reshape(sig[0])  # the same bytes, last written through another shape
+        if a is not None and a.nbytes == np.prod(sig[0], dtype=int) * np.dtype(sig[1]).itemsize:
+            # The same bytes, last written through another shape or dtype (a storage read
+            # through a view at capture holds its raw bytes).
+            return _bitcast_flat(a.reshape(-1), np.dtype(sig[1])).reshape(sig[0])
         raise CaptureError(
             "torchtpu.capture: a storage the captured program reads no longer holds a value of the "
             f"captured shape and dtype ({sig[0]}, {sig[1]}; it holds "
