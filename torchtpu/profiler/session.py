@@ -73,6 +73,8 @@ def _writable(directory: str) -> None:
 
 
 class Window:
+    """One profiler window: ``start()``, the profiled code, then ``stop()`` (or ``abort()``)."""
+
     def __init__(self, config: TpuProfilerConfig | None) -> None:
         self.config = config
         self.launches: list = []
