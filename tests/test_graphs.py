@@ -172,6 +172,9 @@ def test_make_graphed_callables_matches_cpu_forward_and_backward(tmp_path):
             np.testing.assert_allclose(p.grad.cpu(), q.grad, rtol=1e-5, atol=1e-5)
     with pytest.raises(torch.tpu.CaptureError, match="captured as"):
         graphed(torch.randn(N + 1, D_IN, device="tpu", requires_grad=True))
+    model.eval()  # dropout off: not the program that was captured
+    with pytest.raises(torch.tpu.CaptureError, match="train/eval"):
+        graphed(sample)
 
 
 def test_debug_dump_writes_the_captured_program(tmp_path):

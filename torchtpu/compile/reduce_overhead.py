@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from torchtpu.eager.graphed import _Graphed
+from torchtpu.eager.graphed import _Graphed, context
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,7 @@ MAX_CAPTURES = 8
 
 
 def _signature(args: tuple) -> tuple:
-    return (torch.is_grad_enabled(),
+    return (context(),
             tuple((tuple(a.shape), a.dtype, a.requires_grad) if isinstance(a, torch.Tensor)
                   else (type(a), a) for a in args))
 

@@ -8,7 +8,8 @@ arguments bound to the sample arguments' storages (no copy), its backward replay
 program with the incoming gradients bound the same way.
 
 What PyTorch's version requires holds here too: the arguments' shapes, dtypes and
-``requires_grad`` must match the samples' (checked at each call: a mismatch raises), the
+``requires_grad`` must match the samples', and grad mode, autocast, the matmul precision and
+the modules' train/eval mode the capture's (checked at each call: a mismatch raises), the
 callable must not depend on Python state that changes between calls, and modules must have no
 hooks. Outputs are the same tensors on every call, as with CUDA Graphs (each replay overwrites
 them); gradients are fresh tensors.
@@ -16,6 +17,7 @@ them); gradients are fresh tensors.
 
 from __future__ import annotations
 
+import jax
 import torch
 import torch.utils._pytree as pytree
 from torch.autograd.function import once_differentiable
@@ -79,6 +81,8 @@ class _Graphed:
         self._n_args = len(flat)
         tensor_inputs = self._static
         self._requires = [t.requires_grad for t in tensor_inputs]
+        self._modules = list(fn.modules()) if isinstance(fn, torch.nn.Module) else []
+        self._context = context(self._modules)
         grads_on = torch.is_grad_enabled()
         for _ in range(warmup):
             out = pytree.tree_leaves(fn(*sample_args))
@@ -170,6 +174,11 @@ class _Graphed:
         return tuple(next(fresh) if req else None for req in self._requires)
 
     def __call__(self, *args):
+        if context(self._modules) != self._context:
+            raise CaptureError(
+                "torchtpu.capture: grad mode, autocast, the matmul precision or a module's "
+                "train/eval mode differs from the capture's (captured: grad, autocast, dtype, "
+                f"precision = {self._context[:4]}); make a new graphed callable for it")
         flat = pytree.tree_leaves(args)
         if len(flat) != self._n_args:
             raise CaptureError(f"torchtpu.capture: a graphed callable takes {self._n_args} tensor "
@@ -180,6 +189,14 @@ class _Graphed:
                                    "differs from its sample's; make a new graphed callable")
         out = self._function.apply(*flat, *self._static[self._n_args:])
         return pytree.tree_unflatten(list(out), self._out_spec)
+
+
+def context(modules: list = ()) -> tuple:
+    """What a captured program depends on beyond its tensors: grad mode, autocast, the matmul
+    precision, and the train/eval mode of each module."""
+    return (torch.is_grad_enabled(), torch.is_autocast_enabled("tpu"),
+            torch.get_autocast_dtype("tpu"), jax.config.jax_default_matmul_precision,
+            tuple(m.training for m in modules))
 
 
 def _move_out(t: torch.Tensor) -> torch.Tensor:
