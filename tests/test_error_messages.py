@@ -4,7 +4,8 @@ The source is read, not run: a message written as a literal (a string, an f-stri
 concatenated with more) where an exception or warning is made is a message without a category.
 Those built by ``errors.message`` / ``errors.warn`` have one by construction, and so do
 ``ToolError``'s. Left alone:
-``AttributeError`` (Python's attribute protocol reads it), ``AssertionError`` (the conformance
+``AttributeError`` (Python's attribute protocol reads it), ``ArgumentTypeError`` (argparse
+prints it after the option's name), ``AssertionError`` (the conformance
 runners' test assertions), and the reasons other sites put into messages of their own
 (``lowering/checks.py``'s, which Debug prefixes; ``compile/dynamic.py``'s ``_Refused``).
 """
@@ -15,7 +16,8 @@ from pathlib import Path
 from torchtpu import errors
 
 ROOT = Path(__file__).resolve().parents[1]
-EXEMPT_TYPES = {"AttributeError", "AssertionError", "_Refused", "ToolError"}
+EXEMPT_TYPES = {"AttributeError", "ArgumentTypeError", "AssertionError", "_Refused",
+                "ToolError"}
 EXEMPT_FILES = {"torchtpu/lowering/checks.py"}
 
 
