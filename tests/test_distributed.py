@@ -36,6 +36,18 @@ def _collectives(rank, world):
             dist.all_reduce(x, op=op)
             rows = torch.stack([value + shift * r for r in range(world)])
             checks.append((f"all_reduce {op} {tuple(value.shape)}", _cpu(x), reduce(rows)))
+    # Bulk all_reduce writes the buffer in place: work dispatched before it still reads the old
+    # value, and views (which do not own their storage) take the copying path.
+    value = torch.linspace(0, 1, 4096) + rank
+    x = value.to(dev)
+    doubled = x * 2
+    dist.all_reduce(x)
+    whole = torch.stack([torch.linspace(0, 1, 4096) + r for r in range(world)]).sum(0)
+    checks.append(("work before an in-place all_reduce", _cpu(doubled), value * 2))
+    checks.append(("in-place all_reduce", _cpu(x), whole))
+    x = value.to(dev)
+    dist.all_reduce(x[1:])
+    checks.append(("all_reduce of a view", _cpu(x), torch.cat([value[:1], whole[1:]])))
     bits = torch.tensor([1, 2, 4, 8], dtype=torch.int32) << rank
     for op, fn in [(dist.ReduceOp.BAND, torch.bitwise_and), (dist.ReduceOp.BOR, torch.bitwise_or),
                    (dist.ReduceOp.BXOR, torch.bitwise_xor)]:

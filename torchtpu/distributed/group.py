@@ -160,6 +160,12 @@ class TpuProcessGroup(dist.ProcessGroup):
         protocol.check(headers, self.rank(), self._label(), self._ranks)
         return payloads
 
+    def _start(self, op: str, t: torch.Tensor, **fields) -> tuple[np.ndarray, np.ndarray | None]:
+        """The header exchange, carrying t's value when it is small: (the gathered payloads,
+        t's host value, or None when the data must follow in bulk)."""
+        value = host.to_numpy(t) if _nbytes(t) <= INLINE else None
+        return self._exchange(op, t, value, **fields), value
+
     def _rows(self, payloads: np.ndarray, like: np.ndarray) -> np.ndarray:
         """Each rank's inline value, as (world, *like.shape) of like's dtype."""
         rows = np.ascontiguousarray(payloads[:, : like.nbytes]).view(like.dtype)
@@ -189,19 +195,19 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _allreduce_one(self, t: torch.Tensor, op) -> None:
         kind, factor = host.reduce_op(op, t.dtype)
-        value = host.to_numpy(t)
-        small = value.nbytes <= INLINE
-        payloads = self._exchange("all_reduce", t, value if small else None,
-                                  reduce_op=int(kind))
-        if small:
+        payloads, value = self._start("all_reduce", t, reduce_op=int(kind))
+        if value is not None:
             host.write(t, host.reduce_rows(self._rows(payloads, value), kind, factor,
                                            self.size()))
             return
-        buf = host.premultiply(kind, factor, host.as_torch(value, t.dtype))
+        buf, shared = host.buffer(t)
+        host.premultiply(kind, factor, buf)
         options = AllreduceOptions()
         options.reduceOp = host.gloo_op(kind)
         self._wait("all_reduce", self._gloo.allreduce([buf], options))
-        host.write(t, host.finish(kind, buf, self.size()))
+        host.finish(kind, buf, self.size())
+        if not shared:
+            host.write(t, buf)
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else ReduceOptions()
@@ -257,11 +263,15 @@ class TpuProcessGroup(dist.ProcessGroup):
         kind, factor = host.reduce_op(reduce_op, out.dtype)
         self._exchange(op, out, reduce_op=int(kind))
         buf = host.premultiply(kind, factor, host.to_host(whole).reshape(-1))
-        result = torch.empty(out.numel(), dtype=out.dtype)
+        shared = host.alias(out)
+        result = torch.empty(out.numel(), dtype=out.dtype) if shared is None \
+            else shared.reshape(-1)
         options = ReduceScatterOptions()
         options.reduceOp = host.gloo_op(kind)
         self._wait(op, self._gloo._reduce_scatter_base(result, buf, options))
-        host.write(out, host.finish(kind, result, self.size()))
+        host.finish(kind, result, self.size())
+        if shared is None:
+            host.write(out, result)
 
     # ---- gathers ----
 
@@ -294,7 +304,9 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{list(output.shape)}) must hold group size ({self.size()}) times the input "
                 f"({input.dtype}{list(input.shape)})"
             )
-        host.write(output, self._gather_all("all_gather_into_tensor", input))
+        gathered = self._gather_all("all_gather_into_tensor", input, into=output)
+        if gathered is not None:
+            host.write(output, gathered)
         return Done([output])
 
     _allgather_base = all_gather_single
@@ -311,17 +323,20 @@ class TpuProcessGroup(dist.ProcessGroup):
             self.allgather([outs], [inp], opts)
         return Done(outputs)
 
-    def _gather_all(self, op: str, t: torch.Tensor) -> np.ndarray:
-        """Every rank's value of t, stacked: (world, *t.shape)."""
-        value = host.to_numpy(t)
-        small = value.nbytes <= INLINE
-        payloads = self._exchange(op, t, value if small else None)
-        if small:
+    def _gather_all(self, op: str, t: torch.Tensor, into: torch.Tensor | None = None
+                    ) -> np.ndarray | None:
+        """Every rank's value of t, stacked: (world, *t.shape); or None once written straight
+        into the device tensor ``into`` (a bulk gather whose output can share its buffer)."""
+        payloads, value = self._start(op, t)
+        if value is not None:
             return self._rows(payloads, value)
-        gathered = torch.empty(self.size() * t.numel(), dtype=t.dtype)
-        self._wait(op, self._gloo._allgather_base(gathered, host.to_host(t).reshape(-1),
+        shared = host.alias(into) if into is not None else None
+        gathered = torch.empty(self.size() * t.numel(), dtype=t.dtype) if shared is None \
+            else shared.reshape(-1)
+        self._wait(op, self._gloo._allgather_base(gathered, host.buffer(t)[0].reshape(-1),
                                                   AllgatherOptions()))
-        return host.as_numpy(gathered).reshape(self.size(), *t.shape)
+        return None if shared is not None else \
+            host.as_numpy(gathered).reshape(self.size(), *t.shape)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts=None) -> dist.Work:
@@ -347,19 +362,16 @@ class TpuProcessGroup(dist.ProcessGroup):
         if not self._devices(tensors):
             return self._gloo.broadcast(tensors, opts)
         for t in tensors:
-            value = host.to_numpy(t)
-            small = value.nbytes <= INLINE
-            payloads = self._exchange("broadcast", t, value if small else None,
-                                      root=opts.rootRank)
-            if small:
+            payloads, value = self._start("broadcast", t, root=opts.rootRank)
+            if value is not None:
                 if self.rank() != opts.rootRank:
                     host.write(t, self._rows(payloads, value)[opts.rootRank])
                 continue
-            buf = host.to_host(t)
+            buf, shared = host.buffer(t)
             options = BroadcastOptions()
             options.rootRank = opts.rootRank
             self._wait("broadcast", self._gloo.broadcast([buf], options))
-            if self.rank() != opts.rootRank:
+            if not shared and self.rank() != opts.rootRank:
                 host.write(t, buf)
         return Done(tensors)
 

@@ -8,12 +8,15 @@ a fused program that other ranks do not run; its result is written back as a fre
 
 from __future__ import annotations
 
+import ctypes
+
 import jax
 import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
-from torchtpu.device import kernels, tensors
+from torchtpu.device import dtypes, kernels, tensors
+from torchtpu.eager import executor
 from torchtpu.runtime import platform
 
 RedOpType = ReduceOp.RedOpType
@@ -45,6 +48,36 @@ def write(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> None:
     value = np.ascontiguousarray(value).reshape(tuple(t.shape))
     # The buffer is ours alone (a copy made for this collective), so device_put may alias it.
     tensors.write(t, jax.device_put(value, platform.local_device()))
+
+
+def alias(t: torch.Tensor) -> torch.Tensor | None:
+    """A CPU tensor sharing device tensor t's buffer, for gloo to read and write in place.
+
+    Only on XLA:CPU (device memory is host memory) and for a tensor that is its whole storage;
+    None otherwise (use ``to_host`` and ``write``). Copying 64 MB each way cost about twice the
+    gloo all_reduce itself here. Writing the buffer in place is what donation does: the storage
+    owns its array alone (storages never share buffers), and every dispatched computation is
+    waited for first, since one of them may still be reading this buffer.
+    """
+    if platform.platform() != "cpu" or not tensors.covers_storage(t) or t.is_conj() \
+            or t.is_neg():
+        return None
+    executor.flush()
+    array = tensors.storage_array(t)
+    array = array.materialize() if isinstance(array, tensors.Deferred) else array
+    if tuple(array.shape) != tuple(t.shape) or array.dtype != dtypes.to_jax(t.dtype):
+        return None
+    for live in jax.live_arrays():
+        live.block_until_ready()
+    raw = (ctypes.c_uint8 * array.nbytes).from_address(array.unsafe_buffer_pointer())
+    return as_torch(np.frombuffer(raw, np.uint8).view(array.dtype).reshape(t.shape), t.dtype)
+
+
+def buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """(a CPU tensor with t's value for gloo, whether it shares t's buffer): ``alias`` where it
+    can, else a copy whose result must be stored back with ``write``."""
+    shared = alias(t)
+    return (to_host(t), False) if shared is None else (shared, True)
 
 
 # gloo reduces these itself; AVG and PREMUL_SUM are a SUM with a division or a multiplication.
