@@ -238,6 +238,14 @@ def _mpmd(rank, world):
         z = y.exp() if rank == 0 else None
         dist.all_reduce(y)
         out["defer"] = (_cpu(y), _cpu(z) if z is not None else None)
+
+    @torch.compile(backend="tpu")
+    def compiled(x):  # a different graph on each rank around the same collective
+        y = x * 2 if rank == 0 else x.sin()
+        dist.all_reduce(y)
+        return y + 1
+
+    out["compiled"] = _cpu(compiled(torch.arange(4.0, device="tpu")))
     errors = []
     for case in ("op", "shape", "dtype", "bulk shape"):
         try:
@@ -287,6 +295,7 @@ def test_mpmd_mismatch_and_hang_raise():
     torch.testing.assert_close(results[1]["defer"][0], (x * 2 + 1) + x.sin().cos())
     torch.testing.assert_close(results[0]["defer"][1], (x * 2 + 1).exp())
     for rank, out in enumerate(results):
+        torch.testing.assert_close(out["compiled"], x * 2 + x.sin() + 1)
         other = 1 - rank
         for case, text in zip(("op", "shape", "dtype", "bulk shape"), out["errors"]):
             assert text is not None, (rank, case)

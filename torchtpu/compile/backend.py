@@ -30,7 +30,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
 from torchtpu import metrics
-from torchtpu.compile import dynamic, reduce_overhead
+from torchtpu.compile import dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
@@ -394,8 +394,9 @@ class CompiledGraph:
 
 
 def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
-    def compile_graph(gm: fx.GraphModule, example_inputs: list) -> CompiledGraph:
-        return CompiledGraph(gm, kind, opts)
+    def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        pieces = eager_split.split(gm, lambda piece: CompiledGraph(piece, kind, opts))
+        return pieces if pieces is not None else CompiledGraph(gm, kind, opts)
 
     return compile_graph
 

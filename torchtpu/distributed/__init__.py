@@ -18,8 +18,12 @@ BACKENDS = ("tpu_dist", "tpu")
 
 def register() -> None:
     """Register tpu_dist (and its alias tpu) with torch.distributed; idempotent."""
+    from torchtpu.compile import eager_split
     from torchtpu.distributed.launch import create
 
+    # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: they run
+    # eagerly between the compiled pieces, never inside a program (see compile/eager_split).
+    eager_split.run_eagerly("_c10d_functional")
     for name in BACKENDS:
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
