@@ -63,10 +63,13 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
     assert any(e.get("ph") == "M" and e["name"] == "process_name" and e["pid"] == 0
                and e["args"]["name"].startswith("tpu:0") for e in events)
     assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::mm" for e in events)
-    # In launch order (XLA:CPU may overlap independent programs, so order is what is checked).
-    correlations = [e["args"]["correlation"] for e in programs if "correlation" in e["args"]]
-    forward = correlations[:names.index("aten::sum") + 1]
-    assert forward == sorted(forward)
+    # The forward's chain of dependent programs runs in launch order (XLA:CPU may run an
+    # independent program, a backward one that needs no forward value, ahead of them).
+    chain = ["aten::mm", "aten::le.Scalar", "aten::where.self", "aten::sum"]
+    firsts = [next(e for e in programs if e["name"] == n) for n in chain]
+    assert [e["args"]["correlation"] for e in firsts] == sorted(
+        e["args"]["correlation"] for e in firsts)
+    assert [e["ts"] for e in firsts] == sorted(e["ts"] for e in firsts)
     # Aligned: each run starts after its launch, inside the profiled window; the forward's runs
     # end inside the range whose .item() waited for them (backward's may end later).
     (step,) = [e for e in events if e.get("cat") == "user_annotation"]

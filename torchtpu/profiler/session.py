@@ -29,6 +29,9 @@ from torchtpu.profiler.config import TpuProfilerConfig
 from torchtpu.runtime import launch
 
 _runs = itertools.count()
+# Clock-sync annotations per window; the one whose wall-clock readings lie closest together
+# (the thread was not preempted around it) aligns the clocks.
+SYNC_SAMPLES = 8
 
 
 @dataclasses.dataclass
@@ -84,7 +87,7 @@ class Window:
         self._annotate = config is not None
         self._directory = None if config is None else config.directory()
         self._session = f"{time.strftime('%Y_%m_%d_%H_%M_%S')}_{os.getpid()}_{next(_runs)}"
-        self._sync = (0, 0)
+        self._sync: list = []
 
     def _options(self) -> ProfileOptions:
         options = ProfileOptions()
@@ -110,10 +113,12 @@ class Window:
                                f"profiler, which could not start ({e}); stop any "
                                "jax.profiler trace running, or leave ProfilerActivity.TPU "
                                "out") from e
-        before = time.time_ns()
-        with TraceAnnotation(xplane.CLOCK_SYNC):
-            pass
-        self._sync = (before, time.time_ns())
+        self._sync = []
+        for _ in range(SYNC_SAMPLES):
+            before = time.time_ns()
+            with TraceAnnotation(xplane.CLOCK_SYNC):
+                pass
+            self._sync.append((before, time.time_ns()))
         launch.observer = self._observe
 
     def _key(self, label, fn) -> tuple[str, str]:
@@ -148,7 +153,7 @@ class Window:
                 raise RuntimeError(f"torchtpu.profiler: the JAX profiler wrote no .xplane.pb "
                                    f"under {run}")
             data = ProfileData.from_file(files[0])
-            offset = xplane.clock_offset(data, *self._sync)
+            offset = xplane.clock_offset(data, self._sync)
             runs = []
             if self.config is None or self.config.device_tracer_level > 0:
                 runs = xplane.programs(data)

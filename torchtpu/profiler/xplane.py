@@ -100,15 +100,17 @@ def programs(data: ProfileData) -> list[Program]:
     return sorted(found, key=lambda p: p.start_ns)
 
 
-def clock_offset(data: ProfileData, wall_start_ns: int, wall_end_ns: int) -> float:
-    """Nanoseconds to add to the profile's times to get wall-clock times: the ``CLOCK_SYNC``
-    annotation ran between the two wall-clock readings given."""
-    for plane in data.planes:
-        if not plane.name.startswith("/host:"):
-            continue
-        for line in plane.lines:
-            for e in line.events:
-                if e.name == CLOCK_SYNC:
-                    return (wall_start_ns + wall_end_ns) / 2 - (e.start_ns + e.end_ns) / 2
-    raise RuntimeError("torchtpu.profiler: the JAX profile holds no clock-sync annotation; "
-                       "was host tracing turned off (host_tracer_level=0)?")
+def clock_offset(data: ProfileData, readings: list) -> float:
+    """Nanoseconds to add to the profile's times to get wall-clock times. ``readings``: the
+    wall clock just before and after each ``CLOCK_SYNC`` annotation, in order; the tightest
+    pair decides."""
+    syncs = sorted((e.start_ns, e.end_ns) for plane in data.planes
+                   if plane.name.startswith("/host:") for line in plane.lines
+                   for e in line.events if e.name == CLOCK_SYNC)
+    if len(syncs) != len(readings):
+        raise RuntimeError("torchtpu.profiler: the JAX profile holds "
+                           f"{len(syncs)} clock-sync annotations, not {len(readings)}; was host "
+                           "tracing turned off?")
+    (before, after), (start, end) = min(zip(readings, syncs, strict=True),
+                                        key=lambda pair: pair[0][1] - pair[0][0])
+    return (before + after) / 2 - (start + end) / 2
