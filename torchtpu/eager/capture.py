@@ -38,7 +38,7 @@ from torchtpu import metrics
 from torchtpu.device import random, tensors
 from torchtpu.device.views import _bitcast_flat
 from torchtpu.eager import executor
-from torchtpu.eager.defer import Pending, Recorder, _identity, _replay
+from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch
@@ -70,6 +70,9 @@ class _Recording(Recorder):
 
     def __init__(self) -> None:
         super().__init__()
+        # Result shapes per (program, input signature) are facts, not state: every capture
+        # shares DeferAndFuse's, so capturing again (a recapture, a backward) traces nothing new.
+        self._shapes = RECORDER._shapes
         self.closed = False
 
     def flush(self) -> None:
