@@ -1,4 +1,6 @@
-"""Test settings: no silent CPU fallback, a fixed seed per test, and ``fresh_dynamo``."""
+"""Test settings: no silent CPU fallback, a fixed seed per test, ``fresh_dynamo``, and the
+``full`` marker: such tests (larger shapes, slower integrations) run only with
+``TORCHTPU_TESTS=full``, so the default suite stays inside CI's budget."""
 
 import os
 
@@ -8,6 +10,21 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import torchtpu  # noqa: E402, F401
+
+FULL = os.environ.get("TORCHTPU_TESTS") == "full"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full: runs only with TORCHTPU_TESTS=full")
+
+
+def pytest_collection_modifyitems(config, items):
+    if FULL:
+        return
+    skip = pytest.mark.skip(reason="a full-suite test: set TORCHTPU_TESTS=full")
+    for item in items:
+        if "full" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)

@@ -2,11 +2,10 @@
 PyTorch on CPU, forward and backward, eager and compiled.
 
 Interpreted Pallas programs are slow to compile on XLA:CPU, so the default run keeps one small
-shape per kernel; TORCHTPU_KERNEL_TESTS=full adds multi-block shapes (padding, several grid
+shape per kernel; TORCHTPU_TESTS=full adds multi-block shapes (padding, several grid
 steps, causal with unequal lengths).
 """
 
-import os
 
 import pytest
 import torch
@@ -16,8 +15,7 @@ import torchtpu  # noqa: F401
 from torchtpu.testing.compare import assert_same, to_device
 
 ops = torch.tpu.ops
-FULL = os.environ.get("TORCHTPU_KERNEL_TESTS") == "full"
-full_only = pytest.mark.skipif(not FULL, reason="set TORCHTPU_KERNEL_TESTS=full")
+full_only = pytest.mark.full
 
 
 def _value_and_grads(fn, inputs, device):
