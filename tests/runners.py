@@ -26,5 +26,10 @@ TPU_DIST = pytest.param(_processes, id="tpu_dist")
 OPT_IN = pytest.param(_processes, id="tpu_dist", marks=pytest.mark.skipif(
     not _FULL, reason="multi-process variant: set TORCHTPU_TEST_DISTRIBUTED=1"))
 
+# DeferAndFuse in every rank: FSDP2's collectives cut the recorded programs.
+DEFERRED = pytest.param(
+    functools.partial(_processes, env={"TORCH_TPU_DEFER_AND_FUSE": "1"}), id="tpu_dist-defer",
+    marks=pytest.mark.skipif(not _FULL, reason="set TORCHTPU_TEST_DISTRIBUTED=1"))
+
 ALL = [THREADS, OPT_IN]  # threads by default, processes when asked
 SMOKE = [THREADS, TPU_DIST]  # both by default

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from runners import ALL, SMOKE
+from runners import ALL, DEFERRED, SMOKE
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -67,7 +67,7 @@ def _fsdp_training(rank, world, state, data):
     return losses, params, freed
 
 
-@pytest.mark.parametrize("run", SMOKE)
+@pytest.mark.parametrize("run", [*SMOKE, DEFERRED])
 def test_fsdp2_gpt_training_equals_full_batch(run):
     data, ref = _data(), _reference()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -168,3 +168,9 @@ def test_dcp_round_trip_of_sharded_model_and_optimizer_is_exact(run, tmp_path):
                 assert a.dtype == b.dtype and torch.equal(a, b)
             else:
                 assert a == b
+
+
+def test_threaded_ranks_refuse_defer_and_fuse():
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        with pytest.raises(RuntimeError, match="cannot run ranks under DeferAndFuse"):
+            run_threads(_mixed_precision, 2, args=("tpu", _mlp(), torch.randn(8, 16)))

@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from torchtpu import errors
+
 
 def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
                 timeout: float = 120.0) -> list:
@@ -28,6 +30,13 @@ def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = ()
     """
     from torch.testing._internal.distributed import multi_threaded_pg as threaded
 
+    from torchtpu.eager import modes
+
+    if modes.get_eager_mode() is modes.EagerMode.DEFER_AND_FUSE:
+        # One recorder per process: threads would record into each other's programs.
+        raise RuntimeError(errors.message(
+            "unsupported", "run_threads cannot run ranks under DeferAndFuse (its recording is "
+            "per process); use torchtpu.testing.distributed.run, one process per rank"))
     threaded._install_threaded_pg()
     # Each thread registers its own groups under the same names.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
