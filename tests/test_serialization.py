@@ -2,6 +2,7 @@
 
 import copy
 import io
+import pickle
 
 import torch
 
@@ -42,3 +43,17 @@ def test_module_state_dict_round_trip():
     torch.testing.assert_close(fresh(x.to("tpu")).cpu(), src(x), atol=1e-6, rtol=1e-5)
     clone = copy.deepcopy(fresh)
     assert all(p.device.type == "tpu" for p in clone.parameters())
+
+
+def test_pickle_round_trip_of_device_tensors():
+    # multiprocessing queues and spawned ranks' results pickle this way (not torch.save).
+    view = torch.arange(6.0).view(2, 3).to("tpu")[:, 1:]
+    half = torch.tensor([1.5, 2.0], dtype=torch.bfloat16, device="tpu")
+    param = torch.nn.Parameter(torch.ones(2, device="tpu"))
+    v, h, p = pickle.loads(pickle.dumps((view, half, param)))
+    assert v.device.type == h.device.type == p.device.type == "tpu"
+    assert v.stride() == (3, 1) and isinstance(p, torch.nn.Parameter) and p.requires_grad
+    torch.testing.assert_close(v.cpu(), torch.tensor([[1.0, 2.0], [4.0, 5.0]]))
+    torch.testing.assert_close(h.cpu(), torch.tensor([1.5, 2.0], dtype=torch.bfloat16))
+    storage = pickle.loads(pickle.dumps(view.untyped_storage()))
+    assert storage.device.type == "tpu" and storage.nbytes() == 24

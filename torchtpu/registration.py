@@ -143,6 +143,7 @@ def register() -> None:
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)
         storage.install_constructor()
+        storage.install_pickling()
         loader.install_pin_memory()
         _install_accelerator_synchronize()
         _install_matmul_precision()

@@ -108,3 +108,33 @@ def install_constructor() -> None:
         return base_new(klass, *args, **kwargs)
 
     cls.__new__ = __new__
+
+
+def from_host(host_bytes: torch.Tensor, dtype: torch.dtype | None) -> torch.UntypedStorage:
+    """A pickled device storage back on the device, typed when it was: its bytes travel as a
+    CPU uint8 tensor."""
+    untyped = host_bytes.to("tpu").untyped_storage()
+    if dtype is None:
+        return untyped
+    return torch.storage.TypedStorage(wrap_storage=untyped, dtype=dtype, _internal=True)
+
+
+def install_pickling() -> None:
+    """Make device storages, and so device tensors, picklable (multiprocessing queues,
+    ``copy.deepcopy`` through pickle): they travel as CPU bytes and come back on "tpu".
+
+    PyTorch pickles a storage through its legacy file writer, which reads it through a second
+    StorageImpl of the same address that carries no array.
+    """
+    for cls in (torch.UntypedStorage, torch.storage.TypedStorage):
+        base_reduce = cls.__reduce__
+
+        def __reduce__(self, base_reduce=base_reduce):
+            typed = isinstance(self, torch.storage.TypedStorage)
+            untyped = self._untyped_storage if typed else self
+            if untyped.device.type != "tpu":
+                return base_reduce(self)
+            host = torch.empty(0, dtype=torch.uint8).set_(untyped.cpu())
+            return (from_host, (host, self.dtype if typed else None))
+
+        cls.__reduce__ = __reduce__
