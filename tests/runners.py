@@ -5,31 +5,28 @@
 libraries. ``tpu_dist``: ranks as spawned processes over the tpu_dist backend
 (``torchtpu.testing.distributed``). Each scenario is a function ``fn(rank, world_size, ...)``
 both run unchanged. By default tpu_dist runs only the tests that take ``SMOKE``;
-``TORCHTPU_TEST_DISTRIBUTED=1`` runs every scenario on it too.
+``TORCHTPU_TESTS=full`` (the ``full`` marker) runs every scenario on it too.
 """
 
 import functools
-import os
 
 import pytest
 
 from torchtpu.testing.distributed import run
 from torchtpu.testing.threaded import run_threads
 
-_FULL = os.environ.get("TORCHTPU_TEST_DISTRIBUTED") == "1"
 # Each process compiles its programs (most come from the persistent cache after the threaded
 # run of the same scenario); the 2-core CI box is slow at that.
 _processes = functools.partial(run, timeout=400, pg_timeout=120)
 
 THREADS = pytest.param(run_threads, id="threads")
 TPU_DIST = pytest.param(_processes, id="tpu_dist")
-OPT_IN = pytest.param(_processes, id="tpu_dist", marks=pytest.mark.skipif(
-    not _FULL, reason="multi-process variant: set TORCHTPU_TEST_DISTRIBUTED=1"))
+OPT_IN = pytest.param(_processes, id="tpu_dist", marks=pytest.mark.full)
 
 # DeferAndFuse in every rank: FSDP2's collectives cut the recorded programs.
 DEFERRED = pytest.param(
     functools.partial(_processes, env={"TORCH_TPU_DEFER_AND_FUSE": "1"}), id="tpu_dist-defer",
-    marks=pytest.mark.skipif(not _FULL, reason="set TORCHTPU_TEST_DISTRIBUTED=1"))
+    marks=pytest.mark.full)
 
 ALL = [THREADS, OPT_IN]  # threads by default, processes when asked
 SMOKE = [THREADS, TPU_DIST]  # both by default
