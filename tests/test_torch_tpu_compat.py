@@ -29,3 +29,13 @@ def test_import_torch_tpu_alone_registers_the_device():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert out.strip().splitlines()[-1] == "4.0"
+
+
+def test_submodules_forward_to_torch_tpu():
+    import torch_tpu.ops
+    from torch_tpu.pallas import jax_op
+
+    assert jax_op is torch.tpu.pallas.jax_op
+    assert torch_tpu.ops.optimization_barrier is torch.tpu.ops.optimization_barrier
+    with pytest.raises(AttributeError):
+        torch_tpu.pallas.no_such_name  # noqa: B018
