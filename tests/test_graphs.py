@@ -3,7 +3,6 @@ replay, the same losses as eager training, guards that raise, RNG that advances,
 that raise at the user's line."""
 
 import inspect
-import os
 
 import numpy as np
 import pytest
@@ -188,8 +187,7 @@ def test_debug_dump_writes_the_captured_program(tmp_path):
     assert "func.func" in (tmp_path / "g.mlir").read_text()
 
 
-@pytest.mark.skipif(os.environ.get("TORCHTPU_TEST_GRAPHS_FULL") != "1",
-                    reason="Dynamo-traced training step (~10 s): TORCHTPU_TEST_GRAPHS_FULL=1")
+@pytest.mark.full  # a Dynamo-traced training step (~10 s)
 def test_reduce_overhead_compiles_a_training_step_into_captured_programs(fresh_dynamo):
     def train(compile_mode):
         model = _net()
