@@ -196,12 +196,23 @@ def _ddp(rank, world):
         else:  # every backward averages across ranks (accumulating into the bucket views)
             accumulate(model, mine, share // micro)
         opt.step()
+    # find_unused_parameters: a branch one step does not use still gets reduced gradients.
+    torch.manual_seed(2)
+    branches = torch.nn.ModuleDict({"used": torch.nn.Linear(4, 4),
+                                    "unused": torch.nn.Linear(4, 4)})
+    two = DDP(branches.to(device), find_unused_parameters=True)
+    two.module.used(torch.ones(2, 4, device=device) * (rank + 1)).sum().backward()
+    unused_grads = [_cpu(p.grad) if p.grad is not None else None
+                    for p in two.module.unused.parameters()]
+    used_grad = _cpu(two.module.used.weight.grad)
     # With gradient_as_bucket_view the gradients are views into a few shared bucket storages.
     grads = [p.grad for p in model.parameters()]
     bucket_views = len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)
     return {
         "devices": {str(p.device) for p in model.parameters()},
         "bucket_views": bucket_views,
+        "unused": unused_grads,
+        "used": used_grad,
         "diff": max((a - b).abs().max().item()
                     for a, b in zip(model.module.parameters(), ref.parameters())),
     }
@@ -212,6 +223,9 @@ def test_ddp_gpt_equals_full_batch():
         assert out["devices"] == {"tpu:0"}
         assert out["bucket_views"]
         assert out["diff"] < 2e-5, out
+        # The mean over ranks of d/dW sum(W x + b), x = rank + 1 everywhere: 2 * 1.5 per entry.
+        torch.testing.assert_close(out["used"], torch.full((4, 4), 3.0))
+        assert all(g is None or not g.any() for g in out["unused"])
 
 
 def test_backend_default_without_process_group():
@@ -339,3 +353,42 @@ def test_dead_rank_makes_every_other_rank_raise():
         assert ok
         assert "belongs to another process" in other
         assert "tpu_dist: all_reduce" in error and "failed" in error
+
+
+_TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("cpu:gloo,tpu:tpu_dist")
+local = int(os.environ["LOCAL_RANK"])
+x = torch.full((4,), float(dist.get_rank() + 1), device=f"tpu:{local}")
+dist.all_reduce(x)
+c = torch.ones(2)
+dist.all_reduce(c)  # a CPU tensor: gloo
+print("RESULT", dist.get_rank(), x.sum().item(), c.sum().item(), torch.tpu.device_count())
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not os.environ.get("TORCHTPU_SLOW_DIST"),
+                    reason="set TORCHTPU_SLOW_DIST=1: a real torchrun launch (~30 s)")
+def test_torchrun_launch(tmp_path):
+    import signal
+    import subprocess
+    import sys
+
+    from torchtpu.testing.distributed import free_port
+
+    script = tmp_path / "job.py"
+    script.write_text(_TORCHRUN_SCRIPT)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+         "--master-port", str(free_port()), str(script)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, out
+    lines = sorted(line.split()[1:] for line in out.splitlines() if line.startswith("RESULT"))
+    assert lines == [["0", "12.0", "4.0", "2"], ["1", "12.0", "4.0", "2"]], out

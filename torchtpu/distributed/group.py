@@ -59,6 +59,17 @@ class Done(dist._Work):
         return self._future
 
 
+def _coalesced(single):
+    """The coalesced form of a (output, input) collective: one call per pair, in order."""
+
+    def run(self, outputs: list, inputs: list, opts=None) -> dist.Work:
+        for out, inp in zip(outputs, inputs):
+            single(self, out, inp, opts)
+        return Done(outputs)
+
+    return run
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -244,11 +255,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     _reduce_scatter_base = reduce_scatter_single
 
-    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        for out, inp in zip(outputs, inputs):
-            self.reduce_scatter_single(out, inp, opts)
-        return Done(outputs)
-
+    reduce_scatter_single_coalesced = _coalesced(reduce_scatter_single)
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _reduce_scatter_flat(self, op: str, out: torch.Tensor, whole: torch.Tensor,
@@ -311,11 +318,7 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     _allgather_base = all_gather_single
 
-    def all_gather_single_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
-        for out, inp in zip(outputs, inputs):
-            self.all_gather_single(out, inp, opts)
-        return Done(outputs)
-
+    all_gather_single_coalesced = _coalesced(all_gather_single)
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     def allgather_coalesced(self, outputs, inputs, opts=None) -> dist.Work:

@@ -20,6 +20,7 @@ from torchtpu.eager import executor
 from torchtpu.runtime import platform
 
 RedOpType = ReduceOp.RedOpType
+_SMALL = 1 << 16
 
 
 def to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -46,8 +47,10 @@ def write(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> None:
     if isinstance(value, torch.Tensor):
         value = as_numpy(value)
     value = np.ascontiguousarray(value).reshape(tuple(t.shape))
-    # The buffer is ours alone (a copy made for this collective), so device_put may alias it.
-    tensors.write(t, jax.device_put(value, platform.local_device()))
+    # A jitted copy takes a small host value to the device ~10x faster than device_put (its
+    # argument transfer is JAX's C++ fast path); device_put does not copy twice for large ones.
+    tensors.write(t, tensors.copy_buffer(value) if value.nbytes <= _SMALL
+                  else jax.device_put(value, platform.local_device()))
 
 
 def alias(t: torch.Tensor) -> torch.Tensor | None:
