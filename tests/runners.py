@@ -4,8 +4,9 @@
 (``torchtpu.testing.threaded``): one process, shared programs, the device layer under the
 libraries. ``tpu_dist``: ranks as spawned processes over the tpu_dist backend
 (``torchtpu.testing.distributed``). Each scenario is a function ``fn(rank, world_size, ...)``
-both run unchanged. By default tpu_dist runs only the tests that take ``SMOKE``;
-``TORCHTPU_TESTS=full`` (the ``full`` marker) runs every scenario on it too.
+both run unchanged. The default suite runs the threads (CI's time budget: each tpu_dist run
+starts and compiles in fresh processes); ``TORCHTPU_TESTS=full`` (the ``full`` marker) runs
+every scenario on tpu_dist too.
 """
 
 import functools
@@ -20,7 +21,6 @@ from torchtpu.testing.threaded import run_threads
 _processes = functools.partial(run, timeout=400, pg_timeout=120)
 
 THREADS = pytest.param(run_threads, id="threads")
-TPU_DIST = pytest.param(_processes, id="tpu_dist")
 OPT_IN = pytest.param(_processes, id="tpu_dist", marks=pytest.mark.full)
 
 # DeferAndFuse in every rank: FSDP2's collectives cut the recorded programs.
@@ -29,4 +29,3 @@ DEFERRED = pytest.param(
     marks=pytest.mark.full)
 
 ALL = [THREADS, OPT_IN]  # threads by default, processes when asked
-SMOKE = [THREADS, TPU_DIST]  # both by default

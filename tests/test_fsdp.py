@@ -4,7 +4,7 @@ The ranks share the device and the compiled programs (``torchtpu.testing.threade
 tested is the device layer under FSDP2: meta-device init and ``to_empty``, sharded DTensor
 parameters, the copy-in/copy-out of its all-gathers, the storage resizes that free unsharded
 parameters, reduce-scattered gradients and mixed precision. Each test also runs its ranks as
-processes over ``tpu_dist`` (``runners.py``: the GPT training by default, the rest on request).
+processes over ``tpu_dist`` on request (``runners.py``).
 """
 
 import copy
@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from runners import ALL, DEFERRED, SMOKE
+from runners import ALL, DEFERRED
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -67,7 +67,7 @@ def _fsdp_training(rank, world, state, data):
     return losses, params, freed
 
 
-@pytest.mark.parametrize("run", [*SMOKE, DEFERRED])
+@pytest.mark.parametrize("run", [*ALL, DEFERRED])
 def test_fsdp2_gpt_training_equals_full_batch(run):
     data, ref = _data(), _reference()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
