@@ -1,5 +1,5 @@
-"""Eager modes: Strict, Debug and DeferAndFuse compute the same numbers; Debug checks what a device
-cannot; DeferAndFuse fuses, caches its programs and flushes where it must."""
+"""Eager modes: Strict, Debug and DeferAndFuse compute the same numbers and refuse bad indices as
+CPU does; DeferAndFuse fuses, caches its programs and flushes where it must."""
 
 import os
 import traceback
@@ -128,15 +128,19 @@ def test_defer_rng_matches_strict():
 
 
 def _bad_gather(t):
-    return torch.gather(t, 1, torch.tensor([[0, 7]], device="tpu"))
+    return torch.gather(t, 1, torch.tensor([[0, 7]], device=t.device))
 
 
 def _bad_index_select(t):
-    return torch.index_select(t, 0, torch.tensor([1, 5], device="tpu"))
+    return torch.index_select(t, 0, torch.tensor([1, 5], device=t.device))
 
 
 def _bad_embedding(t):
-    return torch.nn.functional.embedding(torch.tensor([0, 9], device="tpu"), t)
+    return torch.nn.functional.embedding(torch.tensor([0, 9], device=t.device), t)
+
+
+def _bad_index(t):
+    return t[torch.tensor([0, -3], device=t.device)]
 
 
 def _internal_frames(error: BaseException) -> list:
@@ -144,23 +148,22 @@ def _internal_frames(error: BaseException) -> list:
     return [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(package)]
 
 
-@pytest.mark.parametrize("fn, op, value, size", [
-    (_bad_gather, "aten.gather", 7, 3),
-    (_bad_index_select, "aten.index_select", 5, 2),
-    (_bad_embedding, "aten.embedding", 9, 2),
-], ids=["gather", "index_select", "embedding"])
-def test_debug_reports_bad_index_at_user_line(fn, op, value, size):
-    t = torch.randn(2, 3, device="tpu")
-    with torch.tpu.set_eager_mode(DEBUG):
-        with pytest.raises(IndexError) as info:
-            fn(t)
-        msg = str(info.value)
-        assert op in msg and f"index {value}" in msg and f"size {size}" in msg
+@pytest.mark.parametrize("mode", MODES[:2], ids=["strict", "debug"])
+@pytest.mark.parametrize("fn", [_bad_gather, _bad_index_select, _bad_embedding, _bad_index],
+                         ids=["gather", "index_select", "embedding", "index"])
+def test_bad_index_raises_as_on_cpu_at_user_line(fn, mode):
+    t = torch.randn(2, 3)
+    with pytest.raises(Exception) as expected:
+        fn(t)
+    with torch.tpu.set_eager_mode(mode):
+        with pytest.raises(type(expected.value)) as info:
+            fn(t.to("tpu"))
+        assert str(info.value) == str(expected.value)
         last = traceback.extract_tb(info.value.__traceback__)[-1]
         assert last.filename == os.path.abspath(__file__) and last.name == fn.__name__
         # torchtpu's frames are stripped (embedding keeps torch.nn.functional's, as on CPU).
         assert _internal_frames(info.value) == []
-        assert_same(t + 1, t.cpu() + 1)  # the device still works
+        assert_same(t.to("tpu") + 1, t + 1)  # the device still works
 
 
 def _divide(a, b):

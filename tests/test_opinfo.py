@@ -5,9 +5,9 @@ import re
 import pytest
 import torch
 from torch.testing._internal.common_dtype import floating_types
-from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+from torch.testing._internal.opinfo.core import ErrorInput, OpInfo, SampleInput
 
-from torchtpu.testing import opinfo
+from torchtpu.testing import errors, opinfo
 
 COMMON_OPS = [
     "add", "sub", "mul", "div.no_rounding_mode", "neg", "abs", "exp", "log", "tanh", "sigmoid",
@@ -105,3 +105,68 @@ def test_grad_mode_compares_gradients():
     wrong = opinfo.check_op(_fake_opinfo("wrong_grad", WrongGrad.apply), mode="grad",
                             max_samples=2)
     assert _count(wrong) == (0, 2, 0)
+
+
+# One or more OpInfos per mechanism that makes bad input raise as on CPU: argument and data
+# checks (uniform_, kthvalue, multinomial, masked_scatter, aminmax, gather bounds), memory
+# overlap of out= (cat, take, index_select), CPU's words for what a meta kernel or JAX refused
+# (conv2d, mean, embedding, narrow_copy).
+ERROR_OPS = [
+    "uniform", "kthvalue", "multinomial", "masked_scatter", "aminmax", "gather", "cat", "take",
+    "index_select", "nn.functional.conv2d", "mean", "nn.functional.embedding", "narrow_copy",
+    "complex",
+]
+
+
+def test_error_inputs_raise_as_on_cpu():
+    pattern = "|".join(re.escape(name) for name in ERROR_OPS)
+    report = opinfo.run(pattern, mode="errors", max_samples=6)
+    table = report.format()
+    assert set(ERROR_OPS) <= {r.name for r in report.results}, table
+    assert report.failed == 0, table
+    assert all(r.passed > 0 for r in report.results if r.name in ERROR_OPS), table
+
+
+def _fake_error_opinfo(name, fn, error_type=RuntimeError, regex="bad input"):
+    def error_inputs(op, device, **kwargs):
+        for shape in ((3,), (2, 4)):
+            yield ErrorInput(SampleInput(torch.randn(shape, device=device)),
+                             error_type=error_type, error_regex=regex)
+
+    return OpInfo(name, op=fn, dtypes=floating_types(), sample_inputs_func=None,
+                  error_inputs_func=error_inputs)
+
+
+def test_errors_mode_counts_acceptance_wrong_errors_and_cpu_acceptance():
+    def refuse(x):
+        raise RuntimeError("bad input: negative size")
+
+    good = errors.check_op(_fake_error_opinfo("good", refuse))
+    assert _count(good) == (2, 0, 0)
+
+    def accepts_on_tpu(x):
+        if x.device.type == "tpu":
+            return x
+        refuse(x)
+
+    accepted = errors.check_op(_fake_error_opinfo("accepted", accepts_on_tpu))
+    assert _count(accepted) == (0, 2, 0) and "accepted" in accepted.first_error
+
+    def other_type(x):
+        if x.device.type == "tpu":
+            raise TypeError("bad input from inside JAX")
+        refuse(x)
+
+    wrong = errors.check_op(_fake_error_opinfo("wrong", other_type))
+    assert _count(wrong) == (0, 0, 2) and "TypeError" in wrong.first_error
+
+    def other_words(x):
+        if x.device.type == "tpu":
+            raise RuntimeError("something else")
+        refuse(x)
+
+    words = errors.check_op(_fake_error_opinfo("words", other_words))
+    assert _count(words) == (0, 0, 2)
+
+    cpu_accepts = errors.check_op(_fake_error_opinfo("cpu_accepts", lambda x: x))
+    assert _count(cpu_accepts) == (0, 0, 0) and cpu_accepts.skipped == 2

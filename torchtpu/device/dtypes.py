@@ -22,6 +22,11 @@ _TORCH_TO_JAX = {
     torch.bool: jnp.bool_,
     torch.complex64: jnp.complex64,
     torch.complex128: jnp.complex128,
+    # TPUs compute in fp8; XLA holds all four of PyTorch's 8-bit float formats.
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
+    torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
+    torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
 }
 _TORCH_TO_NP = {k: np.dtype(v) for k, v in _TORCH_TO_JAX.items()}
 _JAX_TO_TORCH = {v: k for k, v in _TORCH_TO_NP.items()}
@@ -44,3 +49,17 @@ def to_torch(dtype) -> torch.dtype:
 
 def is_supported(dtype: torch.dtype) -> bool:
     return dtype in _TORCH_TO_JAX
+
+
+_E4M3FN = np.dtype(jnp.float8_e4m3fn)
+_E4M3FN_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
+
+
+def cast(array, dtype):
+    """array as dtype (a NumPy/JAX dtype), rounding as PyTorch's CPU does: float8_e4m3fn has no
+    infinity, and PyTorch saturates what is beyond its range (infinities too) to +-448 where
+    XLA gives NaN."""
+    dtype = np.dtype(dtype)
+    if dtype == _E4M3FN and jnp.issubdtype(array.dtype, jnp.floating) and array.dtype != dtype:
+        array = jnp.clip(array, -_E4M3FN_MAX, _E4M3FN_MAX)  # NaN stays NaN
+    return array.astype(dtype)

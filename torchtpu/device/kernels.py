@@ -89,16 +89,22 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return array
 
 
+# Dtypes NumPy has only through ml_dtypes: they cross as same-width unsigned integers.
+_BITS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8,
+         torch.float8_e5m2: torch.uint8, torch.float8_e4m3fnuz: torch.uint8,
+         torch.float8_e5m2fnuz: torch.uint8}
+
+
 def numpy_to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-    if dtype == torch.bfloat16:
-        return torch.from_numpy(array.view(np.uint16)).view(torch.bfloat16)
+    if dtype in _BITS:
+        return torch.from_numpy(array.view(dtypes.to_jax(_BITS[dtype]))).view(dtype)
     return torch.from_numpy(array)
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
     t = t.detach().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.uint16).numpy().view(jnp.bfloat16)
+    if t.dtype in _BITS:
+        return t.view(_BITS[t.dtype]).numpy().view(dtypes.to_jax(t.dtype))
     if t.is_conj():
         t = t.resolve_conj()
     return t.resolve_neg().numpy()
@@ -106,7 +112,7 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _converter(dtype, shape):
-    return jax.jit(lambda a: jnp.broadcast_to(a.astype(dtype), shape))
+    return jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(a, dtype), shape))
 
 
 def convert(array, t: torch.Tensor):

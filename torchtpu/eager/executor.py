@@ -1,8 +1,8 @@
 """Executors: how a prepared op call runs. Strict is the default; Debug and DeferAndFuse plug in.
 
 An executor receives a lowering, its static spec and the dynamic values, and returns arrays. It
-never names ops: what an op computes comes from the lowering table, what Debug checks about it
-from ``lowering/checks.py``. DeferAndFuse lives in ``eager/defer.py``.
+never names ops: what an op computes comes from the lowering table (what CPU would refuse is
+checked before, by the dispatcher, in every mode). DeferAndFuse lives in ``eager/defer.py``.
 """
 
 from __future__ import annotations
@@ -16,10 +16,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu import errors, metrics
+from torchtpu import metrics
 from torchtpu.device import tensors
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
-from torchtpu.lowering import checks
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch
 
@@ -105,7 +104,8 @@ def user_traceback() -> types.TracebackType | None:
     return types.TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
 
 
-def _at_user(error: BaseException) -> BaseException:
+def at_user(error: BaseException) -> BaseException:
+    """Mark error to be reported at the user's line (see ``dispatch.kernel``)."""
     setattr(error, _AT_USER, True)
     return error
 
@@ -118,8 +118,7 @@ def _nonfinite(out) -> bool:
 
 
 class Debug(Strict):
-    """Synchronous and checked: waits for every op, so a failure surfaces at the op that caused
-    it, and checks what the device cannot (``lowering/checks.py``) before running each op.
+    """Synchronous: waits for every op, so a failure surfaces at the op that caused it.
 
     ``TORCHTPU_DEBUG_NANS=1`` also raises ``FloatingPointError`` at the first op whose result
     holds a NaN or an infinity. Errors it raises end at the user's line (see ``dispatch.kernel``).
@@ -134,14 +133,9 @@ class Debug(Strict):
         return self._checked(super().run_concrete, lowering, spec, dyn)
 
     def _checked(self, run, lowering: Lowering, spec: Spec, dyn: tuple):
-        check = checks.find(lowering.op)
-        if check is not None:
-            error = check(*rebuild(spec, lowering, dyn))
-            if error is not None:
-                raise _at_user(type(error)(errors.message("check", f"{lowering.op}: {error}")))
         out = jax.block_until_ready(run(lowering, spec, dyn))
         if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
-            raise _at_user(FloatingPointError(
+            raise at_user(FloatingPointError(
                 f"torchtpu.numerics: {lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
         return out
 

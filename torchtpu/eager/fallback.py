@@ -3,6 +3,9 @@
 Each op it serves is counted in ``torchtpu.metrics`` and warned about once. With
 ``TORCHTPU_CPU_FALLBACK=error`` it raises ``NotImplementedError`` naming the op instead, which is
 how coverage is measured rather than guessed.
+
+It also says what CPU says about a call that failed on tpu (``cpu_error``): the error then comes
+from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ import os
 import warnings
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from torchtpu import metrics
 from torchtpu.eager import schema
@@ -37,6 +40,53 @@ def _to_cpu(x):
         data = key_data_for(x)
         return torch.Generator().manual_seed(int(data[0]) ^ (int(data[2]) << 20))
     return x
+
+
+# Inputs larger than this are not copied to the host just to word an error better.
+CPU_ERROR_MAX_BYTES = 1 << 28
+
+
+def copy_keeping_aliases(x: torch.Tensor, device: str, bases: dict) -> torch.Tensor:
+    """A detached copy of x on device with x's strides, whose storage it shares with the copies
+    of the other tensors of x's storage made with the same ``bases``: overlaps stay overlaps."""
+    st = x.untyped_storage()
+    key = (st.data_ptr(), x.dtype)
+    if key not in bases:
+        whole = x.detach().as_strided((st.nbytes() // x.element_size(),), (1,), 0)
+        bases[key] = whole.to(device, copy=True)
+    return bases[key].as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def _to_cpu_for_error(x, bases: dict):
+    if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+        return copy_keeping_aliases(x, "cpu", bases)  # CPU refuses some overlaps
+    if isinstance(x, torch.Generator) and x.device.type == "tpu":
+        return None  # the CPU default generator, restored afterwards: no stream advances
+    if isinstance(x, torch.device) and x.type == "tpu":
+        return torch.device("cpu")
+    if isinstance(x, str) and x.startswith("tpu"):
+        return "cpu"
+    return _to_cpu(x)
+
+
+def cpu_error(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Exception | None:
+    """The exception CPU raises for the same call on copies of its inputs, or None if CPU
+    accepts it (or the inputs are too large to copy for this)."""
+    leaves = [x for x in tree_flatten((args, kwargs))[0]
+              if isinstance(x, torch.Tensor) and x.device.type == "tpu"]
+    if sum(x.untyped_storage().nbytes() for x in leaves) > CPU_ERROR_MAX_BYTES:
+        return None
+    try:
+        bases: dict = {}
+        cpu_args, cpu_kwargs = tree_map(lambda x: _to_cpu_for_error(x, bases), (args, kwargs))
+    except Exception:  # the inputs themselves cannot be read: nothing to compare with
+        return None
+    with torch.random.fork_rng(devices=[]):
+        try:
+            op(*cpu_args, **cpu_kwargs)
+        except Exception as exc:
+            return exc
+    return None
 
 
 def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict):

@@ -63,7 +63,7 @@ def cast_outputs(x, dtype):
         if isinstance(dtype, tuple):
             return type(x)(cast_outputs(v, d) for v, d in zip(x, dtype))
         return type(x)(cast_outputs(v, dtype) for v in x)
-    return x if x.dtype == dtype else x.astype(dtype)
+    return x if x.dtype == dtype else dtypes.cast(x, dtype)
 
 
 def _first(dtype):

@@ -1,9 +1,13 @@
-"""Debug-mode checks: what a device does not check, per op, in one small registry.
+"""What PyTorch's CPU kernels refuse and its meta kernels do not, per op, in one small registry.
 
-A device gathers with an out-of-range index without complaint (XLA clamps it), so the Debug
-executor looks each op up here and, before running it, calls its check with the same arguments
-the lowering gets (schema order, concrete arrays). A check returns an exception to raise, or None.
-The executor adds the op's name; checks never run in Strict or DeferAndFuse.
+Meta kernels check shapes and dtypes; CPU kernels also check argument values (``uniform_`` with
+from > to, ``kthvalue``'s k) and, for a few ops, data: index bounds (a device gathers with an
+out-of-range index without complaint: XLA clamps it) and ``multinomial``'s probabilities. The
+dispatcher looks each op up here and calls its check before running it, in every eager mode,
+with the op's bound arguments in schema order: Python values as given, tensors as :class:`Arg`
+(shape, ndim and torch dtype; ``arg.values()`` reads the values to the host, so only checks of
+data do that). A check returns an exception or None; the dispatcher then raises what CPU
+raises for the same call, in PyTorch's words (see ``eager/fallback.cpu_error``), else this one.
 """
 
 from __future__ import annotations
@@ -20,8 +24,24 @@ aten = torch.ops.aten
 CHECKS: dict[OpOverload, Callable] = {}
 
 
+class Arg:
+    """What a check sees of a tensor argument: its shape, ndim and torch dtype, and its values
+    through :meth:`values`."""
+
+    __slots__ = ("shape", "ndim", "dtype", "_read")
+
+    def __init__(self, shape: tuple, dtype: torch.dtype,
+                 read: Callable[[], np.ndarray | None]):
+        self.shape, self.ndim, self.dtype, self._read = tuple(shape), len(shape), dtype, read
+
+    def values(self) -> np.ndarray | None:
+        """The values, read to the host; None while DeferAndFuse holds them pending (a check of
+        them would run the recording early, so it is skipped)."""
+        return self._read()
+
+
 def check(*targets) -> Callable:
-    """Register the decorated function as the Debug check of each target op (or op packet)."""
+    """Register the decorated function as the check of each target op (or op packet)."""
 
     def register(fn: Callable) -> Callable:
         for target in targets:
@@ -40,9 +60,11 @@ def out_of_bounds(index, size: int, dim: int, negative: bool) -> IndexError | No
     """An IndexError for the first value of index outside dimension dim of the given size."""
     if index is None:
         return None
-    values = np.asarray(index)
-    if values.dtype == np.bool_ or values.dtype == np.uint8 or values.size == 0:
+    if index.dtype in (torch.bool, torch.uint8) or 0 in index.shape:
         return None  # masks are checked by shape, which PyTorch's meta kernels already do
+    values = index.values()
+    if values is None:
+        return None
     low = -size if negative else 0
     bad = (values < low) | (values >= size)
     if not bad.any():
@@ -82,10 +104,158 @@ def _embedding(weight, indices, *rest):
     return out_of_bounds(indices, weight.shape[0], 0, negative=False)
 
 
+def _mask_mismatch(self, d: int, mask) -> IndexError | None:
+    indexed = tuple(self.shape[d:d + mask.ndim])
+    if indexed != mask.shape:
+        return IndexError(f"The shape of the mask {list(mask.shape)} at index {d} does not match "
+                          f"the shape of the indexed tensor {list(self.shape)} at index {d}")
+    return None
+
+
 @check(aten.index.Tensor, aten.index_put.default, aten._index_put_impl.default)
-def _index(self, indices, *rest):
-    for d, index in enumerate(indices):
+def _index(self, indices, values=None, *rest):
+    d = 0  # the dimension the next index applies to (a mask covers one per dimension of its own)
+    for index in indices:
+        if index is not None and index.dtype in (torch.bool, torch.uint8):
+            err = _mask_mismatch(self, d, index)
+            if err is not None:
+                return err
+            if values is not None and len(indices) == 1:
+                err = _masked_values_mismatch(self, index, values)
+                if err is not None:
+                    return err
+            d += index.ndim
+            continue
         err = out_of_bounds(index, self.shape[d], d, negative=True) if d < self.ndim else None
         if err is not None:
             return err
+        d += 1
+    return None
+
+
+def _masked_values_mismatch(self, mask, values) -> RuntimeError | None:
+    ones = mask.values()
+    if ones is None:
+        return None
+    selected = (int(ones.sum()), *self.shape[mask.ndim:])
+    try:
+        fits = np.broadcast_shapes(values.shape, selected) == selected
+    except ValueError:
+        fits = False
+    if fits:
+        return None
+    return RuntimeError(f"shape mismatch: value tensor of shape {list(values.shape)} cannot be "
+                        f"broadcast to indexing result of shape {list(selected)}")
+
+
+@check(aten.uniform.default)
+def _uniform(self, low=0.0, high=1.0, generator=None):
+    if low > high:
+        return RuntimeError(f"uniform_ expects to return a [from, to) range, but found "
+                            f"from={low} > to={high}")
+    return None
+
+
+@check(aten.kthvalue.default)
+def _kthvalue(self, k, dim=-1, keepdim=False):
+    size = _size(self, _dim(self, dim))
+    if not 1 <= k <= size:
+        return IndexError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    return None
+
+
+@check(aten.aminmax.default)
+def _aminmax(self, dim=None, keepdim=False):
+    if dim is not None and self.ndim and self.shape[_dim(self, dim)] == 0:
+        return IndexError(f"aminmax(): Expected reduction dim {dim} to have non-zero size.")
+    return None
+
+
+@check(aten.masked_scatter.default)
+def _masked_scatter(self, mask, source):
+    if mask.dtype != torch.bool:
+        return RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
+                            f"dtype {mask.dtype}")
+    ones = mask.values()
+    if ones is not None and int(ones.sum()) > int(np.prod(source.shape)):
+        needed = int(ones.sum())
+        return RuntimeError("masked_scatter: expected source to have at least as many elements "
+                            f"as ones in mask ({needed}), got {int(np.prod(source.shape))}")
+    return None
+
+
+@check(aten.index_add.default)
+def _index_add(self, dim, index, source, alpha=1):
+    d = _dim(self, dim)
+    expected = [n for i, n in enumerate(self.shape) if i != d]
+    got = [n for i, n in enumerate(source.shape) if i != _dim(source, dim)]
+    if source.ndim and self.ndim and expected != got:
+        return RuntimeError("index_add_(): source tensor shape must match self tensor shape, "
+                            "excluding the specified dimension")
+    return out_of_bounds(index, _size(self, d), d, negative=False)
+
+
+@check(aten.take.default)
+def _take(self, index):
+    return out_of_bounds(index, int(np.prod(self.shape)), 0, negative=True)
+
+
+@check(aten.multinomial.default)
+def _multinomial(self, num_samples, replacement=False, generator=None):
+    if not self.dtype.is_floating_point:
+        return RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                            f"{self.dtype}")
+    if num_samples <= 0:
+        return RuntimeError("cannot sample n_sample <= 0 samples")
+    categories = self.shape[-1] if self.ndim else 1
+    if categories > 2**24:
+        return RuntimeError("number of categories cannot exceed 2^24")
+    if not replacement and num_samples > categories:
+        return RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without "
+                            "replacement")
+    p = self.values()
+    if p is None:
+        return None
+    if not (np.isfinite(p) & (p >= 0)).all():
+        return RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    if (p.sum(-1) <= 0).any():
+        return RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+    return None
+
+
+@check(aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
+       aten._histogramdd_from_bin_tensors.default)
+def _histogramdd(self, bins, *rest):
+    if self.ndim and len(bins) != self.shape[-1]:
+        return RuntimeError("histogramdd: The size of bins must be equal to the innermost "
+                            "dimension of the input.")
+    return None
+
+
+@check(aten.multinomial.out)
+def _multinomial_out(self, num_samples, replacement=False, generator=None, out=None):
+    if out.dtype != torch.int64:
+        return RuntimeError(f"multinomial expects Long tensor out, got: {out.dtype}")
+    return _multinomial(self, num_samples, replacement, generator)
+
+
+@check(aten.aminmax.out)
+def _aminmax_out(self, dim=None, keepdim=False, min=None, max=None):
+    for out in (min, max):
+        if out.dtype != self.dtype:
+            return RuntimeError(f"Expected out tensor to have dtype {self.dtype}, but got "
+                                f"{out.dtype} instead")
+    return _aminmax(self, dim, keepdim)
+
+
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64,
+            torch.float64: torch.complex128}
+
+
+@check(aten.complex.out)
+def _complex_out(real, imag, out=None):
+    expected = _COMPLEX.get(real.dtype) if real.dtype == imag.dtype else None
+    if expected is not None and out.dtype != expected:
+        return RuntimeError(f"Expected object of scalar type {expected} but got scalar type "
+                            f"{out.dtype} for argument 'out'")
     return None

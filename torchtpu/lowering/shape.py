@@ -113,6 +113,14 @@ def lift_fresh_copy(x):
     return x
 
 
+@lowers(aten.narrow_copy.default)
+def narrow_copy(x, dim: int, start: int, length: int):
+    # A lowering rather than PyTorch's composite kernel (narrow + clone), whose argument errors
+    # differ from CPU's own kernel's.
+    start = start + x.shape[dim] if start < 0 else start
+    return lax.slice_in_dim(x, start, start + length, axis=dim)
+
+
 @lowers(aten.slice_scatter.default)
 def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     where = [slice(None)] * x.ndim

@@ -35,6 +35,9 @@ _TESTS = {
     "grad": ("test_compare_cpu", "test_variant_consistency_eager", "test_fn_grad"),
 }
 
+# errors: the OpInfos' error_inputs, which must raise on tpu as on CPU (testing/errors.py).
+MODES = (*_TESTS, "errors")
+
 _DEFAULT_TOL = {torch.float32: (1e-5, 1.3e-6), torch.float64: (1e-7, 1e-7)}
 
 # float32 (atol, rtol) where XLA legitimately differs from PyTorch's CPU kernels: different but
@@ -161,7 +164,7 @@ def _tensors(sample) -> list[torch.Tensor]:
 
 def _plain(sample) -> bool:
     return all(type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
-               and not t.is_nested for t in _tensors(sample))
+               and not t.is_nested and t.device.type == "cpu" for t in _tensors(sample))
 
 
 def _device_value(v: Any) -> Any:
@@ -288,13 +291,17 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
         dtype: torch.dtype = torch.float32, timeout_per_op: float = 60.0,
         progress: TextIO | None = None) -> Report:
     """Check every OpInfo whose full name (``name`` or ``name.variant``) matches ops fully."""
-    if mode not in _TESTS:
-        raise ValueError(f"torchtpu.argument: mode must be one of {sorted(_TESTS)}, not {mode!r}")
+    if mode not in MODES:
+        raise ValueError(f"torchtpu.argument: mode must be one of {MODES}, not {mode!r}")
 
     def names(op):
         return op.name, op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
 
     def check(op):
+        if mode == "errors":
+            from torchtpu.testing import errors  # it builds on this module's sample copies
+
+            return errors.check_op(op, max_samples=max_samples, timeout=timeout_per_op)
         return check_op(op, mode=mode, max_samples=max_samples, dtype=dtype,
                         timeout=timeout_per_op)
 
@@ -304,7 +311,7 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
 
 def main(argv: list[str] | None = None) -> int:
     parser = conformance.parser("python -m torchtpu.testing.opinfo", __doc__, "--ops", 3)
-    parser.add_argument("--mode", choices=sorted(_TESTS), default="forward")
+    parser.add_argument("--mode", choices=MODES, default="forward")
     args = parser.parse_args(argv)
     return conformance.finish(run(args.ops, mode=args.mode, max_samples=args.max_samples,
                                   dtype=args.dtype, timeout_per_op=args.timeout_per_op,

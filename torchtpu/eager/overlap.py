@@ -1,0 +1,58 @@
+"""Memory-overlap refusals for written tensors, as PyTorch's CPU kernels make them.
+
+The device computes every op functionally and then writes the results, so an output that
+aliases an input would give a well-defined answer here where CPU refuses the call. These checks
+refuse what CPU refuses: a written tensor whose elements share memory (an ``expand``-ed out=),
+an out= or in-place target that partially overlaps an input, and, for the ops that read their
+input while writing their output in any order, any overlap at all.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+# Ops whose CPU kernels refuse any overlap between what they write and what they read (full
+# overlap included), where elementwise ops allow full overlap (``torch.add(x, y, out=x)``).
+NO_OVERLAP = frozenset({
+    "cat", "gather", "index_select", "take", "masked_select", "kthvalue", "bernoulli", "index",
+    "index_add", "index_copy", "index_fill", "masked_scatter", "put", "scatter", "scatter_add",
+})
+
+_INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
+             "single memory location. Please clone() the tensor before performing the operation.")
+_BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "
+            "refer to a single memory location. Please clone() the tensor before performing the "
+            "operation.")
+
+
+def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """"full", "partial" or None, decided only for dense tensors as PyTorch does."""
+    if a is b:
+        return "full"
+    if a.numel() == 0 or b.numel() == 0 or not (is_non_overlapping_and_dense_or_false(a)
+                                                    and is_non_overlapping_and_dense_or_false(b)):
+        return None
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return "full" if a.stride() == b.stride() else "partial"
+    return "partial" if a0 < b1 and b0 < a1 else None
+
+
+def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
+    """Raise RuntimeError if CPU would refuse to write the written tensors while reading inputs
+    (the written tensors themselves, for in-place ops, are not inputs here)."""
+    any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
+    for w in written:
+        if not isinstance(w, torch.Tensor):
+            continue
+        if torch._debug_has_internal_overlap(w) == 1:
+            raise RuntimeError(_INTERNAL)
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x is not w:
+                status = _status(w, x)
+                if status == "partial" or (status == "full" and any_overlap):
+                    raise RuntimeError(_BETWEEN)
