@@ -144,29 +144,24 @@ def test_errors_mode_counts_acceptance_wrong_errors_and_cpu_acceptance():
     good = errors.check_op(_fake_error_opinfo("good", refuse))
     assert _count(good) == (2, 0, 0)
 
-    def accepts_on_tpu(x):
-        if x.device.type == "tpu":
-            return x
-        refuse(x)
+    def on_tpu(answer):
+        def fn(x):
+            if x.device.type == "tpu":
+                return answer(x)
+            refuse(x)
 
-    accepted = errors.check_op(_fake_error_opinfo("accepted", accepts_on_tpu))
+        return fn
+
+    accepted = errors.check_op(_fake_error_opinfo("accepted", on_tpu(lambda x: x)))
     assert _count(accepted) == (0, 2, 0) and "accepted" in accepted.first_error
 
-    def other_type(x):
-        if x.device.type == "tpu":
-            raise TypeError("bad input from inside JAX")
-        refuse(x)
+    for name, error in (("wrong_type", TypeError("bad input from inside JAX")),
+                        ("wrong_words", RuntimeError("something else"))):
+        def fail(x, error=error):
+            raise error
 
-    wrong = errors.check_op(_fake_error_opinfo("wrong", other_type))
-    assert _count(wrong) == (0, 0, 2) and "TypeError" in wrong.first_error
-
-    def other_words(x):
-        if x.device.type == "tpu":
-            raise RuntimeError("something else")
-        refuse(x)
-
-    words = errors.check_op(_fake_error_opinfo("words", other_words))
-    assert _count(words) == (0, 0, 2)
+        wrong = errors.check_op(_fake_error_opinfo(name, on_tpu(fail)))
+        assert _count(wrong) == (0, 0, 2) and type(error).__name__ in wrong.first_error
 
     cpu_accepts = errors.check_op(_fake_error_opinfo("cpu_accepts", lambda x: x))
     assert _count(cpu_accepts) == (0, 0, 0) and cpu_accepts.skipped == 2

@@ -40,8 +40,8 @@ GLOSSARY: dict[str, Entry] = {
         "Move the tensor with `.to(\"tpu\")` (inputs, targets, buffers created in `forward`)."),
     "dtype": Entry(
         "A dtype the device cannot hold or an op cannot take.",
-        "Cast to a supported dtype (float32, bfloat16, float16, float64, the integer and bool "
-        "types, complex64/128)."),
+        "Cast to a supported dtype (float32, bfloat16, float16, float64, the float8 types, the "
+        "integer and bool types, complex64/128)."),
     "fallback": Entry(
         "An ATen op has no tpu lowering and no decomposition: eager mode ran it on CPU (a "
         "warning; copies both ways each call) or refused it (TORCHTPU_CPU_FALLBACK=error); a "
@@ -49,8 +49,10 @@ GLOSSARY: dict[str, Entry] = {
         "Avoid the op, or add a lowering (README, Adding an op); `python -m torchtpu.onboard` "
         "lists every fallback with the module it came from."),
     "check": Entry(
-        "Debug eager mode found an argument the op cannot take (an index out of bounds, ...).",
-        "Fix the argument at the line the error points to; Debug mode reports it there."),
+        "An op got an argument CPU refuses and the device would not notice (an index out of "
+        "bounds, uniform_ with from > to, ...); checked in every eager mode, and worded as "
+        "CPU words it whenever CPU can say it (then without this prefix).",
+        "Fix the argument at the line the error points to."),
     "numerics": Entry(
         "TORCHTPU_DEBUG_NANS=1 found a NaN or an infinity in an op's result.",
         "Look at the op the message names and at its inputs (learning rate, log of zero, "

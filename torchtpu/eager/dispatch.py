@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchtpu import metrics
+from torchtpu import errors, metrics
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, fallback, meta, overlap, schema
@@ -242,13 +242,14 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         # and says what shape each out= argument must take.
         validated = meta.infer(op, values, outs, traced)
         targets, flat = _flat_targets(values, oi, outs)
-        overlap.check(op, flat, _flatten(values))
+        overlap.check_internal(flat)
         if outs:
             shapes = [d[0] for d in _leaves(validated)]
             for t, s in zip(flat, shapes):
                 if not meta.is_device(t):
                     raise meta.device_error(t)
                 _resize_out(t, s)
+        overlap.check_between(op, flat, _flatten(values))
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
         for t, a in zip(flat, _flatten(arrays)):
             tensors.write(t, kernels.convert(a, t))
@@ -363,7 +364,7 @@ def _checked(op: OpOverload, handle):
         error = check(*(_arg(v) for v in (values[:n] if own is None else [*values, *outs])))
         if error is not None:
             # At the user's line: the check runs at the call, in every mode.
-            raise executor.at_user(error)
+            raise executor.at_user(type(error)(errors.message("check", f"{op}: {error}")))
         return handle(args, kwargs)
 
     return run

@@ -42,17 +42,30 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return "partial" if a0 < b1 and b0 < a1 else None
 
 
-def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
+def check_internal(written: list) -> None:
+    """Raise RuntimeError if a written tensor's elements share memory (before any resize of an
+    out= argument, as CPU checks)."""
+    for w in written:
+        if isinstance(w, torch.Tensor) and torch._debug_has_internal_overlap(w) == 1:
+            raise RuntimeError(_INTERNAL)
+
+
+def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
     """Raise RuntimeError if CPU would refuse to write the written tensors while reading inputs
-    (the written tensors themselves, for in-place ops, are not inputs here)."""
+    (the written tensors themselves, for in-place ops, are not inputs here); after out=
+    arguments take their result shapes, as CPU checks."""
     any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
     for w in written:
         if not isinstance(w, torch.Tensor):
             continue
-        if torch._debug_has_internal_overlap(w) == 1:
-            raise RuntimeError(_INTERNAL)
         for x in inputs:
             if isinstance(x, torch.Tensor) and x is not w:
                 status = _status(w, x)
                 if status == "partial" or (status == "full" and any_overlap):
                     raise RuntimeError(_BETWEEN)
+
+
+def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
+    """Both checks, for calls that resize nothing."""
+    check_internal(written)
+    check_between(op, written, inputs)
