@@ -354,8 +354,7 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.skipif(not os.environ.get("TORCHTPU_SLOW_DIST"),
-                    reason="set TORCHTPU_SLOW_DIST=1: a real torchrun launch (~30 s)")
+@pytest.mark.full  # a real torchrun launch (~30 s)
 def test_torchrun_launch(tmp_path):
     import signal
     import subprocess
