@@ -9,6 +9,7 @@ from torchtpu.compile.on_import import after_import
 
 
 def install() -> None:
-    from torchtpu.integrations import accelerate
+    from torchtpu.integrations import accelerate, fbgemm
 
     after_import("accelerate.state", accelerate.patch)
+    after_import("fbgemm_gpu", fbgemm.patch)
