@@ -53,7 +53,8 @@ class TpuPlatform(Platform):
     @classmethod
     def check_if_supports_dtype(cls, dtype: torch.dtype) -> None:
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"vLLM on device 'tpu' runs float32, bfloat16 or float16, not {dtype}")
+            raise ValueError(f"torchtpu.dtype: vLLM on device 'tpu' runs float32, bfloat16 or "
+                             f"float16, not {dtype}")
 
     @classmethod
     def is_pin_memory_available(cls) -> bool:

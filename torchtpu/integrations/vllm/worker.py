@@ -26,7 +26,8 @@ class TpuWorker(Worker):
     def init_device(self) -> None:
         if self.device_config.device_type != "tpu":
             raise RuntimeError(
-                f"TpuWorker runs on device 'tpu', not {self.device_config.device!r}; "
+                f"torchtpu.device: TpuWorker runs on device 'tpu', not "
+                f"{self.device_config.device!r}; "
                 "unset TORCHTPU_VLLM to use vLLM's own platform"
             )
         self.device = torch.device("tpu", self.local_rank)
