@@ -57,6 +57,10 @@ class TpuPlatform(Platform):
                              f"float16, not {dtype}")
 
     @classmethod
+    def get_current_memory_usage(cls, device: torch.types.Device | None = None) -> float:
+        return float(torch.tpu.memory_allocated(device))
+
+    @classmethod
     def is_pin_memory_available(cls) -> bool:
         return False
 
