@@ -71,7 +71,14 @@ def _to_cpu_for_error(x, bases: dict):
 
 def cpu_error(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Exception | None:
     """The exception CPU raises for the same call on copies of its inputs, or None if CPU
-    accepts it (or the inputs are too large to copy for this)."""
+    accepts it (or the inputs are too large to copy for this).
+
+    Only PyTorch's own verdict on the arguments counts: an op CPU cannot run at all (no CPU
+    kernel, such as the fused RNN cells) or one whose CPU path is torchtpu's own refusal (a
+    ``jax_op`` given CPU tensors) says nothing about them, so the tpu error stands.
+    """
+    if not torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
+        return None
     leaves = [x for x in tree_flatten((args, kwargs))[0]
               if isinstance(x, torch.Tensor) and x.device.type == "tpu"]
     if sum(x.untyped_storage().nbytes() for x in leaves) > CPU_ERROR_MAX_BYTES:
@@ -85,7 +92,7 @@ def cpu_error(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Exception
         try:
             op(*cpu_args, **cpu_kwargs)
         except Exception as exc:
-            return exc
+            return None if str(exc).startswith("torchtpu.") else exc
     return None
 
 
