@@ -21,6 +21,7 @@ from torchtpu.testing.threaded import run_threads
 _processes = functools.partial(run, timeout=400, pg_timeout=120)
 
 THREADS = pytest.param(run_threads, id="threads")
+PROCESSES = pytest.param(_processes, id="tpu_dist")
 OPT_IN = pytest.param(_processes, id="tpu_dist", marks=pytest.mark.full)
 
 # DeferAndFuse in every rank: FSDP2's collectives cut the recorded programs.
