@@ -37,8 +37,7 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
     """"full", "partial" or None, decided only for dense tensors as PyTorch does."""
     if a is b:
         return "full"
-    # Different storages first: it is the common case (an optimizer's foreach lists) and the
-    # cheap test; PyTorch's density test costs ~20 us per tensor.
+    # Different storages first: the cheap test; PyTorch's density test costs ~20 us a tensor.
     if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
         return None
     if a.numel() == 0 or b.numel() == 0 or not (_dense(a.shape, a.stride())
@@ -64,11 +63,17 @@ def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> Non
     (the written tensors themselves, for in-place ops, are not inputs here); after out=
     arguments take their result shapes, as CPU checks."""
     any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
+    # Only tensors of one storage can overlap: grouping by storage keeps a foreach call over n
+    # tensors at n lookups instead of n * n pairs (AdamW's lists: ~700 pairs a call).
+    by_storage: dict = {}
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append(x)
     for w in written:
         if not isinstance(w, torch.Tensor):
             continue
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x is not w:
+        for x in by_storage.get(w.untyped_storage().data_ptr(), ()):
+            if x is not w:
                 status = _status(w, x)
                 if status == "partial" or (status == "full" and any_overlap):
                     raise RuntimeError(_BETWEEN)
