@@ -204,6 +204,47 @@ def _ddp(rank, world):
         "bucket_views": bucket_views,
         "diff": max((a - b).abs().max().item()
                     for a, b in zip(model.module.parameters(), ref.parameters())),
+        "unused": _ddp_unused(rank, world, device),
+    }
+
+
+class _Branchy(torch.nn.Module):
+    """A branch only some ranks' steps take, and a layer no rank ever uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.a, self.b, self.never = (torch.nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x, branch):
+        h = self.a(x).tanh()
+        return (h + self.b(h)) if branch else h
+
+
+def _ddp_unused(rank, world, device):
+    """DDP(find_unused_parameters=True) against single-process training of the same steps: in
+    step i only rank i % world takes the branch, so the branch's gradient averages with zeros."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(3)
+    data = torch.randn(2, world, 2, 4)
+    ref = _Branchy().to(device)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    model = DDP(_Branchy().to(device), device_ids=[rank], find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for i, step in enumerate(data):
+        ref_opt.zero_grad()
+        for r in range(world):
+            (ref(step[r].to(device), r == i % world).square().mean() / world).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        model(step[rank].to(device), rank == i % world).square().mean().backward()
+        opt.step()
+    return {
+        "diff": max((a - b).abs().max().item()
+                    for a, b in zip(model.module.parameters(), ref.parameters())),
+        "never has no grad": model.module.never.weight.grad is None,
+        "b moved": (model.module.b.weight - _Branchy().b.weight.to(device)).abs().max().item(),
     }
 
 
@@ -212,6 +253,9 @@ def test_ddp_gpt_equals_full_batch():
         assert out["devices"] == {"tpu:0"}
         assert out["bucket_views"]
         assert out["diff"] < 2e-5, out
+        unused = out["unused"]
+        assert unused["diff"] < 1e-6 and unused["never has no grad"], unused
+        assert unused["b moved"] > 1e-3, unused
 
 
 def test_backend_default_without_process_group():

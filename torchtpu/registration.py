@@ -128,13 +128,14 @@ def register() -> None:
         if _libraries:
             return
         from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
-        from torchtpu.device import autocast, kernels, loader, storage
+        from torchtpu.device import autocast, kernels, loader, pinned, storage
         from torchtpu.eager import dispatch
         from torchtpu.lowering import attention
 
         _setup_privateuseone_for_python_backend(
             "tpu", backend_module=tpu, hook=_Hooks(), device_guard=_DeviceGuard()
         )
+        pinned.install()  # pin_memory() and DDP's find_unused_parameters need it
         aten = torch.library.Library("aten", "IMPL")
         kernels.register(aten)
         dispatch.register_lowered_ops(aten)
