@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import asserts, dtypes, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
 from torchtpu.runtime import platform
@@ -84,6 +84,7 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     start = time.perf_counter() if watcher is not None else 0.0
     array = np.array(tensors.read(t))  # a copy: a donated buffer must never back a CPU tensor
     metrics.count("device_to_host_bytes", array.nbytes)
+    asserts.raise_pending()
     if watcher is not None:
         watcher(array.nbytes, time.perf_counter() - start)
     return array

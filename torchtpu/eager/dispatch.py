@@ -20,12 +20,10 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchtpu import errors, metrics
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import executor, fallback, meta, overlap, schema
+from torchtpu.eager import at_call, executor, fallback, meta, overlap, schema
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
-from torchtpu.lowering import checks
 from torchtpu.lowering.registry import Lowering, lookup
 from torchtpu.runtime import platform
 
@@ -331,79 +329,13 @@ def _fallback_handler(op: OpOverload):
     return handle
 
 
-def _host_values(t: torch.Tensor):
-    if t.is_cpu:  # a CPU scalar, or an operand the op refuses for its device afterwards
-        return t.detach().numpy()
-    if not executor.is_materialized(t):
-        return None
-    return np.asarray(tensors.read(t))
-
-
-def _arg(v):
-    if isinstance(v, torch.Tensor):
-        return checks.Arg(v.shape, v.dtype, functools.partial(_host_values, v))
-    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
-        return [_arg(x) for x in v]
-    return v
-
-
-def _checked(op: OpOverload, handle):
-    """handle, after the op's check (``lowering/checks.py``), or its functional twin's on the
-    same leading arguments, if it has one."""
-    functional = schema.functional_of(op)
-    own = checks.find(op)
-    check = own or (checks.find(functional) if functional is not None else None)
-    if check is None:
-        return handle
-    oi = schema.info(op)
-    n = len(schema.info(functional).names) if own is None else None
-
-    def run(args, kwargs):
-        values, outs = schema.bind(oi, args, kwargs)
-        # An op's own check also gets its out= arguments, after the others.
-        error = check(*(_arg(v) for v in (values[:n] if own is None else [*values, *outs])))
-        if error is not None:
-            # At the user's line: the check runs at the call, in every mode.
-            raise executor.at_user(type(error)(errors.message("check", f"{op}: {error}")))
-        return handle(args, kwargs)
-
-    return run
-
-
-# CUDA's rule for advanced indexing (ATen's AdvancedIndex): index tensors may live on CPU and
-# are moved to the indexed tensor's device. Only for these ops: any other CPU operand (but a
-# 0-dim one, as in TensorIterator) still raises "Expected all tensors to be on the same device".
-_CPU_INDICES = frozenset({"index", "index_put", "index_put_", "_index_put_impl_",
-                          "_unsafe_index", "_unsafe_index_put"})
-
-
-def _moving_cpu_indices(op: OpOverload, handle):
-    if op._schema.name.split("::")[-1] not in _CPU_INDICES:
-        return handle
-
-    def move(i):
-        if isinstance(i, torch.Tensor) and i.is_cpu:
-            metrics.count("implicit_index_transfers")
-            return i.to("tpu")
-        return i
-
-    def run(args, kwargs):
-        if len(args) > 1:
-            args = (args[0], [move(i) for i in args[1]], *args[2:])
-        elif "indices" in kwargs:
-            kwargs = {**kwargs, "indices": [move(i) for i in kwargs["indices"]]}
-        return handle(args, kwargs)
-
-    return run
-
-
 @functools.cache
 def handler(op: OpOverload):
     """How op runs on the device; chosen once per overload."""
     # The first op starts JAX's backend on this process's device (import does not, so that
     # torchtpu.distributed can start JAX's multi-process runtime before it).
     platform.local_device()
-    return _moving_cpu_indices(op, _checked(op, _choose(op)))
+    return at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op)))
 
 
 def _choose(op: OpOverload):

@@ -8,12 +8,18 @@ with the op's bound arguments in schema order: Python values as given, tensors a
 (shape, ndim and torch dtype; ``arg.values()`` reads the values to the host, so only checks of
 data do that). A check returns an exception or None; the dispatcher then raises what CPU
 raises for the same call, in PyTorch's words (see ``eager/fallback.cpu_error``), else this one.
+
+Where the values cannot be read without stalling the device (``values()`` gives None), a check
+of data hands the device a jittable ``find(values) -> int array [bad, value]`` instead
+(``arg.check_on_device``), and its error is raised at the next host read (``device/asserts.py``).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -28,16 +34,25 @@ class Arg:
     """What a check sees of a tensor argument: its shape, ndim and torch dtype, and its values
     through :meth:`values`."""
 
-    __slots__ = ("shape", "ndim", "dtype", "_read")
+    __slots__ = ("shape", "ndim", "dtype", "_read", "_on_device")
 
     def __init__(self, shape: tuple, dtype: torch.dtype,
-                 read: Callable[[], np.ndarray | None]):
+                 read: Callable[[], np.ndarray | None],
+                 on_device: Callable[[Callable, Callable], None] | None = None):
         self.shape, self.ndim, self.dtype, self._read = tuple(shape), len(shape), dtype, read
+        self._on_device = on_device
 
     def values(self) -> np.ndarray | None:
-        """The values, read to the host; None while DeferAndFuse holds them pending (a check of
-        them would run the recording early, so it is skipped)."""
+        """The values, read to the host; None where that would stall the device or run a
+        DeferAndFuse recording early: then check them with :meth:`check_on_device`."""
         return self._read()
+
+    def check_on_device(self, find: Callable, error: Callable[[int], Exception]) -> None:
+        """Check the values on the device: ``find`` (jittable, the same function object for the
+        same check, so that its program is reused) maps them to an int array ``[bad, value]``;
+        when bad, ``error(value)`` is raised at the next host read."""
+        if self._on_device is not None:
+            self._on_device(find, error)
 
 
 def check(*targets) -> Callable:
@@ -56,21 +71,37 @@ def find(op: OpOverload) -> Callable | None:
     return CHECKS.get(op)
 
 
-def out_of_bounds(index, size: int, dim: int, negative: bool) -> IndexError | None:
-    """An IndexError for the first value of index outside dimension dim of the given size."""
+def out_of_bounds(index, size: int, dim: int, negative: bool,
+                  kind: type[Exception] = IndexError) -> Exception | None:
+    """An error of CPU's kind for that op (IndexError; RuntimeError for gather, scatter and
+    index_add) for the first value of index outside dimension dim of the given size."""
     if index is None:
         return None
     if index.dtype in (torch.bool, torch.uint8) or 0 in index.shape:
         return None  # masks are checked by shape, which PyTorch's meta kernels already do
+    low = -size if negative else 0
     values = index.values()
     if values is None:
+        index.check_on_device(_outside(low, size),
+                              functools.partial(_out_of_bounds, dim=dim, size=size, kind=kind))
         return None
-    low = -size if negative else 0
     bad = (values < low) | (values >= size)
     if not bad.any():
         return None
-    value = int(values[bad].flat[0])
-    return IndexError(f"index {value} is out of bounds for dimension {dim} with size {size}")
+    return _out_of_bounds(int(values[bad].flat[0]), dim, size, kind)
+
+
+def _out_of_bounds(value: int, dim: int, size: int, kind: type[Exception]) -> Exception:
+    return kind(f"index {value} is out of bounds for dimension {dim} with size {size}")
+
+
+@functools.lru_cache(maxsize=512)
+def _outside(low: int, size: int) -> Callable:
+    def find(values):
+        bad = ((values < low) | (values >= size)).ravel()
+        return jnp.stack([bad.any(), values.ravel()[jnp.argmax(bad)]]).astype(jnp.int64)
+
+    return find
 
 
 def _dim(x, dim: int) -> int:
@@ -84,13 +115,13 @@ def _size(x, dim: int) -> int:
 @check(aten.gather.default)
 def _gather(self, dim, index, *rest):
     d = _dim(self, dim)
-    return out_of_bounds(index, _size(self, d), d, negative=False)
+    return out_of_bounds(index, _size(self, d), d, negative=False, kind=RuntimeError)
 
 
 @check(aten.scatter, aten.scatter_add.default, aten.scatter_reduce.two)
 def _scatter(self, dim, index, *rest):
     d = _dim(self, dim)
-    return out_of_bounds(index, _size(self, d), d, negative=False)
+    return out_of_bounds(index, _size(self, d), d, negative=False, kind=RuntimeError)
 
 
 @check(aten.index_select.default)
@@ -176,12 +207,28 @@ def _masked_scatter(self, mask, source):
     if mask.dtype != torch.bool:
         return RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
                             f"dtype {mask.dtype}")
+    available = int(np.prod(source.shape))
     ones = mask.values()
-    if ones is not None and int(ones.sum()) > int(np.prod(source.shape)):
-        needed = int(ones.sum())
-        return RuntimeError("masked_scatter: expected source to have at least as many elements "
-                            f"as ones in mask ({needed}), got {int(np.prod(source.shape))}")
+    if ones is None:
+        mask.check_on_device(_more_ones_than(available),
+                             functools.partial(_source_too_small, available=available))
+    elif int(ones.sum()) > available:
+        return _source_too_small(int(ones.sum()), available)
     return None
+
+
+def _source_too_small(needed: int, available: int) -> RuntimeError:
+    return RuntimeError("masked_scatter: expected source to have at least as many elements as "
+                        f"ones in mask ({needed}), got {available}")
+
+
+@functools.lru_cache(maxsize=512)
+def _more_ones_than(available: int) -> Callable:
+    def find(mask):
+        ones = mask.sum(dtype=jnp.int64)
+        return jnp.stack([ones > available, ones]).astype(jnp.int64)
+
+    return find
 
 
 @check(aten.index_add.default)
@@ -192,7 +239,7 @@ def _index_add(self, dim, index, source, alpha=1):
     if source.ndim and self.ndim and expected != got:
         return RuntimeError("index_add_(): source tensor shape must match self tensor shape, "
                             "excluding the specified dimension")
-    return out_of_bounds(index, _size(self, d), d, negative=False)
+    return out_of_bounds(index, _size(self, d), d, negative=False, kind=RuntimeError)
 
 
 @check(aten.take.default)
@@ -215,12 +262,24 @@ def _multinomial(self, num_samples, replacement=False, generator=None):
                             "replacement")
     p = self.values()
     if p is None:
+        self.check_on_device(_bad_distribution, _distribution_error)
         return None
-    if not (np.isfinite(p) & (p >= 0)).all():
-        return RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    if (p.sum(-1) <= 0).any():
-        return RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-    return None
+    return _distribution_error(int(_bad_distribution(p)[1]))
+
+
+# What is wrong with multinomial's probabilities, by code (0: nothing), in CPU's words.
+_DISTRIBUTION_ERRORS = {1: "probability tensor contains either `inf`, `nan` or element < 0",
+                        2: "invalid multinomial distribution (sum of probabilities <= 0)"}
+
+
+def _bad_distribution(p):
+    xp = np if isinstance(p, np.ndarray) else jnp
+    code = xp.where(~(xp.isfinite(p) & (p >= 0)).all(), 1, xp.where((p.sum(-1) <= 0).any(), 2, 0))
+    return xp.stack([code > 0, code]).astype(xp.int64)
+
+
+def _distribution_error(code: int) -> RuntimeError | None:
+    return RuntimeError(_DISTRIBUTION_ERRORS[code]) if code else None
 
 
 @check(aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,

@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from torchtpu.device import asserts as _asserts
 from torchtpu.device import memory as _memory
 from torchtpu.device.control import (
     DeviceProperties,
@@ -66,6 +67,7 @@ def synchronize(device=None, wait: bool = True) -> None:
     _executor.flush()
     _wait(device, wait)
     _memory.sample()
+    _asserts.raise_pending()
 
 
 def is_materialized(t: torch.Tensor) -> bool:

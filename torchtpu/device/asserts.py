@@ -1,0 +1,53 @@
+"""Data checks the device runs: CUDA's device-side asserts, raised as Python errors instead.
+
+Some checks CPU makes need an argument's values: an index in bounds, a mask's count. Where those
+values are on the host for the asking (the CPU platform, a value already computed) the dispatcher
+checks them at the call. Where reading them would stall the device (a TPU or GPU) or run a
+DeferAndFuse recording early, the check runs on the device instead: a tiny program computes
+``[bad, value]`` next to the op (recorded into the same fused program while deferring), and the
+first host read after it (``.item()``, ``.cpu()``, printing, ``torch.tpu.synchronize()``) reads
+the flags and raises the error CPU would have raised, naming the op and the line that called it.
+As on CUDA, the failing op's result is garbage until then; unlike CUDA, the process goes on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+# A program that never reads to the host would let flags pile up: past this many, the oldest
+# half is read (their ops ran long ago, so that waits for little).
+MAX_PENDING = 64
+
+_pending: list = []  # (flags: [bad, value] array or pending value, error(value), where)
+
+
+def add(flags, error: Callable[[int], Exception], where: str) -> None:
+    """Raise ``error(value)`` at the next host read if flags (an int array ``[bad, value]``,
+    computed or pending) says bad; where says which call it came from."""
+    _pending.append((flags, error, where))
+    if len(_pending) > MAX_PENDING:
+        _raise(MAX_PENDING // 2)
+
+
+def raise_pending() -> None:
+    """Read every pending flag; raise the first failed check's error (all are cleared)."""
+    if _pending:
+        _raise(len(_pending))
+
+
+def _raise(n: int) -> None:
+    checked, _pending[:n] = _pending[:n], []
+    for flags, error, where in checked:
+        try:
+            bad, value = (int(v) for v in np.asarray(flags))
+        except RuntimeError:  # a DeferAndFuse flush that failed lost it, and said so then
+            continue
+        if bad:
+            del _pending[:]  # the process goes on: later checks are about a broken state
+            exc = error(value)
+            exc.add_note(f"Checked on the device and raised at the first host read after the "
+                         f"call {where}; the op's result is not valid.")
+            raise exc
+

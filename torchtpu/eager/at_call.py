@@ -1,0 +1,121 @@
+"""What is checked and adjusted at an op's call before the device runs it.
+
+- The op's check (``lowering/checks.py``): what CPU refuses that meta kernels do not, raised at
+  the user's line; a check of data whose values the host cannot read without stalling the
+  device runs on the device instead (``device/asserts.py``).
+- CUDA's rule for advanced indexing: CPU index tensors move to the device, counted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import torch
+
+from torchtpu import errors, metrics
+from torchtpu.device import asserts, tensors
+from torchtpu.eager import executor, schema
+from torchtpu.lowering import checks
+from torchtpu.runtime import platform
+
+OpOverload = torch._ops.OpOverload
+
+
+@functools.cache
+def _host_reads_stall() -> bool:
+    # On the CPU platform a computed value is host memory already; on a TPU or GPU reading it
+    # waits for the device, so checks of data run there instead (``device/asserts.py``).
+    return platform.platform() != "cpu"
+
+
+def _host_values(t: torch.Tensor):
+    if t.is_cpu:  # a CPU scalar, or an operand the op refuses for its device afterwards
+        return t.detach().numpy()
+    if not executor.is_materialized(t) or (_host_reads_stall() and tensors.capture is None):
+        return None
+    return np.asarray(tensors.read(t))
+
+
+def _arg(v, on_device: list):
+    if isinstance(v, torch.Tensor):
+        return checks.Arg(v.shape, v.dtype, functools.partial(_host_values, v),
+                          lambda find, error: on_device.append((v, find, error)))
+    if isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
+        return [_arg(x, on_device) for x in v]
+    return v
+
+
+@functools.cache
+def _device_check(find):
+    return jax.jit(find)
+
+
+def _check_on_device(op: OpOverload, on_device: list) -> None:
+    """Give the device the data checks a check handed it (none inside a capture, whose replays
+    could not raise them)."""
+    if tensors.capture is not None:
+        return
+    where = executor.user_location()
+    for t, find, error in on_device:
+        flags = tensors.call(_device_check(find), tensors.read(t))
+        asserts.add(flags, lambda value, error=error: _check_error(op, error(value)), where)
+
+
+def _check_error(op: OpOverload, error: Exception) -> Exception:
+    return type(error)(errors.message("check", f"{op}: {error}"))
+
+
+def checked(op: OpOverload, handle):
+    """handle, after the op's check (``lowering/checks.py``), or its functional twin's on the
+    same leading arguments, if it has one."""
+    functional = schema.functional_of(op)
+    own = checks.find(op)
+    check = own or (checks.find(functional) if functional is not None else None)
+    if check is None:
+        return handle
+    oi = schema.info(op)
+    n = len(schema.info(functional).names) if own is None else None
+
+    def run(args, kwargs):
+        values, outs = schema.bind(oi, args, kwargs)
+        on_device: list = []
+        # An op's own check also gets its out= arguments, after the others.
+        error = check(*(_arg(v, on_device)
+                        for v in (values[:n] if own is None else [*values, *outs])))
+        if error is not None:
+            # At the user's line: the check runs at the call, in every mode.
+            raise executor.at_user(_check_error(op, error))
+        if on_device:
+            _check_on_device(op, on_device)
+        return handle(args, kwargs)
+
+    return run
+
+
+# CUDA's rule for advanced indexing (ATen's AdvancedIndex): index tensors may live on CPU and
+# are moved to the indexed tensor's device. Only for these ops: any other CPU operand (but a
+# 0-dim one, as in TensorIterator) still raises "Expected all tensors to be on the same device".
+_CPU_INDICES = frozenset({"index", "index_put", "index_put_", "_index_put_impl_",
+                          "_unsafe_index", "_unsafe_index_put"})
+
+
+def moving_cpu_indices(op: OpOverload, handle):
+    if op._schema.name.split("::")[-1] not in _CPU_INDICES:
+        return handle
+
+    def move(i):
+        if isinstance(i, torch.Tensor) and i.is_cpu:
+            metrics.count("implicit_index_transfers")
+            return i.to("tpu")
+        return i
+
+    def run(args, kwargs):
+        if len(args) > 1:
+            args = (args[0], [move(i) for i in args[1]], *args[2:])
+        elif "indices" in kwargs:
+            kwargs = {**kwargs, "indices": [move(i) for i in kwargs["indices"]]}
+        return handle(args, kwargs)
+
+    return run
