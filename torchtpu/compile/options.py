@@ -22,6 +22,8 @@ class Options:
     bucket_size: int = 128
     num_dynamic_buckets: int = 4
     debug_callback: Callable | None = None
+    # A step function (one calling backward()) as one captured program per call (whole_step.py).
+    whole_step: bool = True
 
 
 _KNOWN = {f.name for f in dataclasses.fields(Options)}
@@ -62,6 +64,9 @@ def parse(mode: str | None, options: dict | None) -> Options:
     if not (isinstance(parsed.num_dynamic_buckets, int) and 1 <= parsed.num_dynamic_buckets <= 8):
         raise ValueError("torchtpu.compile: num_dynamic_buckets must be an int from 1 to 8, not "
                          f"{parsed.num_dynamic_buckets!r}")
+    if not isinstance(parsed.whole_step, bool):
+        raise ValueError("torchtpu.compile: whole_step must be True or False, not "
+                         f"{parsed.whole_step!r}")
     if parsed.debug_callback is not None and not callable(parsed.debug_callback):
         raise ValueError("torchtpu.compile: debug_callback must be callable (it receives the FX "
                          "graph and the "

@@ -34,6 +34,10 @@ from torchtpu.eager import executor
 from torchtpu.eager.capture import Capture, Captured, CaptureError
 
 
+class StateCreated(CaptureError):
+    """An optimizer's state was created inside a capture: warm-up steps must come first."""
+
+
 def _state_tensors(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple:
     state = opt.state.get(p, {})
     return tuple((k, v) for k, v in state.items() if isinstance(v, torch.Tensor))
@@ -47,12 +51,18 @@ def _hyperparameters(group: dict, fed_lr: bool) -> tuple:
 class _OptimizerWatch:
     """The optimizers stepped during one capture: their learning rates fed, their guards."""
 
-    def __init__(self, capture: Capture) -> None:
+    def __init__(self, capture: Capture, once: bool = False) -> None:
         self._capture = capture
+        self._once = once           # a capture replayed once: its first step may create state
         self._seen: dict = {}       # id -> optimizer
         self._swapped: list = []    # (group, lr) while a step runs
         self._fed: set = set()      # id(group) whose lr is an input of the program
         self._handles: list = []
+
+    @property
+    def fed(self) -> set:
+        """id() of each param group whose lr is an input of the program."""
+        return self._fed
 
     def install(self) -> None:
         self._handles = [register_optimizer_step_pre_hook(self._before),
@@ -69,7 +79,7 @@ class _OptimizerWatch:
         for group in opt.param_groups:
             for p in group["params"]:
                 for _, t in _state_tensors(opt, p):
-                    if t.device.type == "cpu" and t.dim() == 0:
+                    if not self._once and t.device.type == "cpu" and t.dim() == 0:
                         raise CaptureError(
                             f"torchtpu.capture: {type(opt).__name__} keeps its step count on the "
                             "CPU "
@@ -98,8 +108,8 @@ class _OptimizerWatch:
         for group in opt.param_groups:
             for p in group["params"]:
                 for name, t in _state_tensors(opt, p):
-                    if self._capture.created(t.untyped_storage()):
-                        raise CaptureError(
+                    if not self._once and self._capture.created(t.untyped_storage()):
+                        raise StateCreated(
                             f"torchtpu.capture: {type(opt).__name__}'s state {name!r} was created "
                             f"inside the capture, {executor.user_location()}: a replay would "
                             "create it afresh every step. Run a few warm-up steps before "

@@ -1,0 +1,368 @@
+"""``torch.compile(step, backend="tpu")`` of a whole training step: one XLA program per call.
+
+A step function (forward, ``loss.backward()``, ``clip_grad_norm_``, ``opt.step()``, in any
+order with ``zero_grad``) is not one Dynamo graph in torch 2.13: ``Optimizer.zero_grad`` is
+skipped by Dynamo, ``Optimizer.step`` calls ``torch._dynamo.graph_break()`` before and after
+itself on purpose, a returned loss whose ``grad_fn`` the in-graph backward consumed breaks the
+graph again (``trace_autograd_ops``), and a scheduler's new ``lr`` is a recompile. What Dynamo
+hands the backend is four graphs with AOTAutograd's and the autograd engine's host work between
+them (probed: 5 graphs, 3 deliberate breaks, one recompile per ``lr`` change).
+
+So the whole step is served by the captured-step machinery instead (``eager/capture.py``, the
+one behind ``torch.tpu.graph``): each call with a known input signature replays one captured
+program that reads and donates the parameters, gradients and optimizer state and rebinds their
+storages in place; no Dynamo, AOTAutograd or autograd engine runs. Measured on the TinyGPT step
+(``bench/captured.py``), that is what removes the host work Dynamo's path pays per call.
+
+How a call runs (``WholeStep``):
+- the first call runs eagerly, watching which optimizers step (their state must exist before a
+  capture, as CUDA Graphs require warm-up steps);
+- a call with a new signature (tensor shapes, dtypes and ``requires_grad``; other arguments by
+  value or identity; grad mode, autocast, matmul precision; the train/eval mode of every module
+  among the arguments and the function's globals and closure; the scalars it reads from them)
+  captures the step and replays it at once: every call is one training step;
+- a default optimizer (``capturable=False``) keeps its step count in CPU tensors, and its bias
+  correction would become a constant of the program: during the capture its groups run as
+  ``capturable=True`` on device step counts that each replay feeds from the CPU counts, which
+  replay then advances on the host. The optimizer's own state is left as eager leaves it;
+- a capturable group's ``lr`` is an input of the program, so a scheduler's change takes effect
+  without a recapture; any other hyperparameter, or a parameter, gradient or state tensor
+  replaced since the capture, recaptures (at most ``MAX_CAPTURES`` times, then Dynamo's path);
+- outputs the step computes (the loss) come back as new tensors each call, without ``grad_fn``.
+
+What cannot be one program (a host read such as ``.item()`` inside the step, a shape that
+depends on values, a CPU tensor argument, an argument written in place) is warned about once,
+naming the op and the line, and the function then runs through Dynamo's graphs as before.
+Python side effects inside the step (counters, prints, hooks, ``optimizer._step_count``) run at
+capture only, as with CUDA Graphs; a Python number the step reads from an object other than the
+function's own globals, closure and arguments is frozen at capture.
+
+Opt out with ``options={"whole_step": False}``; ``mode="reduce-overhead"`` and
+``dynamic=True`` keep their own paths.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import types
+import warnings
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.utils._pytree as pytree
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from torchtpu.eager.capture import Capture, CaptureError
+from torchtpu.eager.graphed import _bind, _binding, _move_out, context
+from torchtpu.eager.graphs import StateCreated, _hyperparameters, _OptimizerWatch, _state_tensors
+
+log = logging.getLogger("torchtpu.compile")
+
+# Captures per function (new signatures, changed hyperparameters) before Dynamo's path is used.
+MAX_CAPTURES = 8
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+
+class _CannotCapture(Exception):
+    """This call's step cannot be one captured program (the reason is the message)."""
+
+
+def mentions_backward(fn) -> bool:
+    """Whether fn's code (or code nested in it) calls something named ``backward``."""
+    code = getattr(fn, "__code__", None)
+    stack = [code] if isinstance(code, types.CodeType) else []
+    while stack:
+        c = stack.pop()
+        if "backward" in c.co_names:
+            return True
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return False
+
+
+def _leaf_key(x) -> tuple:
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "tpu":
+            raise _CannotCapture(f"a {x.device.type} tensor argument (a capture would freeze its "
+                                 "value); pass tpu tensors")
+        if not x.is_contiguous() or x.storage_offset() != 0 or \
+                x.numel() * x.element_size() != x.untyped_storage().nbytes():
+            raise _CannotCapture("a tensor argument that is a view of a larger storage")
+        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+    if isinstance(x, _SCALARS):
+        return ("value", type(x), x)
+    return ("object", id(x))
+
+
+def _environment(fn) -> list:
+    """The objects fn reads by name: its closure cells and the globals its code names."""
+    out = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+    names = fn.__code__.co_names
+    g = fn.__globals__
+    out.extend(g[n] for n in names if n in g)
+    return out
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 (an empty cell raises)
+    except ValueError:
+        return False
+    return True
+
+
+def _env_key(objects: list) -> tuple:
+    key = []
+    for x in objects:
+        if isinstance(x, _SCALARS):
+            key.append(("value", x))
+        elif isinstance(x, (torch.nn.Module, torch.optim.Optimizer)):
+            key.append(("object", id(x)))
+    return tuple(key)
+
+
+def _modules(objects) -> list:
+    out = []
+    for x in objects:
+        if isinstance(x, torch.nn.Module):
+            out.extend(x.modules())
+    return out
+
+
+class _Step:
+    """One captured step: its program, the storages calls bind, and the guards of a replay."""
+
+    def __init__(self, captured, binding, static, outputs, out_spec, fresh, optimizers,
+                 steps, grads_in, grads_out) -> None:
+        self.captured = captured
+        self.binding = binding            # the tensor arguments' storages, rebound each call
+        self.static = static              # the capture's own argument leaves
+        self.outputs = outputs            # the capture's output leaves
+        self.out_spec = out_spec
+        self.fresh = fresh                # output positions handed back as new tensors
+        self.steps = steps                # (cpu step tensor, step() calls) advanced per replay
+        self.grads_in = grads_in          # {param: .grad the program reads}
+        self.grads_out = grads_out        # [(param, .grad the step leaves)]
+        read = {id(st) for st in captured.storages_read()}
+        self.grads_in = {p: g for p, g in grads_in.items()
+                         if g is not None and id(g.untyped_storage()) in read}
+        self.guards = [(opt, [(group, fed, _hyperparameters(group, fed),
+                               [(p, p.untyped_storage(), _state_ids(opt, p))
+                                for p in group["params"]])
+                              for group, fed in groups]) for opt, groups in optimizers]
+
+    def stale(self) -> str | None:
+        """Why a replay would no longer match the capture, or None."""
+        for opt, groups in self.guards:
+            if len(opt.param_groups) != len(groups):
+                return f"{type(opt).__name__}'s param_groups changed"
+            for group, (captured, fed, hyper, params) in zip(opt.param_groups, groups):
+                if group is not captured or len(group["params"]) != len(params):
+                    return f"{type(opt).__name__}'s param_groups changed"
+                if _hyperparameters(group, fed) != hyper:
+                    changed = [k for k, v in hyper if group.get(k) != v]
+                    return f"{type(opt).__name__} hyperparameter(s) {changed} changed"
+                for p, (q, st, state) in zip(group["params"], params):
+                    if p is not q or p.untyped_storage() is not st or _state_ids(opt, p) != state:
+                        return f"a parameter or its {type(opt).__name__} state was replaced"
+        for p, g in self.grads_in.items():
+            if p.grad is not g:
+                return "a .grad the step accumulates into was replaced"
+        return None
+
+    def run(self, leaves: list):
+        _bind(self.binding, self.static, leaves, "argument")
+        self.captured.replay()
+        for t, n in self.steps:
+            t.add_(n)
+        for p, g in self.grads_out:
+            p.grad = g
+        out = [_move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
+        return pytree.tree_unflatten(out, self.out_spec)
+
+
+def _state_ids(opt, p) -> tuple:
+    return tuple((k, id(v)) for k, v in _state_tensors(opt, p))
+
+
+class _DeviceSteps:
+    """A non-capturable optimizer run as a capturable one for the length of a capture."""
+
+    def __init__(self, capture: Capture, optimizers: list) -> None:
+        self.steps: list = []     # (cpu step tensor) whose device twin the program advances
+        self._undo: list = []
+        for opt in optimizers:
+            for group in opt.param_groups:
+                if group.get("capturable", True):
+                    continue
+                self._undo.append((group, None, None))
+                group["capturable"] = True
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    cpu = state.get("step")
+                    if not (isinstance(cpu, torch.Tensor) and cpu.device.type == "cpu"):
+                        continue
+                    dev = torch.tensor(cpu.item(), dtype=torch.float32, device=p.device)
+                    capture.feed(dev.untyped_storage(),
+                                 functools.partial(_value, cpu, np.float32))
+                    state["step"] = dev
+                    self._undo.append((None, state, cpu))
+                    self.steps.append(cpu)
+
+    def restore(self) -> None:
+        for group, state, cpu in self._undo:
+            if group is not None:
+                group["capturable"] = False
+            else:
+                state["step"] = cpu
+        self._undo = []
+
+
+def _value(t: torch.Tensor, dtype) -> np.ndarray:
+    return np.asarray(t.item(), dtype)
+
+
+class WholeStep:
+    """A step function compiled whole: see the module docstring."""
+
+    def __init__(self, fn: Callable, dynamo: Callable[[], Callable]) -> None:
+        functools.update_wrapper(self, fn)
+        self._fn = fn
+        self._dynamo_factory = dynamo
+        self._dynamo: Callable | None = None
+        self._optimizers: dict = {}    # id -> optimizer stepped by fn
+        self._steps: dict = {}         # signature -> _Step
+        self._captures = 0
+        self._reason: str | None = None  # why fn runs through Dynamo's graphs instead
+
+    def __call__(self, *args, **kwargs):
+        if self._reason is not None:
+            return self._through_dynamo(args, kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        env = _environment(self._fn)
+        try:
+            key = (tuple(_leaf_key(x) for x in leaves), _env_key(env),
+                   context(_modules([*leaves, *env])))
+        except _CannotCapture as e:
+            return self._give_up(str(e), args, kwargs)
+        step = self._steps.get(key)
+        if step is not None:
+            why = step.stale()
+            if why is None:
+                return step.run(leaves)
+            log.info("torchtpu.compile: whole step %s: %s since the capture; capturing again",
+                     self.__name__, why)
+        if self._captures >= MAX_CAPTURES:
+            return self._give_up(f"captured {MAX_CAPTURES} times (signatures, hyperparameters "
+                                 "or tensors keep changing)", args, kwargs)
+        try:
+            return self._capture(key, leaves, args, kwargs, once=not self._optimizers)
+        except _NewState:
+            return self._capture(key, leaves, args, kwargs, once=True)
+        except _CannotCapture as e:
+            return self._give_up(str(e), args, kwargs)
+
+    def _capture(self, key, leaves: list, args, kwargs, once: bool):
+        """Capture this call's step and run it. A first step (``once``) creates optimizer state,
+        which a replay would create afresh: it runs once and is not kept."""
+        known = list(self._optimizers.values())
+        params = [p for opt in known for g in opt.param_groups for p in g["params"]]
+        grads_in = {p: p.grad for p in params}
+        capture = Capture()
+        device_steps = _DeviceSteps(capture, [] if once else known)
+        watch = _OptimizerWatch(capture, once=once)
+        stepped: dict = {}
+
+        def seen(opt, a, k) -> None:
+            stepped[id(opt)] = stepped.get(id(opt), 0) + 1
+            self._optimizers.setdefault(id(opt), opt)
+
+        handle = register_optimizer_step_pre_hook(seen)
+        watch.install()
+        try:
+            capture.begin()
+            try:
+                out = self._fn(*args, **kwargs)
+            except BaseException:
+                capture.abort()
+                for p, g in grads_in.items():
+                    p.grad = g
+                raise
+            captured = capture.finish()
+        except CaptureError as e:
+            if not once and (isinstance(e, StateCreated) or set(stepped) - {id(o) for o in known}):
+                raise _NewState from e
+            raise _CannotCapture(str(e)) from e
+        finally:
+            watch.remove()
+            handle.remove()
+            device_steps.restore()
+        written = {id(st) for st in captured.storages_written()}
+        if any(isinstance(t, torch.Tensor) and id(t.untyped_storage()) in written
+               for t in leaves):
+            raise _CannotCapture("the step writes one of its tensor arguments in place")
+        flat_out, out_spec = pytree.tree_flatten(out)
+        grads_out = [(p, p.grad) for p in params]
+        grad_ids = {id(g) for _, g in grads_out if g is not None}
+        fresh = {k for k, o in enumerate(flat_out)
+                 if isinstance(o, torch.Tensor) and id(o) not in grad_ids
+                 and capture.created(o.untyped_storage())}
+        steps = [(t, stepped.get(id(opt), 0)) for opt in known
+                 for t in _cpu_steps(opt, device_steps.steps)]
+        groups = [(opt, [(g, id(g) in watch.fed) for g in opt.param_groups]) for opt in known]
+        step = _Step(captured, _binding(leaves), leaves, flat_out, out_spec, fresh, groups,
+                     steps, grads_in, grads_out)
+        self._captures += 1
+        if not once:
+            self._steps[key] = step
+        return step.run(leaves)
+
+    def _give_up(self, reason: str, args, kwargs):
+        self._reason = reason
+        warnings.warn(f"torchtpu.compile: the whole step {self.__name__} cannot run as one "
+                      f"captured program: {reason}. It runs through Dynamo's graphs (several "
+                      "programs per call).", stacklevel=3)
+        return self._through_dynamo(args, kwargs)
+
+    def _through_dynamo(self, args, kwargs):
+        if self._dynamo is None:
+            self._dynamo = self._dynamo_factory()
+        return self._dynamo(*args, **kwargs)
+
+
+class _NewState(Exception):
+    """An optimizer's state was created inside a steady-state capture: capture a first step."""
+
+
+def _cpu_steps(opt, steps: list) -> list:
+    mine = {id(s) for s in steps}
+    return [s["step"] for s in opt.state.values()
+            if isinstance(s.get("step"), torch.Tensor) and id(s["step"]) in mine]
+
+
+def install() -> None:
+    """Route ``torch.compile(fn, backend="tpu")`` of a step function to ``WholeStep``."""
+    original = torch.compile
+    if getattr(original, "_torchtpu_whole_step", False):
+        return
+
+    @functools.wraps(original)
+    def compile_(model=None, **kwargs):
+        if model is None:
+            return lambda fn: compile_(fn, **kwargs)
+        if _wants_whole_step(model, kwargs):
+            return WholeStep(model, functools.partial(original, model, **kwargs))
+        return original(model, **kwargs)
+
+    compile_._torchtpu_whole_step = True
+    torch.compile = compile_
+
+
+def _wants_whole_step(model, kwargs: dict) -> bool:
+    options = kwargs.get("options") or {}
+    return (kwargs.get("backend") == "tpu" and isinstance(model, types.FunctionType)
+            and kwargs.get("mode") in (None, "default") and not kwargs.get("dynamic")
+            and not kwargs.get("disable") and options.get("whole_step", True) is True
+            and mentions_backward(model))
