@@ -362,7 +362,10 @@ def install() -> None:
 
 def _wants_whole_step(model, kwargs: dict) -> bool:
     options = kwargs.get("options") or {}
+    if not isinstance(options.get("whole_step", True), bool):
+        raise ValueError("torchtpu.compile: whole_step must be True or False, not "
+                         f"{options['whole_step']!r}")
     return (kwargs.get("backend") == "tpu" and isinstance(model, types.FunctionType)
             and kwargs.get("mode") in (None, "default") and not kwargs.get("dynamic")
-            and not kwargs.get("disable") and options.get("whole_step", True) is True
+            and not kwargs.get("disable") and options.get("whole_step", True)
             and mentions_backward(model))

@@ -38,6 +38,12 @@ def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     return storage
 
 
+def next_address() -> int:
+    """The address the next storage will get: every storage made from now on is at or above it."""
+    with _lock:
+        return _next_address[0]
+
+
 def set_nbytes(storage: torch.UntypedStorage, nbytes: int) -> None:
     """Give storage a new byte size and a fresh address range in place, its array untouched.
 

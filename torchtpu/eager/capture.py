@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchtpu import metrics
-from torchtpu.device import random, tensors
+from torchtpu.device import random, storage, tensors
 from torchtpu.device.views import _bitcast_flat
 from torchtpu.eager import executor
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
@@ -152,9 +152,8 @@ class Capture:
         self._fed[id(st._tpu_array)] = (fn, st._tpu_array)  # st itself may die first
 
     def created(self, st) -> bool:
-        """Whether storage st was first written inside this capture (it held nothing before)."""
-        entry = self._storages.get(id(st))
-        return entry is not None and entry[0]() is st and entry[1] is None
+        """Whether storage st was made inside this capture (storage addresses only grow)."""
+        return st.data_ptr() >= self._first_address
 
     @contextlib.contextmanager
     def paused(self):
@@ -170,6 +169,7 @@ class Capture:
             raise CaptureError("torchtpu.capture: a graph capture is already in progress; captures "
                                "do not nest")
         executor.flush()  # DeferAndFuse's pending work runs first: it is not part of the capture
+        self._first_address = storage.next_address()
         self._previous = executor.current()
         self._capturing = _Capturing(self)
         executor.set_current(self._capturing)
@@ -231,11 +231,13 @@ class Capture:
             st = by_array.get(id(x)) if isinstance(x, jax.Array) else None
             if isinstance(x, jax.Array) and id(x) in self._fed:
                 sources.append((FED, self._fed[id(x)][0], None))
-            elif st is not None:
+            elif st is not None and not self.created(st):
                 sources.append((STORAGE, st, (x.shape, x.dtype)))
             elif isinstance(x, np.ndarray) and id(x) in self._draws:
                 sources.append((KEY, self._draws[id(x)][0], None))
             else:
+                # A storage made inside the capture was read before it was written: its value
+                # then is no earlier step's but the zeros it was made with, the same every replay.
                 sources.append((CONST, x, None))
         return sources
 

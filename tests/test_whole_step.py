@@ -1,0 +1,144 @@
+"""``torch.compile(step, backend="tpu")`` of a whole training step: one program per call, the
+losses of eager training (default and capturable AdamW), a scheduled lr without a recapture,
+guards that recapture, and a step that cannot be one program warned about and run correctly."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtpu import metrics
+
+N, D_IN, H, D_OUT = 16, 12, 20, 6
+
+
+def _nets():
+    torch.manual_seed(3)
+    cpu = torch.nn.Sequential(torch.nn.Linear(D_IN, H), torch.nn.GELU(), torch.nn.Linear(H, D_OUT))
+    return cpu, copy.deepcopy(cpu).to("tpu")
+
+
+def _batches(n: int, rows: int = N) -> list:
+    gen = torch.Generator().manual_seed(4)
+    return [(torch.randn(rows, D_IN, generator=gen), torch.randn(rows, D_OUT, generator=gen))
+            for _ in range(n)]
+
+
+def step(model, opt, x, y):
+    loss = F.mse_loss(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    opt.step()
+    return loss
+
+
+def _counts() -> dict:
+    m = metrics.snapshot()
+    return {k: m.get(k, 0) for k in ("executions", "captures", "compiled_graphs")}
+
+
+def _delta(before: dict) -> dict:
+    after = _counts()
+    return {k: after[k] - v for k, v in before.items()}
+
+
+@pytest.mark.parametrize("capturable", [False, True])
+def test_whole_step_is_one_program_per_call_with_eager_losses_and_a_scheduled_lr(capturable):
+    cpu, dev = _nets()
+    cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=0.02, weight_decay=0.1)
+    dev_opt = torch.optim.AdamW(dev.parameters(), lr=0.02, weight_decay=0.1,
+                                capturable=capturable)
+    compiled = torch.compile(step, backend="tpu")
+    for i, (x, y) in enumerate(_batches(6)):
+        if i == 4:  # a scheduler's change: an input of the program, not a recapture
+            for opt in (cpu_opt, dev_opt):
+                opt.param_groups[0]["lr"] = 0.005
+        before = _counts()
+        loss = compiled(dev, dev_opt, x.to("tpu"), y.to("tpu"))
+        delta = _delta(before)
+        expected = step(cpu, cpu_opt, x, y)
+        torch.testing.assert_close(loss.cpu(), expected.detach(), atol=2e-6, rtol=2e-6)
+        # Every call is one program; the first step and the steady state are captured once each.
+        assert delta["executions"] == 1 and delta["compiled_graphs"] == 0, (i, delta)
+        assert delta["captures"] == (1 if i < 2 else 0), (i, delta)
+    for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
+        step_count = dev_opt.state[p]["step"]
+        assert step_count.is_cpu != capturable and step_count.item() == 6
+    # Each call's loss is its own tensor (a later replay does not overwrite it).
+    assert loss is not compiled(dev, dev_opt, *(t.to("tpu") for t in _batches(1)[0]))
+
+
+def test_whole_step_guards_recapture_for_new_shapes_modes_and_hyperparameters():
+    cpu, dev = _nets()
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.05, momentum=0.9)
+    dev_opt = torch.optim.SGD(dev.parameters(), lr=0.05, momentum=0.9)
+
+    def train(x, y):  # the model and optimizer come from the closure, not the arguments
+        dev_opt.zero_grad()
+        loss = F.mse_loss(dev(x), y)
+        loss.backward()
+        dev_opt.step()
+        return loss
+
+    def expected(x, y):
+        cpu_opt.zero_grad()
+        loss = F.mse_loss(cpu(x), y)
+        loss.backward()
+        cpu_opt.step()
+        return loss.detach()
+
+    compiled = torch.compile(train, backend="tpu")
+    batches = _batches(3) + _batches(2, rows=5)
+    captures = []
+    for i, (x, y) in enumerate(batches):
+        if i == 2:
+            for opt in (cpu_opt, dev_opt):  # SGD's lr is a constant of the program
+                opt.param_groups[0]["lr"] = 0.02
+        loss = compiled(x.to("tpu"), y.to("tpu"))
+        torch.testing.assert_close(loss.cpu(), expected(x, y), atol=2e-6, rtol=2e-6)
+        captures.append(metrics.snapshot().get("captures", 0))
+    # Captured: the first step, the steady state, again for the new lr, again for 5 rows.
+    assert [c - captures[0] for c in captures] == [0, 1, 2, 3, 3]
+    dev.eval()
+    cpu.eval()
+    before = _counts()
+    x, y = batches[0]
+    loss = compiled(x.to("tpu"), y.to("tpu"))
+    torch.testing.assert_close(loss.cpu(), expected(x, y), atol=2e-6, rtol=2e-6)
+    assert _delta(before)["captures"] == 1  # eval mode is another signature
+
+
+def test_a_step_that_cannot_be_one_program_says_why_and_runs_through_dynamo(fresh_dynamo):
+    cpu, dev = _nets()
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.05)
+    dev_opt = torch.optim.SGD(dev.parameters(), lr=0.05)
+    seen = []
+
+    def logging_step(model, opt, x, y):
+        loss = F.mse_loss(model(x), y)
+        seen.append(loss.item())  # a host read: no value exists while capturing
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        return loss
+
+    compiled = torch.compile(logging_step, backend="tpu")
+    for i, (x, y) in enumerate(_batches(2)):
+        if i == 0:
+            with pytest.warns(UserWarning, match=r"cannot run as one captured program: "
+                              r"torchtpu.capture: a host read .*test_whole_step.py:\d+"):
+                loss = compiled(dev, dev_opt, x.to("tpu"), y.to("tpu"))
+        else:
+            loss = compiled(dev, dev_opt, x.to("tpu"), y.to("tpu"))
+        torch.testing.assert_close(loss.cpu(), logging_step(cpu, cpu_opt, x, y).detach(),
+                                   atol=2e-6, rtol=2e-6)
+    assert len(seen) == 4
+
+
+def test_whole_step_option_is_checked():
+    with pytest.raises(ValueError, match="torchtpu.compile: whole_step must be True or False"):
+        torch.compile(step, backend="tpu", options={"whole_step": "yes"})
