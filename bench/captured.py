@@ -1,12 +1,14 @@
 """Captured steps (torch.tpu.TPUGraph) against Strict eager, torch.compile and jax.jit.
 
 The TinyGPT training step of ``bench/compile.py`` (2 layers, width 64, sequence 32, batch 8,
-AdamW with clipping; same weights and batches), run five ways in one process: Strict eager, the
-whole step under ``torch.compile(backend="tpu")`` in the default mode and in
+AdamW with clipping; same weights and batches), run seven ways in one process: Strict eager, the
+whole step under ``torch.compile(backend="tpu")`` (one captured program per call,
+``compile/whole_step.py``) with ``AdamW(capturable=True)`` and with the default AdamW, the same
+compile as Dynamo's graphs (``options={"whole_step": False}``) and in
 ``mode="reduce-overhead"``, the step captured once with ``torch.tpu.graph`` and replayed
 (``static_x.copy_(x)``, ``g.replay()``, read ``static_loss``: the pattern of PyTorch's CUDA Graphs
-notes), and the same step in one ``jax.jit``. The torch runs use
-``AdamW(capturable=True)`` so that all of them run the same optimizer.
+notes), and the same step in one ``jax.jit``. The torch runs use ``AdamW(capturable=True)``
+unless said otherwise, so that they run the same optimizer.
 
     python bench/captured.py [--steps 20] [--warmup 4]
 """
@@ -28,14 +30,14 @@ cb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cb)
 
 
-def _optimizer(model):
+def _optimizer(model, capturable: bool = True):
     return torch.optim.AdamW(model.parameters(), lr=cb.LR, betas=cb.BETAS, eps=cb.EPS,
-                             weight_decay=cb.WD, capturable=True)
+                             weight_decay=cb.WD, capturable=capturable)
 
 
-def _eager_run(step, batches, warmup: int) -> tuple[float, list]:
+def _eager_run(step, batches, warmup: int, capturable: bool = True) -> tuple[float, list]:
     model = cb._model().to("tpu")
-    opt = _optimizer(model)
+    opt = _optimizer(model, capturable)
     losses = []
     for i, (x, y) in enumerate(batches):
         if i == warmup:
@@ -80,7 +82,12 @@ def main() -> None:
     args = parser.parse_args()
     batches = cb._batches(args.warmup + args.steps + 1)
     captured, g_losses, capture = _captured_run(batches, args.warmup)
-    compiled, c_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup)
+    whole, w_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup)
+    default, d_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup,
+                                   capturable=False)
+    compiled, c_losses = _eager_run(
+        torch.compile(cb._step, backend="tpu", options={"whole_step": False}), batches,
+        args.warmup)
     torch._dynamo.reset()
     reduced, r_losses = _eager_run(torch.compile(cb._step, backend="tpu", mode="reduce-overhead"),
                                    batches, args.warmup)
@@ -90,16 +97,19 @@ def main() -> None:
           f"AdamW(capturable=True) + clipping; {args.steps} timed steps after {args.warmup} "
           f"warmup; platform {torchtpu.runtime.platform.platform()}; load "
           f"{os.getloadavg()[0]:.2f}")
-    print(f"{'run':<26}{'ms/step':>9}{'vs Strict':>11}{'vs JAX':>8}{'last loss':>11}")
+    print(f"{'run':<28}{'ms/step':>9}{'vs Strict':>11}{'vs JAX':>8}{'last loss':>11}")
     for name, sec, losses in (("captured (TPUGraph)", captured, g_losses),
-                              ("torch.compile tpu", compiled, c_losses),
+                              ("whole-step compile", whole, w_losses),
+                              ("whole-step, default AdamW", default, d_losses),
+                              ("compile, Dynamo graphs", compiled, c_losses),
                               ("compile reduce-overhead", reduced, r_losses),
                               ("tpu Strict eager", strict, s_losses),
                               ("jax.jit, same step", direct, j_losses)):
-        print(f"{name:<26}{sec * 1e3:>9.2f}{strict / sec:>10.2f}x{direct / sec:>7.2f}x"
+        print(f"{name:<28}{sec * 1e3:>9.2f}{strict / sec:>10.2f}x{direct / sec:>7.2f}x"
               f"{losses[-1]:>11.4f}")
     print(f"capture took {capture * 1e3:.0f} ms (recording only: nothing runs)")
-    for name, losses in (("captured", g_losses), ("reduce-overhead", r_losses),
+    for name, losses in (("captured", g_losses), ("whole-step", w_losses),
+                         ("whole-step default AdamW", d_losses), ("reduce-overhead", r_losses),
                          ("Strict", s_losses)):
         diff = max(abs(a - b) for a, b in zip(losses, j_losses, strict=True))
         print(f"max |loss difference| {name} vs JAX over {len(batches)} steps: {diff:.2e}")

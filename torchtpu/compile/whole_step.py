@@ -142,12 +142,17 @@ class _Step:
         self.outputs = outputs            # the capture's output leaves
         self.out_spec = out_spec
         self.fresh = fresh                # output positions handed back as new tensors
-        self.steps = steps                # (cpu step tensor, step() calls) advanced per replay
-        self.grads_in = grads_in          # {param: .grad the program reads}
-        self.grads_out = grads_out        # [(param, .grad the step leaves)]
+        # (step() calls, the CPU step counts they advance) per optimizer, advanced per replay.
+        by_calls: dict = {}
+        for t, n in steps:
+            by_calls.setdefault(n, []).append(t)
+        self.steps = [(n, ts) for n, ts in by_calls.items() if n]
+        # The .grad a call must find where the program reads it (backward accumulating into
+        # it); any other .grad the step replaces, as its Python did at capture.
         read = {id(st) for st in captured.storages_read()}
         self.grads_in = {p: g for p, g in grads_in.items()
                          if g is not None and id(g.untyped_storage()) in read}
+        self.grads_out = grads_out        # [(param, .grad the step leaves)]
         self.guards = [(opt, [(group, fed, _hyperparameters(group, fed),
                                [(p, p.untyped_storage(), _state_ids(opt, p))
                                 for p in group["params"]])
@@ -175,10 +180,11 @@ class _Step:
     def run(self, leaves: list):
         _bind(self.binding, self.static, leaves, "argument")
         self.captured.replay()
-        for t, n in self.steps:
-            t.add_(n)
+        for n, counts in self.steps:
+            torch._foreach_add_(counts, n)
         for p, g in self.grads_out:
-            p.grad = g
+            if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
+                p.grad = g
         out = [_move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
         return pytree.tree_unflatten(out, self.out_spec)
 
