@@ -1,0 +1,345 @@
+"""Benchmark registry: model rows x forms, one table of step times, start-up cost and memory.
+
+Each row is one model (``MODELS``: small configs of Hugging Face Llama-3.2, Gemma-3 and Qwen3
+built from configs with random weights, the TinyGPT of ``bench/compile.py``, timm ResNet-50 and
+ViT) in one kind (``forward``: the loss under ``no_grad``; ``train``: one AdamW step, zero_grad +
+forward + backward (+ clipping where the row asks for it) + ``opt.step()``) and one form
+(``FORMS``): native CPU eager, tpu Strict, tpu DeferAndFuse, the whole step under
+``torch.compile(backend="tpu")``, the step captured once with ``torch.tpu.graph`` and replayed,
+and the same step in one ``jax.jit`` where a JAX port exists (only TinyGPT has one).
+
+Per row: the post-warm-up step time (mean of the timed steps, each ending in a host read of the
+loss), the first step's time (for the captured form: capture + first replay, after one eager step
+that creates the optimizer state), the warm-up overhead (the untimed steps' time beyond that many
+steady steps), the peak device memory above the row's starting point (``torch.tpu``'s figures;
+on XLA:CPU they are the live arrays sampled after each step, so in-program temporaries are not
+seen), the ratios to Strict, CPU eager and JAX, and the largest loss difference from CPU eager.
+
+    python bench/registry.py [--models llama-3.2,qwen3] [--kinds train] [--forms strict,captured]
+                             [--steps 5] [--warmup 2] [--threads 1] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import importlib.util
+import json
+import os
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+_spec = importlib.util.spec_from_file_location(
+    "bench_compile", os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile.py"))
+cb = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cb)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """One registry model: how to build it, feed it and score it."""
+
+    name: str
+    build: Callable[[], torch.nn.Module]      # seeded, on CPU
+    batch: Callable[[torch.Generator], tuple]  # (input, target) on CPU
+    loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+    max_norm: float | None = None              # gradient clipping in the train step
+    jax: Callable | None = None                # (kind, batches) -> (step times, losses)
+
+
+def tokens(vocab: int, seq: int, batch: int) -> Callable[[torch.Generator], tuple]:
+    def draw(gen: torch.Generator) -> tuple:
+        x = torch.randint(vocab, (batch, seq + 1), generator=gen)
+        return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    return draw
+
+
+def _images(size: int, classes: int, batch: int) -> Callable[[torch.Generator], tuple]:
+    def draw(gen: torch.Generator) -> tuple:
+        return (torch.randn(batch, 3, size, size, generator=gen),
+                torch.randint(classes, (batch,), generator=gen))
+    return draw
+
+
+HF_VOCAB, HF_SEQ, HF_BATCH = 256, 32, 4
+_HF_COMMON = dict(vocab_size=HF_VOCAB, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=128, attn_implementation="sdpa")
+# Each family's distinguishing features, kept at small sizes: Llama-3.2's tied head and llama3
+# RoPE scaling, Gemma-3's sliding/full attention layers and head_dim, Qwen3's q/k norms.
+HF_CONFIGS = {
+    "llama-3.2": ("LlamaConfig", dict(tie_word_embeddings=True, rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=32.0, low_freq_factor=1.0,
+        high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "gemma-3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=16,
+                                         layer_types=["sliding_attention", "full_attention"])),
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+}
+
+
+def hf(name: str, **overrides) -> Callable[[], torch.nn.Module]:
+    """A builder of HF_CONFIGS[name]'s model, with config fields overridden."""
+    def build() -> torch.nn.Module:
+        import transformers
+        config_class, extra = HF_CONFIGS[name]
+        torch.manual_seed(0)
+        config = getattr(transformers, config_class)(**{**_HF_COMMON, **extra, **overrides})
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return build
+
+
+def _timm(arch: str, **kwargs) -> Callable[[], torch.nn.Module]:
+    def build() -> torch.nn.Module:
+        import timm  # needs torchvision: see SKIPPED
+        torch.manual_seed(0)
+        return timm.create_model(arch, pretrained=False, **kwargs)
+    return build
+
+
+def hf_loss(model, x, y):
+    return F.cross_entropy(model(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
+def _classifier_loss(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _tinygpt_jax(kind: str, batches: list) -> tuple[list, list]:
+    """TinyGPT's step in one jax.jit: bench/compile.py's port (same weights and batches)."""
+    p = cb._jax_params(cb._model())
+    data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches]
+    if kind == "forward":
+        fn = jax.jit(cb._jax_loss)
+        call = lambda x, y: fn(p, x, y)  # noqa: E731
+    else:
+        step = jax.jit(cb._jax_step, donate_argnums=(0, 1, 2))
+        state = [p, jax.tree.map(jnp.zeros_like, p), jax.tree.map(jnp.zeros_like, p),
+                 jnp.zeros((), jnp.float32)]
+
+        def call(x, y):
+            *state[:], loss = step(*state, x, y)  # the new parameters, moments and count
+            return loss
+    # The arrays live on the device torchtpu measures, so its figures hold for JAX too.
+    return _timed(lambda i: float(call(*data[i])), len(batches), torch.tpu.max_memory_allocated)
+
+
+MODELS = {m.name: m for m in (
+    *(Model(name, hf(name), tokens(HF_VOCAB, HF_SEQ, HF_BATCH), hf_loss)
+      for name in HF_CONFIGS),
+    Model("tinygpt", cb._model, tokens(cb.VOCAB, cb.BLOCK, cb.BATCH),
+          lambda m, x, y: m(x, y)[1], max_norm=cb.MAX_NORM, jax=_tinygpt_jax),
+    Model("resnet-50", _timm("resnet50", num_classes=10), _images(64, 10, 2), _classifier_loss),
+    Model("vit", _timm("vit_tiny_patch16_224", img_size=64, num_classes=10), _images(64, 10, 2),
+          _classifier_loss),
+)}
+SKIPPED = {"resnet-50": "timm needs torchvision, and PyPI's only torchvision for torch 2.13 is a "
+                        "CUDA build that does not load against torch 2.13.0+cpu",
+           "vit": "as resnet-50 (timm)"}
+KINDS = ("forward", "train")
+
+
+def _timed(step: Callable[[int], float], n: int, sample=lambda: None) -> tuple[list, list]:
+    times, losses = [], []
+    for i in range(n):
+        start = time.perf_counter()
+        losses.append(step(i))
+        times.append(time.perf_counter() - start)
+        sample()
+    return times, losses
+
+
+def _optimizer(model: torch.nn.Module, capturable: bool) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=cb.LR, betas=cb.BETAS, eps=cb.EPS,
+                             weight_decay=cb.WD, capturable=capturable)
+
+
+def _body(spec: Model, kind: str, model, opt) -> Callable:
+    """The step without zero_grad (what a capture records), returning the loss."""
+    if kind == "forward":
+        def forward(x, y):
+            with torch.no_grad():
+                return spec.loss(model, x, y)
+        return forward
+
+    def train(x, y):
+        loss = spec.loss(model, x, y)
+        loss.backward()
+        if spec.max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), spec.max_norm)
+        opt.step()
+        return loss
+    return train
+
+
+def _step(body: Callable, opt) -> Callable:
+    def step(x, y):
+        opt.zero_grad(set_to_none=True)
+        return body(x, y)
+    return step
+
+
+def _eager(device: str, mode=None, compiled: bool = False) -> Callable:
+    def run(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+        model = spec.build().to(device)
+        opt = _optimizer(model, capturable=device != "cpu")
+        step = _step(_body(spec, kind, model, opt), opt)
+        if compiled:
+            torch._dynamo.reset()
+            step = torch.compile(step, backend="tpu")
+        data = [(x.to(device), y.to(device)) for x, y in batches]
+        context = torch.tpu.set_eager_mode(mode) if mode else contextlib.nullcontext()
+        sample = torch.tpu.max_memory_allocated if device != "cpu" else lambda: None
+        with context:
+            return _timed(lambda i: step(*data[i]).item(), len(batches), sample)
+    return run
+
+
+def _captured(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+    """The CUDA Graphs notes' pattern: one eager step, capture, then copy_ + replay per step."""
+    model = spec.build().to("tpu")
+    opt = _optimizer(model, capturable=True)
+    body = _body(spec, kind, model, opt)
+    static_x, static_y = (t.to("tpu") for t in batches[0])
+    graph, static_loss = torch.tpu.TPUGraph(), None
+
+    def step(i: int) -> float:
+        nonlocal static_loss
+        static_x.copy_(batches[i][0])
+        static_y.copy_(batches[i][1])
+        if i == 0:  # creates the optimizer state outside the capture
+            return _step(body, opt)(static_x, static_y).item()
+        if static_loss is None:
+            opt.zero_grad(set_to_none=True)
+            with torch.tpu.graph(graph):
+                static_loss = body(static_x, static_y)
+        graph.replay()
+        return static_loss.item()
+    return _timed(step, len(batches), torch.tpu.max_memory_allocated)
+
+
+def _jax(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+    return spec.jax(kind, batches)
+
+
+FORMS = {
+    "cpu": _eager("cpu"),
+    "strict": _eager("tpu", torch.tpu.EagerMode.DEFER_NEVER),
+    "defer": _eager("tpu", torch.tpu.EagerMode.DEFER_AND_FUSE),
+    "compile": _eager("tpu", compiled=True),
+    "captured": _captured,
+    "jax": _jax,
+}
+
+
+def run_row(model: str | Model, kind: str, form: str, steps: int, warmup: int) -> dict:
+    """One registry row's figures (times in seconds, memory in bytes, None where not measured).
+
+    ``model`` is a name in MODELS or a Model of one's own."""
+    spec = MODELS[model] if isinstance(model, str) else model
+    # The captured form's first step is its eager step, its second the capture and first replay.
+    lead = 1 if form == "captured" else 0
+    warmup = max(warmup, 2 * lead)
+    gen = torch.Generator().manual_seed(1)
+    batches = [spec.batch(gen) for _ in range(warmup + steps)]
+    gc.collect()
+    torch.tpu.reset_peak_memory_stats()
+    base = torch.tpu.memory_allocated()
+    times, losses = FORMS[form](spec, kind, batches)
+    steady = sum(times[warmup:]) / steps
+    on_device = form not in ("cpu", "jax")
+    return {"model": spec.name, "kind": kind, "form": form, "steady": steady, "first": times[lead],
+            "overhead": sum(times[:warmup]) - warmup * steady,
+            "peak": torch.tpu.max_memory_allocated() - base if form != "cpu" else None,
+            "device": on_device, "losses": losses}
+
+
+def _cell(value, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def table(rows: list) -> str:
+    """The rows as a markdown table, with ratios to the same model and kind's other forms."""
+    by = {(r["model"], r["kind"], r["form"]): r for r in rows}
+    lines = ["| model | kind | form | ms/step | first step ms | warm-up overhead s | peak MB "
+             "| vs Strict | vs CPU | vs JAX | max loss diff vs CPU |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        ratios = []
+        for other in ("strict", "cpu", "jax"):
+            ref = by.get((r["model"], r["kind"], other))
+            ratios.append(None if ref is None else ref["steady"] / r["steady"])
+        cpu = by.get((r["model"], r["kind"], "cpu"))
+        diff = None if cpu is None else max(
+            abs(a - b) for a, b in zip(r["losses"], cpu["losses"], strict=True))
+        peak = None if r["peak"] is None else r["peak"] / 2**20
+        lines.append(
+            f"| {r['model']} | {r['kind']} | {r['form']} | {r['steady'] * 1e3:.2f} | "
+            f"{r['first'] * 1e3:.0f} | {r['overhead']:.2f} | {_cell(peak, '.1f')} | "
+            + " | ".join(_cell(x, ".2f") + ("x" if x is not None else "") for x in ratios)
+            + f" | {_cell(diff, '.1e')} |")
+    return "\n".join(lines)
+
+
+def _names(text: str, known) -> list:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"torchtpu.argument: unknown {unknown}; choose from {list(known)}")
+    return names
+
+
+def main(argv: list | None = None) -> list:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(m for m in MODELS if m not in SKIPPED))
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--forms", default=",".join(FORMS))
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
+    parser.add_argument("--threads", type=int, help="torch's CPU threads (torch.set_num_threads); "
+                        "on a loaded machine 1 keeps CPU eager out of OpenMP's spin waits")
+    parser.add_argument("--json", help="also write the rows to this file")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.steps < 1 or args.warmup < 0:
+        raise SystemExit("torchtpu.argument: --steps must be >= 1 and --warmup >= 0")
+    models, kinds = _names(args.models, MODELS), _names(args.kinds, KINDS)
+    forms = _names(args.forms, FORMS)
+    rows, notes = [], []
+    for model in models:
+        if model in SKIPPED:
+            notes.append(f"{model}: skipped: {SKIPPED[model]}")
+            continue
+        for kind in kinds:
+            for form in forms:
+                if form == "jax" and MODELS[model].jax is None:
+                    continue
+                rows.append(run_row(model, kind, form, args.steps, args.warmup))
+    missing = [m for m in models if m not in SKIPPED and MODELS[m].jax is None]
+    if "jax" in forms and missing:
+        notes.append(f"no JAX port: {', '.join(missing)}")
+    print(f"platform {torchtpu.runtime.platform.platform()}; {args.steps} timed steps after "
+          f"{args.warmup} warm-up; torch CPU threads {torch.get_num_threads()}; load "
+          f"{os.getloadavg()[0]:.2f}")
+    print(table(rows))
+    for note in notes:
+        print(note)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
