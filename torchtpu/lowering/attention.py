@@ -1,4 +1,6 @@
-"""``F.scaled_dot_product_attention`` on tpu as one fused op forward and one backward.
+"""``F.scaled_dot_product_attention`` on tpu as one fused op forward and one backward, and the
+flash form of attention (``aten._flash_attention_forward/backward``, dense and variable-length)
+on the same math.
 
 PyTorch picks an SDPA backend through ``_fused_sdp_choice_stub``, a C++ DispatchStub that only a
 C++ extension can fill for PrivateUse1; without it every call takes the math path (~15 ATen ops
@@ -94,13 +96,18 @@ def _has_dropout(q, k, v, attn_bias=None, dropout_p=0.0, *_, **__) -> bool:
 
 # Only a call with dropout draws a key: without it the device generator does not advance, as
 # with PyTorch's own fused kernels.
+def _logsumexp(s):
+    """Row logsumexp of scores; -inf for a row with nothing to attend to."""
+    m = s.max(-1)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    return m + jnp.log(jnp.exp(s - m[..., None]).sum(-1))
+
+
 @lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout)
 def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
     s, _ = _scores(q, k, attn_bias, is_causal, scale)
-    m = s.max(-1)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    lse = m + jnp.log(jnp.exp(s - m[..., None]).sum(-1))
+    lse = _logsumexp(s)
     p = _probabilities(s, lse)
     # The key travels to backward as philox_seed (the offset stays 0): backward rebuilds it and
     # draws the same mask, so no mask is stored and the op stays a pure function of its inputs.
@@ -111,6 +118,23 @@ def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
     # cum_seq_q/k and the debug mask are undefined (no nested tensors, no debug mask); max_q and
     # max_k are the sequence lengths.
     return out, lse, None, None, q.shape[-2], k.shape[-2], seed, jnp.zeros((), jnp.int64), None
+
+
+def _gradients(p, grad_out, q, k, v, scale: float, drop=None, want=(True, True, True)):
+    """dq, dk, dv (float32, None where not wanted) and d(scores) of out = (p * drop) @ v."""
+    g = grad_out.astype(jnp.float32)
+    dp = _mm("nhlv,nhsv->nhls", g, v.astype(jnp.float32))
+    if drop is not None:
+        dp = dp * drop
+    # d(softmax): rowsum(p * dp) equals rowsum(grad_out * out), without out's rounding.
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    if drop is not None:
+        p = p * drop  # what multiplied v in forward
+    want_q, want_k, want_v = want
+    dq = _mm("nhls,nhse->nhle", ds, k.astype(jnp.float32)) * scale if want_q else None
+    dk = _mm("nhls,nhle->nhse", ds, q.astype(jnp.float32)) * scale if want_k else None
+    dv = _mm("nhls,nhlv->nhsv", p, g) if want_v else None
+    return dq, dk, dv, ds
 
 
 def _sum_to(x, shape: tuple):
@@ -126,23 +150,136 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_s
                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
     s, scale = _scores(q, k, attn_bias, is_causal, scale)
     p = _probabilities(s, lse)
-    g = grad_out.astype(jnp.float32)
-    dp = _mm("nhlv,nhsv->nhls", g, v.astype(jnp.float32))
+    drop = None
     if dropout_p > 0.0:
         drop = _dropout_scale(_unpack_key(philox_seed), p.shape, dropout_p)
-        dp = dp * drop
-    # d(softmax): rowsum(p * dp) equals rowsum(grad_out * out), without out's rounding.
-    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-    if dropout_p > 0.0:
-        p = p * drop  # what multiplied v in forward
-    want_q, want_k, want_v, want_bias = grad_input_mask
-    dq = _mm("nhls,nhse->nhle", ds, k.astype(jnp.float32)) * scale if want_q else None
-    dk = _mm("nhls,nhle->nhse", ds, q.astype(jnp.float32)) * scale if want_k else None
-    dv = _mm("nhls,nhlv->nhsv", p, g) if want_v else None
+    dq, dk, dv, ds = _gradients(p, grad_out, q, k, v, scale, drop, grad_input_mask[:3])
+    want_bias = grad_input_mask[3]
     dbias = None
     if want_bias and attn_bias is not None and attn_bias.dtype != jnp.bool_:
         dbias = _sum_to(ds, attn_bias.shape)
     return dq, dk, dv, dbias
+
+
+# ----------------------------------------------------------------------------- flash form
+# ``aten._flash_attention_forward/backward``, which PyTorch's ``varlen_attn`` (TorchTitan's varlen
+# backend) and direct callers use. Dense form: q (B, L, H, E), logsumexp (B, H, L). Varlen form:
+# sequences packed along dim 0, q (T, H, E), ``cum_seq_q/k`` their (N + 1,) offsets, logsumexp
+# (H, T). Both become one padded (N, H, max_len, E) batch with per-sequence lengths, so the SDPA
+# math above serves them: a sequence's tokens are gathered into its row and gathered back out
+# (each token sits in exactly one row, so the backward needs no scatter-add). As in FlashAttention,
+# causal and window masks are aligned bottom-right (query i of a sequence sees key j when
+# j - (i + len_k - len_q) lies in [-left, right], -1 meaning unbounded; causal sets right = 0),
+# and K/V may have fewer heads than Q (grouped queries). A query with no key to attend to gets
+# zeros and logsumexp -inf (FlashAttention: +inf); tokens outside every sequence get zeros.
+
+def _flash_check(dropout_p, return_debug_mask, seqused_k=None, alibi_slopes=None,
+                 block_table=None) -> None:
+    unsupported = [name for name, bad in (
+        ("dropout_p > 0", dropout_p > 0.0), ("return_debug_mask", return_debug_mask),
+        ("seqused_k", seqused_k is not None), ("alibi_slopes", alibi_slopes is not None),
+        ("block_table", block_table is not None)) if bad]
+    if unsupported:
+        raise NotImplementedError(
+            f"torchtpu.unsupported: aten._flash_attention_forward with {', '.join(unsupported)} "
+            f"has no tpu lowering; use F.scaled_dot_product_attention (fused on tpu, dropout "
+            f"included) or drop the argument")
+
+
+def _padded(x, cum, max_len: int):
+    """(N, H, max_len, E) rows of x: a dense (B, L, H, E) batch, or packed (T, H, E) sequences."""
+    if cum is None:
+        return x.transpose(0, 2, 1, 3)
+    idx = cum[:-1, None] + jnp.arange(max_len)
+    return jnp.take(x, idx, axis=0, mode="fill", fill_value=0).transpose(0, 2, 1, 3)
+
+
+def _lengths(x, cum, max_len: int):
+    if cum is None:
+        return jnp.full((x.shape[0],), x.shape[1], jnp.int32)
+    return jnp.minimum(cum[1:] - cum[:-1], max_len)
+
+
+def _unpadded(y, cum, total: int):
+    """The inverse of _padded: (N, H, max_len, E) rows back to x's layout (zeros between rows)."""
+    y = y.transpose(0, 2, 1, 3)
+    if cum is None:
+        return y
+    n_rows, max_len = y.shape[:2]
+    t = jnp.arange(total)
+    row = (t[:, None] >= cum[None, 1:]).sum(1)  # the sequence each token falls in
+    pos = t - cum[jnp.minimum(row, n_rows - 1)]
+    inside = (row < n_rows) & (pos >= 0) & (pos < max_len)
+    picked = y[jnp.minimum(row, n_rows - 1), jnp.clip(pos, 0, max_len - 1)]
+    return jnp.where(inside[:, None, None], picked, jnp.zeros((), y.dtype))
+
+
+def _flash_inputs(q, k, v, cum_q, cum_k, max_q: int, max_k: int, is_causal: bool,
+                  left: int | None, right: int | None):
+    """Padded q, k, v (K/V heads repeated to Q's) and the (N, 1, L, S) mask of allowed pairs."""
+    max_q = q.shape[1] if cum_q is None else max_q
+    max_k = k.shape[1] if cum_k is None else max_k
+    qp, kp, vp = _padded(q, cum_q, max_q), _padded(k, cum_k, max_k), _padded(v, cum_k, max_k)
+    heads, kv_heads = qp.shape[1], kp.shape[1]
+    if heads % kv_heads:
+        raise ValueError(f"torchtpu.argument: aten._flash_attention_forward: {heads} query heads "
+                         f"are not a multiple of {kv_heads} key/value heads")
+    kp, vp = jnp.repeat(kp, heads // kv_heads, 1), jnp.repeat(vp, heads // kv_heads, 1)
+    len_q = _lengths(q, cum_q, max_q)[:, None, None]
+    len_k = _lengths(k, cum_k, max_k)[:, None, None]
+    i, j = jnp.arange(max_q)[:, None], jnp.arange(max_k)[None, :]
+    keep = (i < len_q) & (j < len_k)
+    diagonal = i + (len_k - len_q)
+    right = 0 if is_causal else right
+    if right is not None and right >= 0:
+        keep = keep & (j <= diagonal + right)
+    if left is not None and left >= 0:
+        keep = keep & (j >= diagonal - left)
+    return qp, kp, vp, keep[:, None]
+
+
+def _grouped(dx, kv_heads: int):
+    """Sum a repeated K/V head's gradient over the query heads that shared it."""
+    n, heads, s, e = dx.shape
+    return dx.reshape(n, kv_heads, heads // kv_heads, s, e).sum(2)
+
+
+@lowers(aten._flash_attention_forward.default)
+def flash_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                  return_debug_mask, scale=None, window_size_left=None, window_size_right=None,
+                  seqused_k=None, alibi_slopes=None, block_table=None, num_splits=None):
+    # num_splits only picks how a GPU kernel splits its reduction.
+    _flash_check(dropout_p, return_debug_mask, seqused_k, alibi_slopes, block_table)
+    qp, kp, vp, keep = _flash_inputs(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                                     window_size_left, window_size_right)
+    s, _ = _scores(qp, kp, keep, False, scale)
+    lse = _logsumexp(s)
+    out = _mm("nhls,nhsv->nhlv", _probabilities(s, lse), vp.astype(jnp.float32))
+    out = _unpadded(out, cum_seq_q, q.shape[0]).astype(q.dtype)
+    if cum_seq_q is not None:
+        lse = _unpadded(lse[..., None], cum_seq_q, q.shape[0])[..., 0].T
+    # rng_state and unused: no dropout, so no generator state (zeros, as FlashAttention's).
+    return (out, lse, jnp.zeros((2,), jnp.uint64), jnp.zeros((), jnp.uint64),
+            jnp.zeros((0,), q.dtype))
+
+
+@lowers(aten._flash_attention_backward.default)
+def flash_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                   is_causal, rng_state, unused, scale=None, window_size_left=None,
+                   window_size_right=None):
+    _flash_check(dropout_p, False)
+    qp, kp, vp, keep = _flash_inputs(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
+                                     window_size_left, window_size_right)
+    s, scale = _scores(qp, kp, keep, False, scale)
+    if cum_seq_q is not None:
+        lse = _padded(lse.T[..., None], cum_seq_q, qp.shape[2])[..., 0]
+    p = _probabilities(s, lse)
+    dq, dk, dv, _ = _gradients(p, _padded(grad_out, cum_seq_q, qp.shape[2]), qp, kp, vp, scale)
+    kv_heads = k.shape[-2]
+    dk, dv = _grouped(dk, kv_heads), _grouped(dv, kv_heads)
+    return (_unpadded(dq, cum_seq_q, q.shape[0]).astype(q.dtype),
+            _unpadded(dk, cum_seq_k, k.shape[0]).astype(k.dtype),
+            _unpadded(dv, cum_seq_k, v.shape[0]).astype(v.dtype))
 
 
 # ----------------------------------------------------------------------------- backend choice
