@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.registry import OpOverload, _overloads
+from torchtpu.lowering.registry import OpOverload, _overloads, lowers
 
 aten = torch.ops.aten
 
@@ -187,6 +187,18 @@ def _uniform(self, low=0.0, high=1.0, generator=None):
     return None
 
 
+# torch._assert_async (TorchTitan's RoPE bounds check): the op itself lowers to nothing (below);
+# the assertion is this check, which reads the one value back, as CPU's kernel does.
+@check(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async(self, assert_msg="Expected Tensor with single nonzero value, but got zero"):
+    values = self.values()
+    if values is None:
+        return None
+    if values.size != 1:
+        return RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+    return None if values.reshape(()).item() else RuntimeError(assert_msg)
+
+
 @check(aten.kthvalue.default)
 def _kthvalue(self, k, dim=-1, keepdim=False):
     size = _size(self, _dim(self, dim))
@@ -318,3 +330,8 @@ def _complex_out(real, imag, out=None):
         return RuntimeError(f"Expected object of scalar type {expected} but got scalar type "
                             f"{out.dtype} for argument 'out'")
     return None
+
+
+@lowers(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async_lowering(self, assert_msg=None):
+    return ()

@@ -87,7 +87,13 @@ def _forward_kernel(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_c
 def _backward_kernel(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                      is_causal, rng_state, unused, *, scale=None, window_size_left=None,
                      window_size_right=None):
-    with torch.enable_grad():
+    # Called below autograd (a custom op's backward excludes its keys): take them back to
+    # differentiate the reference.
+    keys = torch._C.DispatchKey
+    exclude = torch._C._dispatch_tls_local_exclude_set().remove(
+        keys.AutogradFunctionality).remove(keys.ADInplaceOrView)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+            torch.enable_grad():
         inputs = [t.detach().requires_grad_() for t in (q, k, v)]
         again, _ = reference(*inputs, cum_seq_q, cum_seq_k, is_causal, scale, window_size_left,
                              window_size_right)
