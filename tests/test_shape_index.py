@@ -366,3 +366,15 @@ def test_float8_storage_copies_views_indexing_and_casts(dtype):
         same(source.to("tpu").to(dtype), source.to(dtype))  # CPU saturates e4m3fn at +-448
     assert_same(dev.to(torch.float32), x.to(torch.float32))
     assert_same(to_device(X).to(dtype).cpu().float(), X.to(dtype).float())
+
+
+def test_assert_async_passes_or_raises_what_cpu_raises():
+    """torch._assert_async (TorchTitan's RoPE bounds check) checks the value as CPU does."""
+    positions = torch.arange(5, device="tpu")
+    torch._assert_async(torch.all(positions <= 4), "positions exceed 4")
+    with pytest.raises(RuntimeError, match="positions exceed 3"):
+        torch._assert_async(torch.all(positions <= 3), "positions exceed 3")
+    with pytest.raises(RuntimeError, match="single nonzero value, but got zero"):
+        torch._assert_async(torch.all(positions <= 3))
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
+        torch._assert_async(positions < 3)
