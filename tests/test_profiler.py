@@ -43,6 +43,7 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
     w = torch.randn(8, 8, device="tpu", requires_grad=True)
     _step(x, w)  # compiled before the window
     w.grad = None
+    torch.tpu.synchronize()  # the warm-up's backward runs must not fall inside the window
     assert ProfilerActivity.TPU is ProfilerActivity.PrivateUse1
     with profile(activities=ACTIVITIES) as prof:
         with record_function("train_step"):
@@ -93,6 +94,28 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
     flows = [e for e in events if e.get("cat") == "ac2g"]
     assert len(flows) == 2 * len(matched)
     assert torch.tpu.profiler.device_trace(prof).programs
+    _check_device_times(prof, programs, matched)
+
+
+def _check_device_times(prof, programs, runs):
+    """key_averages() as for CUDA: each op's self device time is that of the programs it
+    launched, its total adds its children's, and each program is an event on the device."""
+    averages = {e.key: e for e in prof.key_averages()}
+    mm_runs = [e["dur"] for e in runs if e["name"] == "aten::mm"]
+    mm = averages["aten::mm"]
+    assert mm.count == 2 and mm.self_device_time_total == pytest.approx(sum(mm_runs), abs=0.01)
+    matmul = averages["aten::matmul"]  # x @ w: matmul calls mm, which launches
+    assert matmul.self_device_time_total == 0
+    assert matmul.device_time_total == pytest.approx(mm_runs[0], abs=0.01)
+    module = next(e["args"]["program"] for e in runs if e["name"] == "aten::mm")
+    assert averages[module].device_type == torch.autograd.DeviceType.PrivateUse1
+    runs_of_module = [e["dur"] for e in programs if e["args"]["program"] == module]
+    assert averages[module].count == len(runs_of_module) >= 2
+    assert averages[module].self_device_time_total == pytest.approx(sum(runs_of_module), abs=0.01)
+    assert averages[module].cpu_time_total == 0
+    table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=-1)
+    assert "Self TPU" in table and "TPU total" in table
+    assert "Self TPU time total" in table
 
 
 def test_xprof_run_with_torch_names_deferred_and_compiled(tmp_path, fresh_dynamo):

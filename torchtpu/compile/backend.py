@@ -10,6 +10,12 @@ values are extra outputs that the caller stores into the input storages. A mutat
 old array nothing else can see again (the whole array of its storage, passed once, held by no one
 but that storage) is donated to the program, so XLA updates it in place and an optimizer step
 does not hold two copies of the model state.
+
+An op that donates arguments (``lowering.donates``: ``jax_op(..., donate_argnums=...)``) given a
+graph input directly gets that input's buffer as eager would give it: the program donates it
+and the input tensor is consumed after the call; an input eager would refuse (shared storage,
+requires grad) is refused the same way. A donated argument computed inside the graph (a view,
+an intermediate) is XLA's own buffer and nothing is consumed.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch.fx as fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
-from torchtpu import metrics
+from torchtpu import errors, metrics
 from torchtpu.compile import dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
@@ -129,6 +135,50 @@ def _donatable(arrays: list, mutated_at: list, args: list) -> tuple:
         if sys.getrefcount(a) <= 4:
             donate.append(k)
     return tuple(donate)
+
+
+def _donating_ops(fn: GraphFunction, excluded: set) -> list:
+    """(position among tensor inputs, position among inputs, op, parameter) of each graph input
+    passed directly to a donated argument, but for inputs in excluded (mutated or returned)."""
+    found, seen = [], set()
+    for step in fn.steps:
+        lowering = step.lowering
+        if lowering is None or not lowering.donates:
+            continue
+        oi = schema.info(lowering.op)
+        values, _ = schema.bind(oi, step.node.args, step.node.kwargs)
+        for j in lowering.donates:
+            v = values[j]
+            if not (isinstance(v, fx.Node) and v.op == "placeholder"):
+                continue
+            i = fn.placeholders.index(v)
+            if i in excluded or i in seen or not fn.tensor_inputs[i]:
+                continue
+            seen.add(i)
+            found.append((sum(fn.tensor_inputs[:i]), i, lowering.op, oi.names[j]))
+    return found
+
+
+def _taken(arrays: list, donating: list, args: list) -> tuple[tuple, list]:
+    """(positions in arrays to donate, tensors to consume) for the inputs donating ops take.
+
+    Each is refused as eager refuses it; its array is donated when the storage holds it whole
+    and nothing else does (else the program reads it and it is consumed all the same)."""
+    donate, consumed = [], []
+    call_tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    for k, i, op, param in donating:
+        t = args[i]
+        problem = tensors.donation_refusal(t, param, call_tensors)
+        if problem is not None:
+            raise RuntimeError(errors.message(
+                "kernel", f"{op._schema.name!r} (compiled) cannot take the buffer of argument "
+                f"{param!r} (donate_argnums): {problem}"))
+        a = arrays[k]
+        # References: the storage, the arrays list, a, and getrefcount's argument.
+        if t.untyped_storage()._tpu_array is a and sys.getrefcount(a) <= 4:
+            donate.append(k)
+        consumed.append((t, f"{op._schema.name!r} (compiled, donate_argnums)"))
+    return tuple(donate), consumed
 
 
 def _split(arrays: list, donate: tuple) -> tuple[tuple, tuple]:
@@ -244,6 +294,7 @@ class CompiledGraph:
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
+        self.donating = _donating_ops(self.fn, mutated_inputs | set(self.forwarded.values()))
 
     def _read(self, args: list) -> tuple[list, list]:
         arrays, symbols = [], []
@@ -351,6 +402,10 @@ class CompiledGraph:
             arrays, symbols, values = self._pad(args, arrays, symbols)
         elif self.mutated_at:
             donate = _donatable(arrays, self.mutated_at, args)
+        consumed = []
+        if self.donating:
+            taken, consumed = _taken(arrays, self.donating, args)
+            donate = tuple(sorted(set(donate) | set(taken)))
         args.clear()
         constants = self._constants()
         scalars = tuple(self.fn.scalars)
@@ -363,6 +418,8 @@ class CompiledGraph:
             outs = program(*_split(arrays, donate), constants, scalars, keys)
         else:
             outs = observe(self.name, program, (*_split(arrays, donate), constants, scalars, keys))
+        for t, by in consumed:
+            tensors.consume(t, by)
         # Every array a storage holds or is about to hold: a program may hand an input back, or
         # one array twice, and storages never share one.
         owned = {id(a) for a in arrays}

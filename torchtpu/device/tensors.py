@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, check_in_bounds, read_view, write_view
@@ -79,6 +80,49 @@ class Deferred:
     def resolve(self):
         """The computed array, or self while still pending."""
         raise NotImplementedError
+
+
+class Consumed(Deferred):
+    """What a storage holds once its buffer was donated (``consume``): reading it is an error
+    naming who took the buffer; writing the tensor whole gives it a value again."""
+
+    __slots__ = ("by",)
+
+    def __init__(self, by: str) -> None:
+        self.by = by
+
+    def resolve(self):
+        raise RuntimeError(errors.message(
+            "argument", f"this tpu tensor was donated to {self.by} and its buffer reused, so it "
+            "holds no value; use that call's results, or write the tensor whole (t.copy_(...)) "
+            "before reading it again"))
+
+
+def consume(t: torch.Tensor, by: str) -> None:
+    """Give up t's storage buffer (donated to ``by``): every tensor on the storage reads as an
+    error (``Consumed``) until the storage is written whole."""
+    t.untyped_storage()._tpu_array = Consumed(by)
+
+
+def donation_refusal(t: torch.Tensor, param: str, call_tensors: list) -> str | None:
+    """Why t's buffer cannot be given away by a call taking call_tensors, or None if it can:
+    nothing else may be able to see it (``kernels/donation.py``)."""
+    if t.requires_grad:
+        return ("it requires grad, and autograd may need its value in backward; donate a "
+                "tensor that does not require grad (or drop donate_argnums)")
+    st = t.untyped_storage()
+    # PyTorch's count includes the storage's own Python object, which holds one.
+    others = torch._C._storage_Use_Count(st._cdata) - 2
+    if others > 0:
+        return (f"{others} other live tensor(s) share its storage (views, detach(), .data), "
+                "and they would lose their value; delete them first, or donate a copy "
+                f"({param}.clone()) if they must live")
+    if sum(a.untyped_storage().data_ptr() == st.data_ptr() for a in call_tensors) > 1:
+        return "the same storage is passed in another argument of this call too"
+    if capture is not None:
+        return ("it is used inside a graph capture, whose replays could not repeat the "
+                "donation; drop donate_argnums for captured code")
+    return None
 
 
 # The deferring executor's recorder while DeferAndFuse is active, else None: view readers and

@@ -129,6 +129,22 @@ def with_views(spec: Spec, views: tuple) -> Spec:
     return derived
 
 
+def donated_inputs(lowering: Lowering, spec: Spec) -> tuple:
+    """Positions among the dynamic values of the arrays of the lowering's donated arguments."""
+    if not lowering.donates:
+        return ()
+    offset = 1 if lowering.random else 0  # the leading key entry
+    donated, at = [], 0
+    for i, (kind, payload) in enumerate(spec.entries):
+        if kind == TENSOR and i - offset in lowering.donates:
+            donated.append(at)
+        if kind in (TENSOR, SCALAR, KEY):
+            at += 1
+        elif kind == TENSORS:
+            at += sum(element is not True for element in payload)
+    return tuple(donated)
+
+
 @functools.cache
 def program(lowering: Lowering, spec: Spec):
     """The jitted function for one lowering and spec; call it with the dynamic values."""
@@ -138,7 +154,7 @@ def program(lowering: Lowering, spec: Spec):
         return cast_outputs(out, spec.final)
 
     run.__name__ = str(lowering.op).replace(".", "_")
-    return jax.jit(run)
+    return jax.jit(run, donate_argnums=donated_inputs(lowering, spec))
 
 
 def jax_dtypes(struct):

@@ -21,10 +21,9 @@ program. Nothing here runs arrays itself; the op's PrivateUse1 kernel is the exe
   ``output_partition_specs`` (one per result) runs the function under ``jax.shard_map`` over
   that mesh: each call sees its shard. On one device every shard is the whole array, so the
   result is the function's own; the specs are still checked against the function's arity.
-- ``donate_argnums``: accepted and checked (positions of tensor parameters), but no buffer is
-  donated: a tpu tensor's buffer may be shared by views and other tensors, which a donation
-  would invalidate. Buffers are reused where the executors donate storages they know are dead
-  (in-place writes, DeferAndFuse and ``torch.compile`` input mutations).
+- ``donate_argnums``: positions of tensor parameters whose buffers the call takes, as
+  ``jax.jit``'s: the tensors are consumed, and refused when anything else could see their
+  buffers (``donation.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch
-from torchtpu.kernels import interpret, signature
+from torchtpu.kernels import donation, interpret, signature
 from torchtpu.kernels.signature import Param, Signature
 from torchtpu.lowering.registry import lowers
 
@@ -55,13 +54,14 @@ def jax_op(name: str, fn: Callable, *, donate_argnums: Sequence[int] | int | Non
            output_partition_specs=None) -> CustomOpDef:
     """Turn the annotated JAX function ``fn`` into the custom op ``name`` ("namespace::op")."""
     sig = signature.from_function(name, fn)
-    _check_donation(name, sig, donate_argnums)
+    donated = _donated(name, sig, donate_argnums)
     if mesh is not None or input_partition_specs is not None or output_partition_specs is not None:
         fn = _sharded(name, fn, sig, mesh, input_partition_specs, output_partition_specs)
-    return define(name, fn, sig)
+    return define(name, fn, sig, donated=donated)
 
 
-def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True) -> CustomOpDef:
+def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True,
+           donated: tuple = ()) -> CustomOpDef:
     """The custom op ``name`` computing ``fn`` with schema ``sig`` (see the module doc)."""
     ns, opname = _split(name)
     if hasattr(getattr(torch.ops, ns), opname):
@@ -72,9 +72,9 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True)
                                     schema=sig.schema())
     op = getattr(getattr(torch.ops, ns), opname).default
     opdef.register_fake(_fake(name, fn, sig))
-    lowers(op)(_lowering(name, op, fn, sig))
+    lowers(op, donates=donated)(_lowering(name, op, fn, sig))
     lib = torch.library.Library(ns, "IMPL")
-    lib.impl(opname, functools.partial(_kernel, name, op), "PrivateUse1")
+    lib.impl(opname, functools.partial(_kernel, name, op, donated), "PrivateUse1")
     _libraries.append(lib)
     if differentiable:
         backward = define(f"{name}_vjp", _vjp(name, fn, sig), _vjp_signature(sig),
@@ -91,9 +91,9 @@ def _split(name: str) -> tuple[str, str]:
     return ns, opname
 
 
-def _check_donation(name: str, sig: Signature, donate_argnums) -> None:
+def _donated(name: str, sig: Signature, donate_argnums) -> tuple:
     if donate_argnums is None:
-        return
+        return ()
     positions = (donate_argnums,) if isinstance(donate_argnums, int) else tuple(donate_argnums)
     for i in positions:
         if not (isinstance(i, int) and 0 <= i < len(sig.params) and sig.params[i].is_tensor):
@@ -101,6 +101,7 @@ def _check_donation(name: str, sig: Signature, donate_argnums) -> None:
                 "kernel", f"jax_op {name!r}: donate_argnums entry {i!r} is not the position "
                 f"of a jax.Array parameter (parameters: "
                 f"{', '.join(p.name for p in sig.params)})"))
+    return tuple(sorted(set(positions)))
 
 
 def _off_device(name: str) -> Callable:
@@ -113,15 +114,18 @@ def _off_device(name: str) -> Callable:
     return run
 
 
-def _kernel(name: str, op, *args, **kwargs):
+def _kernel(name: str, op, donated: tuple, *args, **kwargs):
     """The op's PrivateUse1 kernel: the executors' entry, with lowering failures explained."""
+    consumed = donation.check(name, op, donated, args, kwargs)
     try:
-        return dispatch.kernel(op, *args, **kwargs)
+        out = dispatch.kernel(op, *args, **kwargs)
     except Exception as e:
         hint = interpret.lowering_hint(f"jax_op {name!r}", e)
         if hint is None:
             raise
         raise RuntimeError(errors.message("kernel", hint)) from e
+    donation.consume(name, consumed)
+    return out
 
 
 def _as_declared(sig: Signature, args: tuple) -> list:

@@ -45,6 +45,7 @@ class Lowering:
     data_dependent_shape: bool | Callable = False
     random: bool | Callable = False
     traced: tuple = ()
+    donates: tuple = ()
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -73,7 +74,7 @@ def _overloads(target) -> list[OpOverload]:
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
-           traced: tuple = ()) -> Callable:
+           traced: tuple = (), donates: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
         raise ValueError(f"torchtpu.argument: promote must be None, 'result' or 'common', not "
@@ -86,7 +87,7 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
-                                     tuple(traced))
+                                     tuple(traced), tuple(donates))
         return fn
 
     return register

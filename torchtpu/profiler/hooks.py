@@ -10,7 +10,9 @@ for profilers whose device is "tpu" (``ProfilerActivity.TPU``, PyTorch's renamed
 - ``_start_trace``: a ``session.Window`` starts before PyTorch's collection does;
 - ``__exit__``: after PyTorch stops (it waits for the device first), the window stops and its
   device trace is kept on the profiler;
-- ``export_chrome_trace``: the device trace is merged into the file PyTorch wrote (``chrome.py``).
+- ``export_chrome_trace``: the device trace is merged into the file PyTorch wrote (``chrome.py``);
+- ``_parse_kineto_results``: the events behind ``key_averages()`` and ``events()`` get the
+  device times (``events.py``).
 ``schedule`` and ``tensorboard_trace_handler`` go through these too, one window per cycle.
 """
 
@@ -21,7 +23,7 @@ import threading
 import torch.autograd.profiler as autograd_profiler
 from torch._C._profiler import ProfilerState
 
-from torchtpu.profiler import chrome, session
+from torchtpu.profiler import chrome, events, session
 from torchtpu.profiler.config import TpuProfilerConfig
 
 _lock = threading.Lock()
@@ -51,6 +53,7 @@ def install() -> None:
             return
         cls = autograd_profiler.profile
         start_trace, exit_, export = cls._start_trace, cls.__exit__, cls.export_chrome_trace
+        parse = cls._parse_kineto_results
 
         def _start_trace(self):
             window = None
@@ -97,8 +100,17 @@ def install() -> None:
                 chrome.merge(path, trace, *_device())
             return out
 
+        def _parse_kineto_results(self, result, *args, **kwargs):
+            parsed = parse(self, result, *args, **kwargs)
+            trace = getattr(self, "_tpu_trace", None)
+            if trace is None:
+                return parsed
+            return events.add_device_times(parsed, trace, result.trace_start_ns(),
+                                           self.use_device)
+
         export_chrome_trace.__doc__ = export.__doc__
         cls._start_trace = _start_trace
         cls.__exit__ = __exit__
         cls.export_chrome_trace = export_chrome_trace
-        _installed.append((start_trace, exit_, export))
+        cls._parse_kineto_results = _parse_kineto_results
+        _installed.append((start_trace, exit_, export, parse))

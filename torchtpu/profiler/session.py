@@ -180,15 +180,21 @@ class Window:
             shutil.rmtree(self._directory, ignore_errors=True)
 
 
+# How far a run may seem to start before its launch: the clock alignment's error.
+ALIGNMENT_SLACK_NS = 1000
+
+
 def _match(launches: list, runs: list) -> dict:
     """Each program run's launch: the earliest not yet matched launch of the same program (a
-    device runs one program's launches in order)."""
+    device runs one program's launches in order) that began before the run. A run that starts
+    before any such launch was launched before the window (work still queued when profiling
+    began) and has none."""
     waiting: dict = collections.defaultdict(collections.deque)
     for k in sorted(range(len(launches)), key=lambda k: launches[k].start_ns):
         waiting[launches[k].key].append(k)
     matched = {}
     for i, run in enumerate(runs):
         queue = waiting.get(xplane.program_key(run.module))
-        if queue:
+        if queue and launches[queue[0]].start_ns <= run.start_ns + ALIGNMENT_SLACK_NS:
             matched[i] = queue.popleft()
     return matched
