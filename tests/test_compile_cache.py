@@ -137,6 +137,26 @@ def test_entry_store_rejects_foreign_and_short_files(tmp_path):
         assert store.get("k") is None
 
 
+def test_verify_names_the_entries_that_fail_their_checks(tmp_path, monkeypatch):
+    store = EntryStore(tmp_path)
+    store.put("whole", b"payload")
+    store.put("flipped", b"payload")
+    damaged = bytearray(store.entry("flipped").read_bytes())
+    damaged[-1] ^= 1
+    store.entry("flipped").write_bytes(bytes(damaged))
+    store.entry("short").write_bytes(MAGIC + b"\x01")
+    store.entry("old").write_bytes(b"TTPU1" + bytes(64))  # replaced quietly on use
+    found = compile_cache.verify(tmp_path)
+    assert found["entries"] == 4
+    assert found["bytes"] == sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}"))
+    assert found["damaged"] == {f"flipped{SUFFIX}": "its checksum does not match (truncated or "
+                                "damaged)", f"short{SUFFIX}": "it is truncated (6 bytes)"}
+    assert store.entry("flipped").exists()  # reported, not deleted
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
+    assert compile_cache.verify() == found
+    assert compile_cache.verify(tmp_path / "absent") == {"entries": 0, "bytes": 0, "damaged": {}}
+
+
 def _fill(store: EntryStore, keys, size: int = 1000) -> None:
     for k in keys:
         assert store.get(k) is None

@@ -208,6 +208,19 @@ def test_doctor_flags_bad_settings(monkeypatch):
     assert doctor.main(["--no-self-test"]) == 1
 
 
+def test_doctor_reports_damaged_cache_entries(tmp_path, monkeypatch):
+    from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
+
+    store = EntryStore(tmp_path)
+    store.put("whole", b"payload")
+    store.entry("bad").write_bytes(b"\x00" * 40)
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
+    check, state = doctor.check_cache()
+    assert check.status == "warning" and "2 entries" in check.detail
+    assert "1 fail their checksum" in check.detail
+    assert state["damaged"] == [f"bad{SUFFIX}"]
+
+
 def test_doctor_command_json():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("TORCHTPU_CPU_FALLBACK", None)

@@ -32,8 +32,10 @@ a tenth of the cap since its last scan, so each concurrent writer overshoots by 
 of the cap; an ``flock`` keeps two processes from evicting at once, and a reader whose entry was
 just evicted sees a miss.
 
-``stats()`` (``torch.tpu._get_cache_stats()``) reports this process's requests and hits and, per
-entry it read, the read count, the last read and the compile time stored in the entry.
+``verify()`` reads every entry of the directory and names those that fail their checks (what
+``python -m torchtpu.doctor`` reports). ``stats()`` (``torch.tpu._get_cache_stats()``) reports
+this process's requests and hits and, per entry it read, the read count, the last read and the
+compile time stored in the entry.
 
 The digest detects damage, not tampering: like JAX's cache, the directory is trusted (whoever can
 write to it can make this process run code of their choosing). Do not share it with untrusted
@@ -224,6 +226,27 @@ def _problem(data: bytes) -> str | None:
     if hashlib.sha256(data[_HEAD:]).digest() != data[len(MAGIC):_HEAD]:
         return "its checksum does not match (truncated or damaged)"
     return None
+
+
+def verify(path: Path | None = None) -> dict:
+    """Every entry of the cache directory (``cache_dir()`` unless given) read and checked:
+    ``{"entries": n, "bytes": total, "damaged": {file name: why}}``. An entry of an older
+    format is not damaged (it is replaced quietly on use); nothing is deleted here."""
+    path = cache_dir() if path is None else path
+    found = {"entries": 0, "bytes": 0, "damaged": {}}
+    if path is None or not path.is_dir():
+        return found
+    for entry in sorted(path.glob(f"*{SUFFIX}")):
+        try:
+            data = entry.read_bytes()
+        except OSError:
+            continue  # evicted or replaced while we looked
+        found["entries"] += 1
+        found["bytes"] += len(data)
+        problem = _problem(data)
+        if problem:
+            found["damaged"][entry.name] = problem
+    return found
 
 
 def _stored_compile_seconds(path: Path) -> float | None:

@@ -106,18 +106,10 @@ def cache_state() -> dict:
     path = compile_cache.cache_dir()
     if path is None:
         return {"enabled": False}
-    state = {"enabled": True, "path": str(path), "exists": path.is_dir(), "entries": 0,
-             "bytes": 0, "damaged": [], "max_bytes": compile_cache.max_bytes()}
-    if state["exists"]:
-        for entry in path.glob(f"*{compile_cache.SUFFIX}"):
-            try:
-                data = entry.read_bytes()
-            except OSError:
-                continue
-            state["entries"] += 1
-            state["bytes"] += len(data)
-            if compile_cache._problem(data):  # "" is an older format, replaced quietly
-                state["damaged"].append(entry.name)
+    found = compile_cache.verify(path)
+    state = {"enabled": True, "path": str(path), "exists": path.is_dir(),
+             "entries": found["entries"], "bytes": found["bytes"],
+             "damaged": sorted(found["damaged"]), "max_bytes": compile_cache.max_bytes()}
     try:
         probe = path if state["exists"] else path.parent
         with tempfile.NamedTemporaryFile(dir=probe):
