@@ -80,3 +80,13 @@ def test_values_in_range_cost_no_host_read_and_stay_bounded(on_device):
     assert torchtpu.metrics.snapshot().get("device_to_host_bytes", 0) == before
     assert torch.equal(outs[-1].cpu(), F.embedding(torch.tensor([0, 9]), W))
     assert not asserts._pending
+
+
+def test_compiled_graphs_check_indices_inside_their_program():
+    w = W.to("tpu")
+    f = torch.compile(lambda i, w: F.embedding(i * 4, w).sum(0), backend="tpu")
+    good = f(torch.tensor([0, 1, 2], device="tpu"), w)
+    assert torch.equal(good.cpu(), F.embedding(torch.tensor([0, 4, 8]), W).sum(0))
+    out = f(torch.tensor([0, 1, 3], device="tpu"), w)  # 12: out of range
+    with pytest.raises(IndexError, match="aten.embedding.default: index 12 is out of bounds"):
+        out.cpu()

@@ -40,9 +40,9 @@ from torchtpu.compile import dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
-from torchtpu.device import dtypes, kernels, tensors
+from torchtpu.device import asserts, dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import meta, schema
+from torchtpu.eager import at_call, executor, meta, schema
 from torchtpu.lowering.registry import lookup
 from torchtpu.runtime import launch
 
@@ -387,6 +387,17 @@ class CompiledGraph:
             real.append(o)
         return real
 
+    def _hand_over_checks(self, outs: list) -> list:
+        """The program's outputs without its trailing check flags, which go to the asserts
+        raised at the next host read (none inside a capture, whose replays could not)."""
+        n = len(self.fn.check_errors)
+        outs, flags = outs[:-n], outs[-n:]
+        if tensors.capture is None:
+            where = executor.user_location()
+            for flag, (op, error) in zip(flags, self.fn.check_errors, strict=True):
+                asserts.add(flag, functools.partial(at_call.check_error, op, error), where)
+        return outs
+
     def __call__(self, args: list) -> list:
         mutated = [args[i] for i, _ in self.fn.mutations]
         forwarded = {k: args[i] for k, i in self.forwarded.items()}
@@ -420,6 +431,8 @@ class CompiledGraph:
             outs = observe(self.name, program, (*_split(arrays, donate), constants, scalars, keys))
         for t, by in consumed:
             tensors.consume(t, by)
+        if self.fn.check_errors:
+            outs = self._hand_over_checks(outs)
         # Every array a storage holds or is about to hold: a program may hand an input back, or
         # one array twice, and storages never share one.
         owned = {id(a) for a in arrays}

@@ -6,6 +6,10 @@ the lowering sees what it sees in eager, with the same promotion, and its result
 the dtypes PyTorch's meta kernels gave (``node.meta["val"]``). Views, copies and allocations,
 which eager serves with device kernels, come from ``graph_ops``.
 
+The ops' checks of data (``lowering/checks.py``) run inside the program, as on the device in
+eager: each gives an ``[bad, value]`` flag, returned after the graph's outputs, that the caller
+hands to ``device/asserts.py`` (graphs with symbolic sizes check shapes at trace time only).
+
 ``GraphFunction.run`` is traced once per input signature by the caller; it never touches tensors.
 """
 
@@ -17,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from torchtpu import errors
 from torchtpu.compile import dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
@@ -31,6 +36,7 @@ from torchtpu.eager.program import (
     cast_outputs,
     rebuild,
 )
+from torchtpu.lowering import checks
 from torchtpu.lowering.registry import Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
@@ -108,6 +114,26 @@ class _Step:
         for _ in range(int(self.draws_key) + int(self.oi.generator_index >= 0)):
             self.key_slots.append(len(key_slots))
             key_slots.append(node)
+        self.check = checks.find(op) if _static(self.values) else None
+
+    def device_checks(self, env: dict) -> list:
+        """(flag, error) for each check of data the op's check hands the device, on the graph's
+        values; a check that fails on shapes alone raises now, at trace time."""
+        found: list = []
+
+        def arg(v):
+            if isinstance(v, (list, tuple)):
+                return [arg(x) for x in v] if any(isinstance(x, fx.Node) for x in v) else v
+            if not isinstance(v, fx.Node):
+                return v
+            val = _val(v)
+            return checks.Arg(tuple(val.shape), val.dtype, lambda: None,
+                              lambda find, error: found.append((find(env[v]), error)))
+
+        error = self.check(*(arg(v) for v in self.values))
+        if error is not None:
+            raise type(error)(errors.message("check", f"{self.node.target}: {error}"))
+        return found
 
     def run(self, env: dict, keys: tuple, scalars: list):
         node = self.node
@@ -167,6 +193,16 @@ class _Step:
         return out
 
 
+def _static(values: list) -> bool:
+    """Whether every node argument is a tensor of static shape (what a check can be given)."""
+    for v in values:
+        for x in (v if isinstance(v, (list, tuple)) else (v,)):
+            if isinstance(x, fx.Node) and not (
+                    _is_tensor_val(_val(x)) and all(type(n) is int for n in _val(x).shape)):
+                return False
+    return True
+
+
 class GraphFunction:
     """An FX graph prepared for tracing: which placeholders are tensors, how many keys it draws."""
 
@@ -180,6 +216,9 @@ class GraphFunction:
         self.steps = [_Step(n, self.key_nodes) for n in graph.nodes if n.op == "call_function"]
         self.scalars = [s for step in self.steps for s in step.scalar_args()]
         self.output = next(n for n in graph.nodes if n.op == "output").args[0]
+        self.checked = [s for s in self.steps if getattr(s, "check", None) is not None]
+        # (op, error) per flag ``run`` returns last; set when it is traced.
+        self.check_errors: list = []
         # (position in the placeholders, copy_ node) for each input the graph mutates.
         self.mutations = [(self.placeholders.index(s.node.args[0]), s.node) for s in self.steps
                           if s.node.target is aten.copy_.default
@@ -211,4 +250,6 @@ class GraphFunction:
         for step in self.steps:
             env[step.node] = run(step, env, keys, pending)
         outputs = [env[o] if isinstance(o, fx.Node) else o for o in self.output]
-        return outputs + [env[node] for _, node in self.mutations]
+        found = [(step.node.target, *f) for step in self.checked for f in step.device_checks(env)]
+        self.check_errors = [(op, error) for op, _, error in found]
+        return outputs + [env[node] for _, node in self.mutations] + [f for _, f, _ in found]

@@ -60,10 +60,13 @@ def _check_on_device(op: OpOverload, on_device: list) -> None:
     where = executor.user_location()
     for t, find, error in on_device:
         flags = tensors.call(_device_check(find), tensors.read(t))
-        asserts.add(flags, lambda value, error=error: _check_error(op, error(value)), where)
+        asserts.add(flags, functools.partial(check_error, op, error), where)
 
 
-def _check_error(op: OpOverload, error: Exception) -> Exception:
+def check_error(op: OpOverload, error, value: int | None = None) -> Exception:
+    """The check's error (or, given a device check's value, ``error(value)``) for op, prefixed."""
+    if value is not None:
+        error = error(value)
     return type(error)(errors.message("check", f"{op}: {error}"))
 
 
@@ -86,7 +89,7 @@ def checked(op: OpOverload, handle):
                         for v in (values[:n] if own is None else [*values, *outs])))
         if error is not None:
             # At the user's line: the check runs at the call, in every mode.
-            raise executor.at_user(_check_error(op, error))
+            raise executor.at_user(check_error(op, error))
         if on_device:
             _check_on_device(op, on_device)
         return handle(args, kwargs)
