@@ -52,8 +52,9 @@ GLOSSARY: dict[str, Entry] = {
         "An op got an argument CPU refuses and the device would not notice (an index out of "
         "bounds, uniform_ with from > to, ...); checked in every eager mode, and worded as "
         "CPU words it whenever CPU can say it (then without this prefix). Where the values "
-        "are not on the host yet (DeferAndFuse; a TPU or GPU), the device checks them and the "
-        "error comes at the next host read, with a note naming the call's line.",
+        "are not on the host yet (DeferAndFuse, torch.compile graphs, a TPU or GPU), the device "
+        "checks them and the error comes at the next host read, with a note naming the call's "
+        "line.",
         "Fix the argument at the line the error points to."),
     "numerics": Entry(
         "TORCHTPU_DEBUG_NANS=1 found a NaN or an infinity in an op's result.",
