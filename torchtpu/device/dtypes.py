@@ -1,4 +1,10 @@
-"""The one mapping between torch dtypes and JAX dtypes."""
+"""The one mapping between torch dtypes and JAX dtypes.
+
+Every dtype has a JAX dtype that its values compute in (``to_jax``) and a layout its storage
+bytes have (``layout``); they differ only for complex32 (``torch.chalf``), which XLA lacks: its
+storage holds float16 (real, imag) pairs, as on CPU, and its values compute as complex64,
+rounded back to float16 pairs whenever they are stored (``device/views.py``, ``device/tensors.py``).
+"""
 
 from __future__ import annotations
 
@@ -28,19 +34,42 @@ _TORCH_TO_JAX = {
     torch.float8_e4m3fnuz: jnp.float8_e4m3fnuz,
     torch.float8_e5m2fnuz: jnp.float8_e5m2fnuz,
 }
-_TORCH_TO_NP = {k: np.dtype(v) for k, v in _TORCH_TO_JAX.items()}
-_JAX_TO_TORCH = {v: k for k, v in _TORCH_TO_NP.items()}
+_JAX_TO_TORCH = {np.dtype(v): k for k, v in _TORCH_TO_JAX.items()}
+_TORCH_TO_NP = {**{k: np.dtype(v) for k, v in _TORCH_TO_JAX.items()},
+                torch.complex32: np.dtype(np.complex64)}
+
+# The layout of complex32 storage: two float16s an element. No JAX array has this dtype; it names
+# the layout in view geometries, which read it as complex64 and write complex64 back as pairs.
+COMPLEX32 = np.dtype([("real", np.float16), ("imag", np.float16)])
+_LAYOUT = {**_TORCH_TO_NP, torch.complex32: COMPLEX32}
 
 
 def to_jax(dtype: torch.dtype) -> np.dtype:
-    """The JAX dtype for a torch dtype; raises TypeError naming the dtype when there is none."""
+    """The JAX dtype a torch dtype's values compute in (complex64 for complex32); raises
+    TypeError naming the dtype when there is none."""
     try:
         return _TORCH_TO_NP[dtype]
     except KeyError:
-        raise TypeError(
-            f"torchtpu.dtype: dtype {dtype} is not supported on the tpu device; supported: "
-            + ", ".join(str(d).removeprefix("torch.") for d in _TORCH_TO_JAX)
-        ) from None
+        raise _unsupported(dtype) from None
+
+
+def layout(dtype: torch.dtype) -> np.dtype:
+    """The dtype of a torch dtype's storage elements: ``to_jax(dtype)``, but ``COMPLEX32``."""
+    try:
+        return _LAYOUT[dtype]
+    except KeyError:
+        raise _unsupported(dtype) from None
+
+
+def value_dtype(element: np.dtype) -> np.dtype:
+    """The JAX dtype a storage layout's values compute in (``layout``'s inverse on values)."""
+    return _TORCH_TO_NP[torch.complex32] if element == COMPLEX32 else element
+
+
+def _unsupported(dtype) -> TypeError:
+    return TypeError(
+        f"torchtpu.dtype: dtype {dtype} is not supported on the tpu device; supported: "
+        + ", ".join(str(d).removeprefix("torch.") for d in _LAYOUT))
 
 
 def to_torch(dtype) -> torch.dtype:
@@ -48,7 +77,7 @@ def to_torch(dtype) -> torch.dtype:
 
 
 def is_supported(dtype: torch.dtype) -> bool:
-    return dtype in _TORCH_TO_JAX
+    return dtype in _LAYOUT
 
 
 _E4M3FN = np.dtype(jnp.float8_e4m3fn)
@@ -56,10 +85,14 @@ _E4M3FN_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 
 def cast(array, dtype):
-    """array as dtype (a NumPy/JAX dtype), rounding as PyTorch's CPU does: float8_e4m3fn has no
+    """array as dtype (a NumPy/JAX dtype), rounding as PyTorch's CPU does: a complex value casts
+    to a real dtype as its real part; float8_e4m3fn has no
     infinity, and PyTorch saturates what is beyond its range (infinities too) to +-448 where
     XLA gives NaN."""
     dtype = np.dtype(dtype)
+    if jnp.issubdtype(array.dtype, jnp.complexfloating) and not jnp.issubdtype(
+            dtype, jnp.complexfloating):
+        array = array.real  # as PyTorch casts (JAX deprecates casting complex to real)
     if dtype == _E4M3FN and jnp.issubdtype(array.dtype, jnp.floating) and array.dtype != dtype:
         array = jnp.clip(array, -_E4M3FN_MAX, _E4M3FN_MAX)  # NaN stays NaN
     return array.astype(dtype)

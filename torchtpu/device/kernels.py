@@ -99,11 +99,14 @@ _BITS = {torch.bfloat16: torch.uint16, torch.float8_e4m3fn: torch.uint8,
 def numpy_to_torch(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype in _BITS:
         return torch.from_numpy(array.view(dtypes.to_jax(_BITS[dtype]))).view(dtype)
+    if dtype is torch.complex32:  # NumPy has no complex32: it crosses as complex64 (exactly)
+        return torch.from_numpy(array).to(dtype)
     return torch.from_numpy(array)
 
 
 def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
-    t = t.detach().contiguous()
+    t = t.detach()
+    t = t.to(torch.complex64) if t.dtype is torch.complex32 else t.contiguous()
     if t.dtype in _BITS:
         return t.view(_BITS[t.dtype]).numpy().view(dtypes.to_jax(t.dtype))
     if t.is_conj():

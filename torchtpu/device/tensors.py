@@ -18,7 +18,7 @@ import torch
 from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.device import storage as storages
-from torchtpu.device.views import Geometry, check_in_bounds, read_view, write_view
+from torchtpu.device.views import Geometry, check_in_bounds, complex32_pairs, read_view, write_view
 from torchtpu.runtime import launch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -54,10 +54,20 @@ def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None)
     return t
 
 
+_stored_complex32 = jax.jit(complex32_pairs)
+
+
+def stored_form(value, dtype: torch.dtype):
+    """value (of dtype's compute dtype) as a storage of dtype holds it: itself, but complex32's
+    float16 pairs (recorded while deferring)."""
+    return call(_stored_complex32, value) if dtype is torch.complex32 else value
+
+
 def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous device tensor owning array (which no other storage may hold)."""
     dtype = dtypes.to_torch(array.dtype) if dtype is None else dtype
     size = tuple(array.shape)
+    array = stored_form(array, dtype)
     t = _create(size, dtype)
     st = storages.new_storage(math.prod(size) * dtype.itemsize)
     if capture is not None:
@@ -175,7 +185,7 @@ def _geometry(t: torch.Tensor, array) -> Geometry:
         tuple(t.shape),
         tuple(t.stride()),
         t.storage_offset(),
-        dtypes.to_jax(t.dtype),
+        dtypes.layout(t.dtype),
     )
 
 
@@ -212,7 +222,7 @@ def storage_array(t: torch.Tensor):
     st = t.untyped_storage()
     array = stored_array(st)
     if array is None:
-        if _covers_storage(t, st):
+        if _covers_storage(t, st) and t.dtype is not torch.complex32:
             zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
             # A capture reads a never-written storage as a real input, not as zeros it records.
             array = st._tpu_array = zeros() if capture is not None else call(zeros)
@@ -274,6 +284,7 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         value = _apply_lazy_bits(t, value)
     st = t.untyped_storage()
     if _covers_storage(t, st):
+        value = stored_form(value, t.dtype)
         if capture is not None:
             capture.seen(st)
             value = capture.recorded(value)

@@ -22,6 +22,7 @@ import numpy as np
 from jax import lax
 
 from torchtpu import errors
+from torchtpu.device.dtypes import COMPLEX32, value_dtype
 
 
 class Geometry(NamedTuple):
@@ -45,6 +46,9 @@ def _bitcast_flat(flat, dtype: np.dtype):
     src = flat.dtype
     if src == dtype:
         return flat
+    if dtype == COMPLEX32:  # float16 (real, imag) pairs, computed on as complex64
+        pairs = _bitcast_flat(flat, np.dtype(np.float16)).reshape(-1, 2).astype(np.float32)
+        return lax.complex(pairs[:, 0], pairs[:, 1])
     # XLA cannot bitcast complex values; their bytes are (real, imag) pairs of floats.
     if np.issubdtype(src, np.complexfloating):
         return _bitcast_flat(jnp.stack([flat.real, flat.imag], -1).reshape(-1), dtype)
@@ -64,6 +68,12 @@ def _bitcast_flat(flat, dtype: np.dtype):
         else:
             flat = lax.bitcast_convert_type(flat, target)
     return flat != 0 if dtype == np.bool_ else flat
+
+
+def complex32_pairs(value):
+    """complex values as complex32 stores them: float16 (real, imag) pairs in a last dim of 2,
+    each part rounded to nearest as PyTorch's CPU rounds."""
+    return jnp.stack([value.real.astype(np.float16), value.imag.astype(np.float16)], -1)
 
 
 def check_in_bounds(g: Geometry) -> None:
@@ -108,7 +118,7 @@ def _iota_index(size: tuple, stride: tuple, offset: int):
 def read_view(array, g: Geometry):
     """The tensor described by g, read out of the storage array."""
     if 0 in g.size:
-        return jnp.zeros(g.size, g.dtype)
+        return jnp.zeros(g.size, value_dtype(g.dtype))
     flat = _bitcast_flat(array.reshape(-1), g.dtype)
     plan = _dense_plan(g.size, g.stride)
     if plan is not None:
@@ -136,4 +146,6 @@ def write_view(array, value, g: Geometry):
         flat = lax.dynamic_update_slice(flat, part, (g.offset,))
     else:
         flat = flat.at[_iota_index(g.size, g.stride, g.offset).reshape(-1)].set(value.reshape(-1))
+    if g.dtype == COMPLEX32:
+        flat = complex32_pairs(flat).reshape(-1)
     return _bitcast_flat(flat, g.array_dtype).reshape(g.array_shape)

@@ -287,12 +287,17 @@ lowers_each({
     aten.isneginf.default: jnp.isneginf,
     aten.signbit.default: jnp.signbit,
     aten._conj_physical.default: jnp.conj,
+    # Its in-place variant has no composite kernel a Python backend can reach (a DispatchStub).
+    aten.conj_physical.default: jnp.conj,
 }, promote=None)
 
 
 @lowers(aten.complex.default)
 def complex_(real, imag):
-    # lax.complex does not broadcast; torch.complex (and polar, built on it) does.
+    # lax.complex does not broadcast; torch.complex (and polar, built on it) does. Nor does it
+    # take float16, whose complex32 result computes as complex64 (``device/dtypes.py``).
+    if real.dtype == jnp.float16:
+        real, imag = real.astype(jnp.float32), imag.astype(jnp.float32)
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 
 
