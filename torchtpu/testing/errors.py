@@ -8,7 +8,11 @@ accepts the input (counted as ``failed``: a silently wrong answer) or raises som
 (``errored``). A result is read back to the host before it counts as accepted, so errors found
 when the program runs are seen too.
 
-``error_inputs_sparse`` samples are not counted: tpu tensors are strided only.
+``error_inputs_sparse`` (rows ``<op> [sparse]``) give sparse inputs in each of the five sparse
+layouts. tpu tensors are strided only and tpu refuses sparse layouts themselves
+(``device/sparse.py``), so such a sample passes when its copy to tpu, or the call, raises that
+refusal naming the sample's layout; CPU must still refuse the sample as the OpInfo says for it to
+count.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten
 
+from torchtpu.device import sparse
 from torchtpu.eager.fallback import copy_keeping_aliases
 from torchtpu.testing import conformance
 from torchtpu.testing.conformance import Result, shorten
@@ -66,13 +71,21 @@ def _copy_or_error(sample):
         return exc
 
 
+def _cpu_refuses(op, error_input) -> BaseException | None:
+    """CPU's error for error_input when it is the one the OpInfo expects, else None."""
+    expected = _raise(op, error_input.sample_input)
+    if expected is None or not isinstance(expected, error_input.error_type) \
+            or not re.search(error_input.error_regex, str(expected)):
+        return None
+    return expected
+
+
 def check_error_input(op, error_input, device_sample, result: Result) -> None:
     """Count one ErrorInput: CPU must refuse it as the OpInfo says, tpu (device_sample, its
     copy, or the exception copying it raised) the same way."""
-    sample, regex = error_input.sample_input, error_input.error_regex
-    expected = _raise(op, sample)
-    if expected is None or not isinstance(expected, error_input.error_type) \
-            or not re.search(regex, str(expected)):
+    regex = error_input.error_regex
+    expected = _cpu_refuses(op, error_input)
+    if expected is None:
         result.skipped += 1  # CPU does not refuse it as the OpInfo expects: not ours to count
         return
     if isinstance(device_sample, Exception):
@@ -115,4 +128,44 @@ def check_op(op, *, max_samples: int = 1000, timeout: float = 60.0) -> Result:
     except Exception as exc:  # generating error inputs failed: nothing device-specific yet
         if not result.counted:
             result.first_error = f"(skipped: error input generation: {shorten(exc)})"
+    return result
+
+
+SPARSE_LAYOUTS = (torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                  torch.sparse_bsc)
+
+
+def check_sparse_error_input(op, error_input, layout: torch.layout, result: Result) -> None:
+    """Count one sparse ErrorInput: CPU refuses it as the OpInfo says, tpu refuses its layout."""
+    if _cpu_refuses(op, error_input) is None:
+        result.skipped += 1
+        return
+    try:  # as a user moves one: a sparse tensor has no storage to keep the sharing of
+        device_sample = error_input.sample_input.transform(
+            lambda t: t.to("tpu") if isinstance(t, torch.Tensor) else t)
+    except Exception as exc:
+        device_sample = exc
+    actual = device_sample if isinstance(device_sample, Exception) else _raise(op, device_sample)
+    if actual is None:
+        result.mismatch(_Accepted(f"accepted a {layout} input"))
+    elif str(sparse.refusal("", str(layout))).split(" (aten op")[0] in str(actual):
+        result.passed += 1
+    else:
+        result.error(actual, f"want the {layout} refusal, got ")
+
+
+def check_sparse(op, *, max_samples: int = 1000, timeout: float = 60.0) -> Result:
+    """Run up to max_samples counted ``error_inputs_sparse`` of one OpInfo, every layout."""
+    result = Result(op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+                    + " [sparse]")
+    try:
+        with conformance.time_limit(timeout):
+            for layout in SPARSE_LAYOUTS:
+                for error_input in op.error_inputs_sparse("cpu", layout):
+                    if result.counted >= max_samples:
+                        return result
+                    check_sparse_error_input(op, error_input, layout, result)
+    except conformance.Timeout as exc:
+        result.errored += 1
+        result.note(str(exc))
     return result

@@ -294,18 +294,25 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
     if mode not in MODES:
         raise ValueError(f"torchtpu.argument: mode must be one of {MODES}, not {mode!r}")
 
-    def names(op):
+    def names(item):
+        op = item[0]
         return op.name, op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
 
-    def check(op):
+    def check(item):
+        op, sparse = item
         if mode == "errors":
             from torchtpu.testing import errors  # it builds on this module's sample copies
 
-            return errors.check_op(op, max_samples=max_samples, timeout=timeout_per_op)
+            run_op = errors.check_sparse if sparse else errors.check_op
+            return run_op(op, max_samples=max_samples, timeout=timeout_per_op)
         return check_op(op, mode=mode, max_samples=max_samples, dtype=dtype,
                         timeout=timeout_per_op)
 
-    results, seconds = conformance.run_each(_op_db(), names, check, ops, progress)
+    # errors mode: each OpInfo's error_inputs, then, for those that have them, its sparse ones.
+    items = [(op, False) for op in _op_db()]
+    if mode == "errors":
+        items += [(op, True) for op in _op_db() if op.error_inputs_sparse_func is not None]
+    results, seconds = conformance.run_each(items, names, check, ops, progress)
     return Report(mode, results, seconds)
 
 
