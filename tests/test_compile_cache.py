@@ -215,3 +215,58 @@ def test_max_bytes_from_the_environment(monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_MAX_BYTES", "lots")
     with pytest.raises(ValueError, match="TORCHTPU_CACHE_MAX_BYTES='LOTS' is not a byte count"):
         compile_cache.max_bytes()
+
+
+# A thread is inside a cache write (slowed down) when the main thread exits; the log shows
+# what happened before JAX's own exit handler clears its backends.
+_EXIT_SCRIPT = """
+import atexit, importlib.util, os, sys, threading, time
+import jax, jax.numpy as jnp
+from jax._src import api
+
+# The module alone (torchtpu's package would import torch): it needs only jax.
+spec = importlib.util.spec_from_file_location("compile_cache", sys.argv[1])
+compile_cache = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(compile_cache)
+compile_cache.enable()  # and its exit handler
+
+def log(event):
+    n = sum(p.endswith(".ttpu") for p in os.listdir(os.environ["TORCHTPU_CACHE_DIR"]))
+    print(event, n, flush=True)
+
+clear_backends = api.clear_backends
+
+def logged_clear_backends(*args, **kwargs):
+    log("jax clean-up")
+    jax.jit(lambda x: x - 5).lower(jnp.ones(3)).compile()  # compiles; writes nothing
+    log("compiled after close")
+    thread.join(60)  # (a thread still in JAX when the interpreter ends aborts the process)
+    clear_backends(*args, **kwargs)
+
+api.clear_backends = logged_clear_backends
+atexit.register(log, "exit begins")
+store = compile_cache.store()
+entered, put = threading.Event(), store.put
+
+def slow_put(key, value):
+    entered.set()
+    time.sleep(1.0)
+    put(key, value)
+    log("written")
+
+store.put = slow_put
+thread = threading.Thread(
+    target=lambda: jax.jit(lambda x: x * 3 + 1).lower(jnp.ones(7)).compile(), daemon=True)
+thread.start()
+assert entered.wait(120)
+"""
+
+
+def test_exit_waits_for_a_write_under_way_and_starts_none(tmp_path):
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, compile_cache.__file__], env=env,
+                          text=True, capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:4] == [
+        "exit begins 0", "written 1", "jax clean-up 1", "compiled after close 1"], proc.stdout
+    _assert_whole(tmp_path)

@@ -37,6 +37,15 @@ just evicted sees a miss.
 this process's requests and hits and, per entry it read, the read count, the last read and the
 compile time stored in the entry.
 
+Serializing a program (XLA's ``executable.serialize()``, which JAX calls on the compiling thread
+right after the compile, before anything else can run or donate to the new executable, which
+keeps its client alive) is the one step of a write that runs inside XLA. A process can still be
+torn down under it: a thread that compiles (PyTorch's autograd thread, a data loader's prefetch
+thread, a user's daemon thread) may be serializing when the main thread exits, and XLA's static
+state is destroyed under it. So every write is counted while it runs, and at exit (an ``atexit``
+hook that runs before JAX's own clean-up) the process stops starting writes and waits, up to
+``EXIT_WAIT_SECONDS``, for those under way: no program is serialized once exit has begun.
+
 The digest detects damage, not tampering: like JAX's cache, the directory is trusted (whoever can
 write to it can make this process run code of their choosing). Do not share it with untrusted
 users.
@@ -44,6 +53,7 @@ users.
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import hashlib
 import os
@@ -67,6 +77,7 @@ _EVICT_TO = 0.9  # of the cap: evicting a margin at once keeps scans rare
 _RESCAN_EVERY = 0.1  # of the cap: what one process writes between scans of the directory
 _HEAD = len(MAGIC) + _DIGEST
 _SECONDS = struct.Struct(">d")
+EXIT_WAIT_SECONDS = 30.0  # a big program serializes in seconds; a stuck one must not hang exit
 
 
 class CompileCacheWarning(UserWarning):
@@ -259,6 +270,59 @@ def _stored_compile_seconds(path: Path) -> float | None:
     return _SECONDS.unpack_from(head, _HEAD)[0]
 
 
+class Writes:
+    """The cache writes under way, and whether the process has stopped starting new ones."""
+
+    def __init__(self) -> None:
+        self._done = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def begin(self) -> bool:
+        """Count a write that starts now; False (start nothing) once closed."""
+        with self._done:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def end(self) -> None:
+        with self._done:
+            self._active -= 1
+            self._done.notify_all()
+
+    def close(self, timeout: float = EXIT_WAIT_SECONDS) -> bool:
+        """Start no more writes; wait up to timeout for those under way. True if none is left."""
+        with self._done:
+            self._closed = True
+            return self._done.wait_for(lambda: self._active == 0, timeout)
+
+
+WRITES = Writes()
+
+
+def _guard_writes() -> None:
+    """Route JAX's cache writes (serialize, compress, store) through ``WRITES``, once."""
+    put = jax_cache.put_executable_and_time
+    if getattr(put, "guarded_by_torchtpu", False):
+        return
+
+    def guarded_put(*args, **kwargs) -> None:
+        if not WRITES.begin():
+            return  # the process is exiting: the program is not persisted
+        try:
+            put(*args, **kwargs)
+        finally:
+            WRITES.end()
+
+    guarded_put.guarded_by_torchtpu = True
+    # JAX's compiler looks the function up on its module at every write.
+    jax_cache.put_executable_and_time = guarded_put
+    # atexit runs handlers last-registered first: this one (registered when torchtpu is
+    # imported, after jax) before JAX's clean-up, which clears the backends.
+    atexit.register(WRITES.close)
+
+
 def max_bytes() -> int:
     """The cap ``TORCHTPU_CACHE_MAX_BYTES`` asks for (bytes, or with a K/M/G suffix); 0: none."""
     raw = os.environ.get("TORCHTPU_CACHE_MAX_BYTES", "").strip().upper()
@@ -300,6 +364,7 @@ def enable() -> None:
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = store
         jax_cache._cache_initialized = True
+    _guard_writes()
 
 
 def store() -> EntryStore | None:
