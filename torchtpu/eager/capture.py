@@ -131,6 +131,10 @@ class Capture:
         # Weak: a temporary's storage dies during the capture and is no output of the program
         # (a dead entry's id may be a new storage's).
         if entry is None or entry[0]() is not st:
+            # A new storage goes last, also where it reuses a dead one's id: the program's
+            # outputs follow this order, which must not depend on memory addresses, or the
+            # same step would be a new program (a persistent-cache miss) in every process.
+            self._storages.pop(id(st), None)
             self._storages[id(st)] = (weakref.ref(st), st._tpu_array)
 
     def recorded(self, value):
