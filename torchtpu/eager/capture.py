@@ -212,6 +212,7 @@ class Capture:
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
         sources = self._sources(trace.inputs, live)
         written = {id(st) for sts in targets for st in sts}
+        replay, sources = _baked(_replay(tuple(trace.nodes), wanted), sources)
         donate = _donations(sources, written, avals)
         for st, start in live:
             value = st._tpu_array
@@ -224,7 +225,7 @@ class Capture:
                 # (from jnp.zeros, say) would make the second replay compile again.
                 start = jax.device_put(start, next(iter(start.devices())))
             st._tpu_array = start
-        fn = jax.jit(_replay(tuple(trace.nodes), wanted), donate_argnums=donate)
+        fn = jax.jit(replay, donate_argnums=donate)
         metrics.count("captures")
         return Captured(fn, sources, targets, len(trace.nodes))
 
@@ -244,6 +245,24 @@ class Capture:
                 # then is no earlier step's but the zeros it was made with, the same every replay.
                 sources.append((CONST, x, None))
         return sources
+
+
+def _baked(replay: Callable, sources: list) -> tuple[Callable, list]:
+    """replay with the capture's scalar constants (Python numbers: betas, eps, a clipping norm)
+    built into the program, where XLA folds them, rather than passed in at every replay; and
+    the sources left to pass."""
+    baked = {i: x for i, (kind, x, _) in enumerate(sources)
+             if kind is CONST and (isinstance(x, (int, float, np.generic))
+                                   or (isinstance(x, np.ndarray) and x.ndim == 0))}
+    if not baked:
+        return replay, sources
+    n = len(sources)
+
+    def captured_step(*passed):
+        rest = iter(passed)
+        return replay(*[baked[i] if i in baked else next(rest) for i in range(n)])
+
+    return captured_step, [s for i, s in enumerate(sources) if i not in baked]
 
 
 def _aval(p: Pending) -> tuple:
