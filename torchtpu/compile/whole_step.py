@@ -54,6 +54,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchtpu.device import tensors
 from torchtpu.eager.capture import Capture, CaptureError
 from torchtpu.eager.graphed import _bind, _binding, _move_out, context
 from torchtpu.eager.graphs import StateCreated, _hyperparameters, _OptimizerWatch, _state_tensors
@@ -87,13 +88,14 @@ def _leaf_key(x) -> tuple:
         if x.device.type != "tpu":
             raise _CannotCapture(f"a {x.device.type} tensor argument (a capture would freeze its "
                                  "value); pass tpu tensors")
-        if not x.is_contiguous() or x.storage_offset() != 0 or \
-                x.numel() * x.element_size() != x.untyped_storage().nbytes():
-            raise _CannotCapture("a tensor argument that is a view of a larger storage")
         return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
     if isinstance(x, _SCALARS):
         return ("value", type(x), x)
     return ("object", id(x))
+
+
+def _covers(x) -> bool:
+    return not isinstance(x, torch.Tensor) or tensors.covers_storage(x)
 
 
 def _environment(fn) -> list:
@@ -263,6 +265,11 @@ class WholeStep:
         if self._captures >= MAX_CAPTURES:
             return self._give_up(f"captured {MAX_CAPTURES} times (signatures, hyperparameters "
                                  "or tensors keep changing)", args, kwargs)
+        if not all(_covers(x) for x in leaves):
+            # A view argument (batch[:, :-1]) is captured as a tensor of its own; each call's
+            # view is read into it.
+            leaves = [x.contiguous().clone() if not _covers(x) else x for x in leaves]
+            args, kwargs = pytree.tree_unflatten(leaves, pytree.tree_structure((args, kwargs)))
         try:
             return self._capture(key, leaves, args, kwargs, once=not self._optimizers)
         except _NewState:
