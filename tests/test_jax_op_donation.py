@@ -74,6 +74,8 @@ def test_a_donation_others_could_see_is_refused_and_nothing_is_consumed():
     grad = cpu.to("tpu").requires_grad_()
     with pytest.raises(RuntimeError, match="requires grad"):
         update(grad, rows, 0)
+    with pytest.raises(RuntimeError, match=r"derived backward \(jax.vjp\).*cache was donated"):
+        update(cache.clone(), rows.clone().requires_grad_(), 0)  # at the call, not in backward
     assert torch.equal(update(cache, rows, 0).cpu(), _expected(cpu, rows.cpu(), 0))
 
 

@@ -79,7 +79,7 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True,
     if differentiable:
         backward = define(f"{name}_vjp", _vjp(name, fn, sig), _vjp_signature(sig),
                           differentiable=False)
-        _register_default_autograd(opdef, backward, sig)
+        _register_default_autograd(name, opdef, backward, sig, donated)
     return opdef
 
 
@@ -266,9 +266,17 @@ def _vjp(name: str, fn: Callable, sig: Signature) -> Callable:
     return backward
 
 
-def _register_default_autograd(opdef: CustomOpDef, backward_op: CustomOpDef,
-                               sig: Signature) -> None:
+def _register_default_autograd(name: str, opdef: CustomOpDef, backward_op: CustomOpDef,
+                               sig: Signature, donated: tuple) -> None:
     def setup_context(ctx, inputs, output):
+        taken = [sig.params[i].name for i in donated if isinstance(inputs[i], torch.Tensor)]
+        if taken:
+            # Raised here, at the call, rather than in backward, where the input would be read.
+            raise RuntimeError(errors.message(
+                "kernel", f"jax_op {name!r}: gradients flow through this call, and its derived "
+                f"backward (jax.vjp) recomputes it from every input, but {', '.join(taken)} "
+                "was donated (donate_argnums) and holds no value; give the op a backward that "
+                "does not need it (.register_autograd), or do not donate where gradients flow"))
         tensor_at = [i for i, a in enumerate(inputs) if isinstance(a, torch.Tensor)]
         ctx.save_for_backward(*[inputs[i] for i in tensor_at])
         ctx.tensor_at = tensor_at
