@@ -109,15 +109,20 @@ def _map(d, fn):
     return tuple(_map(x, fn) for x in d)
 
 
+# Per op: (its plans by call key, its traced argument positions), so that a lookup hashes the
+# OpOverload (whose hash is Python code) once.
 _plans: dict = {}
 
 
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key."""
-    traced = traced_arguments(op, lowering)
-    key = (op, meta.call_key(oi, values, traced), final)
-    hit = _plans.get(key)
+    plans = _plans.get(op)
+    if plans is None:
+        plans = _plans[op] = ({}, traced_arguments(op, lowering))
+    cache, traced = plans
+    key = (meta.call_key(oi, values, traced), final)
+    hit = cache.get(key)
     if hit is None:
         result = meta.infer(op, values, traced=traced)
         compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
@@ -129,7 +134,7 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
             entries = ((KEY if lowering.draws_key(values) else CONST, None), *entries)
         spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
         hit = (result, spec)
-        meta.bounded_put(_plans, key, hit)
+        meta.bounded_put(cache, key, hit)
     return hit
 
 
