@@ -12,6 +12,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from torchtpu.integrations import vllm as plugin
 from torchtpu.integrations.vllm import install
@@ -72,3 +73,71 @@ def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
     with pytest.raises(ValueError, match="not torch.int8"):
         TpuPlatform.check_if_supports_dtype(torch.int8)
+
+
+# Run in a process of its own: vLLM picks its platform once per process, and TORCHTPU_VLLM
+# must be set before it does. Prints one JSON line: each scenario's token ids per prompt.
+_GENERATE = r"""
+import json, sys
+import vllm
+
+model, prompts, prefixed = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
+               max_num_batched_tokens=32, enforce_eager=True, gpu_memory_utilization=0.01,
+               kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True)
+params = vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+run = lambda ps: llm.generate(ps, params, use_tqdm=False)
+batched = run(prompts)
+alone = [run([p])[0] for p in prompts]
+shared = run(prefixed[:1]) + run(prefixed[1:])  # the later ones find the prefix cached
+ids = lambda outs: [list(o.outputs[0].token_ids) for o in outs]
+print("RESULT " + json.dumps({
+    "batched": ids(batched), "alone": ids(alone), "prefixed": ids(shared),
+    "cached": [o.num_cached_tokens for o in shared],
+}))
+"""
+
+# lengths 5 to 60 tokens: the longest prefill is chunked (32 tokens a step) and shares steps
+# with the others' decodes; the shared prefix spans whole 16-token blocks for prefix caching
+PROMPTS = ["hello", "the quick brown fox jumps over", "a" * 60,
+           "pack my box with five dozen liquor jugs, twice"]
+PREFIX = "the quick brown fox jumps over the lazy dog; "
+
+
+def _hf_greedy(model_dir, prompts, max_new_tokens=8):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             min_new_tokens=max_new_tokens)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llm_greedy_tokens_equal_hf_generate(arch, tmp_path):
+    _vllm()
+    import json
+
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / arch, arch))
+    prefixed = [PREFIX + "one", PREFIX + "two more", PREFIX + "one"]
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _GENERATE, model_dir, json.dumps(PROMPTS), json.dumps(prefixed)],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    want = _hf_greedy(model_dir, PROMPTS)
+    assert got["batched"] == want
+    assert got["alone"] == want
+    assert got["prefixed"] == _hf_greedy(model_dir, prefixed)
+    # the later requests read the shared prefix's two full 16-token blocks from the cache
+    assert min(got["cached"][1:]) >= 32, got["cached"]

@@ -13,8 +13,12 @@ import os
 
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
+from vllm.v1.attention.backends.registry import register_backend
 
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
+ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
+# vLLM names every backend by a member of its enum; an out-of-tree one adds its own
+register_backend("TORCHTPU_ATTN", ATTENTION)
 
 
 class TpuPlatform(Platform):
@@ -71,6 +75,21 @@ class TpuPlatform(Platform):
     @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
+
+    @classmethod
+    def register_triton_kernel_overrides(cls) -> None:
+        from torchtpu.integrations.vllm import kernels
+
+        kernels.register()
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config,
+                             num_heads: int | None = None) -> str:
+        if attn_selector_config.use_mla or attn_selector_config.use_sparse:
+            raise NotImplementedError(
+                "torchtpu.unsupported: vLLM on device 'tpu' has no MLA or sparse attention yet"
+            )
+        return ATTENTION
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:

@@ -15,9 +15,12 @@ import torch
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
-from vllm.v1.worker.gpu_worker import Worker, init_worker_distributed_environment
+from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
+
+from torchtpu.integrations.vllm.attention import allocate_kv_caches
 
 # torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
 # has not got; torch.tpu answers the same questions.
@@ -37,7 +40,10 @@ def _route_cuda_names_to_tpu() -> None:
     """Point the accelerator and CUDA names vLLM's GPU code calls at torch.tpu (worker only)."""
     for name, tpu_name in _MEMORY.items():
         setattr(torch.accelerator, name, functools.partial(getattr(torch.tpu, tpu_name)))
-    torch.accelerator.empty_cache = lambda: None  # PJRT frees buffers when their arrays die
+    # PJRT frees buffers when their arrays die; there is no cache to empty (and the C++ hooks
+    # these would reach do not exist for a Python backend: empty_host_cache segfaults)
+    torch.accelerator.empty_cache = lambda: None
+    torch.accelerator.empty_host_cache = lambda: None
     for name in _STREAMS:
         setattr(torch.cuda, name, getattr(torch.tpu, name))
 
@@ -45,6 +51,12 @@ def _route_cuda_names_to_tpu() -> None:
         return torch.tpu.Event(*args, **kwargs)
 
     torch.cuda.Event = event
+
+
+def _tpu_runner_hooks() -> None:
+    """Route the GPU runner's CUDA names and its KV-cache allocator to their tpu versions."""
+    _route_cuda_names_to_tpu()
+    gpu_model_runner.allocate_kv_cache = allocate_kv_caches
 
 
 class TpuModelRunner(GPUModelRunner):
@@ -59,7 +71,7 @@ class TpuWorker(Worker):
                 f"{self.device_config.device!r}; "
                 "unset TORCHTPU_VLLM to use vLLM's own platform"
             )
-        _route_cuda_names_to_tpu()
+        _tpu_runner_hooks()
         self.device = torch.device("tpu", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
@@ -78,6 +90,15 @@ class TpuWorker(Worker):
 
     def _make_model_runner(self) -> GPUModelRunner:
         return TpuModelRunner(self.vllm_config, self.device)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        # the GPU worker's kernel warm-up imports every model's CUDA kernels; torchtpu compiles
+        # each program when it first runs
+        set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        return CompilationTimes(
+            language_model=self.compilation_config.compilation_time,
+            encoder=self.compilation_config.encoder_compilation_time,
+        )
 
     def _maybe_get_memory_pool_context(self, tag: str):
         # no sleep mode on "tpu": PJRT owns device memory, there is no pool to swap out
