@@ -104,18 +104,24 @@ PROMPTS = ["hello", "the quick brown fox jumps over", "a" * 60,
 PREFIX = "the quick brown fox jumps over the lazy dog; "
 
 
-def _hf_greedy(model_dir, prompts, max_new_tokens=8):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _hf_ids(model_dir, prompt_ids, max_new_tokens=8):
+    """HF ``generate()``'s greedy continuation of each prompt (token ids), on CPU."""
+    from transformers import AutoModelForCausalLM
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
-    for p in prompts:
-        ids = tok(p, return_tensors="pt").input_ids
-        gen = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             min_new_tokens=max_new_tokens)
-        out.append(gen[0, ids.shape[1]:].tolist())
+    for ids in prompt_ids:
+        gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
+                             do_sample=False, min_new_tokens=max_new_tokens)
+        out.append(gen[0, len(ids):].tolist())
     return out
+
+
+def _hf_greedy(model_dir, prompts, max_new_tokens=8):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return _hf_ids(model_dir, [tok(p).input_ids for p in prompts], max_new_tokens)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -141,3 +147,117 @@ def test_llm_greedy_tokens_equal_hf_generate(arch, tmp_path):
     assert got["prefixed"] == _hf_greedy(model_dir, prefixed)
     # the later requests read the shared prefix's two full 16-token blocks from the cache
     assert min(got["cached"][1:]) >= 32, got["cached"]
+
+
+def test_paged_attention_serves_decode_prefix_hit_and_prefill_in_one_step():
+    """The backend alone against per-request causal attention on CPU: one step holding a
+    decode (9 tokens cached), a prefill whose first block came from the prefix cache, and a
+    fresh prefill, with grouped-query heads and blocks scattered over the cache."""
+    _vllm()
+    from vllm.v1.attention.backend import CommonAttentionMetadata
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from torchtpu.integrations.vllm.attention import (
+        TpuAttentionImpl,
+        TpuAttentionMetadataBuilder,
+        new_kv_cache,
+    )
+
+    heads, kv_heads, d, bs = 4, 2, 16, 4
+    spec = FullAttentionSpec(block_size=bs, num_kv_heads=kv_heads, head_size=d,
+                             dtype=torch.float32)
+    cache = new_kv_cache(spec, num_blocks=12, device=torch.device("tpu"))
+    impl = TpuAttentionImpl(heads, d, d ** -0.5, kv_heads, None, None, "auto")
+    layer = torch.nn.Module()
+    cached, new = [9, 4, 0], [1, 5, 6]
+    tables = [[7, 2, 10], [5, 0, 8], [11, 3]]  # physical blocks of each request
+    seq = [c + n for c, n in zip(cached, new)]
+    k = [torch.randn(s, kv_heads, d) for s in seq]
+    v = [torch.randn(s, kv_heads, d) for s in seq]
+    q = [torch.randn(n, heads, d) for n in new]
+
+    def slots(r, positions):
+        return torch.tensor([tables[r][p // bs] * bs + p % bs for p in positions])
+
+    def write(pos_of):  # the K/V of positions pos_of(r) of every request, as one step would
+        rows = [(r, list(pos_of(r))) for r in range(3)]
+        impl.do_kv_cache_update(
+            layer, torch.cat([k[r][p] for r, p in rows]).tpu(),
+            torch.cat([v[r][p] for r, p in rows]).tpu(), cache,
+            torch.cat([slots(r, p) for r, p in rows]).tpu())
+
+    write(lambda r: range(cached[r]))  # earlier steps (and the prefix cache) filled these
+    write(lambda r: range(cached[r], seq[r]))  # this step's tokens
+    starts = torch.tensor([0, *torch.tensor(new).cumsum(0).tolist()], dtype=torch.int32)
+    table = torch.zeros(3, 4, dtype=torch.int32)
+    for r, t in enumerate(tables):
+        table[r, : len(t)] = torch.tensor(t)
+    common = CommonAttentionMetadata(
+        query_start_loc=starts.tpu(), query_start_loc_cpu=starts,
+        seq_lens=torch.tensor(seq, dtype=torch.int32).tpu(), num_reqs=3,
+        num_actual_tokens=sum(new), max_query_len=max(new), max_seq_len=max(seq),
+        block_table_tensor=table.tpu(), slot_mapping=torch.zeros(sum(new)).long().tpu(),
+    )
+    md = TpuAttentionMetadataBuilder(spec, ["layer"], None, torch.device("tpu")).build(0, common)
+    out = torch.empty(sum(new), heads, d).tpu()
+    impl.forward(layer, torch.cat(q).tpu(), None, None, cache, md, out)
+
+    want = []
+    for r in range(3):
+        mask = torch.arange(seq[r])[None, :] <= torch.arange(cached[r], seq[r])[:, None]
+        want.append(torch.nn.functional.scaled_dot_product_attention(
+            q[r].transpose(0, 1), k[r].repeat_interleave(2, 1).transpose(0, 1),
+            v[r].repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask,
+            scale=d ** -0.5).transpose(0, 1))
+    torch.testing.assert_close(out.cpu(), torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_slot_mapping_kernel_matches_the_block_tables():
+    _vllm()
+    from torchtpu.integrations.vllm.kernels import compute_slot_mapping
+
+    starts = torch.tensor([0, 2, 5], dtype=torch.int32)
+    positions = torch.tensor([6, 7, 0, 1, 4])
+    table = torch.tensor([[3, 9, 0], [1, 4, 0]], dtype=torch.int32)
+    out = torch.full((8,), 7, dtype=torch.int64).tpu()
+    compute_slot_mapping(5, 8, starts.tpu(), positions.tpu(), table.tpu(), 3, out, 4)
+    # request 0 at positions 6, 7 (block 9); request 1 at 0, 1 (block 1) and 4 (block 4)
+    assert out.cpu().tolist() == [38, 39, 4, 5, 16, -1, -1, -1]
+
+
+def test_vllm_serve_answers_completions_and_chat_streaming_and_concurrent(tmp_path):
+    """``vllm serve`` on tpu over plain HTTP: completions and chat, whole and streamed, and four
+    concurrent requests (continuous batching), each the tokens HF ``generate()`` picks."""
+    _vllm()
+    from concurrent.futures import ThreadPoolExecutor
+
+    from transformers import AutoTokenizer
+
+    from torchtpu.integrations.vllm import server
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
+    greedy = {"model": model_dir, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+              "return_token_ids": True}
+    chat = [{"role": "user", "content": "hi there"}]
+    with server.serve(model_dir, "tpu") as url:
+        completion = lambda p: server.post(  # noqa: E731
+            url + "/v1/completions", {**greedy, "prompt": p})["choices"][0]
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            whole = list(pool.map(completion, PROMPTS))
+        streamed = [e["choices"][0] for _, e in server.stream(
+            url + "/v1/completions", {**greedy, "prompt": PROMPTS[1]})]
+        answer = server.post(url + "/v1/chat/completions", {**greedy, "messages": chat})
+        chat_streamed = [e["choices"][0] for _, e in server.stream(
+            url + "/v1/chat/completions", {**greedy, "messages": chat})]
+
+    assert [c["token_ids"] for c in whole] == _hf_greedy(model_dir, PROMPTS)
+    assert [t for c in streamed for t in c.get("token_ids") or []] == whole[1]["token_ids"]
+    assert "".join(c["text"] for c in streamed) == whole[1]["text"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompt_ids = tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    assert answer["prompt_token_ids"] == list(prompt_ids)
+    want = _hf_ids(model_dir, [list(prompt_ids)])[0]
+    assert answer["choices"][0]["token_ids"] == want
+    assert "".join(c["delta"].get("content") or "" for c in chat_streamed) == \
+        answer["choices"][0]["message"]["content"]

