@@ -11,7 +11,7 @@ exists for).
 torchrun) is the CPU reference of ``python -m torchtpu.titan ARGS``: TorchTitan on device "cpu"
 with gloo, torchtpu not loaded (``TORCH_DEVICE_BACKEND_AUTOLOAD=0``, which the caller sets, and
 this file's helpers loaded by path), and CPU kernels for the flash attention ops
-(``testing/flash.py``), which CPU lacks.
+(``testing/flash.py``), which CPU lacks; FSDP2's reductions by a factor of 1 go to gloo as SUM.
 """
 
 from __future__ import annotations
@@ -75,6 +75,21 @@ def _as_training_device(cpu) -> None:
     cpu.current_device = lambda: 0
 
 
+def _sum_for_gloo() -> None:
+    """FSDP2's gradient reduction with a factor of 1 (TorchTitan divides by tokens itself) as a
+    plain SUM: it is PREMUL_SUM(1.0) otherwise, which tpu_dist has and gloo does not."""
+    from torch.distributed.fsdp import FSDPModule
+
+    set_factor = FSDPModule.set_gradient_divide_factor
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        set_factor(self, factor)
+        if factor == 1.0:
+            self.set_force_sum_reduction_for_comms(True)
+
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor
+
+
 def _load(relative: str):
     """A module of this package by its file path, without importing torchtpu itself."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -91,6 +106,7 @@ def main() -> None:
     # TorchTitan takes the first available accelerator when it is imported, else CUDA.
     torch._utils._get_available_device_type = lambda: "cpu"
     _as_training_device(torch.cpu)
+    _sum_for_gloo()
     _load("testing/flash.py").install_cpu_kernels()
     _load("integrations/titan.py").main()
 
