@@ -10,7 +10,10 @@ compile as Dynamo's graphs (``options={"whole_step": False}``) and in
 notes), and the same step in one ``jax.jit``. The torch runs use ``AdamW(capturable=True)``
 unless said otherwise, so that they run the same optimizer.
 
-    python bench/captured.py [--steps 20] [--warmup 4]
+The runs take turns in rounds of ``--steps`` steps, so that the load of the shared box weighs on
+all of them alike; each row gives its best and its median round.
+
+    python bench/captured.py [--rounds 6] [--steps 10] [--warmup 4]
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import statistics
 import time
 
+import jax
+import jax.numpy as jnp
 import torch
 
 import torchtpu
@@ -35,84 +41,113 @@ def _optimizer(model, capturable: bool = True):
                              weight_decay=cb.WD, capturable=capturable)
 
 
-def _eager_run(step, batches, warmup: int, capturable: bool = True) -> tuple[float, list]:
-    model = cb._model().to("tpu")
-    opt = _optimizer(model, capturable)
-    losses = []
-    for i, (x, y) in enumerate(batches):
-        if i == warmup:
-            start = time.perf_counter()
-        losses.append(step(model, opt, x.to("tpu"), y.to("tpu")).item())
-    return (time.perf_counter() - start) / (len(batches) - warmup), losses
+class _Eager:
+    """A training step function run on a model and optimizer of its own."""
+
+    def __init__(self, step, capturable: bool = True) -> None:
+        self.model = cb._model().to("tpu")
+        self.opt = _optimizer(self.model, capturable)
+        self.step = step
+
+    def __call__(self, x, y) -> float:
+        return self.step(self.model, self.opt, x.to("tpu"), y.to("tpu")).item()
 
 
-def _captured_run(batches, warmup: int) -> tuple[float, list, float]:
-    """(seconds per replayed step, losses, capture seconds)."""
-    model = cb._model().to("tpu")
-    opt = _optimizer(model)
-    static_x, static_y = (t.to("tpu") for t in batches[0])
-    losses = []
-    for x, y in batches[:warmup]:
-        static_x.copy_(x)
-        static_y.copy_(y)
-        losses.append(cb._step(model, opt, static_x, static_y).item())
-    began = time.perf_counter()
-    g = torch.tpu.TPUGraph()
-    opt.zero_grad(set_to_none=True)
-    with torch.tpu.graph(g):
-        _, static_loss = model(static_x, static_y)
-        static_loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cb.MAX_NORM)
-        opt.step()
-    capture = time.perf_counter() - began
-    for i, (x, y) in enumerate(batches[warmup:]):
-        if i == 1:  # the first replay compiles the program
-            start = time.perf_counter()
-        static_x.copy_(x)
-        static_y.copy_(y)
-        g.replay()
-        losses.append(static_loss.item())
-    return (time.perf_counter() - start) / (len(batches) - warmup - 1), losses, capture
+class _Graph:
+    """Warm-up steps, one ``torch.tpu.graph`` capture, then ``copy_`` + ``g.replay()``."""
+
+    def __init__(self, warmup_batches: list) -> None:
+        self.model = cb._model().to("tpu")
+        self.opt = _optimizer(self.model)
+        self.x, self.y = (t.to("tpu") for t in warmup_batches[0])
+        self.warmup = list(warmup_batches)
+        self.g = None
+        self.capture_seconds = 0.0
+
+    def __call__(self, x, y) -> float:
+        self.x.copy_(x)
+        self.y.copy_(y)
+        if self.warmup:
+            self.warmup.pop()
+            return cb._step(self.model, self.opt, self.x, self.y).item()
+        if self.g is None:
+            began = time.perf_counter()
+            self.g = torch.tpu.TPUGraph()
+            self.opt.zero_grad(set_to_none=True)
+            with torch.tpu.graph(self.g):
+                _, self.loss = self.model(self.x, self.y)
+                self.loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), cb.MAX_NORM)
+                self.opt.step()
+            self.capture_seconds = time.perf_counter() - began
+        self.g.replay()
+        return self.loss.item()
+
+
+class _Jax:
+    """The same step in one ``jax.jit`` (``bench/compile.py``)."""
+
+    def __init__(self) -> None:
+        self.p = cb._jax_params(cb._model())
+        self.m = jax.tree.map(jnp.zeros_like, self.p)
+        self.v = jax.tree.map(jnp.zeros_like, self.p)
+        self.count = jnp.zeros((), jnp.float32)
+        self.step = jax.jit(cb._jax_step, donate_argnums=(0, 1, 2))
+
+    def __call__(self, x, y) -> float:
+        self.p, self.m, self.v, self.count, loss = self.step(
+            self.p, self.m, self.v, self.count, jnp.asarray(x.numpy()), jnp.asarray(y.numpy()))
+        return float(loss)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=10, help="steps per round")
     parser.add_argument("--warmup", type=int, default=4)
     args = parser.parse_args()
-    batches = cb._batches(args.warmup + args.steps + 1)
-    captured, g_losses, capture = _captured_run(batches, args.warmup)
-    whole, w_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup)
-    default, d_losses = _eager_run(torch.compile(cb._step, backend="tpu"), batches, args.warmup,
-                                   capturable=False)
-    compiled, c_losses = _eager_run(
-        torch.compile(cb._step, backend="tpu", options={"whole_step": False}), batches,
-        args.warmup)
-    torch._dynamo.reset()
-    reduced, r_losses = _eager_run(torch.compile(cb._step, backend="tpu", mode="reduce-overhead"),
-                                   batches, args.warmup)
-    strict, s_losses = _eager_run(cb._step, batches, args.warmup)
-    direct, j_losses = cb._jax_run(batches, args.warmup)
+    batches = cb._batches(args.warmup + args.rounds * args.steps)
+    warm, timed = batches[:args.warmup], batches[args.warmup:]
+    runs = {
+        "captured (TPUGraph)": _Graph(warm),
+        "whole-step compile": _Eager(torch.compile(cb._step, backend="tpu")),
+        "whole-step, default AdamW": _Eager(torch.compile(cb._step, backend="tpu"),
+                                            capturable=False),
+        "compile, Dynamo graphs": _Eager(torch.compile(cb._step, backend="tpu",
+                                                       options={"whole_step": False})),
+        "compile reduce-overhead": _Eager(torch.compile(cb._step, backend="tpu",
+                                                        mode="reduce-overhead")),
+        "tpu Strict eager": _Eager(cb._step),
+        "jax.jit, same step": _Jax(),
+    }
+    losses = {name: [run(x, y) for x, y in warm] for name, run in runs.items()}
+    seconds: dict = {name: [] for name in runs}
+    # Rounds interleave the runs, so that a change of load on the shared box hits all of them.
+    for r in range(args.rounds):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            losses[name] += [run(x, y) for x, y in timed[r * args.steps:(r + 1) * args.steps]]
+            seconds[name].append((time.perf_counter() - start) / args.steps)
+    # The first round holds the captured runs' first replays (their compiles): not counted.
+    best = {name: min(s[1:]) for name, s in seconds.items()}
+    median = {name: statistics.median(s[1:]) for name, s in seconds.items()}
+    strict, direct = "tpu Strict eager", "jax.jit, same step"
     print(f"TinyGPT {cb.LAYERS} layers, width {cb.WIDTH}, seq {cb.BLOCK}, batch {cb.BATCH}, "
-          f"AdamW(capturable=True) + clipping; {args.steps} timed steps after {args.warmup} "
-          f"warmup; platform {torchtpu.runtime.platform.platform()}; load "
-          f"{os.getloadavg()[0]:.2f}")
-    print(f"{'run':<28}{'ms/step':>9}{'vs Strict':>11}{'vs JAX':>8}{'last loss':>11}")
-    for name, sec, losses in (("captured (TPUGraph)", captured, g_losses),
-                              ("whole-step compile", whole, w_losses),
-                              ("whole-step, default AdamW", default, d_losses),
-                              ("compile, Dynamo graphs", compiled, c_losses),
-                              ("compile reduce-overhead", reduced, r_losses),
-                              ("tpu Strict eager", strict, s_losses),
-                              ("jax.jit, same step", direct, j_losses)):
-        print(f"{name:<28}{sec * 1e3:>9.2f}{strict / sec:>10.2f}x{direct / sec:>7.2f}x"
-              f"{losses[-1]:>11.4f}")
-    print(f"capture took {capture * 1e3:.0f} ms (recording only: nothing runs)")
-    for name, losses in (("captured", g_losses), ("whole-step", w_losses),
-                         ("whole-step default AdamW", d_losses), ("reduce-overhead", r_losses),
-                         ("Strict", s_losses)):
-        diff = max(abs(a - b) for a, b in zip(losses, j_losses, strict=True))
-        print(f"max |loss difference| {name} vs JAX over {len(batches)} steps: {diff:.2e}")
+          f"AdamW(capturable=True) + clipping; {args.rounds - 1} timed rounds of {args.steps} "
+          f"steps after {args.warmup} warm-up steps and one round; platform "
+          f"{torchtpu.runtime.platform.platform()}; load {os.getloadavg()[0]:.2f}")
+    print(f"{'run':<28}{'best ms':>9}{'median':>8}{'vs Strict':>11}{'vs JAX':>8}"
+          f"{'median vs JAX':>15}")
+    for name in runs:
+        print(f"{name:<28}{best[name] * 1e3:>9.2f}{median[name] * 1e3:>8.2f}"
+              f"{best[strict] / best[name]:>10.2f}x{best[direct] / best[name]:>7.2f}x"
+              f"{median[direct] / median[name]:>14.2f}x")
+    print(f"capture took {runs['captured (TPUGraph)'].capture_seconds * 1e3:.0f} ms (recording "
+          "only: nothing runs)")
+    for name in runs:
+        if name != direct:
+            diff = max(abs(a - b) for a, b in zip(losses[name], losses[direct], strict=True))
+            print(f"max |loss difference| {name} vs JAX over {len(batches)} steps: {diff:.2e}")
 
 
 if __name__ == "__main__":
