@@ -57,7 +57,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchtpu.device import tensors
 from torchtpu.eager.capture import Capture, CaptureError
 from torchtpu.eager.graphed import _bind, _binding, _move_out, context
-from torchtpu.eager.graphs import StateCreated, _hyperparameters, _OptimizerWatch, _state_tensors
+from torchtpu.eager.graphs import StateCreated, _OptimizerWatch, mismatch
 
 log = logging.getLogger("torchtpu.compile")
 
@@ -136,7 +136,7 @@ def _modules(objects) -> list:
 class _Step:
     """One captured step: its program, the storages calls bind, and the guards of a replay."""
 
-    def __init__(self, captured, binding, static, outputs, out_spec, fresh, optimizers,
+    def __init__(self, captured, binding, static, outputs, out_spec, fresh, guards,
                  steps, grads_in, grads_out) -> None:
         self.captured = captured
         self.binding = binding            # the tensor arguments' storages, rebound each call
@@ -155,29 +155,14 @@ class _Step:
         self.grads_in = {p: g for p, g in grads_in.items()
                          if g is not None and id(g.untyped_storage()) in read}
         self.grads_out = grads_out        # [(param, .grad the step leaves)]
-        self.guards = [(opt, [(group, fed, _hyperparameters(group, fed),
-                               [(p, p.untyped_storage(), _state_ids(opt, p))
-                                for p in group["params"]])
-                              for group, fed in groups]) for opt, groups in optimizers]
+        self.guards = guards              # the optimizers' (eager/graphs.py)
 
     def stale(self) -> str | None:
         """Why a replay would no longer match the capture, or None."""
-        for opt, groups in self.guards:
-            if len(opt.param_groups) != len(groups):
-                return f"{type(opt).__name__}'s param_groups changed"
-            for group, (captured, fed, hyper, params) in zip(opt.param_groups, groups):
-                if group is not captured or len(group["params"]) != len(params):
-                    return f"{type(opt).__name__}'s param_groups changed"
-                if _hyperparameters(group, fed) != hyper:
-                    changed = [k for k, v in hyper if group.get(k) != v]
-                    return f"{type(opt).__name__} hyperparameter(s) {changed} changed"
-                for p, (q, st, state) in zip(group["params"], params):
-                    if p is not q or p.untyped_storage() is not st or _state_ids(opt, p) != state:
-                        return f"a parameter or its {type(opt).__name__} state was replaced"
-        for p, g in self.grads_in.items():
-            if p.grad is not g:
-                return "a .grad the step accumulates into was replaced"
-        return None
+        why = mismatch(self.guards, grads=False)
+        if why is None and any(p.grad is not g for p, g in self.grads_in.items()):
+            why = "a .grad the step accumulates into was replaced"
+        return why
 
     def run(self, leaves: list):
         _bind(self.binding, self.static, leaves, "argument")
@@ -189,10 +174,6 @@ class _Step:
                 p.grad = g
         out = [_move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
         return pytree.tree_unflatten(out, self.out_spec)
-
-
-def _state_ids(opt, p) -> tuple:
-    return tuple((k, id(v)) for k, v in _state_tensors(opt, p))
 
 
 class _DeviceSteps:
@@ -324,8 +305,7 @@ class WholeStep:
                  and capture.created(o.untyped_storage())}
         steps = [(t, stepped.get(id(opt), 0)) for opt in known
                  for t in _cpu_steps(opt, device_steps.steps)]
-        groups = [(opt, [(g, id(g) in watch.fed) for g in opt.param_groups]) for opt in known]
-        step = _Step(captured, _binding(leaves), leaves, flat_out, out_spec, fresh, groups,
+        step = _Step(captured, _binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
                      steps, grads_in, grads_out)
         self._captures += 1
         if not once:

@@ -59,11 +59,6 @@ class _OptimizerWatch:
         self._fed: set = set()      # id(group) whose lr is an input of the program
         self._handles: list = []
 
-    @property
-    def fed(self) -> set:
-        """id() of each param group whose lr is an input of the program."""
-        return self._fed
-
     def install(self) -> None:
         self._handles = [register_optimizer_step_pre_hook(self._before),
                          register_optimizer_step_post_hook(self._after)]
@@ -133,32 +128,41 @@ class _OptimizerWatch:
         return out
 
 
-def _check(guards: list) -> None:
+def mismatch(guards: list, grads: bool = True) -> str | None:
+    """Why the optimizers no longer match their guards (``_OptimizerWatch.guards``), or None.
+    With ``grads=False`` a parameter's ``.grad`` is not checked."""
     for opt, groups in guards:
         name = type(opt).__name__
         if len(opt.param_groups) != len(groups):
-            raise CaptureError(f"torchtpu.capture: {name}'s param_groups changed since the "
-                               "capture; "
-                               "capture again")
+            return f"{name}'s param_groups changed since the capture"
         for group, (captured, fed, hyper, tensors) in zip(opt.param_groups, groups):
             if group is not captured or len(group["params"]) != len(tensors):
-                raise CaptureError(f"torchtpu.capture: {name}'s param_groups changed since the "
-                                   "capture; capture again")
+                return f"{name}'s param_groups changed since the capture"
             if _hyperparameters(group, fed) != hyper:
                 changed = [k for k, v in hyper if group.get(k) != v]
-                raise CaptureError(
-                    f"torchtpu.capture: {name} hyperparameter(s) {changed} changed since the "
-                    "capture "
-                    "(they are constants of the captured program; only the lr of a "
-                    "capturable=True optimizer is an input); capture again")
+                return (f"{name} hyperparameter(s) {changed} changed since the capture (they "
+                        "are constants of the captured program; only the lr of a "
+                        "capturable=True optimizer is an input)")
             for p, (q, st, grad, state) in zip(group["params"], tensors):
-                if p is not q or p.untyped_storage() is not st or p.grad is not grad \
-                        or _state_tensors(opt, p) != state:
-                    raise CaptureError(
-                        f"torchtpu.capture: a parameter, its .grad or its {name} state is not the "
-                        "tensor the capture used (replaced, or set to None by zero_grad?); the "
-                        "captured program updates the tensors it captured: do not zero or "
-                        "replace them between replays (replay refills .grad), or capture again")
+                if p is not q or p.untyped_storage() is not st or (grads and p.grad is not grad) \
+                        or not _same_state(_state_tensors(opt, p), state):
+                    return (f"a parameter, its .grad or its {name} state is not the tensor the "
+                            "capture used (replaced, or set to None by zero_grad?); the captured "
+                            "program updates the tensors it captured: do not zero or replace "
+                            "them between replays (replay refills .grad)")
+    return None
+
+
+def _same_state(now: tuple, captured: tuple) -> bool:
+    # By identity: == on tensors would compare values (and read them).
+    return len(now) == len(captured) and all(
+        k == c and v is t for (k, v), (c, t) in zip(now, captured))
+
+
+def _check(guards: list) -> None:
+    why = mismatch(guards)
+    if why is not None:
+        raise CaptureError(f"torchtpu.capture: {why}; capture again")
 
 
 class TPUGraph:
