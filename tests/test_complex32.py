@@ -100,6 +100,14 @@ def test_complex32_rounds_where_values_are_stored_when_deferred():
     _same([actual], [expected])
 
 
+def test_complex32_graphed_callable_binds_new_inputs():
+    # A replay binds each new input's value to the captured storage, which holds float16 pairs.
+    x = _value().to(torch.complex32)
+    graphed = torch.tpu.make_graphed_callables(lambda a: a * a, (x.to("tpu"),))
+    y = (x.to(torch.complex64) * 2.0001).to(torch.complex32)
+    _same([graphed(y.to("tpu"))], [y * y])
+
+
 def test_complex32_value_dependent_selection_refuses_and_says_how():
     x = _value().to(torch.complex32)
     d = x.to("tpu")

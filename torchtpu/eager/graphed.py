@@ -64,7 +64,8 @@ def _bind(binding: list, static: list, values, what: str) -> None:
                                "it "
                                f"was captured as ({shape}, {dtype}, tpu); make a new graphed "
                                "callable for other shapes")
-        st._tpu_array = tensors.read(v) if v.is_contiguous() else tensors.read(v.contiguous())
+        value = tensors.read(v) if v.is_contiguous() else tensors.read(v.contiguous())
+        st._tpu_array = tensors.stored_form(value, dtype)  # complex32: its float16 pairs
 
 
 class _Graphed:
