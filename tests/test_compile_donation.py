@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu.compile import backend
+from torchtpu.compile import donation
 from torchtpu.testing.compare import assert_same
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -79,8 +79,8 @@ def test_an_array_passed_twice_is_not_donated():
     # Through torch.compile, aliased inputs that are mutated reach the graph as one input (Dynamo
     # and AOTAutograd merge them), so the guard is checked where the graph reads its inputs.
     w = torch.randn(3).to("tpu")
-    assert backend._donatable([w.untyped_storage()._tpu_array], [(0, 0)], [w]) == (0,)
-    assert backend._donatable([w.untyped_storage()._tpu_array] * 2, [(0, 0)], [w, w]) == ()
+    assert donation.mutated([w.untyped_storage()._tpu_array], [(0, 0)], [w]) == (0,)
+    assert donation.mutated([w.untyped_storage()._tpu_array] * 2, [(0, 0)], [w, w]) == ()
 
 
 def test_one_tensor_passed_as_two_mutated_arguments():

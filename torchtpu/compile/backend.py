@@ -11,11 +11,8 @@ old array nothing else can see again (the whole array of its storage, passed onc
 but that storage) is donated to the program, so XLA updates it in place and an optimizer step
 does not hold two copies of the model state.
 
-An op that donates arguments (``lowering.donates``: ``jax_op(..., donate_argnums=...)``) given a
-graph input directly gets that input's buffer as eager would give it: the program donates it
-and the input tensor is consumed after the call; an input eager would refuse (shared storage,
-requires grad) is refused the same way. A donated argument computed inside the graph (a view,
-an intermediate) is XLA's own buffer and nothing is consumed.
+An op that donates arguments (``jax_op(..., donate_argnums=...)``) given a graph input directly
+gets that input's buffer as eager would give it, and the input is consumed (``donation.py``).
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import functools
 import itertools
 import logging
 import operator
-import sys
 import time
 from collections.abc import Callable
 
@@ -35,8 +31,8 @@ import torch.fx as fx
 from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
-from torchtpu import errors, metrics
-from torchtpu.compile import dynamic, eager_split, reduce_overhead
+from torchtpu import metrics
+from torchtpu.compile import donation, dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
@@ -111,74 +107,6 @@ def _unshared(array, owned: set):
         array = tensors.fresh_copy(array)
     owned.add(id(array))
     return array
-
-
-def _donatable(arrays: list, mutated_at: list, args: list) -> tuple:
-    """Positions (in arrays) of the mutated inputs whose old array is dead after the call.
-
-    Such an array is its storage's whole array (the write-back replaces it), appears once among
-    the inputs, and has no holder but that storage: not a pending value of DeferAndFuse or its
-    recording, not another storage. Anything else is not donated.
-    """
-    counts: dict = {}
-    for a in arrays:
-        counts[id(a)] = counts.get(id(a), 0) + 1
-    donate = []
-    for k, i in mutated_at:
-        a = arrays[k]
-        t = args[i]
-        if not isinstance(a, jax.Array) or counts[id(a)] != 1 or t.is_cpu:
-            continue
-        if t.untyped_storage()._tpu_array is not a:
-            continue  # a view or reinterpretation: the storage keeps the old array
-        # References: the storage, the arrays list, a, and getrefcount's argument.
-        if sys.getrefcount(a) <= 4:
-            donate.append(k)
-    return tuple(donate)
-
-
-def _donating_ops(fn: GraphFunction, excluded: set) -> list:
-    """(position among tensor inputs, position among inputs, op, parameter) of each graph input
-    passed directly to a donated argument, but for inputs in excluded (mutated or returned)."""
-    found, seen = [], set()
-    for step in fn.steps:
-        lowering = step.lowering
-        if lowering is None or not lowering.donates:
-            continue
-        oi = schema.info(lowering.op)
-        values, _ = schema.bind(oi, step.node.args, step.node.kwargs)
-        for j in lowering.donates:
-            v = values[j]
-            if not (isinstance(v, fx.Node) and v.op == "placeholder"):
-                continue
-            i = fn.placeholders.index(v)
-            if i in excluded or i in seen or not fn.tensor_inputs[i]:
-                continue
-            seen.add(i)
-            found.append((sum(fn.tensor_inputs[:i]), i, lowering.op, oi.names[j]))
-    return found
-
-
-def _taken(arrays: list, donating: list, args: list) -> tuple[tuple, list]:
-    """(positions in arrays to donate, tensors to consume) for the inputs donating ops take.
-
-    Each is refused as eager refuses it; its array is donated when the storage holds it whole
-    and nothing else does (else the program reads it and it is consumed all the same)."""
-    donate, consumed = [], []
-    call_tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    for k, i, op, param in donating:
-        t = args[i]
-        problem = tensors.donation_refusal(t, param, call_tensors)
-        if problem is not None:
-            raise RuntimeError(errors.message(
-                "kernel", f"{op._schema.name!r} (compiled) cannot take the buffer of argument "
-                f"{param!r} (donate_argnums): {problem}"))
-        a = arrays[k]
-        # References: the storage, the arrays list, a, and getrefcount's argument.
-        if t.untyped_storage()._tpu_array is a and sys.getrefcount(a) <= 4:
-            donate.append(k)
-        consumed.append((t, f"{op._schema.name!r} (compiled, donate_argnums)"))
-    return tuple(donate), consumed
 
 
 def _split(arrays: list, donate: tuple) -> tuple[tuple, tuple]:
@@ -294,7 +222,9 @@ class CompiledGraph:
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
-        self.donating = _donating_ops(self.fn, mutated_inputs | set(self.forwarded.values()))
+        self.donating = donation.donating_inputs(
+            self.fn, mutated_inputs | set(self.forwarded.values()))
+        self.output_kinds = donation.output_kinds(self.fn, self.forwarded)
 
     def _read(self, args: list) -> tuple[list, list]:
         arrays, symbols = [], []
@@ -412,10 +342,10 @@ class CompiledGraph:
             # Padded inputs may be copies at bucket sizes: nothing is donated.
             arrays, symbols, values = self._pad(args, arrays, symbols)
         elif self.mutated_at:
-            donate = _donatable(arrays, self.mutated_at, args)
+            donate = donation.mutated(arrays, self.mutated_at, args)
         consumed = []
         if self.donating:
-            taken, consumed = _taken(arrays, self.donating, args)
+            taken, consumed = donation.taken(arrays, self.donating, args, self.output_kinds)
             donate = tuple(sorted(set(donate) | set(taken)))
         args.clear()
         constants = self._constants()
