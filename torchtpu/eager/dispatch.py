@@ -193,9 +193,16 @@ def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
     if views:
         spec = with_views(spec, views)
     out = dedupe(executor.current().run_concrete(lowering, spec, dyn), dyn)
+    # No meta kernel gives these results' dtypes: each is its array's, but complex32 values
+    # compute as complex64 (``device/dtypes.py``), so those of a complex32 call are complex32.
+    half = any(isinstance(v, torch.Tensor) and v.dtype is torch.complex32 for v in values)
+
+    def wrap(o):
+        return tensors.wrap(o, torch.complex32 if half and o.dtype == np.complex64 else None)
+
     if isinstance(out, (tuple, list)):
-        return tuple(tensors.wrap(o) for o in out)
-    return tensors.wrap(out)
+        return tuple(wrap(o) for o in out)
+    return wrap(out)
 
 
 def _flat_targets(values, oi, outs):

@@ -39,25 +39,13 @@ def unsafe_index(x, indices):
 _index = jax.jit(unsafe_index)
 
 
-def _complex32_unsupported(x, what: str) -> None:
-    # A result whose shape depends on values is wrapped with its array's dtype, and complex32
-    # values compute as complex64 (``device/dtypes.py``): refuse rather than change the dtype.
-    if x.dtype is torch.complex32:
-        raise NotImplementedError(
-            f"torchtpu.unsupported: {what} of a complex32 tensor on tpu; select from "
-            "torch.view_as_real(x) (a float16 tensor with a last dim of 2) and view the result "
-            "with torch.view_as_complex")
-
-
 def _masks_select(x, indices) -> bool:
     if any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices):
-        _complex32_unsupported(x, "boolean-mask indexing (x[mask])")
         return True
     return False
 
 
 def _selects(x, mask) -> bool:
-    _complex32_unsupported(x, "masked_select")
     return True
 
 
