@@ -1,10 +1,13 @@
 """DataLoader with pin_memory=True, and DeviceLoader prefetching batches to the device."""
 
+import threading
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchtpu
+from torchtpu.device import loader
 
 
 def _dataset():
@@ -42,3 +45,13 @@ def test_device_loader_reraises_loader_errors():
 
     with pytest.raises(ValueError, match="bad sample 1"):
         list(torchtpu.DeviceLoader(broken()))
+
+
+def test_exit_stops_a_prefetch_still_running():
+    # At exit the prefetch thread must be stopped before JAX's clean-up (a thread copying to
+    # the device while XLA's state is torn down aborts the process).
+    it = iter(loader.DeviceLoader([torch.randn(8) for _ in range(50)], prefetch=1))
+    next(it)
+    assert any(t.name == "torchtpu-prefetch" for t in threading.enumerate())
+    loader._stop_all()
+    assert not any(t.name == "torchtpu-prefetch" and t.is_alive() for t in threading.enumerate())

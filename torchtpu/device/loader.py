@@ -3,14 +3,16 @@
 ``DeviceLoader(loader)`` moves each batch to "tpu" on a background thread, ``prefetch`` batches
 ahead, so collation and the host-to-device copy overlap the model's work. ``pin_memory=True`` in a
 DataLoader (Hugging Face's Trainer sets it by default) is accepted and leaves batches as they are:
-PyTorch has no way for a Python backend to provide pinned memory, and JAX stages host copies
-itself.
+JAX stages host copies itself. Prefetch threads still running at exit are stopped before JAX's
+clean-up.
 """
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -18,6 +20,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 _DONE = object()
+EXIT_WAIT_SECONDS = 10.0
+_running: set = set()  # (stop, worker, slots) of every prefetch under way
 
 
 def to_device(batch: Any, device: torch.device | str = "tpu") -> Any:
@@ -52,6 +56,8 @@ class DeviceLoader:
                 slots.put(e)
 
         worker = threading.Thread(target=produce, name="torchtpu-prefetch", daemon=True)
+        running = (stop, worker, slots)
+        _running.add(running)
         worker.start()
         try:
             while True:
@@ -62,12 +68,29 @@ class DeviceLoader:
                     raise item
                 yield item
         finally:
-            stop.set()
-            while worker.is_alive():  # unblock a producer waiting on a full queue
-                try:
-                    slots.get_nowait()
-                except queue.Empty:
-                    worker.join(timeout=0.01)
+            _running.discard(running)
+            _stop(stop, worker, slots, deadline=None)
+
+
+def _stop(stop: threading.Event, worker: threading.Thread, slots: queue.Queue,
+          deadline: float | None) -> None:
+    stop.set()
+    while worker.is_alive() and (deadline is None or time.monotonic() < deadline):
+        try:  # unblock a producer waiting on a full queue
+            slots.get_nowait()
+        except queue.Empty:
+            worker.join(timeout=0.01)
+
+
+def _stop_all() -> None:
+    # A prefetch thread still copying to the device when the interpreter tears JAX down aborts
+    # the process; atexit runs this (registered after jax's clean-up, so before it) first.
+    deadline = time.monotonic() + EXIT_WAIT_SECONDS
+    for running in list(_running):
+        _stop(*running, deadline=deadline)
+
+
+atexit.register(_stop_all)
 
 
 def install_pin_memory() -> None:
