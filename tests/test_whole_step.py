@@ -44,7 +44,8 @@ def _delta(before: dict) -> dict:
     return {k: after[k] - v for k, v in before.items()}
 
 
-@pytest.mark.parametrize("capturable", [False, True])
+# capturable=True is the captured steps' own path (test_graphs.py); here in the full suite.
+@pytest.mark.parametrize("capturable", [False, pytest.param(True, marks=pytest.mark.full)])
 def test_whole_step_is_one_program_per_call_with_eager_losses_and_a_scheduled_lr(capturable):
     cpu, dev = _nets()
     cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=0.02, weight_decay=0.1)
