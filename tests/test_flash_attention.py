@@ -27,12 +27,11 @@ def _inputs(dense: bool, heads=4, kv_heads=2, e=8, dtype=torch.float32):
 
 
 CASES = {
-    # dense (B, L, H, E): causal with L < S (bottom-right), then a two-sided window
-    "dense-causal": (True, dict(is_causal=True)),
-    "dense-window": (True, dict(window_size_left=2, window_size_right=1)),
-    # varlen (T, H, E) with cum_seq_q/k: a causal sliding window (plain causal, TorchTitan's
-    # case, runs through varlen_attn below)
-    "varlen-window": (False, dict(is_causal=True, window_size_left=1)),
+    # dense (B, L, H, E) with L < S: causal (bottom-right) with a left window
+    "dense-causal-window": (True, dict(is_causal=True, window_size_left=2)),
+    # varlen (T, H, E) with cum_seq_q/k: a two-sided window (plain causal, TorchTitan's case,
+    # runs through varlen_attn below)
+    "varlen-window": (False, dict(window_size_left=1, window_size_right=1)),
 }
 
 
@@ -60,11 +59,19 @@ def test_flash_forward_and_backward_match_sdpa_per_sequence(case):
     assert_same(grads, torch.autograd.grad(expected, inputs, grad), atol=1e-5, rtol=1e-5)
 
 
-def test_varlen_attn_trains_in_bfloat16_like_cpu():
-    """PyTorch's varlen_attn (TorchTitan's varlen backend) end to end, with autograd."""
+def _causal_varlen(q, k, v, cum):
+    return varlen_attn(q, k, v, cum, cum, 5, 5, window_size=(-1, 0))
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.full)],
+                         ids=["eager", "compiled"])
+def test_varlen_attn_trains_in_bfloat16_like_cpu(compiled):
+    """PyTorch's varlen_attn (TorchTitan's varlen backend) end to end, with autograd; compiled,
+    the graphs hold its custom ops (torch_attn::_varlen_attn and its backward) whole."""
     q, k, v = (t.to(torch.bfloat16) for t in _inputs(False, kv_heads=4))
     inputs = [t.to("tpu").requires_grad_() for t in (q, k, v)]
-    out = varlen_attn(*inputs, CUM_Q.to("tpu"), CUM_Q.to("tpu"), 5, 5, window_size=(-1, 0))
+    attention = torch.compile(_causal_varlen, backend="tpu") if compiled else _causal_varlen
+    out = attention(*inputs, CUM_Q.to("tpu"))
     out.float().square().sum().backward()
 
     cpu = [t.clone().requires_grad_() for t in (q, k, v)]

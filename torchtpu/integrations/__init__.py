@@ -10,6 +10,8 @@ from torchtpu.compile.on_import import after_import
 
 def install() -> None:
     from torchtpu.integrations import accelerate, fbgemm
+    from torchtpu.lowering import attention
 
     after_import("accelerate.state", accelerate.patch)
     after_import("fbgemm_gpu", fbgemm.patch)
+    after_import("torch.nn.attention.varlen", attention.register_varlen)

@@ -282,6 +282,33 @@ def flash_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max
             _unpadded(dv, cum_seq_k, v.shape[0]).astype(v.dtype))
 
 
+def _varlen_forward(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                    window_size=None, enable_gqa=False, seqused_k=None, block_table=None,
+                    num_splits=None):
+    left, right = window_size or (-1, -1)
+    out, lse, rng_state, _, _ = flash_forward(
+        q, k, v, cu_seq_q, cu_seq_q if cu_seq_k is None else cu_seq_k, max_q, max_k, 0.0,
+        is_causal, False, scale, left, right, seqused_k, None, block_table)
+    return out, lse, rng_state
+
+
+def _varlen_backward(grad_out, q, k, v, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                     rng_state, scale=None, window_size=None):
+    left, right = window_size or (-1, -1)
+    return flash_backward(grad_out, q, k, v, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, 0.0,
+                          is_causal, rng_state, None, scale, left, right)
+
+
+def register_varlen() -> None:
+    """Lower ``torch.nn.attention.varlen``'s custom ops, which a compiled graph holds whole (eager
+    runs their Python bodies, which call the flash ops above). Called once that module is
+    imported (it costs about as much as ``import torch`` itself, so torchtpu does not import it).
+    cu_seq_k=None means the keys are packed as the queries are."""
+    ops = torch.ops.torch_attn
+    lowers(ops._varlen_attn.default)(_varlen_forward)
+    lowers(ops._varlen_attn_backward.default)(_varlen_backward)
+
+
 # ----------------------------------------------------------------------------- backend choice
 
 def _broadcastable(shape, target) -> bool:
