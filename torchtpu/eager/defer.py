@@ -15,7 +15,13 @@ connect), which outputs are still alive and which inputs are donated; JAX adds t
 A training loop therefore records the same structure each step and reuses one program.
 
 Inputs that no storage or pending value holds any more (a parameter's old value once the optimizer
-has written a new one) are donated to the program, so in-place updates reuse their buffers.
+has written a new one) are donated to the program, so in-place updates reuse their buffers. So are
+the buffers of earlier results that died before this flush (a loop's previous output, last step's
+activations): the recorder keeps the last flush's results, and each one nothing else holds by the
+next flush is handed to that program, unused, for an output of its shape to be written into.
+Fresh buffers cost more than their writes on XLA:CPU (the host zeroes new pages on first touch:
+a 32 MB RMSNorm ran 2.4x faster into a reused buffer); on TPU and GPU reuse saves allocation.
+Leaving the mode drops what is kept.
 """
 
 from __future__ import annotations
@@ -165,22 +171,83 @@ def _replay(nodes: tuple, wanted: tuple):
     return defer_and_fuse
 
 
-def _donatable(inputs: list, targets: list) -> tuple:
-    """Inputs nothing outside the recording holds, with an output of the same shape to reuse."""
+def _donatable(inputs: list, targets: list, spares: list) -> tuple:
+    """Inputs nothing outside the recording holds, with an output of the same shape to reuse;
+    then, for outputs still without one, spares nothing holds, appended to inputs (the program
+    does not read them: only their buffers are taken)."""
     free: dict = {}
     for p in targets:
         k = (p.shape, p.dtype)
         free[k] = free.get(k, 0) + 1
     donate = []
-    for i in range(len(inputs)):
-        x = inputs[i]
-        # References: the inputs list, x and getrefcount's argument (enumerate would add one).
-        if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
-            k = (x.shape, x.dtype)
-            if free.get(k):
-                free[k] -= 1
-                donate.append(i)
+    for pool, appended in ((inputs, False), (spares, True)):
+        for i in range(len(pool)):
+            x = pool[i]
+            # References: the list, x and getrefcount's argument (enumerate would add one).
+            if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
+                k = (x.shape, x.dtype)
+                if free.get(k):
+                    free[k] -= 1
+                    if appended:
+                        inputs.append(x)
+                    donate.append(len(inputs) - 1 if appended else i)
     return tuple(donate)
+
+
+def _origin(nodes: list, node: int, leaf: int, memo: dict):
+    """The input whose storage the value (node, leaf) replaces, if it is an in-place update.
+
+    In-place ops and view writes take the tensor they write as their first argument, a foreach
+    op's i-th output writes its i-th: following those back from an output reaches the input it
+    updates (or a number, or None). Only a guess, used to pair buffers: never for values.
+    """
+    path, key = [], (node, leaf)
+    while key not in memo:
+        path.append(key)
+        refs = nodes[key[0]][2]
+        if not refs:
+            found = None
+            break
+        r = refs[key[1]] if key[1] < len(refs) else refs[0]
+        if r.__class__ is int:
+            found = r
+            break
+        key = r
+    else:
+        found = memo[key]
+    for k in path:
+        memo[k] = found
+    return found
+
+
+def _in_place_order(nodes: list, wanted: tuple, targets: list, inputs: list,
+                    donate: tuple) -> list:
+    """The outputs in the order that pairs each donated input with the output updating it.
+
+    JAX gives the donated inputs of one shape, in argument order, to the outputs of that shape,
+    in output order; a parameter's buffer handed to another parameter's new value makes XLA copy
+    both (an AdamW update ran 4 extra 32 MB copies). Outputs that update a donated input in
+    place come first, in that input's order; each other donated input takes the next free output
+    of its shape; the rest follow.
+    """
+    memo: dict = {}
+    claimed: dict = {}   # donated input -> output
+    donated = set(donate)
+    for j, (n, leaf) in enumerate(wanted):
+        i = _origin(nodes, n, leaf, memo)
+        x = inputs[i] if i in donated and i not in claimed else None
+        if x is not None and (x.shape, x.dtype) == (targets[j].shape, targets[j].dtype):
+            claimed[i] = j
+    free = [j for j in range(len(wanted)) if j not in set(claimed.values())]
+    order = []
+    for i in sorted(donate):
+        j = claimed.get(i)
+        if j is None:
+            k = (inputs[i].shape, inputs[i].dtype)
+            j = next(j for j in free if (targets[j].shape, targets[j].dtype) == k)
+            free.remove(j)
+        order.append(j)
+    return order + free
 
 
 class Recorder:
@@ -193,6 +260,7 @@ class Recorder:
         self._trace = _Trace(self)
         self._shapes: dict = {}
         self._programs: dict = {}
+        self._spares: list = []  # the last flush's results, whose buffers a next flush may reuse
 
     def record(self, fn, args: tuple):
         """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
@@ -255,16 +323,26 @@ class Recorder:
             self._trace = _Trace(self)
             targets, wanted = self._alive(trace)
             inputs, trace.inputs = trace.inputs, None
+            n_inputs = len(inputs)
+            # A result the recording reads is an input (donated there if nothing else holds it).
+            spares = [x for x in self._spares if id(x) not in trace._array_ids]
+            self._spares = []
             if not targets:
                 return
-            donate = _donatable(inputs, targets)
+            donate = _donatable(inputs, targets, spares)
+            spares = None  # the spares no output reuses are freed before the program runs
+            if donate:
+                order = _in_place_order(trace.nodes, wanted, targets, inputs, donate)
+                targets, wanted = [targets[j] for j in order], tuple(wanted[j] for j in order)
             key = (tuple(trace.nodes), wanted, donate)
             fused = self._programs.get(key)
             if fused is None:
-                fused = jax.jit(_replay(key[0], wanted), donate_argnums=donate)
+                # keep_unused: the appended spares are parameters only so that XLA can alias them.
+                fused = jax.jit(_replay(key[0], wanted), donate_argnums=donate, keep_unused=True)
                 self._programs[key] = fused
             metrics.count("executions")
             metrics.count("donated_inputs", len(donate))
+            metrics.count("reused_buffers", len(inputs) - n_inputs)
             try:
                 observe = launch.observer
                 if observe is None:
@@ -281,6 +359,12 @@ class Recorder:
                     r = tensors.copy_buffer(r)
                 seen.add(id(r))
                 p._value, p._trace = r, None
+                self._spares.append(r)
+
+    def release_spares(self) -> None:
+        """Drop the kept results (their buffers are freed once nothing else holds them)."""
+        with self._lock:
+            self._spares = []
 
     def pending_hlo(self) -> str:
         """The pending recording as StableHLO text (empty when nothing is pending)."""
@@ -331,3 +415,4 @@ class DeferAndFuse(Strict):
     def leave(self) -> None:
         tensors.deferrer = None
         RECORDER.flush()
+        RECORDER.release_spares()

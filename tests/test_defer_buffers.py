@@ -1,0 +1,68 @@
+"""DeferAndFuse's buffer reuse: an in-place update is written into the buffer it replaces, a
+loop's dead results lend their buffers to the next flush's outputs, and leaving the mode frees
+what was kept; the numbers stay CPU's."""
+
+import torch
+
+import torchtpu
+from torchtpu.device import tensors
+
+DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
+
+
+def _pointer(t: torch.Tensor) -> int:
+    return tensors.storage_array(t).unsafe_buffer_pointer()
+
+
+def _update(p, m, v, g):
+    # Three same-shape tensors updated in place, the last from the first two: their buffers
+    # can each take their own new value only if the program pairs them right.
+    m.mul_(0.9).add_(g, alpha=0.1)
+    v.mul_(0.99).addcmul_(g, g, value=0.01)
+    p.mul_(0.999).addcdiv_(m, v.sqrt().add_(1e-8), value=-1e-3)
+
+
+def test_in_place_updates_keep_their_buffers_and_match_cpu():
+    cpu = [torch.randn(64, 32) for _ in range(4)]
+    cpu[2] = cpu[2].abs()
+    dev = [t.to("tpu") for t in cpu]
+    with torch.tpu.set_eager_mode(DEFER):
+        for _ in range(2):
+            before = [_pointer(t) for t in dev[:3]]
+            _update(*dev)
+            torch.tpu.synchronize()
+            assert [_pointer(t) for t in dev[:3]] == before
+            _update(*cpu)
+    for d, c in zip(dev, cpu):
+        torch.testing.assert_close(d.cpu(), c, rtol=1e-6, atol=1e-6)
+
+
+def test_a_dead_result_lends_its_buffer_to_the_next_flush():
+    x = torch.randn(128, 64)
+    xd = x.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        out = torch.tanh(xd) * 2
+        torch.tpu.synchronize()
+        first = _pointer(out)
+        reused = torchtpu.metrics.snapshot().get("reused_buffers", 0)
+        out = torch.tanh(xd) * 3  # the first result dies before this flush
+        torch.tpu.synchronize()
+        assert torchtpu.metrics.snapshot().get("reused_buffers", 0) == reused + 1
+        assert _pointer(out) == first
+        kept = torch.tanh(xd) + 1  # alive: its buffer is not lent
+        torch.tpu.synchronize()
+        assert _pointer(kept) != _pointer(out)
+    torch.testing.assert_close(out.cpu(), torch.tanh(x) * 3)
+    torch.testing.assert_close(kept.cpu(), torch.tanh(x) + 1)
+
+
+def test_leaving_the_mode_frees_the_kept_results():
+    xd = torch.randn(256, 256).to("tpu")
+    base = torch.tpu.memory_allocated()
+    with torch.tpu.set_eager_mode(DEFER):
+        out = xd * 2
+        torch.tpu.synchronize()
+        del out
+        kept = torch.tpu.memory_allocated()
+    assert kept >= base + 256 * 256 * 4  # held for the next flush while in the mode
+    assert torch.tpu.memory_allocated() <= base
