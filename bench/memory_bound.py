@@ -144,7 +144,9 @@ def main() -> None:
             except Exception as e:  # the reference form may fail; the eager ones must not
                 if f != "torch.compile":
                     raise
-                failures.append(f"{name}, {f}: {str(e).splitlines()[-1]}")
+                lines = str(e).splitlines()
+                said = [x for x in lines if "torchtpu." in x] or lines[-1:]
+                failures.append(f"{name}, {f}: {said[0]}")
         best, results = dict.fromkeys(timers, float("inf")), {}
         for _ in range(args.rounds):
             for f, timed in timers.items():

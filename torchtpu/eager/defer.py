@@ -26,6 +26,7 @@ Leaving the mode drops what is kept.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import weakref
@@ -174,23 +175,32 @@ def _replay(nodes: tuple, wanted: tuple):
 def _donatable(inputs: list, targets: list, spares: list) -> tuple:
     """Inputs nothing outside the recording holds, with an output of the same shape to reuse;
     then, for outputs still without one, spares nothing holds, appended to inputs (the program
-    does not read them: only their buffers are taken)."""
+    does not read them: only their buffers are taken).
+
+    Which spares are appended is canonical (by shape, in the order the outputs first have
+    it), so that the program, which depends only on their shapes, is the same every step."""
     free: dict = {}
     for p in targets:
         k = (p.shape, p.dtype)
         free[k] = free.get(k, 0) + 1
     donate = []
-    for pool, appended in ((inputs, False), (spares, True)):
-        for i in range(len(pool)):
-            x = pool[i]
-            # References: the list, x and getrefcount's argument (enumerate would add one).
-            if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
-                k = (x.shape, x.dtype)
-                if free.get(k):
-                    free[k] -= 1
-                    if appended:
-                        inputs.append(x)
-                    donate.append(len(inputs) - 1 if appended else i)
+    for i in range(len(inputs)):
+        x = inputs[i]
+        # References: the inputs list, x and getrefcount's argument (enumerate would add one).
+        if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
+            k = (x.shape, x.dtype)
+            if free.get(k):
+                free[k] -= 1
+                donate.append(i)
+    dead: dict = {}
+    for i in range(len(spares)):
+        x = spares[i]
+        if sys.getrefcount(x) <= 3:  # the spares list, x and the argument
+            dead.setdefault((x.shape, x.dtype), []).append(x)
+    for k, n in free.items():
+        for x in dead.get(k, ())[:n]:
+            donate.append(len(inputs))
+            inputs.append(x)
     return tuple(donate)
 
 
@@ -238,16 +248,16 @@ def _in_place_order(nodes: list, wanted: tuple, targets: list, inputs: list,
         x = inputs[i] if i in donated and i not in claimed else None
         if x is not None and (x.shape, x.dtype) == (targets[j].shape, targets[j].dtype):
             claimed[i] = j
-    free = [j for j in range(len(wanted)) if j not in set(claimed.values())]
+    taken = set(claimed.values())
+    free: dict = {}      # shape -> outputs of it no donated input claimed, in order
+    for j, p in enumerate(targets):
+        if j not in taken:
+            free.setdefault((p.shape, p.dtype), collections.deque()).append(j)
     order = []
     for i in sorted(donate):
         j = claimed.get(i)
-        if j is None:
-            k = (inputs[i].shape, inputs[i].dtype)
-            j = next(j for j in free if (targets[j].shape, targets[j].dtype) == k)
-            free.remove(j)
-        order.append(j)
-    return order + free
+        order.append(j if j is not None else free[(inputs[i].shape, inputs[i].dtype)].popleft())
+    return order + sorted(j for js in free.values() for j in js)
 
 
 class Recorder:
@@ -331,15 +341,17 @@ class Recorder:
                 return
             donate = _donatable(inputs, targets, spares)
             spares = None  # the spares no output reuses are freed before the program runs
-            if donate:
-                order = _in_place_order(trace.nodes, wanted, targets, inputs, donate)
-                targets, wanted = [targets[j] for j in order], tuple(wanted[j] for j in order)
             key = (tuple(trace.nodes), wanted, donate)
-            fused = self._programs.get(key)
-            if fused is None:
+            entry = self._programs.get(key)
+            if entry is None:
+                order = _in_place_order(key[0], wanted, targets, inputs, donate) if donate \
+                    else range(len(targets))
                 # keep_unused: the appended spares are parameters only so that XLA can alias them.
-                fused = jax.jit(_replay(key[0], wanted), donate_argnums=donate, keep_unused=True)
-                self._programs[key] = fused
+                fused = jax.jit(_replay(key[0], tuple(wanted[j] for j in order)),
+                                donate_argnums=donate, keep_unused=True)
+                entry = self._programs[key] = (fused, order)
+            fused, order = entry
+            targets = [targets[j] for j in order]
             metrics.count("executions")
             metrics.count("donated_inputs", len(donate))
             metrics.count("reused_buffers", len(inputs) - n_inputs)
