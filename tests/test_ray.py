@@ -39,6 +39,8 @@ def _train_loop(config: dict) -> None:
     import ray.train.torch
     import torch.distributed as dist
 
+    import torchtpu
+
     context = ray.train.get_context()
     rank, world = context.get_world_rank(), context.get_world_size()
     # This process's own device (tpu_dist gave it its LOCAL_RANK). Ray Train's own device
@@ -54,7 +56,8 @@ def _train_loop(config: dict) -> None:
     # The mean of the equal shards' mean losses is the full batch's loss.
     dist.all_reduce(losses)
     metrics = {"losses": (losses / world).tolist(), "device": str(device),
-               "backend": dist.get_backend()}
+               "backend": dist.get_backend(),
+               "fallbacks": torchtpu.metrics.snapshot()["cpu_fallbacks"]}
     with tempfile.TemporaryDirectory() as folder:  # Ray keeps metrics that come with a checkpoint
         checkpoint = None
         if rank == 0:
@@ -85,6 +88,7 @@ def test_torch_trainer_with_tpu_dist_matches_the_full_batch_on_cpu(local_ray, tm
     assert result.error is None, result.error
     metrics = result.metrics
     assert metrics["device"].startswith("tpu") and metrics["backend"] == "tpu_dist"
+    assert metrics["fallbacks"] == {}  # every op of the step ran on the device
     reference = _model()
     expected = train_steps(reference, _data(), STEPS, "cpu", batch_size=BATCH)
     assert metrics["losses"] == pytest.approx(expected, rel=1e-5, abs=1e-6)

@@ -70,7 +70,9 @@ def test_llama3_debug_model_trains_like_cpu(workdir, nproc):
     runs = {}
     for device in ("tpu", "cpu"):
         folder = ["--checkpoint.folder", f"{device}-{nproc}"]
-        runs[device] = _losses(_run(workdir, nproc, device, load + folder))
+        out = _run(workdir, nproc, device, load + folder)
+        runs[device] = _losses(out)
+        assert "torchtpu.fallback" not in out  # every op of the step runs on the device
     # Attention runs in bfloat16 (TorchTitan casts q/k/v), so equal to ~1e-5 relative.
     assert runs["tpu"] == pytest.approx(runs["cpu"], rel=1e-4), runs
     assert runs["tpu"][-1] < runs["tpu"][0]
