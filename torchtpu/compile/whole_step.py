@@ -1,30 +1,36 @@
 """``torch.compile(step, backend="tpu")`` of a whole training step: one XLA program per call.
 
 A step function (forward, ``loss.backward()``, ``clip_grad_norm_``, ``opt.step()``, in any
-order with ``zero_grad``) is not one Dynamo graph in torch 2.13: ``Optimizer.zero_grad`` is
-skipped by Dynamo, ``Optimizer.step`` calls ``torch._dynamo.graph_break()`` before and after
-itself on purpose, a returned loss whose ``grad_fn`` the in-graph backward consumed breaks the
-graph again (``trace_autograd_ops``), and a scheduler's new ``lr`` is a recompile. What Dynamo
-hands the backend is four graphs with AOTAutograd's and the autograd engine's host work between
-them (probed: 5 graphs, 3 deliberate breaks, one recompile per ``lr`` change).
+order with ``zero_grad``) is not one Dynamo graph in torch 2.13, even with
+``torch._dynamo.config.trace_autograd_ops`` turning ``backward()`` into an in-graph
+``autograd.grad``: ``Optimizer.zero_grad`` is skipped by Dynamo, ``Optimizer.step`` calls
+``torch._dynamo.graph_break()`` before and after itself on purpose, a returned loss whose
+``grad_fn`` the in-graph backward consumed breaks the graph again, and a changed ``lr`` (a
+Python float in ``param_groups``) recompiles. Probed on TinyGPT: 5 graphs, 3 deliberate breaks,
+one recompile per ``lr`` change. Without the flag Dynamo hands the backend four graphs with
+AOTAutograd's and the autograd engine's host work between them.
 
 So the whole step is served by the captured-step machinery instead (``eager/capture.py``, the
-one behind ``torch.tpu.graph``): each call with a known input signature replays one captured
-program that reads and donates the parameters, gradients and optimizer state and rebinds their
-storages in place; no Dynamo, AOTAutograd or autograd engine runs. Measured on the TinyGPT step
-(``bench/captured.py``), that is what removes the host work Dynamo's path pays per call.
+one behind ``torch.tpu.graph``), reached through ``torch.compile`` itself (``install`` wraps it:
+a backend sees only Dynamo's graphs, never the whole call): each call with a known signature
+replays one captured program that reads and donates the parameters, gradients and optimizer
+state and rebinds their storages in place; no Dynamo, AOTAutograd or autograd engine runs.
+Measured on the TinyGPT step (``bench/captured.py``): one program per call, 1.3-1.4x faster than
+Dynamo's graphs of the same step, as fast as a hand-written ``torch.tpu.graph`` capture.
 
 How a call runs (``WholeStep``):
-- the first call runs eagerly, watching which optimizers step (their state must exist before a
-  capture, as CUDA Graphs require warm-up steps);
+- the first call is captured and run once, not kept: its optimizers create their state in it,
+  which a replay would create afresh (CUDA Graphs require warm-up steps for this reason); it
+  also tells which optimizers the function steps;
 - a call with a new signature (tensor shapes, dtypes and ``requires_grad``; other arguments by
   value or identity; grad mode, autocast, matmul precision; the train/eval mode of every module
   among the arguments and the function's globals and closure; the scalars it reads from them)
   captures the step and replays it at once: every call is one training step;
 - a default optimizer (``capturable=False``) keeps its step count in CPU tensors, and its bias
   correction would become a constant of the program: during the capture its groups run as
-  ``capturable=True`` on device step counts that each replay feeds from the CPU counts, which
-  replay then advances on the host. The optimizer's own state is left as eager leaves it;
+  ``capturable=True`` on device twins of the step counts, which the program advances in place
+  while each replay advances the CPU counts on the host (a twin is refilled if its count moved
+  outside the compiled step). The optimizer's own state is left as eager leaves it;
 - a capturable group's ``lr`` is an input of the program, so a scheduler's change takes effect
   without a recapture; any other hyperparameter, or a parameter, gradient or state tensor
   replaced since the capture, recaptures (at most ``MAX_CAPTURES`` times, then Dynamo's path);
@@ -49,7 +55,6 @@ import types
 import warnings
 from collections.abc import Callable
 
-import numpy as np
 import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
@@ -144,11 +149,13 @@ class _Step:
         self.outputs = outputs            # the capture's output leaves
         self.out_spec = out_spec
         self.fresh = fresh                # output positions handed back as new tensors
-        # (step() calls, the CPU step counts they advance) per optimizer, advanced per replay.
+        # (CPU step count, its device twin the program advances, step() calls per replay).
+        self.counts = steps
         by_calls: dict = {}
-        for t, n in steps:
-            by_calls.setdefault(n, []).append(t)
+        for cpu, _, n in steps:
+            by_calls.setdefault(n, []).append(cpu)
         self.steps = [(n, ts) for n, ts in by_calls.items() if n]
+        self.expected = [cpu.item() for cpu, _, _ in steps]  # what the twins hold
         # The .grad a call must find where the program reads it (backward accumulating into
         # it); any other .grad the step replaces, as its Python did at capture.
         read = {id(st) for st in captured.storages_read()}
@@ -166,9 +173,15 @@ class _Step:
 
     def run(self, leaves: list):
         _bind(self.binding, self.static, leaves, "argument")
+        now = [cpu.item() for cpu, _, _ in self.counts]
+        if now != self.expected:  # stepped or loaded outside the compiled step
+            for (_, dev, _), v, e in zip(self.counts, now, self.expected):
+                if v != e:
+                    dev.fill_(v)
         self.captured.replay()
         for n, counts in self.steps:
             torch._foreach_add_(counts, n)
+        self.expected = [v + n for v, (_, _, n) in zip(now, self.counts)]
         for p, g in self.grads_out:
             if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
                 p.grad = g
@@ -179,8 +192,8 @@ class _Step:
 class _DeviceSteps:
     """A non-capturable optimizer run as a capturable one for the length of a capture."""
 
-    def __init__(self, capture: Capture, optimizers: list) -> None:
-        self.steps: list = []     # (cpu step tensor) whose device twin the program advances
+    def __init__(self, optimizers: list) -> None:
+        self.twins: list = []     # (optimizer, CPU step count, the device twin the program reads)
         self._undo: list = []
         for opt in optimizers:
             for group in opt.param_groups:
@@ -193,12 +206,12 @@ class _DeviceSteps:
                     cpu = state.get("step")
                     if not (isinstance(cpu, torch.Tensor) and cpu.device.type == "cpu"):
                         continue
+                    # Kept from replay to replay (donated, advanced in place), and refilled
+                    # from the CPU count when that moved outside the compiled step.
                     dev = torch.tensor(cpu.item(), dtype=torch.float32, device=p.device)
-                    capture.feed(dev.untyped_storage(),
-                                 functools.partial(_value, cpu, np.float32))
                     state["step"] = dev
                     self._undo.append((None, state, cpu))
-                    self.steps.append(cpu)
+                    self.twins.append((opt, cpu, dev))
 
     def restore(self) -> None:
         for group, state, cpu in self._undo:
@@ -207,10 +220,6 @@ class _DeviceSteps:
             else:
                 state["step"] = cpu
         self._undo = []
-
-
-def _value(t: torch.Tensor, dtype) -> np.ndarray:
-    return np.asarray(t.item(), dtype)
 
 
 class WholeStep:
@@ -265,7 +274,7 @@ class WholeStep:
         params = [p for opt in known for g in opt.param_groups for p in g["params"]]
         grads_in = {p: p.grad for p in params}
         capture = Capture()
-        device_steps = _DeviceSteps(capture, [] if once else known)
+        device_steps = _DeviceSteps([] if once else known)
         watch = _OptimizerWatch(capture, once=once)
         stepped: dict = {}
 
@@ -303,8 +312,7 @@ class WholeStep:
         fresh = {k for k, o in enumerate(flat_out)
                  if isinstance(o, torch.Tensor) and id(o) not in grad_ids
                  and capture.created(o.untyped_storage())}
-        steps = [(t, stepped.get(id(opt), 0)) for opt in known
-                 for t in _cpu_steps(opt, device_steps.steps)]
+        steps = [(cpu, dev, stepped.get(id(opt), 0)) for opt, cpu, dev in device_steps.twins]
         step = _Step(captured, _binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
                      steps, grads_in, grads_out)
         self._captures += 1
@@ -327,12 +335,6 @@ class WholeStep:
 
 class _NewState(Exception):
     """An optimizer's state was created inside a steady-state capture: capture a first step."""
-
-
-def _cpu_steps(opt, steps: list) -> list:
-    mine = {id(s) for s in steps}
-    return [s["step"] for s in opt.state.values()
-            if isinstance(s.get("step"), torch.Tensor) and id(s["step"]) in mine]
 
 
 def install() -> None:
