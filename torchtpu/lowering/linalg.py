@@ -177,9 +177,10 @@ def cholesky_ex(a, upper=False, check_errors=False):
     return factor, _first_zero(jnp.where(jnp.isnan(_diag(factor)), 0, 1))
 
 
-@lowers(aten.cholesky.default)
-def cholesky(a, upper=False):
-    return _cholesky(a, upper)
+if hasattr(aten, "cholesky"):  # torch 2.14 dropped aten::cholesky (torch.cholesky decomposes)
+    @lowers(aten.cholesky.default)
+    def cholesky(a, upper=False):
+        return _cholesky(a, upper)
 
 
 @lowers(aten.linalg_qr.default)
