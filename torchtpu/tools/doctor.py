@@ -31,8 +31,9 @@ from torchtpu.tools import render
 from torchtpu.tools.target import describe
 from torchtpu.tools.target import main as tool_main
 
-# The dev extra's pins (pyproject.toml): the combination the test suite runs on.
-TESTED = (("2.13.0", "0.10.2", "0.10.2"),)
+# The dev extra's pins (pyproject.toml), the combination the test suite runs on, and the timm
+# extra's (torch 2.14.1 for torchvision; tests/test_timm.py and the core tests run on it).
+TESTED = (("2.13.0", "0.10.2", "0.10.2"), ("2.14.1", "0.10.2", "0.10.2"))
 _PACKAGE = Path(__file__).resolve().parents[1]
 _NAME = re.compile(r"\b(?:TORCHTPU|TORCH_TPU)_[A-Z0-9_]+\b")
 # Settings with a closed set of values; the others take paths, sizes or indices.
