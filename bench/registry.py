@@ -101,7 +101,7 @@ def hf(name: str, **overrides) -> Callable[[], torch.nn.Module]:
 
 def _timm(arch: str, **kwargs) -> Callable[[], torch.nn.Module]:
     def build() -> torch.nn.Module:
-        import timm  # needs torchvision: see SKIPPED
+        import timm  # not in the dev venv: see SKIPPED
         torch.manual_seed(0)
         return timm.create_model(arch, pretrained=False, **kwargs)
     return build
@@ -143,9 +143,11 @@ MODELS = {m.name: m for m in (
     Model("vit", _timm("vit_tiny_patch16_224", img_size=64, num_classes=10), _images(64, 10, 2),
           _classifier_loss),
 )}
-SKIPPED = {"resnet-50": "timm needs torchvision, and PyPI's only torchvision for torch 2.13 is a "
-                        "CUDA build that does not load against torch 2.13.0+cpu",
-           "vit": "as resnet-50 (timm)"}
+# timm (and the torchvision it imports) lives in a venv of its own with torch 2.14.1: PyPI's only
+# torchvision for torch 2.13 is a CUDA build that does not load against torch 2.13.0+cpu.
+_NO_TIMM = ("timm is not installed (it needs torch 2.14.1 + torchvision 0.29.1 in a venv of its "
+            "own: pip install -e '.[timm]', README: timm)")
+SKIPPED = {} if importlib.util.find_spec("timm") else {"resnet-50": _NO_TIMM, "vit": _NO_TIMM}
 KINDS = ("forward", "train")
 
 
