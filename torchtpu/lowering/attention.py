@@ -171,7 +171,9 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_s
 # causal and window masks are aligned bottom-right (query i of a sequence sees key j when
 # j - (i + len_k - len_q) lies in [-left, right], -1 meaning unbounded; causal sets right = 0),
 # and K/V may have fewer heads than Q (grouped queries). A query with no key to attend to gets
-# zeros and logsumexp -inf (FlashAttention: +inf); tokens outside every sequence get zeros.
+# zeros and logsumexp -inf (FlashAttention: +inf); tokens outside every sequence get zeros, and
+# so do those past max_q/max_k in a sequence longer than that (the caller's promise; values
+# cannot be checked inside a program).
 
 def _flash_check(dropout_p, return_debug_mask, seqused_k=None, alibi_slopes=None,
                  block_table=None) -> None:
