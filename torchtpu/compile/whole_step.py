@@ -49,6 +49,7 @@ Opt out with ``options={"whole_step": False}``; ``mode="reduce-overhead"`` and
 
 from __future__ import annotations
 
+import dis
 import functools
 import logging
 import types
@@ -104,12 +105,19 @@ def _covers(x) -> bool:
 
 
 def _environment(fn) -> list:
-    """The objects fn reads by name: its closure cells and the globals its code names."""
+    """The objects fn reads by name: its closure cells and the globals its code loads."""
     out = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
-    names = fn.__code__.co_names
     g = fn.__globals__
-    out.extend(g[n] for n in names if n in g)
+    out.extend(g[n] for n in _globals_read(fn.__code__) if n in g)
     return out
+
+
+@functools.cache
+def _globals_read(code: types.CodeType) -> tuple:
+    # Not co_names, which also holds attribute names: opt.step() must not tie the step to a
+    # global loop counter named step.
+    return tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code)
+                               if i.opname == "LOAD_GLOBAL"))
 
 
 def _filled(cell) -> bool:
