@@ -4,9 +4,9 @@ vLLM calls :func:`register` while it picks its platform; returning a class path 
 :class:`torchtpu.integrations.vllm.platform.TpuPlatform`, returning None leaves vLLM to its own
 platforms. Nothing here imports vLLM until vLLM itself asks.
 
-The platform is opt-in (``TORCHTPU_VLLM=1``) while the paged-attention backend is missing:
-without it the model runner cannot serve, and an always-on plugin would take vLLM's CPU
-platform away from every environment that has torchtpu installed.
+The platform is opt-in (``TORCHTPU_VLLM=1``): device "tpu" exists on every machine (XLA:CPU
+where there is no accelerator), so an always-on plugin would take vLLM's CPU platform, and its
+C++ kernels, away from every environment that has torchtpu installed.
 """
 
 from __future__ import annotations
