@@ -28,8 +28,8 @@ def test_bad_device_index_raises():
 
 
 def test_unsupported_dtype_raises():
-    with pytest.raises(TypeError, match="complex32 is not supported on the tpu device"):
-        torch.empty(2, dtype=torch.complex32, device="tpu")
+    with pytest.raises(TypeError, match="float8_e8m0fnu is not supported on the tpu device"):
+        torch.empty(2, dtype=torch.float8_e8m0fnu, device="tpu")
 
 
 def test_mixed_devices_raise_like_cuda():
