@@ -161,7 +161,10 @@ def _timed(step: Callable[[int], float], n: int, sample=lambda: None) -> tuple[l
     return times, losses
 
 
-def _optimizer(model: torch.nn.Module, capturable: bool) -> torch.optim.Optimizer:
+def _optimizer(model: torch.nn.Module, kind: str,
+               capturable: bool) -> torch.optim.Optimizer | None:
+    if kind == "forward":  # none: building one imports Dynamo, seconds a smoke test need not pay
+        return None
     return torch.optim.AdamW(model.parameters(), lr=cb.LR, betas=cb.BETAS, eps=cb.EPS,
                              weight_decay=cb.WD, capturable=capturable)
 
@@ -185,6 +188,9 @@ def _body(spec: Model, kind: str, model, opt) -> Callable:
 
 
 def _step(body: Callable, opt) -> Callable:
+    if opt is None:
+        return body
+
     def step(x, y):
         opt.zero_grad(set_to_none=True)
         return body(x, y)
@@ -194,7 +200,7 @@ def _step(body: Callable, opt) -> Callable:
 def _eager(device: str, mode=None, compiled: bool = False) -> Callable:
     def run(spec: Model, kind: str, batches: list) -> tuple[list, list]:
         model = spec.build().to(device)
-        opt = _optimizer(model, capturable=device != "cpu")
+        opt = _optimizer(model, kind, capturable=device != "cpu")
         step = _step(_body(spec, kind, model, opt), opt)
         if compiled:
             torch._dynamo.reset()
@@ -210,7 +216,7 @@ def _eager(device: str, mode=None, compiled: bool = False) -> Callable:
 def _captured(spec: Model, kind: str, batches: list) -> tuple[list, list]:
     """The CUDA Graphs notes' pattern: one eager step, capture, then copy_ + replay per step."""
     model = spec.build().to("tpu")
-    opt = _optimizer(model, capturable=True)
+    opt = _optimizer(model, kind, capturable=True)
     body = _body(spec, kind, model, opt)
     static_x, static_y = (t.to("tpu") for t in batches[0])
     graph, static_loss = torch.tpu.TPUGraph(), None
@@ -222,7 +228,8 @@ def _captured(spec: Model, kind: str, batches: list) -> tuple[list, list]:
         if i == 0:  # creates the optimizer state outside the capture
             return _step(body, opt)(static_x, static_y).item()
         if static_loss is None:
-            opt.zero_grad(set_to_none=True)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
             with torch.tpu.graph(graph):
                 static_loss = body(static_x, static_y)
         graph.replay()
