@@ -3,10 +3,11 @@
 Two processes on localhost. Each builds the default tpu_dist group and a gloo group over the
 same ranks, then times all_reduce and all_gather (latency at 16 B; bandwidth at 1 MB and 64 MB:
 median of ``--iters`` calls after warm-up, barrier before each) with tpu_dist on tpu tensors and
-gloo on CPU tensors. Last, one DDP training step of TinyGPT on tpu: its time with DDP minus the
+gloo on CPU tensors. Last, one DDP training step of a TinyGPT on tpu (its gradients in several
+1 MB buckets, so their all-reduces can overlap the rest of backward): its time with DDP minus the
 same step without DDP is the communication overhead.
 
-    python bench/collectives.py [--iters 10] [--big-iters 3]
+    python bench/collectives.py [--iters 10] [--big-iters 3] [--ddp-only]
 """
 
 from __future__ import annotations
@@ -82,25 +83,29 @@ def _ddp_overhead(rank, world, iters):
 
         return _time(step, iters, _tpu_sync)
 
-    torch.manual_seed(1)
-    plain = timed(TinyGPT(vocab=65, block=32, n_embd=64).to("tpu"))
-    torch.manual_seed(1)
-    model = DDP(TinyGPT(vocab=65, block=32, n_embd=64).to("tpu"))
+    def make():
+        torch.manual_seed(1)
+        return TinyGPT(vocab=65, block=32, n_layer=4, n_embd=128).to("tpu")
+
+    plain = timed(make())
+    model = DDP(make(), bucket_cap_mb=1)
     params = sum(p.numel() for p in model.parameters())
     return plain, timed(model), params
 
 
-def _body(rank, world, iters, big_iters):
-    return _collectives(rank, world, iters, big_iters), _ddp_overhead(rank, world, iters)
+def _body(rank, world, iters, big_iters, ddp_only):
+    rows = [] if ddp_only else _collectives(rank, world, iters, big_iters)
+    return rows, _ddp_overhead(rank, world, iters)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--big-iters", type=int, default=3)
+    p.add_argument("--ddp-only", action="store_true", help="only the DDP step")
     a = p.parse_args()
-    rows, (plain, ddp, params) = run(_body, 2, args=(a.iters, a.big_iters), timeout=1200,
-                                     pg_timeout=300)[0]
+    rows, (plain, ddp, params) = run(_body, 2, args=(a.iters, a.big_iters, a.ddp_only),
+                                     timeout=1200, pg_timeout=300)[0]
     print("| op | size | tpu_dist (tpu) | gloo (CPU) | tpu_dist / gloo time | bandwidth ratio |")
     print("| --- | --- | --- | --- | --- | --- |")
     for op, label, ours, theirs in rows:

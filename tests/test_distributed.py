@@ -2,6 +2,7 @@
 single-process full-batch training. Each test is one multi-process run sharing a few shapes."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -62,6 +63,19 @@ def _collectives(rank, world):
     work.wait()
     checks.append(("async all_reduce", _cpu(work.get_future().wait()[0]), sum(every)))
 
+    # A bulk async_op=True collective returns before its transfer ends (rank 1 joins late) and
+    # runs on the group's communication thread; wait() blocks until the result is in place.
+    late = (torch.linspace(0, 1, 4096) + rank).to(dev)
+    if rank == 1:
+        time.sleep(1.0)
+    start = time.monotonic()
+    work = dist.all_reduce(late, async_op=True)
+    returned, pending = time.monotonic() - start, not work.is_completed()
+    work.wait()
+    checks.append(("async bulk all_reduce returns at once",
+                   rank == 1 or (pending and returned < 0.5), True))
+    checks.append(("async bulk all_reduce", _cpu(late), whole))
+
     outs = [torch.empty(2, 3, device=dev) for _ in range(world)]
     dist.all_gather(outs, mine.to(dev))
     checks.append(("all_gather", torch.stack([_cpu(o) for o in outs]), torch.stack(every)))
@@ -115,6 +129,34 @@ def _collectives(rank, world):
         got = torch.empty(2, 3, device=dev)
         dist.recv(got, src=0)
         checks.append(("send/recv", _cpu(got), every[0]))
+    if rank == 0:  # recv from any source: dist.recv returns the sender
+        got = torch.empty(2, 3, device=dev)
+        checks.append(("recv from any source: sender", dist.recv(got), 1))
+        checks.append(("recv from any source", _cpu(got), every[1]))
+    elif rank == 1:
+        dist.send(mine.to(dev), dst=0)
+    # A ring exchange: every rank posts its send before its receive, so neither may block
+    # before wait().
+    ring = torch.empty(2, 3, device=dev)
+    reqs = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine.to(dev), (rank + 1) % world),
+                                   dist.P2POp(dist.irecv, ring, (rank - 1) % world)])
+    for req in reqs:
+        req.wait()
+    checks.append(("batch_isend_irecv ring", _cpu(ring), every[(rank - 1) % world]))
+    # _coalescing_manager: captured all_reduces become one allreduce_coalesced; with a device,
+    # the ops in between (here a bulk all_reduce and a broadcast) share one Work.
+    a, b = mine.to(dev), (torch.linspace(0, 1, 4096) + rank).to(dev)
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    checks.append(("coalesced all_reduce", (_cpu(a), _cpu(b)), (sum(every), whole)))
+    a, b = mine.to(dev), (torch.linspace(0, 1, 4096) + rank).to(dev)
+    with dist._coalescing_manager(device=dev, async_ops=True) as cm:
+        dist.all_reduce(b)
+        dist.broadcast(a, src=1)
+    cm.wait()
+    checks.append(("coalescing with a device", (_cpu(a), _cpu(b)), (every[1], whole)))
     dist.barrier()
 
     import torch.distributed._functional_collectives as fc
@@ -141,7 +183,7 @@ def _collectives(rank, world):
 def _assert_checks(results):
     for rank, checks in enumerate(results):
         for name, got, expect in checks:
-            if isinstance(expect, torch.Tensor):
+            if isinstance(expect, (torch.Tensor, tuple)):
                 torch.testing.assert_close(got, expect, msg=lambda m, n=name, r=rank:
                                            f"rank {r}: {n}: {m}")
             else:
@@ -271,8 +313,6 @@ def test_index_of_another_process_raises():
 def _mpmd(rank, world):
     """Ranks run different eager code (DeferAndFuse holding different pending work) between
     collectives, then call mismatched ones, then one rank hangs past the timeout."""
-    import time
-
     from torchtpu.distributed import CollectiveMismatchError
 
     out = {}
@@ -310,6 +350,14 @@ def _mpmd(rank, world):
         except CollectiveMismatchError as e:
             errors.append(str(e))
     out["errors"] = errors
+    for shape in ((5,), (2, 2)):  # send/recv: another size, then the same bytes as another shape
+        try:
+            if rank == 0:
+                dist.send(torch.ones(4, device="tpu"), dst=1)
+            else:
+                dist.recv(torch.ones(shape, device="tpu"), src=0)
+        except CollectiveMismatchError as e:
+            out.setdefault("p2p", []).append(str(e))
     x = torch.ones(3, device="tpu")
     dist.all_reduce(x)
     out["after"] = _cpu(x)
@@ -348,6 +396,9 @@ def test_mpmd_mismatch_and_hang_raise():
         assert "float32[4]" in out["errors"][1] and "float32[5]" in out["errors"][1]
         assert "int32[4]" in out["errors"][2] and "float32[4]" in out["errors"][2]
         assert "[5000]" in out["errors"][3] and "[5001]" in out["errors"][3]
+        sent, want = ("sent", "which expected") if rank == 0 else ("but it sent", "expected")
+        for text, shape in zip(out["p2p"], ("[5]", "[2, 2]")):
+            assert f"{sent} float32[4]" in text and f"{want} float32{shape}" in text, text
         torch.testing.assert_close(out["after"], torch.full((3,), 2.0))
         assert "BAND needs an integer" in out["bad op"]
         assert "serves tpu tensors only" in out["cpu tensor"]

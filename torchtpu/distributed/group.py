@@ -6,8 +6,13 @@ through PyTorch's trampoline. Every collective first exchanges a header packet
 (``protocol``) so mismatched calls raise on every rank; small ones finish inside that packet,
 larger ones then move their data through the host transport (``host``). CPU tensors go to the
 group's own gloo group when the process group was created for CPU too (``"cpu:gloo,tpu:tpu_dist"``
-or no backend named), and are refused otherwise. Collectives complete before they return: a
-``Work`` is already done (``wait()`` returns at once, its future holds the tensors).
+or no backend named), and are refused otherwise.
+
+Bulk all_reduce, broadcast, all_gather_into_tensor and reduce_scatter_tensor run on the group's
+communication thread (``work``): they return a pending ``Work`` at once, and the transfer
+overlaps whatever the caller dispatches next (DDP's backward, between its buckets). Everything
+else, and any collective whose result is a view, runs on the caller's thread after the jobs
+before it, and returns a finished ``Work``.
 """
 
 from __future__ import annotations
@@ -29,43 +34,19 @@ from torch._C._distributed_c10d import (
 )
 
 from torchtpu.distributed import host, protocol
+from torchtpu.distributed.p2p import PointToPoint
 from torchtpu.distributed.protocol import ANY_SHAPE, INLINE
+from torchtpu.distributed.work import CommThread, Done, Joined, Pending
 
 _BACKEND_NAME = "tpu_dist"
-
-
-class Done(dist._Work):
-    """A Work for a collective that already ran: ``wait()`` returns at once."""
-
-    def __init__(self, result: list) -> None:
-        super().__init__()
-        self._result = result
-        self._future = torch.futures.Future()
-        self._future.set_result(result)
-
-    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-    def is_success(self) -> bool:
-        return True
-
-    def result(self) -> list:
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
 
 
 def _coalesced(single):
     """The coalesced form of a (output, input) collective: one call per pair, in order."""
 
     def run(self, outputs: list, inputs: list, opts=None) -> dist.Work:
-        for out, inp in zip(outputs, inputs):
-            single(self, out, inp, opts)
-        return Done(outputs)
+        works = [single(self, out, inp, opts) for out, inp in zip(outputs, inputs)]
+        return self._joined("coalesced collective", works, outputs)
 
     return run
 
@@ -74,7 +55,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class TpuProcessGroup(dist.ProcessGroup):
+class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
                  global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, size)
@@ -85,6 +66,10 @@ class TpuProcessGroup(dist.ProcessGroup):
         self._ranks = list(global_ranks) if global_ranks else None
         self._cpu_allowed: bool | None = None
         self._name = self._desc = ""
+        self._comm = CommThread(f"rank {rank}")
+        self._coalescing: list[dist.Work] | None = None
+        self._last_recv: dict[tuple[int, int], dist.Work] = {}
+        self._deliveries = CommThread(f"rank {rank} deliveries")
 
     # ---- identity ----
 
@@ -132,6 +117,7 @@ class TpuProcessGroup(dist.ProcessGroup):
         kinds = {t.device.type for t in tensors}
         if kinds == {"tpu"}:
             return True
+        self._comm.drain()  # gloo serves CPU tensors directly: after the jobs before them
         if kinds != {"cpu"}:
             raise ValueError(
                 f"torchtpu.distributed: tpu_dist: a collective got tensors on {sorted(kinds)}; "
@@ -160,7 +146,9 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     def _exchange(self, op: str, tensor: torch.Tensor | None, payload: np.ndarray | None = None,
                   **fields) -> np.ndarray:
-        """The header exchange every collective starts with; the gathered inline payloads."""
+        """The header exchange every collective starts with; the gathered inline payloads.
+        On the caller's thread it first lets the communication thread finish its jobs."""
+        self._comm.drain()
         self._seq += 1
         words = protocol.header(self._seq, op, tensor, payload=0 if payload is None
                                 else payload.nbytes, **fields)
@@ -182,15 +170,46 @@ class TpuProcessGroup(dist.ProcessGroup):
         rows = np.ascontiguousarray(payloads[:, : like.nbytes]).view(like.dtype)
         return rows.reshape(self.size(), *like.shape)
 
+    def _launch(self, op: str, run, staged: list[host.Staged], result: list) -> dist.Work:
+        """run() (a bulk transfer of staged tensors) on the communication thread, returning a
+        pending Work; or now, on this thread, when a result must be written through it."""
+        if all(s.threadable for s in staged):
+            work = Pending(result, op)
+            self._comm.submit(run, work)
+            return self._note(work)
+        self._comm.drain()
+        run()
+        return Done(result)
+
+    def _joined(self, op: str, works: list[dist.Work], result: list) -> dist.Work:
+        """One Work for several: done when every one is, failing with the first failure."""
+        unfinished = [w for w in works if not isinstance(w, Done)]
+        if not unfinished:
+            return Done(result)
+        return unfinished[0] if works == unfinished[:1] else Joined(unfinished, result)
+
+    def _note(self, work: dist.Work) -> dist.Work:
+        """work, also recorded for ``_end_coalescing`` while coalescing."""
+        if self._coalescing is not None:
+            self._coalescing.append(work)
+        return work
+
+    # c10d's _coalescing_manager(group, device): the Work of everything issued in between.
+    def _start_coalescing(self, device: torch.device) -> None:
+        self._coalescing = []
+
+    def _end_coalescing(self, device: torch.device) -> dist.Work:
+        works, self._coalescing = self._coalescing or [], None
+        return self._joined("coalesced collectives", works, [])
+
     # ---- reductions ----
 
     def allreduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else AllreduceOptions()
         if not self._devices(tensors):
             return self._gloo.allreduce(tensors, opts)
-        for t in tensors:
-            self._allreduce_one(t, opts.reduceOp)
-        return Done(tensors)
+        works = [self._allreduce_one(t, opts.reduceOp) for t in tensors]
+        return self._joined("all_reduce", works, tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
@@ -200,25 +219,27 @@ class TpuProcessGroup(dist.ProcessGroup):
             for t in tensors:
                 self._wait("all_reduce", self._gloo.allreduce([t], options))
             return Done(tensors)
-        for t in tensors:
-            self._allreduce_one(t, op)
-        return Done(tensors)
+        works = [self._allreduce_one(t, op) for t in tensors]
+        return self._joined("all_reduce", works, tensors)
 
-    def _allreduce_one(self, t: torch.Tensor, op) -> None:
+    def _allreduce_one(self, t: torch.Tensor, op) -> dist.Work:
         kind, factor = host.reduce_op(op, t.dtype)
-        payloads, value = self._start("all_reduce", t, reduce_op=int(kind))
-        if value is not None:
+        if _nbytes(t) <= INLINE:  # finished inside the header exchange
+            payloads, value = self._start("all_reduce", t, reduce_op=int(kind))
             host.write(t, host.reduce_rows(self._rows(payloads, value), kind, factor,
                                            self.size()))
-            return
-        buf, shared = host.buffer(t)
-        host.premultiply(kind, factor, buf)
-        options = AllreduceOptions()
-        options.reduceOp = host.gloo_op(kind)
-        self._wait("all_reduce", self._gloo.allreduce([buf], options))
-        host.finish(kind, buf, self.size())
-        if not shared:
-            host.write(t, buf)
+            return Done([t])
+        staged = host.Staged(t, read=True, write=True)
+
+        def run():
+            self._exchange("all_reduce", t, reduce_op=int(kind))
+            buf = host.premultiply(kind, factor, staged.host())
+            options = AllreduceOptions()
+            options.reduceOp = host.gloo_op(kind)
+            self._wait("all_reduce", self._gloo.allreduce([buf], options))
+            staged.commit(host.finish(kind, buf, self.size()))
+
+        return self._launch("all_reduce", run, [staged], [t])
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else ReduceOptions()
@@ -242,16 +263,14 @@ class TpuProcessGroup(dist.ProcessGroup):
             return self._gloo.reduce_scatter(outputs, inputs, opts)
         (out,), (chunks,) = outputs, inputs
         whole = torch.cat([c.reshape(-1) for c in chunks])
-        self._reduce_scatter_flat("reduce_scatter", out, whole, opts.reduceOp)
-        return Done(outputs)
+        return self._reduce_scatter_flat("reduce_scatter", out, whole, opts.reduceOp)
 
     def reduce_scatter_single(self, output: torch.Tensor, input: torch.Tensor,
                               opts=None) -> dist.Work:
         opts = opts if opts is not None else ReduceScatterOptions()
         if not self._devices([output, input]):
             return self._gloo._reduce_scatter_base(output, input, opts)
-        self._reduce_scatter_flat("reduce_scatter_tensor", output, input, opts.reduceOp)
-        return Done([output])
+        return self._reduce_scatter_flat("reduce_scatter_tensor", output, input, opts.reduceOp)
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -259,7 +278,7 @@ class TpuProcessGroup(dist.ProcessGroup):
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
     def _reduce_scatter_flat(self, op: str, out: torch.Tensor, whole: torch.Tensor,
-                             reduce_op) -> None:
+                             reduce_op) -> dist.Work:
         if whole.numel() != out.numel() * self.size():
             raise ValueError(
                 f"torchtpu.distributed: tpu_dist: {op}: the input has {whole.numel()} elements, "
@@ -268,17 +287,21 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{out.numel() * self.size()}"
             )
         kind, factor = host.reduce_op(reduce_op, out.dtype)
-        self._exchange(op, out, reduce_op=int(kind))
-        buf = host.premultiply(kind, factor, host.to_host(whole).reshape(-1))
-        shared = host.alias(out)
-        result = torch.empty(out.numel(), dtype=out.dtype) if shared is None \
-            else shared.reshape(-1)
-        options = ReduceScatterOptions()
-        options.reduceOp = host.gloo_op(kind)
-        self._wait(op, self._gloo._reduce_scatter_base(result, buf, options))
-        host.finish(kind, result, self.size())
-        if shared is None:
-            host.write(out, result)
+        source = host.Staged(whole, read=True, write=False)
+        target = host.Staged(out, read=False, write=True)
+
+        def run():
+            self._exchange(op, out, reduce_op=int(kind))
+            buf = source.host().reshape(-1)
+            if factor is not None:  # PREMUL_SUM, out of place: buf may be the input's buffer
+                buf = buf * factor
+            result = target.host().reshape(-1)
+            options = ReduceScatterOptions()
+            options.reduceOp = host.gloo_op(kind)
+            self._wait(op, self._gloo._reduce_scatter_base(result, buf, options))
+            target.commit(host.finish(kind, result, self.size()))
+
+        return self._launch(op, run, [source, target], [out])
 
     # ---- gathers ----
 
@@ -311,10 +334,21 @@ class TpuProcessGroup(dist.ProcessGroup):
                 f"{list(output.shape)}) must hold group size ({self.size()}) times the input "
                 f"({input.dtype}{list(input.shape)})"
             )
-        gathered = self._gather_all("all_gather_into_tensor", input, into=output)
-        if gathered is not None:
-            host.write(output, gathered)
-        return Done([output])
+        op = "all_gather_into_tensor"
+        if _nbytes(input) <= INLINE:  # finished inside the header exchange
+            host.write(output, self._gather_all(op, input))
+            return Done([output])
+        source = host.Staged(input, read=True, write=False)
+        target = host.Staged(output, read=False, write=True)
+
+        def run():
+            self._exchange(op, input)
+            result = target.host().reshape(-1)
+            self._wait(op, self._gloo._allgather_base(result, source.host().reshape(-1),
+                                                      AllgatherOptions()))
+            target.commit(result)
+
+        return self._launch(op, run, [source, target], [output])
 
     _allgather_base = all_gather_single
 
@@ -326,20 +360,15 @@ class TpuProcessGroup(dist.ProcessGroup):
             self.allgather([outs], [inp], opts)
         return Done(outputs)
 
-    def _gather_all(self, op: str, t: torch.Tensor, into: torch.Tensor | None = None
-                    ) -> np.ndarray | None:
-        """Every rank's value of t, stacked: (world, *t.shape); or None once written straight
-        into the device tensor ``into`` (a bulk gather whose output can share its buffer)."""
+    def _gather_all(self, op: str, t: torch.Tensor) -> np.ndarray:
+        """Every rank's value of t, stacked: (world, *t.shape)."""
         payloads, value = self._start(op, t)
         if value is not None:
             return self._rows(payloads, value)
-        shared = host.alias(into) if into is not None else None
-        gathered = torch.empty(self.size() * t.numel(), dtype=t.dtype) if shared is None \
-            else shared.reshape(-1)
+        gathered = torch.empty(self.size() * t.numel(), dtype=t.dtype)
         self._wait(op, self._gloo._allgather_base(gathered, host.buffer(t)[0].reshape(-1),
                                                   AllgatherOptions()))
-        return None if shared is not None else \
-            host.as_numpy(gathered).reshape(self.size(), *t.shape)
+        return host.as_numpy(gathered).reshape(self.size(), *t.shape)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
                opts=None) -> dist.Work:
@@ -364,19 +393,27 @@ class TpuProcessGroup(dist.ProcessGroup):
         opts = opts if opts is not None else BroadcastOptions()
         if not self._devices(tensors):
             return self._gloo.broadcast(tensors, opts)
-        for t in tensors:
-            payloads, value = self._start("broadcast", t, root=opts.rootRank)
-            if value is not None:
-                if self.rank() != opts.rootRank:
-                    host.write(t, self._rows(payloads, value)[opts.rootRank])
-                continue
-            buf, shared = host.buffer(t)
+        works = [self._broadcast_one(t, opts.rootRank) for t in tensors]
+        return self._joined("broadcast", works, tensors)
+
+    def _broadcast_one(self, t: torch.Tensor, root: int) -> dist.Work:
+        if _nbytes(t) <= INLINE:  # finished inside the header exchange
+            payloads, value = self._start("broadcast", t, root=root)
+            if self.rank() != root:
+                host.write(t, self._rows(payloads, value)[root])
+            return Done([t])
+        staged = host.Staged(t, read=self.rank() == root, write=self.rank() != root)
+
+        def run():
+            self._exchange("broadcast", t, root=root)
+            buf = staged.host()
             options = BroadcastOptions()
-            options.rootRank = opts.rootRank
+            options.rootRank = root
             self._wait("broadcast", self._gloo.broadcast([buf], options))
-            if not shared and self.rank() != opts.rootRank:
-                host.write(t, buf)
-        return Done(tensors)
+            if self.rank() != root:
+                staged.commit(buf)
+
+        return self._launch("broadcast", run, [staged], [t])
 
     def scatter(self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]],
                 opts=None) -> dist.Work:
@@ -423,58 +460,16 @@ class TpuProcessGroup(dist.ProcessGroup):
 
     alltoall_base = all_to_all_single
 
-    # ---- point to point and barrier ----
-
-    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
-        if not self._devices(tensors):
-            return self._gloo.send(tensors, dst, tag)
-        (t,) = tensors
-        words = protocol.header(0, "send", t)
-        self._wait("send", self._gloo.send([torch.from_numpy(words)], dst, tag))
-        verdict = torch.zeros(1, dtype=torch.int64)
-        self._wait("send", self._gloo.recv([verdict], dst, tag))
-        if verdict.item():
-            raise protocol.CollectiveMismatchError(
-                f"torchtpu.distributed: tpu_dist: rank {self.rank()} sent "
-                f"{protocol.describe(words)} to rank {dst}, "
-                f"which expected a tensor of another shape or dtype (see the error on rank "
-                f"{dst}); send and recv must agree on shape and dtype"
-            )
-        self._wait("send", self._gloo.send([host.to_host(t)], dst, tag))
-        return Done(tensors)
-
-    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work:
-        if not self._devices(tensors):
-            return self._gloo.recv(tensors, src, tag)
-        (t,) = tensors
-        theirs = torch.empty(protocol.HEADER_BYTES // 8, dtype=torch.int64)
-        self._wait("recv", self._gloo.recv([theirs], src, tag))
-        mine = protocol.header(0, "send", t)
-        bad = not np.array_equal(theirs.numpy()[4:], mine[4:])
-        self._wait("recv", self._gloo.send([torch.tensor([int(bad)])], src, tag))
-        if bad:
-            raise protocol.CollectiveMismatchError(
-                f"torchtpu.distributed: tpu_dist: rank {self.rank()} expected "
-                f"{protocol.describe(mine)} from rank "
-                f"{src}, but it sent {protocol.describe(theirs.numpy())}; send and recv must "
-                f"agree on shape and dtype"
-            )
-        buf = torch.empty_like(t, device="cpu")
-        self._wait("recv", self._gloo.recv([buf], src, tag))
-        host.write(t, buf)
-        return Done(tensors)
-
-    def recv_anysource(self, tensors, tag):
-        raise NotImplementedError(
-            "torchtpu.distributed: tpu_dist: recv from any source is not supported; name the "
-            "source rank (src=...)"
-        )
+    # ---- barrier and the group's lifetime (point to point: p2p) ----
 
     def barrier(self, opts=None) -> dist.Work:
         self._exchange("barrier", None)
         return Done([])
 
     def shutdown(self) -> None:
+        self._comm.drain()
+        self._comm.close()
+        self._deliveries.close()
         self._gloo = None
 
     def abort(self) -> None:

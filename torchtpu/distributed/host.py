@@ -42,15 +42,43 @@ def to_host(t: torch.Tensor) -> torch.Tensor:
     return as_torch(to_numpy(t), t.dtype)
 
 
-def write(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> None:
-    """Store host value (t's shape and dtype) into device tensor t, any view."""
+def _to_device(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> jax.Array:
+    """Host value (t's shape and dtype) as a device array of its own."""
     if isinstance(value, torch.Tensor):
         value = as_numpy(value)
     value = np.ascontiguousarray(value).reshape(tuple(t.shape))
     # A jitted copy takes a small host value to the device ~10x faster than device_put (its
     # argument transfer is JAX's C++ fast path); device_put does not copy twice for large ones.
-    tensors.write(t, tensors.copy_buffer(value) if value.nbytes <= _SMALL
-                  else jax.device_put(value, platform.local_device()))
+    return tensors.copy_buffer(value) if value.nbytes <= _SMALL \
+        else jax.device_put(value, platform.local_device())
+
+
+def write(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> None:
+    """Store host value (t's shape and dtype) into device tensor t, any view."""
+    tensors.write(t, _to_device(t, value))
+
+
+def _materialized(value):
+    return value.materialize() if isinstance(value, tensors.Deferred) else value
+
+
+def _raw(array: jax.Array, t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over XLA:CPU array's own buffer (t's shape and dtype)."""
+    raw = (ctypes.c_uint8 * array.nbytes).from_address(array.unsafe_buffer_pointer())
+    return as_torch(np.frombuffer(raw, np.uint8).view(array.dtype).reshape(t.shape), t.dtype)
+
+
+def _own_buffer(t: torch.Tensor):
+    """The array of t's storage when gloo may use its buffer in place (XLA:CPU, t its whole
+    storage, no lazy conj/neg bit); else None. Flushes what is pending first."""
+    if platform.platform() != "cpu" or not tensors.covers_storage(t) or t.is_conj() \
+            or t.is_neg():
+        return None
+    executor.flush()
+    array = _materialized(tensors.storage_array(t))
+    if tuple(array.shape) != tuple(t.shape) or array.dtype != dtypes.to_jax(t.dtype):
+        return None
+    return array
 
 
 def alias(t: torch.Tensor) -> torch.Tensor | None:
@@ -62,18 +90,12 @@ def alias(t: torch.Tensor) -> torch.Tensor | None:
     owns its array alone (storages never share buffers), and every dispatched computation is
     waited for first, since one of them may still be reading this buffer.
     """
-    if platform.platform() != "cpu" or not tensors.covers_storage(t) or t.is_conj() \
-            or t.is_neg():
-        return None
-    executor.flush()
-    array = tensors.storage_array(t)
-    array = array.materialize() if isinstance(array, tensors.Deferred) else array
-    if tuple(array.shape) != tuple(t.shape) or array.dtype != dtypes.to_jax(t.dtype):
+    array = _own_buffer(t)
+    if array is None:
         return None
     for live in jax.live_arrays():
         live.block_until_ready()
-    raw = (ctypes.c_uint8 * array.nbytes).from_address(array.unsafe_buffer_pointer())
-    return as_torch(np.frombuffer(raw, np.uint8).view(array.dtype).reshape(t.shape), t.dtype)
+    return _raw(array, t)
 
 
 def buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
@@ -81,6 +103,52 @@ def buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
     can, else a copy whose result must be stored back with ``write``."""
     shared = alias(t)
     return (to_host(t), False) if shared is None else (shared, True)
+
+
+class Staged:
+    """A device tensor staged for a bulk collective that may run on another thread.
+
+    Made on the caller's thread, which flushes and takes the arrays involved; ``host()`` and
+    ``commit()`` then touch only those arrays, so the transfer may run on the group's
+    communication thread while the caller's thread goes on dispatching work. ``host()`` is the
+    CPU tensor gloo reads (``read``) and writes (``write``): t's own buffer where ``alias`` could
+    use it (waiting first for the computations dispatched before staging, which may read it),
+    else a copy. ``commit()`` stores the result into t. ``threadable`` says whether both may run
+    off the caller's thread: a result for a view must go through the caller's executor.
+    """
+
+    def __init__(self, t: torch.Tensor, *, read: bool, write: bool) -> None:
+        self.tensor = t
+        self._read = read
+        self._buffer = _own_buffer(t)
+        self._readers = ()
+        self._value = None
+        if self._buffer is not None:
+            if write:  # a computation dispatched before now may still read the old value
+                self._readers = jax.live_arrays()
+        elif read:
+            executor.flush()
+            self._value = _materialized(tensors.read(t))
+            executor.flush()  # a view's read is itself pending while deferring
+            self._value = _materialized(self._value)
+        covers = tensors.covers_storage(t) and not (t.is_conj() or t.is_neg())
+        self.shared = self._buffer is not None
+        self.threadable = tensors.capture is None and (self.shared or covers or not write)
+
+    def host(self) -> torch.Tensor:
+        t = self.tensor
+        if self._buffer is not None:
+            for live in self._readers:
+                live.block_until_ready()
+            self._buffer.block_until_ready()
+            return _raw(self._buffer, t)
+        if self._read:
+            return as_torch(np.array(self._value), t.dtype)
+        return torch.empty(tuple(t.shape), dtype=t.dtype)
+
+    def commit(self, buf: torch.Tensor) -> None:
+        if not self.shared:
+            tensors.write(self.tensor, _to_device(self.tensor, buf))
 
 
 # gloo reduces these itself; AVG and PREMUL_SUM are a SUM with a division or a multiplication.

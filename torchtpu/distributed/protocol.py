@@ -63,6 +63,11 @@ def header(seq: int, op: str, tensor: torch.Tensor | None, *, reduce_op: int = -
     return words
 
 
+def payload(words: np.ndarray) -> int:
+    """The payload bytes a header announces."""
+    return int(words[7 + _MAX_DIMS])
+
+
 def describe(words: np.ndarray) -> str:
     """A header in the user's terms: ``all_reduce(SUM) #3 on float32[4, 8]``."""
     op = OPS[int(words[1])] if 0 <= words[1] < len(OPS) else f"op {int(words[1])}"
@@ -73,13 +78,17 @@ def describe(words: np.ndarray) -> str:
         extra.append(f"src/dst {int(words[3])}")
     text = f"{op}({', '.join(extra)})" if extra else op
     text += f" call #{int(words[0])}"
-    code = int(words[4])
-    if code != _NO_DTYPE:
-        dtype = str(_DTYPES[code]).removeprefix("torch.") if code < len(_DTYPES) else "?"
-        ndim = int(words[5])
-        dims = [int(d) for d in words[6 : 6 + min(ndim, _MAX_DIMS)]]
-        text += f" on {dtype}{dims}"
+    if int(words[4]) != _NO_DTYPE:
+        text += f" on {describe_tensor(words)}"
     return text
+
+
+def describe_tensor(words: np.ndarray) -> str:
+    """A header's tensor: ``float32[4, 8]``."""
+    code = int(words[4])
+    dtype = str(_DTYPES[code]).removeprefix("torch.") if 0 <= code < len(_DTYPES) else "?"
+    dims = [int(d) for d in words[6 : 6 + min(int(words[5]), _MAX_DIMS)]]
+    return f"{dtype}{dims}"
 
 
 def _agree(mine: np.ndarray, other: np.ndarray) -> bool:
