@@ -36,3 +36,28 @@ def test_special_numbers_are_baked_and_others_share_one_program():
     assert "stablehlo.power" in general
     np.testing.assert_allclose(y.cpu(), x.cpu() ** 2, rtol=1e-6)
     np.testing.assert_allclose(z.cpu(), x.cpu() ** 1.5, rtol=1e-6)
+
+
+def test_compiled_graphs_bake_special_numbers_as_eager_does():
+    # The same rule in a compiled graph: x ** 2 is a multiply, x ** 1.5 a power of a traced input.
+    texts = []
+    f = torch.compile(lambda x: (x.pow(2), x.pow(1.5)), backend="tpu",
+                      options={"debug_callback": lambda gm, text: texts.append(text)})
+    x = torch.rand(33) + 0.5
+    squared, general = f(x.to("tpu"))
+    np.testing.assert_allclose(squared.cpu(), x ** 2, rtol=1e-6)
+    np.testing.assert_allclose(general.cpu(), x ** 1.5, rtol=1e-6)
+    (text,) = texts
+    assert text.count("stablehlo.power") == 1 and "stablehlo.multiply" in text
+
+
+def test_compiled_addcmul_and_addcdiv_in_place_match_cpu():
+    # Inductor's decompositions of the in-place forms end in prims.fma.
+    def f(p, a, b):
+        p.addcmul_(a, b, value=0.5)
+        p.addcdiv_(a, b.abs() + 1, value=0.25)
+        return p
+
+    x = torch.randn(8)
+    out = torch.compile(f, backend="tpu")(x.to("tpu"), x.to("tpu"), x.to("tpu"))
+    np.testing.assert_allclose(out.cpu(), f(x.clone(), x, x), rtol=1e-6, atol=1e-6)

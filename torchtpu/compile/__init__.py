@@ -10,6 +10,8 @@ allocation), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks what
 
 from torchtpu.compile import registration, whole_step
 from torchtpu.compile.on_import import after_import
+from torchtpu.lowering import elementwise
 
 after_import("torch._dynamo", registration.register)
+after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
 whole_step.install()

@@ -171,7 +171,7 @@ class _Step:
             elif i == oi.generator_index:
                 entries.append((KEY, None))
                 dyn.append(keys[self.key_slots[-1]])
-            elif i in self.traced and v is not None:
+            elif self._traces(i, v):
                 entries.append((SCALAR, None))
                 # A symbolic number is a plain value of the trace; a constant is a traced input.
                 dyn.append(env[v] if isinstance(v, fx.Node) else scalars.pop(0))
@@ -185,12 +185,14 @@ class _Step:
         if self.lowering is None:
             return []
         oi = self.oi
-        out = []
-        for i, v in enumerate(self.values):
-            if (i in self.traced and v is not None
-                    and i != oi.generator_index and not isinstance(v, fx.Node)):
-                out.append(v)
-        return out
+        return [v for i, v in enumerate(self.values)
+                if i != oi.generator_index and not isinstance(v, fx.Node) and self._traces(i, v)]
+
+    def _traces(self, i: int, v) -> bool:
+        """Whether argument i is a traced number, as eager decides (``dispatch.entries_of``):
+        a schema default or a special number (``x ** 2``) is baked in."""
+        return i in self.traced and v is not None and (
+            isinstance(v, fx.Node) or not meta.is_baked_number(v, self.oi.defaults[i]))
 
 
 def _static(values: list) -> bool:

@@ -159,6 +159,17 @@ def addcdiv(x, t1, t2, value=1):
     return x + value * t1 / t2
 
 
+def _fma(a, b, c):
+    return a * b + c
+
+
+def register_inductor_prims() -> None:
+    """Lower the prims Inductor defines (``torch._inductor.inductor_prims``: its decompositions,
+    which a compiled ``addcmul_`` goes through, end in ``prims.fma``). Called once that module
+    is imported: torchtpu does not import Inductor."""
+    lowers(torch.ops.prims.fma.default, promote="result")(_fma)
+
+
 # ----------------------------------------------------------------------------- unary math
 
 def _frac(x):
