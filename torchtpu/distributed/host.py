@@ -108,38 +108,34 @@ def buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
 class Staged:
     """A device tensor staged for a bulk collective that may run on another thread.
 
-    Made on the caller's thread, which flushes and takes the arrays involved; ``host()`` and
-    ``commit()`` then touch only those arrays, so the transfer may run on the group's
+    Made on the caller's thread, which flushes and takes the array involved; ``host()`` and
+    ``commit()`` then touch only that array, so the transfer may run on the group's
     communication thread while the caller's thread goes on dispatching work. ``host()`` is the
-    CPU tensor gloo reads (``read``) and writes (``write``): t's own buffer where ``alias`` could
-    use it (waiting first for the computations dispatched before staging, which may read it),
-    else a copy. ``commit()`` stores the result into t. ``threadable`` says whether both may run
-    off the caller's thread: a result for a view must go through the caller's executor.
+    CPU tensor gloo reads (``read``) and writes (``write``): for a tensor only read, t's own
+    buffer where ``alias`` could use it, else a copy. A written tensor always gets a buffer of
+    its own: writing a device buffer in place is safe only once every computation that may read
+    it finished (``alias`` waits for all of them), which the caller's thread would have to wait
+    for, and which another thread cannot wait for while the caller's thread frees arrays.
+    ``commit()`` stores the result into t. ``threadable`` says whether both may run off the
+    caller's thread: a result for a view must go through the caller's executor.
     """
 
     def __init__(self, t: torch.Tensor, *, read: bool, write: bool) -> None:
         self.tensor = t
         self._read = read
-        self._buffer = _own_buffer(t)
-        self._readers = ()
+        self._buffer = None if write else _own_buffer(t)
         self._value = None
-        if self._buffer is not None:
-            if write:  # a computation dispatched before now may still read the old value
-                self._readers = jax.live_arrays()
-        elif read:
+        if self._buffer is None and read:
             executor.flush()
             self._value = _materialized(tensors.read(t))
             executor.flush()  # a view's read is itself pending while deferring
             self._value = _materialized(self._value)
         covers = tensors.covers_storage(t) and not (t.is_conj() or t.is_neg())
-        self.shared = self._buffer is not None
-        self.threadable = tensors.capture is None and (self.shared or covers or not write)
+        self.threadable = tensors.capture is None and (covers or not write)
 
     def host(self) -> torch.Tensor:
         t = self.tensor
         if self._buffer is not None:
-            for live in self._readers:
-                live.block_until_ready()
             self._buffer.block_until_ready()
             return _raw(self._buffer, t)
         if self._read:
@@ -147,8 +143,7 @@ class Staged:
         return torch.empty(tuple(t.shape), dtype=t.dtype)
 
     def commit(self, buf: torch.Tensor) -> None:
-        if not self.shared:
-            tensors.write(self.tensor, _to_device(self.tensor, buf))
+        tensors.write(self.tensor, _to_device(self.tensor, buf))
 
 
 # gloo reduces these itself; AVG and PREMUL_SUM are a SUM with a division or a multiplication.

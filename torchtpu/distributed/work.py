@@ -46,24 +46,48 @@ class Done(dist._Work):
         return self._future
 
 
-class Pending(dist._Work):
-    """A Work for a collective its group's communication thread has yet to finish."""
+class _Outcome(dist._Work):
+    """What Pending and Later share: a result, an error once finished, and a future that
+    completes or fails with them."""
 
     def __init__(self, result: list, op: str) -> None:
         super().__init__()
         self._result = result
         self._op = op
-        self._done = threading.Event()
         self._error: BaseException | None = None
         self._future = torch.futures.Future()
 
-    def finish(self, error: BaseException | None) -> None:
+    def _settle(self, error: BaseException | None) -> None:
         self._error = error
-        self._done.set()
         if error is None:
             self._future.set_result(self._result)
         else:
             self._future.set_exception(error)
+
+    def is_success(self) -> bool:
+        return self.is_completed() and self._error is None
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def result(self) -> list:
+        self.wait()
+        return self._result
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class Pending(_Outcome):
+    """A Work for a collective its group's communication thread has yet to finish."""
+
+    def __init__(self, result: list, op: str) -> None:
+        super().__init__(result, op)
+        self._done = threading.Event()
+
+    def finish(self, error: BaseException | None) -> None:
+        self._settle(error)
+        self._done.set()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         # c10d passes timedelta(0) for "no timeout": the group's own timeout bounds the transfer.
@@ -79,35 +103,18 @@ class Pending(dist._Work):
     def is_completed(self) -> bool:
         return self._done.is_set()
 
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
 
-    def exception(self) -> BaseException | None:
-        return self._error
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
-
-
-class Later(dist._Work):
+class Later(_Outcome):
     """A Work whose remaining steps, ``finish()`` (returning the peer rank), run once, on the
     first thread to wait for it or to find its gloo works (``deps``) completed."""
 
     def __init__(self, op: str, finish: Callable[[], int], result: list, deps: list) -> None:
-        super().__init__()
-        self._op = op
+        super().__init__(result, op)
         self._finish = finish
-        self._result = result
         self._deps = deps
         self._lock = threading.Lock()
         self._ran = False
-        self._error: BaseException | None = None
         self._source = -1
-        self._future = torch.futures.Future()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         with self._lock:
@@ -116,10 +123,9 @@ class Later(dist._Work):
                 try:
                     self._source = self._finish()
                 except BaseException as e:  # noqa: BLE001 (raised below, and by every wait)
-                    self._error = e
-                    self._future.set_exception(e)
+                    self._settle(e)
                 else:
-                    self._future.set_result(self._result)
+                    self._settle(None)
         if self._error is not None:
             raise self._error
         return True
@@ -132,23 +138,10 @@ class Later(dist._Work):
                 pass
         return self._ran
 
-    def is_success(self) -> bool:
-        return self.is_completed() and self._error is None
-
-    def exception(self) -> BaseException | None:
-        return self._error
-
     def _source_rank(self) -> int:
         """The peer rank (for recv from any source: the sender), once waited for."""
         self.wait()
         return self._source
-
-    def result(self) -> list:
-        self.wait()
-        return self._result
-
-    def get_future(self) -> torch.futures.Future:
-        return self._future
 
 
 class Joined(dist._Work):
