@@ -32,6 +32,14 @@ def test_unsupported_dtype_raises():
         torch.empty(2, dtype=torch.float8_e8m0fnu, device="tpu")
 
 
+def test_quantized_tensors_are_refused_by_name():
+    with pytest.raises(TypeError, match=r"torchtpu.dtype: quantized tensors \(torch.qint8\)"):
+        torch.empty(2, dtype=torch.qint8, device="tpu")
+    q = torch.quantize_per_tensor(torch.randn(3), 0.1, 0, torch.quint8)
+    with pytest.raises(TypeError, match=r"quantized tensors \(torch.quint8\).*int_repr"):
+        q.to("tpu")
+
+
 def test_mixed_devices_raise_like_cuda():
     a = torch.zeros(3, device="tpu")
     with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):

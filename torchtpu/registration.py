@@ -128,7 +128,7 @@ def register() -> None:
         if _libraries:
             return
         from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
-        from torchtpu.device import autocast, kernels, loader, pinned, sparse, storage
+        from torchtpu.device import autocast, kernels, loader, pinned, quantized, sparse, storage
         from torchtpu.eager import dispatch
         from torchtpu.lowering import attention
 
@@ -144,6 +144,7 @@ def register() -> None:
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)
         sparse_fallbacks = sparse.register(aten)
+        quantized_fallback = quantized.register()
         storage.install_constructor()
         storage.install_pickling()
         loader.install_pin_memory()
@@ -157,7 +158,7 @@ def register() -> None:
         integrations.install()
         # JAX's backend starts at the first tpu op, not here (eager/dispatch.handler), so that
         # torchtpu.distributed can start JAX's multi-process runtime first.
-        _libraries.extend([aten, fallback, *sparse_fallbacks])
+        _libraries.extend([aten, fallback, *sparse_fallbacks, quantized_fallback])
         torch.Generator = Generator
         _install_parameter_swap()
 
