@@ -21,11 +21,10 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchtpu import errors
 from torchtpu.compile import dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
-from torchtpu.eager import dispatch, meta, schema
+from torchtpu.eager import at_call, dispatch, meta, schema
 from torchtpu.eager.program import (
     CONST,
     KEY,
@@ -132,7 +131,7 @@ class _Step:
 
         error = self.check(*(arg(v) for v in self.values))
         if error is not None:
-            raise type(error)(errors.message("check", f"{self.node.target}: {error}"))
+            raise at_call.check_error(self.node.target, error)
         return found
 
     def run(self, env: dict, keys: tuple, scalars: list):
