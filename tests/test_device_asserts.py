@@ -90,3 +90,14 @@ def test_compiled_graphs_check_indices_inside_their_program():
     out = f(torch.tensor([0, 1, 3], device="tpu"), w)  # 12: out of range
     with pytest.raises(IndexError, match="aten.embedding.default: index 12 is out of bounds"):
         out.cpu()
+
+
+def test_many_pending_checks_do_not_run_the_recording_early():
+    w = W.to("tpu")
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        before = torchtpu.metrics.snapshot().get("executions", 0)
+        i = torch.tensor([1, 2], device="tpu") * 4  # pending
+        outs = [F.embedding(i, w) for _ in range(2 * asserts.MAX_PENDING)]
+        assert torchtpu.metrics.snapshot().get("executions", 0) == before  # nothing ran yet
+        assert torch.equal(outs[-1].cpu(), F.embedding(torch.tensor([4, 8]), W))
+    assert not asserts._pending

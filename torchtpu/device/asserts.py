@@ -16,8 +16,11 @@ from collections.abc import Callable
 
 import numpy as np
 
-# A program that never reads to the host would let flags pile up: past this many, the oldest
-# half is read (their ops ran long ago, so that waits for little).
+from torchtpu.device import tensors
+
+# A program that never reads to the host would let flags pile up: past this many, those already
+# computed are read (their ops ran long ago, so that waits for little). Flags still pending in a
+# DeferAndFuse recording stay: reading them would run the recording early.
 MAX_PENDING = 64
 
 _pending: list = []  # (flags: [bad, value] array or pending value, error(value), where)
@@ -28,17 +31,22 @@ def add(flags, error: Callable[[int], Exception], where: str) -> None:
     computed or pending) says bad; where says which call it came from."""
     _pending.append((flags, error, where))
     if len(_pending) > MAX_PENDING:
-        _raise(MAX_PENDING // 2)
+        _raise(computed_only=True)
 
 
 def raise_pending() -> None:
     """Read every pending flag; raise the first failed check's error (all are cleared)."""
     if _pending:
-        _raise(len(_pending))
+        _raise(computed_only=False)
 
 
-def _raise(n: int) -> None:
-    checked, _pending[:n] = _pending[:n], []
+def _computed(flags) -> bool:
+    return not (isinstance(flags, tensors.Deferred) and flags.resolve() is flags)
+
+
+def _raise(computed_only: bool) -> None:
+    checked = [p for p in _pending if not computed_only or _computed(p[0])]
+    _pending[:] = [p for p in _pending if computed_only and not _computed(p[0])]
     for flags, error, where in checked:
         try:
             bad, value = (int(v) for v in np.asarray(flags))
@@ -50,4 +58,3 @@ def _raise(n: int) -> None:
             exc.add_note(f"Checked on the device and raised at the first host read after the "
                          f"call {where}; the op's result is not valid.")
             raise exc
-
