@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import torchtpu
-from torchtpu.device import loader
+from torchtpu.device import loader, pinned
 
 
 def _dataset():
@@ -17,6 +17,8 @@ def _dataset():
 def test_pin_memory_dataloader_runs():
     batches = list(DataLoader(_dataset(), batch_size=5, pin_memory=True))
     assert len(batches) == 4
+    # Pinned for real where the hooks could be answered, as on CUDA.
+    assert batches[0][0].is_pinned() == pinned.status()[0]
     torch.testing.assert_close(batches[1][1], torch.arange(5, 10))
 
 

@@ -94,8 +94,18 @@ atexit.register(_stop_all)
 
 
 def install_pin_memory() -> None:
-    """Let DataLoader(pin_memory=True) run when "tpu" is the accelerator."""
+    """Let DataLoader(pin_memory=True) run when "tpu" is the accelerator.
+
+    Where ``device/pinned.py`` answers PrivateUse1's pinned-memory hooks, DataLoader pins for
+    real and nothing is patched; elsewhere pinning would raise, so its batches pass unpinned
+    (PJRT copies from any host buffer: pinning only makes the copy cheaper on a GPU).
+    """
     from torch.utils.data._utils import pin_memory as pin_module
+
+    from torchtpu.device import pinned
+
+    if pinned.status()[0]:
+        return
 
     original = pin_module.pin_memory
 
