@@ -32,7 +32,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
 from torchtpu import metrics
-from torchtpu.compile import donation, dynamic, eager_split, reduce_overhead
+from torchtpu.compile import buckets, donation, dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.compile.interpret import GraphFunction
@@ -279,7 +279,7 @@ class CompiledGraph:
         """Each symbol's padded size: its bucket once it has varied between calls, else its
         size. Under ``dynamic=True`` every dim is a symbol, the batch too; padding a dim that
         never changes (a batch of 8 to 128 rows) would only multiply the work."""
-        return {s: dynamic.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
+        return {s: buckets.bucket(v, self.opts.bucket_size, self.opts.num_dynamic_buckets)
                 if s in self.varying else v for s, v in values.items()}
 
     def _note_sizes(self, values: dict) -> None:
@@ -290,17 +290,17 @@ class CompiledGraph:
     def _pad(self, args: list, arrays: list, symbols: list) -> tuple[list, list, dict]:
         """Inputs laid out at their size buckets, then the real size of each symbol (int32
         scalars the program reads); symbols at bucket values; the real sizes."""
-        values = dynamic.sizes_of(self.fn.placeholders, args)
+        values = buckets.sizes_of(self.fn.placeholders, args)
         self._note_sizes(values)
         to = self._buckets(values)
         padded = []
         for a, n in zip(arrays, self.tensor_nodes, strict=True):
-            host = dynamic.pad(a, self.plan.layouts[n], values, to)
+            host = buckets.pad(a, self.plan.layouts[n], values, to)
             padded.append(a if host is a else jax.device_put(host, next(iter(a.devices()))))
         padded += [np.asarray(values[s], np.int32) for s in self.plan.order]
         syms = [n.meta["val"] for n, t in
                 zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if not t]
-        symbols = [dynamic.evaluate(s, to) if isinstance(s, torch.SymInt) else v
+        symbols = [buckets.evaluate(s, to) if isinstance(s, torch.SymInt) else v
                    for s, v in zip(syms, symbols, strict=True)]
         return padded, symbols, values
 
@@ -309,11 +309,11 @@ class CompiledGraph:
         for o, n in zip(outs, self.fn.output, strict=True):
             val = n.meta.get("val") if isinstance(n, fx.Node) else None
             if isinstance(val, torch.Tensor):
-                host = dynamic.unpad(o, self.plan.layouts[n], values, to)
+                host = buckets.unpad(o, self.plan.layouts[n], values, to)
                 if host is not o:
                     o = jax.device_put(host, next(iter(o.devices())))
             elif isinstance(val, torch.SymInt):
-                o = dynamic.real_value(val, values)
+                o = buckets.real_value(val, values)
             real.append(o)
         return real
 

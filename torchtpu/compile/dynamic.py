@@ -48,11 +48,11 @@ import dataclasses
 import math
 import operator
 
-import numpy as np
 import sympy
 import torch
 import torch.fx as fx
 
+from torchtpu.compile.buckets import size_expr as _expr
 from torchtpu.compile.graph_ops import SIZE_ARITHMETIC
 from torchtpu.eager import schema
 
@@ -113,10 +113,6 @@ class Plan:
 
 class _Refused(Exception):
     pass
-
-
-def _expr(d):
-    return d.node.expr if isinstance(d, torch.SymInt) else sympy.Integer(d)
 
 
 def _symbolic(d) -> bool:
@@ -469,83 +465,3 @@ def plan(gm: fx.GraphModule, traced_of) -> Plan | str:
     except _Refused as e:
         return str(e)
     return Plan(order, layouts, masks, numbers)
-
-
-def bucket(n: int, bucket_size: int, num_buckets: int) -> int:
-    """The padded size for a symbolic size n."""
-    for i in range(num_buckets):
-        if n <= bucket_size << i:
-            return bucket_size << i
-    largest = bucket_size << (num_buckets - 1)
-    return math.ceil(n / largest) * largest
-
-
-def sizes_of(placeholders: list, args: list) -> dict:
-    """Each symbol's value, read from the inputs whose sizes name it (arrays or tensors)."""
-    values = {}
-    for n, a in zip(placeholders, args, strict=True):
-        v = _val(n)
-        if isinstance(v, torch.SymInt):
-            if isinstance(_expr(v), sympy.Symbol):
-                values[_expr(v)] = int(a)
-        elif isinstance(v, torch.Tensor):
-            for d, actual in zip(v.shape, a.shape, strict=True):
-                if isinstance(_expr(d), sympy.Symbol):
-                    values[_expr(d)] = int(actual)
-    return values
-
-
-def evaluate(expr, values: dict):
-    """A size expression at the given symbol values (ints, or traced scalars in a program)."""
-    expr = _expr(expr) if isinstance(expr, torch.SymInt) else sympy.sympify(expr)
-    if expr.is_Integer:
-        return int(expr)
-    if isinstance(expr, sympy.Symbol):
-        return values[expr]
-    parts = [evaluate(a, values) for a in expr.args]
-    if expr.is_Add:
-        return sum(parts[1:], parts[0])
-    if expr.is_Mul:
-        out = parts[0]
-        for p in parts[1:]:
-            out = out * p
-        return out
-    if expr.func.__name__ == "FloorDiv":
-        return parts[0] // parts[1]
-    raise NotImplementedError(f"torchtpu.compile: cannot evaluate the size {expr}")
-
-
-def real_value(val, values: dict):
-    """A symbolic output number at the real sizes (the program saw padded ones)."""
-    return int(_expr(val).subs(values)) if isinstance(val, torch.SymInt) else val
-
-
-def _factor_sizes(layout: tuple, values: dict) -> list:
-    return [[int(values[f]) if isinstance(f, sympy.Symbol) else int(f) for f in dim]
-            for dim in layout]
-
-
-def pad(array, layout: tuple, values: dict, to: dict):
-    """array laid out at the bucket sizes (zeros in padding) as a host array; array itself
-    when no dim of it is padded (never a round trip through the host for nothing)."""
-    real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
-    if real == padded:
-        return array
-    host = np.asarray(array)
-    flat_real = [f for dim in real for f in dim]
-    flat_pad = [f for dim in padded for f in dim]
-    split = host.reshape(flat_real)
-    split = np.pad(split, [(0, p - r) for r, p in zip(flat_real, flat_pad, strict=True)])
-    return split.reshape([math.prod(dim) for dim in padded])
-
-
-def unpad(array, layout: tuple, values: dict, to: dict):
-    """The real elements of a padded array as a host array; array itself when nothing is
-    padded."""
-    real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
-    if real == padded:
-        return array
-    host = np.asarray(array)
-    split = host.reshape([f for dim in padded for f in dim])
-    split = split[tuple(slice(0, f) for dim in real for f in dim)]
-    return split.reshape([math.prod(dim) for dim in real])

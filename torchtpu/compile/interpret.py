@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchtpu.compile import dynamic, masking
+from torchtpu.compile import buckets, dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
 from torchtpu.eager import at_call, dispatch, meta, schema
@@ -245,7 +245,7 @@ class GraphFunction:
         run = _Step.run
         if plan is not None:
             padding = masking.Padding(
-                plan, dynamic.sizes_of(self.placeholders, [env[n] for n in self.placeholders]),
+                plan, buckets.sizes_of(self.placeholders, [env[n] for n in self.placeholders]),
                 tuple(real))
             run = padding.run
         for step in self.steps:

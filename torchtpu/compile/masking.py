@@ -14,7 +14,7 @@ import sympy
 import torch.fx as fx
 from jax import lax
 
-from torchtpu.compile import dynamic
+from torchtpu.compile import buckets, dynamic
 
 _TRUE_FILLS = {"true": True, "false": False, "zero": 0, "one": 1}
 
@@ -74,7 +74,7 @@ class Padding:
             keep = self.keep(x.shape, self.plan.layouts[arg], m.dims)
             local[arg] = jnp.where(keep, x, _fill(m.fill, x.dtype))
         for n in numbers:
-            local[n] = dynamic.evaluate(n.meta["val"], self.real)
+            local[n] = buckets.evaluate(n.meta["val"], self.real)
         if node.target in dynamic.MEAN_OPS:
             return self._mean(node, local[node.args[0]], step.dtypes)
         return step.run(local, keys, scalars)
@@ -89,6 +89,6 @@ class Padding:
             keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
         count = 1
         for d in dims:
-            count = count * dynamic.evaluate(val.shape[d], self.real)
+            count = count * buckets.evaluate(val.shape[d], self.real)
         total = jnp.sum(x.astype(dtype), axis=dims, keepdims=keepdim)
         return total / jnp.asarray(count).astype(dtype)
