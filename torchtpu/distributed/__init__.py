@@ -4,13 +4,16 @@
 makes it the default backend for device "tpu": ``init_process_group()`` with no backend picks it,
 and ``"cpu:gloo,tpu:tpu_dist"`` serves CPU tensors by gloo in the same group. Layers: ``group``
 (the ProcessGroup), ``protocol`` (the header that catches mismatched collectives), ``host`` (the
-host transport through gloo), ``launch`` (the backend creator and start-up).
+host transport through gloo), ``xla`` (the XLA transport: XLA collective programs),
+``jax_runtime`` (which transport, and JAX's multi-process runtime), ``launch`` (the backend
+creator and start-up).
 """
 
 from __future__ import annotations
 
 import torch.distributed as dist
 
+from torchtpu.distributed.jax_runtime import Transport
 from torchtpu.distributed.protocol import CollectiveMismatchError
 
 BACKENDS = ("tpu_dist", "tpu")
@@ -29,4 +32,4 @@ def register() -> None:
             dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
 
 
-__all__ = ["BACKENDS", "CollectiveMismatchError", "register"]
+__all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "register"]

@@ -62,6 +62,15 @@ def _materialized(value):
     return value.materialize() if isinstance(value, tensors.Deferred) else value
 
 
+def read_now(t: torch.Tensor) -> jax.Array:
+    """Device tensor t's value (any view) as an array on the device, after running whatever
+    DeferAndFuse holds pending for it."""
+    executor.flush()
+    value = _materialized(tensors.read(t))
+    executor.flush()  # a view's read is itself pending while deferring
+    return _materialized(value)
+
+
 def _raw(array: jax.Array, t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor over XLA:CPU array's own buffer (t's shape and dtype)."""
     raw = (ctypes.c_uint8 * array.nbytes).from_address(array.unsafe_buffer_pointer())
@@ -126,10 +135,7 @@ class Staged:
         self._buffer = None if write else _own_buffer(t)
         self._value = None
         if self._buffer is None and read:
-            executor.flush()
-            self._value = _materialized(tensors.read(t))
-            executor.flush()  # a view's read is itself pending while deferring
-            self._value = _materialized(self._value)
+            self._value = read_now(t)
         covers = tensors.covers_storage(t) and not (t.is_conj() or t.is_neg())
         self.threadable = tensors.capture is None and (covers or not write)
 

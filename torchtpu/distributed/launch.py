@@ -4,7 +4,9 @@ Under torchrun each process knows its host-local index from ``LOCAL_RANK``. Unde
 ``torch.multiprocessing.spawn`` with an explicit ``init_method`` it does not, so the default
 group's creation finds it through the store (ranks that share a host name share a host) and
 records it in ``runtime.platform``; from then on ``tpu:{local rank}`` names this process's device
-too and ``device_count()`` counts the host's processes.
+too and ``device_count()`` counts the host's processes. The default group's creation also starts
+JAX's multi-process runtime where the XLA transport may be used, before anything starts JAX's
+backend, and each group's creation picks its transport (``jax_runtime``).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import socket
 
 import torch.distributed as dist
 
+from torchtpu.distributed import jax_runtime
 from torchtpu.runtime import platform
 
 
@@ -54,17 +57,26 @@ def _check_devices_for(local_world: int) -> None:
 
 
 def create(options, backend_options=None) -> dist.ProcessGroup:
-    """``dist.Backend.register_backend``'s creator (extended API)."""
+    """``dist.Backend.register_backend``'s creator (extended API); ``backend_options`` (the
+    ``pg_options`` of init_process_group/new_group) may be a ``jax_runtime.Transport``."""
     from torchtpu.distributed.group import TpuProcessGroup
 
-    _check_device()
     store, rank, size = options.store, options.group_rank, options.group_size
-    if not dist.is_initialized():  # the default group: every process of the job
+    default = not dist.is_initialized()  # the default group: every process of the job
+    if default:
         if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
             slot = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
         else:
             slot = _host_slot(store, rank, size)
+        # Before anything starts JAX's backend (the device check does).
+        jax_runtime.start(store, rank, size, options.timeout, slot[0], backend_options)
+    _check_device()
+    if default:
         platform.set_process_slot(*slot)
         _check_devices_for(slot[1])
-    return TpuProcessGroup(store, rank, size, options.timeout,
-                           list(options.global_ranks_in_group or []))
+    group = TpuProcessGroup
+    if jax_runtime.choose(size, backend_options) == "xla":
+        from torchtpu.distributed import xla
+
+        group = xla.XlaProcessGroup
+    return group(store, rank, size, options.timeout, list(options.global_ranks_in_group or []))

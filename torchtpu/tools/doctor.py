@@ -40,6 +40,7 @@ _NAME = re.compile(r"\b(?:TORCHTPU|TORCH_TPU)_[A-Z0-9_]+\b")
 _VALUES = {
     "TORCHTPU_PLATFORM": ("tpu", "gpu", "cpu"),
     "TORCHTPU_CPU_FALLBACK": ("warn", "error", "silent"),
+    "TORCHTPU_DIST_TRANSPORT": ("xla", "host"),
     "TORCH_TPU_LAUNCH_BLOCKING": ("0", "1"),
     "TORCH_TPU_DEFER_AND_FUSE": ("0", "1"),
     "TORCHTPU_DEBUG_NANS": ("0", "1"),

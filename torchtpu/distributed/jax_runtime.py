@@ -1,0 +1,150 @@
+"""Which transport a tpu_dist group uses, and starting JAX's multi-process runtime for the XLA one.
+
+Two transports move collective data: ``host`` (device values through host memory and gloo,
+``host.py``) and ``xla`` (XLA collective programs over the devices' own links, ``xla.py``).
+``TORCHTPU_DIST_TRANSPORT=xla|host`` (or ``init_process_group(..., pg_options=
+torchtpu.distributed.Transport("xla"))``) forces one; by default a TPU or GPU uses ``xla`` (ICI,
+NVLink) and XLA:CPU uses ``host``, which measured faster there (bench/RESULTS.md).
+
+The XLA transport needs JAX's multi-process runtime (``jax.distributed.initialize``), which must
+run before JAX creates its backend, while ``import torch`` already loads torchtpu. torchtpu
+starts JAX's backend lazily, at the first tpu tensor, so ``init_process_group`` called first
+(the usual order) starts the runtime itself: rank 0 picks a free port, publishes
+``MASTER_ADDR:port`` in the c10d store, and every rank connects there (torchrun and mp.spawn
+with an ``init_method`` alike). A tpu tensor made before ``init_process_group`` leaves the XLA
+transport unavailable: on a TPU or GPU that is an error saying to call ``init_process_group``
+first; on CPU the group falls back to the host transport with a one-time warning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.util
+import os
+import socket
+import warnings
+
+import jax
+import torch.distributed as dist
+from jax._src import xla_bridge
+
+from torchtpu.runtime import platform
+
+TRANSPORTS = ("xla", "host")
+ENV = "TORCHTPU_DIST_TRANSPORT"
+_ACCELERATORS = ("tpu", "gpu")
+# Why the XLA transport could not start in this process (None: it did start, or was not asked).
+_unavailable: list[str | None] = [None]
+_warned = [False]
+
+
+@dataclasses.dataclass(frozen=True)
+class Transport:
+    """``pg_options`` for a tpu_dist group: ``Transport("xla")`` or ``Transport("host")``."""
+
+    name: str
+
+    def __post_init__(self) -> None:
+        _check(self.name, "Transport")
+
+
+def _check(name: str, where: str) -> str:
+    if name not in TRANSPORTS:
+        raise ValueError(f"torchtpu.config: {where}={name!r} is not one of xla, host (or unset: "
+                         f"xla on TPU and GPU, host on CPU)")
+    return name
+
+
+def forced(backend_options=None) -> str | None:
+    """The transport the user asked for (pg_options first, then the environment), else None."""
+    if isinstance(backend_options, Transport):
+        return backend_options.name
+    wanted = os.environ.get(ENV, "").strip().lower()
+    return _check(wanted, ENV) if wanted else None
+
+
+def _accelerator_expected() -> bool:
+    """Whether this process will likely run on a TPU or GPU, judged without starting JAX's
+    backend: TORCHTPU_PLATFORM, else an installed TPU or GPU PJRT plugin."""
+    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    if wanted:
+        return wanted in _ACCELERATORS
+    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
+               "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    for name in plugins:
+        try:
+            if importlib.util.find_spec(name) is not None:
+                return True
+        except (ImportError, ValueError):
+            continue
+    return False
+
+
+def _coordinator_host(store: dist.Store) -> str:
+    """The address other hosts reach rank 0 at: torchrun's MASTER_ADDR, else the TCP store's
+    host (mp.spawn with a tcp:// init_method), else this host's name."""
+    if os.environ.get("MASTER_ADDR"):
+        return os.environ["MASTER_ADDR"]
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if isinstance(store, dist.TCPStore) and store.host:
+        return store.host
+    return socket.gethostname()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def start(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+          local_index: int, backend_options=None) -> None:
+    """At the default group's creation: start JAX's multi-process runtime if the XLA transport
+    may be used and JAX's backend has not started; else record why not."""
+    wanted = forced(backend_options)
+    if wanted == "host" or (wanted is None and not _accelerator_expected()):
+        return
+    if jax.distributed.is_initialized() or size == 1:
+        return
+    if xla_bridge.backends_are_initialized():
+        _unavailable[0] = (
+            "JAX's backend started before init_process_group (a tpu tensor was created, or JAX "
+            "was used, first), and JAX's multi-process runtime can only start before it")
+        return
+    key = "tpu_dist/jax_coordinator"
+    if rank == 0:
+        store.set(key, f"{_coordinator_host(store)}:{_free_port()}")
+    address = store.get(key).decode()
+    # XLA:CPU's cross-process collectives: gloo over TCP (JAX's default, named to pin it).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    seconds = max(1, int(timeout.total_seconds()))  # the group's timeout bounds both waits
+    jax.distributed.initialize(
+        address, size, rank, local_device_ids=[local_index],
+        initialization_timeout=seconds, shutdown_timeout_seconds=seconds)
+
+
+def choose(size: int, backend_options=None) -> str:
+    """The transport of a new group: ``"xla"`` or ``"host"`` (see the module docstring)."""
+    wanted = forced(backend_options)
+    name = platform.platform()
+    if wanted == "host" or (wanted is None and name not in _ACCELERATORS):
+        return "host"
+    if size == 1 or jax.distributed.is_initialized():
+        return "xla"
+    reason = _unavailable[0] or (
+        "JAX's multi-process runtime is not running (it starts when init_process_group runs "
+        "with the XLA transport wanted: set TORCHTPU_DIST_TRANSPORT=xla or "
+        "TORCHTPU_PLATFORM)")
+    if name in _ACCELERATORS:
+        raise RuntimeError(
+            f"torchtpu.distributed: tpu_dist cannot use XLA collectives on {name}: {reason}. "
+            "Call dist.init_process_group before creating any tpu tensor (or set "
+            f"{ENV}=host to move collectives through host memory instead)")
+    if not _warned[0]:
+        _warned[0] = True
+        warnings.warn(f"torchtpu.distributed: tpu_dist uses the host transport (gloo), not XLA "
+                      f"collectives: {reason}. Call dist.init_process_group before creating "
+                      "any tpu tensor", stacklevel=2)
+    return "host"

@@ -1,0 +1,266 @@
+"""The XLA transport: tpu_dist collectives as XLA collective programs over the group's devices.
+
+Each process drives one device of JAX's global device list (``jax_runtime`` starts the
+multi-process runtime); a group's devices, in group-rank order, form a 1-D mesh with axis
+``"g"``. A collective assembles the global array whose shard on each device is that rank's
+value (``jax.make_array_from_single_device_arrays``, no copy), runs one jitted ``shard_map``
+over the mesh (``psum``, ``psum_scatter``, ``all_gather``, ``all_to_all``), and stores this
+process's shard of the result into the output tensor. On a TPU that is ICI, on GPUs NVLink, on
+XLA:CPU JAX's gloo collectives. Programs are built once per (op, shapes, dtype, reduce op,
+group); JAX dispatches them asynchronously, so the returned Work is already done while the
+device still runs the collective (later ops on the result queue behind it).
+
+The header exchange (``protocol``, through the group's gloo group) still runs first, so ranks
+that called different collectives raise ``CollectiveMismatchError`` before any XLA collective
+starts, and a rank that is missing makes the others time out in Python. gather, scatter,
+point-to-point, all_to_all with lists, all_to_all_single with uneven splits and CPU tensors
+keep the host transport (``TpuProcessGroup``, which this extends).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.distributed as dist
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from torch._C._distributed_c10d import ReduceOptions
+
+from torchtpu.device import tensors
+from torchtpu.distributed import host
+from torchtpu.distributed.group import TpuProcessGroup
+from torchtpu.distributed.protocol import ANY_SHAPE
+from torchtpu.distributed.work import Done
+from torchtpu.runtime import launch, platform
+
+RedOpType = dist.ReduceOp.RedOpType
+_AXIS = "g"
+_SUMS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
+_FOLD = {
+    RedOpType.SUM: jnp.sum, RedOpType.AVG: jnp.sum, RedOpType.PREMUL_SUM: jnp.sum,
+    RedOpType.PRODUCT: jnp.prod, RedOpType.MIN: jnp.min, RedOpType.MAX: jnp.max,
+    RedOpType.BAND: jnp.bitwise_and.reduce, RedOpType.BOR: jnp.bitwise_or.reduce,
+    RedOpType.BXOR: jnp.bitwise_xor.reduce,
+}
+_BITS = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+
+
+def _block(shape: tuple) -> tuple:
+    """A rank's shard shape for a value of this shape (a scalar travels as one element)."""
+    return shape if shape else (1,)
+
+
+# ---- the per-shard computations (b: this rank's block, n: the group size) ----
+
+def _premultiply(kind, factor, b):
+    return b * jnp.asarray(factor, b.dtype) if kind == RedOpType.PREMUL_SUM else b
+
+
+def _average(kind, n: int, b):
+    return (b / n).astype(b.dtype) if kind == RedOpType.AVG else b
+
+
+def _fold(kind, factor, n: int, rows):
+    """Every rank's value (rows[r]) reduced along axis 0, as the host transport reduces them."""
+    rows = _premultiply(kind, factor, rows)
+    return _average(kind, n, _FOLD[kind](rows, axis=0).astype(rows.dtype))
+
+
+def _all_reduce(b, *, kind, factor, n):
+    if kind in _SUMS and b.dtype != jnp.bool_:
+        return _average(kind, n, lax.psum(_premultiply(kind, factor, b), _AXIS))
+    if kind in (RedOpType.MIN, RedOpType.MAX) and b.dtype != jnp.bool_:
+        return (lax.pmin if kind == RedOpType.MIN else lax.pmax)(b, _AXIS)
+    return _fold(kind, factor, n, lax.all_gather(b, _AXIS))
+
+
+def _reduce_scatter(b, *, kind, factor, n, out):
+    rows = b.reshape(n, -1)
+    if kind in _SUMS and b.dtype != jnp.bool_:
+        mine = lax.psum_scatter(_premultiply(kind, factor, rows), _AXIS, scatter_dimension=0)
+        return _average(kind, n, mine).reshape(out)
+    # Row r of what all_to_all returns is rank r's chunk for this rank.
+    return _fold(kind, factor, n, lax.all_to_all(rows, _AXIS, 0, 0)).reshape(out)
+
+
+def _broadcast(b, *, root, n):
+    if jnp.iscomplexobj(b):
+        return lax.all_gather(b, _AXIS)[root]
+    # A sum of the root's bits and zeros: exact for every value (-0.0, NaN payloads included).
+    bits = lax.bitcast_convert_type(b, _BITS[b.dtype.itemsize]) if b.dtype != jnp.bool_ \
+        else b.astype(jnp.uint8)
+    bits = lax.psum(jnp.where(lax.axis_index(_AXIS) == root, bits, 0), _AXIS)
+    return lax.bitcast_convert_type(bits, b.dtype) if b.dtype != jnp.bool_ \
+        else bits.astype(jnp.bool_)
+
+
+def _all_gather(b, *, out=None):
+    rows = lax.all_gather(b, _AXIS)
+    return tuple(rows) if out is None else rows.reshape(out)
+
+
+def _all_to_all(b, *, n, out):
+    return lax.all_to_all(b.reshape(n, -1), _AXIS, 0, 0).reshape(out)
+
+
+_BODIES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
+           "broadcast": _broadcast, "all_gather": _all_gather, "all_to_all": _all_to_all}
+
+
+@functools.lru_cache(maxsize=256)
+def _mesh(devices: tuple) -> Mesh:
+    return Mesh(np.array(devices, dtype=object), (_AXIS,))
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(op: str, devices: tuple, outputs: int | None, **params):
+    """The jitted collective op over devices' mesh: one sharded result, or a tuple of
+    ``outputs`` of them."""
+    mesh = _mesh(devices)
+    body = functools.partial(_BODIES[op], **params)
+    out_specs = P(_AXIS) if outputs is None else (P(_AXIS),) * outputs
+    # check_vma off: every output is per-shard (P("g")), whatever replication JAX could infer.
+    return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(_AXIS), out_specs=out_specs,
+                                 check_vma=False))
+
+
+class XlaProcessGroup(TpuProcessGroup):
+    """A tpu_dist group whose bulk collectives run as XLA collectives (see the module doc)."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout, global_ranks=None
+                 ) -> None:
+        super().__init__(store, rank, size, timeout, global_ranks)
+        # Each rank names its own device: a process that sees several (a TPU host without
+        # per-process chip limits) drives the one platform.local_device picked.
+        store.set(f"tpu_dist/xla_device/{rank}", str(platform.local_device().id))
+        by_id = {d.id: d for d in jax.devices(platform.platform())}
+        self._mesh_devices = tuple(by_id[int(store.get(f"tpu_dist/xla_device/{r}"))]
+                                   for r in range(size))
+        self._sharding = NamedSharding(_mesh(self._mesh_devices), P(_AXIS))
+
+    def _run(self, op: str, inputs: list[torch.Tensor], outputs: int | None = None,
+             **params) -> list:
+        """op's program on the inputs' values (one global array each); this rank's shards of
+        its results."""
+        n = self.size()
+        args = []
+        for t in inputs:
+            value = host.read_now(t)
+            block = _block(tuple(t.shape))
+            if value.shape != block:
+                value = value.reshape(block)
+            args.append(jax.make_array_from_single_device_arrays(
+                (n * block[0], *block[1:]), self._sharding, [value]))
+        fn = _program(op, self._mesh_devices, outputs, **params)
+        observe = launch.observer
+        result = observe(op, fn, tuple(args)) if observe is not None else fn(*args)
+        results = (result,) if outputs is None else result
+        return [r.addressable_data(0) for r in results]
+
+    @staticmethod
+    def _store(t: torch.Tensor, value: jax.Array) -> None:
+        if tuple(value.shape) != tuple(t.shape):
+            value = value.reshape(tuple(t.shape))
+        tensors.write(t, value)
+
+    # ---- reductions ----
+
+    def _allreduce_one(self, t: torch.Tensor, op) -> dist.Work:
+        kind, factor = host.reduce_op(op, t.dtype)
+        self._exchange("all_reduce", t, reduce_op=int(kind))
+        (value,) = self._run("all_reduce", [t], kind=kind, factor=factor, n=self.size())
+        self._store(t, value)
+        return Done([t])
+
+    def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+        opts = opts if opts is not None else ReduceOptions()
+        if not _on_device(tensors):
+            return super().reduce(tensors, opts)
+        (t,) = tensors
+        kind, factor = host.reduce_op(opts.reduceOp, t.dtype)
+        self._exchange("reduce", t, reduce_op=int(kind), root=opts.rootRank)
+        (value,) = self._run("all_reduce", [t], kind=kind, factor=factor, n=self.size())
+        if self.rank() == opts.rootRank:
+            self._store(t, value)
+        return Done(tensors)
+
+    def _reduce_scatter_flat(self, op: str, out: torch.Tensor, whole: torch.Tensor,
+                             reduce_op) -> dist.Work:
+        if whole.numel() != out.numel() * self.size():  # the host path names the problem
+            return super()._reduce_scatter_flat(op, out, whole, reduce_op)
+        kind, factor = host.reduce_op(reduce_op, out.dtype)
+        self._exchange(op, out, reduce_op=int(kind))
+        (value,) = self._run("reduce_scatter", [whole], kind=kind, factor=factor,
+                             n=self.size(), out=_block(tuple(out.shape)))
+        self._store(out, value)
+        return Done([out])
+
+    # ---- gathers ----
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts=None) -> dist.Work:
+        (outs,), (t,) = outputs, inputs
+        if not _on_device([*outs, t]) or any(o.shape != t.shape or o.dtype != t.dtype
+                                             for o in outs):
+            return super().allgather(outputs, inputs, opts)
+        self._exchange("all_gather", t)
+        values = self._run("all_gather", [t], outputs=len(outs))
+        for o, value in zip(outs, values):
+            self._store(o, value)
+        return Done(outputs)
+
+    def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
+                          opts=None) -> dist.Work:
+        if not _on_device([output, input]) or output.dtype != input.dtype \
+                or output.numel() != input.numel() * self.size():
+            return super().all_gather_single(output, input, opts)
+        self._exchange("all_gather_into_tensor", input)
+        # Every shard holds the whole gathered value, in the output's shape.
+        (value,) = self._run("all_gather", [input], out=_block(tuple(output.shape)))
+        self._store(output, value)
+        return Done([output])
+
+    _allgather_base = all_gather_single
+
+    # ---- one to many ----
+
+    def _broadcast_one(self, t: torch.Tensor, root: int) -> dist.Work:
+        self._exchange("broadcast", t, root=root)
+        (value,) = self._run("broadcast", [t], root=root, n=self.size())
+        if self.rank() != root:
+            self._store(t, value)
+        return Done([t])
+
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: list[int], input_split_sizes: list[int],
+                          opts=None) -> dist.Work:
+        if not _on_device([output, input]):
+            return super().all_to_all_single(output, input, output_split_sizes,
+                                             input_split_sizes, opts)
+        # One XLA all_to_all needs equal splits and one input shape on every rank; whether all
+        # ranks have them is agreed in the header exchange, so every rank takes the same path.
+        n = self.size()
+        even = all(not s or len(set(s)) == 1 for s in (output_split_sizes, input_split_sizes)) \
+            and input.numel() % n == 0 and output.numel() == input.numel() \
+            and input.dtype == output.dtype
+        shape = tuple(input.shape)
+        mine = np.array([even, len(shape), *shape, *[0] * (8 - len(shape))][:10], np.int64)
+        rows = self._rows(self._exchange("all_to_all_single", input, mine,
+                                         shape_rule=ANY_SHAPE), mine)
+        if not (rows == mine).all() or not even:
+            return super().all_to_all_single(output, input, output_split_sizes,
+                                             input_split_sizes, opts)
+        (value,) = self._run("all_to_all", [input], n=n, out=_block(tuple(output.shape)))
+        self._store(output, value)
+        return Done([output])
+
+    alltoall_base = all_to_all_single
+
+
+def _on_device(tensors: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "tpu" for t in tensors)
