@@ -7,7 +7,12 @@ gloo on CPU tensors. Last, one DDP training step of a TinyGPT on tpu (its gradie
 1 MB buckets, so their all-reduces can overlap the rest of backward): its time with DDP minus the
 same step without DDP is the communication overhead.
 
-    python bench/collectives.py [--iters 10] [--big-iters 3] [--ddp-only]
+``--transport`` picks tpu_dist's transport: ``host`` (gloo over host memory, XLA:CPU's default),
+``xla`` (XLA collective programs; JAX's multi-process runtime starts at init_process_group), or
+``both``: the default group uses XLA and a second group the host transport, timed side by side
+in the same processes (the DDP row then runs once per transport too).
+
+    python bench/collectives.py [--iters 10] [--big-iters 3] [--ddp-only] [--transport both]
 """
 
 from __future__ import annotations
@@ -41,14 +46,24 @@ def _tpu_sync():
     torch.tpu.synchronize()
 
 
-def _collectives(rank, world, iters, big_iters):
+def _groups(transport: str) -> dict:
+    """{label: tpu_dist group} for the transports to time (None: the default group)."""
+    if transport != "both":
+        return {f"tpu_dist {transport}": None}
+    from torchtpu.distributed import Transport
+
+    return {"tpu_dist xla": None, "tpu_dist host": dist.new_group(pg_options=Transport("host"))}
+
+
+def _collectives(rank, world, iters, big_iters, groups):
     gloo = dist.new_group(backend="gloo")
     rows = []
     for label, n in SIZES:
         k = big_iters if n >= 1 << 24 else iters
         for op in ("all_reduce", "all_gather"):
             results = {}
-            for name, device, group in (("tpu_dist", "tpu", None), ("gloo", "cpu", gloo)):
+            timed = [(name, "tpu", group) for name, group in groups.items()]
+            for name, device, group in (*timed, ("gloo", "cpu", gloo)):
                 x = torch.ones(n, device=device)
                 out = torch.empty(world * n, device=device)
                 if op == "all_reduce":
@@ -58,11 +73,11 @@ def _collectives(rank, world, iters, big_iters):
                     def fn(x=x, out=out, group=group):
                         dist.all_gather_into_tensor(out, x, group=group)
                 results[name] = _time(fn, k, _tpu_sync if device == "tpu" else lambda: None)
-            rows.append((op, label, results["tpu_dist"], results["gloo"]))
+            rows.append((op, label, results))
     return rows
 
 
-def _ddp_overhead(rank, world, iters):
+def _ddp_overhead(rank, world, iters, group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from torchtpu.testing.models import TinyGPT
@@ -88,14 +103,16 @@ def _ddp_overhead(rank, world, iters):
         return TinyGPT(vocab=65, block=32, n_layer=4, n_embd=128).to("tpu")
 
     plain = timed(make())
-    model = DDP(make(), bucket_cap_mb=1)
+    model = DDP(make(), bucket_cap_mb=1, process_group=group)
     params = sum(p.numel() for p in model.parameters())
     return plain, timed(model), params
 
 
-def _body(rank, world, iters, big_iters, ddp_only):
-    rows = [] if ddp_only else _collectives(rank, world, iters, big_iters)
-    return rows, _ddp_overhead(rank, world, iters)
+def _body(rank, world, iters, big_iters, ddp_only, transport):
+    groups = _groups(transport)
+    rows = [] if ddp_only else _collectives(rank, world, iters, big_iters, groups)
+    return rows, {name: _ddp_overhead(rank, world, iters, group)
+                  for name, group in groups.items()}
 
 
 def main() -> None:
@@ -103,17 +120,25 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--big-iters", type=int, default=3)
     p.add_argument("--ddp-only", action="store_true", help="only the DDP step")
+    p.add_argument("--transport", choices=("host", "xla", "both"), default="host",
+                   help="tpu_dist's transport(s) to time (default: host, XLA:CPU's default)")
     a = p.parse_args()
-    rows, (plain, ddp, params) = run(_body, 2, args=(a.iters, a.big_iters, a.ddp_only),
-                                     timeout=1200, pg_timeout=300)[0]
-    print("| op | size | tpu_dist (tpu) | gloo (CPU) | tpu_dist / gloo time | bandwidth ratio |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for op, label, ours, theirs in rows:
-        print(f"| {op} | {label} | {ours * 1e3:.2f} ms | {theirs * 1e3:.2f} ms | "
-              f"{ours / theirs:.2f}x | {theirs / ours:.2f}x |")
-    print(f"\nDDP TinyGPT step (2 processes, {params} parameters, {params * 4 / 1e6:.2f} MB of "
-          f"gradients): {ddp * 1e3:.1f} ms with DDP, {plain * 1e3:.1f} ms without; "
-          f"communication overhead {(ddp - plain) * 1e3:.1f} ms")
+    env = {"TORCHTPU_DIST_TRANSPORT": "host" if a.transport == "host" else "xla"}
+    rows, ddps = run(_body, 2, args=(a.iters, a.big_iters, a.ddp_only, a.transport),
+                     timeout=1200, pg_timeout=300, env=env)[0]
+    names = [name for name in (rows[0][2] if rows else {}) if name != "gloo"]
+    print("| op | size | " + " | ".join(f"{n} (tpu)" for n in names) + " | gloo (CPU) | "
+          + " | ".join(f"{n} / gloo time" for n in names) + " |")
+    print("| --- | --- |" + " --- |" * (2 * len(names) + 1))
+    for op, label, times in rows:
+        theirs = times["gloo"]
+        print(f"| {op} | {label} | " + " | ".join(f"{times[n] * 1e3:.2f} ms" for n in names)
+              + f" | {theirs * 1e3:.2f} ms | "
+              + " | ".join(f"{times[n] / theirs:.2f}x" for n in names) + " |")
+    for name, (plain, ddp, params) in ddps.items():
+        print(f"\nDDP TinyGPT step over {name} (2 processes, {params} parameters, "
+              f"{params * 4 / 1e6:.2f} MB of gradients): {ddp * 1e3:.1f} ms with DDP, "
+              f"{plain * 1e3:.1f} ms without; communication overhead {(ddp - plain) * 1e3:.1f} ms")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import ReduceOptions
 
 from torchtpu.device import tensors
 from torchtpu.distributed import host
-from torchtpu.distributed.group import TpuProcessGroup
+from torchtpu.distributed.group import TpuProcessGroup, _coalesced
 from torchtpu.distributed.protocol import ANY_SHAPE
 from torchtpu.distributed.work import Done
 from torchtpu.runtime import launch, platform
@@ -226,6 +226,9 @@ class XlaProcessGroup(TpuProcessGroup):
         return Done([output])
 
     _allgather_base = all_gather_single
+    # The base class's coalesced forms call its own all_gather_single: rebind them to this one.
+    all_gather_single_coalesced = _coalesced(all_gather_single)
+    allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ---- one to many ----
 
