@@ -54,6 +54,23 @@ def _worker(fn, rank, world_size, port, backend, init, torchrun_env, pg_timeout,
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
 
 
+def outwait_timeout(rank: int, sleep: float, call: Callable[[], Any]) -> tuple | None:
+    """A hang: rank 1 sleeps ``sleep`` seconds (past the group's timeout) while the other ranks
+    run ``call()`` (a collective), which must raise ``DistBackendError``; their (message,
+    seconds it took), None on rank 1 (an error if it did not raise)."""
+    import torch.distributed as dist
+
+    if rank == 1:
+        time.sleep(sleep)
+        return None
+    start = time.monotonic()
+    try:
+        call()
+    except dist.DistBackendError as e:
+        return str(e), time.monotonic() - start
+    raise AssertionError("the collective returned while rank 1 slept past the timeout")
+
+
 def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
         backend: str | None = "tpu_dist", init: bool = True, torchrun_env: bool = True,
         timeout: float = 120.0, pg_timeout: float = 20.0, env: dict | None = None,
