@@ -1,8 +1,10 @@
 """Ray 2.60 on tpu: Ray Train's ``TorchTrainer`` with ``TorchConfig(backend="tpu_dist")`` trains
-TinyGPT with DDP on 2 local workers, each on its own tpu device, with the losses of the
-single-process full-batch run on CPU; Ray Data's ``iter_torch_batches(device="tpu")`` hands
-batches already on the device. One local Ray instance for the module, started with bounded time
-and shut down after it, also on failure. Needs ``pip install -e '.[ray]'``.
+TinyGPT with DDP on 2 local workers, each on its own tpu device, with the losses of the single-
+process full-batch run on CPU; more workers on a host than it has devices (simulated with XLA:CPU's
+forced device count) fail before the loop starts, naming both counts; Ray Data's
+``iter_torch_batches(device="tpu")`` hands batches already on the device. One local Ray instance
+for the module, started with bounded time and shut down after it, also on failure. Needs ``pip
+install -e '.[ray]'``.
 """
 
 import os
@@ -22,6 +24,7 @@ from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from torchtpu.testing.models import TinyGPT, train_steps  # noqa: E402
 
 STEPS, WORKERS, VOCAB, BLOCK, BATCH = 3, 2, 17, 8, 8
+TOO_MANY = 3  # workers, for a host simulated with WORKERS devices
 
 
 def _data() -> torch.Tensor:
@@ -70,7 +73,7 @@ def _train_loop(config: dict) -> None:
 @pytest.fixture(scope="module")
 def local_ray():
     # Workers import torchtpu (and this module) from where this process does.
-    ray.init(num_cpus=WORKERS + 1, include_dashboard=False,
+    ray.init(num_cpus=TOO_MANY + 1, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": {
                  "PYTHONPATH": os.pathsep.join(sys.path)}})
     try:
@@ -102,6 +105,26 @@ def test_torch_trainer_with_tpu_dist_matches_the_full_batch_on_cpu(local_ray, tm
     with torch.no_grad():
         assert trained(x[:, :-1], x[:, 1:])[1].item() == pytest.approx(
             reference(x[:, :-1], x[:, 1:])[1].item(), rel=1e-5)
+
+
+def _touch(config: dict) -> None:
+    open(config["marker"], "w").close()
+
+
+def test_more_workers_than_devices_fail_before_the_loop(local_ray, tmp_path):
+    marker = tmp_path / "loop-ran"
+    devices = {"XLA_FLAGS": f"--xla_force_host_platform_device_count={WORKERS}",
+               "TORCHTPU_PLATFORM": "cpu"}
+    trainer = TorchTrainer(
+        _touch, train_loop_config={"marker": str(marker)},
+        torch_config=TorchConfig(backend="tpu_dist", timeout_s=120),
+        scaling_config=ScalingConfig(num_workers=TOO_MANY),
+        run_config=RunConfig(storage_path=str(tmp_path), name="too-many",
+                             worker_runtime_env={"env_vars": devices}))
+    with pytest.raises(Exception, match=f"{TOO_MANY} processes were started on this host, but "
+                                        f"it has {WORKERS} cpu devices"):
+        trainer.fit()
+    assert not marker.exists()
 
 
 def test_iter_torch_batches_hands_batches_on_tpu(local_ray):

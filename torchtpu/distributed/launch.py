@@ -40,22 +40,6 @@ def _check_device() -> None:
         )
 
 
-def _check_devices_for(local_world: int) -> None:
-    """More processes on this host than it has devices: each process needs a device of its own.
-
-    Only counted where one process sees the whole host (several local devices); XLA:CPU gives
-    every process a device of its own.
-    """
-    visible = len(platform.devices())
-    if visible > 1 and local_world > visible:
-        raise RuntimeError(
-            f"torchtpu.distributed: tpu_dist: {local_world} processes on this host, but it has "
-            f"{visible} "
-            f"{platform.platform()} devices: run at most one process per device "
-            f"(torchrun --nproc-per-node {visible})"
-        )
-
-
 def create(options, backend_options=None) -> dist.ProcessGroup:
     """``dist.Backend.register_backend``'s creator (extended API); ``backend_options`` (the
     ``pg_options`` of init_process_group/new_group) may be a ``jax_runtime.Transport``."""
@@ -73,7 +57,7 @@ def create(options, backend_options=None) -> dist.ProcessGroup:
     _check_device()
     if default:
         platform.set_process_slot(*slot)
-        _check_devices_for(slot[1])
+        platform.check_process_count(slot[1])  # before any training step, on every rank
     group = TpuProcessGroup
     if jax_runtime.choose(size, backend_options) == "xla":
         from torchtpu.distributed import xla

@@ -93,6 +93,22 @@ def process_slot() -> tuple[int, int]:
     return _slot[0], _slot[1]
 
 
+def check_process_count(processes: int) -> None:
+    """Refuse more processes on this host than it has devices (each drives one of its own).
+
+    Counted only where one process sees the whole host (several local devices); a process that
+    sees a single device (XLA:CPU, a chip per process) cannot tell, and needs no device to share.
+    """
+    visible = len(devices())
+    if visible > 1 and processes > visible:
+        raise RuntimeError(
+            f"torchtpu.device: {processes} processes were started on this host, but it has "
+            f"{visible} {platform()} devices and each process drives one of its own: start at "
+            f"most {visible} per host (torchrun --nproc-per-node {visible}; Ray Train: "
+            f"ScalingConfig(num_workers=...) of at most {visible} workers per node)"
+        )
+
+
 @functools.cache
 def local_device():
     """The one JAX device this process drives as "tpu:0".
@@ -109,6 +125,7 @@ def local_device():
     if len(local) == 1:
         device = local[0]
     else:
+        check_process_count(_slot[1])
         index = _env_int(("TORCHTPU_LOCAL_DEVICE", "LOCAL_RANK"), 0)
         if not 0 <= index < len(local):
             raise RuntimeError(
