@@ -1,7 +1,7 @@
 """Ray 2.60 on tpu: Ray Train's ``TorchTrainer`` with ``TorchConfig(backend="tpu_dist")`` trains
-TinyGPT with DDP on 2 local workers, each on its own tpu device, with the losses of the single-
-process full-batch run on CPU; more workers on a host than it has devices (simulated with XLA:CPU's
-forced device count) fail before the loop starts, naming both counts; Ray Data's
+TinyGPT with DDP on 2 local workers, each on its own tpu device, with the losses of the
+single-process full-batch run on CPU; more workers on a host than it has devices (simulated with
+XLA:CPU's forced device count) fail before the loop starts, naming both counts; Ray Data's
 ``iter_torch_batches(device="tpu")`` hands batches already on the device. One local Ray instance
 for the module, started with bounded time and shut down after it, also on failure. Needs ``pip
 install -e '.[ray]'``.
