@@ -156,6 +156,22 @@ def test_accelerator_api_works_for_tpu():
     assert x.sum().item() == 6.0
 
 
+def test_synchronize_waits_for_work_whose_results_were_dropped(monkeypatch):
+    # As CUDA's: a timing loop that drops its results must not measure dispatch alone. The last
+    # result's array is kept out of sight of the live arrays, so only waiting for every queued
+    # program makes it ready.
+    from torchtpu.device import control, tensors
+
+    a = torch.randn(512, 512).to("tpu")
+    (a @ a).cpu()
+    for _ in range(20):
+        last = a @ a
+    array = tensors.storage_array(last)
+    monkeypatch.setattr(control.jax, "live_arrays", lambda: [])
+    torch.tpu.synchronize()
+    assert array.is_ready()
+
+
 def test_synchronize_tensors_materializes_pending_values():
     x = torch.arange(4.0).to("tpu")
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):

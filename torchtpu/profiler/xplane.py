@@ -14,6 +14,8 @@ import re
 
 from jax.profiler import ProfileData
 
+from torchtpu.device import control
+
 CLOCK_SYNC = "torchtpu.clock_sync"
 
 
@@ -37,6 +39,9 @@ def program_key(name: str) -> str:
         name = name[4:]
     name = re.sub(r"_\d+$", "", name)
     return re.sub(r"[^0-9a-z]", "", name.lower())
+
+
+_BARRIER = program_key(control.torchtpu_synchronize.__name__)
 
 
 def _stats(event) -> dict:
@@ -97,7 +102,9 @@ def programs(data: ProfileData) -> list[Program]:
     """Every program run in the profile, in start order."""
     planes = _device_planes(data)
     found = _from_device_planes(planes) if planes else _from_host_threads(data)
-    return sorted(found, key=lambda p: p.start_ns)
+    # ``torch.tpu.synchronize``'s barrier is a wait, not work (as CUDA's synchronize is no kernel).
+    return sorted((p for p in found if program_key(p.module) != _BARRIER),
+                  key=lambda p: p.start_ns)
 
 
 def clock_offset(data: ProfileData, readings: list) -> float:
