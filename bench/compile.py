@@ -13,6 +13,7 @@ the filled one; and the XLA programs built for 27 new sequence lengths under ``d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import os
@@ -29,6 +30,20 @@ from torch import nn
 
 import torchtpu
 from torchtpu.testing.models import TinyGPT
+
+
+def bench_module(name: str):
+    """bench/<name>.py, loaded once (bench/ is no package; its scripts run by path)."""
+    key = f"bench_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(
+            key, os.path.join(os.path.dirname(os.path.abspath(__file__)), f"{name}.py"))
+        sys.modules[key] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[key])
+    return sys.modules[key]
+
+
+jm = bench_module("jax_models")
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
 LR, BETAS, EPS, WD, MAX_NORM = 3e-3, (0.9, 0.999), 1e-8, 0.1, 1.0
@@ -120,20 +135,9 @@ def _jax_loss(p, idx, targets):
     return -jnp.take_along_axis(logp, targets[..., None], -1).mean()
 
 
-def _jax_step(p, m, v, count, idx, targets):
-    loss, g = jax.value_and_grad(_jax_loss)(p, idx, targets)
-    norm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
-    g = jax.tree.map(lambda x: x * jnp.minimum(1.0, MAX_NORM / (norm + 1e-6)), g)
-    count = count + 1
-    m = jax.tree.map(lambda a, x: BETAS[0] * a + (1 - BETAS[0]) * x, m, g)
-    v = jax.tree.map(lambda a, x: BETAS[1] * a + (1 - BETAS[1]) * x * x, v, g)
-    c1, c2 = 1 - BETAS[0] ** count, 1 - BETAS[1] ** count
-
-    def update(w, a, s):
-        w = w * (1 - LR * WD)
-        return w - LR * (a / c1) / (jnp.sqrt(s / c2) + EPS)
-
-    return jax.tree.map(update, p, m, v), m, v, count, loss
+def jax_step():
+    """TinyGPT's training step in JAX: clipping + AdamW, as the torch step."""
+    return jm.train_step(_jax_loss, LR, BETAS, EPS, WD, MAX_NORM)
 
 
 def _jax_run(batches, warmup: int) -> tuple[float, list]:
@@ -141,7 +145,7 @@ def _jax_run(batches, warmup: int) -> tuple[float, list]:
     m = jax.tree.map(jnp.zeros_like, p)
     v = jax.tree.map(jnp.zeros_like, p)
     count = jnp.zeros((), jnp.float32)
-    step = jax.jit(_jax_step, donate_argnums=(0, 1, 2))
+    step = jax.jit(jax_step(), donate_argnums=(0, 1, 2))
     losses = []
     for i, (x, y) in enumerate(batches):
         if i == warmup:

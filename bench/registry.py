@@ -6,7 +6,8 @@ ViT) in one kind (``forward``: the loss under ``no_grad``; ``train``: one AdamW 
 forward + backward (+ clipping where the row asks for it) + ``opt.step()``) and one form
 (``FORMS``): native CPU eager, tpu Strict, tpu DeferAndFuse, the whole step under
 ``torch.compile(backend="tpu")``, the step captured once with ``torch.tpu.graph`` and replayed,
-and the same step in one ``jax.jit`` where a JAX port exists (only TinyGPT has one).
+and the same step in one ``jax.jit`` where a JAX port exists (TinyGPT: ``bench/compile.py``'s;
+the Hugging Face rows: ``bench/jax_models.py``, loading the torch model's weights).
 
 Per row: the post-warm-up step time (mean of the timed steps, each ending in a host read of the
 loss), the first step's time (for the captured form: capture + first replay, after one eager step
@@ -44,6 +45,7 @@ _spec = importlib.util.spec_from_file_location(
     "bench_compile", os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile.py"))
 cb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cb)
+jm = cb.jm  # bench/jax_models.py: the JAX ports of the Hugging Face rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,30 +117,41 @@ def _classifier_loss(model, x, y):
     return F.cross_entropy(model(x), y)
 
 
-def _tinygpt_jax(kind: str, batches: list) -> tuple[list, list]:
-    """TinyGPT's step in one jax.jit: bench/compile.py's port (same weights and batches)."""
-    p = cb._jax_params(cb._model())
-    data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches]
-    if kind == "forward":
-        fn = jax.jit(cb._jax_loss)
-        call = lambda x, y: fn(p, x, y)  # noqa: E731
-    else:
-        step = jax.jit(cb._jax_step, donate_argnums=(0, 1, 2))
-        state = [p, jax.tree.map(jnp.zeros_like, p), jax.tree.map(jnp.zeros_like, p),
-                 jnp.zeros((), jnp.float32)]
+def jax_form(port: Callable[[], tuple], max_norm: float | None = None) -> Callable:
+    """A Model.jax: the row's step in one jax.jit, from ``port() -> (params, loss)`` (the torch
+    model's own weights, the same batches); train: AdamW (+ clipping) with the parameters and
+    moments donated."""
+    def run(kind: str, batches: list) -> tuple[list, list]:
+        p, loss = port()
+        data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches]
+        if kind == "forward":
+            fn = jax.jit(loss)
+            call = lambda x, y: fn(p, x, y)  # noqa: E731
+        else:
+            step = jax.jit(jm.train_step(loss, cb.LR, cb.BETAS, cb.EPS, cb.WD, max_norm),
+                           donate_argnums=(0, 1, 2))
+            state = [p, jax.tree.map(jnp.zeros_like, p), jax.tree.map(jnp.zeros_like, p),
+                     jnp.zeros((), jnp.float32)]
 
-        def call(x, y):
-            *state[:], loss = step(*state, x, y)  # the new parameters, moments and count
-            return loss
-    # The arrays live on the device torchtpu measures, so its figures hold for JAX too.
-    return _timed(lambda i: float(call(*data[i])), len(batches), torch.tpu.max_memory_allocated)
+            def call(x, y):
+                *state[:], loss_value = step(*state, x, y)  # new parameters, moments, count
+                return loss_value
+        # The arrays live on the device torchtpu measures, so its figures hold for JAX too.
+        return _timed(lambda i: float(call(*data[i])), len(batches),
+                      torch.tpu.max_memory_allocated)
+    return run
+
+
+def _hf_port(name: str) -> Callable[[], tuple]:
+    return lambda: jm.port(hf(name)())
 
 
 MODELS = {m.name: m for m in (
-    *(Model(name, hf(name), tokens(HF_VOCAB, HF_SEQ, HF_BATCH), hf_loss)
-      for name in HF_CONFIGS),
+    *(Model(name, hf(name), tokens(HF_VOCAB, HF_SEQ, HF_BATCH), hf_loss,
+            jax=jax_form(_hf_port(name))) for name in HF_CONFIGS),
     Model("tinygpt", cb._model, tokens(cb.VOCAB, cb.BLOCK, cb.BATCH),
-          lambda m, x, y: m(x, y)[1], max_norm=cb.MAX_NORM, jax=_tinygpt_jax),
+          lambda m, x, y: m(x, y)[1], max_norm=cb.MAX_NORM,
+          jax=jax_form(lambda: (cb._jax_params(cb._model()), cb._jax_loss), cb.MAX_NORM)),
     Model("resnet-50", _timm("resnet50", num_classes=10), _images(64, 10, 2), _classifier_loss),
     Model("vit", _timm("vit_tiny_patch16_224", img_size=64, num_classes=10), _images(64, 10, 2),
           _classifier_loss),

@@ -1,5 +1,6 @@
 """The benchmark registry (bench/registry.py): one row runs, its loss is CPU's, its figures are
-filled in, and bad row names are refused."""
+filled in, bad row names are refused, and the JAX ports of its Hugging Face rows compute torch's
+loss."""
 
 import importlib.util
 import os
@@ -44,3 +45,27 @@ def test_one_row_matches_cpu_and_reports_its_figures():
 def test_unknown_names_are_refused():
     with pytest.raises(SystemExit, match="torchtpu.argument: unknown \\['nope'\\]"):
         registry.main(["--models", "nope"])
+
+
+# The JAX ports of the Hugging Face rows (bench/jax_models.py) on tiny configs, weights drawn
+# wide (std 0.5) so that every feature moves the loss: Gemma-3 with a sliding window shorter
+# than the sequence, final logit soft-capping and padding tokens in the batch; Llama-3.2 with
+# its llama3 RoPE scaling (dropping the scaling moves this loss by ~0.1).
+@pytest.mark.parametrize("name,overrides", [
+    ("gemma-3", dict(sliding_window=3, final_logit_softcapping=4.0)),
+    ("llama-3.2", {}),
+])
+def test_jax_port_loss_equals_torch_cpu(name, overrides):
+    jax = pytest.importorskip("jax")
+    model = registry.hf(name, hidden_size=32, intermediate_size=48, **overrides)()
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+    x, y = registry.tokens(registry.HF_VOCAB, 8, 2)(gen)
+    x[0, :3] = 0  # Gemma's padding_idx
+    with torch.no_grad():
+        expected = registry.hf_loss(model, x, y).item()
+    params, loss = registry.jm.port(model)
+    got = float(jax.jit(loss)(params, jax.numpy.asarray(x.numpy()), jax.numpy.asarray(y.numpy())))
+    assert got == pytest.approx(expected, abs=1e-5)
