@@ -109,17 +109,18 @@ def _map(d, fn):
     return tuple(_map(x, fn) for x in d)
 
 
-# Per op: (its plans by call key, its traced argument positions), so that a lookup hashes the
-# OpOverload (whose hash is Python code) once.
-_plans: dict = {}
+# Per-op state lives on the OpOverload itself: hashing one runs Python code (~1 us), an
+# attribute read does not. ``_PLANS``: (its plans by call key, its traced argument positions).
+_HANDLER, _PLANS = "_torchtpu_handler", "_torchtpu_plans"
 
 
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key."""
-    plans = _plans.get(op)
+    plans = op.__dict__.get(_PLANS)
     if plans is None:
-        plans = _plans[op] = ({}, traced_arguments(op, lowering))
+        plans = ({}, traced_arguments(op, lowering))
+        setattr(op, _PLANS, plans)
     cache, traced = plans
     key = (meta.call_key(oi, values, traced), final)
     hit = cache.get(key)
@@ -341,13 +342,16 @@ def _fallback_handler(op: OpOverload):
     return handle
 
 
-@functools.cache
 def handler(op: OpOverload):
     """How op runs on the device; chosen once per overload."""
-    # The first op starts JAX's backend on this process's device (import does not, so that
-    # torchtpu.distributed can start JAX's multi-process runtime before it).
-    platform.local_device()
-    return at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op)))
+    handle = op.__dict__.get(_HANDLER)
+    if handle is None:
+        # The first op starts JAX's backend on this process's device (import does not, so that
+        # torchtpu.distributed can start JAX's multi-process runtime before it).
+        platform.local_device()
+        handle = at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op)))
+        setattr(op, _HANDLER, handle)
+    return handle
 
 
 def _choose(op: OpOverload):

@@ -55,7 +55,7 @@ def to_meta(v):
 def leaf_key(v):
     if isinstance(v, torch.Tensor):
         if not v.is_cpu:
-            return (tuple(v.shape), v.dtype)
+            return (v.shape, v.dtype)  # torch.Size is a tuple: it hashes and compares as one
         if v.dim() != 0:
             raise device_error(v)
         return ("cpu", v.dtype)
