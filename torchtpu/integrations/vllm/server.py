@@ -3,7 +3,9 @@
 :func:`serve` runs vLLM's OpenAI-compatible server on a free port, on torchtpu's platform
 (``platform="tpu"``) or vLLM's own CPU platform (``"cpu"``), waits until ``/health`` answers and
 stops the whole process group (the API server and its engine process) when the block exits,
-on failure too. :func:`post` and :func:`stream` are plain-HTTP clients for its endpoints.
+on failure too; :func:`command`, :func:`spawn`, :func:`wait_healthy` and :func:`stop` are its
+steps, for launchers of several processes (``routing.py``). :func:`post` and :func:`stream` are
+plain-HTTP clients for its endpoints.
 """
 
 from __future__ import annotations
@@ -20,19 +22,21 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from typing import IO
 
 # small enough for the host's reported free memory, as large as a few tiny-model requests need
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
               "--gpu-memory-utilization", "0.01", "--kv-cache-memory-bytes", str(8 << 20))
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop(proc: subprocess.Popen) -> None:
+    """End ``proc``'s whole process group: SIGTERM, then SIGKILL."""
     for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
         if proc.poll() is not None:
             break
@@ -45,40 +49,59 @@ def _stop(proc: subprocess.Popen) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-@contextlib.contextmanager
-def serve(model: str, platform: str = "tpu", *, args: tuple[str, ...] = SERVE_ARGS,
-          start_timeout: float = 900.0) -> Iterator[str]:
-    """Yield the base URL (``http://127.0.0.1:PORT``) of a running ``vllm serve model``."""
+def command(model: str, port: int, platform: str = "tpu",
+            args: tuple[str, ...] = SERVE_ARGS) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of ``vllm serve model`` on ``platform`` at ``port``."""
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"torchtpu.argument: platform={platform!r} is not 'tpu' or 'cpu'")
     env = {k: v for k, v in os.environ.items() if k != "TORCHTPU_VLLM"}
     if platform == "tpu":
         env["TORCHTPU_VLLM"] = "1"
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.TemporaryFile(mode="w+")
     cmd = [sys.executable, "-m", "torchtpu.integrations.vllm.server", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), *args]
+    return cmd, env
+
+
+def spawn(cmd: list[str],
+          env: dict[str, str] | None = None) -> tuple[subprocess.Popen, IO[str]]:
+    """Start ``cmd`` in a process group of its own, its output in a temporary file."""
+    log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
+    return proc, log
+
+
+def wait_healthy(proc: subprocess.Popen, log: IO[str], url: str, deadline: float,
+                 name: str) -> None:
+    """Poll ``url`` until it answers 200; raise with the log's tail if ``proc`` exits first
+    or ``deadline`` (``time.monotonic()``) passes."""
+    while True:
+        if proc.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"torchtpu.tool: {name} exited with {proc.returncode}:"
+                               f"\n{log.read()[-6000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"torchtpu.tool: {name} did not answer {url} before its start "
+                               "timeout")
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=5) as r:
+                if r.status == 200:
+                    return
+        time.sleep(1.0)
+
+
+@contextlib.contextmanager
+def serve(model: str, platform: str = "tpu", *, args: tuple[str, ...] = SERVE_ARGS,
+          start_timeout: float = 900.0) -> Iterator[str]:
+    """Yield the base URL (``http://127.0.0.1:PORT``) of a running ``vllm serve model``."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc, log = spawn(*command(model, port, platform, args))
     try:
-        deadline = time.monotonic() + start_timeout
-        while True:
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"torchtpu.tool: vllm serve exited with {proc.returncode}:"
-                                   f"\n{log.read()[-6000:]}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"torchtpu.tool: vllm serve did not answer /health in "
-                                   f"{start_timeout:.0f} s")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            time.sleep(1.0)
+        wait_healthy(proc, log, url + "/health", time.monotonic() + start_timeout, "vllm serve")
         yield url
     finally:
-        _stop(proc)
+        stop(proc)
         log.close()
 
 
