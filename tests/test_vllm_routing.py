@@ -72,6 +72,51 @@ def test_fleet_refuses_bad_arguments_before_starting_anything():
             pass
 
 
+def _gone(pid, timeout=10.0):
+    """Whether ``pid`` ends (or is only a zombie: an orphan waits for its reaper) within
+    ``timeout`` seconds; a signal takes effect when the process next runs."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X"):
+                    return True
+        except FileNotFoundError:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+
+
+def test_spawned_group_is_waited_for_and_stopped_with_its_children():
+    """The steps :func:`routing.fleet` runs each process with: a server that forks a child (as
+    ``vllm serve`` forks its engine) is healthy once it answers, and stopping it ends both; a
+    process that exits before it answers raises with its output."""
+    import sys
+
+    from torchtpu.integrations.vllm import server
+
+    port = server.free_port()
+    cmd = ["bash", "-c", f"sleep 600 & echo $! && exec {sys.executable} -m http.server {port} "
+           "--bind 127.0.0.1"]
+    proc, log = server.spawn(cmd)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        server.wait_healthy(proc, log, url + "/", time.monotonic() + 60, "http.server")
+        log.seek(0)
+        child = int(log.readline())
+        server.stop(proc)
+        assert proc.poll() is not None and _refused(url)
+        assert _gone(child)
+    finally:
+        server.stop(proc)
+        log.close()
+    proc, log = server.spawn(["bash", "-c", "echo no model here; exit 3"])
+    with pytest.raises(RuntimeError, match="torchtpu.tool: fake exited with 3:\n(.|\n)*no model"):
+        server.wait_healthy(proc, log, "http://127.0.0.1:9/health", time.monotonic() + 60, "fake")
+    log.close()
+
+
 def _needs_vllm_and_router():
     pytest.importorskip(
         "vllm", reason="vLLM is not installed: python -m torchtpu.integrations.vllm.install")

@@ -25,8 +25,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torchtpu.integrations.vllm import server
+from torchtpu.integrations.vllm.install import ROUTER_PIN
 
-ROUTER_PIN = "vllm-router==0.1.17"
 # the tiny-model serving defaults, with the prefix cache asked for by name, and vLLM's
 # scale-out endpoints on: vllm-router's cache-aware policy keys on the prompt's tokens, which it
 # gets from each request's /v1/chat/completions/render (off by default: 403, and the router
