@@ -151,8 +151,10 @@ def dedupe(out, inputs):
     """A program may hand an input array back as an output; storages never share a buffer."""
     if isinstance(out, (tuple, list)):
         return _dedupe_all(out, {id(x) for x in inputs})  # foreach ops: many of each
-    if out is not None and any(out is x for x in inputs):
-        return tensors.fresh_copy(out)
+    if out is not None:
+        for x in inputs:
+            if out is x:
+                return tensors.fresh_copy(out)
     return out
 
 

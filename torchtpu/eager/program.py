@@ -32,7 +32,7 @@ class Spec:
     Specs are hashed on every op call (to find the program), so the hash is computed once.
     """
 
-    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash")
+    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program")
 
     def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
         self.entries = entries    # (kind, payload) per argument
@@ -41,6 +41,7 @@ class Spec:
         self.promote = promote    # input dtype under promote="common"
         self._key = (entries, compute, final, promote)
         self._hash = hash(self._key)
+        self._program = None  # (lowering, its jitted function): ``program``'s hit without a hash
 
     def __hash__(self) -> int:
         return self._hash
@@ -145,10 +146,16 @@ def donated_inputs(lowering: Lowering, spec: Spec) -> tuple:
     return tuple(donated)
 
 
-@functools.cache
 def program(lowering: Lowering, spec: Spec):
     """The jitted function for one lowering and spec; call it with the dynamic values."""
+    held = spec._program
+    if held is None or held[0] is not lowering:
+        held = spec._program = (lowering, _program(lowering, spec))
+    return held[1]
 
+
+@functools.cache
+def _program(lowering: Lowering, spec: Spec):
     def run(*dyn):
         out = lowering.fn(*rebuild(spec, lowering, dyn))
         return cast_outputs(out, spec.final)
