@@ -7,8 +7,9 @@ value (``jax.make_array_from_single_device_arrays``, no copy), runs one jitted `
 over the mesh (``psum``, ``psum_scatter``, ``all_gather``, ``all_to_all``), and stores this
 process's shard of the result into the output tensor. On a TPU that is ICI, on GPUs NVLink, on
 XLA:CPU JAX's gloo collectives. Programs are built once per (op, shapes, dtype, reduce op,
-group); JAX dispatches them asynchronously, so the returned Work is already done while the
-device still runs the collective (later ops on the result queue behind it).
+group). They run on the caller's thread: the header exchange waits for the other ranks, then
+JAX dispatches the program asynchronously, so the returned Work is done while the device still
+runs the collective (later ops on the result queue behind it on the device).
 
 The header exchange (``protocol``, through the group's gloo group) still runs first, so ranks
 that called different collectives raise ``CollectiveMismatchError`` before any XLA collective
@@ -143,14 +144,13 @@ class XlaProcessGroup(TpuProcessGroup):
                                    for r in range(size))
         self._sharding = NamedSharding(_mesh(self._mesh_devices), P(_AXIS))
 
-    def _run(self, op: str, inputs: list[torch.Tensor], outputs: int | None = None,
-             **params) -> list:
+    def _run(self, op: str, inputs: list[torch.Tensor], values: list[jax.Array],
+             outputs: int | None = None, **params) -> list:
         """op's program on the inputs' values (one global array each); this rank's shards of
         its results."""
         n = self.size()
         args = []
-        for t in inputs:
-            value = host.read_now(t)
+        for t, value in zip(inputs, values):
             block = _block(tuple(t.shape))
             if value.shape != block:
                 value = value.reshape(block)
@@ -162,6 +162,26 @@ class XlaProcessGroup(TpuProcessGroup):
         results = (result,) if outputs is None else result
         return [r.addressable_data(0) for r in results]
 
+    def _collective(self, op: str, header: dict, program: str, inputs: list[torch.Tensor],
+                    targets: list, result: list, **params) -> dist.Work:
+        """The header exchange (``header``: the tensor and fields it names), then the program
+        on the inputs, its shards stored into targets (None: this rank keeps nothing).
+
+        All on the caller's thread, in the order of its other work: the program is dispatched
+        right after its inputs are read, so no later op can donate an input's buffer before the
+        program has it. (Run on the communication thread, as the host transport's bulk
+        collectives are, a buffer read here could be donated by the caller's next in-place op
+        before the program ran; that version failed DDP runs intermittently.) JAX dispatches
+        the program
+        asynchronously, so only the header exchange waits for the other ranks."""
+        fields = dict(header)
+        self._exchange(op, fields.pop("tensor"), **fields)
+        shards = self._run(program, inputs, [host.read_now(t) for t in inputs], **params)
+        for o, value in zip(targets, shards):
+            if o is not None:
+                self._store(o, value)
+        return Done(result)
+
     @staticmethod
     def _store(t: torch.Tensor, value: jax.Array) -> None:
         if tuple(value.shape) != tuple(t.shape):
@@ -172,10 +192,8 @@ class XlaProcessGroup(TpuProcessGroup):
 
     def _allreduce_one(self, t: torch.Tensor, op) -> dist.Work:
         kind, factor = host.reduce_op(op, t.dtype)
-        self._exchange("all_reduce", t, reduce_op=int(kind))
-        (value,) = self._run("all_reduce", [t], kind=kind, factor=factor, n=self.size())
-        self._store(t, value)
-        return Done([t])
+        return self._collective("all_reduce", dict(tensor=t, reduce_op=int(kind)), "all_reduce",
+                                [t], [t], [t], kind=kind, factor=factor, n=self.size())
 
     def reduce(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         opts = opts if opts is not None else ReduceOptions()
@@ -183,22 +201,19 @@ class XlaProcessGroup(TpuProcessGroup):
             return super().reduce(tensors, opts)
         (t,) = tensors
         kind, factor = host.reduce_op(opts.reduceOp, t.dtype)
-        self._exchange("reduce", t, reduce_op=int(kind), root=opts.rootRank)
-        (value,) = self._run("all_reduce", [t], kind=kind, factor=factor, n=self.size())
-        if self.rank() == opts.rootRank:
-            self._store(t, value)
-        return Done(tensors)
+        root = opts.rootRank
+        return self._collective("reduce", dict(tensor=t, reduce_op=int(kind), root=root),
+                                "all_reduce", [t], [t if self.rank() == root else None],
+                                tensors, kind=kind, factor=factor, n=self.size())
 
     def _reduce_scatter_flat(self, op: str, out: torch.Tensor, whole: torch.Tensor,
                              reduce_op) -> dist.Work:
         if whole.numel() != out.numel() * self.size():  # the host path names the problem
             return super()._reduce_scatter_flat(op, out, whole, reduce_op)
         kind, factor = host.reduce_op(reduce_op, out.dtype)
-        self._exchange(op, out, reduce_op=int(kind))
-        (value,) = self._run("reduce_scatter", [whole], kind=kind, factor=factor,
-                             n=self.size(), out=_block(tuple(out.shape)))
-        self._store(out, value)
-        return Done([out])
+        return self._collective(op, dict(tensor=out, reduce_op=int(kind)), "reduce_scatter",
+                                [whole], [out], [out], kind=kind, factor=factor,
+                                n=self.size(), out=_block(tuple(out.shape)))
 
     # ---- gathers ----
 
@@ -208,22 +223,17 @@ class XlaProcessGroup(TpuProcessGroup):
         if not _on_device([*outs, t]) or any(o.shape != t.shape or o.dtype != t.dtype
                                              for o in outs):
             return super().allgather(outputs, inputs, opts)
-        self._exchange("all_gather", t)
-        values = self._run("all_gather", [t], outputs=len(outs))
-        for o, value in zip(outs, values):
-            self._store(o, value)
-        return Done(outputs)
+        return self._collective("all_gather", dict(tensor=t), "all_gather", [t], outs,
+                                outputs, outputs=len(outs))
 
     def all_gather_single(self, output: torch.Tensor, input: torch.Tensor,
                           opts=None) -> dist.Work:
         if not _on_device([output, input]) or output.dtype != input.dtype \
                 or output.numel() != input.numel() * self.size():
             return super().all_gather_single(output, input, opts)
-        self._exchange("all_gather_into_tensor", input)
         # Every shard holds the whole gathered value, in the output's shape.
-        (value,) = self._run("all_gather", [input], out=_block(tuple(output.shape)))
-        self._store(output, value)
-        return Done([output])
+        return self._collective("all_gather_into_tensor", dict(tensor=input), "all_gather",
+                                [input], [output], [output], out=_block(tuple(output.shape)))
 
     _allgather_base = all_gather_single
     # The base class's coalesced forms call its own all_gather_single: rebind them to this one.
@@ -233,11 +243,9 @@ class XlaProcessGroup(TpuProcessGroup):
     # ---- one to many ----
 
     def _broadcast_one(self, t: torch.Tensor, root: int) -> dist.Work:
-        self._exchange("broadcast", t, root=root)
-        (value,) = self._run("broadcast", [t], root=root, n=self.size())
-        if self.rank() != root:
-            self._store(t, value)
-        return Done([t])
+        return self._collective("broadcast", dict(tensor=t, root=root), "broadcast", [t],
+                                [t if self.rank() != root else None], [t], root=root,
+                                n=self.size())
 
     def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor,
                           output_split_sizes: list[int], input_split_sizes: list[int],
@@ -258,7 +266,8 @@ class XlaProcessGroup(TpuProcessGroup):
         if not (rows == mine).all() or not even:
             return super().all_to_all_single(output, input, output_split_sizes,
                                              input_split_sizes, opts)
-        (value,) = self._run("all_to_all", [input], n=n, out=_block(tuple(output.shape)))
+        (value,) = self._run("all_to_all", [input], [host.read_now(input)], n=n,
+                             out=_block(tuple(output.shape)))
         self._store(output, value)
         return Done([output])
 
