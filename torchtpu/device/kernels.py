@@ -21,7 +21,7 @@ from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
-from torchtpu.runtime import platform
+from torchtpu.runtime import platform, warm
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -116,7 +116,8 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _converter(dtype, shape):
-    return jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(a, dtype), shape))
+    return warm.named(jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(a, dtype), shape)),
+                      "convert", dtype, shape)
 
 
 def convert(array, t: torch.Tensor):
@@ -172,7 +173,7 @@ def _rebyter(shape: tuple, dtype, nbytes: int):
             return flat[:nbytes]
         return jnp.concatenate([flat, jnp.zeros(nbytes - flat.size, np.uint8)])
 
-    return jax.jit(rebyte)
+    return warm.named(jax.jit(rebyte), "rebyte", shape, dtype, nbytes)
 
 
 def resize_storage(st: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:

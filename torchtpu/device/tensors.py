@@ -19,7 +19,7 @@ from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, check_in_bounds, complex32_pairs, read_view, write_view
-from torchtpu.runtime import launch
+from torchtpu.runtime import launch, warm
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
@@ -220,6 +220,13 @@ def _zeros(shape: tuple, dtype):
     return jax.jit(functools.partial(jnp.zeros, shape, dtype))
 
 
+@functools.lru_cache(maxsize=1024)
+def zeros_now(shape: tuple, dtype) -> warm.Program:
+    """Zeros of shape and dtype, run now, not recorded: a program a warm start loads by its key
+    (a capture makes one per state tensor it creates, as many as a model has shapes)."""
+    return warm.Program(_zeros(shape, dtype), warm.key_of("zeros", shape, dtype))
+
+
 def stored_array(st: torch.UntypedStorage):
     """The array (or pending value) st holds; None for a never-written storage."""
     array = st._tpu_array
@@ -236,7 +243,8 @@ def storage_array(t: torch.Tensor):
         if _covers_storage(t, st) and t.dtype is not torch.complex32:
             zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
             # A capture reads a never-written storage as a real input, not as zeros it records.
-            array = st._tpu_array = zeros() if capture is not None else call(zeros)
+            array = st._tpu_array = (zeros_now(tuple(t.shape), dtypes.to_jax(t.dtype))()
+                                     if capture is not None else call(zeros))
         else:
             array = storages.zeros_for(st)
     if capture is not None:

@@ -31,17 +31,16 @@ import weakref
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from torchtpu import metrics
 from torchtpu.device import random, storage, tensors
 from torchtpu.device.views import _bitcast_flat
-from torchtpu.eager import executor
+from torchtpu.eager import executor, facts
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import launch
+from torchtpu.runtime import launch, warm
 
 # Input sources of a captured program.
 STORAGE = "storage"   # the array a storage holds at replay
@@ -212,20 +211,24 @@ class Capture:
         targets = [outputs[w] for w in wanted]
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
         written = {id(st) for sts in targets for st in sts}
-        replay, sources = _baked(_replay(tuple(trace.nodes), wanted), sources)
+        replay, baked, sources = _baked(_replay(tuple(trace.nodes), wanted), sources)
         donate = _donations(sources, written, avals)
         for st, start in live:
             value = st._tpu_array
             if start is None and isinstance(value, Pending):
                 # Created by the capture: zeros until a replay writes it, so that a later
                 # capture (a backward after a forward) reads it as an input of its shape.
-                start = jnp.zeros(value.shape, value.dtype)
+                start = tensors.zeros_now(tuple(value.shape), np.dtype(value.dtype))()
             if isinstance(start, jax.Array) and not start.committed:
                 # The program's outputs are committed to the device: an uncommitted input
                 # (from jnp.zeros, say) would make the second replay compile again.
                 start = jax.device_put(start, next(iter(start.devices())))
             st._tpu_array = start
-        fn = jax.jit(replay, donate_argnums=donate)
+        # Keyed by what was recorded, so that a new process loads the executable without
+        # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
+        key = warm.key_of("captured", trace.nodes, wanted, donate, baked)
+        fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
+        facts.save()
         metrics.count("captures")
         return Captured(fn, sources, targets, len(trace.nodes))
 
@@ -264,22 +267,22 @@ def _in_input_order(wanted: tuple, outputs: dict, sources: list) -> tuple:
     return (*first, *(w for w in wanted if w not in chosen))
 
 
-def _baked(replay: Callable, sources: list) -> tuple[Callable, list]:
+def _baked(replay: Callable, sources: list) -> tuple[Callable, dict, list]:
     """replay with the capture's scalar constants (Python numbers: betas, eps, a clipping norm)
-    built into the program, where XLA folds them, rather than passed in at every replay; and
-    the sources left to pass."""
+    built into the program, where XLA folds them, rather than passed in at every replay; those
+    constants by source position; and the sources left to pass."""
     baked = {i: x for i, (kind, x, _) in enumerate(sources)
              if kind is CONST and (isinstance(x, (int, float, np.generic))
                                    or (isinstance(x, np.ndarray) and x.ndim == 0))}
     if not baked:
-        return replay, sources
+        return replay, baked, sources
     n = len(sources)
 
     def captured_step(*passed):
         rest = iter(passed)
         return replay(*[baked[i] if i in baked else next(rest) for i in range(n)])
 
-    return captured_step, [s for i, s in enumerate(sources) if i not in baked]
+    return captured_step, baked, [s for i, s in enumerate(sources) if i not in baked]
 
 
 def _aval(p: Pending) -> tuple:
@@ -355,7 +358,7 @@ class Captured:
 
     def hlo(self) -> str:
         """The captured program as StableHLO text."""
-        return self._fn.lower(*self._arguments(None)).as_text()
+        return self._fn.jitted.lower(*self._arguments(None)).as_text()
 
 
 def _storage_input(st, sig: tuple):

@@ -36,10 +36,11 @@ import numpy as np
 
 from torchtpu import metrics
 from torchtpu.device import tensors
+from torchtpu.eager import facts
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import launch
+from torchtpu.runtime import launch, warm
 
 MAX_OPS = 2000
 
@@ -55,7 +56,7 @@ _astypes: dict = {}
 def _astype(dtype):
     fn = _astypes.get(dtype)
     if fn is None:
-        fn = _astypes[dtype] = jax.jit(lambda x: x.astype(dtype))
+        fn = _astypes[dtype] = warm.named(jax.jit(lambda x: x.astype(dtype)), "astype", dtype)
     return fn
 
 
@@ -300,10 +301,8 @@ class Recorder:
             if shapes is None:
                 abstract = [_abstract(s) for s in sig]
                 call_args = tree.unflatten(abstract) if tree is not None else abstract
-                avals, out_tree = jax.tree_util.tree_flatten(jax.eval_shape(fn, *call_args))
-                # Most ops have one plain output: hand it back without a pytree round trip.
-                single = out_tree == jax.tree_util.tree_structure(0)
-                shapes = self._shapes[key] = (avals, out_tree, single)
+                # Most ops have one plain output (single): handed back without a pytree trip.
+                shapes = self._shapes[key] = facts.shapes(fn, tree, tuple(sig), call_args)
             avals, out_tree, single = shapes
             node = len(trace.nodes)
             trace.nodes.append((fn, tree, tuple(refs)))

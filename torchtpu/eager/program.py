@@ -15,7 +15,8 @@ import jax
 from torchtpu.device import dtypes
 from torchtpu.device.views import check_in_bounds, read_view
 from torchtpu.eager.meta import bounded_put
-from torchtpu.lowering.registry import Lowering
+from torchtpu.lowering.registry import TABLE, Lowering
+from torchtpu.runtime import warm
 
 # Spec entries, one per bound argument.
 TENSOR = "t"       # one array; payload: None, or the view Geometry to read it through
@@ -161,7 +162,19 @@ def _program(lowering: Lowering, spec: Spec):
         return cast_outputs(out, spec.final)
 
     run.__name__ = str(lowering.op).replace(".", "_")
-    return jax.jit(run, donate_argnums=donated_inputs(lowering, spec))
+    jitted = jax.jit(run, donate_argnums=donated_inputs(lowering, spec))
+    return warm.named(jitted, "op", _identity(lowering), spec.entries, spec.compute, spec.final,
+                      spec.promote)
+
+
+def _identity(lowering: Lowering):
+    """What names a lowering across processes: its op, for torchtpu's own table (whose source
+    the key's fingerprint covers); else its function, which a key accepts only if it is a
+    module-level one (a user's kernel in a closure keeps its programs out of warm starts)."""
+    if (TABLE.get(lowering.op) is lowering
+            and getattr(lowering.fn, "__module__", "").startswith("torchtpu.lowering")):
+        return lowering.op
+    return lowering.fn
 
 
 def jax_dtypes(struct):

@@ -54,6 +54,7 @@ users.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import hashlib
 import os
@@ -99,11 +100,18 @@ class EntryStore(CacheInterface):
         self._reads: dict[str, list] = {}  # key -> [read count, last read (time.time())]
         self._missed: dict[str, float] = {}  # key -> when JAX missed it (its compile follows)
 
+    @property
+    def path(self) -> Path:
+        return self._path
+
     def entry(self, key: str) -> Path:
         return self._path / f"{key}{SUFFIX}"
 
     def get(self, key: str) -> bytes | None:
         path = self.entry(key)
+        asked = getattr(_asked, "keys", None)
+        if asked is not None:
+            asked.append(key)
         with self._lock:
             self._requests += 1
         try:
@@ -140,7 +148,14 @@ class EntryStore(CacheInterface):
             missed = self._missed.pop(key, None)
         if path.exists():
             return
-        seconds = time.monotonic() - missed if missed is not None else float("nan")
+        self._write(path, value, time.monotonic() - missed if missed is not None else float("nan"))
+
+    def replace(self, key: str, value: bytes) -> None:
+        """Store value under key, over what is there (torchtpu's own records, ``warm.py``)."""
+        self._write(self.entry(key), value, float("nan"))
+
+    def _write(self, path: Path, value: bytes, seconds: float) -> None:
+        key = path.name[:-len(SUFFIX)]
         rest = _SECONDS.pack(seconds) + value
         data = MAGIC + hashlib.sha256(rest).digest() + rest
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=self._path)
@@ -321,6 +336,20 @@ def _guard_writes() -> None:
     # atexit runs handlers last-registered first: this one (registered when torchtpu is
     # imported, after jax) before JAX's clean-up, which clears the backends.
     atexit.register(WRITES.close)
+
+
+_asked = threading.local()
+
+
+@contextlib.contextmanager
+def requests():
+    """The keys this thread asks the store for inside the block (a list, filled as it runs)."""
+    keys: list = []
+    _asked.keys = keys
+    try:
+        yield keys
+    finally:
+        _asked.keys = None
 
 
 def max_bytes() -> int:

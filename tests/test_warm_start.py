@@ -1,0 +1,190 @@
+"""Warm starts (runtime/warm.py): a new process loads captured programs by torchtpu's own key,
+compiling and lowering nothing; a directory others can write gets no warm-start records."""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax._src import compilation_cache as jax_cache
+
+from torchtpu import metrics
+from torchtpu.runtime import compile_cache, warm
+from torchtpu.runtime.compile_cache import CompileCacheWarning, EntryStore
+
+
+def _child(kind: str) -> None:
+    """One process: a training step run three times ("graph": captured with TPUGraph, a
+    hand-written SGD update, replayed; "whole": compiled whole with torch.compile and the
+    default AdamW), and the same training in CPU eager; losses and counters as JSON."""
+    import torch
+    from torch import nn
+
+    import torchtpu
+
+    gen = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(5, 6, generator=gen), torch.randn(5, 3, generator=gen))
+               for _ in range(3)]
+
+    def build(device):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3)).to(device)
+
+    def sgd_step(model, x, y):
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        return loss
+
+    if kind == "graph":
+        # No torch.optim here: its first use imports Dynamo (seconds), kept out of the
+        # default suite.
+        model = build("cpu")
+        cpu = [sgd_step(model, x, y).item() for x, y in batches]
+        model = build("tpu")
+        static_x, static_y = (t.to("tpu") for t in batches[0])
+        g = torch.tpu.TPUGraph()
+        with torch.tpu.graph(g):
+            static_loss = sgd_step(model, static_x, static_y)
+        tpu = []
+        for x, y in batches:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            g.replay()
+            tpu.append(static_loss.item())
+    else:
+        def adamw_step(model, opt, x, y):
+            loss = (model(x) - y).square().mean()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            return loss
+
+        model = build("cpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        cpu = [adamw_step(model, opt, x, y).item() for x, y in batches]
+        model = build("tpu")
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        compiled = torch.compile(adamw_step, backend="tpu")
+        tpu = [compiled(model, opt, x.to("tpu"), y.to("tpu")).item() for x, y in batches]
+    m = torchtpu.metrics.snapshot()
+    print(json.dumps({"cpu": cpu, "tpu": tpu, "compiles": m["executable_compiles"],
+                      "hits": m["persistent_cache_hits"],
+                      "by_key": m.get("programs_loaded_by_key", 0)}))
+
+
+def _run(cache, kind: str) -> dict:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error"}
+    out = subprocess.run([sys.executable, __file__, kind], env=env, text=True,
+                         capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("kind", ["graph", pytest.param("whole", marks=pytest.mark.full)])
+def test_second_process_compiles_and_lowers_nothing(tmp_path, kind):
+    cache = tmp_path / "cache"
+    cold, warm_run = _run(cache, kind), _run(cache, kind)
+    assert cold["compiles"] > 0 and cold["by_key"] == 0
+    # Every program of the warm run is loaded by key (the captured steps: the whole step's
+    # first and steady ones; the zeros a capture reads for new state): none is compiled, and
+    # none is traced and lowered to be found in JAX's cache either.
+    assert warm_run["compiles"] == 0 and warm_run["hits"] == 0
+    assert warm_run["by_key"] >= (1 if kind == "graph" else 2)
+    assert warm_run["tpu"] == cold["tpu"]
+    np.testing.assert_allclose(warm_run["tpu"], warm_run["cpu"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.fixture
+def store_at(monkeypatch):
+    """Point the process's persistent cache (JAX's entries and the warm-start records) at an
+    EntryStore in a given directory, for the length of a test."""
+
+    def use(path):
+        store = EntryStore(path)
+        monkeypatch.setattr(compile_cache, "store", lambda: store)
+        monkeypatch.setattr(jax_cache, "_cache", store)
+        monkeypatch.setattr(jax_cache, "_cache_checked", True)
+        monkeypatch.setattr(jax_cache, "_cache_used", True)
+        monkeypatch.setattr(warm, "_refused", set())
+        return store
+
+    return use
+
+
+def _double(x):
+    return x * 2
+
+
+def test_program_round_trip_and_damaged_entry(tmp_path, store_at):
+    store_at(tmp_path)
+    key = warm.key_of("test", "double")
+    x = jnp.arange(4.0)
+    first = warm.Program(jax.jit(_double), key)
+    np.testing.assert_array_equal(first(x), [0, 2, 4, 6])
+    before = metrics.snapshot().get("programs_loaded_by_key", 0)
+    again = warm.Program(jax.jit(_double), key)  # as a new process would build it
+    np.testing.assert_array_equal(again(x), [0, 2, 4, 6])
+    assert metrics.snapshot()["programs_loaded_by_key"] == before + 1
+    # A call of another signature is served by jit, as without the key.
+    np.testing.assert_array_equal(again(jnp.ones((2, 2))), [[2, 2], [2, 2]])
+    for path in tmp_path.glob("ttpu_record_index-*"):
+        path.write_bytes(compile_cache.MAGIC + bytes(32) + b"x")  # fails its digest
+    with pytest.warns(CompileCacheWarning, match="unusable"):
+        damaged = warm.Program(jax.jit(_double), key)
+        np.testing.assert_array_equal(damaged(x), [0, 2, 4, 6])
+
+
+def test_directory_others_can_write_gets_no_records(tmp_path, store_at):
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    store_at(shared)
+    with pytest.warns(CompileCacheWarning, match=r"warm starts are off .* writable by others"):
+        assert warm.read_record("index", "k") is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per directory
+        warm.write_record("index", "k", {"a": 1})
+        np.testing.assert_array_equal(warm.Program(jax.jit(_double), warm.key_of("t"))(
+            jnp.ones(3)), [2, 2, 2])
+    assert not list(shared.glob("ttpu_record_*"))
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    store_at(private)
+    warm.write_record("index", "k", {"a": 1})
+    assert warm.read_record("index", "k") == {"a": 1}
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory another owner")
+def test_directory_of_another_user_gets_no_records(tmp_path, store_at):
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.chown(other, 12345, -1)
+    store_at(other)
+    with pytest.warns(CompileCacheWarning, match="owned by uid 12345"):
+        assert warm.read_record("index", "k") is None
+
+
+def test_keys_refuse_what_has_no_stable_form():
+    assert warm.key_of("op", (1, 2), np.dtype("float32")) == warm.key_of(
+        "op", (1, 2), np.dtype("float32"))
+    # A Python float and a float64 scalar make different programs (weak and strong types).
+    assert warm.key_of(1.5) != warm.key_of(np.float64(1.5))
+    assert warm.key_of(jax.jit(_double)) is not None  # a module-level function
+    assert warm.key_of(lambda x: x) is None
+    scale = 3
+    assert warm.key_of(jax.jit(lambda x: x * scale)) is None
+    assert warm.key_of(warm.named(jax.jit(lambda x: x * scale), "scale", scale)) is not None
+    assert warm.key_of(object()) is None
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1])

@@ -1,0 +1,371 @@
+"""Warm starts: programs found by torchtpu's own key, without tracing or lowering them again.
+
+JAX's persistent cache (``compile_cache.py``) finds an executable by a hash of its StableHLO, so
+a new process still traces and lowers every program before the cache can answer: for a captured
+training step that is most of a warm first step. Here a program is found by what torchtpu
+recorded instead (the captured op sequence, an op's name and static arguments): a ``Program``
+is a jitted function with such a key. Its first call in a process looks the key and the
+arguments' shapes and dtypes up in an index entry of the cache directory; when the entry and the
+executable it names are there, the executable is deserialized and wrapped in JAX's own
+``Compiled`` object (what ``jax.experimental.serialize_executable`` rebuilds, without pickle:
+index entries are JSON), and nothing is traced, lowered or compiled. Otherwise the program is
+lowered and compiled as usual (JAX's cache may still find it) and the index entry is written.
+
+Index entries and ``records`` (small JSON facts, such as the result shapes of recorded ops) are
+entries of the same ``EntryStore`` as the executables: checksummed, written atomically, evicted
+by the same LRU bound. Nothing read from the directory is unpickled; the executable is XLA's
+serialized form, trusted as JAX's cache trusts it (see ``compile_cache.py``).
+
+A key must name everything its program depends on. Callers give what is theirs (``canonical``
+turns op names, specs, view geometries and module-level functions into stable text and refuses
+anything whose identity is only an address); ``fingerprint()`` adds the versions of torch, JAX
+and jaxlib, the platform, its device kind and version, the XLA flags and a hash of torchtpu's own
+source, so that an edited lowering never loads a program built from the old one.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import json
+import os
+import stat
+import types
+import warnings
+from pathlib import Path
+
+import jax
+import numpy as np
+import torch
+from jax._src import compilation_cache as jax_cache
+from jax._src import core, stages
+from jax._src.interpreters import pxla
+from jax._src.lib import xla_client as xc
+from jax.sharding import SingleDeviceSharding
+
+from torchtpu import metrics
+from torchtpu.runtime import compile_cache
+
+_RECORD = "ttpu_record"
+
+
+class Unstable(Exception):
+    """A value whose identity does not survive the process (an address, a closure)."""
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+@functools.cache
+def fingerprint() -> str:
+    """What every key depends on besides its caller's parts: versions, platform, own source."""
+    source = hashlib.sha256()
+    root = Path(__file__).resolve().parent.parent
+    for path in sorted(root.rglob("*.py")):
+        source.update(str(path.relative_to(root)).encode())
+        source.update(path.read_bytes())
+    device = jax.devices()[0]
+    parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
+             device.platform, device.device_kind, device.client.platform_version,
+             os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
+             str(jax.config.jax_default_matmul_precision), source.hexdigest()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def named(fn, *parts):
+    """fn (a jitted function) known by parts in keys; returns fn."""
+    fn._ttpu_parts = parts
+    return fn
+
+
+_PLAIN = (int, str, type(None))
+
+
+def canonical(x) -> str:
+    """Stable text for x: the same in every process, or ``Unstable``."""
+    cls = type(x)
+    if cls in _PLAIN or cls is bool or cls is complex:
+        return repr(x)
+    if cls is tuple and all(type(v) in _PLAIN for v in x):  # most of a recording's references
+        return repr(x)
+    if cls is float:  # not np.float64, a float too: a strong dtype makes another program
+        return x.hex()
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (a view Geometry)
+        return f"{type(x).__qualname__}({','.join(canonical(v) for v in x)})"
+    if isinstance(x, (tuple, list)):
+        inner = ",".join(canonical(v) for v in x)
+        return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
+    if isinstance(x, dict):
+        return "{" + ",".join(f"{canonical(k)}:{canonical(v)}"
+                              for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
+    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
+        return f"dtype:{np.dtype(x).name}"
+    if isinstance(x, np.generic):
+        return f"{x.dtype.name}:{canonical(x.item())}"
+    if isinstance(x, np.ndarray) and x.size <= 64:
+        return f"array:{x.dtype.name}{x.shape}:{x.tobytes().hex()}"
+    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
+        return str(x)
+    if isinstance(x, type) and x in (bool, int, float, complex):
+        return f"type:{x.__name__}"
+    if isinstance(x, jax.tree_util.PyTreeDef):
+        return f"tree:{x}"
+    if isinstance(x, torch._ops.OpOverload):
+        return f"op:{x}"
+    if isinstance(x, enum.Enum):
+        return f"{type(x).__module__}.{type(x).__qualname__}.{x.name}"
+    if isinstance(x, slice):
+        return f"slice{canonical((x.start, x.stop, x.step))}"
+    if x is Ellipsis:
+        return "..."
+    parts = getattr(x, "_ttpu_parts", None)
+    if parts is not None:
+        text = getattr(x, "_ttpu_text", None)
+        if text is None:  # once per function: recorded programs name the same ones often
+            text = x._ttpu_text = f"named{canonical(parts)}"
+        return text
+    if isinstance(x, functools.partial):
+        return f"partial({canonical(x.func)},{canonical(x.args)},{canonical(x.keywords)})"
+    wrapped = getattr(x, "__wrapped__", None)  # a jitted function
+    if wrapped is not None and not isinstance(x, types.FunctionType):
+        return f"jit({canonical(wrapped)})"
+    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, np.ufunc)):
+        qualname = getattr(x, "__qualname__", "") or getattr(x, "__name__", "")
+        module = getattr(x, "__module__", None) or type(x).__module__
+        closure = getattr(x, "__closure__", None)
+        if closure or "<" in qualname or not module:
+            raise Unstable(f"{x!r} is a closure or lambda")
+        return f"fn:{module}.{qualname}"
+    raise Unstable(f"no stable form for {type(x).__name__}")
+
+
+def key_of(*parts) -> str | None:
+    """The hash of parts (with the fingerprint), or None if some part has no stable form."""
+    try:
+        text = canonical(parts)
+    except Unstable:
+        return None
+    return hashlib.sha256(f"{fingerprint()}\0{text}".encode()).hexdigest()
+
+
+# ---------------------------------------------------------------------------- records
+
+
+def cache_on() -> bool:
+    """Whether the persistent cache (and so anything kept for warm starts) is on."""
+    return compile_cache.store() is not None
+
+
+_refused: set = set()  # directories already warned about
+
+
+def private_store():
+    """The store, if its directory is one only this user can write; else None, with a warning
+    once. An index entry chooses which executable a program runs, without the StableHLO hash
+    that binds JAX's entries to their programs: a directory others can write (a shared root)
+    keeps to JAX's cache."""
+    store = compile_cache.store()
+    if store is None:
+        return None
+    path = store.path
+    why = _not_private(path)
+    if why is None:
+        return store
+    if path not in _refused:
+        _refused.add(path)
+        warnings.warn(f"torchtpu.cache: warm starts are off for {path}: the directory {why}. "
+                      "Programs are still found in it through JAX's cache (traced and lowered "
+                      "first); for warm starts use a directory only you can write (chmod go-w, "
+                      "or point TORCHTPU_CACHE_DIR at one of your own).",
+                      compile_cache.CompileCacheWarning, stacklevel=3)
+    return None
+
+
+def _not_private(path: Path) -> str | None:
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        return f"cannot be checked ({e.strerror})"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def read_record(kind: str, key: str):
+    """The JSON value stored for (kind, key), or None (no private cache, no entry)."""
+    store = private_store()
+    data = None if store is None else store.get(f"{_RECORD}_{kind}-{key}")
+    return None if data is None else json.loads(data)
+
+
+def write_record(kind: str, key: str, value) -> None:
+    """Store value (JSON-able) for (kind, key), replacing what was there."""
+    store = private_store()
+    if store is not None:
+        store.replace(f"{_RECORD}_{kind}-{key}", json.dumps(value).encode())
+
+
+# ---------------------------------------------------------------------------- structures
+
+
+def encode_tree(tree) -> object:
+    """A pytree structure (of tuples, lists, None and leaves) as JSON; Unstable otherwise."""
+    return _encode(jax.tree_util.tree_unflatten(tree, [0] * tree.num_leaves))
+
+
+def _encode(x):
+    if x is None:
+        return None
+    if isinstance(x, int) and not isinstance(x, bool):
+        return "*"
+    if type(x) in (tuple, list):
+        return {"t" if type(x) is tuple else "l": [_encode(v) for v in x]}
+    raise Unstable(f"a {type(x).__name__} node")
+
+
+def decode_tree(encoded):
+    return jax.tree_util.tree_structure(_decode(encoded))
+
+
+def _decode(x):
+    if x is None:
+        return None
+    if x == "*":
+        return 0
+    (kind, items), = x.items()
+    values = [_decode(v) for v in items]
+    return tuple(values) if kind == "t" else values
+
+
+def encode_aval(a) -> list:
+    if not isinstance(a.dtype, np.dtype):
+        raise Unstable(f"dtype {a.dtype}")
+    return [list(a.shape), a.dtype.name, bool(getattr(a, "weak_type", False))]
+
+
+def decode_aval(e) -> core.ShapedArray:
+    return core.ShapedArray(tuple(e[0]), jax.numpy.dtype(e[1]), weak_type=e[2])
+
+
+def _signature(args: tuple) -> list:
+    out = []
+    for a in args:
+        if isinstance(a, (bool, int, float, complex)):
+            out.append(type(a).__name__)
+        else:
+            out.append([list(a.shape), np.dtype(a.dtype).name, bool(getattr(a, "weak_type", 0))])
+    return out
+
+
+# ---------------------------------------------------------------------------- programs
+
+
+class Program:
+    """A jitted function with a key of torchtpu's own, called at one argument signature: its
+    first call loads the executable by key when a warm cache has it (see the module doc)."""
+
+    __slots__ = ("_jitted", "_key", "_call")
+
+    def __init__(self, jitted, key: str | None) -> None:
+        self._jitted = jitted
+        self._key = key
+        self._call = None
+
+    @property
+    def jitted(self):
+        return self._jitted
+
+    def __call__(self, *args):
+        call = self._call
+        if call is None:
+            call = self._call = self._prepare(args)
+        if call is self._jitted:
+            return call(*args)
+        try:
+            return call(*args)
+        except TypeError:
+            # Arguments of another signature than the first call's (checked before anything
+            # runs or is donated): jit serves them, as it would have.
+            self._call = self._jitted
+            return self._jitted(*args)
+
+    def _prepare(self, args: tuple):
+        if self._key is None or not cache_on():
+            return self._jitted
+        key = hashlib.sha256(f"{self._key}\0{json.dumps(_signature(args))}".encode()).hexdigest()
+        entry = read_record("index", key)
+        if entry is not None:
+            try:
+                loaded = _load(entry)
+            except Exception as e:  # noqa: BLE001 (any failure: the program compiles instead)
+                warnings.warn(f"torchtpu.cache: a warm-start entry is unusable ({e!r}); "
+                              "compiling the program and replacing the entry",
+                              compile_cache.CompileCacheWarning, stacklevel=3)
+                loaded = None
+            if loaded is not None:
+                metrics.count("programs_loaded_by_key")
+                return loaded
+        with compile_cache.requests() as asked:
+            compiled = self._jitted.lower(*args).compile()
+        entry = _describe(compiled, asked)
+        if entry is not None:
+            write_record("index", key, entry)
+        return compiled
+
+
+def _describe(compiled, asked: list) -> dict | None:
+    """What _load needs to rebuild compiled from JAX's cache entry; None if it cannot."""
+    exe = getattr(compiled, "_executable", None)
+    u = getattr(exe, "_unloaded_executable", None)
+    if not isinstance(u, pxla.UnloadedMeshExecutable) or len(asked) != 1:
+        return None
+    if (compiled._params.const_args or u.ordered_effects or u.unordered_effects
+            or u.host_callbacks or u.mut is not None or len(u.device_list) != 1
+            or any(x is not None for x in u.dispatch_in_layouts)
+            or not all(isinstance(s, SingleDeviceSharding)
+                       for s in (*u.input_shardings, *u.output_shardings))):
+        return None
+    try:
+        flat, in_tree = jax.tree_util.tree_flatten(compiled.args_info)
+        args_tree, kwargs = jax.tree_util.tree_unflatten(in_tree, [0] * len(flat))
+        if kwargs:
+            return None
+        return {"jax_key": asked[0], "name": u.name, "device": u.device_list[0].id,
+                "committed": bool(u.committed), "kept": sorted(u.kept_var_idx),
+                "args": [[*encode_aval(i._aval), bool(i.donated)] for i in flat],
+                "args_tree": _encode(args_tree),
+                "in": [encode_aval(a) for a in u.input_avals],
+                "out": [encode_aval(a) for a in u.output_avals],
+                "out_tree": encode_tree(compiled.out_tree)}
+    except Unstable:
+        return None
+
+
+def _load(entry: dict):
+    """The Compiled program an index entry describes, or None (its executable is gone)."""
+    store = compile_cache.store()
+    device = {d.id: d for d in jax.devices()}.get(entry["device"])
+    data = store.get(entry["jax_key"]) if store is not None else None
+    if device is None or data is None:
+        return None
+    serialized, _ = jax_cache.extract_executable_and_time(jax_cache.decompress_executable(data))
+    devices = xc.DeviceList((device,))
+    executable = device.client.deserialize_executable(serialized, devices)
+    sharding = SingleDeviceSharding(device)
+    ins = [decode_aval(a) for a in entry["in"]]
+    outs = [decode_aval(a) for a in entry["out"]]
+    unloaded = pxla.UnloadedMeshExecutable(
+        xla_executable=executable, device_list=devices, backend=device.client,
+        input_avals=ins, input_shardings=[sharding] * len(ins), output_avals=outs,
+        output_shardings=[sharding] * len(outs), committed=entry["committed"],
+        name=entry["name"], unordered_effects=[], ordered_effects=[], keepalive=[],
+        host_callbacks=[], kept_var_idx=set(entry["kept"]), mut=None,
+        xla_in_layouts=[None] * len(ins), dispatch_in_layouts=[None] * len(ins),
+        xla_out_layouts=[None] * len(outs), all_args_info=None, pgle_profiler=None)
+    infos = [stages.ArgInfo(decode_aval(a[:3]), a[3]) for a in entry["args"]]
+    args_tree = jax.tree_util.tree_structure((_decode(entry["args_tree"]), {}))
+    return stages.Compiled(unloaded.load(), [], args_tree.unflatten(infos),
+                           decode_tree(entry["out_tree"]), no_kwargs=True)
