@@ -257,7 +257,7 @@ class XlaProcessGroup(TpuProcessGroup):
         # ranks have them is agreed in the header exchange, so every rank takes the same path.
         n = self.size()
         even = all(not s or len(set(s)) == 1 for s in (output_split_sizes, input_split_sizes)) \
-            and input.numel() % n == 0 and output.numel() == input.numel() \
+            and input.dim() > 0 and input.shape[0] % n == 0 and output.numel() == input.numel() \
             and input.dtype == output.dtype
         shape = tuple(input.shape)
         mine = np.array([even, len(shape), *shape, *[0] * (8 - len(shape))][:10], np.int64)
@@ -274,5 +274,5 @@ class XlaProcessGroup(TpuProcessGroup):
     alltoall_base = all_to_all_single
 
 
-def _on_device(tensors: list[torch.Tensor]) -> bool:
-    return all(t.device.type == "tpu" for t in tensors)
+def _on_device(group: list[torch.Tensor]) -> bool:
+    return all(t.device.type == "tpu" for t in group)
