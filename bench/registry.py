@@ -265,7 +265,8 @@ FORMS = {
 
 
 def run_row(model: str | Model, kind: str, form: str, steps: int, warmup: int) -> dict:
-    """One registry row's figures (times in seconds, memory in bytes, None where not measured).
+    """One registry row's figures (times in seconds, memory in bytes, None where not measured;
+    ``times``: every step's, warm-up included, for statistics of one's own).
 
     ``model`` is a name in MODELS or a Model of one's own."""
     spec = MODELS[model] if isinstance(model, str) else model
@@ -283,7 +284,7 @@ def run_row(model: str | Model, kind: str, form: str, steps: int, warmup: int) -
     return {"model": spec.name, "kind": kind, "form": form, "steady": steady, "first": times[lead],
             "overhead": sum(times[:warmup]) - warmup * steady,
             "peak": torch.tpu.max_memory_allocated() - base if form != "cpu" else None,
-            "device": on_device, "losses": losses}
+            "device": on_device, "losses": losses, "times": times}
 
 
 def _cell(value, fmt: str) -> str:
