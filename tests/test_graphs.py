@@ -122,6 +122,21 @@ def test_host_read_inside_a_capture_raises_at_the_users_line():
     assert (x + 1).cpu().shape == (4,)
 
 
+def test_a_gather_by_a_persistent_index_buffer_replays_each_new_index():
+    """vLLM's pattern: indices refilled in place between replays, read through a view of their
+    buffer. The bounds check of the index is a host read at capture on the CPU platform; inside
+    a capture it must not run (its values are not a replay's)."""
+    table = torch.randn(10, 3)
+    buffer = torch.zeros(8, dtype=torch.long, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = table.to("tpu").index_select(0, buffer[:5]) * 2
+    for idx in ([1, 2, 3, 4, 5], [9, 0, 9, 0, 7]):
+        buffer[:5].copy_(torch.tensor(idx))
+        g.replay()
+        torch.testing.assert_close(out.cpu(), table[idx] * 2)
+
+
 def test_guards_raise_rather_than_replay_stale_programs():
     model = _net()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -83,7 +83,8 @@ import vllm
 
 model, prompts, prefixed = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
-               max_num_batched_tokens=32, enforce_eager=True, gpu_memory_utilization=0.01,
+               max_num_batched_tokens=32, enforce_eager=sys.argv[4] == "eager",
+               gpu_memory_utilization=0.01,
                kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True)
 params = vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 run = lambda ps: llm.generate(ps, params, use_tqdm=False)
@@ -91,7 +92,9 @@ batched = run(prompts)
 alone = [run([p])[0] for p in prompts]
 shared = run(prefixed[:1]) + run(prefixed[1:])  # the later ones find the prefix cached
 ids = lambda outs: [list(o.outputs[0].token_ids) for o in outs]
+graphs = llm.llm_engine.model_executor.driver_worker.worker.model_runner.step_graphs
 print("RESULT " + json.dumps({
+    "graphs": graphs and [graphs.captures, graphs.replays, len(graphs.uncapturable)],
     "batched": ids(batched), "alone": ids(alone), "prefixed": ids(shared),
     "cached": [o.num_cached_tokens for o in shared],
 }))
@@ -124,8 +127,12 @@ def _hf_greedy(model_dir, prompts, max_new_tokens=8):
     return _hf_ids(model_dir, [tok(p).input_ids for p in prompts], max_new_tokens)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_llm_greedy_tokens_equal_hf_generate(arch, tmp_path):
+# captured: each step's forward one replayed program per padded shape (the default);
+# eager: --enforce-eager, op by op
+@pytest.mark.parametrize(("arch", "mode"),
+                         [("llama", "captured"), ("qwen2", "captured"),
+                          pytest.param("llama", "eager", marks=pytest.mark.full)])
+def test_llm_greedy_tokens_equal_hf_generate(arch, mode, tmp_path):
     _vllm()
     import json
 
@@ -135,7 +142,8 @@ def test_llm_greedy_tokens_equal_hf_generate(arch, tmp_path):
     prefixed = [PREFIX + "one", PREFIX + "two more", PREFIX + "one"]
     env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     proc = subprocess.run(
-        [sys.executable, "-c", _GENERATE, model_dir, json.dumps(PROMPTS), json.dumps(prefixed)],
+        [sys.executable, "-c", _GENERATE, model_dir, json.dumps(PROMPTS), json.dumps(prefixed),
+         mode],
         env=env, capture_output=True, text=True, timeout=900,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -147,6 +155,11 @@ def test_llm_greedy_tokens_equal_hf_generate(arch, tmp_path):
     assert got["prefixed"] == _hf_greedy(model_dir, prefixed)
     # the later requests read the shared prefix's two full 16-token blocks from the cache
     assert min(got["cached"][1:]) >= 32, got["cached"]
+    if mode == "captured":  # every step replayed a captured forward; shapes were reused
+        captures, replays, eager = got["graphs"]
+        assert eager == 0 and 0 < captures < replays, got["graphs"]
+    else:
+        assert got["graphs"] is None
 
 
 def test_paged_attention_serves_decode_prefix_hit_and_prefill_in_one_step():

@@ -33,7 +33,10 @@ def _host_reads_stall() -> bool:
 def _host_values(t: torch.Tensor):
     if t.is_cpu:  # a CPU scalar, or an operand the op refuses for its device afterwards
         return t.detach().numpy()
-    if not executor.is_materialized(t) or (_host_reads_stall() and tensors.capture is None):
+    # Inside a capture the values are the capture's, not a replay's, and a view of them would
+    # be read through the recording (a host read there): the check goes to the device, which
+    # skips it in a capture (see _check_on_device).
+    if tensors.capture is not None or not executor.is_materialized(t) or _host_reads_stall():
         return None
     return np.asarray(tensors.read(t))
 

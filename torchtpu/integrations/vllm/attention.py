@@ -9,9 +9,12 @@ logical ``[B, H, N, C]`` view. A step writes the new keys and values into their 
 Attention pads the step's ragged queries to ``[requests, max_query_len]`` and masks each query
 to the keys at or before its own position in its request, which serves prefill, decode, chunked
 prefill and prefix-cache hits (context already in the cache, fewer new tokens) alike. The masks
-and gather indices are built once a step by :class:`TpuAttentionMetadataBuilder` and shared by
-every layer. The context read spans the step's longest sequence rounded up to a power of two of
-blocks, so programs are reused across steps.
+and gather indices are derived once a step, by the first layer, from vLLM's persistent buffers
+(:meth:`TpuAttentionMetadata.layout`) and shared by every layer, so a captured forward
+(``graphs.py``) computes them inside its one program. The query length and the context read
+are rounded up to powers of two (of tokens, of blocks), so programs are reused across steps;
+tokens and requests that the runner pads (slot -1, block table rows on the null block 0) are
+computed and dropped.
 """
 
 from __future__ import annotations
@@ -108,14 +111,54 @@ def _slots(kv_cache: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class TpuAttentionMetadata:
-    num_actual_tokens: int
-    num_reqs: int
-    max_query_len: int
-    query_rows: torch.Tensor  # [R, Q] the step token each padded query row reads
-    token_rows: torch.Tensor  # [T] the padded row (r * Q + i) each step token's output is in
-    context_slots: torch.Tensor  # [R * L] the cache slot of each request's context position
-    mask: torch.Tensor  # [R, 1, Q, L] True where a query sees a context position
-    context_len: int  # L
+    """A step's attention layout: sizes on the host, the ragged layout as vLLM's own buffers.
+
+    The tensors are slices of the model runner's persistent device buffers (query start
+    locations, sequence lengths, block table), so a captured step that reads them reads each
+    new step's values at replay. The gather indices and the mask derived from them are made by
+    the first layer's forward (:meth:`layout`) and shared by the others: inside a capture they
+    are part of the one program, not ops of their own.
+    """
+
+    num_actual_tokens: int  # T, padded where the runner pads the step
+    num_reqs: int  # R, likewise
+    max_query_len: int  # Q: the longest query, rounded up to a power of two
+    context_len: int  # L: the longest context, in whole blocks, a power of two of them
+    block_size: int
+    query_start_loc: torch.Tensor  # [R + 1], non-decreasing (padded requests query nothing)
+    seq_lens: torch.Tensor  # [R]
+    block_table: torch.Tensor  # [R, >= L / block_size]
+    _layout: tuple | None = None
+
+    def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(query_rows [R, Q], token_rows [T], context_slots [R * L], mask [R, 1, Q, L]).
+
+        query_rows: the step token each padded query row reads; token_rows: the padded row
+        each step token's output is in; context_slots: the cache slot of each request's context
+        position; mask: True where a query sees a context position (a padded query row sees
+        position 0 only, so its softmax stays finite; its output is dropped).
+        """
+        if self._layout is None:
+            self._layout = _layout(self)
+        return self._layout
+
+
+def _layout(md: TpuAttentionMetadata) -> tuple:
+    t, r, q, bs = md.num_actual_tokens, md.num_reqs, md.max_query_len, md.block_size
+    dev = md.seq_lens.device
+    starts = md.query_start_loc[: r + 1].long()
+    lens = starts[1:] - starts[:-1]
+    offsets = torch.arange(q, device=dev)
+    query_rows = (starts[:-1, None] + offsets).clamp(max=max(t - 1, 0))
+    positions = md.seq_lens[:r].long()[:, None] - lens[:, None] + offsets
+    positions = torch.where(offsets < lens[:, None], positions, 0)
+    mask = (torch.arange(md.context_len, device=dev) <= positions[:, :, None])[:, None]
+    token = torch.arange(t, device=dev)
+    req = torch.searchsorted(starts[1:], token, right=True).clamp(max=r - 1)
+    token_rows = (req * q + token - starts[req]).clamp(0, r * q - 1)
+    pages = md.block_table[:r, : md.context_len // bs].long()
+    context_slots = (pages[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(-1)
+    return query_rows, token_rows, context_slots, mask
 
 
 def _pow2_at_least(n: int) -> int:
@@ -130,39 +173,15 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuAttentionMetadata:
+        # no device work here: the layout is derived inside the model's forward (layout())
         m = common_attn_metadata
-        num_reqs, num_tokens, q_max = m.num_reqs, m.num_actual_tokens, m.max_query_len
-        block_table = m.block_table_tensor[:num_reqs]
-        num_blocks = min(block_table.shape[1],
-                         _pow2_at_least(-(-m.max_seq_len // self.block_size)))
-        context_len = num_blocks * self.block_size
-
-        # the ragged layout is known on the host: index tensors are made there and sent once
-        starts = m.query_start_loc_cpu[: num_reqs + 1].long()
-        lens = starts[1:] - starts[:-1]
-        offsets = torch.arange(q_max)
-        query_rows = (starts[:-1, None] + offsets).clamp(max=max(num_tokens - 1, 0))
-        valid = offsets < lens[:, None]
-        req_of_token = torch.repeat_interleave(torch.arange(num_reqs), lens)
-        token_rows = req_of_token * q_max + torch.arange(num_tokens) - starts[req_of_token]
-        to_dev = lambda t: t.to(self.device, non_blocking=True)  # noqa: E731
-
-        # positions need the cached context lengths, which live on the device
-        seq_lens = m.seq_lens[:num_reqs].long()
-        first = seq_lens - to_dev(lens)
-        positions = first[:, None] + to_dev(offsets)
-        # a padded query row sees position 0 only, so its softmax stays finite (it is dropped)
-        positions = torch.where(to_dev(valid), positions, 0)
-        keys = torch.arange(context_len, device=self.device)
-        mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
-
-        pages = block_table[:, :num_blocks].long()
-        in_block = torch.arange(self.block_size, device=self.device)
-        context_slots = (pages[:, :, None] * self.block_size + in_block).reshape(-1)
+        table = m.block_table_tensor
+        num_blocks = min(table.shape[1], _pow2_at_least(-(-m.max_seq_len // self.block_size)))
         return TpuAttentionMetadata(
-            num_actual_tokens=num_tokens, num_reqs=num_reqs, max_query_len=q_max,
-            query_rows=to_dev(query_rows), token_rows=to_dev(token_rows),
-            context_slots=context_slots, mask=mask, context_len=context_len,
+            num_actual_tokens=m.num_actual_tokens, num_reqs=m.num_reqs,
+            max_query_len=min(_pow2_at_least(m.max_query_len), m.num_actual_tokens),
+            context_len=num_blocks * self.block_size, block_size=self.block_size,
+            query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
         )
 
 
@@ -196,10 +215,11 @@ class TpuAttentionImpl(AttentionImpl):
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         slots = _slots(kv_cache)
-        # rows past the step's tokens are padding (slot -1, which indexing would wrap)
         n = min(key.shape[0], slot_mapping.shape[0])
         rows = torch.cat([key[:n], value[:n]], dim=-1).to(slots.dtype)
-        slots.index_copy_(0, slot_mapping[:n].long(), rows)
+        # a padded token's slot is -1, which indexing would wrap to the last slot: it writes
+        # into block 0 instead, vLLM's null block, which no request's context reads
+        slots.index_copy_(0, slot_mapping[:n].long().clamp(min=0), rows)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -215,14 +235,15 @@ class TpuAttentionImpl(AttentionImpl):
         md = attn_metadata
         n, reqs, q_len = md.num_actual_tokens, md.num_reqs, md.max_query_len
         d = self.head_size
-        context = _slots(kv_cache).index_select(0, md.context_slots)
+        query_rows, token_rows, context_slots, mask = md.layout()
+        context = _slots(kv_cache).index_select(0, context_slots)
         context = context.view(reqs, md.context_len, self.num_kv_heads, 2 * d).transpose(1, 2)
         k, v = context[..., :d], context[..., d:]
-        q = query[:n][md.query_rows].transpose(1, 2)  # [R, heads, Q, d]
+        q = query[:n][query_rows].transpose(1, 2)  # [R, heads, Q, d]
         out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=md.mask, scale=self.scale,
+            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(reqs * q_len, self.num_heads, d)
-        output[:n] = out[md.token_rows]
+        output[:n] = out[token_rows]
         return output

@@ -8,10 +8,13 @@ scheduling, KV-cache sizing and model loading and replaces only device set-up.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import gc
 
 import torch
+from vllm.config import CUDAGraphMode
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
@@ -20,7 +23,8 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from torchtpu.integrations.vllm.attention import allocate_kv_caches
+from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
+from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
 
 # torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
 # has not got; torch.tpu answers the same questions.
@@ -60,7 +64,62 @@ def _tpu_runner_hooks() -> None:
 
 
 class TpuModelRunner(GPUModelRunner):
-    """vLLM's GPU model runner, given a "tpu" device."""
+    """vLLM's GPU model runner, given a "tpu" device, running each step's forward captured.
+
+    Steps are padded the way vLLM pads a step for a full CUDA graph (its FULL runtime mode:
+    padded tokens and requests, padded rows of the block table on the null block), to the
+    sizes :func:`graphs.bucket` picks; the forward of each padded shape is one captured program
+    (``graphs.py``). ``--enforce-eager`` turns both off.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.step_graphs = None if self.model_config.enforce_eager else StepGraphs()
+
+    def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args,
+                                               force_eager: bool = False, **kwargs):
+        mode, desc, ubatch, across_dp, stats = super()._determine_batch_execution_and_padding(
+            num_tokens, num_reqs, *args, force_eager=force_eager, **kwargs)
+        if (self.step_graphs is None or force_eager or ubatch or across_dp is not None
+                or mode != CUDAGraphMode.NONE):
+            return mode, desc, ubatch, across_dp, stats
+        desc = dataclasses.replace(
+            desc, num_tokens=bucket(num_tokens, self.max_num_tokens),
+            num_reqs=bucket(num_reqs, self.max_num_reqs))
+        return CUDAGraphMode.FULL, desc, ubatch, across_dp, stats
+
+    def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
+                       inputs_embeds=None, **model_kwargs):
+        def forward():
+            return super(TpuModelRunner, self)._model_forward(
+                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+
+        key = self._step_key(input_ids, positions, intermediate_tensors, inputs_embeds,
+                             model_kwargs)
+        return forward() if key is None else self.step_graphs(key, forward)
+
+    def _step_key(self, input_ids, positions, intermediate_tensors, inputs_embeds,
+                  model_kwargs):
+        """What a captured forward depends on, or None where this step runs eagerly."""
+        if self.step_graphs is None or not is_forward_context_available():
+            return None
+        ctx = get_forward_context()
+        if (ctx.cudagraph_runtime_mode != CUDAGraphMode.FULL or not ctx.attn_metadata
+                or not isinstance(ctx.attn_metadata, dict) or intermediate_tensors is not None
+                or inputs_embeds is not None or model_kwargs
+                or not isinstance(input_ids, torch.Tensor)):
+            return None
+        layouts = set()
+        for md in ctx.attn_metadata.values():
+            if not isinstance(md, TpuAttentionMetadata):
+                return None
+            layouts.add((md.num_actual_tokens, md.num_reqs, md.max_query_len, md.context_len,
+                         md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
+                         md.block_table.data_ptr()))
+        slots = tuple(sorted((name, t.data_ptr(), t.shape[0])
+                             for name, t in (ctx.slot_mapping or {}).items()))
+        return (ctx.batch_descriptor, tuple(sorted(layouts)), slots,
+                input_ids.data_ptr(), positions.data_ptr(), tuple(positions.shape))
 
 
 class TpuWorker(Worker):
