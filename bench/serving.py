@@ -7,11 +7,17 @@ each gets the same request mix: prompts of 128 random tokens, 64 greedy output t
 the prefix cache never hits. A warm-up round per concurrency comes first (torchtpu compiles each
 new batch shape on first use; vLLM's CPU kernels need none), then ``--rounds`` measured rounds.
 
+torchtpu serves with its captured steps (each padded step shape's forward one program,
+``torchtpu/integrations/vllm/graphs.py``); vLLM's CPU platform runs ``--enforce-eager`` (its C++
+kernels op by op, no Inductor compile) unless ``--cpu-compiled``. ``--tpu-eager`` adds a third
+server, torchtpu with ``--enforce-eager``, for the account of where the time goes.
+
 Reported per platform and concurrency: output tokens/s over the round's wall time, time to first
 token (TTFT) and inter-token latency (ITL, the mean gap between a request's streamed tokens),
 then torchtpu / CPU ratios. Needs the vLLM venv (``python -m torchtpu.integrations.vllm.install``).
 
-    python bench/serving.py [--rounds 2] [--prompt 128] [--output 64]
+    python bench/serving.py [--rounds 2] [--prompt 128] [--output 64] [--cpu-compiled]
+                            [--tpu-eager]
 """
 
 from __future__ import annotations
@@ -55,16 +61,28 @@ def _round(url: str, model: str, concurrency: int, args, rng: random.Random) -> 
             "itl": statistics.mean(r["itl"] for r in done)}
 
 
-def measure(platform: str, model: str, args) -> dict[int, dict]:
+def measure(platform: str, model: str, args, eager: bool = False) -> dict[int, dict]:
     rng = random.Random(0)
     results = {}
-    with server.serve(model, platform) as url:
+    serve_args = (*server.SERVE_ARGS, "--enforce-eager") if eager else server.SERVE_ARGS
+    with server.serve(model, platform, args=serve_args) as url:
         for concurrency in CONCURRENCY:
             _round(url, model, concurrency, args, rng)  # warm-up: compiles on tpu
             rounds = [_round(url, model, concurrency, args, rng) for _ in range(args.rounds)]
             results[concurrency] = {k: statistics.mean(r[k] for r in rounds) for k in rounds[0]}
-            print(f"{platform} c={concurrency}: {results[concurrency]}", flush=True)
+            print(f"{platform}{' eager' if eager else ''} c={concurrency}: "
+                  f"{results[concurrency]}", flush=True)
     return results
+
+
+def _rows(name: str, r: dict, c: int) -> str:
+    return (f"| {c} | {name} | {r['tok_s']:.1f} | {r['ttft'] * 1e3:.0f} | "
+            f"{r['itl'] * 1e3:.1f} |")
+
+
+def _ratio(name: str, a: dict, b: dict, c: int) -> str:
+    return (f"| {c} | {name} | {a['tok_s'] / b['tok_s']:.2f}x | {a['ttft'] / b['ttft']:.2f}x | "
+            f"{a['itl'] / b['itl']:.2f}x |")
 
 
 def main() -> None:
@@ -72,19 +90,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--cpu-compiled", action="store_true",
+                        help="vLLM's CPU platform in its default compiled mode, not eager")
+    parser.add_argument("--tpu-eager", action="store_true",
+                        help="also measure torchtpu with --enforce-eager")
     args = parser.parse_args()
     model = str(save_tiny_model(tempfile.mkdtemp(), "llama"))
     print(f"load average {os.getloadavg()[0]:.1f}; prompt {args.prompt}, output {args.output}, "
           f"{args.rounds} rounds after a warm-up", flush=True)
-    cpu = measure("cpu", model, args)
+    cpu = measure("cpu", model, args, eager=not args.cpu_compiled)
     tpu = measure("tpu", model, args)
+    tpu_eager = measure("tpu", model, args, eager=True) if args.tpu_eager else None
+    cpu_name = "vLLM CPU" + ("" if args.cpu_compiled else " (eager)")
     print("\n| concurrency | platform | tokens/s | TTFT ms | ITL ms |\n|---|---|---|---|---|")
     for c in CONCURRENCY:
-        for name, r in (("vLLM CPU", cpu[c]), ("torchtpu", tpu[c])):
-            print(f"| {c} | {name} | {r['tok_s']:.1f} | {r['ttft'] * 1e3:.0f} | "
-                  f"{r['itl'] * 1e3:.1f} |")
-        print(f"| {c} | torchtpu / CPU | {tpu[c]['tok_s'] / cpu[c]['tok_s']:.2f}x | "
-              f"{tpu[c]['ttft'] / cpu[c]['ttft']:.2f}x | {tpu[c]['itl'] / cpu[c]['itl']:.2f}x |")
+        print(_rows(cpu_name, cpu[c], c))
+        print(_rows("torchtpu (captured steps)", tpu[c], c))
+        if tpu_eager:
+            print(_rows("torchtpu (--enforce-eager)", tpu_eager[c], c))
+        print(_ratio("torchtpu / CPU", tpu[c], cpu[c], c))
     print(f"load average at the end {os.getloadavg()[0]:.1f}")
 
 

@@ -69,11 +69,12 @@ def new_kv_cache(spec: AttentionSpec, num_blocks: int, device: torch.device) -> 
             f"torchtpu.unsupported: the tpu attention backend stores keys and values of one head "
             f"size; this model has {spec.head_size} and {spec.head_size_v}"
         )
-    pages = torch.zeros(
-        (num_blocks, spec.block_size, spec.num_kv_heads, 2 * spec.head_size),
-        dtype=spec.dtype, device=device,
-    )
-    return pages.transpose(1, 2)
+    # made in the shape every step writes it through (one row per slot, see _slots): a
+    # captured step then reads and writes the storage in one shape, so XLA updates it in place
+    # (a first capture that saw the page shape would copy the whole cache at every replay)
+    slots = torch.zeros((num_blocks * spec.block_size, spec.num_kv_heads, 2 * spec.head_size),
+                        dtype=spec.dtype, device=device)
+    return slots.view(num_blocks, spec.block_size, *slots.shape[1:]).transpose(1, 2)
 
 
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device,
@@ -141,6 +142,10 @@ class TpuAttentionMetadata:
         if self._layout is None:
             self._layout = _layout(self)
         return self._layout
+
+    def forget_layout(self) -> None:
+        """Drop the layout tensors (at the end of the step's forward)."""
+        self._layout = None
 
 
 def _layout(md: TpuAttentionMetadata) -> tuple:

@@ -5,7 +5,10 @@ program call with its Python dispatch around it; vLLM's CUDA platform answers th
 with CUDA graphs. Here the model runner pads each step to a few sizes (:func:`bucket`: powers
 of two of tokens and of requests, as vLLM pads to its cudagraph capture sizes), so that steps
 repeat a handful of shapes, and :class:`StepGraphs` captures the forward of each shape with
-``torch.tpu.graph`` the first time it runs and replays that one program afterwards.
+``torch.tpu.graph`` the first time it runs and replays that one program afterwards. Only
+decode steps are captured (vLLM's FULL_DECODE_ONLY): they are nearly every step and come in a
+few shapes, while steps holding prefills come in many, each of which would compile a program of
+its own (seconds, on the first request that meets it); those run op by op.
 
 A replay reads the storages the capture read, so everything the forward reads must live in a
 storage that holds the new step's values: the weights, the KV caches (written in place by the

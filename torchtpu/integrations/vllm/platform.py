@@ -3,8 +3,8 @@
 vLLM's built-in TPU platform is tied to libtpu and its CPU platform to compiled ``_C`` kernels
 that read raw pointers (a "tpu" tensor's address is never dereferenceable), so this is an
 out-of-tree platform (``PlatformEnum.OOT``) whose worker builds on vLLM's GPU worker, the way
-vLLM's XPU platform does. Inductor and CUDA graphs are off: torchtpu compiles through its own
-Dynamo backend and has no graphs to capture.
+vLLM's XPU platform does. Inductor and vLLM's CUDA graph wrappers are off: the model runner
+pads decode steps and captures their forwards with ``torch.tpu.graph`` itself (``graphs.py``).
 """
 
 from __future__ import annotations

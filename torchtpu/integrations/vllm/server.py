@@ -24,8 +24,9 @@ import urllib.request
 from collections.abc import Iterator
 from typing import IO
 
-# small enough for the host's reported free memory, as large as a few tiny-model requests need
-SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256", "--enforce-eager",
+# small enough for the host's reported free memory, as large as a few tiny-model requests need;
+# on tpu each step's forward is a captured program (``graphs.py``) unless --enforce-eager is added
+SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256",
               "--gpu-memory-utilization", "0.01", "--kv-cache-memory-bytes", str(8 << 20))
 
 

@@ -64,12 +64,13 @@ def _tpu_runner_hooks() -> None:
 
 
 class TpuModelRunner(GPUModelRunner):
-    """vLLM's GPU model runner, given a "tpu" device, running each step's forward captured.
+    """vLLM's GPU model runner, given a "tpu" device, running decode steps' forwards captured.
 
     Steps are padded the way vLLM pads a step for a full CUDA graph (its FULL runtime mode:
     padded tokens and requests, padded rows of the block table on the null block), to the
-    sizes :func:`graphs.bucket` picks; the forward of each padded shape is one captured program
-    (``graphs.py``). ``--enforce-eager`` turns both off.
+    sizes :func:`graphs.bucket` picks; the forward of each padded decode shape is one captured
+    program (``graphs.py``), steps with prefills run op by op. ``--enforce-eager`` turns both
+    off.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -91,8 +92,15 @@ class TpuModelRunner(GPUModelRunner):
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
         def forward():
-            return super(TpuModelRunner, self)._model_forward(
+            out = super(TpuModelRunner, self)._model_forward(
                 input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+            # the layers' shared layout dies with the forward: alive at the end of a capture,
+            # it would be an output the program writes at every replay
+            mds = get_forward_context().attn_metadata
+            for md in mds.values() if isinstance(mds, dict) else ():
+                if isinstance(md, TpuAttentionMetadata):
+                    md.forget_layout()
+            return out
 
         key = self._step_key(input_ids, positions, intermediate_tensors, inputs_embeds,
                              model_kwargs)
@@ -111,7 +119,10 @@ class TpuModelRunner(GPUModelRunner):
             return None
         layouts = set()
         for md in ctx.attn_metadata.values():
-            if not isinstance(md, TpuAttentionMetadata):
+            # decode steps only, as vLLM's FULL_DECODE_ONLY: they repeat a few shapes all the
+            # time, while steps with prefills come in many and would each compile a program;
+            # those run op by op, their padded shapes reusing the per-op programs
+            if not isinstance(md, TpuAttentionMetadata) or md.max_query_len != 1:
                 return None
             layouts.add((md.num_actual_tokens, md.num_reqs, md.max_query_len, md.context_len,
                          md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
