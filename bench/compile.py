@@ -1,11 +1,11 @@
-"""torch.compile(backend="tpu") figures: training throughput, cold vs warm start, dynamic shapes.
+"""torch.compile(backend="tpu") figures: training throughput against Strict and JAX, dynamic shapes.
 
 In one run: the compiled TinyGPT training step (2 layers, width 64, sequence 32, batch 8, AdamW
 with clipping), as one captured program per call (the whole step, ``compile/whole_step.py``) and
 as Dynamo's graphs (``options={"whole_step": False}``), against Strict eager and against the same
-step written directly in JAX (same weights, same batches, one ``jax.jit``); the first two
-compiled steps of each in a fresh process with an empty persistent compile cache and then with
-the filled one; and the XLA programs built for 27 new sequence lengths under ``dynamic=True``.
+step written directly in JAX (same weights, same batches, one ``jax.jit``); and the XLA programs
+built for 27 new sequence lengths under ``dynamic=True``. First steps in a new process, cold
+cache against warm, are ``bench/warm_start.py``'s.
 
     python bench/compile.py [--steps 20] [--warmup 4]
 """
@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
-import subprocess
 import sys
-import tempfile
 import time
 
 import jax
@@ -155,32 +152,6 @@ def _jax_run(batches, warmup: int) -> tuple[float, list]:
     return (time.perf_counter() - start) / (len(batches) - warmup), losses
 
 
-def first_steps(whole: bool) -> None:
-    """Child process: time the first two compiled training steps, print them as JSON (the whole
-    step captures its first step, then its steady state at the second)."""
-    batches = _batches(2)
-    start = time.perf_counter()
-    model = _model().to("tpu")
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=WD)
-    step = torch.compile(_step, backend="tpu", options={"whole_step": whole})
-    seconds = []
-    for x, y in batches:
-        step(model, opt, x.to("tpu"), y.to("tpu")).item()
-        seconds.append(time.perf_counter() - start)
-        start = time.perf_counter()
-    m = torchtpu.metrics.snapshot()
-    print(json.dumps({"seconds": seconds, "compiles": m["executable_compiles"],
-                      "hits": m["persistent_cache_hits"]}))
-
-
-def _fresh_process(cache: str, whole: bool) -> dict:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": cache}
-    kind = "whole" if whole else "dynamo"
-    out = subprocess.run([sys.executable, __file__, "--first-steps", kind], env=env, text=True,
-                         capture_output=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])
-
-
 class _TokenMLP(nn.Module):
     """TinyGPT's embedding and MLP without attention: position-wise over the sequence."""
 
@@ -216,11 +187,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--first-steps", choices=("whole", "dynamo"), help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.first_steps:
-        first_steps(args.first_steps == "whole")
-        return
     batches = _batches(args.warmup + args.steps)
     whole, w_losses = _torch_run(torch.compile(_step, backend="tpu"), batches, args.warmup)
     compiled, c_losses = _torch_run(
@@ -240,14 +207,6 @@ def main() -> None:
     for name, losses in (("whole-step", w_losses), ("Dynamo graphs", c_losses)):
         print(f"max |loss difference| {name} vs JAX over {len(batches)} steps: "
               f"{max(abs(a - b) for a, b in zip(losses, j_losses, strict=True)):.2e}")
-    for name, whole_step in (("whole-step", True), ("Dynamo graphs", False)):
-        with tempfile.TemporaryDirectory() as cache:
-            cold, warm = _fresh_process(cache, whole_step), _fresh_process(cache, whole_step)
-        print(f"{name}, first / second compiled step in a fresh process: cold cache "
-              f"{cold['seconds'][0]:.2f} / {cold['seconds'][1]:.2f} s ({cold['compiles']} XLA "
-              f"compiles), warm cache {warm['seconds'][0]:.2f} / {warm['seconds'][1]:.2f} s "
-              f"({warm['compiles']} compiles, {warm['hits']} cache hits): first step "
-              f"{cold['seconds'][0] / warm['seconds'][0]:.1f}x")
     torch.manual_seed(0)
     for name, model in (("position-wise model (embedding, LayerNorm, MLP)", _TokenMLP()),
                         ("TinyGPT (causal attention over the sequence)",
