@@ -20,7 +20,8 @@ A key must name everything its program depends on. Callers give what is theirs (
 turns op names, specs, view geometries and module-level functions into stable text and refuses
 anything whose identity is only an address); ``fingerprint()`` adds the versions of torch, JAX
 and jaxlib, the platform, its device kind and version, the XLA flags and a hash of torchtpu's own
-source, so that an edited lowering never loads a program built from the old one.
+source, so that an edited lowering never loads a program built from the old one; a program's
+first call adds the JAX settings it is traced under (x64, the matmul precision).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class Unstable(Exception):
 
 @functools.cache
 def fingerprint() -> str:
-    """What every key depends on besides its caller's parts: versions, platform, own source."""
+    """What every key depends on besides its caller's parts (and, for a program, the settings
+    and argument signature of its first call): versions, platform, XLA flags, own source."""
     source = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for path in sorted(root.rglob("*.py")):
@@ -68,8 +70,7 @@ def fingerprint() -> str:
     device = jax.devices()[0]
     parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
              device.platform, device.device_kind, device.client.platform_version,
-             os.environ.get("XLA_FLAGS", ""), str(jax.config.jax_enable_x64),
-             str(jax.config.jax_default_matmul_precision), source.hexdigest()]
+             os.environ.get("XLA_FLAGS", ""), source.hexdigest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
@@ -295,7 +296,11 @@ class Program:
     def _prepare(self, args: tuple):
         if self._key is None or not cache_on():
             return self._jitted
-        key = hashlib.sha256(f"{self._key}\0{json.dumps(_signature(args))}".encode()).hexdigest()
+        # With the settings it is traced under now, which a process may change as it runs
+        # (torch.set_float32_matmul_precision sets JAX's).
+        settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
+                    _signature(args)]
+        key = hashlib.sha256(f"{self._key}\0{json.dumps(settings)}".encode()).hexdigest()
         entry = read_record("index", key)
         if entry is not None:
             try:
