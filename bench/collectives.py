@@ -3,9 +3,11 @@
 Two processes on localhost. Each builds the default tpu_dist group and a gloo group over the
 same ranks, then times all_reduce and all_gather (latency at 16 B; bandwidth at 1 MB and 64 MB:
 median of ``--iters`` calls after warm-up, barrier before each) with tpu_dist on tpu tensors and
-gloo on CPU tensors. Last, one DDP training step of a TinyGPT on tpu (its gradients in several
-1 MB buckets, so their all-reduces can overlap the rest of backward): its time with DDP minus the
-same step without DDP is the communication overhead.
+gloo on CPU tensors, their calls interleaved so that load from other processes falls on both.
+Last, one DDP training step of a TinyGPT on tpu (its gradients in several 1 MB buckets, so their
+all-reduces can overlap the rest of backward): its time with DDP minus the same step without DDP
+is the communication overhead, set against the time of the same bucket all-reduces alone (what
+overlapping them with backward hides).
 
 ``--transport`` picks tpu_dist's transport: ``host`` (gloo over host memory, XLA:CPU's default),
 ``xla`` (XLA collective programs; JAX's multi-process runtime starts at init_process_group), or
@@ -29,21 +31,35 @@ from torchtpu.testing.distributed import run
 SIZES = (("16 B", 4), ("1 MB", 1 << 18), ("64 MB", 1 << 24))  # float32 elements
 
 
-def _time(fn, iters: int, sync) -> float:
-    fn()  # warm-up (compiles what it needs)
+def _once(fn, sync) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
     sync()
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        t = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return time.perf_counter() - t
 
 
 def _tpu_sync():
     torch.tpu.synchronize()
+
+
+def _no_sync():
+    pass
+
+
+def _side_by_side(fns: list, iters: int) -> list[float]:
+    """The median time of each (fn, sync), their calls interleaved (in turn first), so that
+    load from other processes falls on all of them alike."""
+    for fn, sync in fns:
+        fn()  # warm-up (compiles what it needs)
+        sync()
+    times = [[] for _ in fns]
+    for i in range(iters):
+        order = list(range(len(fns)))
+        order = order[i % len(order):] + order[:i % len(order)]
+        for j in order:
+            times[j].append(_once(*fns[j]))
+    return [statistics.median(ts) for ts in times]
 
 
 def _groups(transport: str) -> dict:
@@ -61,7 +77,7 @@ def _collectives(rank, world, iters, big_iters, groups):
     for label, n in SIZES:
         k = big_iters if n >= 1 << 24 else iters
         for op in ("all_reduce", "all_gather"):
-            results = {}
+            names, fns = [], []
             timed = [(name, "tpu", group) for name, group in groups.items()]
             for name, device, group in (*timed, ("gloo", "cpu", gloo)):
                 x = torch.ones(n, device=device)
@@ -72,8 +88,10 @@ def _collectives(rank, world, iters, big_iters, groups):
                 else:
                     def fn(x=x, out=out, group=group):
                         dist.all_gather_into_tensor(out, x, group=group)
-                results[name] = _time(fn, k, _tpu_sync if device == "tpu" else lambda: None)
-            rows.append((op, label, results))
+                names.append(name)
+                fns.append((fn, _tpu_sync if device == "tpu" else _no_sync))
+            rows.append((op, label, dict(zip(names, _side_by_side(fns, k)))))
+            del fns, x, out  # 64 MB of each: let go before the next size
     return rows
 
 
@@ -86,7 +104,7 @@ def _ddp_overhead(rank, world, iters, group):
     data = torch.randint(0, 65, (8, 33))
     x, y = data[:, :-1].to("tpu"), data[:, 1:].to("tpu")
 
-    def timed(model):
+    def stepper(model):
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
 
         def step():
@@ -96,16 +114,28 @@ def _ddp_overhead(rank, world, iters, group):
             opt.step()
             loss.item()
 
-        return _time(step, iters, _tpu_sync)
+        return step
 
     def make():
         torch.manual_seed(1)
         return TinyGPT(vocab=65, block=32, n_layer=4, n_embd=128).to("tpu")
 
-    plain = timed(make())
-    model = DDP(make(), bucket_cap_mb=1, process_group=group)
+    plain, model = stepper(make()), DDP(make(), bucket_cap_mb=1, process_group=group)
+    ddp = stepper(model)
+    for _ in range(3):  # DDP rebuilds its buckets after the first step, and logs them later
+        ddp()
+    logged = model._get_ddp_logging_data()
+    sizes = logged.get("rebuilt_bucket_sizes", logged["bucket_sizes"])
+    buckets = [torch.ones(int(b) // 4, device="tpu") for b in sizes.split(",")]
+
+    def communication():  # DDP's bucket all-reduces alone: launched in turn, then waited for
+        for w in [dist.all_reduce(b, group=group, async_op=True) for b in buckets]:
+            w.wait()
+
+    with_ddp, without, alone = _side_by_side(
+        [(ddp, _tpu_sync), (plain, _tpu_sync), (communication, _tpu_sync)], iters)
     params = sum(p.numel() for p in model.parameters())
-    return plain, timed(model), params
+    return with_ddp, without, alone, params, len(buckets)
 
 
 def _body(rank, world, iters, big_iters, ddp_only, transport):
@@ -135,10 +165,14 @@ def main() -> None:
         print(f"| {op} | {label} | " + " | ".join(f"{times[n] * 1e3:.2f} ms" for n in names)
               + f" | {theirs * 1e3:.2f} ms | "
               + " | ".join(f"{times[n] / theirs:.2f}x" for n in names) + " |")
-    for name, (plain, ddp, params) in ddps.items():
+    for name, (ddp, plain, alone, params, buckets) in ddps.items():
+        overhead = ddp - plain
         print(f"\nDDP TinyGPT step over {name} (2 processes, {params} parameters, "
-              f"{params * 4 / 1e6:.2f} MB of gradients): {ddp * 1e3:.1f} ms with DDP, "
-              f"{plain * 1e3:.1f} ms without; communication overhead {(ddp - plain) * 1e3:.1f} ms")
+              f"{params * 4 / 1e6:.2f} MB of gradients in {buckets} buckets): {ddp * 1e3:.1f} ms "
+              f"with DDP, {plain * 1e3:.1f} ms without; communication overhead "
+              f"{overhead * 1e3:.1f} ms. The buckets' all-reduces alone take {alone * 1e3:.1f} "
+              f"ms: {(alone - overhead) * 1e3:.1f} ms of them ({(alone - overhead) / alone:.0%}) "
+              "hidden behind backward")
 
 
 if __name__ == "__main__":

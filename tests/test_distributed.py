@@ -75,6 +75,23 @@ def _collectives(rank, world):
     checks.append(("async bulk all_reduce returns at once",
                    rank == 1 or (pending and returned < 0.5), True))
     checks.append(("async bulk all_reduce", _cpu(late), whole))
+    # gloo reads a bulk input's device buffer in place, on the communication thread. Rank 0's
+    # thread writes views of the inputs while the transfers wait for rank 1 (which starts once
+    # told the writes are done): a view write would donate that buffer to be overwritten, but a
+    # lent one is copied instead, so the transfers still read the values they were given.
+    flight = [(torch.linspace(0, 1, 4096) + rank).to(dev) for _ in range(3)]
+    store = dist.distributed_c10d._get_default_store()
+    if rank != 0:
+        store.wait(["views written"])
+    works = [dist.all_reduce(x, async_op=True) for x in flight]
+    if rank == 0:
+        for x in flight:
+            x[:2048].zero_()
+        store.set("views written", "1")
+    for work in works:
+        work.wait()
+    checks.append(("views written while all_reduce is in flight",
+                   torch.stack([_cpu(x) for x in flight]), whole.expand(3, -1)))
 
     outs = [torch.empty(2, 3, device=dev) for _ in range(world)]
     dist.all_gather(outs, mine.to(dev))
@@ -224,7 +241,9 @@ def _ddp(rank, world):
         accumulate(ref, batch, 4)
         ref_opt.step()
 
-    model = DDP(make(), device_ids=[local], gradient_as_bucket_view=True)
+    # Small buckets: several bulk all-reduces in flight on the communication thread while
+    # backward goes on (gloo writing device buffers in place there crashed this).
+    model = DDP(make(), device_ids=[local], gradient_as_bucket_view=True, bucket_cap_mb=0.02)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     share = 16 // world
     for i, batch in enumerate(data):
@@ -241,9 +260,11 @@ def _ddp(rank, world):
     # With gradient_as_bucket_view the gradients are views into a few shared bucket storages.
     grads = [p.grad for p in model.parameters()]
     bucket_views = len({g.untyped_storage().data_ptr() for g in grads}) < len(grads)
+    logged = model._get_ddp_logging_data()
     return {
         "devices": {str(p.device) for p in model.parameters()},
         "bucket_views": bucket_views,
+        "buckets": len(logged.get("rebuilt_bucket_sizes", logged["bucket_sizes"]).split(",")),
         "diff": max((a - b).abs().max().item()
                     for a, b in zip(model.module.parameters(), ref.parameters())),
         "unused": _ddp_unused(rank, world, device),
@@ -293,7 +314,7 @@ def _ddp_unused(rank, world, device):
 def test_ddp_gpt_equals_full_batch():
     for out in run(_ddp, 2, timeout=300):
         assert out["devices"] == {"tpu:0"}
-        assert out["bucket_views"]
+        assert out["bucket_views"] and out["buckets"] >= 3, out
         assert out["diff"] < 2e-5, out
         unused = out["unused"]
         assert unused["diff"] < 1e-6 and unused["never has no grad"], unused

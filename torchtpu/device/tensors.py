@@ -125,9 +125,30 @@ def consume(t: torch.Tensor, by: str) -> None:
     t.untyped_storage()._tpu_array = Consumed(by)
 
 
+# ids of arrays a collective reads in place on another thread (``distributed/host.py``), with
+# how many collectives do: a view write copies such a storage instead of donating its buffer,
+# which the reader would otherwise see reused under it. (DeferAndFuse and compiled graphs donate
+# only arrays nothing else references, and the reader holds a reference.)
+lent: dict[int, int] = {}
+
+
+def lend(array) -> None:
+    """Keep array's buffer from being donated until ``unlend``; array must stay referenced."""
+    lent[id(array)] = lent.get(id(array), 0) + 1
+
+
+def unlend(array) -> None:
+    n = lent.pop(id(array)) - 1
+    if n:
+        lent[id(array)] = n
+
+
 def donation_refusal(t: torch.Tensor, param: str, call_tensors: list) -> str | None:
     """Why t's buffer cannot be given away by a call taking call_tensors, or None if it can:
     nothing else may be able to see it (``kernels/donation.py``)."""
+    if id(t.untyped_storage()._tpu_array) in lent:
+        return ("a collective still reads it (async_op=True); wait() for its Work before "
+                "donating the tensor")
     if t.requires_grad:
         return ("it requires grad, and autograd may need its value in backward; donate a "
                 "tensor that does not require grad (or drop donate_argnums)")
@@ -209,9 +230,9 @@ def _reader(g: Geometry):
 
 
 @functools.lru_cache(maxsize=4096)
-def _writer(g: Geometry):
+def _writer(g: Geometry, donate: bool = True):
     check_in_bounds(g)
-    return jax.jit(functools.partial(write_view, g=g), donate_argnums=0)
+    return jax.jit(functools.partial(write_view, g=g), donate_argnums=0 if donate else ())
 
 
 @functools.lru_cache(maxsize=1024)
@@ -317,4 +338,4 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         st._tpu_array = value
         return
     array = storage_array(t)
-    st._tpu_array = call(_writer(_geometry(t, array)), array, value)
+    st._tpu_array = call(_writer(_geometry(t, array), id(array) not in lent), array, value)

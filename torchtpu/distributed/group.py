@@ -173,12 +173,19 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
     def _launch(self, op: str, run, staged: list[host.Staged], result: list) -> dist.Work:
         """run() (a bulk transfer of staged tensors) on the communication thread, returning a
         pending Work; or now, on this thread, when a result must be written through it."""
+        def transfer():
+            try:
+                run()
+            finally:
+                for s in staged:
+                    s.release()
+
         if all(s.threadable for s in staged):
             work = Pending(result, op)
-            self._comm.submit(run, work)
+            self._comm.submit(transfer, work)
             return self._note(work)
         self._comm.drain()
-        run()
+        transfer()
         return Done(result)
 
     def _joined(self, op: str, works: list[dist.Work], result: list) -> dist.Work:
@@ -233,7 +240,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
 
         def run():
             self._exchange("all_reduce", t, reduce_op=int(kind))
-            buf = host.premultiply(kind, factor, staged.host())
+            buf = host.premultiply(kind, factor, staged.output(filled=True))
             options = AllreduceOptions()
             options.reduceOp = host.gloo_op(kind)
             self._wait("all_reduce", self._gloo.allreduce([buf], options))
@@ -292,10 +299,10 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
 
         def run():
             self._exchange(op, out, reduce_op=int(kind))
-            buf = source.host().reshape(-1)
+            buf = source.input().reshape(-1)
             if factor is not None:  # PREMUL_SUM, out of place: buf may be the input's buffer
                 buf = buf * factor
-            result = target.host().reshape(-1)
+            result = target.output().reshape(-1)
             options = ReduceScatterOptions()
             options.reduceOp = host.gloo_op(kind)
             self._wait(op, self._gloo._reduce_scatter_base(result, buf, options))
@@ -343,8 +350,8 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
 
         def run():
             self._exchange(op, input)
-            result = target.host().reshape(-1)
-            self._wait(op, self._gloo._allgather_base(result, source.host().reshape(-1),
+            result = target.output().reshape(-1)
+            self._wait(op, self._gloo._allgather_base(result, source.input().reshape(-1),
                                                       AllgatherOptions()))
             target.commit(result)
 
@@ -366,8 +373,12 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
         if value is not None:
             return self._rows(payloads, value)
         gathered = torch.empty(self.size() * t.numel(), dtype=t.dtype)
-        self._wait(op, self._gloo._allgather_base(gathered, host.buffer(t)[0].reshape(-1),
-                                                  AllgatherOptions()))
+        source = host.Staged(t, read=True, write=False)
+        try:
+            self._wait(op, self._gloo._allgather_base(gathered, source.input().reshape(-1),
+                                                      AllgatherOptions()))
+        finally:
+            source.release()
         return host.as_numpy(gathered).reshape(self.size(), *t.shape)
 
     def gather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],
@@ -406,7 +417,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
 
         def run():
             self._exchange("broadcast", t, root=root)
-            buf = staged.host()
+            buf = staged.input() if self.rank() == root else staged.output()
             options = BroadcastOptions()
             options.rootRank = root
             self._wait("broadcast", self._gloo.broadcast([buf], options))

@@ -9,6 +9,8 @@ a fused program that other ranks do not run; its result is written back as a fre
 from __future__ import annotations
 
 import ctypes
+import sys
+import threading
 
 import jax
 import numpy as np
@@ -77,8 +79,8 @@ def _raw(array: jax.Array, t: torch.Tensor) -> torch.Tensor:
     return as_torch(np.frombuffer(raw, np.uint8).view(array.dtype).reshape(t.shape), t.dtype)
 
 
-def _own_buffer(t: torch.Tensor):
-    """The array of t's storage when gloo may use its buffer in place (XLA:CPU, t its whole
+def _own_array(t: torch.Tensor):
+    """The array of t's storage when gloo may read its buffer in place (XLA:CPU, t its whole
     storage, no lazy conj/neg bit); else None. Flushes what is pending first."""
     if platform.platform() != "cpu" or not tensors.covers_storage(t) or t.is_conj() \
             or t.is_neg():
@@ -90,66 +92,117 @@ def _own_buffer(t: torch.Tensor):
     return array
 
 
-def alias(t: torch.Tensor) -> torch.Tensor | None:
-    """A CPU tensor sharing device tensor t's buffer, for gloo to read and write in place.
+# XLA:CPU takes a host buffer as a device array's own, without copying it, at this alignment.
+_ALIGN = 64
+# XLA releases the Python references of buffers it is done with in batches, here (private API).
+_collect_garbage = getattr(getattr(jax._src.lib, "_jax", None), "collect_garbage", lambda: None)
 
-    Only on XLA:CPU (device memory is host memory) and for a tensor that is its whole storage;
-    None otherwise (use ``to_host`` and ``write``). Copying 64 MB each way cost about twice the
-    gloo all_reduce itself here. Writing the buffer in place is what donation does: the storage
-    owns its array alone (storages never share buffers), and every dispatched computation is
-    waited for first, since one of them may still be reading this buffer.
+
+class _HostBuffers:
+    """Aligned host buffers that bulk collectives write their results into.
+
+    ``jax.device_put`` of an aligned NumPy array on XLA:CPU makes a device array over that same
+    memory, and XLA keeps a reference to the buffer until nothing uses that memory any more:
+    until the array is gone and every computation that read it finished. A buffer nothing but
+    this pool references is thus free to write again. Reusing buffers is what makes this pay: the
+    host zeroes fresh pages on first touch, and writing into a new 64 MB buffer took longer than
+    the gloo all_reduce itself (bench/RESULTS.md).
     """
-    array = _own_buffer(t)
-    if array is None:
-        return None
-    for live in jax.live_arrays():
-        live.block_until_ready()
-    return _raw(array, t)
+
+    KEEP = 4  # free buffers kept for reuse; older free ones are let go
+
+    def __init__(self) -> None:
+        self._buffers: list[np.ndarray] = []
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """An aligned uint8 array of nbytes that nothing else references."""
+        with self._lock:
+            _collect_garbage()
+            found, free = None, []
+            for i in range(len(self._buffers)):
+                if sys.getrefcount(self._buffers[i]) == 2:  # the list and the argument
+                    if found is None and self._buffers[i].nbytes == nbytes + _ALIGN:
+                        found = self._buffers[i]
+                    else:
+                        free.append(i)
+            for i in reversed(free[: max(0, len(free) - self.KEEP)]):
+                del self._buffers[i]
+            if found is None:
+                found = np.empty(nbytes + _ALIGN, np.uint8)
+                self._buffers.append(found)
+        start = -found.ctypes.data % _ALIGN
+        return found[start : start + nbytes]
 
 
-def buffer(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """(a CPU tensor with t's value for gloo, whether it shares t's buffer): ``alias`` where it
-    can, else a copy whose result must be stored back with ``write``."""
-    shared = alias(t)
-    return (to_host(t), False) if shared is None else (shared, True)
+_BUFFERS = _HostBuffers()
 
 
 class Staged:
     """A device tensor staged for a bulk collective that may run on another thread.
 
-    Made on the caller's thread, which flushes and takes the array involved; ``host()`` and
-    ``commit()`` then touch only that array, so the transfer may run on the group's
-    communication thread while the caller's thread goes on dispatching work. ``host()`` is the
-    CPU tensor gloo reads (``read``) and writes (``write``): for a tensor only read, t's own
-    buffer where ``alias`` could use it, else a copy. A written tensor always gets a buffer of
-    its own: writing a device buffer in place is safe only once every computation that may read
-    it finished (``alias`` waits for all of them), which the caller's thread would have to wait
-    for, and which another thread cannot wait for while the caller's thread frees arrays.
-    ``commit()`` stores the result into t. ``threadable`` says whether both may run off the
+    Made on the caller's thread, which flushes and takes what the transfer needs; ``input()``,
+    ``output()`` and ``commit()`` then touch only that, so the transfer may run on the group's
+    communication thread while the caller's thread goes on dispatching and freeing work.
+
+    ``input()`` is t's value for gloo to read: on XLA:CPU t's own buffer, read in place (lent, so
+    that no view write donates it meanwhile; DeferAndFuse and compiled graphs donate nothing
+    referenced elsewhere, and this holds a reference), else a host copy. ``output()`` is where
+    gloo writes the result: a host buffer of the collective's own (``_HostBuffers``), never a
+    device buffer, which a computation dispatched earlier may still be reading (writing those in
+    place raced the caller's thread and crashed DDP). ``commit()`` makes that buffer t's new
+    array, without a copy on XLA:CPU. ``threadable`` says whether all of it may run off the
     caller's thread: a result for a view must go through the caller's executor.
     """
 
     def __init__(self, t: torch.Tensor, *, read: bool, write: bool) -> None:
         self.tensor = t
-        self._read = read
-        self._buffer = None if write else _own_buffer(t)
-        self._value = None
-        if self._buffer is None and read:
-            self._value = read_now(t)
+        self._array = self._value = self._out = None
+        if read:
+            self._array = _own_array(t)
+            if self._array is not None:
+                tensors.lend(self._array)
+            else:
+                self._value = read_now(t)
+        if write and t.dtype is not torch.complex32:  # complex32 crosses as a complex64 copy
+            nbytes = t.numel() * t.element_size()
+            self._out = _BUFFERS.take(nbytes).view(dtypes.to_jax(t.dtype)).reshape(t.shape)
         covers = tensors.covers_storage(t) and not (t.is_conj() or t.is_neg())
         self.threadable = tensors.capture is None and (covers or not write)
 
-    def host(self) -> torch.Tensor:
+    def input(self) -> torch.Tensor:
+        """A CPU tensor with t's value, for gloo to read (and never write)."""
+        if self._array is not None:
+            self._array.block_until_ready()
+            return _raw(self._array, self.tensor)
+        return as_torch(np.array(self._value), self.tensor.dtype)
+
+    def output(self, *, filled: bool = False) -> torch.Tensor:
+        """The CPU tensor for gloo to write t's result into; filled: holding t's value first
+        (an in-place all_reduce: one copy, read from t's own buffer)."""
         t = self.tensor
-        if self._buffer is not None:
-            self._buffer.block_until_ready()
-            return _raw(self._buffer, t)
-        if self._read:
-            return as_torch(np.array(self._value), t.dtype)
-        return torch.empty(tuple(t.shape), dtype=t.dtype)
+        if self._out is None:
+            out = torch.empty(tuple(t.shape), dtype=t.dtype)
+            return out.copy_(self.input()) if filled else out
+        if filled:  # NumPy's copy: torch's copy_ waits on its thread pool (8 ms for 1 MB here)
+            np.copyto(self._out, as_numpy(self.input()))
+        return as_torch(self._out, t.dtype)
 
     def commit(self, buf: torch.Tensor) -> None:
-        tensors.write(self.tensor, _to_device(self.tensor, buf))
+        """Store the result buf (``output()``'s tensor, or any like it) into t."""
+        t = self.tensor
+        if self._out is not None and buf.data_ptr() == self._out.ctypes.data:
+            value = jax.device_put(self._out, platform.local_device())  # no copy on XLA:CPU
+        else:
+            value = _to_device(t, buf)
+        self.release()
+        tensors.write(t, value)
+
+    def release(self) -> None:
+        """Let go of what was staged (done by ``commit``; also after a failed transfer)."""
+        if self._array is not None:
+            tensors.unlend(self._array)
+        self._array = self._value = self._out = None
 
 
 # gloo reduces these itself; AVG and PREMUL_SUM are a SUM with a division or a multiplication.
