@@ -211,6 +211,26 @@ def test_collectives_match_cpu():
     _assert_checks(run(_collectives, 2))
 
 
+def test_host_buffers_lent_to_arrays_are_reused_once_free():
+    """A bulk result's host buffer becomes its device array without a copy (XLA:CPU), and is
+    written again only once that array is gone."""
+    import jax
+    import numpy as np
+
+    from torchtpu.distributed import host
+    from torchtpu.runtime import platform
+
+    pool = host._HostBuffers()
+    first = pool.take(4096)
+    array = jax.device_put(first.view(np.float32), platform.local_device())
+    lent = first.ctypes.data
+    assert array.unsafe_buffer_pointer() == lent
+    del first
+    assert pool.take(4096).ctypes.data != lent  # still the array's
+    del array
+    assert pool.take(4096).ctypes.data == lent
+
+
 def _ddp(rank, world):
     """DDP with the CUDA idioms (tpu:LOCAL_RANK, set_device_index, device_ids) on TinyGPT."""
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -3,7 +3,9 @@
 Measured on XLA:CPU (bench/collectives.py), gloo over host memory beats JAX's cross-process CPU
 collectives at every size, so this is the transport wherever the device is XLA:CPU. Reading a
 tensor flushes whatever DeferAndFuse holds pending for it, so a collective never becomes part of
-a fused program that other ranks do not run; its result is written back as a fresh array.
+a fused program that other ranks do not run; its result is written back as a fresh array. Bulk
+collectives (``Staged``) copy nothing on XLA:CPU but an all_reduce's input, once: gloo reads
+device buffers in place and writes host buffers that become device arrays as they are.
 """
 
 from __future__ import annotations
@@ -109,7 +111,8 @@ class _HostBuffers:
     the gloo all_reduce itself (bench/RESULTS.md).
     """
 
-    KEEP = 4  # free buffers kept for reuse; older free ones are let go
+    # Free buffers kept for reuse, newest first, up to this many and bytes; older ones are let go.
+    KEEP, KEEP_BYTES = 4, 1 << 29
 
     def __init__(self) -> None:
         self._buffers: list[np.ndarray] = []
@@ -126,8 +129,12 @@ class _HostBuffers:
                         found = self._buffers[i]
                     else:
                         free.append(i)
-            for i in reversed(free[: max(0, len(free) - self.KEEP)]):
-                del self._buffers[i]
+            kept = total = 0
+            for i in reversed(free):
+                total += self._buffers[i].nbytes
+                kept += 1
+                if kept > self.KEEP or total > self.KEEP_BYTES:
+                    del self._buffers[i]
             if found is None:
                 found = np.empty(nbytes + _ALIGN, np.uint8)
                 self._buffers.append(found)
