@@ -279,6 +279,10 @@ class Program:
     def jitted(self):
         return self._jitted
 
+    @property
+    def __name__(self) -> str:  # the program's name, as the profiler reads it off a jitted one
+        return self._jitted.__name__
+
     def __call__(self, *args):
         call = self._call
         if call is None:
