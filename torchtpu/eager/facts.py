@@ -17,6 +17,8 @@ import jax
 
 from torchtpu.runtime import warm
 
+MAX_FACTS = 20000  # ~200 bytes each in the record
+
 _lock = threading.Lock()
 _known: dict | None = None   # text hash -> [avals, out tree], read from the record
 _new: dict = {}              # facts learned here, not yet written
@@ -85,6 +87,8 @@ def save() -> None:
         return
     merged = warm.read_record("shapes", key) or {}
     merged.update(new)
+    if len(merged) > MAX_FACTS:  # the oldest go first (many shapes of DeferAndFuse recordings)
+        merged = dict(list(merged.items())[-MAX_FACTS:])
     warm.write_record("shapes", key, merged)
     with _lock:
         _load().update(new)
