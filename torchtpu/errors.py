@@ -79,9 +79,11 @@ GLOSSARY: dict[str, Entry] = {
         "(`torch.compiler.disable`) until it is supported."),
     "cache": Entry(
         "A persistent compile cache entry was unreadable (damaged, truncated), or the cache "
-        "directory cannot be used.",
+        "directory cannot be used, or (a warning) warm starts are off because the directory is "
+        "not yours alone.",
         "Nothing for a damaged entry: it is deleted and recompiled. For the directory, set "
-        "TORCHTPU_CACHE_DIR to a writable one (or `off`)."),
+        "TORCHTPU_CACHE_DIR to a writable one (or `off`); for warm starts, `chmod go-w` it or "
+        "use a directory of your own."),
     "distributed": Entry(
         "torch.distributed on the tpu_dist backend got what it cannot do: CPU tensors in a "
         "collective, collectives that differ between ranks, an operation it does not serve, a "
