@@ -287,16 +287,15 @@ def _apply_lazy_bits(t: torch.Tensor, value):
     return value
 
 
+def _is_whole(t: torch.Tensor, array) -> bool:
+    """t's value is array itself: the same shape and dtype, contiguous from the storage's start."""
+    return (array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()
+            and array.dtype == dtypes.to_jax(t.dtype))
+
+
 def _parts(t: torch.Tensor) -> tuple:
     array = storage_array(t)
-    if (
-        array.shape == t.shape
-        and t.storage_offset() == 0
-        and t.is_contiguous()
-        and array.dtype == dtypes.to_jax(t.dtype)
-    ):
-        return array, None
-    return array, _geometry(t, array)
+    return (array, None) if _is_whole(t, array) else (array, _geometry(t, array))
 
 
 def read(t: torch.Tensor) -> jax.Array:
@@ -313,15 +312,14 @@ def read_parts(t: torch.Tensor) -> tuple:
     """(array, geometry): t's value is ``read_view(array, geometry)``, or array itself when the
     geometry is None. A program that takes t can read the view itself, inside its own
     computation, instead of a separate program call reading it first."""
-    array = t.untyped_storage()._tpu_array
-    # Every op's every tensor argument comes here: the common case (a computed array that is t
-    # whole) is tested first, inline.
-    if (array is not None and not isinstance(array, Deferred) and capture is None
-            and array.shape == t.shape and t.storage_offset() == 0 and t.is_contiguous()
-            and array.dtype == dtypes.to_jax(t.dtype) and not (t.is_conj() or t.is_neg())):
-        return array, None
     if t.is_conj() or t.is_neg():
         return read(t), None
+    array = t.untyped_storage()._tpu_array
+    # Every op's every tensor argument comes here: the common case (a computed array that is t
+    # whole) is tested first, without ``storage_array``'s materializing and capture steps.
+    if (array is not None and not isinstance(array, Deferred) and capture is None
+            and _is_whole(t, array)):
+        return array, None
     return _parts(t)
 
 
