@@ -248,18 +248,19 @@ def reduce_op(op: ReduceOp, dtype: torch.dtype) -> tuple[RedOpType, float | None
 
 
 def premultiply(kind: RedOpType, factor, value):
-    """Scale value by PREMUL_SUM's factor before the sum (numpy or torch, in place if possible)."""
+    """Scale value by PREMUL_SUM's factor before the sum: a torch tensor in place, a NumPy or
+    JAX array (the XLA transport's, traced) into a new one of its dtype."""
     if kind == RedOpType.PREMUL_SUM:
-        return value * np.asarray(factor).astype(value.dtype) if isinstance(value, np.ndarray) \
-            else value.mul_(factor)
+        return value.mul_(factor) if isinstance(value, torch.Tensor) \
+            else value * np.asarray(factor).astype(value.dtype)
     return value
 
 
 def finish(kind: RedOpType, value, size: int):
-    """Divide an AVG's sum by the group size."""
+    """Divide an AVG's sum by the group size (in place for a torch tensor, as premultiply)."""
     if kind == RedOpType.AVG:
-        return (value / size).astype(value.dtype) if isinstance(value, np.ndarray) \
-            else value.div_(size)
+        return value.div_(size) if isinstance(value, torch.Tensor) \
+            else (value / size).astype(value.dtype)
     return value
 
 

@@ -58,23 +58,15 @@ def _block(shape: tuple) -> tuple:
 
 # ---- the per-shard computations (b: this rank's block, n: the group size) ----
 
-def _premultiply(kind, factor, b):
-    return b * jnp.asarray(factor, b.dtype) if kind == RedOpType.PREMUL_SUM else b
-
-
-def _average(kind, n: int, b):
-    return (b / n).astype(b.dtype) if kind == RedOpType.AVG else b
-
-
 def _fold(kind, factor, n: int, rows):
     """Every rank's value (rows[r]) reduced along axis 0, as the host transport reduces them."""
-    rows = _premultiply(kind, factor, rows)
-    return _average(kind, n, _FOLD[kind](rows, axis=0).astype(rows.dtype))
+    rows = host.premultiply(kind, factor, rows)
+    return host.finish(kind, _FOLD[kind](rows, axis=0).astype(rows.dtype), n)
 
 
 def _all_reduce(b, *, kind, factor, n):
     if kind in _SUMS and b.dtype != jnp.bool_:
-        return _average(kind, n, lax.psum(_premultiply(kind, factor, b), _AXIS))
+        return host.finish(kind, lax.psum(host.premultiply(kind, factor, b), _AXIS), n)
     if kind in (RedOpType.MIN, RedOpType.MAX) and b.dtype != jnp.bool_:
         return (lax.pmin if kind == RedOpType.MIN else lax.pmax)(b, _AXIS)
     return _fold(kind, factor, n, lax.all_gather(b, _AXIS))
@@ -83,8 +75,8 @@ def _all_reduce(b, *, kind, factor, n):
 def _reduce_scatter(b, *, kind, factor, n, out):
     rows = b.reshape(n, -1)
     if kind in _SUMS and b.dtype != jnp.bool_:
-        mine = lax.psum_scatter(_premultiply(kind, factor, rows), _AXIS, scatter_dimension=0)
-        return _average(kind, n, mine).reshape(out)
+        mine = lax.psum_scatter(host.premultiply(kind, factor, rows), _AXIS, scatter_dimension=0)
+        return host.finish(kind, mine, n).reshape(out)
     # Row r of what all_to_all returns is rank r's chunk for this rank.
     return _fold(kind, factor, n, lax.all_to_all(rows, _AXIS, 0, 0)).reshape(out)
 
