@@ -9,7 +9,7 @@ import torch
 from jax.sharding import Mesh, PartitionSpec
 
 from torchtpu import errors
-from torchtpu.kernels import interpret
+from torchtpu.kernels import pallas_mode
 from torchtpu.kernels.jax_op import jax_op
 from torchtpu.testing.compare import assert_same
 
@@ -195,7 +195,7 @@ pallas_double = jax_op("test_jax_op::pallas_double", _pallas_double)
 
 
 def test_a_pallas_kernel_is_interpreted_off_tpu_unedited(monkeypatch):
-    assert interpret.setting() is True  # CPU: interpret
+    assert pallas_mode.setting() is True  # CPU: interpret
     x = torch.arange(6.0).reshape(2, 3)
     assert_same(pallas_double(x.to("tpu")), x * 2)
 
@@ -216,9 +216,9 @@ def test_interpret_off_on_cpu_names_the_op_and_the_fix(monkeypatch):
 
 def test_tpu_interpreter_asked_for_where_it_does_not_run(monkeypatch):
     monkeypatch.setenv("TORCHTPU_PALLAS_INTERPRET", "tpu")
-    monkeypatch.setattr(interpret.platform, "platform", lambda: "gpu")
+    monkeypatch.setattr(pallas_mode.platform, "platform", lambda: "gpu")
     with pytest.raises(RuntimeError, match=r"pallas_double'.*runs only on the CPU platform.*'gpu'"):
         pallas_double(torch.ones(7, device="tpu"))
     monkeypatch.setenv("TORCHTPU_PALLAS_INTERPRET", "sometimes")
     with pytest.raises(ValueError, match="TORCHTPU_PALLAS_INTERPRET='sometimes'"):
-        interpret.mode()
+        pallas_mode.mode()

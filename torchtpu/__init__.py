@@ -12,11 +12,6 @@ from torchtpu.registration import register as _register
 
 _register()
 
-from torchtpu import compile as _compile  # noqa: E402, F401 (the "tpu" torch.compile backend)
-from torchtpu import distributed as _distributed  # noqa: E402
-
-_distributed.register()
-
 from torchtpu import metrics  # noqa: E402
 from torchtpu.device.loader import DeviceLoader  # noqa: E402
 

@@ -1,7 +1,9 @@
 """Registering "tpu" with PyTorch: PrivateUse1 renamed, hooks, device guard, kernels, generators.
 
-It wires every layer into PyTorch (the device's kernels, the executors' dispatch entry, the
-lowering table, ``torchtpu.tpu`` as ``torch.tpu``), so it sits above them all.
+It is the one place that wires torchtpu into PyTorch (the device's kernels, the executors'
+dispatch entry, the lowering table, ``torchtpu.tpu`` as ``torch.tpu``, the Dynamo backend, the
+``tpu_dist`` process group, the third-party adapters), so it sits above every layer: no other
+module registers anything with PyTorch as a side effect of being imported.
 
 ``register()`` is idempotent and is what both ``import torchtpu`` and the ``torch.backends``
 entry point (plain ``import torch``) call.
@@ -156,6 +158,11 @@ def register() -> None:
         from torchtpu import integrations
 
         integrations.install()
+        from torchtpu import compile as tpu_compile
+        from torchtpu import distributed
+
+        tpu_compile.install()  # the "tpu" torch.compile backend, registered when Dynamo loads
+        distributed.register()
         # JAX's backend starts at the first tpu op, not here (eager/dispatch.handler), so that
         # torchtpu.distributed can start JAX's multi-process runtime first.
         _libraries.extend([aten, fallback, *sparse_fallbacks, quantized_fallback])

@@ -34,8 +34,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torchtpu import metrics
 from torchtpu.compile import buckets, donation, dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
+from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.compile.graph_ops import GRAPH_OPS
-from torchtpu.compile.interpret import GraphFunction
 from torchtpu.device import asserts, dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema

@@ -20,7 +20,7 @@ import torch
 import torch.fx as fx
 
 from torchtpu import errors
-from torchtpu.compile.interpret import GraphFunction
+from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.device import dtypes, tensors
 from torchtpu.eager import schema
 

@@ -1,10 +1,11 @@
 """``torch.compile(..., mode="reduce-overhead")`` on tpu: each Dynamo graph as captured programs.
 
 Inductor answers this mode with CUDA Graphs; here each graph Dynamo hands over is run the way
-``torch.tpu.make_graphed_callables`` runs a callable (``eager/graphed.py``): its first call with
-a new input signature captures the graph's forward, and its backward when an input requires
-grad, each into one XLA program; every call replays them. No AOTAutograd and no per-op work run
-on a replay. Dynamo's guards still decide which graph runs, so Python state stays guarded.
+``torch.tpu.make_graphed_callables`` runs a callable (``eager/graphed_callables.py``): its first
+call with a new input signature captures the graph's forward, and its backward when an input
+requires grad, each into one XLA program; every call replays them. No AOTAutograd and no per-op
+work run on a replay. Dynamo's guards still decide which graph runs, so Python state stays
+guarded.
 
 A graph that writes its inputs in place (an optimizer step, gradient clipping) writes the call's
 tensors: their arrays stand in for the captured ones and take the results back. A graph with CPU
@@ -18,7 +19,7 @@ import logging
 
 import torch
 
-from torchtpu.eager.graphed import _Graphed, context
+from torchtpu.eager.graphed_callables import GraphedCallable, context
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,8 @@ def graphed(gm: torch.fx.GraphModule, example_inputs: list):
         if entry is None or not entry.can_write(args):
             if len(captures) >= MAX_CAPTURES:
                 captures.pop(next(iter(captures)))
-            entry = captures[key] = _Graphed(gm, tuple(args), warmup=0, allow_unused=True,
-                                              inputs_written=True)
+            entry = captures[key] = GraphedCallable(gm, tuple(args), warmup=0, allow_unused=True,
+                                                    inputs_written=True)
         return list(entry(*args))
 
     return run

@@ -1,8 +1,8 @@
 """What Dynamo must know about "tpu": the backend name, the device interface, the default backend.
 
-``register`` runs once, right after ``torch._dynamo`` is first imported (see ``on_import``), so
-``import torch`` does not load Dynamo. The backend itself (``backend``, which imports
-AOTAutograd and the decompositions) loads at the first compile.
+``register`` runs once, right after ``torch._dynamo`` is first imported
+(``torchtpu/import_hooks.py``), so ``import torch`` does not load Dynamo. The backend itself
+(``backend``, which imports AOTAutograd and the decompositions) loads at the first compile.
 """
 
 from __future__ import annotations

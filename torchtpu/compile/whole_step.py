@@ -62,8 +62,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchtpu.device import tensors
 from torchtpu.eager.capture import Capture, CaptureError
-from torchtpu.eager.graphed import _bind, _binding, _move_out, context
-from torchtpu.eager.graphs import StateCreated, _OptimizerWatch, mismatch
+from torchtpu.eager.graphed_callables import bind, binding, context, move_out
+from torchtpu.eager.tpu_graph import OptimizerWatch, StateCreated, mismatch
 
 log = logging.getLogger("torchtpu.compile")
 
@@ -170,7 +170,7 @@ class _Step:
         self.grads_in = {p: g for p, g in grads_in.items()
                          if g is not None and id(g.untyped_storage()) in read}
         self.grads_out = grads_out        # [(param, .grad the step leaves)]
-        self.guards = guards              # the optimizers' (eager/graphs.py)
+        self.guards = guards              # the optimizers' (eager/tpu_graph.py)
 
     def stale(self) -> str | None:
         """Why a replay would no longer match the capture, or None."""
@@ -180,7 +180,7 @@ class _Step:
         return why
 
     def run(self, leaves: list):
-        _bind(self.binding, self.static, leaves, "argument")
+        bind(self.binding, self.static, leaves, "argument")
         now = [cpu.item() for cpu, _, _ in self.counts]
         if now != self.expected:  # stepped or loaded outside the compiled step
             for (_, dev, _), v, e in zip(self.counts, now, self.expected):
@@ -193,7 +193,7 @@ class _Step:
         for p, g in self.grads_out:
             if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
                 p.grad = g
-        out = [_move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
+        out = [move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
         return pytree.tree_unflatten(out, self.out_spec)
 
 
@@ -283,7 +283,7 @@ class WholeStep:
         grads_in = {p: p.grad for p in params}
         capture = Capture()
         device_steps = _DeviceSteps([] if once else known)
-        watch = _OptimizerWatch(capture, once=once)
+        watch = OptimizerWatch(capture, once=once)
         stepped: dict = {}
 
         def seen(opt, a, k) -> None:
@@ -321,7 +321,7 @@ class WholeStep:
                  if isinstance(o, torch.Tensor) and id(o) not in grad_ids
                  and capture.created(o.untyped_storage())}
         steps = [(cpu, dev, stepped.get(id(opt), 0)) for opt, cpu, dev in device_steps.twins]
-        step = _Step(captured, _binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
+        step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
                      steps, grads_in, grads_out)
         self._captures += 1
         if not once:

@@ -5,7 +5,7 @@ a post-import hook when that library is first imported, so ``import torch`` pays
 libraries a program never uses.
 """
 
-from torchtpu.compile.on_import import after_import
+from torchtpu.import_hooks import after_import
 
 
 def install() -> None:

@@ -15,7 +15,7 @@ program. Nothing here runs arrays itself; the op's PrivateUse1 kernel is the exe
   forward inside the backward program; the gradient flows to floating-point tensor arguments).
   ``.register_autograd(backward, setup_context=...)`` replaces it, typically with a backward
   that calls a second ``jax_op``.
-- Pallas: the function is traced under ``interpret.interpreting()``: kernels compile on TPU and
+- Pallas: the function is traced under ``pallas_mode.interpreting()``: kernels compile on TPU and
   are interpreted elsewhere, unedited.
 - ``mesh`` with ``input_partition_specs`` (one per tensor parameter) and
   ``output_partition_specs`` (one per result) runs the function under ``jax.shard_map`` over
@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torchtpu import errors
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch
-from torchtpu.kernels import donation, interpret, signature
+from torchtpu.kernels import donation, pallas_mode, signature
 from torchtpu.kernels.signature import Param, Signature
 from torchtpu.lowering.registry import lowers
 
@@ -120,7 +120,7 @@ def _kernel(name: str, op, donated: tuple, *args, **kwargs):
     try:
         out = dispatch.kernel(op, *args, **kwargs)
     except Exception as e:
-        hint = interpret.lowering_hint(f"jax_op {name!r}", e)
+        hint = pallas_mode.lowering_hint(f"jax_op {name!r}", e)
         if hint is None:
             raise
         raise RuntimeError(errors.message("kernel", hint)) from e
@@ -134,7 +134,7 @@ def _as_declared(sig: Signature, args: tuple) -> list:
 
 
 def _call(name: str, fn: Callable, sig: Signature, args) -> object:
-    with interpret.interpreting(f"jax_op {name!r}"):
+    with pallas_mode.interpreting(f"jax_op {name!r}"):
         return fn(*_as_declared(sig, args))
 
 

@@ -1,10 +1,10 @@
 """``torch.tpu``'s CUDA Graphs surface: ``TPUGraph``, ``graph``, ``make_graphed_callables``, and
 the stream API that CUDA Graphs code uses around them.
 
-The machinery is in the eager layer (``eager/capture.py``, ``eager/graphs.py``,
-``eager/graphed.py``). Streams exist so that code written for CUDA runs unchanged: the device
-runs one ordered queue of programs, so every stream is that queue, ``wait_stream`` and events
-have nothing to wait for beyond it, and ``synchronize`` waits for the device.
+The machinery is in the eager layer (``eager/capture.py``, ``eager/tpu_graph.py``,
+``eager/graphed_callables.py``). Streams exist so that code written for CUDA runs unchanged: the
+device runs one ordered queue of programs, so every stream is that queue, ``wait_stream`` and
+events have nothing to wait for beyond it, and ``synchronize`` waits for the device.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import contextlib
 import torch
 
 from torchtpu.eager.capture import CaptureError
-from torchtpu.eager.graphed import make_graphed_callables
-from torchtpu.eager.graphs import TPUGraph, graph
+from torchtpu.eager.graphed_callables import make_graphed_callables
+from torchtpu.eager.tpu_graph import TPUGraph, graph
 
 
 def _synchronize() -> None:

@@ -48,7 +48,7 @@ def _hyperparameters(group: dict, fed_lr: bool) -> tuple:
                  if k != "params" and not (fed_lr and k == "lr"))
 
 
-class _OptimizerWatch:
+class OptimizerWatch:
     """The optimizers stepped during one capture: their learning rates fed, their guards."""
 
     def __init__(self, capture: Capture, once: bool = False) -> None:
@@ -129,7 +129,7 @@ class _OptimizerWatch:
 
 
 def mismatch(guards: list, grads: bool = True) -> str | None:
-    """Why the optimizers no longer match their guards (``_OptimizerWatch.guards``), or None.
+    """Why the optimizers no longer match their guards (``OptimizerWatch.guards``), or None.
     With ``grads=False`` a parameter's ``.grad`` is not checked."""
     for opt, groups in guards:
         name = type(opt).__name__
@@ -170,7 +170,7 @@ class TPUGraph:
 
     def __init__(self, keep_graph: bool = False) -> None:
         self._capture: Capture | None = None
-        self._watch: _OptimizerWatch | None = None
+        self._watch: OptimizerWatch | None = None
         self._captured: Captured | None = None
         self._guards: list = []
 
@@ -181,7 +181,7 @@ class TPUGraph:
                                "it or "
                                "use a new one")
         self._capture = Capture()
-        self._watch = _OptimizerWatch(self._capture)
+        self._watch = OptimizerWatch(self._capture)
         self._watch.install()
         try:
             self._capture.begin()

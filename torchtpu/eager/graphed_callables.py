@@ -45,13 +45,13 @@ def _grad_inputs(outputs, inputs, grad_outputs, allow_unused: bool):
     return grads
 
 
-def _binding(static: list) -> list:
+def binding(static: list) -> list:
     """(index, storage, shape, dtype) for each static device tensor a call rebinds."""
     return [(i, t.untyped_storage(), tuple(t.shape), t.dtype) for i, t in enumerate(static)
             if isinstance(t, torch.Tensor)]
 
 
-def _bind(binding: list, static: list, values, what: str) -> None:
+def bind(binding: list, static: list, values, what: str) -> None:
     """Point each static tensor's storage at the value passed for it (no copy)."""
     for i, st, shape, dtype in binding:
         v = values[i]
@@ -68,7 +68,7 @@ def _bind(binding: list, static: list, values, what: str) -> None:
         st._tpu_array = tensors.stored_form(value, dtype)  # complex32: its float16 pairs
 
 
-class _Graphed:
+class GraphedCallable:
     """A callable's captured forward and backward, and the static tensors they are bound to."""
 
     def __init__(self, fn, sample_args: tuple, warmup: int, allow_unused: bool,
@@ -111,7 +111,7 @@ class _Graphed:
                 _grad_inputs, self._diff_outputs, tensor_inputs, self._grad_outputs,
                 allow_unused)
             self._grads = list(grads)
-        self._binding = [b for b in _binding(self._static[:self._n_args])
+        self.binding = [b for b in binding(self._static[:self._n_args])
                          if b[0] not in self._written]
         self._function = self._autograd_function()
 
@@ -144,7 +144,7 @@ class _Graphed:
         class Graphed(torch.autograd.Function):
             @staticmethod
             def forward(ctx, *inputs):
-                _bind(graphed._binding, graphed._static, inputs, "argument")
+                bind(graphed.binding, graphed._static, inputs, "argument")
                 moved = graphed._write_through(inputs)
                 graphed._forward.replay()
                 for st, static in moved:
@@ -167,11 +167,11 @@ class _Graphed:
                                "gradients (grad mode was off, or no output requires grad)")
         incoming = [g for o, g in zip(self._outputs, grads)
                     if isinstance(o, torch.Tensor) and o.requires_grad]
-        _bind(_binding(self._grad_outputs), self._grad_outputs,
+        bind(binding(self._grad_outputs), self._grad_outputs,
               [g if g is not None else torch.zeros_like(o)
                for g, o in zip(incoming, self._diff_outputs)], "incoming gradient")
         self._backward.replay()
-        fresh = iter([_move_out(g) if g is not None else None for g in self._grads])
+        fresh = iter([move_out(g) if g is not None else None for g in self._grads])
         return tuple(next(fresh) if req else None for req in self._requires)
 
     def __call__(self, *args):
@@ -200,7 +200,7 @@ def context(modules: list = ()) -> tuple:
             tuple(m.training for m in modules))
 
 
-def _move_out(t: torch.Tensor) -> torch.Tensor:
+def move_out(t: torch.Tensor) -> torch.Tensor:
     """A new tensor owning t's array; t's storage, written at every replay, is left empty."""
     st = t.untyped_storage()
     array, st._tpu_array = tensors.read(t), None
@@ -224,9 +224,9 @@ def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3,
             if fn._forward_hooks or fn._forward_pre_hooks or fn._backward_hooks:
                 raise CaptureError("torchtpu.capture: make_graphed_callables: modules must have no "
                                    "hooks registered")
-            graphed = _Graphed(fn, args, num_warmup_iters, allow_unused_input)
+            graphed = GraphedCallable(fn, args, num_warmup_iters, allow_unused_input)
             fn.forward = graphed
             out.append(fn)
         else:
-            out.append(_Graphed(fn, args, num_warmup_iters, allow_unused_input))
+            out.append(GraphedCallable(fn, args, num_warmup_iters, allow_unused_input))
     return out[0] if just_one else tuple(out)
