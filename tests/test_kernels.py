@@ -88,17 +88,18 @@ def test_sdpa_takes_the_flash_kernel_for_long_sequences_when_asked(fresh_dynamo)
 
 
 def test_sdpa_keeps_the_fused_op_below_the_threshold_and_with_masks():
-    from torchtpu.lowering import attention
+    from torchtpu.eager import sdpa_routing
 
     ops.flash_sdpa(16)
     try:
         q = torch.zeros(1, 1, 8, 4)
         mask = torch.ones(8, 8, dtype=torch.bool)
-        assert attention._long_sequence_op(q, q, None, 0.0, False) is None
+        assert sdpa_routing._long_sequence_op(q, q, None, 0.0, False) is None
         long_q = torch.zeros(1, 1, 16, 4)
-        assert attention._long_sequence_op(long_q, long_q, None, 0.0, False) is ops.flash_attention
-        assert attention._long_sequence_op(long_q, long_q, mask, 0.0, False) is None
-        assert attention._long_sequence_op(long_q, long_q, None, 0.1, False) is None
+        long_op = sdpa_routing._long_sequence_op(long_q, long_q, None, 0.0, False)
+        assert long_op is ops.flash_attention
+        assert sdpa_routing._long_sequence_op(long_q, long_q, mask, 0.0, False) is None
+        assert sdpa_routing._long_sequence_op(long_q, long_q, None, 0.1, False) is None
     finally:
         ops.flash_sdpa(None)
 

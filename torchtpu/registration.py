@@ -131,8 +131,7 @@ def register() -> None:
             return
         from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
         from torchtpu.device import autocast, kernels, loader, pinned, quantized, sparse, storage
-        from torchtpu.eager import dispatch
-        from torchtpu.lowering import attention
+        from torchtpu.eager import dispatch, sdpa_routing
 
         _setup_privateuseone_for_python_backend(
             "tpu", backend_module=tpu, hook=_Hooks(), device_guard=_DeviceGuard()
@@ -141,7 +140,7 @@ def register() -> None:
         aten = torch.library.Library("aten", "IMPL")
         kernels.register(aten)
         dispatch.register_lowered_ops(aten)
-        attention.register(aten)
+        sdpa_routing.register(aten)
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(dispatch.kernel, "PrivateUse1")
         autocast.register(aten, fallback)

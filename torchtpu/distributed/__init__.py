@@ -22,7 +22,9 @@ BACKENDS = ("tpu_dist", "tpu")
 def register() -> None:
     """Register tpu_dist (and its alias tpu) with torch.distributed; idempotent."""
     from torchtpu.compile import eager_split
+    from torchtpu.distributed import dtensor_sdpa
     from torchtpu.distributed.launch import create
+    from torchtpu.import_hooks import after_import
 
     # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: they run
     # eagerly between the compiled pieces, never inside a program (see compile/eager_split).
@@ -30,6 +32,8 @@ def register() -> None:
     for name in BACKENDS:
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
+    # Tensor-parallel attention: DTensor's sharding rules for the tpu's fused SDPA op.
+    after_import("torch.distributed.tensor", dtensor_sdpa.register)
 
 
 __all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "register"]

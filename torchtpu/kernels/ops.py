@@ -17,11 +17,11 @@ import jax
 import torch
 
 from torchtpu import errors
+from torchtpu.eager import sdpa_routing
 from torchtpu.kernels.flash_attention import flash_attention
 from torchtpu.kernels.jax_op import define, jax_op
 from torchtpu.kernels.rms_norm import rms_norm
 from torchtpu.kernels.signature import Param, Signature
-from torchtpu.lowering import attention
 
 
 def _barrier(tensors):
@@ -65,7 +65,7 @@ def flash_sdpa(min_seq_len: int | None) -> None:
         raise ValueError(errors.message(
             "kernel", f"flash_sdpa: min_seq_len must be a positive int or None, not "
             f"{min_seq_len!r}"))
-    attention.set_long_sequence_path(
+    sdpa_routing.set_long_sequence_path(
         None if min_seq_len is None else (min_seq_len, flash_attention))
 
 

@@ -1,15 +1,11 @@
-"""``F.scaled_dot_product_attention`` on tpu as one fused op forward and one backward, and the
-flash form of attention (``aten._flash_attention_forward/backward``, dense and variable-length)
-on the same math.
+"""``F.scaled_dot_product_attention``'s fused op on tpu, forward and backward, and the flash
+form of attention (``aten._flash_attention_forward/backward``, dense and variable-length) on the
+same math.
 
-PyTorch picks an SDPA backend through ``_fused_sdp_choice_stub``, a C++ DispatchStub that only a
-C++ extension can fill for PrivateUse1; without it every call takes the math path (~15 ATen ops
-forward, ~20 backward). So this module serves ``aten::scaled_dot_product_attention`` itself for
-the device (Autograd and plain PrivateUse1 keys): ``sdp_choice`` (also the device's
-``aten::_fused_sdp_choice`` kernel) picks OVERRIDEABLE or MATH, and the call becomes
-``_scaled_dot_product_fused_attention_overrideable``, whose autograd formula calls the
-overrideable backward; anything else runs PyTorch's own composite (math path, its checks and
-errors). Both overrideable ops are lowered here, so eager and compiled graphs share them.
+The lowerings here are ``aten._scaled_dot_product_fused_attention_overrideable`` and its
+backward, pure JAX functions shared by eager and compiled graphs; which calls reach them (the
+SDPA backend choice, ``sdpa_kernel``, the long-sequence flash path) is decided on tensors, by
+``eager/sdpa_routing.py``.
 
 Numerics follow the math path: scores in float32 (float64 inputs take the math path itself), a
 causal mask aligned top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is
@@ -37,9 +33,7 @@ from jax import lax
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
-_SDPBackend = torch._C._SDPBackend
 _HIGHEST = lax.Precision.HIGHEST
-_FUSED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 # ----------------------------------------------------------------------------- lowerings
@@ -309,83 +303,3 @@ def register_varlen() -> None:
     ops = torch.ops.torch_attn
     lowers(ops._varlen_attn.default)(_varlen_forward)
     lowers(ops._varlen_attn_backward.default)(_varlen_backward)
-
-
-# ----------------------------------------------------------------------------- backend choice
-
-def _broadcastable(shape, target) -> bool:
-    try:
-        return torch.broadcast_shapes(shape, target) == target
-    except RuntimeError:
-        return False
-
-
-def sdp_choice(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *,
-               scale=None, enable_gqa=False) -> int:
-    """OVERRIDEABLE where the fused lowering computes what the math path would, else MATH.
-
-    MATH also gets every call PyTorch would reject (mismatched dtypes or shapes), so its own
-    composite raises its own errors.
-    """
-    fused = int(_SDPBackend.OVERRIDEABLE)
-    math_path = int(_SDPBackend.MATH)
-    if any(t.dim() != 4 for t in (query, key, value)):
-        return math_path
-    # float64 keeps the math path: the fused op's logsumexp is float32 by its schema's meta.
-    if not (query.dtype == key.dtype == value.dtype and query.dtype in _FUSED_DTYPES):
-        return math_path
-    n, h, L, e = query.shape
-    if key.shape[:2] != (n, h) or value.shape[:3] != key.shape[:3] or key.shape[-1] != e:
-        return math_path  # GQA (enable_gqa with fewer k/v heads) included
-    if attn_mask is not None:
-        if is_causal or attn_mask.dtype not in (torch.bool, query.dtype):
-            return math_path
-        if not _broadcastable(attn_mask.shape, (n, h, L, key.shape[2])):
-            return math_path
-    if any(t.device != query.device for t in (key, value, attn_mask) if t is not None):
-        return math_path
-    return fused
-
-
-# (min length, op) installed by an upper layer (``torch.tpu.ops.flash_sdpa``): calls without
-# mask and dropout at least that long go to op(q, k, v, is_causal, scale) instead.
-_long_sequence_path: list = [None]
-
-
-def set_long_sequence_path(path: tuple | None) -> None:
-    _long_sequence_path[0] = path
-
-
-def _long_sequence_op(query, key, attn_mask, dropout_p, enable_gqa):
-    path = _long_sequence_path[0]
-    if path is None or attn_mask is not None or dropout_p > 0.0 or enable_gqa:
-        return None
-    min_len, op = path
-    if max(query.shape[-2], key.shape[-2]) < min_len or query.dim() != 4:
-        return None
-    return op
-
-
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-          enable_gqa=False):
-    long_op = _long_sequence_op(query, key, attn_mask, dropout_p, enable_gqa)
-    if long_op is not None and sdp_choice(query, key, value) == int(_SDPBackend.OVERRIDEABLE):
-        return long_op(query, key, value, is_causal, scale)
-    if sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                  enable_gqa=enable_gqa) == int(_SDPBackend.OVERRIDEABLE):
-        return aten._scaled_dot_product_fused_attention_overrideable.default(
-            query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
-    return aten.scaled_dot_product_attention.default.decompose(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
-
-
-def register(lib: torch.library.Library) -> None:
-    """Serve SDPA and the backend choice for the device (``lib``: an ``aten`` IMPL library).
-
-    The Autograd key is where a CompositeImplicitAutograd op is decomposed, so SDPA is taken
-    there (the overrideable op then records its own backward); the PrivateUse1 key serves calls
-    that skip autograd (inference mode).
-    """
-    lib.impl(aten._fused_sdp_choice.default, sdp_choice, "PrivateUse1")
-    for key in ("AutogradPrivateUse1", "PrivateUse1"):
-        lib.impl(aten.scaled_dot_product_attention.default, _sdpa, key)
