@@ -115,6 +115,13 @@ GLOSSARY: dict[str, Entry] = {
         "a target that does not import, a model that fails on CPU, inputs on the wrong device.",
         "Follow the message: the tools name the problem and never need a traceback to explain "
         "it."),
+    "tpu": Entry(
+        "A TPU target (TORCHTPU_TPU_TARGET, python -m torchtpu.aot) could not be used or "
+        "refused a program: an unknown topology, libtpu missing or not the version JAX pins, "
+        "more ranks than the topology's chips, a program the TPU compiler does not take, a "
+        "step that does not fit in the chip's HBM.",
+        "Follow the message: it names the topologies, the libtpu to install, the program, its "
+        "line and the compiler's words; TORCHTPU_TPU_TARGET_ON_ERROR=warn keeps running."),
 }
 
 _PREFIX = re.compile(r"^torchtpu\.([a-z]+): ")

@@ -16,7 +16,33 @@ import jax
 _PLATFORMS = ("tpu", "gpu", "cpu")
 
 
+def _skip_absent_tpu() -> None:
+    """libtpu installed, no TPU here: keep JAX from starting its TPU client.
+
+    JAX tries every backend it knows at its first device query; with libtpu installed that
+    includes a TPU client, which on a machine without a TPU prints warnings and waits (38 s
+    measured at load ~8) before JAX falls back to CPU. So when nothing asks for a TPU (no
+    ``JAX_PLATFORMS``, no ``TORCHTPU_PLATFORM=tpu``) and none is attached (checked from the
+    device files and PCI ids, without libtpu), JAX's TPU backend is left out; compile-only TPU
+    targets (``tpu_target.py``) do not need it. libtpu's variables get their compile-only values
+    before anything loads it.
+    """
+    from jax._src import xla_bridge
+
+    asked = os.environ.get("JAX_PLATFORMS") or os.environ.get("TORCHTPU_PLATFORM", "")
+    if ("tpu" in asked.lower() or "tpu" not in xla_bridge._backend_factories
+            or xla_bridge.backends_are_initialized()):
+        return
+    from torchtpu.runtime import tpu_target
+
+    if tpu_target.tpu_attached():
+        return
+    tpu_target.compile_only_env()
+    del xla_bridge._backend_factories["tpu"]
+
+
 def _configure_jax() -> None:
+    _skip_absent_tpu()
     # PyTorch semantics need real int64/float64; JAX's default truncates them to 32 bits.
     jax.config.update("jax_enable_x64", True)
     # PyTorch's float32 matmuls are exact float32 by default ("highest");
