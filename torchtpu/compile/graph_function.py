@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from torchtpu.compile import buckets, dynamic, masking
+from torchtpu.compile import buckets, control_flow, dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
 from torchtpu.eager import at_call, dispatch, meta, schema
@@ -194,6 +194,10 @@ class _Step:
             isinstance(v, fx.Node) or not meta.is_baked_number(v, self.oi.defaults[i]))
 
 
+def _run_step(step, env: dict, keys: tuple, scalars: list):
+    return step.run(env, keys, scalars)
+
+
 def _static(values: list) -> bool:
     """Whether every node argument is a tensor of static shape (what a check can be given)."""
     for v in values:
@@ -212,9 +216,13 @@ class GraphFunction:
         graph = gm.graph
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.tensor_inputs = [_is_tensor_val(_val(n)) for n in self.placeholders]
-        self.constants = [n for n in graph.nodes if n.op == "get_attr"]
+        # Tensor constants; a higher-order op's body (a submodule) is part of its step instead.
+        self.constants = [n for n in graph.nodes if n.op == "get_attr"
+                          and not isinstance(getattr(gm, n.target), torch.nn.Module)]
         self.key_nodes: list = []
-        self.steps = [_Step(n, self.key_nodes) for n in graph.nodes if n.op == "call_function"]
+        self.steps = [control_flow.ScanStep(n, self.key_nodes, GraphFunction)
+                      if control_flow.is_higher_order(n) else _Step(n, self.key_nodes)
+                      for n in graph.nodes if n.op == "call_function"]
         self.scalars = [s for step in self.steps for s in step.scalar_args()]
         self.output = next(n for n in graph.nodes if n.op == "output").args[0]
         self.checked = [s for s in self.steps if getattr(s, "check", None) is not None]
@@ -242,7 +250,7 @@ class GraphFunction:
             env[n] = next(tensors_in) if is_tensor else next(symbols_in)
         env.update(zip(self.constants, constants, strict=True))
         pending = list(scalars)
-        run = _Step.run
+        run = _run_step
         if plan is not None:
             padding = masking.Padding(
                 plan, buckets.sizes_of(self.placeholders, [env[n] for n in self.placeholders]),
