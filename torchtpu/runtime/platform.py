@@ -8,6 +8,7 @@ host's devices it is.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -38,7 +39,15 @@ def _skip_absent_tpu() -> None:
     if tpu_target.tpu_attached():
         return
     tpu_target.compile_only_env()
-    del xla_bridge._backend_factories["tpu"]
+    # Replaced, not removed: "tpu" must stay a platform JAX knows (Pallas, checkify and Tokamax
+    # register TPU lowerings when imported); only its client must not start.
+
+    def absent():
+        raise RuntimeError("no TPU is attached (torchtpu leaves JAX's TPU client out)")
+
+    registration = xla_bridge._backend_factories["tpu"]
+    xla_bridge._backend_factories["tpu"] = dataclasses.replace(
+        registration, factory=absent, fail_quietly=True)
 
 
 def _configure_jax() -> None:
@@ -48,9 +57,10 @@ def _configure_jax() -> None:
     # PyTorch's float32 matmuls are exact float32 by default ("highest");
     # torch.tpu.precision and torch.set_float32_matmul_precision change it.
     jax.config.update("jax_default_matmul_precision", "highest")
-    from torchtpu.runtime import compile_cache
+    from torchtpu.runtime import compile_cache, tpu_hook
 
     compile_cache.enable()
+    tpu_hook.install()
 
 
 _configure_jax()

@@ -46,7 +46,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache
+from torchtpu.runtime import compile_cache, tpu_hook
 
 _RECORD = "ttpu_record"
 
@@ -298,8 +298,8 @@ class Program:
             return self._jitted(*args)
 
     def _prepare(self, args: tuple):
-        if self._key is None or not cache_on():
-            return self._jitted
+        if self._key is None or not cache_on() or tpu_hook.active():
+            return self._jitted  # (a TPU target compiles what JAX compiles: no load by key)
         # With the settings it is traced under now, which a process may change as it runs
         # (torch.set_float32_matmul_precision sets JAX's).
         settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),

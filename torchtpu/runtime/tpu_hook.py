@@ -1,0 +1,219 @@
+"""Every program torchtpu builds, also compiled for the TPU target (``TORCHTPU_TPU_TARGET``).
+
+The one place every program reaches is JAX's compile of it: ``compile_or_get_cached``, which each
+``jax.jit`` calls once per program and process (a miss of its in-memory cache, a hit of the
+persistent one too). So per-op programs (Strict, Debug), DeferAndFuse's fused runs,
+``torch.compile`` graphs, captured and whole-step programs, ``jax_op`` and Pallas kernels and
+``tpu_dist``'s XLA collectives all get here without knowing of it. When a target is set,
+``install()`` (called once from ``platform.py``) wraps that function: after the host compile, the
+program's StableHLO is handed to one background thread that compiles it for the target
+(``tpu_target.compile_module``) over as many of its chips as the host program spans devices, so
+the host run waits for no TPU compile. Unset, nothing is wrapped: the host pays nothing.
+
+A program the TPU compiler refuses is a ``torchtpu.tpu`` error naming the program, the user's
+line that built it and the compiler's message: raised at the next program the process compiles,
+or at ``wait()`` (``TORCHTPU_TPU_TARGET_ON_ERROR=warn`` warns instead). ``reports()`` lists what
+was compiled; at exit the thread finishes the compile under way (libtpu must not be torn down
+under it) and, unless a caller took the reports, a one-line summary goes to stderr.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import sys
+import threading
+import traceback
+import warnings
+from pathlib import Path
+
+from torchtpu.runtime import tpu_target
+
+ON_ERROR = "TORCHTPU_TPU_TARGET_ON_ERROR"
+_EXIT_WAIT_SECONDS = 60.0  # a large program compiles in tens of seconds on a loaded host
+
+
+class TpuCompileError(RuntimeError):
+    """The TPU target's compiler refused a program torchtpu built."""
+
+
+class _State:
+    def __init__(self, name: str, on_error: str) -> None:
+        self.name = name
+        self.on_error = on_error
+        self.lock = threading.Lock()
+        self.reports: list = []
+        self.failed: list = []           # refusals not yet raised
+        self.queue: queue.Queue = queue.Queue()
+        self.taken = False               # a caller read the reports: no summary at exit
+        self.thread = threading.Thread(target=self._work, name="torchtpu-tpu-target",
+                                       daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self.queue.get()
+            try:
+                if job is None:
+                    return
+                data, name, n, line = job
+                try:
+                    report = tpu_target.compile_module(data, name=name, kind=_kind(name), n=n,
+                                                       target_name=self.name, line=line)
+                except tpu_target.TargetError as e:
+                    report = tpu_target.Report(name=name, kind=_kind(name), target=self.name,
+                                               devices=n, error=str(e), line=line)
+                with self.lock:
+                    self.reports.append(report)
+                    if not report.compiles:
+                        self.failed.append(report)
+            finally:
+                self.queue.task_done()
+
+
+_state: _State | None = None
+_original = None
+
+
+def active() -> bool:
+    """Whether programs are being compiled for a TPU target."""
+    return _state is not None
+
+
+def install() -> None:
+    """Compile every program for ``TORCHTPU_TPU_TARGET`` too, if it is set (once)."""
+    global _state, _original
+    name = tpu_target.target_name()
+    if name is None or _state is not None:
+        return
+    on_error = os.environ.get(ON_ERROR, "raise").strip().lower() or "raise"
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"torchtpu.config: {ON_ERROR}={on_error!r} is not raise or warn")
+    tpu_target.target(name)  # a bad name or libtpu fails here, at import, not in a thread
+    from jax._src import compiler
+
+    _original = compiler.compile_or_get_cached
+    _state = _State(name, on_error)
+
+    def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+        executable = _original(backend, computation, devices, *args, **kwargs)
+        if getattr(backend, "platform", "") != "tpu":
+            _submit(computation, int(devices.size))
+        return executable
+
+    compiler.compile_or_get_cached = compile_or_get_cached
+    atexit.register(_at_exit)
+
+
+def _submit(computation, n: int) -> None:
+    from jax._src.interpreters import mlir
+
+    state = _state
+    _raise_failed(state)
+    name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
+    # The bytes are taken here: an MLIR module belongs to the thread that built it.
+    state.queue.put((mlir.module_to_bytecode(computation), name, n, user_line()))
+
+
+def _raise_failed(state: _State) -> None:
+    with state.lock:
+        failed, state.failed = state.failed, []
+    for report in failed:
+        text = _refusal(report)
+        if state.on_error == "warn":
+            warnings.warn(text, RuntimeWarning, stacklevel=4)
+        else:
+            raise TpuCompileError(text)
+
+
+def _refusal(report) -> str:
+    where = f" (built at {report.line})" if report.line else ""
+    error = report.error or ""
+    if error.startswith("torchtpu.tpu: "):
+        error = error[len("torchtpu.tpu: "):]
+    return (f"torchtpu.tpu: the {report.target} compiler refused {report.kind} "
+            f"{report.name!r}{where}: {error}")
+
+
+def _kind(name: str) -> str:
+    """What built a program, from the name its builder gave the jitted function."""
+    bare = name[4:] if name.startswith("jit_") else name
+    if bare.startswith(("aten_", "prims_", "torchtpu_")):
+        return "op"
+    for prefix, kind in (("_replay", "fused"), ("replay", "capture"), ("graph", "graph"),
+                         ("merged", "graph"), ("step", "step"), ("body", "collective"),
+                         ("shmap_body", "collective")):
+        if bare.startswith(prefix):
+            return kind
+    return "program"
+
+
+_SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (
+    sys.modules["jax"], sys.modules["torchtpu"])) + (str(Path(threading.__file__).parent),)
+
+
+def user_line() -> str | None:
+    """The innermost line outside torchtpu, JAX, torch and the standard library."""
+    import torch
+
+    skip = (*_SKIP, str(Path(torch.__file__).resolve().parent))
+    for frame in reversed(traceback.extract_stack()):
+        path = str(Path(frame.filename).resolve()) if frame.filename[:1] != "<" else ""
+        if path and not path.startswith(skip):
+            return f"{frame.filename}:{frame.lineno}"
+    return None
+
+
+def wait(timeout: float | None = None) -> list:
+    """Wait for every program submitted so far; their reports, in order. A refusal raises (or
+    warns, by ``TORCHTPU_TPU_TARGET_ON_ERROR``) here."""
+    state = _state
+    if state is None:
+        return []
+    if timeout is None:
+        state.queue.join()
+    else:
+        _join(state.queue, timeout)
+    _raise_failed(state)
+    return reports()
+
+
+def _join(q: queue.Queue, timeout: float) -> bool:
+    with q.all_tasks_done:
+        return q.all_tasks_done.wait_for(lambda: q.unfinished_tasks == 0, timeout)
+
+
+def reports() -> list:
+    """The reports of the programs compiled for the target so far (the caller takes them)."""
+    state = _state
+    if state is None:
+        return []
+    with state.lock:
+        state.taken = True
+        return list(state.reports)
+
+
+def _at_exit() -> None:
+    state = _state
+    if state is None:
+        return
+    # Programs not started yet are dropped; the one under way finishes (bounded).
+    dropped = 0
+    while True:
+        try:
+            state.queue.get_nowait()
+        except queue.Empty:
+            break
+        state.queue.task_done()
+        dropped += 1
+    state.queue.put(None)
+    state.thread.join(_EXIT_WAIT_SECONDS)
+    if not state.taken:
+        with state.lock:
+            done = list(state.reports)
+        refused = [r for r in done if not r.compiles]
+        line = (f"torchtpu.tpu: {len(done)} programs compiled for {state.name}, "
+                f"{len(refused)} refused" + (f", {dropped} not compiled (the process exited "
+                                             "first)" if dropped else ""))
+        print(line + "".join(f"\n  {_refusal(r)}" for r in refused[:5]), file=sys.stderr)
