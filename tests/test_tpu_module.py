@@ -182,17 +182,45 @@ def test_synchronize_tensors_materializes_pending_values():
     torch.testing.assert_close(y.cpu(), torch.arange(4.0) * 3)
 
 
-def test_precision_api():
+def _matmul_program_precision(a: torch.Tensor, b: torch.Tensor, monkeypatch) -> tuple:
+    """a @ b on tpu, and the precision attribute of the dot in the program eager ran for it.
+
+    XLA:CPU computes float32 dots exactly whatever the attribute says (TPUs and GPUs do not), so
+    the program's text is what shows the setting reached the device."""
+    from torchtpu.runtime import launch
+
+    texts = []
+
+    def record(label, fn, args):
+        if label == torch.ops.aten.mm.default:
+            texts.append(fn.lower(*args).as_text())
+        return fn(*args)
+
+    monkeypatch.setattr(launch, "observer", record)
+    out = (a.to("tpu") @ b.to("tpu")).cpu()
+    monkeypatch.setattr(launch, "observer", None)
+    (dot,) = [line for text in texts for line in text.splitlines() if "dot_general" in line]
+    return out, dot[dot.index("precision = "):].split("]")[0] + "]"
+
+
+def test_precision_api(monkeypatch):
     assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
     a, b = torch.randn(16, 16), torch.randn(16, 16)
+    exact, attribute = _matmul_program_precision(a, b, monkeypatch)
+    assert attribute == "precision = [HIGHEST, HIGHEST]"
+    torch.testing.assert_close(exact, a @ b, atol=1e-5, rtol=1.3e-6)
     with torch.tpu.precision(torch.tpu.Precision.DEFAULT):
         assert torch.tpu.get_precision() is torch.tpu.Precision.DEFAULT
-        low = (a.to("tpu") @ b.to("tpu")).cpu()
+        # The same op and shapes as above: a program of its own, not the cached HIGHEST one.
+        low, attribute = _matmul_program_precision(a, b, monkeypatch)
+        assert attribute == "precision = [DEFAULT, DEFAULT]"
     assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
-    torch.testing.assert_close(low, a @ b, atol=0.1, rtol=0.05)
+    torch.testing.assert_close(low, a @ b, atol=0.1, rtol=0.05)  # bf16 passes on a TPU
     torch.set_float32_matmul_precision("high")
     try:
         assert torch.tpu.get_precision() is torch.tpu.Precision.HIGH
+        _, attribute = _matmul_program_precision(a, b, monkeypatch)
+        assert attribute == "precision = [HIGH, HIGH]"
     finally:
         torch.set_float32_matmul_precision("highest")
     assert torch.tpu.get_precision() is torch.tpu.Precision.HIGHEST
