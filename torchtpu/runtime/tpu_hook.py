@@ -20,6 +20,7 @@ under it) and, unless a caller took the reports, a one-line summary goes to stde
 from __future__ import annotations
 
 import atexit
+import hashlib
 import os
 import queue
 import sys
@@ -57,13 +58,14 @@ class _State:
             try:
                 if job is None:
                     return
-                data, name, n, line = job
+                data, name, module, n, line = job
                 try:
                     report = tpu_target.compile_module(data, name=name, kind=_kind(name), n=n,
                                                        target_name=self.name, line=line)
                 except tpu_target.TargetError as e:
                     report = tpu_target.Report(name=name, kind=_kind(name), target=self.name,
                                                devices=n, error=str(e), line=line)
+                report.module = module
                 with self.lock:
                     self.reports.append(report)
                     if not report.compiles:
@@ -97,23 +99,33 @@ def install() -> None:
     _state = _State(name, on_error)
 
     def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
-        executable = _original(backend, computation, devices, *args, **kwargs)
         if getattr(backend, "platform", "") != "tpu":
             _submit(computation, int(devices.size))
-        return executable
+        return _original(backend, computation, devices, *args, **kwargs)
 
     compiler.compile_or_get_cached = compile_or_get_cached
     atexit.register(_at_exit)
 
 
 def _submit(computation, n: int) -> None:
+    """Queue computation for the target, and give the host program a name of its own.
+
+    Programs of one op at other shapes share a name (``jit_aten_mm_default``); a profile of the
+    host run tells them apart only by name, so each gets a suffix from its content (the same in
+    every process, so JAX's persistent cache keys stay stable; a trailing ``_<n>`` is what
+    ``profiler/xplane.program_key`` drops).
+    """
     from jax._src.interpreters import mlir
 
     state = _state
     _raise_failed(state)
     name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
     # The bytes are taken here: an MLIR module belongs to the thread that built it.
-    state.queue.put((mlir.module_to_bytecode(computation), name, n, user_line()))
+    data = mlir.module_to_bytecode(computation)
+    module = f"{name}_{int.from_bytes(hashlib.sha256(data).digest()[:4], 'big')}"
+    computation.operation.attributes["sym_name"] = mlir.ir.StringAttr.get(
+        module, context=computation.context)
+    state.queue.put((data, name, module, n, user_line()))
 
 
 def _raise_failed(state: _State) -> None:

@@ -252,6 +252,7 @@ class Report:
     hbm_capacity_bytes: int = 0     # per device
     compile_seconds: float = 0.0
     line: str | None = None         # the user's line that built it, when known
+    module: str = ""                # the host program's module name (what a profile shows)
 
     @property
     def hbm_bytes(self) -> int:
