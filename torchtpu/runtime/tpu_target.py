@@ -439,7 +439,11 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
     jitted = fn if hasattr(fn, "lower") else jax.jit(fn)
     label = name or getattr(fn, "__name__", None) or "function"
     try:
-        lowered = jitted.lower(*placed[0], **placed[1])
+        # Traced with a TPU as JAX's default device: Pallas kernels then compile through Mosaic
+        # (kernels/pallas_mode.for_tpu) and Tokamax picks its TPU kernels; it also keys JAX's
+        # trace cache, so a function already traced for the host is traced again.
+        with jax.default_device(t.devices[0]):
+            lowered = jitted.lower(*placed[0], **placed[1])
     except Exception as e:  # noqa: BLE001 (a lowering JAX has not for TPU: the verdict)
         return Report(name=label, kind=kind, target=t.name, devices=n, compiles=False,
                       error=f"lowering for TPU failed: {_compiler_message(e)}",
