@@ -83,14 +83,24 @@ def active() -> bool:
     return _state is not None
 
 
-def install() -> None:
-    """Compile every program for ``TORCHTPU_TPU_TARGET`` too, if it is set (once)."""
+def install(name: str | None = None, on_error: str | None = None) -> None:
+    """Compile every program for the target name (default ``TORCHTPU_TPU_TARGET``; nothing
+    when neither is given) too, from now on. ``on_error``: "raise", "warn" (default
+    ``TORCHTPU_TPU_TARGET_ON_ERROR``, else raise) or "keep" (only in the reports)."""
     global _state, _original
-    name = tpu_target.target_name()
-    if name is None or _state is not None:
+    name = tpu_target.check_name(name) if name is not None else tpu_target.target_name()
+    if name is None:
         return
-    on_error = os.environ.get(ON_ERROR, "raise").strip().lower() or "raise"
-    if on_error not in ("raise", "warn"):
+    if _state is not None:
+        if _state.name != name:
+            raise tpu_target.TargetError(
+                f"torchtpu.tpu: this process compiles for {_state.name} already; one target "
+                f"per process (asked for {name})")
+        if on_error is not None:
+            _state.on_error = on_error
+        return
+    on_error = on_error or os.environ.get(ON_ERROR, "raise").strip().lower() or "raise"
+    if on_error not in ("raise", "warn", "keep"):
         raise ValueError(f"torchtpu.config: {ON_ERROR}={on_error!r} is not raise or warn")
     tpu_target.target(name)  # a bad name or libtpu fails here, at import, not in a thread
     from jax._src import compiler
@@ -133,6 +143,8 @@ def _raise_failed(state: _State) -> None:
         failed, state.failed = state.failed, []
     for report in failed:
         text = _refusal(report)
+        if state.on_error == "keep":
+            continue
         if state.on_error == "warn":
             warnings.warn(text, RuntimeWarning, stacklevel=4)
         else:
@@ -153,9 +165,9 @@ def _kind(name: str) -> str:
     bare = name[4:] if name.startswith("jit_") else name
     if bare.startswith(("aten_", "prims_", "torchtpu_")):
         return "op"
-    for prefix, kind in (("_replay", "fused"), ("replay", "capture"), ("graph", "graph"),
-                         ("merged", "graph"), ("step", "step"), ("body", "collective"),
-                         ("shmap_body", "collective")):
+    for prefix, kind in (("_replay", "fused"), ("replay", "capture"), ("captured", "step"),
+                         ("graph", "graph"), ("merged", "graph"), ("step", "step"),
+                         ("body", "collective"), ("shmap_body", "collective")):
         if bare.startswith(prefix):
             return kind
     return "program"
