@@ -1,0 +1,85 @@
+"""``torch_xla.compile``: a region whose ops run as one program at its end.
+
+PyTorch/XLA traces the region lazily (eager mode off inside it) and runs the traced graph at its
+end. Here the region runs under DeferAndFuse and ends with the step boundary (``_step.sync``),
+so each call is one cached program and Python side effects (a scheduler's ``step()``, a
+counter) run on every call, as in PyTorch/XLA; pending work from before the region runs first.
+``full_graph=True`` raises when the body ran programs before its end (a host read such as
+``.item()`` or ``print`` of a device value, or a data-dependent shape, split it), naming how many;
+``max_different_graphs=N`` raises when more than N calls had to compile new programs.
+A decorator, a wrapper (``torch_xla.compile(fn)``) or a context manager (``with
+torch_xla.compile():``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from torchtpu import metrics
+from torchtpu.integrations.torch_xla import _missing, _step
+
+
+class Region:
+    """One compiled region; its counts of calls that compiled new programs."""
+
+    def __init__(self, name: str | None, full_graph: bool, max_different_graphs: int | None):
+        if max_different_graphs is not None and max_different_graphs < 1:
+            raise ValueError(f"torchtpu.argument: max_different_graphs must be at least 1, got "
+                             f"{max_different_graphs}")
+        self.name, self.full_graph, self.limit = name or "region", full_graph, max_different_graphs
+        self.graphs = 0
+        self._saved: list = []
+
+    def __enter__(self):
+        _step.sync()
+        self._saved.append((torch.tpu.eager_mode, metrics.snapshot()))
+        torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
+        return self
+
+    def __exit__(self, kind, error, tb) -> None:
+        mode, before = self._saved.pop()
+        try:
+            inside = metrics.snapshot()["executions"] - before["executions"]
+            _step.sync()
+        finally:
+            torch.tpu.eager_mode = mode
+        if kind is not None:
+            return
+        after = metrics.snapshot()
+        if self.full_graph and inside:
+            raise RuntimeError(
+                f"torchtpu.compile: torch_xla.compile({self.name!r}, full_graph=True) ran "
+                f"{inside} program(s) before the end of its body: a host read (.item(), print "
+                "of a device value, .cpu()) or a data-dependent shape (x[mask]) inside it; move "
+                "it after the call (xm.add_step_closure) or drop full_graph")
+        if after["executable_compiles"] > before["executable_compiles"]:
+            self.graphs += 1
+            if self.limit is not None and self.graphs > self.limit:
+                raise RuntimeError(
+                    f"torchtpu.compile: torch_xla.compile({self.name!r}) compiled new programs "
+                    f"on {self.graphs} calls, over max_different_graphs={self.limit}: its "
+                    "input shapes or Python values change between calls")
+
+    def __call__(self, fn: Callable) -> Callable:
+        if self.name == "region":
+            self.name = getattr(fn, "__name__", self.name)
+
+        @functools.wraps(fn)
+        def compiled(*args, **kwargs):
+            with self:
+                return fn(*args, **kwargs)
+
+        return compiled
+
+
+def compile(f: Callable | None = None, full_graph: bool = False, name: str | None = None,
+            max_different_graphs: int | None = None, custom_compile_options: dict | None = None):
+    """``torch_xla.compile``: see the module."""
+    if custom_compile_options:
+        raise NotImplementedError(_missing.text("torch_xla.compile(custom_compile_options=)")
+                                  + "; XLA flags pass through XLA_FLAGS")
+    region = Region(name or getattr(f, "__name__", None), full_graph, max_different_graphs)
+    return region if f is None else region(f)

@@ -1,0 +1,1 @@
+"""``torch_xla.core``: ``xla_model`` (``xm``)."""

@@ -1,0 +1,2 @@
+"""``torch_xla.distributed``: ``parallel_loader`` (``pl``), ``xla_multiprocessing`` (``xmp``),
+``spmd`` (``xs``)."""

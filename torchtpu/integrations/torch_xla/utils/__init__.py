@@ -1,0 +1,1 @@
+"""``torch_xla.utils``: ``utils`` (``xu``)."""
