@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from torchtpu import errors
+from torchtpu.kernels import pallas_mode
 from torchtpu.kernels.jax_op import jax_op
 
 _BLOCK = 128
@@ -134,19 +135,32 @@ def _blocks(rows: int, d: int, along: int):
     return pl.BlockSpec((None, rows, d), lambda b, i: (b, i, 0))
 
 
+def _cost(matmuls: int, lq: int, lk: int, d: int, *arrays) -> pl.CostEstimate:
+    """What one kernel does, for the TPU cost model (a Mosaic kernel is opaque to it): ``matmuls``
+    (lq x lk x d) products per (batch x head), one exp per score, every array read or written
+    once (every key block is visited, causal or not)."""
+    bh = arrays[0].shape[0]
+    return pl.CostEstimate(flops=2 * matmuls * bh * lq * lk * d, transcendentals=bh * lq * lk,
+                           bytes_accessed=sum(a.size * a.dtype.itemsize for a in arrays))
+
+
 def _forward(q, k, v, scale, causal):
     geometry, (lq, lk) = _geometry(q, k, scale, causal)
     bq, d, dv = geometry["block_q"], q.shape[-1], v.shape[-1]
     bh = q.size // (q.shape[-2] * d)
-    o, lse = pl.pallas_call(
-        functools.partial(_forward_kernel, **geometry),
-        grid=(bh, lq // bq),
-        in_specs=[_blocks(bq, d, 1), _blocks(lk, d, None), _blocks(lk, dv, None)],
-        out_specs=[_blocks(bq, dv, 1), _blocks(bq, 1, 1)],
-        out_shape=[jax.ShapeDtypeStruct((bh, lq, dv), q.dtype),
-                   jax.ShapeDtypeStruct((bh, lq, 1), jnp.float32)],
-        name="flash_attention_forward",
-    )(_flat(q, lq), _flat(k, lk), _flat(v, lk))
+    args = _flat(q, lq), _flat(k, lk), _flat(v, lk)
+    outs = [jax.ShapeDtypeStruct((bh, lq, dv), q.dtype),
+            jax.ShapeDtypeStruct((bh, lq, 1), jnp.float32)]
+    with pallas_mode.kernel_defaults():
+        o, lse = pl.pallas_call(
+            functools.partial(_forward_kernel, **geometry),
+            grid=(bh, lq // bq),
+            in_specs=[_blocks(bq, d, 1), _blocks(lk, d, None), _blocks(lk, dv, None)],
+            out_specs=[_blocks(bq, dv, 1), _blocks(bq, 1, 1)],
+            out_shape=outs,
+            cost_estimate=_cost(2, lq, lk, d, *args, *outs),
+            name="flash_attention_forward",
+        )(*args)
     out = o[:, :q.shape[-2]].reshape(*q.shape[:-1], dv)
     return out, lse
 
@@ -157,25 +171,29 @@ def _backward(q, k, v, out, lse, dout, scale, causal):
     bh = q.size // (q.shape[-2] * d)
     qf, kf, vf, dof = _flat(q, lq), _flat(k, lk), _flat(v, lk), _flat(dout, lq)
     delta = (dof.astype(jnp.float32) * _flat(out, lq).astype(jnp.float32)).sum(-1, keepdims=True)
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, **geometry),
-        grid=(bh, lq // bq),
-        in_specs=[_blocks(bq, d, 1), _blocks(lk, d, None), _blocks(lk, dv, None),
-                  _blocks(bq, dv, 1), _blocks(bq, 1, 1), _blocks(bq, 1, 1)],
-        out_specs=_blocks(bq, d, 1),
-        out_shape=jax.ShapeDtypeStruct((bh, lq, d), q.dtype),
-        name="flash_attention_dq",
-    )(qf, kf, vf, dof, lse, delta)
-    dk, dvv = pl.pallas_call(
-        functools.partial(_dkv_kernel, **geometry),
-        grid=(bh, lk // bk),
-        in_specs=[_blocks(lq, d, None), _blocks(bk, d, 1), _blocks(bk, dv, 1),
-                  _blocks(lq, dv, None), _blocks(lq, 1, None), _blocks(lq, 1, None)],
-        out_specs=[_blocks(bk, d, 1), _blocks(bk, dv, 1)],
-        out_shape=[jax.ShapeDtypeStruct((bh, lk, d), k.dtype),
-                   jax.ShapeDtypeStruct((bh, lk, dv), v.dtype)],
-        name="flash_attention_dkv",
-    )(qf, kf, vf, dof, lse, delta)
+    with pallas_mode.kernel_defaults():
+        dq = pl.pallas_call(
+            functools.partial(_dq_kernel, **geometry),
+            grid=(bh, lq // bq),
+            in_specs=[_blocks(bq, d, 1), _blocks(lk, d, None), _blocks(lk, dv, None),
+                      _blocks(bq, dv, 1), _blocks(bq, 1, 1), _blocks(bq, 1, 1)],
+            out_specs=_blocks(bq, d, 1),
+            out_shape=jax.ShapeDtypeStruct((bh, lq, d), q.dtype),
+            cost_estimate=_cost(3, lq, lk, d, qf, kf, vf, dof, lse, delta, qf),
+            name="flash_attention_dq",
+        )(qf, kf, vf, dof, lse, delta)
+    with pallas_mode.kernel_defaults():
+        dk, dvv = pl.pallas_call(
+            functools.partial(_dkv_kernel, **geometry),
+            grid=(bh, lk // bk),
+            in_specs=[_blocks(lq, d, None), _blocks(bk, d, 1), _blocks(bk, dv, 1),
+                      _blocks(lq, dv, None), _blocks(lq, 1, None), _blocks(lq, 1, None)],
+            out_specs=[_blocks(bk, d, 1), _blocks(bk, dv, 1)],
+            out_shape=[jax.ShapeDtypeStruct((bh, lk, d), k.dtype),
+                       jax.ShapeDtypeStruct((bh, lk, dv), v.dtype)],
+            cost_estimate=_cost(4, lq, lk, d, qf, kf, vf, dof, lse, delta, kf, vf),
+            name="flash_attention_dkv",
+        )(qf, kf, vf, dof, lse, delta)
     cut = q.shape[-2], k.shape[-2]
     return (dq[:, :cut[0]].reshape(q.shape), dk[:, :cut[1]].reshape(k.shape),
             dvv[:, :cut[1]].reshape(v.shape))

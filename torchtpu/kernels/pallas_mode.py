@@ -12,12 +12,29 @@ XLA:GPU) without the author passing ``interpret=``.
 - ``off``: never (on CPU a ``pallas_call`` then fails to lower: only for checking that);
 - ``tpu``: JAX's TPU-simulating interpreter (VMEM, DMAs and semaphores modelled; slow), which
   runs only on the CPU platform.
+
+A program is traced for a TPU when the platform is TPU or when a TPU target's compile
+(``runtime/tpu_target.py``) traces it with JAX's default device set to one of its compile-only
+TPU devices (``for_tpu()``); its kernels then compile through Mosaic, on any host.
+
+Mosaic takes less than XLA, and torchtpu's JAX settings are XLA's: x64 on (torch's int64 and
+float64), where a Python int in a kernel (a loop bound, an index map's ``0``) traces as int64
+and a Python float as float64, and matmul precision "highest" (torch's float32), which a Pallas
+dot on bfloat16 operands takes as an fp32 contraction. Mosaic's index arithmetic is 32-bit, it
+has no float64 and it refuses fp32 contractions of bfloat16, so kernels trace under
+``kernel_defaults()`` (32-bit defaults; one-pass precision, exact for bfloat16, when the
+operands are narrower than float32). ``mosaic_ready(fn)`` does that for a third party's kernel
+function, forward and backward (a ``custom_vjp``'s backward is traced after its call returns).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
 
 from torchtpu import errors
 from torchtpu.runtime import platform
@@ -37,6 +54,8 @@ def setting(where: str = "this jax_op"):
     """The value JAX's interpret override takes now: None (compile natively), True (HLO
     interpreter) or TPU interpreter parameters. ``where`` names the op in errors."""
     chosen, here = mode(), platform.platform()
+    if chosen == "auto":
+        return None if for_tpu() else True
     if chosen == "tpu":
         if here != "cpu":
             raise RuntimeError(errors.message("kernel",
@@ -48,9 +67,15 @@ def setting(where: str = "this jax_op"):
         from jax.experimental.pallas import tpu as pltpu
 
         return pltpu.InterpretParams()
-    if chosen == "on" or (chosen == "auto" and here != "tpu"):
+    return True if chosen == "on" else None
+
+
+def for_tpu() -> bool:
+    """Whether the program being traced now is for a TPU (the platform's, or a target's)."""
+    if platform.platform() == "tpu":
         return True
-    return None
+    device = jax.config.jax_default_device
+    return (device if isinstance(device, str) else getattr(device, "platform", "")) == "tpu"
 
 
 @contextlib.contextmanager
@@ -65,6 +90,44 @@ def interpreting(where: str = "this jax_op"):
     # Any truthy value is taken as pallas_call's interpret argument (True: the HLO interpreter).
     with pltpu.force_tpu_interpret_mode(value):
         yield
+
+
+@contextlib.contextmanager
+def kernel_defaults(dtype=None):
+    """Trace the ``pallas_call``\\ s made here as Mosaic takes them (see the module doc), for
+    operands of ``dtype`` (None: float32 or wider); the operands keep their dtypes."""
+    narrow = dtype is not None and jnp.issubdtype(dtype, jnp.floating) \
+        and jnp.dtype(dtype).itemsize < 4
+    precision = "default" if narrow else jax.config.jax_default_matmul_precision
+    with jax.enable_x64(False), jax.default_matmul_precision(precision):
+        yield
+
+
+def mosaic_ready(fn: Callable, dtype=None) -> Callable:
+    """``fn`` (arrays in, arrays out) traced under ``kernel_defaults(dtype)`` forward and
+    backward, its integer arguments as int32 (TPU's index width)."""
+
+    def narrowed(args):
+        return [a.astype(jnp.int32) if jnp.issubdtype(a.dtype, jnp.integer) else a
+                for a in args]
+
+    @jax.custom_vjp
+    def run(*args):
+        with kernel_defaults(dtype):
+            return fn(*narrowed(args))
+
+    def forward(*args):
+        with kernel_defaults(dtype):
+            out, pullback = jax.vjp(fn, *narrowed(args))
+        return out, pullback
+
+    def backward(pullback, cotangent):
+        # Integer arguments get float0 zeros of their shape, as the wrapper's own would.
+        with kernel_defaults(dtype):
+            return tuple(pullback(cotangent))
+
+    run.defvjp(forward, backward)
+    return run
 
 
 def lowering_hint(where: str, error: BaseException) -> str | None:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from torchtpu.kernels import pallas_mode
 from torchtpu.kernels.jax_op import jax_op
 
 _BLOCK_ROWS = 256
@@ -56,19 +57,31 @@ def _row_spec(block: int, d: int) -> pl.BlockSpec:
     return pl.BlockSpec((block, d), lambda i: (i, 0))
 
 
+def _cost(flops_per_element: int, *arrays) -> pl.CostEstimate:
+    """What one kernel does, for the TPU cost model (a Mosaic kernel is opaque to it): a few
+    flops per element of x, one rsqrt per row, every array read or written once."""
+    rows, d = arrays[0].shape
+    return pl.CostEstimate(flops=flops_per_element * rows * d, transcendentals=rows,
+                           bytes_accessed=sum(a.size * a.dtype.itemsize for a in arrays))
+
+
 def _forward(x, weight, eps):
     d = x.shape[-1]
     rows = x.size // d
     block, padded = _blocked(rows)
-    y, rstd = pl.pallas_call(
-        functools.partial(_forward_kernel, eps=eps),
-        grid=(padded // block,),
-        in_specs=[_row_spec(block, d), pl.BlockSpec((1, d), lambda i: (0, 0))],
-        out_specs=[_row_spec(block, d), _row_spec(block, 1)],
-        out_shape=[jax.ShapeDtypeStruct((padded, d), x.dtype),
-                   jax.ShapeDtypeStruct((padded, 1), jnp.float32)],
-        name="rms_norm_forward",
-    )(_rows(x, padded), weight.reshape(1, d))
+    args = _rows(x, padded), weight.reshape(1, d)
+    outs = [jax.ShapeDtypeStruct((padded, d), x.dtype),
+            jax.ShapeDtypeStruct((padded, 1), jnp.float32)]
+    with pallas_mode.kernel_defaults():
+        y, rstd = pl.pallas_call(
+            functools.partial(_forward_kernel, eps=eps),
+            grid=(padded // block,),
+            in_specs=[_row_spec(block, d), pl.BlockSpec((1, d), lambda i: (0, 0))],
+            out_specs=[_row_spec(block, d), _row_spec(block, 1)],
+            out_shape=outs,
+            cost_estimate=_cost(4, *args, *outs),
+            name="rms_norm_forward",
+        )(*args)
     return y[:rows].reshape(x.shape), rstd
 
 
@@ -77,16 +90,20 @@ def _backward_arrays(x, weight, rstd, dy):
     rows = x.size // d
     block, padded = _blocked(rows)
     steps = padded // block
-    dx, dw = pl.pallas_call(
-        _backward_kernel,
-        grid=(steps,),
-        in_specs=[_row_spec(block, d), pl.BlockSpec((1, d), lambda i: (0, 0)),
-                  _row_spec(block, 1), _row_spec(block, d)],
-        out_specs=[_row_spec(block, d), pl.BlockSpec((1, 1, d), lambda i: (i, 0, 0))],
-        out_shape=[jax.ShapeDtypeStruct((padded, d), x.dtype),
-                   jax.ShapeDtypeStruct((steps, 1, d), jnp.float32)],
-        name="rms_norm_backward",
-    )(_rows(x, padded), weight.reshape(1, d), rstd, _rows(dy, padded))
+    args = _rows(x, padded), weight.reshape(1, d), rstd, _rows(dy, padded)
+    outs = [jax.ShapeDtypeStruct((padded, d), x.dtype),
+            jax.ShapeDtypeStruct((steps, 1, d), jnp.float32)]
+    with pallas_mode.kernel_defaults():
+        dx, dw = pl.pallas_call(
+            _backward_kernel,
+            grid=(steps,),
+            in_specs=[_row_spec(block, d), pl.BlockSpec((1, d), lambda i: (0, 0)),
+                      _row_spec(block, 1), _row_spec(block, d)],
+            out_specs=[_row_spec(block, d), pl.BlockSpec((1, 1, d), lambda i: (i, 0, 0))],
+            out_shape=outs,
+            cost_estimate=_cost(10, *args, *outs),
+            name="rms_norm_backward",
+        )(*args)
     return dx[:rows].reshape(x.shape), dw.sum((0, 1)).astype(weight.dtype)
 
 

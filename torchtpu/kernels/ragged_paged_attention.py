@@ -1,0 +1,98 @@
+"""Ragged paged attention, the kernel vLLM on TPU serves with: ``torchtpu::ragged_paged_attention``.
+
+One step's queries of many sequences, packed (``q``: [tokens, q_heads, head_dim], sequence ``i``
+owning rows ``cu_q_lens[i]:cu_q_lens[i+1]``), attend causally to their sequences' KV caches held
+in pages (``kv_pages``: [pages, page_size, 2 * kv_heads, head_dim], keys and values interleaved
+along the heads as vLLM's TPU backend stores them; ``page_indices[i]`` lists sequence ``i``'s
+pages and ``kv_lens[i]`` its length). The last query of a sequence sits at its last KV position,
+so a decode (one query) sees the whole context and a prefill the causal triangle. Only the first
+``num_seqs[0]`` sequences count; rows past ``cu_q_lens[num_seqs[0]]`` are padding (zeros here,
+unspecified from the TPU kernel).
+
+On TPU (the platform, or a TPU target's compile: ``pallas_mode.for_tpu()``) this is JAX's Pallas
+kernel (``jax.experimental.pallas.ops.tpu.ragged_paged_attention``) through Mosaic, which needs
+``head_dim`` a multiple of 128 (the TPU's lanes). Elsewhere that kernel runs in neither interpret
+mode (bench/RESULTS.md), so the op computes the same attention densely in XLA: each sequence's
+pages gathered, then a masked softmax. Inference only: it has no backward.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from torchtpu import errors
+from torchtpu.kernels import pallas_mode
+from torchtpu.kernels.jax_op import define
+from torchtpu.kernels.signature import from_function
+
+_LANES = 128
+_KV_PAGES_PER_BLOCK, _QUERIES_PER_BLOCK = 128, 32
+
+
+def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
+    seqs = page_indices.shape[0]
+    problem = None
+    if q.ndim != 3 or kv_pages.ndim != 4 or kv_pages.shape[2] % 2:
+        problem = (f"q {q.shape} must be [tokens, q_heads, head_dim] and kv_pages "
+                   f"{kv_pages.shape} [pages, page_size, 2 * kv_heads, head_dim]")
+    elif q.shape[2] != kv_pages.shape[3] or q.shape[1] % (kv_pages.shape[2] // 2):
+        problem = (f"q {q.shape} and kv_pages {kv_pages.shape} disagree: the head_dims must be "
+                   "equal and q_heads a multiple of kv_heads")
+    elif kv_lens.shape != (seqs,) or cu_q_lens.shape != (seqs + 1,) or num_seqs.shape != (1,):
+        problem = (f"kv_lens {kv_lens.shape}, cu_q_lens {cu_q_lens.shape} and num_seqs "
+                   f"{num_seqs.shape} must be ({seqs},), ({seqs + 1},) and (1,) for "
+                   f"page_indices {page_indices.shape}")
+    elif pallas_mode.for_tpu() and q.shape[2] % _LANES:
+        problem = (f"head_dim {q.shape[2]}: JAX's TPU kernel needs a multiple of {_LANES} (the "
+                   "TPU's lanes); pad the heads, or use the dense attention of "
+                   "torchtpu.integrations.vllm off this kernel")
+    if problem:
+        raise ValueError(errors.message("kernel", f"torchtpu::ragged_paged_attention: {problem}"))
+
+
+def _dense(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale):
+    """The kernel's attention in XLA: [tokens, q_heads, head_dim]."""
+    tokens, q_heads, d = q.shape
+    seqs, per_seq = page_indices.shape
+    page_size, kv_heads = kv_pages.shape[1], kv_pages.shape[2] // 2
+    kv = kv_pages[page_indices].reshape(seqs, per_seq * page_size, 2 * kv_heads, d)
+    rep = q_heads // kv_heads
+    k = jnp.repeat(kv[:, :, 0::2], rep, axis=2)  # [seqs, ctx, q_heads, d]
+    v = jnp.repeat(kv[:, :, 1::2], rep, axis=2)
+    row = jnp.arange(tokens, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens, row, side="right") - 1, 0, seqs - 1)
+    live = row < cu_q_lens[num_seqs[0]]
+    q_len = cu_q_lens[seq + 1] - cu_q_lens[seq]
+    last = kv_lens[seq] - q_len + (row - cu_q_lens[seq])  # the KV position of this query
+    s = jnp.einsum("thd,tkhd->thk", q, k[seq], preferred_element_type=jnp.float32) * sm_scale
+    cols = jnp.arange(k.shape[1], dtype=jnp.int32)
+    s = jnp.where((cols[None, :] <= last[:, None])[:, None, :], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
+    out = jnp.einsum("thk,tkhd->thd", p, v[seq], preferred_element_type=jnp.float32)
+    return jnp.where(live[:, None, None], out, 0).astype(q.dtype)
+
+
+def _ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Array,
+                            page_indices: jax.Array, cu_q_lens: jax.Array, num_seqs: jax.Array,
+                            sm_scale: float = 1.0) -> jax.Array:
+    index = [a.astype(jnp.int32) for a in (kv_lens, page_indices, cu_q_lens, num_seqs)]
+    _check(q, kv_pages, *index)
+    if not pallas_mode.for_tpu():
+        return _dense(q, kv_pages, *index, sm_scale)
+    from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
+
+    # JAX's default blocks, given here: its tuned table asks jax.devices() for the TPU's
+    # generation, which on a compile-only target is the host's CPU (it then refuses).
+    blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], _KV_PAGES_PER_BLOCK),
+                  num_queries_per_block=min(q.shape[0], _QUERIES_PER_BLOCK))
+    with pallas_mode.kernel_defaults(q.dtype):
+        return rpa.ragged_paged_attention(q, kv_pages, *index, sm_scale=sm_scale, **blocks)
+
+
+ragged_paged_attention = define("torchtpu::ragged_paged_attention", _ragged_paged_attention,
+                                from_function("torchtpu::ragged_paged_attention",
+                                              _ragged_paged_attention), differentiable=False)
+ragged_paged_attention.__doc__ = """``ragged_paged_attention(q, kv_pages, kv_lens, page_indices,
+cu_q_lens, num_seqs, sm_scale=1.0)``: one serving step's packed queries against their paged KV
+caches, causal (see the module doc); on TPU JAX's Pallas kernel."""
