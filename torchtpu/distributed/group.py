@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from torchtpu.distributed import host, protocol
+from torchtpu.distributed import device_binding, host, protocol
 from torchtpu.distributed.p2p import PointToPoint
 from torchtpu.distributed.protocol import ANY_SHAPE, INLINE
 from torchtpu.distributed.work import CommThread, Done, Joined, Pending
@@ -60,6 +60,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
                  global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._timeout = timeout
+        self._store, self._bound = store, False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("tpu_dist/", store), rank, size,
                                            timeout)
         self._seq = 0
@@ -93,6 +94,18 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
 
     def _label(self) -> str:
         return self._desc or self._name
+
+    def _get_backend(self, device: torch.device):
+        """The backend behind device's collectives: for tpu, the group's gloo group, once
+        device is checked to be this process's (``init_process_group(device_id=...)`` asks
+        this; see ``device_binding``)."""
+        device = torch.device(device)
+        if device.type != "tpu":
+            return super()._get_backend(device)
+        if not self._bound:  # once, on every rank together (c10d asks at the group's creation)
+            device_binding.bind(self._store, self.rank(), self.size(), device, self._timeout)
+            self._bound = True
+        return self._gloo
 
     def _serves_cpu(self) -> bool:
         """Whether CPU tensors go to gloo: the group was made for CPU too, or for any device."""
