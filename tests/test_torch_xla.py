@@ -57,7 +57,11 @@ def _batches(n):
             for _ in range(n)]
 
 
-def _train(device, step_wrap, loader_wrap, optimizer_step, batches):
+def _now(closure, args):
+    closure(*args)
+
+
+def _train(device, step_wrap, loader_wrap, optimizer_step, batches, closure=_now):
     torch.manual_seed(0)
     model = _Net().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -70,25 +74,28 @@ def _train(device, step_wrap, loader_wrap, optimizer_step, batches):
         return loss
 
     step = step_wrap(step_fn)
-    losses = []
+    losses, seen = [], []
     for data, target in loader_wrap(batches):
+        seen.append(len(losses))
         loss = step(data, target)
-        xm.add_step_closure(lambda v: losses.append(v.item()), args=(loss,))
-    return losses, {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        closure(lambda v: losses.append(v.item()), (loss,))
+    return losses, seen, {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
 def test_training_loop_in_pytorch_xla_style_matches_cpu():
     batches = _batches(4)
-    cpu_losses, cpu_state = _train("cpu", lambda f: f, lambda b: b, lambda o: o.step(), batches)
+    cpu_losses, _, cpu_state = _train("cpu", lambda f: f, lambda b: b, lambda o: o.step(),
+                                      batches)
     before = metrics.snapshot()
     loader = pl.MpDeviceLoader(xu.SampleGenerator(batches[0], 1), torch_xla.device())
     assert len(loader) == 1
-    losses, state = _train(
+    losses, seen, state = _train(
         torch_xla.device(), lambda f: torch_xla.compile(f, full_graph=True, name="step"),
-        lambda b: pl.MpDeviceLoader(b, torch_xla.device()), xm.optimizer_step, batches)
-    # Each closure ran at the step after its own: the loader marks one before each batch and
+        lambda b: pl.MpDeviceLoader(b, torch_xla.device()), xm.optimizer_step, batches,
+        closure=lambda f, args: xm.add_step_closure(f, args))
+    # Each step's closure ran at the next step: the loader marks one before each batch and
     # after the last.
-    assert len(losses) == 4
+    assert seen == [0, 1, 2, 3] and len(losses) == 4
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=1e-4,
                                atol=1e-4)
     for k in cpu_state:
