@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from runners import ALL, DEFERRED, PROCESSES
+from runners import ALL, DEFERRED
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -67,11 +67,7 @@ def _fsdp_training(rank, world, state, data):
     return losses, params, freed
 
 
-# Its threaded run fails intermittently: in load_state_dict one rank thread's parameters meet
-# DTensors on the other thread's DeviceMesh (meshes compare their thread), a race not yet found.
-# Until it is, the default suite runs this scenario as tpu_dist processes, the threads on request.
-@pytest.mark.parametrize("run", [pytest.param(run_threads, id="threads", marks=pytest.mark.full),
-                                 PROCESSES, DEFERRED])
+@pytest.mark.parametrize("run", [*ALL, DEFERRED])
 def test_fsdp2_gpt_training_equals_full_batch(run):
     data, ref = _data(), _reference()
     state = {k: v.clone() for k, v in ref.state_dict().items()}
@@ -112,11 +108,11 @@ def test_fsdp2_mixed_precision_bf16_params_fp32_reduce_matches_cpu(run):
     ref, x = _mlp(), torch.randn(8, 16)
     on_tpu = run(_mixed_precision, 2, args=("tpu", ref, x))
     on_cpu = run_threads(_mixed_precision, 2, args=("cpu", ref, x))
-    for tpu, cpu in zip(on_tpu, on_cpu):
+    for tpu, cpu in zip(on_tpu, on_cpu, strict=True):
         # Computed in bf16, sharded parameters and reduced gradients kept in fp32.
         assert tpu["dtypes"] == cpu["dtypes"] == (
             torch.bfloat16, torch.bfloat16, torch.float32, torch.float32)
-        for a, b in zip(tpu["grads"], cpu["grads"]):
+        for a, b in zip(tpu["grads"], cpu["grads"], strict=True):
             torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)
 
 
@@ -167,7 +163,7 @@ def _checkpoint_round_trip(rank, world, path):
 def test_dcp_round_trip_of_sharded_model_and_optimizer_is_exact(run, tmp_path):
     for saved, loaded, trained, resumed in run(_checkpoint_round_trip, 2, args=(str(tmp_path),)):
         assert len(saved) == len(loaded) > 8  # parameters, Adam moments, steps, hyperparameters
-        for a, b in [*zip(saved, loaded), *zip(trained, resumed)]:
+        for a, b in [*zip(saved, loaded, strict=True), *zip(trained, resumed, strict=True)]:
             if isinstance(a, torch.Tensor):
                 assert a.dtype == b.dtype and torch.equal(a, b)
             else:

@@ -25,6 +25,11 @@ def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = ()
                 timeout: float = 120.0) -> list:
     """fn(rank, world_size, *args) on world_size threads in one process group; results by rank.
 
+    Each rank gets its own copy of args' containers (dicts, lists, tuples; the tensors and other
+    leaves are shared, read them only), as a process gets its own: libraries change the
+    containers they are given (``set_model_state_dict`` puts the rank's DTensors into the dict it
+    loads), and the other rank would read them (DTensors on another thread's DeviceMesh).
+
     Raises with every failing rank's traceback; a failing rank stops the others' collectives.
     A rank still running at the deadline stops them too, and this raises ``TimeoutError``.
     """
@@ -42,12 +47,13 @@ def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = ()
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     store = dist.HashStore()
     outcomes: dict[int, tuple] = {}
+    own_args = [torch.utils._pytree.tree_map(lambda leaf: leaf, args) for _ in range(world_size)]
 
     def rank_main(rank: int) -> None:
         try:
             dist.init_process_group("threaded", rank=rank, world_size=world_size, store=store)
             try:
-                outcomes[rank] = (True, fn(rank, world_size, *args))
+                outcomes[rank] = (True, fn(rank, world_size, *own_args[rank]))
             finally:
                 dist.destroy_process_group()
         except BaseException as e:  # noqa: BLE001 (reported by the caller's thread)
