@@ -10,12 +10,13 @@ an allocation is zeros. Only ops of that kind belong here; every op with math in
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
 import torch
-from jax import lax
+from jax import core, lax
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry, read_view, write_view
@@ -87,12 +88,29 @@ def squeeze(x, dims=None):
     return jnp.squeeze(x, axes) if axes else x
 
 
+def _slice_bounds(start, end, step: int, n) -> tuple:
+    """``slice(start, end, step).indices(n)``'s start and end (end >= start), also where n or a
+    bound is a symbolic size (an exported program's dynamic dimension): then clamped with
+    JAX's symbolic min/max, as Python clamps integers."""
+    if all(type(v) is int for v in (start, end, n) if v is not None):
+        start, end, _ = slice(start, end, step).indices(n)
+        return start, max(end, start)
+
+    def clamp(v, default):
+        if v is None or (type(v) is int and v >= sys.maxsize):
+            return default
+        if type(v) is int and v < 0:
+            v = n + v
+        return core.max_dim(core.min_dim(v, n), 0)
+
+    start = clamp(start, 0)
+    return start, core.max_dim(clamp(end, n), start)
+
+
 @_graph_op(aten.slice.Tensor)
 def slice_(x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
-    n = x.shape[dim]
-    start, end, _ = slice(start, end, step).indices(n)
-    end = max(end, start)
+    start, end = _slice_bounds(start, end, step, x.shape[dim])
     return lax.slice_in_dim(x, start, end, step, axis=dim)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import torch
 from jax import lax
@@ -21,7 +22,8 @@ aten = torch.ops.aten
 
 def _range(start, end, step):
     """start + step * i for i < the length PyTorch's arange gives (float64 or int64)."""
-    if all(isinstance(v, int) for v in (start, end, step)):
+    # A symbolic size (a dimension of an exported program's input) is an integer too.
+    if all(isinstance(v, int) or jax.export.is_symbolic_dim(v) for v in (start, end, step)):
         sign = (step > 0) - (step < 0)
         n = max(0, (end - start + step - sign) // step)
         return start + step * lax.iota(jnp.int64, n)
