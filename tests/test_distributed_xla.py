@@ -7,6 +7,7 @@ rank that hangs. The start-up-order rules (a tpu tensor made before init_process
 checked in this process, where JAX's backend has started and its multi-process runtime has not.
 """
 
+import collections
 import datetime
 
 import pytest
@@ -120,6 +121,20 @@ def _ddp_step(rank, world, group):
     return [p.detach().cpu() for p in ddp.module.parameters()]
 
 
+def _count_xla_launches() -> list:
+    """The XLA collective programs this process launches from now on, by body name."""
+    from torchtpu.distributed import xla
+
+    launched, program = [], xla._program
+
+    def counted(op, *args, **kwargs):
+        launched.append(op)
+        return program(op, *args, **kwargs)
+
+    xla._program = counted
+    return launched
+
+
 def _both(rank, world):
     from torchtpu.distributed import CollectiveMismatchError, Transport
     from torchtpu.distributed.xla import XlaProcessGroup
@@ -132,11 +147,14 @@ def _both(rank, world):
     # Sub-groups get a mesh of their ranks' devices: rank r's own one-device group.
     subs = [dist.new_group([r]) for r in range(world)]
     mine = subs[rank]
-    result = {
-        "kinds": (type(default) is XlaProcessGroup, type(host) is XlaProcessGroup,
-                  type(mine) is XlaProcessGroup),
-        "xla": _cases(rank, world, None), "host": _cases(rank, world, host),
-    }
+    result = {"kinds": (type(default) is XlaProcessGroup, type(host) is XlaProcessGroup,
+                        type(mine) is XlaProcessGroup)}
+    launched = _count_xla_launches()
+    result["xla"] = _cases(rank, world, None)
+    result["xla launches"] = collections.Counter(launched)
+    launched.clear()
+    result["host"] = _cases(rank, world, host)
+    result["host launches"] = list(launched)
     late = torch.full((3,), float(rank), device="tpu")
     work = dist.all_reduce(late, async_op=True)
     work.wait()
@@ -172,6 +190,11 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
     results = run(_both, 2, pg_timeout=60, env={"TORCHTPU_DIST_TRANSPORT": "xla"}, timeout=300)
     for rank, out in enumerate(results):
         assert out["kinds"] == (True, False, True), out["kinds"]
+        # The cases ran as XLA collective programs (reduce as an all_reduce; the uneven
+        # all_to_all_single is the host's), the host group's as none.
+        assert out["xla launches"] == {"all_reduce": 13, "all_gather": 2, "reduce_scatter": 3,
+                                       "broadcast": 2, "all_to_all": 1}, out["xla launches"]
+        assert out["host launches"] == [], out["host launches"]
         assert out["xla"].keys() == out["host"].keys()
         for name, (got, expect) in out["xla"].items():
             torch.testing.assert_close(got, expect, equal_nan=True,
@@ -183,7 +206,7 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
         assert torch.signbit(sign), "broadcast lost the sign of -0.0"
         torch.testing.assert_close(out["async"], torch.full((3,), 1.0))
         torch.testing.assert_close(out["one-rank sub-group"], torch.full((3,), float(rank)))
-        for a, b in zip(*out["ddp"]):
+        for a, b in zip(*out["ddp"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
         for text in out["errors"]:
             assert text is not None
@@ -193,7 +216,7 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
         torch.testing.assert_close(out["after"], torch.full((3,), 2.0))
     text, waited = results[0]["hang"]
     assert "timeout (2 s)" in text and waited < 2 + 3, (text, waited)
-    for a, b in zip(results[0]["ddp"][0], results[1]["ddp"][0]):
+    for a, b in zip(results[0]["ddp"][0], results[1]["ddp"][0], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
