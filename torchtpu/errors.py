@@ -101,6 +101,12 @@ GLOSSARY: dict[str, Entry] = {
         "function, a Pallas kernel that cannot lower on this platform.",
         "Follow the message: it names the op and the fix (annotations, register_fake, "
         "TORCHTPU_PALLAS_INTERPRET)."),
+    "export": Entry(
+        "torchtpu.export or torchtpu.jax.to_jax met a program it cannot turn into JAX (an op "
+        "with no lowering, a data-dependent shape, random ops), or an exported artifact was "
+        "called with inputs unlike its manifest's.",
+        "Follow the message: it names the op and the module it was called in, or the input "
+        "and the shape (with its symbolic dimensions) the artifact takes."),
     "unsupported": Entry(
         "A feature or argument combination torchtpu does not implement yet.",
         "Use the alternative the message names, or file an issue with the call."),
