@@ -1,9 +1,11 @@
 """The Pallas kernels (RMSNorm, flash attention, interpreted on CPU) and torch.tpu.ops against
 PyTorch on CPU, forward and backward, eager and compiled.
 
-Interpreted Pallas programs are slow to compile on XLA:CPU, so the default run keeps one small
-shape per kernel; TORCHTPU_TESTS=full adds multi-block shapes (padding, several grid
-steps, causal with unequal lengths).
+Interpreted Pallas programs are slow to compile on XLA:CPU, so the default run keeps one shape
+per kernel, of more than one block with padding: for flash attention two query and two key
+blocks (the online softmax's correction between key blocks), for RMSNorm two row blocks (the
+weight gradient's sum over blocks); TORCHTPU_TESTS=full adds more (causal with unequal
+lengths, several heads and batches, a one-block RMSNorm).
 """
 
 
@@ -35,7 +37,10 @@ def _rms_reference(x, w):
     return F.rms_norm(x, (x.shape[-1],), w, 1e-5)
 
 
-@pytest.mark.parametrize("shape", [(2, 3, 16), pytest.param((300, 8), marks=full_only)])
+RMS_DEFAULT = (2, 150, 8)  # 300 rows: 2 blocks of 256, the last one padded
+
+
+@pytest.mark.parametrize("shape", [RMS_DEFAULT, pytest.param((2, 3, 16), marks=full_only)])
 def test_rms_norm_forward_and_backward(shape):
     inputs = _rms_inputs(shape)
     got = _value_and_grads(lambda x, w: ops.rms_norm(x, w, 1e-5), inputs, "tpu")
@@ -43,7 +48,7 @@ def test_rms_norm_forward_and_backward(shape):
 
 
 def test_rms_norm_compiled(fresh_dynamo):
-    inputs = _rms_inputs((2, 3, 16))
+    inputs = _rms_inputs(RMS_DEFAULT)
     fn = torch.compile(lambda x, w: ops.rms_norm(x * 2, w, 1e-5), backend="tpu")
     got = _value_and_grads(fn, inputs, "tpu")
     assert_same(got, _value_and_grads(lambda x, w: _rms_reference(x * 2, w), inputs, "cpu"),
@@ -54,8 +59,11 @@ def _qkv(n, h, L, S, e):
     return [torch.randn(n, h, length, e, requires_grad=True) for length in (L, S, S)]
 
 
+FLASH_DEFAULT = (1, 1, 136, 136, 4)  # 2 x 2 blocks of 128, the last ones padded
+
+
 @pytest.mark.parametrize("geometry,causal", [
-    ((1, 2, 8, 8, 4), True),
+    (FLASH_DEFAULT, True),
     pytest.param((1, 1, 200, 136, 8), True, marks=full_only),
     pytest.param((2, 1, 64, 300, 8), False, marks=full_only),
 ])
@@ -68,7 +76,7 @@ def test_flash_attention_forward_and_backward(geometry, causal):
 
 
 def test_sdpa_takes_the_flash_kernel_for_long_sequences_when_asked(fresh_dynamo):
-    inputs = _qkv(1, 2, 8, 8, 4)
+    inputs = _qkv(*FLASH_DEFAULT)
     codes = []
     fn = torch.compile(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
                        backend="tpu",
