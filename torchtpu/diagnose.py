@@ -1,8 +1,14 @@
-"""``torchtpu.diagnose.step(fn, *args)``: where a training step's time goes.
+"""``torchtpu.diagnose.step(fn, *args)``: where a training step's time goes;
+``python -m torchtpu.diagnose script.py:factory`` or ``--log FILE`` (a failed run's log triaged).
 
 See ``torchtpu/tools/diagnose.py``.
 """
 
-from torchtpu.tools.diagnose import Diagnosis, format_report, step
+import sys
 
-__all__ = ["Diagnosis", "format_report", "step"]
+from torchtpu.tools.diagnose import Diagnosis, format_report, main, step
+
+__all__ = ["Diagnosis", "format_report", "main", "step"]
+
+if __name__ == "__main__":
+    sys.exit(main())

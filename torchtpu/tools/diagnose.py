@@ -17,11 +17,17 @@ and the share of the step the host spent not waiting for the device. With ``prof
 more step runs under ``torch.profiler`` (host and device activity) and ``profile`` holds that
 trace's summary (``tools/trace.py``): the programs that took the most device time and the
 share of the step the device was busy.
+
+``python -m torchtpu.diagnose script.py:factory [--backward] [--profile] [--json]`` diagnoses a
+target's forward (and backward); ``--log FILE`` instead reads a failed run's traceback or log and
+names the glossary category, the likely cause and the fix (``tools/triage.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import json
 import math
 import os
 import tempfile
@@ -31,8 +37,9 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from torchtpu.tools import render, trace
-from torchtpu.tools.target import ToolError
+from torchtpu.tools import render, trace, triage
+from torchtpu.tools.target import ToolError, load
+from torchtpu.tools.target import main as tool_main
 from torchtpu.tools.watch import Watch
 
 
@@ -240,3 +247,31 @@ def format_report(d: Diagnosis) -> str:
         lines += render.table(["program", "runs", "ms"], [
             [p["name"], p["count"], p["total_ms"]] for p in d.profile["device"]])
     return "\n".join(lines)
+
+
+def main(argv: list | None = None) -> int:
+    """``python -m torchtpu.diagnose``: a target's step, or ``--log FILE`` (see the module)."""
+    parser = argparse.ArgumentParser(prog="python -m torchtpu.diagnose",
+                                     description="why a step is slow, or what a log's error means")
+    parser.add_argument("target", nargs="?", help="path/to/script.py:factory")
+    parser.add_argument("--log", help="a traceback or log file to triage instead")
+    parser.add_argument("--backward", action="store_true")
+    parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print JSON for programs")
+    args = parser.parse_args(argv)
+
+    def run() -> int:
+        if (args.log is None) == (args.target is None):
+            raise ToolError("give a target (path/to/script.py:factory) or --log FILE, not both")
+        if args.log is not None:
+            found = triage.triage(triage.read_log(args.log))
+            print(json.dumps(found.to_dict(), indent=1) if args.json
+                  else triage.format_triage(found))
+            return 0
+        from torchtpu.tools.onboard import diagnose_model  # onboard imports this module
+
+        d = diagnose_model(*load(args.target), args.backward, args.profile)
+        print(json.dumps(d.to_dict(), indent=1, default=str) if args.json else format_report(d))
+        return 0
+
+    return tool_main(run)

@@ -2,10 +2,13 @@
 
 Tools, each returning JSON: ``doctor``, ``onboard`` and ``diagnose`` (on a
 ``path/to/script.py:factory`` target), ``metrics`` (this server process's
-``torchtpu.metrics``) and ``trace_summary`` (a profiler trace file). A problem with the
-arguments comes back as ``{"ok": false, "error": "torchtpu.tool: ..."}``, not as a crash of the
-server. Needs the ``mcp`` package: ``pip install 'torchtpu[mcp]'``. ``SKILL.md`` beside this
-file tells an assistant when to call which tool.
+``torchtpu.metrics``), ``trace_summary`` (a profiler trace file), ``docs_search`` (torchtpu's
+README, glossary and docstrings, cited by file, section and line, with ``covered: false`` for
+what they do not cover) and ``triage_log`` (a traceback or log: glossary category, cause,
+fix). A problem with the arguments comes back as
+``{"ok": false, "error": "torchtpu.tool: ..."}``, not as a crash of the server. Needs the
+``mcp`` package: ``pip install 'torchtpu[mcp]'``. ``SKILL.md`` beside this file tells an
+assistant when to call which tool.
 """
 
 from __future__ import annotations
@@ -14,9 +17,11 @@ import sys
 from pathlib import Path
 
 from torchtpu import metrics as _metrics
+from torchtpu.tools import docs_search as _docs
 from torchtpu.tools import doctor as _doctor
 from torchtpu.tools import onboard as _onboard
 from torchtpu.tools import trace as _trace
+from torchtpu.tools import triage as _triage
 from torchtpu.tools.target import ToolError, describe, load
 
 SKILL = Path(__file__).with_name("SKILL.md")
@@ -41,6 +46,12 @@ def _onboard_target(target, backward, modes, atol, rtol) -> dict:
 def _diagnose_target(target, backward, profile) -> dict:
     model, inputs = load(target)
     return _onboard.diagnose_model(model, inputs, backward, profile).to_dict()
+
+
+def _triage_log(path: str | None, text: str | None) -> dict:
+    if (path is None) == (text is None):
+        raise ToolError("triage_log takes a log file's path or its text, one of the two")
+    return _triage.triage(_triage.read_log(path) if path is not None else text).to_dict()
 
 
 def _metrics_report() -> dict:
@@ -88,6 +99,20 @@ def build():
         """Summary of a profiler trace (Chrome trace JSON, .json.gz, or a folder holding
         one): span and the events with the most total time."""
         return _guarded(_trace.summarize, path, top)
+
+    @server.tool()
+    def docs_search(query: str, top: int = 5) -> dict:
+        """Answer a question about torchtpu from its own README, error glossary and module
+        docstrings: the best sections, each with a citation (file:line and section) and an
+        excerpt; covered false means the documentation does not cover the topic (say so rather
+        than guess)."""
+        return _guarded(_docs.search, query, top)
+
+    @server.tool()
+    def triage_log(path: str | None = None, text: str | None = None) -> dict:
+        """Read a failed run's traceback or log (a file path, or the text itself) and name the
+        torchtpu error category, the likely cause, the fix and the user line it points at."""
+        return _guarded(_triage_log, path, text)
 
     return server
 
