@@ -65,7 +65,8 @@ def test_mcp_server_serves_every_tool(tmp_path):
         return results
 
     r = anyio.run(session)
-    assert r["tools"] == {"doctor", "onboard", "diagnose", "metrics", "trace_summary"}
+    assert r["tools"] == {"doctor", "onboard", "diagnose", "metrics", "trace_summary",
+                          "docs_search", "triage_log"}
     assert r["doctor"][0]["ok"] and r["doctor"][0]["checks"][0]["name"] == "platform"
     good, missing = r["onboard"]
     assert good["ok"] and good["modes"][0]["mode"] == "strict" and good["modes"][0]["ok"]
