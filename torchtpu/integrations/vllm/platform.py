@@ -15,6 +15,10 @@ import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import register_backend
 
+# vLLM's CPU platform's KV-cache setting (GiB), honoured where device memory is host memory
+KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+# with neither it nor kv_cache_memory_bytes: this much, or half the memory free, if less
+DEFAULT_HOST_KV_BYTES = 4 << 30
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
 ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
 # vLLM names every backend by a member of its enum; an out-of-tree one adds its own
@@ -77,6 +81,15 @@ class TpuPlatform(Platform):
         return False
 
     @classmethod
+    def import_kernels(cls) -> None:
+        # The base Platform imports vllm._C, vllm-cpu's AVX-512/BF16 build, unconditionally: on
+        # an AVX2-only CPU that kills the process (SIGILL). The CPU platform loads the build the
+        # CPU's features allow (_C, _C_AVX512 or _C_AVX2); the host-side kernels are that build's.
+        from vllm.platforms.cpu import CpuPlatform
+
+        CpuPlatform.import_kernels()
+
+    @classmethod
     def register_triton_kernel_overrides(cls) -> None:
         from torchtpu.integrations.vllm import kernels
 
@@ -101,8 +114,39 @@ class TpuPlatform(Platform):
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         if compilation.compile_sizes is None:
             compilation.compile_sizes = []
+        _size_host_kv_cache(vllm_config.cache_config)
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER
         # a forked worker would inherit the parent's PJRT client and its threads
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def _size_host_kv_cache(cache_config) -> None:
+    """On XLA:CPU, size the KV cache in bytes as vLLM's CPU platform does, not as a GPU share.
+
+    There device memory is host memory: vLLM's default, 92% of it free at start-up, fails on any
+    host with other processes running, and would be far more than a KV cache needs. A user's
+    ``kv_cache_memory_bytes`` is kept; else ``VLLM_CPU_KVCACHE_SPACE`` (GiB), else the smaller of
+    4 GiB and half the memory free. ``gpu_memory_utilization`` then only has to pass vLLM's
+    start-up check of free memory, so it is lowered to the KV cache's share.
+    """
+    from torchtpu.runtime import platform
+
+    if platform.platform() != "cpu" or cache_config.kv_cache_memory_bytes is not None:
+        return
+    import psutil
+
+    memory = psutil.virtual_memory()
+    space = os.environ.get(KV_SPACE_ENV, "").strip()
+    if space:
+        try:
+            kv_bytes = int(float(space) * (1 << 30))
+        except ValueError:
+            raise ValueError(f"torchtpu.argument: {KV_SPACE_ENV}={space!r} is not a number of "
+                             "GiB") from None
+    else:
+        kv_bytes = min(DEFAULT_HOST_KV_BYTES, memory.available // 2)
+    cache_config.kv_cache_memory_bytes = kv_bytes
+    cache_config.gpu_memory_utilization = min(cache_config.gpu_memory_utilization,
+                                              kv_bytes / memory.total)

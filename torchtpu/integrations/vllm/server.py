@@ -55,9 +55,7 @@ def command(model: str, port: int, platform: str = "tpu",
     """The command line and environment of ``vllm serve model`` on ``platform`` at ``port``."""
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"torchtpu.argument: platform={platform!r} is not 'tpu' or 'cpu'")
-    env = {k: v for k, v in os.environ.items() if k != "TORCHTPU_VLLM"}
-    if platform == "tpu":
-        env["TORCHTPU_VLLM"] = "1"
+    env = {**os.environ, "TORCHTPU_VLLM": "1" if platform == "tpu" else "0"}
     cmd = [sys.executable, "-m", "torchtpu.integrations.vllm.server", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), *args]
     return cmd, env

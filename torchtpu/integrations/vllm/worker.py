@@ -139,7 +139,7 @@ class TpuWorker(Worker):
             raise RuntimeError(
                 f"torchtpu.device: TpuWorker runs on device 'tpu', not "
                 f"{self.device_config.device!r}; "
-                "unset TORCHTPU_VLLM to use vLLM's own platform"
+                "set TORCHTPU_VLLM=0 to use vLLM's own platform"
             )
         _tpu_runner_hooks()
         self.device = torch.device("tpu", self.local_rank)
