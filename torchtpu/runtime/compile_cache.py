@@ -10,15 +10,30 @@ devices and JAX/XLA versions); ``EntryStore`` replaces JAX's file store, which w
 place and keeps a broken one forever (its reader warns and recompiles, its writer then skips the
 key because the file exists). Here each entry is one file ``<key>.ttpu``:
 
-    b"TTPU2" | sha256(rest) (32 bytes) | rest = compile seconds (float64, big-endian) | payload
+    b"TTPU3" | sha256(rest) (32 bytes) | rest = compile seconds (float64, big-endian)
+             | kind (b"X": an executable its writer read back, b"R": anything else)
+             | host length (uint16) | host | payload
 
 where payload is JAX's own entry: a zlib- or zstd-compressed 4-byte compile time followed by
 XLA's serialized executable (the runtime's binary format; nothing here or in JAX unpickles
 anything read from the cache directory). JAX rounds its compile time down to whole seconds, so
-the store keeps its own: the time from JAX's miss on a key to its write of that key. An entry
-that is short, has another header or fails its digest is reported with a
-``CompileCacheWarning``, deleted, and treated as a miss, so the program is recompiled and
-written again; one written by an older torchtpu (``TTPU1``) is replaced without a warning.
+the store keeps its own: the time from JAX's miss on a key to its write of that key.
+
+An executable is only ever loaded if it was written whole by a process that then read it back:
+before an executable's entry is published, its writer deserializes it (``_read_back``); one that
+does not read back is not cached (a ``torchtpu.cache:`` warning names it), and JAX's reads take
+only entries of kind ``X``. ``host`` names what the machine code was built for: the platform,
+jaxlib and, on XLA:CPU (which compiles for the features of the CPU it runs on, and which JAX's
+key leaves out), the CPU's features; an entry written on another host (AVX-512 code read on an
+AVX2 machine would die of an illegal instruction) is skipped. An entry that is short, has
+another header, fails its digest, comes from another host or was not read back is reported with
+a ``CompileCacheWarning``, deleted, and treated as a miss, so the program is recompiled and
+written again; one written by an older torchtpu (``TTPU1``, ``TTPU2``) is replaced without a
+warning. (Hosts of different CPUs sharing one directory replace each other's entries.)
+
+XLA:CPU crashes (SIGSEGV) when the process runs out of memory maps, in whichever compile or
+cache read comes next (issue 26); ``map_room`` keeps it from running out, and every read here
+makes room first.
 Writes go to a private temporary file in the same directory and are renamed into place (atomic
 on POSIX), so concurrent writers and readers only ever see whole entries; two processes writing
 one key leave one whole entry.
@@ -32,10 +47,10 @@ a tenth of the cap since its last scan, so each concurrent writer overshoots by 
 of the cap; an ``flock`` keeps two processes from evicting at once, and a reader whose entry was
 just evicted sees a miss.
 
-``verify()`` reads every entry of the directory and names those that fail their checks (what
-``python -m torchtpu.doctor`` reports). ``stats()`` (``torch.tpu._get_cache_stats()``) reports
-this process's requests and hits and, per entry it read, the read count, the last read and the
-compile time stored in the entry.
+``verify()`` reads every entry of the directory and names those a reader would refuse, and
+``prune()`` deletes them (``python -m torchtpu.doctor [--prune-cache]``). ``stats()``
+(``torch.tpu._get_cache_stats()``) reports this process's requests and hits and, per entry it
+read, the read count, the last read and the compile time stored in the entry.
 
 Serializing a program (XLA's ``executable.serialize()``, which JAX calls on the compiling thread
 right after the compile, before anything else can run or donate to the new executable, which
@@ -56,9 +71,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import fcntl
-import hashlib
 import os
-import struct
 import tempfile
 import threading
 import time
@@ -69,20 +82,24 @@ import jax
 from jax._src import compilation_cache as jax_cache
 from jax._src.compilation_cache_interface import CacheInterface
 
-MAGIC = b"TTPU2"
-_FORMAT = b"TTPU"  # any version: an older one is replaced quietly
+from torchtpu.runtime import map_room
+from torchtpu.runtime.cache_entry import MAGIC as MAGIC  # (re-exported: the format's)
+from torchtpu.runtime.cache_entry import (
+    OTHER,
+    READ_BACK,
+    CompileCacheWarning,
+    pack,
+    parts,
+    problem_of,
+    read_back,
+)
+from torchtpu.runtime.map_room import make_room
+
 SUFFIX = ".ttpu"
-_DIGEST = 32
 DEFAULT_MAX_BYTES = 1 << 30
 _EVICT_TO = 0.9  # of the cap: evicting a margin at once keeps scans rare
 _RESCAN_EVERY = 0.1  # of the cap: what one process writes between scans of the directory
-_HEAD = len(MAGIC) + _DIGEST
-_SECONDS = struct.Struct(">d")
 EXIT_WAIT_SECONDS = 30.0  # a big program serializes in seconds; a stuck one must not hang exit
-
-
-class CompileCacheWarning(UserWarning):
-    """A persistent cache entry was unreadable; the program is recompiled."""
 
 
 class EntryStore(CacheInterface):
@@ -119,10 +136,13 @@ class EntryStore(CacheInterface):
         except FileNotFoundError:
             data = None
         if data is not None:
-            problem = _problem(data)
+            problem = problem_of(data)
+            if problem is None and getattr(_executable_read, "on", False) \
+                    and parts(data)[1] != READ_BACK:
+                problem = "it was not read back by the process that wrote it"
             if problem is None:
                 self._record_read(key, path)
-                return data[_HEAD + _SECONDS.size:]
+                return parts(data)[3]
             if problem:
                 warnings.warn(f"torchtpu.cache: compile cache entry {path} is unusable: {problem}; "
                               "recompiling and replacing it", CompileCacheWarning, stacklevel=2)
@@ -130,6 +150,12 @@ class EntryStore(CacheInterface):
         with self._lock:
             self._missed[key] = time.monotonic()
         return None
+
+    def get_executable(self, key: str) -> bytes | None:
+        """``get`` for an executable's entry (one its writer read back), with room made in the
+        memory maps for the executable the caller deserializes from it."""
+        with _executable_reads():
+            return self.get(key)
 
     def _record_read(self, key: str, path: Path) -> None:
         now = time.time()
@@ -148,16 +174,21 @@ class EntryStore(CacheInterface):
             missed = self._missed.pop(key, None)
         if path.exists():
             return
-        self._write(path, value, time.monotonic() - missed if missed is not None else float("nan"))
+        kind = OTHER
+        writing = getattr(_writing, "executable", None)
+        if writing is not None:
+            if not read_back(value, *writing):
+                return
+            kind = READ_BACK
+        seconds = time.monotonic() - missed if missed is not None else float("nan")
+        self._write(path, pack(value, seconds, kind))
 
     def replace(self, key: str, value: bytes) -> None:
         """Store value under key, over what is there (torchtpu's own records, ``warm.py``)."""
-        self._write(self.entry(key), value, float("nan"))
+        self._write(self.entry(key), pack(value, float("nan"), OTHER))
 
-    def _write(self, path: Path, value: bytes, seconds: float) -> None:
+    def _write(self, path: Path, data: bytes) -> None:
         key = path.name[:-len(SUFFIX)]
-        rest = _SECONDS.pack(seconds) + value
-        data = MAGIC + hashlib.sha256(rest).digest() + rest
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=self._path)
         try:
             with os.fdopen(fd, "wb") as f:
@@ -243,21 +274,10 @@ class EntryStore(CacheInterface):
                 "max_bytes": self._max_bytes}
 
 
-def _problem(data: bytes) -> str | None:
-    """Why an entry cannot be used ("" for an older format, replaced quietly); None if whole."""
-    if not data.startswith(MAGIC):
-        return "" if data.startswith(_FORMAT) else "it has no torchtpu header"
-    if len(data) <= _HEAD + _SECONDS.size:
-        return f"it is truncated ({len(data)} bytes)"
-    if hashlib.sha256(data[_HEAD:]).digest() != data[len(MAGIC):_HEAD]:
-        return "its checksum does not match (truncated or damaged)"
-    return None
-
-
 def verify(path: Path | None = None) -> dict:
-    """Every entry of the cache directory (``cache_dir()`` unless given) read and checked:
-    ``{"entries": n, "bytes": total, "damaged": {file name: why}}``. An entry of an older
-    format is not damaged (it is replaced quietly on use); nothing is deleted here."""
+    """Every entry of the cache directory (``cache_dir()`` unless given) read and checked as a
+    reader checks it: ``{"entries": n, "bytes": total, "damaged": {file name: why}}``. An entry
+    of an older format is not damaged (it is replaced quietly on use); nothing is deleted."""
     path = cache_dir() if path is None else path
     found = {"entries": 0, "bytes": 0, "damaged": {}}
     if path is None or not path.is_dir():
@@ -269,20 +289,28 @@ def verify(path: Path | None = None) -> dict:
             continue  # evicted or replaced while we looked
         found["entries"] += 1
         found["bytes"] += len(data)
-        problem = _problem(data)
+        problem = problem_of(data)
         if problem:
             found["damaged"][entry.name] = problem
+    return found
+
+
+def prune(path: Path | None = None) -> dict:
+    """``verify(path)``, then the entries it names deleted; returns what verify found."""
+    path = cache_dir() if path is None else path
+    found = verify(path)
+    for name in found["damaged"]:
+        (path / name).unlink(missing_ok=True)
     return found
 
 
 def _stored_compile_seconds(path: Path) -> float | None:
     """The compile time kept in an entry's header (None once the entry is gone)."""
     try:
-        with open(path, "rb") as f:
-            head = f.read(_HEAD + _SECONDS.size)
+        data = path.read_bytes()
     except FileNotFoundError:
         return None  # evicted since it was read
-    return _SECONDS.unpack_from(head, _HEAD)[0]
+    return parts(data)[0] if problem_of(data) is None else None
 
 
 class Writes:
@@ -316,23 +344,47 @@ class Writes:
 WRITES = Writes()
 
 
+_writing = threading.local()  # .executable: (executable, backend) while JAX writes it
+_executable_read = threading.local()  # .on: JAX is reading an executable
+
+
+@contextlib.contextmanager
+def _executable_reads():
+    """Reads of executables' entries inside the block, with room made for one executable."""
+    make_room()
+    _executable_read.on = True
+    try:
+        yield
+    finally:
+        _executable_read.on = False
+
+
 def _guard_writes() -> None:
-    """Route JAX's cache writes (serialize, compress, store) through ``WRITES``, once."""
+    """Route JAX's cache writes (serialize, compress, store) through ``WRITES`` and the
+    read-back, and its reads through ``make_room``, once."""
     put = jax_cache.put_executable_and_time
+    get = jax_cache.get_executable_and_time
     if getattr(put, "guarded_by_torchtpu", False):
         return
 
-    def guarded_put(*args, **kwargs) -> None:
+    def guarded_put(cache_key, module_name, executable, backend, *args, **kwargs) -> None:
         if not WRITES.begin():
             return  # the process is exiting: the program is not persisted
+        _writing.executable = (executable, backend)
         try:
-            put(*args, **kwargs)
+            put(cache_key, module_name, executable, backend, *args, **kwargs)
         finally:
+            _writing.executable = None
             WRITES.end()
 
+    def guarded_get(*args, **kwargs):
+        with _executable_reads():
+            return get(*args, **kwargs)
+
     guarded_put.guarded_by_torchtpu = True
-    # JAX's compiler looks the function up on its module at every write.
+    # JAX's compiler looks the functions up on their module at every write and read.
     jax_cache.put_executable_and_time = guarded_put
+    jax_cache.get_executable_and_time = guarded_get
     # atexit runs handlers last-registered first: this one (registered when torchtpu is
     # imported, after jax) before JAX's clean-up, which clears the backends.
     atexit.register(WRITES.close)
@@ -381,7 +433,9 @@ def cache_dir() -> Path | None:
 
 
 def enable() -> None:
-    """Point JAX's persistent cache at cache_dir(), stored by ``EntryStore``."""
+    """Point JAX's persistent cache at cache_dir(), stored by ``EntryStore``; compiles make
+    room in the process's memory maps first (``map_room``), with the cache on or off."""
+    map_room.install()
     path = cache_dir()
     if path is None:
         return

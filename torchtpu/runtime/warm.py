@@ -357,7 +357,7 @@ def _load(entry: dict):
     """The Compiled program an index entry describes, or None (its executable is gone)."""
     store = compile_cache.store()
     device = {d.id: d for d in jax.devices()}.get(entry["device"])
-    data = store.get(entry["jax_key"]) if store is not None else None
+    data = store.get_executable(entry["jax_key"]) if store is not None else None
     if device is None or data is None:
         return None
     serialized, _ = jax_cache.extract_executable_and_time(jax_cache.decompress_executable(data))
