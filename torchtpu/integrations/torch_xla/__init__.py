@@ -3,8 +3,9 @@
 This package is the layer; ``python -m torchtpu.integrations.torch_xla.install`` makes the
 import name ``torch_xla`` resolve to it (``alias.py``), refusing where a real torch_xla is
 installed. It only maps names onto torchtpu's public API: the device is "tpu" (``torch.tpu``),
-``torch_xla.sync()`` / ``xm.mark_step()`` run what DeferAndFuse holds (importing it switches
-the process to ``torch.tpu.EagerMode.DEFER_AND_FUSE``, PyTorch/XLA's lazy default), collectives
+``torch_xla.sync()`` / ``xm.mark_step()`` run what DeferAndFuse holds (``import torch_xla``
+switches the process to ``torch.tpu.EagerMode.DEFER_AND_FUSE``, PyTorch/XLA's lazy default;
+importing this package by its torchtpu name does not), collectives
 and ordinals are ``torch.distributed`` on ``tpu_dist``, ``pl.MpDeviceLoader`` is
 ``torchtpu.DeviceLoader``, ``met`` is ``torchtpu.metrics``, SPMD meshes are ``DeviceMesh`` (see
 ``distributed/spmd``). A name it does not map raises, naming it and the torchtpu way
@@ -42,8 +43,6 @@ from torchtpu.integrations.torch_xla.distributed.spmd import xla_sharding  # noq
 from torchtpu.integrations.torch_xla.utils import utils as _utils  # noqa: F401
 
 __version__ = "2.9.0+torchtpu"  # the PyTorch/XLA API level these names follow
-
-_step.lazy(True)  # PyTorch/XLA records ops until the step: DeferAndFuse
 
 
 def device(index: int | None = None) -> torch.device:

@@ -6,7 +6,8 @@ each in ``sys.modules`` under its PyTorch/XLA name (``torch_xla.core.xla_model``
 ``torchtpu.integrations.torch_xla.core.xla_model``), so state such as the global mesh or the
 queued step closures exists once, whichever name a script uses. A ``torch_xla.*`` module the
 layer does not have is refused by a finder placed first on ``sys.meta_path``, with a
-``ModuleNotFoundError`` naming it and the torchtpu way.
+``ModuleNotFoundError`` naming it and the torchtpu way. Taking the name over also switches the
+process to DeferAndFuse: PyTorch/XLA records ops until the step (``_step``).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import importlib.abc
 import pkgutil
 import sys
 
-from torchtpu.integrations.torch_xla import _missing
+from torchtpu.integrations.torch_xla import _missing, _step
 
 PACKAGE = "torchtpu.integrations.torch_xla"
 NAME = "torch_xla"
@@ -49,3 +50,4 @@ def take_over(name: str = NAME) -> None:
         sys.modules[name + full[len(PACKAGE):]] = importlib.import_module(full)
     if not any(isinstance(f, _Refuse) for f in sys.meta_path):
         sys.meta_path.insert(0, _Refuse())
+    _step.lazy(True)
