@@ -5,8 +5,9 @@ DeferAndFuse eager mode is that: ops are recorded, and a flush runs them as one 
 So ``import torch_xla`` switches the process to ``torch.tpu.EagerMode.DEFER_AND_FUSE``
 (PyTorch/XLA's default lazy mode; ``alias.take_over``), ``torch_xla.experimental.eager_mode(True)``
 to Strict, and ``sync()`` is ``torch.tpu.synchronize(wait=wait)`` (a flush of what DeferAndFuse
-holds) followed by the step closures queued since the last one (``xm.add_step_closure``), in order; those queued with
-``run_async=True`` run on one worker thread, and an error of theirs is raised at the next step.
+holds) followed by the step closures queued since the last one (``xm.add_step_closure``), in
+order; those queued with ``run_async=True`` run on one worker thread, and an error of theirs is
+raised at the next step.
 """
 
 from __future__ import annotations
