@@ -1,4 +1,5 @@
-"""The MCP server: started with the mcp client library on stdio, each tool called once.
+"""The MCP server: started with the mcp client library on stdio, each tool called once; it
+listens on no network address.
 
 Skipped where the optional ``mcp`` package (``pip install -e '.[mcp]'``) is absent.
 """
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from torchtpu.testing import network
 
 mcp = pytest.importorskip("mcp")
 anyio = pytest.importorskip("anyio")
@@ -25,6 +28,14 @@ def _result(call) -> dict:
     if isinstance(call.structured_content, dict) and "result" in call.structured_content:
         return call.structured_content["result"]
     return json.loads(call.content[0].text)
+
+
+def _server_sockets() -> list:
+    """The TCP sockets the MCP server process (a child of this one) listens on."""
+    me = os.getpid()
+    (server,) = [pid for pid in network.descendants(me) - {me}
+                 if b"torchtpu.mcp" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+    return network.sockets_of(network.descendants(server))
 
 
 def test_mcp_server_serves_every_tool(tmp_path):
@@ -50,6 +61,8 @@ def test_mcp_server_serves_every_tool(tmp_path):
             async with mcp.stdio_client(params) as (read, write):
                 async with mcp.ClientSession(read, write) as s:
                     await s.initialize()
+                    if sys.platform == "linux":  # stdio only: no address to reach it on
+                        results["sockets"] = _server_sockets()
                     tools = {t.name for t in (await s.list_tools()).tools}
                     results["tools"] = tools
                     for name, args in [
@@ -65,6 +78,7 @@ def test_mcp_server_serves_every_tool(tmp_path):
         return results
 
     r = anyio.run(session)
+    assert r.get("sockets", []) == [], r["sockets"]
     assert r["tools"] == {"doctor", "onboard", "diagnose", "metrics", "trace_summary",
                           "docs_search", "triage_log"}
     assert r["doctor"][0]["ok"] and r["doctor"][0]["checks"][0]["name"] == "platform"
