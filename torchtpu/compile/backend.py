@@ -34,6 +34,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torchtpu import metrics
 from torchtpu.compile import buckets, donation, dynamic, eager_split, reduce_overhead
 from torchtpu.compile import options as options_mod
+from torchtpu.compile import spmd as spmd_mod
 from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import asserts, dtypes, kernels, tensors
@@ -87,6 +88,12 @@ def decompositions() -> dict:
 
 def _meta(n):
     return n.meta.get("val") if isinstance(n, fx.Node) else None
+
+
+def _opaque(value) -> bool:
+    """Whether a graph value is an object rather than a tensor or a number (a DeviceMesh)."""
+    return value is not None and not isinstance(
+        value, (torch.Tensor, torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool))
 
 
 def _describe(arrays) -> str:
@@ -178,13 +185,16 @@ def _host_value(n, env: dict):
 class CompiledGraph:
     """One AOTAutograd graph: reads inputs, runs the cached XLA program, wraps outputs."""
 
-    def __init__(self, gm: fx.GraphModule, kind: str, opts: options_mod.Options) -> None:
+    def __init__(self, gm: fx.GraphModule, kind: str, opts: options_mod.Options,
+                 spmd: spmd_mod.Spmd | None = None) -> None:
         # AOTAutograd hands a list we may clear, freeing inputs early. An instance attribute,
         # since wrappers (functools.wraps) copy __dict__ only.
         self._boxed_call = True
         self.gm = gm
         self.kind = kind
         self.opts = opts
+        # Its collectives inside: one SPMD program over their group's mesh (compile/spmd.py).
+        self.spmd = spmd
         self.name = f"compiled_{kind}_{next(_graph_numbers)}"
         self.fn = GraphFunction(gm)
         self.out_dtypes = [
@@ -209,13 +219,15 @@ class CompiledGraph:
                                                strict=True) if t]
         # Outputs that are unmutated tpu inputs (a forward graph's parameters and token ids
         # saved for backward): the caller hands back the input tensor itself, as Inductor
-        # does, where the program would copy it.
+        # does, where the program would copy it. So are inputs that are no values at all (a
+        # DTensor's DeviceMesh, an opaque object saved for backward), which no program returns.
         mutated_inputs = {i for i, _ in self.fn.mutations}
         self.forwarded = {} if self.padded else {
             k: self.fn.placeholders.index(n) for k, n in enumerate(self.fn.output)
             if isinstance(n, fx.Node) and n.op == "placeholder"
-            and isinstance(_meta(n), torch.Tensor) and _meta(n).device.type == "tpu"
-            and self.fn.placeholders.index(n) not in mutated_inputs}
+            and (_opaque(_meta(n)) or isinstance(_meta(n), torch.Tensor)
+                 and _meta(n).device.type == "tpu"
+                 and self.fn.placeholders.index(n) not in mutated_inputs)}
         self.host_cones = _host_cones(self.fn)
         self.cpu_placeholders = [(k, n) for k, n in enumerate(self.fn.placeholders)
                                  if self.host_cones and _on_cpu(n)]
@@ -246,26 +258,33 @@ class CompiledGraph:
         return tuple(_computed(tensors.read(getattr(self.gm, n.target)))
                      for n in self.fn.constants)
 
-    def _program(self, arrays, constants, scalars, keys, symbols, donate: tuple):
+    def _program(self, arrays, call: tuple, symbols, donate: tuple):
         # Donating other inputs is another program: XLA aliases them to outputs.
         sig = (tuple((a.shape, a.dtype) for a in arrays), tuple(symbols), donate)
         program = self.programs.get(sig)
         if program is None:
-            program = self._compile(arrays, constants, scalars, keys, tuple(symbols), donate)
+            program = self._compile(arrays, call, tuple(symbols), donate)
             self.programs[sig] = program
         return program
 
-    def _compile(self, arrays, constants, scalars, keys, symbols, donate: tuple):
+    def _compile(self, arrays, call: tuple, symbols, donate: tuple):
         start = time.perf_counter()
         run = functools.partial(self.fn.run, symbols=symbols,
                                 plan=self.plan if self.padded else None)
         merged = _merging(run, donate, frozenset(self.forwarded))
+        if self.spmd is not None:
+            merged, self.scalar_outputs = self.spmd.body(merged, call)
+            call = self.spmd.to_global(call)
         merged.__name__ = f"compiled_{self.kind}"
         jitted = jax.jit(merged, donate_argnums=0)
-        lowered = jitted.lower(*_split(arrays, donate), constants, scalars, keys)
+        lowered = jitted.lower(*call)
         if self.opts.debug_callback is not None:
             self.opts.debug_callback(self.gm, lowered.as_text())
-        program = lowered.compile()
+        if self.spmd is None:
+            program = lowered.compile()
+        else:
+            with self.spmd.uncached():
+                program = lowered.compile()
         seconds = time.perf_counter() - start
         metrics.count("compiled_graphs")
         if self.exact_dynamic:
@@ -341,24 +360,26 @@ class CompiledGraph:
         if self.padded:
             # Padded inputs may be copies at bucket sizes: nothing is donated.
             arrays, symbols, values = self._pad(args, arrays, symbols)
-        elif self.mutated_at:
+        elif self.mutated_at and self.spmd is None:
             donate = donation.mutated(arrays, self.mutated_at, args)
         consumed = []
-        if self.donating:
+        if self.donating and self.spmd is None:  # SPMD programs donate nothing (not yet)
             taken, consumed = donation.taken(arrays, self.donating, args, self.output_kinds)
             donate = tuple(sorted(set(donate) | set(taken)))
         args.clear()
         constants = self._constants()
         scalars = tuple(self.fn.scalars)
         keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
-        program = self._program(arrays, constants, scalars, keys, symbols, donate)
+        call = (*_split(arrays, donate), constants, scalars, keys)
+        program = self._program(arrays, call, symbols, donate)
         if donate:
             metrics.count("compiled_donated_inputs", len(donate))
+        if self.spmd is not None:
+            call = self.spmd.to_global(call)
         observe = launch.observer
-        if observe is None:
-            outs = program(*_split(arrays, donate), constants, scalars, keys)
-        else:
-            outs = observe(self.name, program, (*_split(arrays, donate), constants, scalars, keys))
+        outs = program(*call) if observe is None else observe(self.name, program, call)
+        if self.spmd is not None:
+            outs = self.spmd.to_local(outs, self.scalar_outputs)
         for t, by in consumed:
             tensors.consume(t, by)
         if self.fn.check_errors:
@@ -395,7 +416,8 @@ class CompiledGraph:
 
 def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
     def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
-        pieces = eager_split.split(gm, lambda piece: CompiledGraph(piece, kind, opts))
+        pieces = eager_split.split(
+            gm, lambda piece, spmd=None: CompiledGraph(piece, kind, opts, spmd))
         return pieces if pieces is not None else CompiledGraph(gm, kind, opts)
 
     return compile_graph

@@ -15,8 +15,15 @@ import torch.distributed as dist
 
 from torchtpu.distributed.jax_runtime import Transport
 from torchtpu.distributed.protocol import CollectiveMismatchError
+from torchtpu.lowering import collectives
 
 BACKENDS = ("tpu_dist", "tpu")
+
+
+def _in_program(nodes: list):
+    from torchtpu.distributed import programs  # the XLA transport's modules load on first use
+
+    return programs.resolve(nodes)
 
 
 def register() -> None:
@@ -26,9 +33,11 @@ def register() -> None:
     from torchtpu.distributed.launch import create
     from torchtpu.import_hooks import after_import
 
-    # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: they run
-    # eagerly between the compiled pieces, never inside a program (see compile/eager_split).
-    eager_split.run_eagerly("_c10d_functional")
+    # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: on the XLA
+    # transport they stay inside the graph's program, else they run eagerly between compiled
+    # pieces (compile/eager_split, distributed/programs).
+    collectives.register()
+    eager_split.run_eagerly("_c10d_functional", _in_program)
     for name in BACKENDS:
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])

@@ -60,7 +60,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
                  global_ranks: list[int] | None = None) -> None:
         super().__init__(rank, size)
         self._timeout = timeout
-        self._store, self._bound = store, False
+        self._c10d_store, self._bound = store, False
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("tpu_dist/", store), rank, size,
                                            timeout)
         self._seq = 0
@@ -103,7 +103,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
         if device.type != "tpu":
             return super()._get_backend(device)
         if not self._bound:  # once, on every rank together (c10d asks at the group's creation)
-            device_binding.bind(self._store, self.rank(), self.size(), device, self._timeout)
+            device_binding.bind(self._c10d_store, self.rank(), self.size(), device, self._timeout)
             self._bound = True
         return self._gloo
 

@@ -25,7 +25,7 @@ PACKET_BYTES = HEADER_BYTES + INLINE
 OPS = (
     "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
     "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "gather",
-    "scatter", "reduce", "barrier", "send", "recv",
+    "scatter", "reduce", "barrier", "send", "recv", "program",
 )
 _OP_CODE = {name: i for i, name in enumerate(OPS)}
 # Codes for dtypes: index into this tuple (stable across ranks because it is fixed here).

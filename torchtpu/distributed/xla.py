@@ -37,10 +37,10 @@ from torchtpu.distributed import host
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
 from torchtpu.distributed.protocol import ANY_SHAPE
 from torchtpu.distributed.work import Done
+from torchtpu.lowering.collectives import AXIS as _AXIS
 from torchtpu.runtime import launch, platform
 
 RedOpType = dist.ReduceOp.RedOpType
-_AXIS = "g"
 _SUMS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)
 _FOLD = {
     RedOpType.SUM: jnp.sum, RedOpType.AVG: jnp.sum, RedOpType.PREMUL_SUM: jnp.sum,
