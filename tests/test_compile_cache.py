@@ -177,12 +177,28 @@ def test_eviction_keeps_the_directory_under_its_cap_least_recently_used_first(tm
     assert store.stats()["entries"]["a0"]["read_count"] == 1
 
 
+# One of two processes filling one directory: 15 entries of ~1.1 kB under a 20 kB cap.
+_FILL_SCRIPT = """
+import sys
+from pathlib import Path
+from torchtpu.runtime.compile_cache import EntryStore
+store = EntryStore(Path(sys.argv[1]), 20_000)
+for i in range(15):
+    assert store.get(f"{sys.argv[2]}{i}") is None
+    store.put(f"{sys.argv[2]}{i}", bytes(1000))
+"""
+
+
 def test_two_processes_sharing_a_directory_stay_bounded(tmp_path):
-    first, second = EntryStore(tmp_path, 20_000), EntryStore(tmp_path, 20_000)
-    for i in range(30):
-        _fill(first if i % 2 else second, [f"k{i}"])
-    total = sum(p.stat().st_size for p in _entries(tmp_path))
-    assert total <= 20_000 * 1.2 + 2 * 1100  # each overshoots by at most a tenth of the cap
+    procs = [subprocess.Popen([sys.executable, "-c", _FILL_SCRIPT, str(tmp_path), name],
+                              stderr=subprocess.PIPE, text=True) for name in "ab"]
+    for proc in procs:
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()
+    entries = _entries(tmp_path)
+    total = sum(p.stat().st_size for p in entries)
+    assert total <= 20_000 * 1.2 + 2 * 1200  # each overshoots by at most a tenth of the cap
+    assert {p.name[0] for p in entries} == {"a", "b"}  # both wrote, and both were evicted from
+    assert len(entries) < 30
     _assert_whole(tmp_path)
 
 
@@ -220,14 +236,10 @@ def test_max_bytes_from_the_environment(monkeypatch):
 # A thread is inside a cache write (slowed down) when the main thread exits; the log shows
 # what happened before JAX's own exit handler clears its backends.
 _EXIT_SCRIPT = """
-import atexit, importlib.util, os, sys, threading, time
+import atexit, os, sys, threading, time
 import jax, jax.numpy as jnp
 from jax._src import api
-
-# The module alone (torchtpu's package would import torch): it needs only jax.
-spec = importlib.util.spec_from_file_location("compile_cache", sys.argv[1])
-compile_cache = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(compile_cache)
+from torchtpu.runtime import compile_cache
 compile_cache.enable()  # and its exit handler
 
 def log(event):
@@ -264,7 +276,7 @@ assert entered.wait(120)
 
 def test_exit_waits_for_a_write_under_way_and_starts_none(tmp_path):
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path)}
-    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, compile_cache.__file__], env=env,
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT], env=env,
                           text=True, capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split("\n")[:4] == [

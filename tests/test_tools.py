@@ -217,7 +217,7 @@ def test_doctor_reports_damaged_cache_entries(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
     check, state = doctor.check_cache()
     assert check.status == "warning" and "2 entries" in check.detail
-    assert "1 fail their checksum" in check.detail
+    assert "1 refused (it has no torchtpu header)" in check.detail
     assert state["damaged"] == [f"bad{SUFFIX}"]
 
 

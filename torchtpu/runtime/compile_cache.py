@@ -436,6 +436,7 @@ def enable() -> None:
     """Point JAX's persistent cache at cache_dir(), stored by ``EntryStore``; compiles make
     room in the process's memory maps first (``map_room``), with the cache on or off."""
     map_room.install()
+    _guard_writes()  # (also with the cache off: a test or tool may install a store later)
     path = cache_dir()
     if path is None:
         return
@@ -447,7 +448,6 @@ def enable() -> None:
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = store
         jax_cache._cache_initialized = True
-    _guard_writes()
 
 
 def store() -> EntryStore | None:

@@ -44,18 +44,15 @@ def _count() -> int:
 class Room:
     """The map headroom of this process, counted now and then, and what frees it."""
 
-    def __init__(self, limit: int | None) -> None:
+    def __init__(self, limit: int | None, reserve: float = _RESERVE) -> None:
         self._limit = limit
+        self.reserve = int((limit or 0) * reserve)  # maps
         self._lock = threading.Lock()
         self._left = 0  # executables let through before the next count
         self._per = _MIN_PER_EXECUTABLE
         self._counted: tuple[int, int] | None = None  # (maps, executables) at the last count
         self._made = 0  # executables let through so far
         self.freed = 0  # times JAX's caches were cleared
-
-    @property
-    def reserve(self) -> int:
-        return int((self._limit or 0) * _RESERVE)
 
     def make(self) -> None:
         """Before XLA creates an executable: free maps if few are left, or raise."""

@@ -1,8 +1,10 @@
-"""``python -m torchtpu.doctor [--json]``: what this machine gives torchtpu, and what is wrong.
+"""``python -m torchtpu.doctor [--json] [--prune-cache]``: what this machine gives torchtpu, and
+what is wrong.
 
 It reports the platform and devices, the torch / jax / jaxlib versions and whether they are a
 tested combination, whether ``import torch`` loads torchtpu, the compile cache (directory, size,
-writable, entries that fail their checksum), the torchtpu and TorchTPU environment variables in
+writable, entries a reader would refuse: damaged, truncated, written for another host or CPU;
+``--prune-cache`` deletes them), the torchtpu and TorchTPU environment variables in
 effect (values checked, unknown names flagged), and runs a self-test: an op in each eager mode,
 one compiled graph, and a program written to the persistent cache and read back. Each check is
 "ok", "warning" or "error", with the fix for anything not ok; the exit status is 1 when any check
@@ -103,15 +105,17 @@ def check_autoload() -> tuple[Check, dict]:
     return Check("autoload", "ok", f"`import torch` loads torchtpu ({points[0].value})"), facts
 
 
-def cache_state() -> dict:
-    """The compile cache as the doctor sees it: the only place tools read the cache."""
+def cache_state(prune: bool = False) -> dict:
+    """The compile cache as the doctor sees it (the only place tools read the cache), the
+    entries it refuses deleted if prune."""
     path = compile_cache.cache_dir()
     if path is None:
         return {"enabled": False}
-    found = compile_cache.verify(path)
+    found = (compile_cache.prune if prune else compile_cache.verify)(path)
     state = {"enabled": True, "path": str(path), "exists": path.is_dir(),
              "entries": found["entries"], "bytes": found["bytes"],
-             "damaged": sorted(found["damaged"]), "max_bytes": compile_cache.max_bytes()}
+             "damaged": sorted(found["damaged"]), "why": found["damaged"],
+             "pruned": prune, "max_bytes": compile_cache.max_bytes()}
     try:
         probe = path if state["exists"] else path.parent
         with tempfile.NamedTemporaryFile(dir=probe):
@@ -121,9 +125,9 @@ def cache_state() -> dict:
     return state
 
 
-def check_cache() -> tuple[Check, dict]:
+def check_cache(prune: bool = False) -> tuple[Check, dict]:
     try:
-        state = cache_state()
+        state = cache_state(prune)
     except ValueError as e:  # a bad TORCHTPU_CACHE_MAX_BYTES
         return Check("compile cache", "error", str(e), "fix the variable"), {}
     if not state["enabled"]:
@@ -134,11 +138,17 @@ def check_cache() -> tuple[Check, dict]:
         return Check("compile cache", "error", f"{where}, not writable",
                      "set TORCHTPU_CACHE_DIR to a directory this user can write"), state
     if state["damaged"]:
+        reasons = sorted({why.split(" (")[0] for why in state["why"].values()})
+        if state["pruned"]:
+            return Check("compile cache", "ok", f"{where}, writable, "
+                         f"{len(state['damaged'])} refused entries deleted "
+                         f"({'; '.join(reasons)})"), state
         return Check("compile cache", "warning",
-                     f"{where}, {len(state['damaged'])} fail their checksum",
-                     "nothing needed: damaged entries are deleted and recompiled on use "
-                     f"(or delete them: {state['path']})"), state
-    return Check("compile cache", "ok", f"{where}, writable, checksums good"), state
+                     f"{where}, {len(state['damaged'])} refused ({'; '.join(reasons)})",
+                     "nothing needed: refused entries are deleted and recompiled on use "
+                     "(or delete them now: python -m torchtpu.doctor --prune-cache)"), state
+    return Check("compile cache", "ok", f"{where}, writable, every entry whole and "
+                 "written for this host"), state
 
 
 def _known_names() -> set:
@@ -226,11 +236,13 @@ def check_self_test() -> list:
     return found
 
 
-def run(self_test: bool = True) -> dict:
-    """Every check (the self-test too, unless self_test=False) and the facts behind them."""
+def run(self_test: bool = True, prune_cache: bool = False) -> dict:
+    """Every check (the self-test too, unless self_test=False) and the facts behind them; the
+    cache's refused entries deleted if prune_cache."""
     checks, facts = [], {}
     for probe, key in ((check_platform, "device"), (check_versions, "versions"),
-                       (check_autoload, "autoload"), (check_cache, "compile_cache")):
+                       (check_autoload, "autoload"),
+                       (lambda: check_cache(prune_cache), "compile_cache")):
         c, f = probe()
         checks.append(c)
         facts[key] = f
@@ -262,10 +274,12 @@ def main(argv: list | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m torchtpu.doctor", description=__doc__)
     parser.add_argument("--json", action="store_true", help="print JSON for programs")
     parser.add_argument("--no-self-test", action="store_true", help="skip the self-test")
+    parser.add_argument("--prune-cache", action="store_true",
+                        help="delete the compile cache entries a reader would refuse")
     args = parser.parse_args(argv)
 
     def go() -> int:
-        result = run(self_test=not args.no_self_test)
+        result = run(self_test=not args.no_self_test, prune_cache=args.prune_cache)
         print(json.dumps(result, indent=1) if args.json else format_report(result))
         return 0 if result["ok"] else 1
     return tool_main(go)

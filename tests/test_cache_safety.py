@@ -1,0 +1,183 @@
+"""Issue 26: reading or writing the compile cache cannot take the process down.
+
+The risky step runs in a child process (a crash there is the only safe way to see one), which
+must exit 0 with the right warning and CPU's results.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from torchtpu.runtime import cache_entry, compile_cache
+from torchtpu.runtime.cache_entry import OTHER, READ_BACK, CompileCacheWarning, pack, parts
+from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
+
+# test_index_reduce's kind of work: index_reduce over shapes, reduce modes and dtypes, each
+# result against CPU's. With MAPS_LEFT set, the process first takes all but that many of its
+# memory maps (what ~6000 live executables take), and makes room at a reserve of a third of them.
+_SCRIPT = """
+import json, mmap, os, sys, warnings
+import torch, torchtpu
+from torchtpu.runtime import map_room
+warnings.simplefilter("always")
+cases = [(n, reduce, dtype) for n in range(1, 9) for reduce in ("amax", "prod", "mean")
+         for dtype in (torch.float32, torch.int32)]
+hold = []
+left = int(os.environ.get("MAPS_LEFT", "0"))
+if left:
+    limit = map_room.ROOM._limit
+    map_room.ROOM = map_room.Room(limit, reserve=left / 3 / limit)
+    while map_room._count() < limit - left:
+        hold += [mmap.mmap(-1, 4096) for _ in range((limit - left - map_room._count()) // 2 + 1)]
+before = torchtpu.metrics.snapshot()
+for n, reduce, dtype in cases:
+    dest = torch.arange(n * 4, dtype=dtype).reshape(n, 4) - 3
+    src = torch.arange(6 * 4, dtype=dtype).reshape(6, 4) % 5
+    index = torch.arange(6) % n
+    got = dest.to("tpu").index_reduce_(0, index.to("tpu"), src.to("tpu"), reduce).cpu()
+    torch.testing.assert_close(got, dest.index_reduce(0, index, src, reduce))
+after = torchtpu.metrics.snapshot()
+print(json.dumps({k: after.get(k, 0) - before.get(k, 0) for k in (
+    "executable_compiles", "persistent_cache_hits", "executable_caches_cleared")}))
+"""
+
+
+def _run(cache, maps_left: int = 0) -> tuple[dict, str]:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "MAPS_LEFT": str(maps_left),
+           "TORCHTPU_CPU_FALLBACK": "error"}
+    proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, text=True,
+                          capture_output=True, timeout=600)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stderr[-3000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
+
+
+def _entries(cache) -> list:
+    return sorted(p for p in cache.iterdir() if p.name.endswith(SUFFIX))
+
+
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A cache one process filled (its own results checked against CPU)."""
+    cache = tmp_path_factory.mktemp("cache_safety")
+    first, _ = _run(cache)
+    assert first["executable_compiles"] >= 30 and first["persistent_cache_hits"] == 0
+    return cache, first
+
+
+def test_index_reduce_programs_read_back_in_another_process(filled):
+    cache, first = filled
+    again, err = _run(cache)
+    assert again["executable_compiles"] == 0, err
+    assert again["persistent_cache_hits"] == first["executable_compiles"]
+    assert "torchtpu.cache" not in err
+
+
+def test_out_of_memory_maps_clears_jax_caches_instead_of_crashing(filled):
+    """The reproduction: the executables a cache read makes take the last memory maps (XLA:CPU
+    segfaulted in the next read; without map_room this child dies of SIGSEGV)."""
+    cache, first = filled
+    again, err = _run(cache, maps_left=300)
+    assert "memory maps of the" in err and "caches of compiled programs were cleared" in err
+    assert again["executable_caches_cleared"] >= 1
+    assert again["persistent_cache_hits"] >= first["executable_compiles"]
+
+
+def _rewrite(cache, **how) -> list:
+    """Every entry's header rewritten (payload kept): written_on= a host, kind= a kind."""
+    entries = _entries(cache)
+    for p in entries:
+        seconds, kind, host, payload = parts(p.read_bytes())
+        p.write_bytes(pack(payload, seconds, how.get("kind", kind), how.get("written_on", host)))
+    return entries
+
+
+def test_entries_of_another_cpu_are_skipped_and_recompiled(filled, tmp_path):
+    cache, first = filled
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in _entries(cache):
+        (copy / p.name).write_bytes(p.read_bytes())
+    here = cache_entry.host()
+    avx512 = here.rsplit("; cpu ", 1)[0] + "; cpu x86_64 0123456789abcdef (avx avx2 avx512f)"
+    entries = _rewrite(copy, written_on=avx512)
+    assert compile_cache.verify(copy)["damaged"].keys() == {p.name for p in entries}
+    again, err = _run(copy)
+    assert err.count("written for another host") == len(entries), err
+    assert "avx512f" in err and again["executable_compiles"] == first["executable_compiles"]
+    assert compile_cache.verify(copy)["damaged"] == {}  # replaced by this host's entries
+    assert all(parts(p.read_bytes())[1:3] == (READ_BACK, here) for p in _entries(copy))
+
+
+def test_truncated_corrupted_and_unread_entries_are_refused(filled, tmp_path):
+    cache, first = filled
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for p in _entries(cache):
+        (copy / p.name).write_bytes(p.read_bytes())
+    entries = _entries(copy)
+    truncated, flipped, unread = entries[:3]
+    truncated.write_bytes(truncated.read_bytes()[:len(compile_cache.MAGIC) + 20])
+    data = bytearray(flipped.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    flipped.write_bytes(bytes(data))
+    seconds, _, host, payload = parts(unread.read_bytes())
+    unread.write_bytes(pack(payload, seconds, OTHER, host))  # as if never read back
+    found = compile_cache.verify(copy)["damaged"]
+    assert set(found) == {truncated.name, flipped.name}  # a record-kind entry reads fine
+    again, err = _run(copy)
+    assert "truncated" in err and "checksum does not match" in err, err
+    assert "was not read back by the process that wrote it" in err
+    assert again["executable_compiles"] == 3
+
+
+def test_a_program_that_does_not_read_back_is_not_cached(tmp_path):
+    import jax
+
+    store = EntryStore(tmp_path)
+    compiled = jax.jit(lambda x: x + 1).lower(jax.numpy.ones(3)).compile()
+    executable = compiled._executable.xla_executable
+    compile_cache._writing.executable = (executable, jax.devices()[0].client)
+    try:
+        with pytest.warns(CompileCacheWarning, match="does not read back"):
+            store.put("k", b"not an executable")
+    finally:
+        compile_cache._writing.executable = None
+    assert not store.entry("k").exists()
+    store.put("plain", b"record")  # outside a write of JAX's: kept, as kind R
+    assert parts(store.entry("plain").read_bytes())[1] == OTHER
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        assert store.get("plain") == b"record"
+    with pytest.warns(CompileCacheWarning, match="not read back"):
+        assert store.get_executable("plain") is None
+
+
+def test_prune_deletes_what_verify_refuses(tmp_path):
+    store = EntryStore(tmp_path)
+    store.put("whole", b"payload")
+    store.entry("short").write_bytes(compile_cache.MAGIC + b"\x01")
+    store.entry("foreign").write_bytes(pack(b"payload", 1.0, READ_BACK, "tpu v9; jaxlib 0"))
+    found = compile_cache.prune(tmp_path)
+    assert set(found["damaged"]) == {f"short{SUFFIX}", f"foreign{SUFFIX}"}
+    assert [p.name for p in _entries(tmp_path)] == [f"whole{SUFFIX}"]
+
+
+def test_doctor_checks_entries_as_readers_do_and_prunes_them(tmp_path, monkeypatch):
+    from torchtpu.tools import doctor
+
+    store = EntryStore(tmp_path)
+    store.put("whole", b"payload")
+    store.entry("foreign").write_bytes(pack(b"payload", 1.0, READ_BACK, "cpu; cpu avx512f"))
+    monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
+    check, state = doctor.check_cache()
+    assert check.status == "warning" and "1 refused (it was written for another host" in \
+        check.detail and "--prune-cache" in check.fix
+    assert store.entry("foreign").exists()
+    check, state = doctor.check_cache(prune=True)
+    assert check.status == "ok" and "1 refused entries deleted" in check.detail
+    assert [p.name for p in _entries(tmp_path)] == [f"whole{SUFFIX}"]
+    assert doctor.check_cache()[0].detail.endswith("every entry whole and written for this host")
