@@ -131,6 +131,19 @@ def memory_stats() -> dict:
 
 
 def memory_summary() -> str:
+    """The figures of :func:`memory_stats`, then, while memory history is recorded
+    (``torch.tpu.memory._record_memory_history()``), the largest live allocations and the user
+    line that made each."""
+    from torchtpu.device import memory_history
+
     stats = memory_stats()
     width = max(len(k) for k in stats)
-    return "\n".join(f"{k:<{width}}  {v:>16,}" for k, v in stats.items())
+    lines = [f"{k:<{width}}  {v:>16,}" for k, v in stats.items()]
+    largest = memory_history.largest()
+    if largest:
+        lines.append("largest live allocations (torch.tpu.memory._record_memory_history):")
+        for block in largest:
+            where = block["frames"][0] if block["frames"] else None
+            site = f"{where['filename']}:{where['line']} in {where['name']}" if where else "?"
+            lines.append(f"  {block['size']:>16,} B  {site}")
+    return "\n".join(lines)

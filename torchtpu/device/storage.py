@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import torch
 
+from torchtpu.device import memory_history
+
 _ALIGN = 64
 _lock = threading.Lock()
 _next_address = [1 << 40]
@@ -57,6 +59,8 @@ def set_nbytes(storage: torch.UntypedStorage, nbytes: int) -> None:
         storage._swap_data_ptr_(new_storage(0, index))
     if nbytes:
         storage._swap_data_ptr_(new_storage(nbytes, index))
+    if memory_history.recording:
+        memory_history.retrack(storage)
 
 
 def live_bytes() -> int:
@@ -110,7 +114,10 @@ def install_constructor() -> None:
             if len(args) != 1 or not isinstance(args[0], int):
                 raise TypeError("torchtpu.argument: torch.UntypedStorage(size, device='tpu') "
                                 "takes one int size")
-            return new_storage(args[0], index)
+            storage = new_storage(args[0], index)
+            if memory_history.recording:
+                memory_history.track(storage)
+            return storage
         return base_new(klass, *args, **kwargs)
 
     cls.__new__ = __new__

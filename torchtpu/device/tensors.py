@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import torch
 
 from torchtpu import errors
-from torchtpu.device import dtypes
+from torchtpu.device import dtypes, memory_history
 from torchtpu.device import storage as storages
 from torchtpu.device.views import Geometry, check_in_bounds, complex32_pairs, read_view, write_view
 from torchtpu.runtime import launch, warm
@@ -53,6 +53,8 @@ def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None)
         return _contiguous(size, dtype, nbytes)
     t = _create(size, dtype)
     _set_storage(_CPU, t, storages.new_storage(nbytes), 0, list(size), list(stride))
+    if memory_history.recording:
+        memory_history.track(t.untyped_storage())
     return t
 
 
@@ -63,6 +65,8 @@ def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
     st = t.untyped_storage()
     st._swap_data_ptr_(storages.new_storage(nbytes))
     st._tpu_array = None
+    if memory_history.recording:
+        memory_history.track(st)
     return t
 
 

@@ -55,7 +55,8 @@ from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_c
 from torchtpu.tpu.graphs import __all__ as _graphs_all
 
 # Submodules imported on first attribute access (each is ``torchtpu/tpu/<name>.py``).
-_LAZY_SUBMODULES: frozenset = frozenset({"distributed", "ops", "pallas", "profiler", "tools"})
+_LAZY_SUBMODULES: frozenset = frozenset({"distributed", "memory", "ops", "pallas", "profiler",
+                                        "tools"})
 
 
 def synchronize(device=None, wait: bool = True) -> None:
