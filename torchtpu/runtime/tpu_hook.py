@@ -110,14 +110,15 @@ def install(name: str | None = None, on_error: str | None = None) -> None:
 
     def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
         if getattr(backend, "platform", "") != "tpu":
-            _submit(computation, int(devices.size))
+            processes = len({d.process_index for d in devices.flat})
+            _submit(computation, int(devices.size), processes > 1)
         return _original(backend, computation, devices, *args, **kwargs)
 
     compiler.compile_or_get_cached = compile_or_get_cached
     atexit.register(_at_exit)
 
 
-def _submit(computation, n: int) -> None:
+def _submit(computation, n: int, across_processes: bool = False) -> None:
     """Queue computation for the target, and give the host program a name of its own.
 
     Programs of one op at other shapes share a name (``jit_aten_mm_default``); a profile of the
@@ -135,6 +136,16 @@ def _submit(computation, n: int) -> None:
     module = f"{name}_{int.from_bytes(hashlib.sha256(data).digest()[:4], 'big')}"
     computation.operation.attributes["sym_name"] = mlir.ir.StringAttr.get(
         module, context=computation.context)
+    if across_processes:
+        # libtpu 0.0.42 aborts the process (xla_sharding.cc: "sharding's tile count and device
+        # count does not match") compiling a collective lowered across processes: reported, not
+        # compiled (the same program lowered in one process, over a mesh, compiles).
+        with state.lock:
+            state.reports.append(tpu_target.Report(
+                name=name, kind=_kind(name), target=state.name, devices=n, module=module,
+                line=user_line(), error="not compiled for the target: a program across "
+                "processes (tpu_dist's XLA collectives) aborts libtpu 0.0.42's compiler"))
+        return
     state.queue.put((data, name, module, n, user_line()))
 
 

@@ -33,6 +33,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -116,7 +117,7 @@ def check_libtpu() -> str:
 
 def tpu_attached() -> bool:
     """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
-    vm = "TPU_ACCELERATOR_TYPE" not in _set_by_us and os.environ.get("TPU_ACCELERATOR_TYPE")
+    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(_MARK)
     if vm or os.environ.get("JAX_FORCE_TPU_INIT"):
         return True
     # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
@@ -127,7 +128,8 @@ def tpu_attached() -> bool:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
 
 
-_set_by_us: set = set()  # the variables _compile_only_env set (not signs of a TPU VM)
+# Set with the variables below: they are then no sign of a TPU VM (here or in a child process).
+_MARK = "TORCHTPU_LIBTPU_COMPILE_ONLY"
 
 
 def compile_only_env() -> None:
@@ -138,12 +140,12 @@ def compile_only_env() -> None:
     # this a second process on the machine fails on /tmp/libtpu_lockfile).
     # Without the others libtpu prints warnings and a "Source Location Trace" error; they
     # describe a one-host slice and are not what the topology name compiles for.
+    if "TPU_ACCELERATOR_TYPE" not in os.environ:
+        os.environ[_MARK] = "1"
     for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
                         ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
                         ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
-        if name not in os.environ:
-            os.environ[name] = value
-            _set_by_us.add(name)
+        os.environ.setdefault(name, value)
 
 
 # ---------------------------------------------------------------------------- targets
@@ -253,6 +255,7 @@ class Report:
     compile_seconds: float = 0.0
     line: str | None = None         # the user's line that built it, when known
     module: str = ""                # the host program's module name (what a profile shows)
+    from_cache: bool = False        # the compiler's verdict was kept (this process or the cache)
 
     @property
     def hbm_bytes(self) -> int:
@@ -285,33 +288,30 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
                     chip=t.chip.device_kind, peak_flops=t.chip.device_peak_flops,
                     hbm_capacity_bytes=t.chip.device_hbm_bytes, line=line)
     key = hashlib.sha256(b"\0".join([data, t.name.encode(), str(n).encode(),
-                                     check_libtpu().encode(), _fingerprint().encode()])
+                                     _fingerprint().encode()])
                          ).hexdigest()
-    found = _results.get(key)
-    if found is None:
-        found = _read_record(key)
+    found = _results.get(key) or _read_record(key)
+    report.from_cache = found is not None
     if found is None:
         with mlir.make_ir_context():
             found = _compile(mlir.ir.Module.parse(data), devices(n, t.name))
-        _results[key] = found
         _write_record(key, found)
+    _results[key] = found
     for k, v in found.items():
         setattr(report, k, v)
     return report
 
 
 def _compile(parsed, devs: tuple) -> dict:
+    from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
     facts = _facts(parsed)
-    options = xc.CompileOptions()
-    build = options.executable_build_options
-    build.num_replicas = 1
-    build.num_partitions = len(devs)
-    if len(devs) > 1:
-        build.use_spmd_partitioning = True
-        build.device_assignment = xc.DeviceAssignment.create(
-            np.array([[d.id for d in devs]]).reshape(1, -1))
+    # JAX's own options for an SPMD program over devs (its partitioner, Shardy or GSPMD, must
+    # be the one the module was lowered for).
+    options = compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devs),
+        device_assignment=np.array(devs, dtype=object).reshape(1, -1), backend=devs[0].client)
     start = time.perf_counter()
     try:
         exe = devs[0].client.compile(parsed, xc.DeviceList(devs), options)
@@ -346,8 +346,12 @@ def _cost(exe) -> dict:
 def _compiler_message(e: BaseException) -> str:
     """The compiler's own words, without libtpu's source-location trailer."""
     text = str(e).split("=== Source Location Trace")[0]
-    text = text.split("Suspected Python Code Location")[0].strip()
-    return " ".join(text.split())[:2000] or type(e).__name__
+    text = " ".join(text.split("Suspected Python Code Location")[0].split())[:2000]
+    if re.search(r"lapack|ducc|cpu_|Custom emitter", text):
+        text += (" (the program was lowered for the host, with a call only the host has; JAX "
+                 "lowers this op another way for TPU: tpu_target.compile_function lowers the "
+                 "function for TPU itself)")
+    return text or type(e).__name__
 
 
 def _module_bytes(module) -> bytes:
@@ -455,11 +459,13 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
 # ---------------------------------------------------------------------------- the record cache
 
 
+@functools.cache
 def _fingerprint() -> str:
-    """Versions and torchtpu's source (what a kept report was made by)."""
-    from torchtpu.runtime import warm
-
-    return warm.fingerprint()
+    """What a kept verdict was made by: JAX, jaxlib, libtpu and this module's source (the
+    module bytes, the target and the device count are the rest of its key)."""
+    parts = [jax.__version__, jax.lib.__version__, check_libtpu(),
+             hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+    return "\0".join(parts)
 
 
 def _read_record(key: str) -> dict | None:

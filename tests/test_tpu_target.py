@@ -1,0 +1,314 @@
+"""TPU targets (runtime/tpu_target.py, runtime/tpu_hook.py, python -m torchtpu.aot).
+
+Most tests need libtpu (the ``tpu-aot`` extra) and are skipped without it; CI's ``tpu`` stage
+runs them. What needs no TPU compiler (names, the libtpu check, the HBM verdict's message) runs
+everywhere. Processes that set a target run as subprocesses: a target is one per process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torchtpu.runtime import tpu_target
+
+HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
+needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed "
+                                  "(pip install -e '.[tpu-aot]')")
+
+
+# ---------------------------------------------------------------------------- no libtpu needed
+
+
+def test_unknown_topology_lists_the_known_ones():
+    with pytest.raises(tpu_target.TargetError, match=r"torchtpu.tpu: 'v9:2x2' .*v5e:2x2.*v6e"):
+        tpu_target.check_name("v9:2x2")
+    assert tpu_target.check_name(" V5E:2x2 ") == "v5e:2x2"
+
+
+def test_libtpu_check_names_the_version_jax_pins(monkeypatch):
+    wanted = tpu_target.required_libtpu()
+    assert wanted, "jax's metadata names the libtpu of its tpu extra"
+
+    def version(name):
+        if name == "libtpu":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return "0"
+
+    monkeypatch.setattr(tpu_target.importlib.metadata, "version", version)
+    with pytest.raises(tpu_target.TargetError, match=rf"not installed.*libtpu=={wanted}"):
+        tpu_target.check_libtpu()
+    monkeypatch.setattr(tpu_target.importlib.metadata, "version", lambda name: "0.0.1")
+    with pytest.raises(tpu_target.TargetError, match=rf"libtpu 0.0.1 is installed.*pins {wanted}"):
+        tpu_target.check_libtpu()
+
+
+def test_a_step_over_the_chips_hbm_fails_naming_how_much_and_the_largest(monkeypatch, capsys,
+                                                                         tmp_path):
+    from torchtpu.tools import aot
+
+    step = aot.Step(seconds=1e-3, flops=1e9, mfu=0.5, hbm_peak_bytes=20 << 30,
+                    hbm_capacity_bytes=16 << 30, fits=False, peak_flops=197e12,
+                    chip="TPU v5 lite", programs_run=2,
+                    largest=[{"name": "jit_small", "runs": 1, "seconds": 1e-4,
+                              "hbm_bytes": 1 << 20},
+                             {"name": "jit_big", "runs": 1, "seconds": 9e-4,
+                              "hbm_bytes": 19 << 30}])
+    monkeypatch.setattr(aot, "report", lambda *a, **k: aot.AotReport(
+        "v5e:2x2", "compile", "train", 1, [], step))
+    monkeypatch.setattr(aot, "load", lambda target: (None, ()))
+    assert aot.main(["--topology", "v5e:2x2", "x.py:make"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("torchtpu.tool: the step does not fit in v5e:2x2's HBM")
+    assert "over by 4.00 GiB" in err and err.index("jit_big") < err.index("jit_small")
+
+
+def test_no_target_wraps_nothing():
+    """Unset, the host's compile path is JAX's own: a target costs nothing when off."""
+    from jax._src import compiler
+
+    from torchtpu.runtime import tpu_hook
+
+    if os.environ.get(tpu_target.ENV):
+        pytest.skip("this process has a TPU target")
+    assert not tpu_hook.active()
+    assert compiler.compile_or_get_cached.__module__ == "jax._src.compiler"
+
+
+# ---------------------------------------------------------------------------- the compiler
+
+
+@needs_libtpu
+def test_topology_devices_and_too_many_ranks():
+    t = tpu_target.target("v5e:2x2")
+    assert (len(t.devices), t.chips, t.chip.device_kind) == (4, 4, "TPU v5 lite")
+    assert len(tpu_target.target("v5e:1x1").devices) == 1  # one chip: its own host bounds
+    with pytest.raises(tpu_target.TargetError, match="8 devices were asked of v5e:2x2"):
+        tpu_target.devices(8, "v5e:2x2")
+
+
+@needs_libtpu
+def test_compile_function_reports_cost_hbm_and_tile_padding():
+    import jax
+    import jax.numpy as jnp
+
+    def mm(a, b):
+        return a @ b
+
+    m, k, n = 256, 512, 384
+    r = tpu_target.compile_function(mm, jax.ShapeDtypeStruct((m, k), jnp.bfloat16),
+                                    jax.ShapeDtypeStruct((k, n), jnp.bfloat16), name="mm")
+    assert r.compiles and r.error is None and r.chip == "TPU v5 lite"
+    assert r.flops == pytest.approx(2 * m * k * n, rel=0.01)
+    assert r.hbm["arguments"] == 2 * (m * k + k * n) and r.hbm["outputs"] == 2 * m * n
+    assert r.padding_bytes == 0 and r.seconds > 0
+    # 100 and 64 are no multiples of a tile's 128 lanes: what the tiles add is counted.
+    odd = tpu_target.compile_function(mm, jax.ShapeDtypeStruct((100, 64), jnp.bfloat16),
+                                      jax.ShapeDtypeStruct((64, 128), jnp.bfloat16))
+    logical = 2 * (100 * 64 + 64 * 128 + 100 * 128)
+    assert odd.compiles and odd.padding_bytes > 0
+    assert odd.padding_bytes == odd.hbm["arguments"] + odd.hbm["outputs"] - logical
+
+
+@needs_libtpu
+def test_sharded_function_compiles_across_the_mesh():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = tpu_target.mesh((4,), ("x",), "v5e:2x2")
+    x = jax.ShapeDtypeStruct((1024, 256), jnp.float32, sharding=NamedSharding(mesh, P("x")))
+    r = tpu_target.compile_function(lambda a: (a * 2).sum(), x)
+    assert r.compiles and r.devices == 4
+    assert r.hbm["arguments"] == 1024 * 256 * 4 // 4  # per chip: its shard
+
+
+@needs_libtpu
+def test_refused_module_and_64_bit_work_are_reported():
+    refused = tpu_target.compile_module(textwrap.dedent("""\
+        module @jit_lu {
+          func.func public @main(%a: tensor<4x4xf32>) -> tensor<4x4xf32> {
+            %0 = stablehlo.custom_call @lapack_sgetrf(%a) : (tensor<4x4xf32>) -> tensor<4x4xf32>
+            return %0 : tensor<4x4xf32>
+          }
+        }"""), name="lu")
+    assert not refused.compiles and "lapack_sgetrf" in refused.error
+    assert "lowered for the host" in refused.error
+    wide = tpu_target.compile_module(textwrap.dedent("""\
+        module @jit_wide {
+          func.func public @main(%a: tensor<8xf64>, %b: tensor<8xi64>) -> tensor<8xf64> {
+            %0 = stablehlo.multiply %a, %a : tensor<8xf64>
+            %1 = stablehlo.add %b, %b : tensor<8xi64>
+            %2 = stablehlo.convert %1 : (tensor<8xi64>) -> tensor<8xf64>
+            %3 = stablehlo.add %0, %2 : tensor<8xf64>
+            return %3 : tensor<8xf64>
+          }
+        }"""), name="wide")
+    assert wide.compiles and wide.wide_ops == {"float64": 3, "int64": 1}
+
+
+# ---------------------------------------------------------------------------- every program
+
+
+def _python(code: str, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(code))
+    full = {k: v for k, v in os.environ.items() if k != tpu_target.ENV}
+    full.update({"TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          env=full, timeout=600, cwd=tmp_path)
+
+
+_OPS = """\
+    import json, torch
+    from torchtpu.runtime import tpu_hook
+    a = torch.randn(64, 128, device="tpu")
+    b = (a @ a.T).relu().sum()
+    torch.linalg.inv(torch.eye(4, device="tpu") * 2)
+    print(json.dumps([[r.name, r.kind, r.compiles, r.line, r.flops, r.from_cache]
+                      for r in tpu_hook.wait()]))
+"""
+
+
+@needs_libtpu
+def test_every_program_is_compiled_for_the_target_and_cached(tmp_path):
+    env = {tpu_target.ENV: "v5e:2x2", "TORCHTPU_TPU_TARGET_ON_ERROR": "keep"}
+    first = _python(_OPS, tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    found = json.loads(first.stdout.strip().splitlines()[-1])
+    by_name = {name: (kind, ok, line, flops) for name, kind, ok, line, flops, _ in found}
+    kind, ok, line, flops = by_name["jit_aten_mm_default"]
+    assert (kind, ok) == ("op", True) and line.endswith("script.py:4")
+    assert flops == pytest.approx(2 * 64 * 128 * 64, rel=0.01)
+    # inv lowers to a LAPACK call on the host: refused, with its line, and kept going.
+    refused = [f for f in found if not f[2]]
+    assert refused and all(f[3].endswith("script.py:5") for f in refused)
+    assert not any(f[5] for f in found)
+    again = _python(_OPS, tmp_path, env=env)
+    assert again.returncode == 0, again.stderr
+    assert all(f[5] for f in json.loads(again.stdout.strip().splitlines()[-1]))
+
+
+@needs_libtpu
+def test_a_refused_program_raises_naming_it_and_the_line(tmp_path):
+    code = """\
+        import torch
+        x = torch.linalg.inv(torch.eye(4, device="tpu") * 2)
+        torch.tpu.synchronize()
+        from torchtpu.runtime import tpu_hook
+        tpu_hook.wait()
+    """
+    run = _python(code, tmp_path, env={tpu_target.ENV: "v5e:2x2"})
+    assert run.returncode != 0
+    assert "torchtpu.tpu: the v5e:2x2 compiler refused" in run.stderr
+    assert "script.py:2" in run.stderr and "lapack" in run.stderr
+
+
+@needs_libtpu
+def test_libtpu_without_target_or_tpu_is_quiet_and_cpu(tmp_path):
+    code = """\
+        import jax, torch
+        print((torch.ones(2, device="tpu") + 1).sum().item(), jax.devices()[0].platform)
+        try:
+            jax.devices("tpu")
+        except RuntimeError as e:
+            print("no-tpu")
+    """
+    run = _python(code, tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["4.0", "cpu", "no-tpu"]
+    # libtpu's client, started, warns about TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES.
+    assert "TPU" not in run.stderr and "libtpu" not in run.stderr, run.stderr
+
+
+# ---------------------------------------------------------------------------- the tool
+
+_MLP = """\
+    import torch
+    def make():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.GELU(),
+                                    torch.nn.Linear(512, 256))
+        return model, (torch.randn(64, 256),)
+    def broken():
+        return torch.nn.Linear(4, 4), (torch.randn(3, 5),)
+"""
+_FORWARD_FLOPS = 2 * 64 * 256 * 512 * 2
+
+
+def _aot(tmp_path, *args):
+    script = tmp_path / "model.py"
+    script.write_text(textwrap.dedent(_MLP))
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop(tpu_target.ENV, None)
+    run = subprocess.run([sys.executable, "-m", "torchtpu.aot", *args], capture_output=True,
+                         text=True, env=env, timeout=600, cwd=tmp_path)
+    return run
+
+
+@needs_libtpu
+@pytest.mark.parametrize("mode,step", [("compile", "train"), ("strict", "forward")])
+def test_aot_json_estimates_the_step(tmp_path, mode, step):
+    run = _aot(tmp_path, "--topology", "v5e:2x2", "--json", "--mode", mode, "--step", step,
+               "model.py:make")
+    assert run.returncode == 0, run.stderr
+    out = json.loads(run.stdout)
+    assert out["topology"] == "v5e:2x2" and out["ok"]
+    assert all(p["compiles"] and {"name", "kind", "hbm_bytes", "flops", "bytes_accessed",
+                                  "seconds"} <= set(p) for p in out["programs"])
+    s = out["step"]
+    # Forward: two matmuls; train: forward, two weight grads and one input grad (5/2 of it).
+    expected = _FORWARD_FLOPS * (2.5 if step == "train" else 1)
+    assert expected <= s["flops"] <= expected * 1.1
+    assert s["seconds"] > 0 and 0 < s["mfu"] < 1 and s["fits"]
+    assert s["hbm_capacity_bytes"] == 16 << 30 and s["hbm_peak_bytes"] > 4 * 256 * 512 * 2
+    assert s["unknown_runs"] == 0 and s["programs_run"] >= (1 if mode == "compile" else 3)
+    if mode == "strict":
+        assert any(p["kind"] == "op" for p in out["programs"])
+
+
+@needs_libtpu
+@pytest.mark.parametrize("args,message", [
+    (["--topology", "v9:9x9", "model.py:make"], "'v9:9x9' is not a TPU topology"),
+    (["--topology", "v5e:2x2", "--world", "8", "model.py:make"], "v5e:2x2 has 4 chips"),
+    (["--topology", "v5e:2x2", "model.py:broken"], "the model fails on CPU"),
+])
+def test_aot_bad_input_exits_2_without_a_traceback(tmp_path, args, message):
+    run = _aot(tmp_path, *args)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr
+
+
+def _all_reduce_on_target(rank, world):
+    import torch
+    import torch.distributed as dist
+
+    from torchtpu.runtime import tpu_hook
+
+    tpu_hook.install("v5e:2x2", on_error="keep")
+    x = torch.ones(256, 128, device="tpu") * (rank + 1)
+    dist.all_reduce(x)
+    total = x.sum().item()
+    return total, [(r.name, r.kind, r.devices, r.compiles, r.error) for r in tpu_hook.wait()]
+
+
+@needs_libtpu
+def test_xla_collectives_across_processes_are_reported_not_compiled():
+    """A collective program spans the world's processes; libtpu 0.0.42 aborts compiling it, so
+    it is reported as not compiled and the ranks run on (their other programs compile)."""
+    from torchtpu.testing.distributed import run
+
+    results = run(_all_reduce_on_target, 2, timeout=600,
+                  env={"TORCHTPU_DIST_TRANSPORT": "xla", tpu_target.ENV: ""})
+    for total, reports in results:
+        assert total == 256 * 128 * 3
+        collective = [r for r in reports if r[2] == 2]
+        assert collective and all(not r[3] and "across processes" in r[4] for r in collective)
+        assert all(r[3] for r in reports if r[2] == 1)
