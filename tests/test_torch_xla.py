@@ -23,7 +23,6 @@ from torchtpu.integrations.torch_xla.debug import metrics as met
 from torchtpu.integrations.torch_xla.distributed import parallel_loader as pl
 from torchtpu.integrations.torch_xla.distributed import spmd as xs
 from torchtpu.integrations.torch_xla.utils import utils as xu
-from torchtpu.testing import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -208,68 +207,36 @@ def test_spmd_mesh_on_one_device_and_its_dtensor_meaning():
     assert xs.clear_sharding(w) is w and xs.wrap_if_sharded(w) is w
 
 
-def _ranks(rank, world):
-    from torchtpu.integrations.torch_xla.core import xla_model as xm
-
-    x = torch.arange(8.0, device="tpu").view(2, 4) + rank * 10
-    out = {
-        "ordinal": (xm.get_ordinal(), xm.xrt_world_size(), xm.is_master_ordinal()),
-        "sum": xm.all_reduce(xm.REDUCE_SUM, x, scale=0.5).cpu(),
-        "max": xm.all_reduce("max", x).cpu(),
-        "gather": xm.all_gather(x, dim=1).cpu(),
-        "scatter": xm.reduce_scatter(xm.REDUCE_SUM, x, 1.0, scatter_dim=1, shard_count=2).cpu(),
-        "groups": xm.all_reduce(xm.REDUCE_SUM, x, groups=[[0], [1]]).cpu(),
-        "payloads": xm.rendezvous("tag", f"r{rank}".encode()),
-    }
-    listed = [x.clone(), torch.ones(3, device="tpu", dtype=torch.int64) * (rank + 1)]
-    xm.all_reduce(xm.REDUCE_SUM, listed)
-    out["inplace"] = [t.cpu() for t in listed]
-    lin = torch.nn.Linear(4, 1).to("tpu")
-    torch.nn.init.ones_(lin.weight)
-    torch.nn.init.zeros_(lin.bias)
-    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
-    lin(torch.full((1, 4), float(rank + 1), device="tpu")).sum().backward()
-    xm.optimizer_step(opt, barrier=True)
-    out["weight"] = lin.weight.detach().cpu()
-    return out
-
-
-def test_collectives_ordinals_and_optimizer_step_across_processes():
-    r0, r1 = distributed.run(_ranks, 2, timeout=240)
-    x0 = torch.arange(8.0).view(2, 4)
-    x1 = x0 + 10
-    assert r0["ordinal"] == (0, 2, True) and r1["ordinal"] == (1, 2, False)
-    for r in (r0, r1):
-        torch.testing.assert_close(r["sum"], (x0 + x1) * 0.5)
-        torch.testing.assert_close(r["max"], x1)
-        torch.testing.assert_close(r["gather"], torch.cat([x0, x1], dim=1))
-        torch.testing.assert_close(r["inplace"][0], x0 + x1)
-        assert r["inplace"][1].tolist() == [3, 3, 3]
-        assert r["payloads"] == [b"r0", b"r1"]
-        # Gradients averaged over the replicas (inputs 1 and 2: mean 1.5) before the step.
-        torch.testing.assert_close(r["weight"], torch.full((1, 4), 1 - 1.5))
-    torch.testing.assert_close(r0["scatter"], (x0 + x1)[:, :2])
-    torch.testing.assert_close(r1["scatter"], (x0 + x1)[:, 2:])
-    torch.testing.assert_close(r0["groups"], x0)
-    torch.testing.assert_close(r1["groups"], x1)
-
-
 SPAWNED = """
 import os, sys
 import torch
 import torch_xla
 import torch_xla.core.xla_model as xm
-import torch_xla.distributed.xla_multiprocessing as xmp
 import torch_xla.runtime as xr
 
 
 def _mp_fn(index, out):
-    device = torch_xla.device()
-    t = torch.ones(2, device=device) * (index + 1)
-    total = xm.all_reduce(xm.REDUCE_SUM, t)
-    xm.mark_step()
-    with open(os.path.join(out, f"rank{index}"), "w") as f:
-        f.write(f"{xr.global_ordinal()} {xr.world_size()} {total.sum().item()}")
+    x = torch.arange(8.0, device=torch_xla.device()).view(2, 4) + index * 10
+    got = {
+        "ordinal": (xm.get_ordinal(), xr.world_size(), xm.is_master_ordinal()),
+        "sum": xm.all_reduce(xm.REDUCE_SUM, x, scale=0.5).cpu(),
+        "max": xm.all_reduce("max", x).cpu(),
+        "gather": xm.all_gather(x, dim=1).cpu(),
+        "scatter": xm.reduce_scatter(xm.REDUCE_SUM, x, 1.0, scatter_dim=1, shard_count=2).cpu(),
+        "groups": xm.all_reduce(xm.REDUCE_SUM, x, groups=[[0], [1]]).cpu(),
+        "payloads": xm.rendezvous("tag", f"r{index}".encode()),
+    }
+    listed = [x.clone(), torch.ones(3, device="tpu", dtype=torch.int64) * (index + 1)]
+    xm.all_reduce(xm.REDUCE_SUM, listed)
+    got["inplace"] = [t.cpu() for t in listed]
+    lin = torch.nn.Linear(4, 1).to(torch_xla.device())
+    torch.nn.init.ones_(lin.weight)
+    torch.nn.init.zeros_(lin.bias)
+    opt = torch.optim.SGD(lin.parameters(), lr=1.0)
+    lin(torch.full((1, 4), float(index + 1), device="tpu")).sum().backward()
+    xm.optimizer_step(opt, barrier=True)
+    got["weight"] = lin.weight.detach().cpu()
+    xm.save(got, os.path.join(out, f"rank{index}.pt"), master_only=False)
 
 
 if __name__ == "__main__":
@@ -293,7 +260,7 @@ def _run(args, env, timeout=240):
     return proc.returncode, out
 
 
-def test_installed_alias_runs_a_script_with_xmp_spawn(tmp_path):
+def test_installed_alias_runs_a_script_with_collectives_under_launch(tmp_path):
     site = tmp_path / "site"
     assert install.main(["--target", str(site)]) == 0
     script = tmp_path / "spawned.py"
@@ -303,8 +270,23 @@ def test_installed_alias_runs_a_script_with_xmp_spawn(tmp_path):
     rc, out = _run([sys.executable, str(script), str(tmp_path)], env)
     assert rc == 0, out
     assert "refused: torchtpu.unsupported: torch_xla.experimental.scan_layers" in out
-    results = sorted((tmp_path / f"rank{i}").read_text() for i in range(2))
-    assert results == ["0 2 6.0", "1 2 6.0"]
+    r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2))
+    x0 = torch.arange(8.0).view(2, 4)
+    x1 = x0 + 10
+    assert r0["ordinal"] == (0, 2, True) and r1["ordinal"] == (1, 2, False)
+    for r in (r0, r1):
+        torch.testing.assert_close(r["sum"], (x0 + x1) * 0.5)
+        torch.testing.assert_close(r["max"], x1)
+        torch.testing.assert_close(r["gather"], torch.cat([x0, x1], dim=1))
+        torch.testing.assert_close(r["inplace"][0], x0 + x1)
+        assert r["inplace"][1].tolist() == [3, 3, 3]
+        assert r["payloads"] == [b"r0", b"r1"]
+        # Gradients averaged over the replicas (inputs 1 and 2: mean 1.5) before the step.
+        torch.testing.assert_close(r["weight"], torch.full((1, 4), 1 - 1.5))
+    torch.testing.assert_close(r0["scatter"], (x0 + x1)[:, :2])
+    torch.testing.assert_close(r1["scatter"], (x0 + x1)[:, 2:])
+    torch.testing.assert_close(r0["groups"], x0)
+    torch.testing.assert_close(r1["groups"], x1)
     assert install.main(["--target", str(site), "--uninstall"]) == 0
     assert not (site / "torch_xla").exists()
 

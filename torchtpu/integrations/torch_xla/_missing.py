@@ -21,6 +21,9 @@ HINTS: dict[str, str] = {
                                          "(xmp.spawn / torch_xla.launch start it for you)",
     "torch_xla.distributed.fsdp": "torch.distributed.fsdp.fully_shard over "
                                   "init_device_mesh('tpu', ...) (README, FSDP2)",
+    "torch_xla.experimental.spmd_fully_sharded_data_parallel":
+        "FSDPv2 is torch.distributed.fsdp.fully_shard(module, mesh=xs_mesh.device_mesh()) here, "
+        "one process per device (README, FSDP2)",
     "torch_xla.experimental.scan_layers": "a plain Python loop over the layers "
                                           "(torch.compile(backend='tpu') compiles it once)",
     "torch_xla.debug.profiler": "torch.profiler with ProfilerActivity.TPU (README, profiler)",
