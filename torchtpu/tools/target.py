@@ -76,6 +76,21 @@ def load(target: str) -> tuple[torch.nn.Module, tuple]:
     return check(made, f"{name}()")
 
 
+def loss_of(out) -> torch.Tensor:
+    """The training loss a tool takes from a model's output: the output if it is a scalar, else
+    its ``.loss``, else the float sum of its floating tensors."""
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point():
+        return out.reshape(())
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    parts = [t.float().sum() for t in tree_leaves(out)
+             if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    if not parts:
+        raise ToolError("the model's output has no floating tensor to take as the loss")
+    return torch.stack(parts).sum()
+
+
 def check(made, what: str = "the factory") -> tuple[torch.nn.Module, tuple]:
     """(model, inputs) checked: a module, and tensors all on one usable device."""
     if not (isinstance(made, tuple) and len(made) == 2 and isinstance(made[0], torch.nn.Module)):
