@@ -424,7 +424,7 @@ def test_mpmd_mismatch_and_hang_raise():
     for rank, out in enumerate(results):
         torch.testing.assert_close(out["compiled"], x * 2 + x.sin() + 1)
         other = 1 - rank
-        for case, text in zip(("op", "shape", "dtype", "bulk shape"), out["errors"]):
+        for case, text in zip(("op", "shape", "dtype", "bulk shape"), out["errors"], strict=True):
             assert text is not None, (rank, case)
             assert f"this rank (rank {rank})" in text and f"rank {other} called" in text
         assert "all_reduce(SUM)" in out["errors"][0] and "broadcast(src/dst 0)" in out["errors"][0]
@@ -432,7 +432,7 @@ def test_mpmd_mismatch_and_hang_raise():
         assert "int32[4]" in out["errors"][2] and "float32[4]" in out["errors"][2]
         assert "[5000]" in out["errors"][3] and "[5001]" in out["errors"][3]
         sent, want = ("sent", "which expected") if rank == 0 else ("but it sent", "expected")
-        for text, shape in zip(out["p2p"], ("[5]", "[2, 2]")):
+        for text, shape in zip(out["p2p"], ("[5]", "[2, 2]"), strict=True):
             assert f"{sent} float32[4]" in text and f"{want} float32{shape}" in text, text
         torch.testing.assert_close(out["after"], torch.full((3,), 2.0))
         assert "BAND needs an integer" in out["bad op"]
