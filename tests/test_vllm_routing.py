@@ -16,7 +16,8 @@ import urllib.request
 
 import pytest
 
-from torchtpu.integrations.vllm import routing
+from torchtpu.integrations.vllm import routing, server
+from torchtpu.testing import network
 
 METRICS = """\
 # HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number of queried tokens.
@@ -115,6 +116,26 @@ def test_spawned_group_is_waited_for_and_stopped_with_its_children():
     with pytest.raises(RuntimeError, match="torchtpu.tool: fake exited with 3:\n(.|\n)*no model"):
         server.wait_healthy(proc, log, "http://127.0.0.1:9/health", time.monotonic() + 60, "fake")
     log.close()
+
+
+def test_router_listens_on_localhost_only(metrics_server):
+    """vllm-router in front of a stand-in replica (every GET answered 200): its port and its
+    metrics port are bound to loopback, not reachable on the machine's other addresses."""
+    pytest.importorskip("vllm_router", reason=f"pip install {routing.ROUTER_PIN}")
+    replica, _ = metrics_server
+    port, metrics_port = routing._ports(2)
+    proc, log = server.spawn(routing.router_command(port, [replica], "round_robin", 60,
+                                                    metrics_port))
+    try:
+        server.wait_healthy(proc, log, f"http://127.0.0.1:{port}/health",
+                            time.monotonic() + 120, "vllm-router")
+        exposed = network.exposed(port)
+        reachable = [(a, p) for a in network.other_addresses() for p in (port, metrics_port)
+                     if not network.refused(a, p)]
+    finally:
+        server.stop(proc)
+        log.close()
+    assert exposed == [] and reachable == [], (exposed, reachable)
 
 
 def _needs_vllm_and_router():
