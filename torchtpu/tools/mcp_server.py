@@ -1,11 +1,11 @@
 """``python -m torchtpu.mcp``: the tools as a Model Context Protocol server on stdio.
 
-Tools, each returning JSON: ``doctor``, ``onboard`` and ``diagnose`` (on a
-``path/to/script.py:factory`` target), ``metrics`` (this server process's
-``torchtpu.metrics``), ``trace_summary`` (a profiler trace file), ``docs_search`` (torchtpu's
-README, glossary and docstrings, cited by file, section and line, with ``covered: false`` for
-what they do not cover) and ``triage_log`` (a traceback or log: glossary category, cause,
-fix). A problem with the arguments comes back as
+Tools, each returning JSON: ``doctor``, ``onboard``, ``diagnose`` and ``aot`` (a step compiled
+for a TPU topology and estimated) on a ``path/to/script.py:factory`` target, ``metrics``
+(this server process's ``torchtpu.metrics``), ``trace_summary`` (a profiler trace file),
+``docs_search`` (torchtpu's README, glossary and docstrings, cited by file, section and line,
+with ``covered: false`` for what they do not cover) and ``triage_log`` (a traceback or log:
+glossary category, cause, fix). A problem with the arguments comes back as
 ``{"ok": false, "error": "torchtpu.tool: ..."}``, not as a crash of the server. Needs the
 ``mcp`` package: ``pip install 'torchtpu[mcp]'``. ``SKILL.md`` beside this file tells an
 assistant when to call which tool.
@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from torchtpu import metrics as _metrics
+from torchtpu.tools import aot as _aot
 from torchtpu.tools import docs_search as _docs
 from torchtpu.tools import doctor as _doctor
 from torchtpu.tools import onboard as _onboard
@@ -54,6 +55,11 @@ def _triage_log(path: str | None, text: str | None) -> dict:
     return _triage.triage(_triage.read_log(path) if path is not None else text).to_dict()
 
 
+def _aot_target(target, topology, step, mode) -> dict:
+    model, inputs = load(target)
+    return _aot.report(model, inputs, topology=topology, step=step, mode=mode).to_dict()
+
+
 def _metrics_report() -> dict:
     return {"metrics": _metrics.snapshot(), "report": _metrics.report()}
 
@@ -87,6 +93,16 @@ def build():
         their lines, transfers, host-bound steps; profile adds one profiled step (device time
         by program)."""
         return _guarded(_diagnose_target, target, backward, profile)
+
+    @server.tool()
+    def aot(target: str, topology: str = "v5e:2x2", step: str = "forward",
+            mode: str = "compile") -> dict:
+        """Compile the target's step (forward or train; mode strict, defer, compile or
+        captured) for a TPU topology with libtpu, compile-only (nothing runs on a TPU): per
+        program whether the TPU compiler takes it, HBM, flops, bytes and cost-model seconds;
+        per step seconds on one chip, MFU, HBM peak against the chip's. Needs the tpu-aot
+        extra; one topology per server process."""
+        return _guarded(_aot_target, target, topology, step, mode)
 
     @server.tool()
     def metrics() -> dict:
