@@ -132,20 +132,20 @@ def _submit(computation, n: int, across_processes: bool = False) -> None:
     _raise_failed(state)
     name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
     # The bytes are taken here: an MLIR module belongs to the thread that built it.
+    if across_processes:
+        # Left as it is (no TPU compile, no new name): not checked yet. Seen in a 2-rank test:
+        # the TPU compile needs JAX's Shardy options (given now), and a rerun over a warm cache
+        # aborted the rank loading the host's executable (xla_sharding.cc tile-count check).
+        with state.lock:
+            state.reports.append(tpu_target.Report(
+                name=name, kind=_kind(name), target=state.name, devices=n, module=name,
+                line=user_line(), error="not compiled for the target: programs across "
+                "processes (tpu_dist's XLA collectives) are not compiled for it yet"))
+        return
     data = mlir.module_to_bytecode(computation)
     module = f"{name}_{int.from_bytes(hashlib.sha256(data).digest()[:4], 'big')}"
     computation.operation.attributes["sym_name"] = mlir.ir.StringAttr.get(
         module, context=computation.context)
-    if across_processes:
-        # libtpu 0.0.42 aborts the process (xla_sharding.cc: "sharding's tile count and device
-        # count does not match") compiling a collective lowered across processes: reported, not
-        # compiled (the same program lowered in one process, over a mesh, compiles).
-        with state.lock:
-            state.reports.append(tpu_target.Report(
-                name=name, kind=_kind(name), target=state.name, devices=n, module=module,
-                line=user_line(), error="not compiled for the target: a program across "
-                "processes (tpu_dist's XLA collectives) aborts libtpu 0.0.42's compiler"))
-        return
     state.queue.put((data, name, module, n, user_line()))
 
 
