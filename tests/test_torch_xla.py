@@ -193,6 +193,8 @@ def test_spmd_mesh_on_one_device_and_its_dtensor_meaning():
     assert xs.placements(mesh, (None, ("fsdp", "model"))) == [Shard(1), Shard(1)]
     assert xs.placements(mesh, ("model", None)) == [Replicate(), Shard(0)]
     assert torch_xla._XLAC._get_xla_sharding_spec(w) == "{replicated}"
+    param = torch.nn.Parameter(w)  # the spec belongs to the data, as in PyTorch/XLA
+    assert xs.wrap_if_sharded(param).partition_spec == ("fsdp", None)
     assert xs.mark_sharding_with_gradients(w, None, (None, "model")) is w
     with pytest.raises(ValueError, match="partition spec .* 1 entries for a tensor of 2"):
         xs.mark_sharding(w, mesh, ("fsdp",))

@@ -164,6 +164,20 @@ class XLAShardedTensor:
                                  placements(self.mesh, self.partition_spec))
 
 
+def _where(t: torch.Tensor) -> tuple:
+    return t.storage_offset(), tuple(t.shape), tuple(t.stride())
+
+
+def _records(t: torch.Tensor) -> dict:
+    """The specs recorded for t's data: kept on its storage (one Python object per storage on
+    torchtpu), so an ``nn.Parameter`` made from a marked tensor is marked too, as the data is in
+    PyTorch/XLA."""
+    storage = t.untyped_storage()
+    if not hasattr(storage, "_torchtpu_shardings"):
+        storage._torchtpu_shardings = {}
+    return storage._torchtpu_shardings
+
+
 def _record(t: torch.Tensor, mesh: Mesh | None, partition_spec: Sequence | None) -> tuple:
     mesh = mesh if mesh is not None else get_global_mesh()
     if mesh is None:
@@ -176,7 +190,7 @@ def _record(t: torch.Tensor, mesh: Mesh | None, partition_spec: Sequence | None)
                     "process keeps the whole tensor and computes the same program (correct, "
                     "no memory saved); shard for real with DTensor (xs.Mesh.device_mesh(), "
                     "xs.placements) or fully_shard", stacklevel=3)
-    t._torchtpu_sharding = (mesh, spec)
+    _records(t)[_where(t)] = (mesh, spec)
     return mesh, spec
 
 
@@ -194,13 +208,14 @@ def mark_sharding_with_gradients(t: torch.Tensor, mesh: Mesh,
 
 
 def clear_sharding(t: torch.Tensor) -> torch.Tensor:
-    if hasattr(t, "_torchtpu_sharding"):
-        del t._torchtpu_sharding
+    _records(t).pop(_where(t), None)
     return t
 
 
 def wrap_if_sharded(t):
-    found = getattr(t, "_torchtpu_sharding", None)
+    if not isinstance(t, torch.Tensor):
+        return t
+    found = _records(t).get(_where(t))
     return XLAShardedTensor(t, *found) if found is not None else t
 
 
