@@ -171,11 +171,11 @@ class XlaProcessGroup(TpuProcessGroup):
         shards = self._run(program, inputs, [host.read_now(t) for t in inputs], **params)
         for o, value in zip(targets, shards):
             if o is not None:
-                self._store(o, value)
+                self._write_result(o, value)
         return Done(result)
 
     @staticmethod
-    def _store(t: torch.Tensor, value: jax.Array) -> None:
+    def _write_result(t: torch.Tensor, value: jax.Array) -> None:
         if tuple(value.shape) != tuple(t.shape):
             value = value.reshape(tuple(t.shape))
         tensors.write(t, value)
@@ -260,7 +260,7 @@ class XlaProcessGroup(TpuProcessGroup):
                                              input_split_sizes, opts)
         (value,) = self._run("all_to_all", [input], [host.read_now(input)], n=n,
                              out=_block(tuple(output.shape)))
-        self._store(output, value)
+        self._write_result(output, value)
         return Done([output])
 
     alltoall_base = all_to_all_single
