@@ -6,10 +6,11 @@ A storage array is C-contiguous and its bytes are the storage's bytes. A tensor 
 static ``Geometry``, so every executor can use them: eager jits one reader and one writer per
 geometry, and a fused or compiled program inlines them.
 
-Dense views (contiguous blocks and permutations of them, the result of slicing along the first
-dims, ``view``, ``transpose``, ``permute``) lower to slice/reshape/transpose; other views
-(diagonals, steps, ``unfold``, ``as_strided``) to one gather or scatter with indices computed
-in-graph from iotas, so no index constant grows with the tensor.
+Strided boxes (contiguous blocks and permutations of them, the result of slicing, ``view``,
+``transpose``, ``permute``, ``split`` along the last dim, steps: ``_box_plan``) lower to
+slice/reshape/transpose; other views (diagonals, overlapping windows: ``unfold``, ``as_strided``)
+to one gather or scatter with indices computed in-graph from iotas, so no index constant grows
+with the tensor.
 """
 
 from __future__ import annotations
@@ -92,19 +93,39 @@ def check_in_bounds(g: Geometry) -> None:
             f"outside forward/backward?); resize the storage back before using the tensor"))
 
 
-def _dense_plan(size: tuple, stride: tuple):
-    """(block sizes, dim order) when the view permutes a contiguous block, else None.
+def _box_plan(size: tuple, stride: tuple):
+    """(box, taken, dim order) when the view is a strided box of the storage, else None.
 
-    Size-1 dims and stride-0 (expanded) dims are left out of the block; they come back by broadcast.
+    A strided box: the view's dims, ordered by stride, each stride a whole multiple of the next
+    one's and at least that dim's extent, so the view is a corner of the storage's elements
+    from the offset reshaped to ``box`` (``taken`` of each box dim kept; the last box dim is the
+    innermost step, of which the first element is kept). A permuted contiguous block is the case
+    where everything is kept; the columns of a fused projection's split (q, k and v of one
+    qkv tensor, viewed per head and transposed) or a step along the last dim are the others.
+    Such a view lowers to slices and a reshape instead of a gather of computed indices (which a
+    TPU runs element by element, with int64 index math it emulates). Size-1 dims and stride-0
+    (expanded) dims are left out; they come back by broadcast.
     """
     dims = [d for d in range(len(size)) if size[d] != 1 and stride[d] != 0]
     order = sorted(dims, key=lambda d: -stride[d])
-    expected = 1
-    for d in reversed(order):
-        if stride[d] != expected:
+    steps = [stride[d] for d in order] + [1]
+    for i in range(len(order)):
+        if steps[i] % steps[i + 1] or (i + 1 < len(order)
+                                       and steps[i] < size[order[i + 1]] * steps[i + 1]):
             return None
-        expected *= size[d]
-    return tuple(size[d] for d in order), tuple(order)
+    box = tuple([size[order[0]]] if order else []) + tuple(
+        steps[i] // steps[i + 1] for i in range(len(order) - 1)) + (steps[-2] if order else 1,)
+    taken = tuple(size[d] for d in order) + (1,)
+    return box, taken, tuple(order)
+
+
+def _box(flat, offset: int, box: tuple):
+    """flat[offset:] reshaped to box (zeros past flat's end: the last row of a box may reach
+    past it; only kept elements are ever read back) and the padded flat array."""
+    end = offset + math.prod(box)
+    extra = end - flat.shape[0]
+    padded = lax.pad(flat, np.zeros((), flat.dtype), [(0, extra, 0)]) if extra > 0 else flat
+    return lax.slice(padded, (offset,), (end,)).reshape(box), padded
 
 
 def _iota_index(size: tuple, stride: tuple, offset: int):
@@ -120,11 +141,11 @@ def read_view(array, g: Geometry):
     if 0 in g.size:
         return jnp.zeros(g.size, value_dtype(g.dtype))
     flat = _bitcast_flat(array.reshape(-1), g.dtype)
-    plan = _dense_plan(g.size, g.stride)
+    plan = _box_plan(g.size, g.stride)
     if plan is not None:
-        block, order = plan
-        n = math.prod(block)
-        part = lax.slice(flat, (g.offset,), (g.offset + n,)).reshape(block)
+        box, taken, order = plan
+        part = lax.slice(_box(flat, g.offset, box)[0], (0,) * len(box), taken)
+        part = part.reshape(taken[:-1])
         # Put the block's dims where they belong, then broadcast over size-1 and expanded dims.
         kept = sorted(order)
         part = part.transpose([order.index(d) for d in kept])
@@ -137,13 +158,19 @@ def write_view(array, value, g: Geometry):
     if 0 in g.size:
         return array
     flat = _bitcast_flat(array.reshape(-1), g.dtype)
-    plan = _dense_plan(g.size, g.stride)
+    plan = _box_plan(g.size, g.stride)
     if plan is not None and all(s != 0 for n, s in zip(g.size, g.stride) if n != 1):
-        block, order = plan
+        box, taken, order = plan
         kept = sorted(order)
         squeezed = value.reshape([g.size[d] for d in kept]) if kept else value.reshape(())
-        part = squeezed.transpose([kept.index(d) for d in order]).reshape(-1)
-        flat = lax.dynamic_update_slice(flat, part, (g.offset,))
+        part = squeezed.transpose([kept.index(d) for d in order])
+        if box == taken:  # a contiguous block
+            flat = lax.dynamic_update_slice(flat, part.reshape(-1), (g.offset,))
+        else:
+            region, padded = _box(flat, g.offset, box)
+            region = lax.dynamic_update_slice(region, part.reshape(taken), (0,) * len(box))
+            n = flat.shape[0]
+            flat = lax.dynamic_update_slice(padded, region.reshape(-1), (g.offset,))[:n]
     else:
         flat = flat.at[_iota_index(g.size, g.stride, g.offset).reshape(-1)].set(value.reshape(-1))
     if g.dtype == COMPLEX32:

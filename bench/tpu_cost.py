@@ -1,0 +1,243 @@
+"""The TPU cost model's figures for torchtpu's programs beside the JAX ports', chip by chip.
+
+Each registry row (``bench/registry.py``: Llama-3.2, Gemma-3, Qwen3, TinyGPT; forward and train)
+runs as torchtpu runs it, compiled (``torch.compile`` of the step) or captured (``torch.tpu.graph``
+of it), under ``torchtpu.aot.report``: every program the step builds is also compiled for one chip
+of the target with libtpu (compile-only: nothing runs on a TPU). Beside it the row's JAX port
+(``bench/jax_models.py``, the torch model's weights, the same batch, the same matmul precision:
+the process's JAX settings are torchtpu's) is compiled for the same chip as one ``jax.jit``.
+Per row: the cost model's seconds, flops and bytes accessed of one step (summed over the
+programs it runs, as often as it runs them) and the HBM of its largest program (arguments,
+outputs, temporaries and code, less what is aliased), each with torchtpu / JAX. The train step is
+``torchtpu.aot``'s (loss, ``backward()``, ``torch.optim.AdamW(lr=1e-3)``), and the JAX port's the
+same AdamW. These figures are deterministic: no load noise. libtpu's cost model has no estimate
+for a program with any 64-bit op (its ``optimal_seconds`` goes negative, -1 per such op), and
+torch's token ids are int64; a row whose cost-model seconds are missing on either side compares
+roofline times instead (marked ``*``: the larger of flops at the chip's bf16 peak and bytes at
+its HBM bandwidth).
+
+``--gpt2`` adds a GPT-2 small (124M) training step, bf16 under ``torch.autocast``, and its
+estimated MFU on one chip (flops / (cost-model seconds x the chip's bf16 peak)).
+
+    python bench/tpu_cost.py [--chips v5e,v6e] [--models ...] [--kinds forward,train]
+                             [--modes compile,captured] [--gpt2] [--json out.json]
+
+One target per process (``runtime/tpu_hook.py``), so each chip runs in a process of its own.
+Needs libtpu (``pip install -e '.[tpu-aot]'``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torchtpu.aot as aot
+from torchtpu.runtime import tpu_target
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from compile import bench_module  # noqa: E402 (bench/ is no package; its scripts run by path)
+
+reg = bench_module("registry")
+cb, jm = reg.cb, reg.jm
+
+CHIPS = ("v5e", "v6e")
+MODES = ("compile", "captured")
+MODELS = ("llama-3.2", "gemma-3", "qwen3", "tinygpt")
+# torchtpu.aot's train step: torch.optim.AdamW(lr=1e-3) with its defaults, no clipping.
+ADAMW = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+
+
+class _Loss(torch.nn.Module):
+    """A registry model as aot's convention wants it: ``forward(x, y)`` is the row's loss
+    (under no_grad for a forward row, as the registry's forward is; under autocast when asked)."""
+
+    def __init__(self, model, loss, train: bool, autocast=None) -> None:
+        super().__init__()
+        self.model, self.loss, self.train_step, self.autocast = model, loss, train, autocast
+
+    def forward(self, x, y):
+        grad = contextlib.nullcontext() if self.train_step else torch.no_grad()
+        cast = (torch.autocast("tpu", dtype=self.autocast) if self.autocast is not None
+                else contextlib.nullcontext())
+        with grad, cast:
+            return self.loss(self.model, x, y)
+
+
+def _step_figures(r) -> dict:
+    """Seconds, flops, bytes of one step (each program as often as it ran) and the HBM of its
+    largest program, from a torchtpu.aot report."""
+    by_module = {p.module: p for p in r.programs}
+    ran = [(by_module[row["module"]], row["runs"]) for row in r.step.largest
+           if row["module"] in by_module]
+    counted = sum(n for _, n in ran)
+    return {"seconds": r.step.seconds, "flops": r.step.flops,
+            "bytes": sum(p.bytes_accessed * n for p, n in ran),
+            "hbm": max((p.hbm_bytes for p, _ in ran), default=0),
+            "programs": r.step.programs_run, "complete": counted == r.step.programs_run,
+            "refused": [p.name for p in r.programs if not p.compiles],
+            "wide": {k: sum(p.wide_ops.get(k, 0) for p, _ in ran) for k in ("float64", "int64")}}
+
+
+def torchtpu_row(name: str, kind: str, mode: str, topology: str) -> dict:
+    spec = reg.MODELS[name]
+    x, y = spec.batch(torch.Generator().manual_seed(1))
+    r = aot.report(_Loss(spec.build(), spec.loss, kind == "train"), (x, y), topology=topology,
+                   step=kind, mode=mode)
+    return _step_figures(r)
+
+
+def _port(name: str):
+    if name == "tinygpt":
+        return cb._jax_params(cb._model()), cb._jax_loss
+    return jm.port(reg.hf(name)())
+
+
+def jax_row(name: str, kind: str, topology: str) -> dict:
+    spec = reg.MODELS[name]
+    x, y = (jnp.asarray(t.numpy()) for t in spec.batch(torch.Generator().manual_seed(1)))
+    params, loss = _port(name)
+    if kind == "forward":
+        report = tpu_target.compile_function(loss, params, x, y, name=f"{name} jax forward",
+                                             target_name=topology)
+    else:
+        step = jax.jit(jm.train_step(loss, ADAMW["lr"], ADAMW["betas"], ADAMW["eps"],
+                                     ADAMW["weight_decay"]), donate_argnums=(0, 1, 2))
+        zeros = jax.tree.map(jnp.zeros_like, params)
+        report = tpu_target.compile_function(step, params, zeros, zeros,
+                                             jnp.zeros((), jnp.float32), x, y,
+                                             name=f"{name} jax train", target_name=topology)
+    if not report.compiles:
+        raise RuntimeError(f"torchtpu.bench: the JAX port of {name} {kind} does not compile "
+                           f"for {topology}: {report.error}")
+    return {"seconds": report.seconds, "flops": report.flops, "bytes": report.bytes_accessed,
+            "hbm": report.hbm_bytes,
+            "wide": {k: report.wide_ops.get(k, 0) for k in ("float64", "int64")}}
+
+
+def gpt2_row(topology: str, batch: int = 1, seq: int = 1024, mode: str = "compile") -> dict:
+    """GPT-2 small's bf16 (autocast) training step: the cost model's seconds and MFU."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=seq))
+    ids = torch.randint(50257, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
+    r = aot.report(_Loss(model, reg.hf_loss, True, torch.bfloat16),
+                   (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), topology=topology,
+                   step="train", mode=mode)
+    params = sum(p.numel() for p in model.parameters())
+    return {**_step_figures(r), "mfu": r.step.mfu, "peak_flops": r.step.peak_flops,
+            "params": params, "tokens": batch * seq, "mode": mode,
+            "hbm_peak": r.step.hbm_peak_bytes}
+
+
+def _times(t: dict, j: dict, chip: str) -> tuple:
+    """(torchtpu µs, JAX µs, ratio) by the cost model when it estimates both programs, else by
+    the roofline (max of flops at the chip's peak and bytes at its HBM bandwidth), marked '*'.
+    libtpu's cost model gives no estimate (a negative one) for a program with any 64-bit op,
+    and torch's token ids are int64."""
+    if t["seconds"] and j["seconds"]:
+        a, b, mark = t["seconds"], j["seconds"], ""
+    else:
+        c = tpu_target.CHIPS[chip]
+        bandwidth = c.hbm_bandwidth / c.devices_per_chip
+        a, b = (max(f["flops"] / c.device_peak_flops, f["bytes"] / bandwidth) for f in (t, j))
+        mark = "*"
+    return f"{a * 1e6:.2f}{mark}", f"{b * 1e6:.2f}{mark}", _ratio(a, b)
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def _fmt(v, scale: float, digits: int = 2) -> str:
+    return "-" if v is None else f"{v / scale:.{digits}f}"
+
+
+def table(rows: list) -> str:
+    lines = ["| chip | model | kind | form | µs torchtpu | µs JAX | ratio | GFLOP torchtpu | "
+             "GFLOP JAX | MB accessed torchtpu | MB accessed JAX | ratio | HBM MB torchtpu | "
+             "HBM MB JAX | ratio |",
+             "| --- | --- | --- | --- |" + " ---: |" * 11]
+    for r in rows:
+        t, j = r["torchtpu"], r["jax"]
+        lines.append(
+            f"| {r['chip']} | {r['model']} | {r['kind']} | {r['mode']} | "
+            + " | ".join(_times(t, j, r["chip"])) + f" | {_fmt(t['flops'], 1e9, 3)} | "
+            f"{_fmt(j['flops'], 1e9, 3)} | {_fmt(t['bytes'], 1e6)} | {_fmt(j['bytes'], 1e6)} | "
+            f"{_ratio(t['bytes'], j['bytes'])} | {_fmt(t['hbm'], 1e6)} | {_fmt(j['hbm'], 1e6)} | "
+            f"{_ratio(t['hbm'], j['hbm'])} |")
+    return "\n".join(lines)
+
+
+def run_chip(chip: str, models, kinds, modes, gpt2: bool) -> dict:
+    topology = f"{chip}:2x2"
+    rows = []
+    for name in models:
+        for kind in kinds:
+            port = jax_row(name, kind, topology)
+            for mode in modes:
+                rows.append({"chip": chip, "model": name, "kind": kind, "mode": mode,
+                             "torchtpu": torchtpu_row(name, kind, mode, topology), "jax": port})
+    return {"rows": rows, "gpt2": gpt2_row(topology) if gpt2 else None}
+
+
+def _names(text: str, known) -> list:
+    names = [n for n in text.split(",") if n]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"torchtpu.argument: unknown {unknown}; choose from {list(known)}")
+    return names
+
+
+def main(argv: list | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chips", default=",".join(CHIPS))
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--kinds", default=",".join(reg.KINDS))
+    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--gpt2", action="store_true", help="also GPT-2 small's bf16 train step")
+    parser.add_argument("--json", help="also write the figures to this file")
+    args = parser.parse_args(argv)
+    chips = _names(args.chips, CHIPS)
+    picked = (_names(args.models, MODELS), _names(args.kinds, reg.KINDS),
+              _names(args.modes, MODES))
+    if len(chips) == 1:
+        out = {chips[0]: run_chip(chips[0], *picked, args.gpt2)}
+    else:  # one target per process
+        out = {}
+        for chip in chips:
+            with tempfile.NamedTemporaryFile(suffix=".json") as f:
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--chips", chip,
+                                "--models", args.models, "--kinds", args.kinds, "--modes",
+                                args.modes, *(["--gpt2"] if args.gpt2 else []), "--json",
+                                f.name], check=True, stdout=subprocess.DEVNULL)
+                out.update(json.load(open(f.name)))
+    rows = [r for chip in chips for r in out[chip]["rows"]]
+    print(f"jax {jax.__version__}; libtpu {tpu_target.check_libtpu()}; compile-only targets "
+          f"{', '.join(f'{c}:2x2' for c in chips)} (one chip each)")
+    print(table(rows))
+    for chip in chips:
+        g = out[chip]["gpt2"]
+        if g:
+            print(f"{chip}: GPT-2 small ({g['params'] / 1e6:.0f}M) bf16 autocast train step "
+                  f"({g['mode']}, {g['tokens']} tokens): {_fmt(g['seconds'], 1e-3)} ms, "
+                  f"{_fmt(g['flops'], 1e12, 3)} TFLOP, MFU {_fmt(g['mfu'], 0.01, 1)}% of "
+                  f"{g['peak_flops'] / 1e12:.0f} TFLOP/s, HBM peak "
+                  f"{_fmt(g['hbm_peak'], 2**30)} GiB")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return out
+
+
+if __name__ == "__main__":
+    main()
