@@ -1,0 +1,65 @@
+"""``TORCHTPU_DUMP=dir``: every program torchtpu builds, written out as XLA sees it.
+
+Each program's StableHLO (what torchtpu hands XLA) and optimized HLO (what XLA made of it, read
+back from the executable, so programs found in the persistent cache are dumped too) go to
+``dir/<n>-<program>.stablehlo.mlir`` and ``dir/<n>-<program>.hlo.txt``. ``<program>`` is the name
+torchtpu gave the jitted function (``jit_aten_mm_default`` for an op, ``jit_compiled_forward``,
+``_backward`` or ``_inference`` for a compiled graph, ``jit_captured_...`` / ``jit_replay_...``
+for captured steps, ``jit__replay_...`` for a DeferAndFuse run); ``<n>`` numbers the programs in the order this process built them, and
+each file's first line names the user line that built it. Every program reaches XLA through
+JAX's ``compile_or_get_cached``, so wrapping it once here covers every executor, the compiled
+path, captures, kernels and collectives. Unset, nothing is wrapped.
+
+XLA's own switches pass through ``XLA_FLAGS`` as with any JAX program (for example
+``--xla_dump_to=dir --xla_dump_hlo_pass_re=.*`` for every pass, ``--xla_cpu_enable_fast_math``,
+``--xla_force_host_platform_device_count=N`` for N CPU devices).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from pathlib import Path
+
+ENV = "TORCHTPU_DUMP"
+_lock = threading.Lock()
+_count = itertools.count()
+_installed: list = []
+
+
+def install() -> None:
+    """Wrap JAX's compile once if ``TORCHTPU_DUMP`` names a directory (made if missing)."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw or _installed:
+        return
+    out = Path(raw).expanduser()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RuntimeError(f"torchtpu.config: {ENV}={raw!r} cannot be made a directory: "
+                           f"{e.strerror}") from None
+    from jax._src import compiler
+    from jax._src.interpreters import mlir
+
+    original = compiler.compile_or_get_cached
+
+    def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
+        from torchtpu.runtime.tpu_hook import user_line
+
+        name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
+        stablehlo = mlir.module_to_string(computation)
+        executable = original(backend, computation, devices, *args, **kwargs)
+        with _lock:
+            stem = out / f"{next(_count):05d}-{name}"
+        header = f"// built at {user_line() or '?'} on {backend.platform}\n"
+        stem.with_suffix(".stablehlo.mlir").write_text(header + stablehlo)
+        try:
+            hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
+        except Exception as e:  # noqa: BLE001 (a runtime that cannot give its HLO back)
+            hlo = f"// the executable gave no HLO: {e}"
+        stem.with_suffix(".hlo.txt").write_text(header + hlo)
+        return executable
+
+    compiler.compile_or_get_cached = compile_or_get_cached
+    _installed.append(out)
