@@ -35,7 +35,8 @@ def test_each_program_is_dumped_by_name_also_from_the_cache(tmp_path):
     assert any("jit_compiled_inference" in n for n in names), names
     mm = next(f for f in files if "aten_mm" in f.name and f.name.endswith(".hlo.txt"))
     text = mm.read_text()
-    assert text.startswith(f"// built at {tmp_path / 'user.py'}:4 on cpu") and "HloModule" in text and " dot(" in text
+    assert text.startswith(f"// built at {tmp_path / 'user.py'}:4 on cpu")
+    assert "HloModule" in text and " dot(" in text
     stablehlo = next(f for f in files if "aten_mm" in f.name and ".stablehlo" in f.name)
     assert "stablehlo.dot" in stablehlo.read_text()
     # a second process finds the programs in the persistent cache: dumped all the same

@@ -5,10 +5,11 @@ back from the executable, so programs found in the persistent cache are dumped t
 ``dir/<n>-<program>.stablehlo.mlir`` and ``dir/<n>-<program>.hlo.txt``. ``<program>`` is the name
 torchtpu gave the jitted function (``jit_aten_mm_default`` for an op, ``jit_compiled_forward``,
 ``_backward`` or ``_inference`` for a compiled graph, ``jit_captured_...`` / ``jit_replay_...``
-for captured steps, ``jit__replay_...`` for a DeferAndFuse run); ``<n>`` numbers the programs in the order this process built them, and
-each file's first line names the user line that built it. Every program reaches XLA through
-JAX's ``compile_or_get_cached``, so wrapping it once here covers every executor, the compiled
-path, captures, kernels and collectives. Unset, nothing is wrapped.
+for captured steps, ``jit__replay_...`` for a DeferAndFuse run); ``<n>`` numbers the programs in
+the order this process built them, and each file's first line names the user line that built
+it. Every program reaches XLA through JAX's ``compile_or_get_cached``, so wrapping it once here
+covers every executor, the compiled path, captures, kernels and collectives. Unset, nothing is
+wrapped.
 
 XLA's own switches pass through ``XLA_FLAGS`` as with any JAX program (for example
 ``--xla_dump_to=dir --xla_dump_hlo_pass_re=.*`` for every pass, ``--xla_cpu_enable_fast_math``,
