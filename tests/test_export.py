@@ -143,6 +143,28 @@ def test_wrong_inputs_name_the_input_and_the_symbolic_shape(saved, x, words):
         assert w in str(e.value)
 
 
+class _Positions(torch.nn.Module):
+    """A buffer sliced to the input's length: the slice's end is min(n, 32) unless JAX knows
+    the Dim's maximum (the scope's constraint), and the sum's shapes would not agree."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("pos", torch.arange(32.0))
+
+    def forward(self, x):
+        return x + self.pos[:x.shape[1]]
+
+
+def test_dim_ranges_reach_jax_and_slices_take_symbolic_sizes(tmp_path):
+    ep = torch.export.export(_Positions(), (torch.randn(2, 8),),
+                             dynamic_shapes=({0: Dim("b"), 1: Dim("n", max=32)},))
+    program = tx.load(tx.save(ep, tmp_path / "pos"))
+    for shape in ((3, 11), (1, 32)):
+        x = torch.randn(*shape)
+        np.testing.assert_allclose(np.asarray(program(x.numpy())),
+                                   (x + torch.arange(float(shape[1]))).numpy(), atol=1e-6)
+
+
 class _Norm(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
