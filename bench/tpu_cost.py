@@ -190,14 +190,6 @@ def run_chip(chip: str, models, kinds, modes, gpt2: bool) -> dict:
     return {"rows": rows, "gpt2": gpt2_row(topology) if gpt2 else None}
 
 
-def _names(text: str, known) -> list:
-    names = [n for n in text.split(",") if n]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"torchtpu.argument: unknown {unknown}; choose from {list(known)}")
-    return names
-
-
 def main(argv: list | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chips", default=",".join(CHIPS))
@@ -207,9 +199,9 @@ def main(argv: list | None = None) -> dict:
     parser.add_argument("--gpt2", action="store_true", help="also GPT-2 small's bf16 train step")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
-    chips = _names(args.chips, CHIPS)
-    picked = (_names(args.models, MODELS), _names(args.kinds, reg.KINDS),
-              _names(args.modes, MODES))
+    chips = reg._names(args.chips, CHIPS)
+    picked = (reg._names(args.models, MODELS), reg._names(args.kinds, reg.KINDS),
+              reg._names(args.modes, MODES))
     if len(chips) == 1:
         out = {chips[0]: run_chip(chips[0], *picked, args.gpt2)}
     else:  # one target per process
