@@ -106,3 +106,23 @@ def test_ranks_compiling_other_collectives_raise_on_every_rank():
         assert message is not None, rank
         assert "mismatched compiled programs in process group" in message
         assert f"rank(s) [{1 - rank}]" in message
+
+
+def _mpmd(rank, world):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    group = dist.group.WORLD
+
+    @torch.compile(backend="tpu")
+    def compiled(x):  # a different graph on each rank around the same collective
+        y = x * 2 if rank == 0 else x.sin()
+        return funcol.all_reduce(y, "sum", group) + 1
+
+    return compiled(torch.arange(4.0, device="tpu")).cpu()
+
+
+def test_ranks_compiling_other_code_around_the_same_collectives_agree():
+    x = torch.arange(4.0)
+    for out in run(_mpmd, 2, env=XLA, pg_timeout=60, timeout=300):
+        torch.testing.assert_close(out, x * 2 + x.sin() + 1)

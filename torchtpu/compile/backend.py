@@ -280,11 +280,7 @@ class CompiledGraph:
         lowered = jitted.lower(*call)
         if self.opts.debug_callback is not None:
             self.opts.debug_callback(self.gm, lowered.as_text())
-        if self.spmd is None:
-            program = lowered.compile()
-        else:
-            with self.spmd.uncached():
-                program = lowered.compile()
+        program = lowered.compile() if self.spmd is None else self.spmd.compile(lowered)
         seconds = time.perf_counter() - start
         metrics.count("compiled_graphs")
         if self.exact_dynamic:

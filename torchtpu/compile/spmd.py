@@ -80,11 +80,12 @@ class Spmd:
                              check_vma=False), scalars
 
     @staticmethod
-    def uncached():
-        """A context without the persistent compile cache: XLA:CPU aborts loading back a
-        multi-process executable whose results are sharded 2-D (``xla_sharding.cc``: "tile
-        count and device count does not match"), which the cache's writer does."""
-        return jax_config.enable_compilation_cache(False)
+    def compile(lowered):
+        """The lowered program compiled outside the persistent cache (``unpersisted``); a
+        compile option of its own (at its default value) also keeps it off keys that entries
+        were written under before."""
+        with unpersisted():
+            return lowered.compile(compiler_options={"xla_dump_hlo_as_text": False})
 
     @staticmethod
     def to_local(outs: list, scalars: list) -> list:
@@ -102,6 +103,15 @@ class _Passed:
 def _is_value(o) -> bool:
     return isinstance(o, (jax.Array, np.ndarray, np.generic, int, float, bool, complex)) \
         or isinstance(o, jax.core.Tracer)
+
+
+def unpersisted():
+    """This thread's compiles inside are not written to the persistent cache: its writer checks
+    an entry by deserializing it onto this process's devices, and XLA aborts the process
+    deserializing a multi-process executable that way ("sharding's tile count and device count
+    does not match"). JAX reads its minimum compile time at each write (whether the cache is on,
+    only once per process)."""
+    return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
 
 
 def _is_array(a) -> bool:
