@@ -14,5 +14,6 @@ _register()
 
 from torchtpu import metrics  # noqa: E402
 from torchtpu.device.loader import DeviceLoader  # noqa: E402
+from torchtpu.layers import scan_layers  # noqa: E402
 
-__all__ = ["DeviceLoader", "metrics"]
+__all__ = ["DeviceLoader", "metrics", "scan_layers"]

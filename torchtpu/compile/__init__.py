@@ -10,13 +10,15 @@ user passed; ``whole_step`` runs a compiled training-step function as one captur
 call.
 """
 
-from torchtpu.compile import registration, whole_step
+from torchtpu.compile import checkpoint, registration, whole_step
 from torchtpu.import_hooks import after_import
 from torchtpu.lowering import elementwise
 
 
 def install() -> None:
-    """Register "tpu" with Dynamo once it is imported, and route whole-step compiles."""
+    """Register "tpu" with Dynamo once it is imported, route whole-step compiles, and keep
+    activation checkpointing's recomputation from being merged back (``checkpoint``)."""
     after_import("torch._dynamo", registration.register)
     after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
     whole_step.install()
+    checkpoint.install()
