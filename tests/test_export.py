@@ -273,10 +273,11 @@ def _hf_rows() -> dict:
     return rows
 
 
-ROWS = ["llama-3.2", "gemma-3", "qwen3", "tinygpt", "hf-llama", "hf-gpt2", "hf-bert", "hf-t5"]
 # torch.export's own run_decompositions (its default table too) fails on GPT-2's Conv1D
-# (x.view(-1, n) of a tensor whose symbolic strides it cannot view): exported at fixed sizes.
-STATIC = {"hf-gpt2"}
+# (x.view(-1, n) of a tensor whose strides it made non-viewable), before any torchtpu code.
+ROWS = ["llama-3.2", "gemma-3", "qwen3", "tinygpt", "hf-llama", "hf-bert", "hf-t5",
+        pytest.param("hf-gpt2", marks=pytest.mark.xfail(
+            strict=True, raises=ValueError, reason="torch.export run_decompositions: Cannot view"))]
 
 
 @pytest.mark.full
@@ -299,11 +300,9 @@ def test_registry_and_hf_models_round_trip_without_torch(name, tmp_path):
     dims = {"input_ids": {0: Dim("batch"), 1: seq}}
     if two_inputs:
         dims["decoder_input_ids"] = {0: dims["input_ids"][0], 1: Dim("dec", max=most)}
-    static = name in STATIC
-    ep = torch.export.export(model, (), kwargs=example, dynamic_shapes=None if static else dims)
+    ep = torch.export.export(model, (), kwargs=example, dynamic_shapes=dims)
     directory = Path(tx.save(ep, tmp_path / name))
-    cases = ({"eager": case(2, 8), "jit": case(2, 8), "sharded": case(2, 8)} if static else
-             {"eager": case(2, 8), "jit": case(3, 13), "sharded": case(4, 6)})
+    cases = {"eager": case(2, 8), "jit": case(3, 13), "sharded": case(4, 6)}
     results = run_torch_free(directory, cases, tmp_path)
     with torch.no_grad():
         for c, named in cases.items():
