@@ -162,6 +162,7 @@ def _python(code: str, tmp_path, env: dict | None = None) -> subprocess.Complete
     script.write_text(textwrap.dedent(code))
     full = {k: v for k, v in os.environ.items() if k != tpu_target.ENV}
     full.update({"TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
+    full = {k: v for k, v in full.items() if v != "" or k == tpu_target.ENV}  # "": unset
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=full, timeout=600, cwd=tmp_path)
 
@@ -221,7 +222,11 @@ def test_libtpu_without_target_or_tpu_is_quiet_and_cpu(tmp_path):
         except RuntimeError as e:
             print("no-tpu")
     """
-    run = _python(code, tmp_path)
+    # Without the libtpu settings this process may have made (tpu_target.compile_only_env),
+    # which would quiet a started TPU client too.
+    ours = ("ALLOW_MULTIPLE_LIBTPU_LOAD", "TPU_SKIP_MDS_QUERY", "TPU_ACCELERATOR_TYPE",
+            "TPU_WORKER_HOSTNAMES", "TPU_WORKER_ID", "TORCHTPU_LIBTPU_COMPILE_ONLY")
+    run = _python(code, tmp_path, env={k: "" for k in ours})
     assert run.returncode == 0, run.stderr
     assert run.stdout.split() == ["4.0", "cpu", "no-tpu"]
     # libtpu's client, started, warns about TPU_ACCELERATOR_TYPE and TPU_WORKER_HOSTNAMES.
