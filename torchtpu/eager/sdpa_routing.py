@@ -17,6 +17,8 @@ fused op then runs through DTensor's sharding rules for it (``distributed/dtenso
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from torchtpu import errors
@@ -88,12 +90,17 @@ def _long_sequence_op(query, key, attn_mask, dropout_p, enable_gqa):
     if path is None or attn_mask is not None or dropout_p > 0.0 or enable_gqa:
         return None
     # The flash kernel is a custom op with no DTensor sharding rule: DTensors take the fused op.
-    if type(query) is not torch.Tensor or type(key) is not torch.Tensor:
+    if _is_dtensor(query) or _is_dtensor(key):
         return None
     min_len, op = path
     if max(query.shape[-2], key.shape[-2]) < min_len or query.dim() != 4:
         return None
     return op
+
+
+def _is_dtensor(t) -> bool:
+    tensor = sys.modules.get("torch.distributed.tensor")  # never imported here: it is heavy
+    return tensor is not None and isinstance(t, tensor.DTensor)
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
