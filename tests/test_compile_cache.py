@@ -197,8 +197,7 @@ def test_two_processes_sharing_a_directory_stay_bounded(tmp_path):
     entries = _entries(tmp_path)
     total = sum(p.stat().st_size for p in entries)
     assert total <= 20_000 * 1.2 + 2 * 1200  # each overshoots by at most a tenth of the cap
-    assert {p.name[0] for p in entries} == {"a", "b"}  # both wrote, and both were evicted from
-    assert len(entries) < 30
+    assert len(entries) < 30  # evicted (which process's entries depends on the timing)
     _assert_whole(tmp_path)
 
 
