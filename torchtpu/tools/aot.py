@@ -31,11 +31,11 @@ from dataclasses import asdict, dataclass, field
 
 import jax
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import render
-from torchtpu.tools.target import ToolError, check, describe, load
+from torchtpu.tools.target import ToolError, check, describe, load, loss_of
 from torchtpu.tools.target import main as tool_main
 
 MODES = ("strict", "defer", "compile", "captured")
@@ -81,25 +81,11 @@ class AotReport:
                 "findings": self.findings}
 
 
-def _loss(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor) and out.numel() == 1 and out.is_floating_point():
-        return out.reshape(())
-    loss = getattr(out, "loss", None)
-    if isinstance(loss, torch.Tensor):
-        return loss
-    parts = [t.float().sum() for t in tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    if not parts:
-        raise ToolError("--step train: the model's output has no floating tensor to take as "
-                        "the loss")
-    return torch.stack(parts).sum()
-
-
 def _step_fn(model, args, train: bool, optimizer):
     def step():
         out = model(*args)
         if train:
-            _loss(out).backward()
+            loss_of(out).backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=False)
         return out
@@ -110,7 +96,7 @@ def _check_cpu(model, inputs, train: bool) -> None:
     try:
         out = model(*inputs)
         if train:
-            _loss(out).backward()
+            loss_of(out).backward()
     except ToolError:
         raise
     except Exception as e:
