@@ -236,6 +236,19 @@ def test_op_without_lowering_names_the_op_and_the_module(tmp_path):
         tx.save(ep, tmp_path / "x")
 
 
+class _Upsample(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.interpolate(x[:, None], scale_factor=2.0)[:, 0]
+
+
+def test_float_size_arithmetic_names_the_function_and_the_module(tmp_path):
+    ep = torch.export.export(_Outer(_Upsample()), (torch.randn(3, 4),),
+                             dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+    with pytest.raises(NotImplementedError, match=r"torchtpu.export: 'sym_float' \(called in "
+                       r"module 'inner' \(_Upsample\)\) has no JAX form"):
+        tx.save(ep, tmp_path / "x")
+
+
 def test_data_dependent_shape_names_the_op_and_what_to_do(tmp_path):
     ep = torch.export.export(_Outer(_Nonzero()), (torch.randn(4),))
     with pytest.raises(NotImplementedError) as e:

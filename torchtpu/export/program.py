@@ -16,6 +16,7 @@ is named the same way.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import traceback
 
 import jax
@@ -27,6 +28,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 import torchtpu_artifact as artifact
+from torchtpu.compile import control_flow
 from torchtpu.compile.backend import decompositions
 from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.compile.graph_ops import GRAPH_OPS
@@ -72,6 +74,12 @@ def _refuse_unservable(gm: fx.GraphModule) -> None:
                 f"aten op '{op}' (called in {module_path(node)}) has no tpu lowering, so it "
                 "cannot be exported to JAX; rewrite that code with other ops or add a lowering "
                 "(README, Adding an op)"))
+        if not isinstance(op, OpOverload) and op not in GRAPH_OPS \
+                and op is not operator.getitem and not control_flow.is_higher_order(node):
+            raise NotImplementedError(_error(
+                f"'{getattr(op, '__name__', op)}' (called in {module_path(node)}) has no JAX "
+                "form (float arithmetic on a dynamic size, such as interpolate's scale_factor): "
+                "make that dimension static (no torch.export.Dim for it)"))
         unbacked = free_unbacked_symbols(node.meta.get("val"))
         if unbacked:
             raise NotImplementedError(_error(
