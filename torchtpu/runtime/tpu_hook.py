@@ -142,11 +142,17 @@ def _submit(computation, n: int, across_processes: bool = False) -> None:
                 line=user_line(), error="not compiled for the target: programs across "
                 "processes (tpu_dist's XLA collectives) are not compiled for it yet"))
         return
+    if name in _renamed:  # JAX compiles a lowering it keeps again: named and queued before
+        return
     data = mlir.module_to_bytecode(computation)
     module = f"{name}_{int.from_bytes(hashlib.sha256(data).digest()[:4], 'big')}"
     computation.operation.attributes["sym_name"] = mlir.ir.StringAttr.get(
         module, context=computation.context)
+    _renamed[module] = name
     state.queue.put((data, name, module, n, user_line()))
+
+
+_renamed: dict = {}  # the names given here -> the builder's
 
 
 def _raise_failed(state: _State) -> None:
