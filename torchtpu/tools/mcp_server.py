@@ -21,6 +21,7 @@ from torchtpu.tools import aot as _aot
 from torchtpu.tools import docs_search as _docs
 from torchtpu.tools import doctor as _doctor
 from torchtpu.tools import onboard as _onboard
+from torchtpu.tools import plan as _plan
 from torchtpu.tools import trace as _trace
 from torchtpu.tools import triage as _triage
 from torchtpu.tools.target import ToolError, describe, load
@@ -58,6 +59,12 @@ def _triage_log(path: str | None, text: str | None) -> dict:
 def _aot_target(target, topology, step, mode) -> dict:
     model, inputs = load(target)
     return _aot.report(model, inputs, topology=topology, step=step, mode=mode).to_dict()
+
+
+def _plan_target(target, chips, topology, hbm_gib) -> dict:
+    model, inputs = load(target)
+    hbm = int(hbm_gib * (1 << 30)) if hbm_gib is not None else None
+    return _plan.plan(model, inputs, chips=chips, hbm_bytes=hbm, topology=topology).to_dict()
 
 
 def _metrics_report() -> dict:
@@ -103,6 +110,14 @@ def build():
         per step seconds on one chip, MFU, HBM peak against the chip's. Needs the tpu-aot
         extra; one topology per server process."""
         return _guarded(_aot_target, target, topology, step, mode)
+
+    @server.tool()
+    def plan(target: str, chips: int | None = None, topology: str | None = None,
+             hbm_gib: float | None = None) -> dict:
+        """Rank the layouts (DDP, FSDP2, FSDP2 x TP, HSDP) of the target's training step over
+        N chips (or a TPU topology's) by what fits each chip's memory and the bytes each chip
+        sends per step, from sizes measured on CPU; the best layout's mesh and sharding code."""
+        return _guarded(_plan_target, target, chips, topology, hbm_gib)
 
     @server.tool()
     def metrics() -> dict:

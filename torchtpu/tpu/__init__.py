@@ -50,6 +50,7 @@ from torchtpu.device.control import wait as _wait
 from torchtpu.eager import executor as _executor
 from torchtpu.eager import modes as _modes
 from torchtpu.eager.modes import EagerMode, set_eager_mode
+from torchtpu.layers import scan_layers
 from torchtpu.runtime import compile_cache as _compile_cache
 from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_callables, streams)
 from torchtpu.tpu.graphs import __all__ as _graphs_all
@@ -152,7 +153,8 @@ __all__ = [
     "initial_seed", "is_available", "is_bf16_supported", "is_initialized", "is_materialized",
     "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
-    "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats", "seed",
+    "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats",
+    "scan_layers", "seed",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
     "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
 ]
