@@ -178,3 +178,29 @@ def test_doctor_checks_entries_as_readers_do_and_prunes_them(tmp_path, monkeypat
     assert check.status == "ok" and "1 refused entries deleted" in check.detail
     assert [p.name for p in _entries(tmp_path)] == [f"whole{SUFFIX}"]
     assert doctor.check_cache()[0].detail.endswith("every entry whole and written for this host")
+
+
+def test_programs_over_several_processes_are_never_persisted(monkeypatch):
+    """Their read-back would place them on this process's devices only, which XLA aborts."""
+    from types import SimpleNamespace
+
+    from torchtpu.runtime import compile_cache
+
+    def executable(head: str, local: int):
+        module = SimpleNamespace(to_string=lambda: head + "\n\nENTRY main {}")
+        return SimpleNamespace(hlo_modules=lambda: [module], local_devices=lambda: [0] * local)
+
+    spmd = executable("HloModule jit_body, is_scheduled=true, num_partitions=2", 1)
+    local = executable("HloModule jit_aten_mm_default, is_scheduled=true", 1)
+    assert not compile_cache.spans_processes(spmd)  # one process: every device is local
+    monkeypatch.setattr(compile_cache.jax, "process_count", lambda: 2)
+    assert compile_cache.spans_processes(spmd)
+    assert not compile_cache.spans_processes(local)
+    assert not compile_cache.spans_processes(
+        executable("HloModule jit_f, replica_count=2, num_partitions=1", 2))
+    written = []
+    monkeypatch.setattr(compile_cache.WRITES, "begin", lambda: written.append(1) or False)
+    compile_cache.jax_cache.put_executable_and_time("k", "m", spmd, None, 0.0)
+    assert written == []  # refused before any write began
+    compile_cache.jax_cache.put_executable_and_time("k", "m", local, None, 0.0)
+    assert written == [1]

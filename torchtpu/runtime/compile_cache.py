@@ -359,6 +359,25 @@ def _executable_reads():
         _executable_read.on = False
 
 
+def spans_processes(executable) -> bool:
+    """Whether a program runs over devices of several processes (an SPMD program of JAX's
+    multi-process runtime, such as tpu_dist's XLA collectives).
+
+    Such a program is never persisted: reading it back, which a write must do first, can only
+    place it on this process's own devices, and XLA aborts the process for a program whose
+    sharding spans more devices than that ("tile count and device count does not match").
+    """
+    if jax.process_count() == 1:
+        return False
+    head = executable.hlo_modules()[0].to_string().split("\n", 1)[0]
+    devices = 1
+    for name in ("replica_count", "num_partitions"):
+        _, found, rest = head.partition(f"{name}=")
+        if found:
+            devices *= int(rest.split(",")[0].split(" ")[0] or 1)
+    return devices > len(executable.local_devices())
+
+
 def _guard_writes() -> None:
     """Route JAX's cache writes (serialize, compress, store) through ``WRITES`` and the
     read-back, and its reads through ``make_room``, once."""
@@ -368,6 +387,8 @@ def _guard_writes() -> None:
         return
 
     def guarded_put(cache_key, module_name, executable, backend, *args, **kwargs) -> None:
+        if spans_processes(executable):
+            return  # its read-back would abort the process (see spans_processes)
         if not WRITES.begin():
             return  # the process is exiting: the program is not persisted
         _writing.executable = (executable, backend)
