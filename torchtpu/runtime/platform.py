@@ -43,7 +43,8 @@ def _skip_absent_tpu() -> None:
     # register TPU lowerings when imported); only its client must not start.
 
     def absent():
-        raise RuntimeError("no TPU is attached (torchtpu leaves JAX's TPU client out)")
+        raise RuntimeError("torchtpu.device: no TPU is attached (torchtpu leaves JAX's TPU client "
+                           "out)")
 
     registration = xla_bridge._backend_factories["tpu"]
     xla_bridge._backend_factories["tpu"] = dataclasses.replace(

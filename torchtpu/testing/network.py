@@ -99,7 +99,7 @@ def descendants(pid: int) -> set[int]:
 def sockets_of(pids: set[int]) -> list[tuple[str, int]]:
     """(address, port) of every TCP socket these processes listen on."""
     if not Path("/proc/net/tcp").exists():
-        raise RuntimeError("torchtpu.testing: listening sockets are read from Linux's /proc")
+        raise RuntimeError("torchtpu.unsupported: listening sockets are read from Linux's /proc")
     sockets = _sockets()
     held = set().union(*(_inodes(pid) for pid in pids))
     return sorted({sockets[i] for i in held if i in sockets})
@@ -118,7 +118,7 @@ def exposed(port: int) -> list[tuple[str, int]]:
     """The sockets of ``listening(port)`` on an address other than loopback."""
     found = listening(port)
     if not any(p == port for _, p in found):
-        raise RuntimeError(f"torchtpu.testing: no process of this machine listens on port {port}")
+        raise RuntimeError(f"torchtpu.argument: no process of this machine listens on port {port}")
     return [(a, p) for a, p in found if not ipaddress.ip_address(a).is_loopback]
 
 
