@@ -22,6 +22,11 @@ from torchtpu import metrics
 from torchtpu.integrations.torch_xla import _missing, _step
 
 
+def _built(figures: dict) -> int:
+    # a new program is compiled, or found in the persistent cache (a warm cache compiles none)
+    return figures["executable_compiles"] + figures["persistent_cache_hits"]
+
+
 class Region:
     """One compiled region; its counts of calls that compiled new programs."""
 
@@ -55,7 +60,7 @@ class Region:
                 f"{inside} program(s) before the end of its body: a host read (.item(), print "
                 "of a device value, .cpu()) or a data-dependent shape (x[mask]) inside it; move "
                 "it after the call (xm.add_step_closure) or drop full_graph")
-        if after["executable_compiles"] > before["executable_compiles"]:
+        if _built(after) > _built(before):
             self.graphs += 1
             if self.limit is not None and self.graphs > self.limit:
                 raise RuntimeError(
