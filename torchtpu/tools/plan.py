@@ -125,6 +125,12 @@ def _linears(block: torch.nn.Module, hidden: int) -> dict:
     return plan
 
 
+def _split_linears(block: torch.nn.Module, hidden: int) -> list:
+    """(module, "colwise" / "rowwise") for each Linear of a block that TP splits."""
+    modules = dict(block.named_modules())
+    return [(modules[name], style) for name, style in _linears(block, hidden).items() if style]
+
+
 def measure(model: torch.nn.Module, inputs: tuple) -> Sizes:
     """Run one forward and backward on the host and size what the step holds."""
     path, blocks = _blocks(model)
@@ -170,8 +176,8 @@ def measure(model: torch.nn.Module, inputs: tuple) -> Sizes:
         residual_activations=sum(b for b, last in acts.values() if last == hidden),
         block_input=block_input[0], largest_block=max((_param_bytes(b) for b in blocks),
                                                        default=params),
-        tp_parameters=sum(_param_bytes(mod) for b in blocks for name, mod in b.named_modules()
-                          if _linears(b, hidden).get(name)),
+        tp_parameters=sum(_param_bytes(mod) for b in blocks
+                          for mod, _ in _split_linears(b, hidden)),
         blocks=len(blocks), blocks_path=path, hidden=hidden)
 
 
@@ -185,15 +191,14 @@ def _tp_degrees(model: torch.nn.Module, sizes: Sizes, chips: int) -> list[int]:
     _, blocks = _blocks(model)
     if not blocks or not sizes.hidden:
         return []
-    linears = [(mod, style) for name, mod in blocks[0].named_modules()
-               for n, style in _linears(blocks[0], sizes.hidden).items() if n == name]
-    if not any(style for _, style in linears):
+    linears = _split_linears(blocks[0], sizes.hidden)
+    if not linears:
         return []
     degrees = []
     for tp in range(2, min(chips, MAX_TP) + 1):
         if chips % tp:
             continue
-        dims = [m.out_features if s == "colwise" else m.in_features for m, s in linears if s]
+        dims = [m.out_features if s == "colwise" else m.in_features for m, s in linears]
         if all(d % tp == 0 for d in dims):
             degrees.append(tp)
     return degrees
