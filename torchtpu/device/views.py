@@ -128,6 +128,34 @@ def _box(flat, offset: int, box: tuple):
     return lax.slice(padded, (offset,), (end,)).reshape(box), padded
 
 
+def _in_place_box(g: Geometry, box: tuple, taken: tuple):
+    """(shape, start, taken) when the box is a slice of the storage array reshaped to shape
+    (the box with its first dim grown to the whole array, its innermost step dropped when it
+    is 1), starting at the coordinates the offset lands on; else None.
+
+    Read this way the array is never flattened: on a TPU a 1-d array is laid out in other
+    tiles than an n-d one, so reshaping to 1-d and back copies the storage twice (a fused qkv
+    projection's q, k and v each did).
+    """
+    if np.dtype(g.array_dtype) != np.dtype(g.dtype) or len(box) < 2:
+        return None
+    if box[-1] == 1:
+        box, taken = box[:-1], taken[:-1]
+    inner = math.prod(box[1:])
+    n = math.prod(g.array_shape)
+    if n % inner:
+        return None
+    shape = (n // inner, *box[1:])
+    start, rest = [], g.offset
+    for i in range(len(shape)):
+        step = math.prod(shape[i + 1:])
+        start.append(rest // step)
+        rest %= step
+    if any(s + t > d for s, t, d in zip(start, taken, shape)):
+        return None
+    return shape, tuple(start), taken
+
+
 def _iota_index(size: tuple, stride: tuple, offset: int):
     idx = jnp.asarray(offset, jnp.int64)
     for d, (n, s) in enumerate(zip(size, stride)):
@@ -140,11 +168,17 @@ def read_view(array, g: Geometry):
     """The tensor described by g, read out of the storage array."""
     if 0 in g.size:
         return jnp.zeros(g.size, value_dtype(g.dtype))
-    flat = _bitcast_flat(array.reshape(-1), g.dtype)
     plan = _box_plan(g.size, g.stride)
+    in_place = plan and _in_place_box(g, *plan[:2])
+    flat = None if in_place else _bitcast_flat(array.reshape(-1), g.dtype)
     if plan is not None:
         box, taken, order = plan
-        part = lax.slice(_box(flat, g.offset, box)[0], (0,) * len(box), taken)
+        if in_place:
+            shape, start, kept_box = in_place
+            part = lax.slice(array.reshape(shape), start,
+                             tuple(s + t for s, t in zip(start, kept_box)))
+        else:
+            part = lax.slice(_box(flat, g.offset, box)[0], (0,) * len(box), taken)
         part = part.reshape(taken[:-1])
         # Put the block's dims where they belong, then broadcast over size-1 and expanded dims.
         kept = sorted(order)
@@ -157,13 +191,19 @@ def write_view(array, value, g: Geometry):
     """The storage array with the view g replaced by value (shape g.size, dtype g.dtype)."""
     if 0 in g.size:
         return array
-    flat = _bitcast_flat(array.reshape(-1), g.dtype)
     plan = _box_plan(g.size, g.stride)
     if plan is not None and all(s != 0 for n, s in zip(g.size, g.stride) if n != 1):
         box, taken, order = plan
         kept = sorted(order)
         squeezed = value.reshape([g.size[d] for d in kept]) if kept else value.reshape(())
         part = squeezed.transpose([kept.index(d) for d in order])
+        in_place = _in_place_box(g, box, taken)
+        if in_place:
+            shape, start, kept_box = in_place
+            region = array.reshape(shape)
+            return lax.dynamic_update_slice(region, part.reshape(kept_box).astype(region.dtype),
+                                            start).reshape(g.array_shape)
+        flat = _bitcast_flat(array.reshape(-1), g.dtype)
         if box == taken:  # a contiguous block
             flat = lax.dynamic_update_slice(flat, part.reshape(-1), (g.offset,))
         else:
@@ -172,6 +212,7 @@ def write_view(array, value, g: Geometry):
             n = flat.shape[0]
             flat = lax.dynamic_update_slice(padded, region.reshape(-1), (g.offset,))[:n]
     else:
+        flat = _bitcast_flat(array.reshape(-1), g.dtype)
         flat = flat.at[_iota_index(g.size, g.stride, g.offset).reshape(-1)].set(value.reshape(-1))
     if g.dtype == COMPLEX32:
         flat = complex32_pairs(flat).reshape(-1)

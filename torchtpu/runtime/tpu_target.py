@@ -39,6 +39,9 @@ import jax
 import numpy as np
 
 ENV = "TORCHTPU_TPU_TARGET"
+# A folder: each program compiled for the target also writes its optimized HLO there (to diff
+# torchtpu's program against another's); a kept verdict is then not reused.
+DUMP_ENV = "TORCHTPU_TPU_DUMP"
 
 
 @dataclass(frozen=True)
@@ -287,14 +290,18 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
     report = Report(name=name or "program", kind=kind, target=t.name, devices=n,
                     chip=t.chip.device_kind, peak_flops=t.chip.device_peak_flops,
                     hbm_capacity_bytes=t.chip.device_hbm_bytes, line=line)
+    from torchtpu.runtime import compiler_options  # (what it compiles under is in the key)
+
     key = hashlib.sha256(b"\0".join([data, t.name.encode(), str(n).encode(),
-                                     _fingerprint().encode()])
+                                     _fingerprint().encode(), compiler_options.key().encode()])
                          ).hexdigest()
-    found = _results.get(key) or _read_record(key)
+    dump = os.environ.get(DUMP_ENV)
+    found = None if dump else _results.get(key) or _read_record(key)
     report.from_cache = found is not None
     if found is None:
         with mlir.make_ir_context():
-            found = _compile(mlir.ir.Module.parse(data), devices(n, t.name))
+            found = _compile(mlir.ir.Module.parse(data), devices(n, t.name),
+                             dump and os.path.join(dump, f"{_file_name(report.name)}.{key[:8]}"))
         _write_record(key, found)
     _results[key] = found
     for k, v in found.items():
@@ -302,7 +309,11 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
     return report
 
 
-def _compile(parsed, devs: tuple) -> dict:
+def _file_name(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name)[:80]
+
+
+def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
@@ -319,6 +330,10 @@ def _compile(parsed, devs: tuple) -> dict:
         return {"compiles": False, "error": _compiler_message(e), "wide_ops": facts["wide"],
                 "compile_seconds": time.perf_counter() - start}
     seconds = time.perf_counter() - start
+    if dump:
+        os.makedirs(os.path.dirname(dump), exist_ok=True)
+        Path(dump + ".hlo.txt").write_text(
+            "\n\n".join(m.to_string() for m in exe.hlo_modules()))
     stats = exe.get_compiled_memory_stats()
     hbm = {k: int(getattr(stats, attr, 0)) for k, attr in _HBM}
     cost = _cost(exe)
