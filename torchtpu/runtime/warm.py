@@ -21,7 +21,8 @@ turns op names, specs, view geometries and module-level functions into stable te
 anything whose identity is only an address); ``fingerprint()`` adds the versions of torch, JAX
 and jaxlib, the platform, its device kind and version, the XLA flags and a hash of torchtpu's own
 source, so that an edited lowering never loads a program built from the old one; a program's
-first call adds the JAX settings it is traced under (x64, the matmul precision).
+first call adds the JAX settings it is traced under (x64, the matmul precision) and the
+compiler options it is compiled under (``compiler_options.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, tpu_hook
+from torchtpu.runtime import compile_cache, compiler_options, tpu_hook
 
 _RECORD = "ttpu_record"
 
@@ -268,12 +269,13 @@ class Program:
     """A jitted function with a key of torchtpu's own, called at one argument signature: its
     first call loads the executable by key when a warm cache has it (see the module doc)."""
 
-    __slots__ = ("_jitted", "_key", "_call")
+    __slots__ = ("_jitted", "_key", "_call", "_generation")
 
     def __init__(self, jitted, key: str | None) -> None:
         self._jitted = jitted
         self._key = key
         self._call = None
+        self._generation = compiler_options.generation
 
     @property
     def jitted(self):
@@ -285,7 +287,9 @@ class Program:
 
     def __call__(self, *args):
         call = self._call
-        if call is None:
+        if call is None or self._generation != compiler_options.generation:
+            # (a compiled executable is bound to the compiler options it was built under)
+            self._generation = compiler_options.generation
             call = self._call = self._prepare(args)
         if call is self._jitted:
             return call(*args)
@@ -303,7 +307,7 @@ class Program:
         # With the settings it is traced under now, which a process may change as it runs
         # (torch.set_float32_matmul_precision sets JAX's).
         settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
-                    _signature(args)]
+                    _signature(args), compiler_options.key()]
         key = hashlib.sha256(f"{self._key}\0{json.dumps(settings)}".encode()).hexdigest()
         entry = read_record("index", key)
         if entry is not None:
