@@ -34,6 +34,8 @@ warning. (Hosts of different CPUs sharing one directory replace each other's ent
 XLA:CPU crashes (SIGSEGV) when the process runs out of memory maps, in whichever compile or
 cache read comes next (issue 26); ``map_room`` keeps it from running out, and every read here
 makes room first.
+A directory that fails (full, read-only, deleted, never creatable) costs compiles, never a
+program (``cache_faults``: one warning per kind of failure).
 Writes go to a private temporary file in the same directory and are renamed into place (atomic
 on POSIX), so concurrent writers and readers only ever see whole entries; two processes writing
 one key leave one whole entry.
@@ -93,6 +95,7 @@ from torchtpu.runtime.cache_entry import (
     problem_of,
     read_back,
 )
+from torchtpu.runtime.cache_faults import Faults
 from torchtpu.runtime.map_room import make_room
 
 SUFFIX = ".ttpu"
@@ -109,7 +112,11 @@ class EntryStore(CacheInterface):
     def __init__(self, path: Path, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
         self._path = path
         self._max_bytes = max_bytes
-        path.mkdir(parents=True, exist_ok=True)
+        self.faults = Faults(path)  # what failed in the directory
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as e:  # reads miss and writes fail: the programs still run
+            self.faults.failed("write", e)
         self._lock = threading.Lock()
         self._bytes: int | None = None  # entry bytes as of the last scan, plus our writes since
         self._unscanned = 0  # bytes we wrote since the last scan
@@ -133,7 +140,10 @@ class EntryStore(CacheInterface):
             self._requests += 1
         try:
             data = path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            data = None  # a miss (a directory that is gone is reported by the write)
+        except OSError as e:
+            self.faults.failed("read", e)
             data = None
         if data is not None:
             problem = problem_of(data)
@@ -146,7 +156,8 @@ class EntryStore(CacheInterface):
             if problem:
                 warnings.warn(f"torchtpu.cache: compile cache entry {path} is unusable: {problem}; "
                               "recompiling and replacing it", CompileCacheWarning, stacklevel=2)
-            path.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # read-only: the write reports it
+                path.unlink(missing_ok=True)
         with self._lock:
             self._missed[key] = time.monotonic()
         return None
@@ -165,14 +176,14 @@ class EntryStore(CacheInterface):
             read[1] = now
         try:
             os.utime(path)  # the LRU order: a hit makes the entry the newest
-        except FileNotFoundError:
-            pass  # evicted by another process since we read it; we have the bytes
+        except OSError:
+            pass  # evicted since we read it (we have the bytes), or a read-only directory
 
     def put(self, key: str, value: bytes) -> None:
         path = self.entry(key)
         with self._lock:
             missed = self._missed.pop(key, None)
-        if path.exists():
+        if os.path.exists(path) or not self.faults.writable():
             return
         kind = OTHER
         writing = getattr(_writing, "executable", None)
@@ -188,16 +199,31 @@ class EntryStore(CacheInterface):
         self._write(self.entry(key), pack(value, float("nan"), OTHER))
 
     def _write(self, path: Path, data: bytes) -> None:
-        key = path.name[:-len(SUFFIX)]
-        fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}-", suffix=".tmp", dir=self._path)
+        """data as path, the directory kept under its cap; an OS error leaves it unwritten."""
+        if not self.faults.writable():
+            return
+        try:
+            self._publish(path, data)
+            self._account(len(data))
+        except OSError as e:
+            self.faults.failed("write", e)
+
+    def _publish(self, path: Path, data: bytes) -> None:
+        prefix = f".{path.name[:16]}-"
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=self._path)
+        except FileNotFoundError:  # the directory was deleted under us
+            self._path.mkdir(parents=True, exist_ok=True)
+            self.faults.recreated()
+            fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=self._path)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
             os.replace(tmp, path)
         except BaseException:
-            Path(tmp).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                Path(tmp).unlink(missing_ok=True)
             raise
-        self._account(len(data))
 
     def clear(self) -> None:
         for p in self._path.glob(f"*{SUFFIX}"):
@@ -308,8 +334,8 @@ def _stored_compile_seconds(path: Path) -> float | None:
     """The compile time kept in an entry's header (None once the entry is gone)."""
     try:
         data = path.read_bytes()
-    except FileNotFoundError:
-        return None  # evicted since it was read
+    except OSError:
+        return None  # evicted since it was read, or the directory is gone
     return parts(data)[0] if problem_of(data) is None else None
 
 
@@ -389,6 +415,9 @@ def _guard_writes() -> None:
     def guarded_put(cache_key, module_name, executable, backend, *args, **kwargs) -> None:
         if spans_processes(executable):
             return  # its read-back would abort the process (see spans_processes)
+        cache = store()
+        if cache is not None and not cache.faults.writable():
+            return  # a write just failed (cache_faults): serialize nothing
         if not WRITES.begin():
             return  # the process is exiting: the program is not persisted
         _writing.executable = (executable, backend)
