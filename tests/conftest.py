@@ -1,7 +1,12 @@
 """Test settings: no silent CPU fallback, a fixed seed per test, ``fresh_dynamo``, and the
 ``full`` marker: such tests (larger shapes, slower integrations) run only with
-``TORCHTPU_TESTS=full``, so the default suite stays inside CI's budget."""
+``TORCHTPU_TESTS=full``, so the default suite stays inside CI's budget.
 
+``TORCHTPU_TESTS_REQUIRE=mod,mod`` names modules the run must be able to import (CI's main stage
+lists its extras'): the tests that need them skip where they are missing, so a broken install
+would otherwise pass as skips. The session stops before any test if one does not import."""
+
+import importlib
 import os
 
 os.environ.setdefault("TORCHTPU_CPU_FALLBACK", "error")
@@ -16,6 +21,16 @@ FULL = os.environ.get("TORCHTPU_TESTS") == "full"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with TORCHTPU_TESTS=full")
+    required = [m for m in os.environ.get("TORCHTPU_TESTS_REQUIRE", "").split(",") if m]
+    broken = []
+    for name in required:
+        try:
+            importlib.import_module(name)
+        except Exception as error:  # noqa: BLE001 - any failure to import is the finding
+            broken.append(f"{name} ({type(error).__name__}: {error})")
+    if broken:
+        raise pytest.UsageError("TORCHTPU_TESTS_REQUIRE: these do not import, so the tests that "
+                                "need them would skip: " + "; ".join(broken))
 
 
 def pytest_collection_modifyitems(config, items):
