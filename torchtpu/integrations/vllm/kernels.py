@@ -2,7 +2,8 @@
 
 vLLM lets a platform replace a core Triton kernel by its qualified name
 (``vllm.triton_utils.dispatcher.register_kernels``); Triton cannot take "tpu" tensors, so
-:func:`register` points the kernels the plain decoder path needs at these. Each takes the
+:func:`register` points the kernels the plain decoder path needs at these, and those of
+speculative decoding's rejection sampler at ``spec_kernels``. Each takes the
 Triton kernel's arguments (pointers become tensors) and writes its outputs in place.
 """
 
@@ -35,6 +36,9 @@ def compute_slot_mapping(num_tokens: int, max_num_tokens: int, query_start_loc: 
 def register() -> None:
     from vllm.triton_utils.dispatcher import register_kernels
 
+    from torchtpu.integrations.vllm import spec_kernels
+
     register_kernels({
         "vllm.v1.worker.block_table.ComputeSlotMappingKernel.kernel": compute_slot_mapping,
+        **spec_kernels.OVERRIDES,
     })

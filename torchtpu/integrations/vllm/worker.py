@@ -54,7 +54,13 @@ def _route_cuda_names_to_tpu() -> None:
     def event(*args, blocking=None, **kwargs):
         return torch.tpu.Event(*args, **kwargs)
 
+    def device_event(device=None, *, enable_timing=False, blocking=False, interprocess=False):
+        return torch.tpu.Event(enable_timing=enable_timing)
+
     torch.cuda.Event = event
+    # the device-generic torch.Event asks the C++ accelerator hooks, which a Python backend
+    # has not got; the runner syncs its speculative-decoding copies on such events
+    torch.Event = device_event
 
 
 def _tpu_runner_hooks() -> None:
