@@ -14,6 +14,11 @@ starts JAX's backend lazily, at the first tpu tensor, so ``init_process_group`` 
 with an ``init_method`` alike). A tpu tensor made before ``init_process_group`` leaves the XLA
 transport unavailable: on a TPU or GPU that is an error saying to call ``init_process_group``
 first; on CPU the group falls back to the host transport with a one-time warning.
+
+A rank that dies (SIGKILL, a crash) inside an XLA collective makes the others' collective fail
+with a Python error at their next read of its result (JAX's runtime error, naming the closed
+connection to the dead peer); the runtime is started recoverable, so the survivors go on and
+exit cleanly instead of being aborted by JAX's coordination service.
 """
 
 from __future__ import annotations
@@ -119,6 +124,12 @@ def start(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
     address = store.get(key).decode()
     # XLA:CPU's cross-process collectives: gloo over TCP (JAX's default, named to pin it).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A rank that dies must not take the others with it: JAX's coordination service otherwise
+    # propagates the death (a missed heartbeat, the shutdown barrier at exit) as a fatal error
+    # that aborts every live process, which has already seen the failed collective's error and
+    # may want to checkpoint, report or exit cleanly (issue 24).
+    if "jax_enable_recoverability" in jax.config.values:
+        jax.config.update("jax_enable_recoverability", True)
     seconds = max(1, int(timeout.total_seconds()))  # the group's timeout bounds both waits
     jax.distributed.initialize(
         address, size, rank, local_device_ids=[local_index],
