@@ -77,6 +77,14 @@ GLOSSARY: dict[str, Entry] = {
         "does not take, a graph it cannot run exactly).",
         "Follow the message; a graph that cannot compile may run eagerly "
         "(`torch.compiler.disable`) until it is supported."),
+    "memory": Entry(
+        "The device ran out of memory: a program asked for more bytes than the device (or the "
+        "limit TORCHTPU_MEMORY_LIMIT / torch.tpu.set_per_process_memory_fraction sets) has "
+        "free. The message names the program, its line, the bytes and the largest live "
+        "tensors.",
+        "Free tensors you no longer need (del them), lower the batch size, or checkpoint "
+        "activations; record memory history (torch.tpu.memory._record_memory_history()) for "
+        "the stack that made each tensor."),
     "cache": Entry(
         "A persistent compile cache entry was unreadable (damaged, truncated), or the cache "
         "directory cannot be used, or (a warning) warm starts are off because the directory is "

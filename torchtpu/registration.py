@@ -149,6 +149,9 @@ def register() -> None:
         storage.install_constructor()
         storage.install_pickling()
         loader.install_pin_memory()
+        from torchtpu.device import memory_limit
+
+        memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
         _install_accelerator_synchronize()
         _install_matmul_precision()
         from torchtpu import profiler

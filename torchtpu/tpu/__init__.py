@@ -115,6 +115,23 @@ def empty_cache() -> None:
     """Nothing to release: XLA frees each buffer when its last array dies (no caching pool)."""
 
 
+def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+    """CUDA's call: launches that would take this process over ``fraction`` of the device's
+    memory raise ``torch.OutOfMemoryError`` (``torchtpu.memory:``); see device/memory_limit."""
+    from torchtpu.device import memory_limit
+
+    _check(device)
+    memory_limit.set_per_process_memory_fraction(fraction)
+
+
+def custom_compiler_options(options: dict):
+    """The reference's context manager: XLA compiler options for what compiles inside it
+    (``xla_optimization_level``: O0-O3, ...); see runtime/compiler_options."""
+    from torchtpu.runtime import compiler_options
+
+    return compiler_options.custom_compiler_options(options)
+
+
 def _get_cache_stats() -> dict:
     """The persistent compile cache's statistics in this process (the reference's names):
     ``num_cache_reqs``, ``num_cache_hits`` and, per entry read, ``read_count``, ``last_read`` and
@@ -154,7 +171,7 @@ __all__ = [
     "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
     "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats",
-    "scan_layers", "seed",
+    "scan_layers", "seed", "custom_compiler_options", "set_per_process_memory_fraction",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
     "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
 ]

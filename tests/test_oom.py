@@ -1,0 +1,56 @@
+"""Device memory exhausted under a limit (TORCHTPU_MEMORY_LIMIT, set_per_process_memory_fraction):
+a torchtpu.memory error naming the program, the bytes and the largest live tensors with their
+stacks, and the process frees them and goes on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchtpu.device import memory, memory_limit
+
+MB = 1 << 20
+N = 4 * MB // 4 * 4  # 16 MiB of float32
+
+
+def test_sizes_parse():
+    assert memory_limit.parse_size("512M") == 512 * MB
+    assert memory_limit.parse_size("2GiB") == 2 << 30
+    assert memory_limit.parse_size(" 1048576 ") == MB
+    assert memory_limit.parse_size("0.25") == 0.25
+    assert memory_limit.parse_size("off") is None and memory_limit.parse_size("") is None
+    with pytest.raises(ValueError, match=r"torchtpu\.config: TORCHTPU_MEMORY_LIMIT='lots'"):
+        memory_limit.parse_size("lots")
+    with pytest.raises(ValueError, match=r"torchtpu\.argument: set_per_process_memory_fraction"):
+        torch.tpu.set_per_process_memory_fraction(1.5)
+    torch.tpu.set_per_process_memory_fraction(0.5)
+    try:
+        assert memory_limit.limit() == memory.total_memory() // 2
+    finally:
+        torch.tpu.set_per_process_memory_fraction(1.0)
+    assert memory_limit.limit() is None
+
+
+def test_out_of_memory_names_program_bytes_and_tensors_and_the_process_goes_on():
+    torch.tpu.memory._record_memory_history()
+    base = memory_limit._in_use()
+    memory_limit.set_limit(base + 40 * MB)
+    try:
+        a = torch.ones(N, device="tpu")          # 16 MiB
+        b = torch.full((N,), 2.0, device="tpu")  # 16 MiB: 32 of 40 in use
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            c = a * b                            # 16 more: over
+        text = str(caught.value)
+        assert text.startswith("torchtpu.memory: out of device memory running aten.mul.Tensor")
+        assert f"asks for {16 * MB:,} bytes" in text, text
+        assert f"over the limit of {base + 40 * MB:,}" in text
+        assert f"{16 * MB:>14,} B  {__file__}:39 in test_out" in text, text  # a's line
+        assert f"{16 * MB:>14,} B  {__file__}:40 in test_out" in text, text  # b's line
+        assert caught.value.__class__ is torch.cuda.OutOfMemoryError
+        del b, caught  # free (the traceback holds the arguments too), and go on
+        c = a * a
+        assert torch.equal(c.cpu(), torch.ones(N))
+    finally:
+        memory_limit.set_limit(None)
+        torch.tpu.memory._record_memory_history(None)
+    assert memory_limit.limit() is None

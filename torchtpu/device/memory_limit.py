@@ -1,0 +1,189 @@
+"""A device-memory limit, and the out-of-memory error: ``torchtpu.memory: ...``.
+
+A user sets the limit with ``TORCHTPU_MEMORY_LIMIT`` (bytes, or with a K/M/G/T suffix: ``512M``,
+``2GiB``; a value below 1 is a fraction of the device's memory) or with
+``torch.tpu.set_per_process_memory_fraction(f)`` (CUDA's call: a fraction of
+``torch.tpu.get_device_properties().total_memory``), and lifts it with ``set_limit(None)`` or a
+fraction of 1. XLA:CPU has no limit of its own (its buffers are host memory), so a limit is how a
+test or a user on a host finds out whether a step fits a chip's memory before renting one.
+
+While a limit is set, every device program launch (the one hook every executor, DeferAndFuse,
+compiled graphs, captures and collectives call, ``runtime/launch.py``) first adds the bytes the
+program asks for (its outputs and temporaries less what donation lets it reuse, from XLA's memory
+analysis of the compiled program, once per program and argument signature) to the bytes live on
+the device; over the limit, nothing runs and nothing is donated: a ``torch.OutOfMemoryError``
+(``torch.cuda.OutOfMemoryError`` is the same class) names the program, the user's line that ran
+it, the bytes it asked for, the bytes in use, and the largest live tensors, with the Python stack
+that made each while memory history records (``torch.tpu.memory._record_memory_history()``).
+The process can free them (``del``) and go on. An allocation a real device's runtime refuses
+(``RESOURCE_EXHAUSTED`` from XLA on a TPU or GPU) is turned into the same error.
+
+The check scans the live arrays at each launch: it costs milliseconds per program, for finding
+what fits, not for speed. While ``torch.profiler`` records with ``ProfilerActivity.TPU`` its own
+launch observer replaces this one and the limit is not checked.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import torch
+
+from torchtpu.runtime import launch, platform
+
+ENV = "TORCHTPU_MEMORY_LIMIT"
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.I)
+_SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
+
+_state: dict = {"limit": None, "previous": None}
+_asked: dict = {}  # (program, argument signature) -> bytes it allocates
+
+
+def parse_size(text: str, source: str = ENV) -> int | float | None:
+    """``"512M"`` / ``"2GiB"`` / ``"1048576"`` as bytes (an int); a number below 1 as that
+    fraction of the device's memory (a float); ``""`` / ``"0"`` / ``"off"`` as no limit."""
+    raw = text.strip().lower()
+    if raw in ("", "0", "off", "none"):
+        return None
+    found = _SIZE.match(raw)
+    if found is None:
+        raise ValueError(f"torchtpu.config: {source}={text!r} is not a size (bytes, or with a "
+                         "K/M/G/T suffix such as 512M or 2GiB, or a fraction below 1)")
+    number, unit = float(found.group(1)), found.group(2).lower()
+    if not unit and number < 1:
+        return number
+    return max(1, int(number * (1 << _SHIFT[unit])))
+
+
+def limit() -> int | None:
+    """The limit in bytes, or None."""
+    cap = _state["limit"]
+    if isinstance(cap, float):  # a fraction, resolved at the first launch (see install)
+        from torchtpu.device import memory
+
+        cap = _state["limit"] = max(1, int(cap * memory.total_memory()))
+    return cap
+
+
+def set_limit(nbytes: int | None) -> None:
+    """Refuse launches that would take the device's live bytes over nbytes (None: no limit)."""
+    if nbytes is not None and (isinstance(nbytes, bool) or not isinstance(nbytes, int)
+                               or nbytes < 1):
+        raise ValueError(f"torchtpu.argument: a memory limit is a positive number of bytes or "
+                         f"None, not {nbytes!r}")
+    _arm(nbytes)
+
+
+def _arm(nbytes: int | float | None) -> None:
+    _state["limit"] = nbytes
+    if nbytes is not None and launch.observer is not _guard:
+        _state["previous"] = launch.observer
+        launch.observer = _guard
+    elif nbytes is None and launch.observer is _guard:
+        launch.observer = _state["previous"]
+
+
+def set_per_process_memory_fraction(fraction: float, device=None) -> None:
+    """CUDA's call: limit this process to ``fraction`` (0 < f <= 1) of the device's memory."""
+    from torchtpu.device import memory
+
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+            or not 0 < fraction <= 1:
+        raise ValueError(f"torchtpu.argument: set_per_process_memory_fraction takes a fraction "
+                         f"in (0, 1], not {fraction!r}")
+    set_limit(None if fraction == 1 else max(1, int(fraction * memory.total_memory())))
+
+
+def install() -> None:
+    """Set the limit ``TORCHTPU_MEMORY_LIMIT`` names, if any. (A fraction is resolved at the
+    first launch: asking the device's size now would start JAX's backends at import, before
+    jax.distributed.initialize can run.)"""
+    cap = parse_size(os.environ.get(ENV, ""))
+    if cap is not None:
+        _arm(cap)
+
+
+# ---------------------------------------------------------------------------- the check
+
+
+def _signature(args) -> tuple:
+    return tuple((tuple(a.shape), str(a.dtype)) if hasattr(a, "shape") else type(a).__name__
+                 for a in jax.tree_util.tree_leaves(args))
+
+
+def _asks(fn, args) -> int:
+    """Bytes fn allocates when run on args (0 when it is no jitted program)."""
+    key = (fn, _signature(args))
+    found = _asked.get(key)
+    if found is None:
+        jitted = getattr(fn, "jitted", fn)  # a warm.Program's function
+        try:
+            stats = jitted.lower(*args).compile().memory_analysis()
+            found = max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes
+                        + stats.temp_size_in_bytes)
+        except Exception:  # noqa: BLE001 (not a jitted function, or no analysis on this runtime)
+            found = 0
+        _asked[key] = found
+    return found
+
+
+def _in_use() -> int:
+    device = platform.local_device()
+    return sum(a.nbytes for a in jax.live_arrays() if not a.is_deleted() and device in a.devices())
+
+
+def _guard(label, fn, args: tuple):
+    cap = limit()
+    if cap is not None:
+        asked = _asks(fn, args)
+        in_use = _in_use()
+        if asked and in_use + asked > cap:
+            raise torch.OutOfMemoryError(_message(label, fn, asked, in_use, cap))
+    previous = _state["previous"]
+    try:
+        return fn(*args) if previous is None else previous(label, fn, args)
+    except Exception as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        raise torch.OutOfMemoryError(_message(label, fn, None, _in_use(), cap, str(e))) from e
+
+
+def _message(label, fn, asked: int | None, in_use: int, cap: int | None,
+             runtime: str | None = None) -> str:
+    from torchtpu.runtime.tpu_hook import user_line
+
+    name = str(label) if label is not None else getattr(fn, "__name__", type(fn).__name__)
+    line = user_line()
+    head = f"torchtpu.memory: out of device memory running {name}"
+    head += f" (at {line})" if line else ""
+    if asked is not None:
+        head += (f": it asks for {asked:,} bytes with {in_use:,} in use, over the limit of "
+                 f"{cap:,} ({ENV} / torch.tpu.set_per_process_memory_fraction)")
+    else:
+        head += f": the runtime refused an allocation with {in_use:,} bytes in use ({runtime})"
+    return "\n".join([head + ".", *largest_lines(),
+                      "Free what you no longer need (del the tensors, drop references to them) "
+                      "and go on, or lower the batch size."])
+
+
+def largest_lines(n: int = 5) -> list[str]:
+    """The n largest live tensors: recorded allocations with their user line while memory
+    history records, else the live device arrays by shape and dtype."""
+    from torchtpu.device import memory_history
+
+    recorded = memory_history.largest(n)
+    if recorded:
+        lines = ["Largest live tensors (with the line that made each):"]
+        for block in recorded:
+            frames = block["frames"]
+            where = " <- ".join(f"{f['filename']}:{f['line']} in {f['name']}"
+                                for f in frames[:2]) or "?"
+            lines.append(f"  {block['size']:>14,} B  {where}")
+        return lines
+    device = platform.local_device()
+    arrays = sorted((a for a in jax.live_arrays() if not a.is_deleted()
+                     and device in a.devices()), key=lambda a: -a.nbytes)[:n]
+    return ["Largest live tensors (record memory history for their stacks):",
+            *(f"  {a.nbytes:>14,} B  {a.dtype}{list(a.shape)}" for a in arrays)]
