@@ -50,6 +50,20 @@ def _placements(param: torch.Tensor, mesh: DeviceMesh) -> tuple:
     return (Replicate(),) * (mesh.ndim - 1) + (shard,)
 
 
+def _sharded(sub: nn.Module, name: str, param: torch.Tensor, mesh: DeviceMesh) -> nn.Parameter:
+    if isinstance(param, DTensor) or parametrize.is_parametrized(sub, name):
+        raise ValueError(errors.message(
+            "argument", f"simple_fsdp: parameter {name!r} of {type(sub).__name__} is already "
+            "distributed (a DTensor or parametrized); apply simple_fsdp once, to a model of "
+            "plain parameters"))
+    if param.device.type != mesh.device_type:
+        raise ValueError(errors.message(
+            "placement", f"simple_fsdp: parameter {name!r} of {type(sub).__name__} is on "
+            f"{param.device}, the mesh on {mesh.device_type}: move the model first"))
+    sharded = distribute_tensor(param.detach(), mesh, _placements(param, mesh))
+    return nn.Parameter(sharded, requires_grad=param.requires_grad)
+
+
 def simple_fsdp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     """module with every parameter sharded over mesh (see the module doc), in place; returns it.
 
@@ -59,18 +73,13 @@ def simple_fsdp(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
         raise ValueError(errors.message(
             "argument", f"simple_fsdp: mesh must be a 1-D (shard) or 2-D (replicate, shard) "
             f"DeviceMesh, got {mesh!r}"))
+    # id -> (the original, kept alive so that its id is not reused; its sharded parameter): a
+    # tied parameter (an embedding shared with the output head) stays tied.
+    done: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for sub in list(module.modules()):
         for name, param in list(sub.named_parameters(recurse=False)):
-            if isinstance(param, DTensor) or parametrize.is_parametrized(sub, name):
-                raise ValueError(errors.message(
-                    "argument", f"simple_fsdp: parameter {name!r} of {type(sub).__name__} is "
-                    "already distributed (a DTensor or parametrized); apply simple_fsdp once, "
-                    "to a model of plain parameters"))
-            if param.device.type != mesh.device_type:
-                raise ValueError(errors.message(
-                    "placement", f"simple_fsdp: parameter {name!r} of {type(sub).__name__} is "
-                    f"on {param.device}, the mesh on {mesh.device_type}: move the model first"))
-            sharded = distribute_tensor(param.detach(), mesh, _placements(param, mesh))
-            sub._parameters[name] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+            if id(param) not in done:
+                done[id(param)] = (param, _sharded(sub, name, param, mesh))
+            sub._parameters[name] = done[id(param)][1]
             parametrize.register_parametrization(sub, name, _Gathered(mesh.ndim), unsafe=True)
     return module
