@@ -69,11 +69,13 @@ def _linear(p: dict, name: str, x):
     return x @ p[f"{name}.weight"].T
 
 
-def port(model) -> tuple[dict, Callable]:
+def port(model, scan: bool = False) -> tuple[dict, Callable]:
     """(parameters, loss(parameters, ids, targets)) of a Hugging Face causal LM, in JAX.
 
     The parameters are the model's own (``named_parameters``, so a tied head is one array); the
-    loss is ``cross_entropy(model(input_ids=ids).logits, targets)``, mean over tokens."""
+    loss is ``cross_entropy(model(input_ids=ids).logits, targets)``, mean over tokens. With
+    ``scan`` the decoder layers run as one ``jax.lax.scan`` body over their stacked parameters
+    (all layers must be of one attention type)."""
     config = model.config
     family = config.model_type
     if family not in _FAMILIES:
@@ -104,6 +106,10 @@ def port(model) -> tuple[dict, Callable]:
     has_qk_norm = family != "llama"
     params = {name: jnp.asarray(t.detach().cpu().numpy()) for name, t in model.named_parameters()}
     head_name = "lm_head.weight" if "lm_head.weight" in params else "model.embed_tokens.weight"
+    suffixes = [n[len("model.layers.0."):] for n in params if n.startswith("model.layers.0.")]
+    if scan and len(set(layer_types)) > 1:
+        raise NotImplementedError("torchtpu.bench: a scanned JAX port needs one attention type "
+                                  f"for all layers, not {sorted(set(layer_types))}")
 
     def loss(p: dict, ids, targets):
         b, t = ids.shape
@@ -124,26 +130,38 @@ def port(model) -> tuple[dict, Callable]:
         def norm(name: str, z):
             return _rms_norm(z, p[f"{name}.weight"], eps, offset)
 
-        for i, kind in enumerate(layer_types):
-            pre = f"model.layers.{i}"
-            h = norm(f"{pre}.input_layernorm", x)
-            q, k, v = (_linear(p, f"{pre}.self_attn.{n}_proj", h).reshape(b, t, -1, head_dim)
+        def block(x, lp: dict, kind: str):
+            """One decoder layer; lp: its parameters by name within the layer."""
+            def lnorm(name: str, z):
+                return _rms_norm(z, lp[f"{name}.weight"], eps, offset)
+
+            h = lnorm("input_layernorm", x)
+            q, k, v = (_linear(lp, f"self_attn.{n}_proj", h).reshape(b, t, -1, head_dim)
                        for n in "qkv")
             if has_qk_norm:  # over head_dim, per head
-                q, k = norm(f"{pre}.self_attn.q_norm", q), norm(f"{pre}.self_attn.k_norm", k)
+                q, k = lnorm("self_attn.q_norm", q), lnorm("self_attn.k_norm", k)
             q, k, v = (z.transpose(0, 2, 1, 3) for z in (q, k, v))
             q, k = _rotate(q, *rope[kind]), _rotate(k, *rope[kind])
             out = _attention(q, k, v, masks[kind], scaling).transpose(0, 2, 1, 3)
-            out = _linear(p, f"{pre}.self_attn.o_proj", out.reshape(b, t, heads * head_dim))
+            out = _linear(lp, "self_attn.o_proj", out.reshape(b, t, heads * head_dim))
             if gemma:  # sandwich norms: after attention, and around the MLP
-                x = x + norm(f"{pre}.post_attention_layernorm", out)
-                h = norm(f"{pre}.pre_feedforward_layernorm", x)
+                x = x + lnorm("post_attention_layernorm", out)
+                h = lnorm("pre_feedforward_layernorm", x)
             else:
                 x = x + out
-                h = norm(f"{pre}.post_attention_layernorm", x)
-            h = act(_linear(p, f"{pre}.mlp.gate_proj", h)) * _linear(p, f"{pre}.mlp.up_proj", h)
-            h = _linear(p, f"{pre}.mlp.down_proj", h)
-            x = x + (norm(f"{pre}.post_feedforward_layernorm", h) if gemma else h)
+                h = lnorm("post_attention_layernorm", x)
+            h = act(_linear(lp, "mlp.gate_proj", h)) * _linear(lp, "mlp.up_proj", h)
+            h = _linear(lp, "mlp.down_proj", h)
+            return x + (lnorm("post_feedforward_layernorm", h) if gemma else h)
+
+        if scan:  # the layers' parameters stacked per call, one body (as torchtpu.scan_layers)
+            stacked = {s: jnp.stack([p[f"model.layers.{i}.{s}"] for i in range(layers)])
+                       for s in suffixes}
+            x, _ = jax.lax.scan(lambda h, lp: (block(h, lp, layer_types[0]), None), x, stacked)
+        else:
+            for i, kind in enumerate(layer_types):
+                pre = f"model.layers.{i}."
+                x = block(x, {s: p[pre + s] for s in suffixes}, kind)
         logits = norm("model.norm", x) @ p[head_name].T
         if softcap is not None:
             logits = jnp.tanh(logits / softcap) * softcap
