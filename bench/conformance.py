@@ -113,6 +113,15 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _collect(tests_dir: Path, name: str, select: str | None, env: dict) -> list[str]:
+    """The file's test ids, so that tests a run never reached are reported as not run."""
+    cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+           "--rootdir", str(tests_dir), name] + (["-k", select] if select else [])
+    out = subprocess.run(cmd, cwd=tests_dir, env={**env, LOG_ENV: os.devnull},
+                         capture_output=True, text=True, timeout=600).stdout
+    return [line for line in out.splitlines() if line.startswith(name + "::")]
+
+
 def run_file(tests_dir: Path, name: str, work: Path, timeout: int, file_timeout: int,
              select: str | None, fallback: str) -> dict[str, dict]:
     """Runs one test file to the end, restarting the child past crashes and hangs."""
@@ -124,10 +133,11 @@ def run_file(tests_dir: Path, name: str, work: Path, timeout: int, file_timeout:
                                   [str(Path(__file__).resolve().parent),
                                    os.environ.get("PYTHONPATH", "")])})
     deadline = time.time() + file_timeout
-    extra: dict[str, dict] = {}
+    extra = {nodeid: {"outcome": "not run", "cause": ""}
+             for nodeid in _collect(tests_dir, name, select, env)}
     while True:
         done, _ = _read_log(log)
-        skip = sorted(set(done) | set(extra))
+        skip = sorted(set(done) | {k for k, v in extra.items() if v["outcome"] != "not run"})
         cmd = [sys.executable, "-m", "pytest", "-p", "conformance", "-p", "no:cacheprovider",
                "-q", "--tb=line", "--rootdir", str(tests_dir), name]
         cmd += ["-k", select] if select else []
@@ -149,7 +159,7 @@ def run_file(tests_dir: Path, name: str, work: Path, timeout: int, file_timeout:
         if running is None or time.time() > deadline:
             if running is not None:
                 extra[running[0]] = {"outcome": "crashed", "cause": "file time limit reached"}
-            return {**done, **extra}
+            return {**extra, **done}
         extra[running[0]] = {"outcome": "crashed",
                              "cause": f"child died or hung (exit {proc.returncode})"}
 
@@ -189,7 +199,8 @@ def summarize(results: dict[str, dict]) -> dict:
     twins = cpu_passed & set(tpu)
     skipped = Counter(tpu[k][1]["cause"][:100] for k in twins
                       if tpu[k][1]["outcome"] == "skipped")
-    counted = {k for k in twins if tpu[k][1]["outcome"] != "skipped"}
+    not_run = {k for k in twins if tpu[k][1]["outcome"] == "not run"}
+    counted = {k for k in twins if tpu[k][1]["outcome"] not in ("skipped", "not run")}
     passed = {k for k in counted if tpu[k][1]["outcome"] == "passed"}
     groups: dict[str, list[str]] = defaultdict(list)
     for k in sorted(counted - passed):
@@ -197,7 +208,8 @@ def summarize(results: dict[str, dict]) -> dict:
         groups[f"{outcome['outcome']}: {_group(outcome['cause'])}"].append(nodeid)
     return {
         "cpu_passed": len(cpu_passed), "cpu_only": len(cpu_passed - set(tpu)),
-        "tpu_skipped": sum(skipped.values()), "counted": len(counted), "tpu_passed": len(passed),
+        "tpu_skipped": sum(skipped.values()), "tpu_not_run": len(not_run),
+        "counted": len(counted), "tpu_passed": len(passed),
         "rate": len(passed) / len(counted) if counted else 0.0,
         "tpu_passed_cpu_not": sum(1 for k, (_, o) in tpu.items()
                                   if o["outcome"] == "passed" and k not in cpu_passed),
@@ -210,7 +222,8 @@ def format_summary(name: str, s: dict, examples: int = 2) -> str:
     lines = [f"## {name}: {s['tpu_passed']}/{s['counted']} = {100 * s['rate']:.1f}% of the tests "
              f"that pass on CPU pass on tpu",
              f"   ({s['cpu_passed']} pass on CPU; {s['cpu_only']} of them have no tpu twin; "
-             f"{s['tpu_skipped']} skipped on tpu by the test file, not counted; "
+             f"{s['tpu_skipped']} skipped on tpu by the test file and "
+             f"{s['tpu_not_run']} not reached in the time limit, neither counted; "
              f"{s['tpu_passed_cpu_not']} pass on tpu only)"]
     for group, ids in s["groups"].items():
         shown = ", ".join(i.split("::")[-1] for i in ids[:examples])
