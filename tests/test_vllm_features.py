@@ -1,0 +1,190 @@
+"""vLLM's serving features on device "tpu": speculative decoding, structured output, refusals.
+
+Each engine runs in a process of its own (vLLM picks its platform once per process) and is
+compared with Hugging Face's greedy tokens on CPU, which ``tests/test_vllm.py`` shows equal to
+vLLM's own without the feature. vLLM venv only (``python -m torchtpu.integrations.vllm.install``);
+skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+
+def _vllm():
+    return pytest.importorskip(
+        "vllm", reason="vLLM is not installed: python -m torchtpu.integrations.vllm.install"
+    )
+
+
+def _cpu_kernels():
+    """vLLM's C++ versions of the same kernels (its CPU platform's), the reference."""
+    _vllm()
+    from vllm.platforms.cpu import CpuPlatform
+
+    CpuPlatform.import_kernels()  # the build this CPU's features allow (AVX2 or AVX-512)
+    from vllm.utils import cpu_triton_utils
+
+    return cpu_triton_utils
+
+
+def _drafts(vocab=11, seed=0):
+    """Five requests with 3, 0, 2, 3 and 1 drafts (max 3) and the target's greedy tokens:
+    request 0's and 4's drafts all match, 2's second is a pad (-1), 3's second differs."""
+    g = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([3, 0, 2, 3, 1]).cumsum(0).int()
+    draft = torch.randint(0, vocab, (int(cu[-1]),), generator=g).int()
+    draft[4] = -1  # a padded draft: always rejected
+    target = draft.long().clamp(min=0)
+    target[4] = 1
+    target[6] = (draft[6] + 1) % vocab
+    bonus = torch.randint(0, vocab, (5, 1), generator=g)
+    return cu, draft, target, bonus, g
+
+
+@pytest.mark.parametrize("all_greedy", [False, True])
+def test_greedy_rejection_matches_vllms_cpu_kernel(all_greedy):
+    ref = _cpu_kernels()
+    from torchtpu.integrations.vllm import spec_kernels
+
+    cu, draft, target, bonus, _ = _drafts()
+    greedy = None if all_greedy else torch.tensor([True, True, False, True, False])
+    want = torch.full((5, 4), -1, dtype=torch.int32)
+    got = want.clone().tpu()
+    ref._rejection_greedy_sample_kernel_impl(want, cu, draft, target, bonus, greedy, 3)
+    spec_kernels.rejection_greedy_sample(
+        got, cu.tpu(), draft.tpu(), target.tpu(), bonus.tpu(),
+        None if greedy is None else greedy.tpu(), 3)
+    assert got.cpu().tolist() == want.tolist()
+    if all_greedy:  # every case: all accepted and the bonus, none drafted, rejections
+        assert want[:, :3].tolist() == [draft[:3].tolist(), [bonus[1, 0], -1, -1],
+                                        [draft[3], 1, -1], [draft[5], target[6], -1],
+                                        [draft[8], bonus[4, 0], -1]]
+        assert want[0, 3] == bonus[0, 0]
+
+
+@pytest.mark.parametrize("draft_probs", [True, False])
+def test_random_rejection_and_recovery_match_vllms_cpu_kernels(draft_probs):
+    ref = _cpu_kernels()
+    from torchtpu.integrations.vllm import spec_kernels
+
+    vocab = 11
+    cu, draft, _, bonus, g = _drafts(vocab)
+    n = draft.shape[0]
+    target_p = torch.softmax(3 * torch.randn(n, vocab, generator=g), -1)
+    draft_p = torch.softmax(3 * torch.randn(n, vocab, generator=g), -1) if draft_probs else None
+    # drafts the target likes (accepted) and drafts it does not (rejected, then recovered)
+    draft = torch.where(torch.arange(n) % 2 == 0, target_p.argmax(-1).int(), draft)
+    uniform = torch.rand(n, dtype=torch.float64, generator=g)
+    greedy = torch.tensor([False, True, False, False, False])
+    inv_q = torch.rand(5, vocab, generator=g).reciprocal()
+    tpu = lambda t: None if t is None else t.tpu()  # noqa: E731
+
+    recovered_want = torch.empty(n, dtype=torch.int32)
+    recovered = recovered_want.tpu()
+    ref._sample_recovered_tokens_kernel_impl(recovered_want, cu, draft, draft_p, target_p,
+                                             inv_q, vocab, 8192, draft_p is None)
+    spec_kernels.sample_recovered_tokens(recovered, tpu(cu), tpu(draft), tpu(draft_p),
+                                         tpu(target_p), tpu(inv_q), vocab, 8192, draft_p is None)
+    assert recovered.cpu().tolist() == recovered_want.tolist()
+
+    want = torch.full((5, 4), -1, dtype=torch.int32)
+    got = want.clone().tpu()
+    ref._rejection_random_sample_kernel_impl(want, cu, draft, draft_p, target_p, bonus,
+                                             recovered_want, uniform, greedy, 3, vocab, None,
+                                             draft_p is None)
+    spec_kernels.rejection_random_sample(got, tpu(cu), tpu(draft), tpu(draft_p), tpu(target_p),
+                                         tpu(bonus), recovered, tpu(uniform), tpu(greedy), 3,
+                                         vocab, None, draft_p is None)
+    assert got.cpu().tolist() == want.tolist()
+    assert any(r[0] != -1 for r in want.tolist())  # some rows were written
+
+
+def test_expand_and_the_bonus_only_step_match_vllms_cpu_kernels():
+    ref = _cpu_kernels()
+    from torchtpu.integrations.vllm import spec_kernels
+
+    cu, *_ = _drafts()
+    values = torch.tensor([0, 2, 0, 3, 1])
+    want = torch.empty(int(cu[-1]), dtype=torch.int64)
+    got = want.tpu()
+    ref._expand_kernel_impl(want, values, cu, 0, 7)
+    spec_kernels.expand(got, values.tpu(), cu.tpu(), 0, 7)
+    assert got.cpu().tolist() == want.tolist() == [7, 7, 7, 7, 7, 3, 3, 3, 1]
+    # no request has drafts (max_spec_len 0, the profiling run's shape): bonus tokens only
+    none = torch.zeros(2, dtype=torch.int32)
+    empty = torch.zeros(0, dtype=torch.int32)
+    bonus = torch.tensor([[5], [9]])
+    want = torch.full((2, 1), -1, dtype=torch.int32)
+    got = want.clone().tpu()
+    ref._rejection_greedy_sample_kernel_impl(want, none, empty, empty.long(), bonus, None, 0)
+    spec_kernels.rejection_greedy_sample(got, none.tpu(), empty.tpu(), empty.long().tpu(),
+                                         bonus.tpu(), None, 0)
+    assert got.cpu().tolist() == want.tolist() == [[5], [9]]
+
+
+_ENGINE = r"""
+import json, sys
+import vllm
+
+model, prompts, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+structured = options.pop("structured", None)
+llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
+               max_num_batched_tokens=64, gpu_memory_utilization=0.01,
+               kv_cache_memory_bytes=4 << 20, disable_log_stats=False, **options)
+extra = {}
+if structured:
+    from vllm.sampling_params import StructuredOutputsParams
+    extra["structured_outputs"] = StructuredOutputsParams(json=structured)
+params = vllm.SamplingParams(max_tokens=int(sys.argv[4]), temperature=0,
+                             ignore_eos=not structured, **extra)
+outs = llm.generate(prompts, params, use_tqdm=False)
+metrics = {m.name: m.value for m in llm.get_metrics() if hasattr(m, "value")}
+print("RESULT " + json.dumps({
+    "ids": [list(o.outputs[0].token_ids) for o in outs],
+    "text": [o.outputs[0].text for o in outs],
+    "metrics": {k: v for k, v in metrics.items() if "spec_decode" in k},
+}))
+"""
+
+
+def _engine(model_dir, prompts, options, max_tokens, timeout=900):
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _ENGINE, model_dir, json.dumps(prompts), json.dumps(options),
+         str(max_tokens)], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    return proc, json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    _vllm()
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama"))
+
+
+# the tiny random model falls into short loops, which the n-gram proposer finds in its context
+SPEC_PROMPTS = ["abcabcabcabcabc", "the quick brown fox jumps over the quick brown fox jumps over"]
+
+
+def test_ngram_speculation_keeps_the_greedy_tokens(tiny_llama):
+    from tests.test_vllm import _hf_greedy
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
+            "prompt_lookup_min": 2}
+    proc, got = _engine(tiny_llama, SPEC_PROMPTS, {"speculative_config": spec}, 24)
+    assert got, proc.stderr[-4000:]
+    assert got["ids"] == _hf_greedy(tiny_llama, SPEC_PROMPTS, 24)
+    m = got["metrics"]
+    drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
+    # drafts were proposed, some accepted and some rejected: both branches ran
+    assert 0 < accepted < drafted, m
+    print(f"n-gram acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")
