@@ -85,6 +85,8 @@ def normalize(options: Mapping, source: str = "custom_compiler_options") -> dict
             raise ValueError(f"torchtpu.compile: {source}: option name {name!r} is not a "
                              "non-empty string")
         if name in _LEVELS:
+            if isinstance(value, int) and not isinstance(value, bool):  # normalized already
+                value = {e.value: e.name for e in config.EffortLevel}.get(value, value)
             level = str(value).strip().upper()
             if level not in ("O0", "O1", "O2", "O3"):
                 raise ValueError(f"torchtpu.compile: {source}: {name}={value!r} is not one of "
