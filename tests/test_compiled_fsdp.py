@@ -80,7 +80,8 @@ def _train(rank, world):
     model = simple_fsdp(_model().to("tpu"), mesh)
     before = metrics.snapshot()
     simple = _steps(rank, world, model)
-    in_programs = metrics.snapshot()["collective_programs"] - before.get("collective_programs", 0)
+    in_programs = (metrics.snapshot().get("collective_programs", 0)
+                   - before.get("collective_programs", 0))
     params = [p.full_tensor().cpu() for p in model.parameters()]
     # As TorchTitan does: each layer compiled, then sharded (its hooks outside the graph).
     model = _model().to("tpu")
