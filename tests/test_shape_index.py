@@ -298,6 +298,11 @@ EDGE_CASES = {
                                   torch.ones(3, 3, device=x.device)),
     "value_shape_mask": lambda x: _set(x, ROWS.to(x.device), torch.ones(3, 3, device=x.device)),
     "too_many_indices": lambda x: x[torch.tensor([0], device=x.device), 0, 0],
+    # A complex fill value into a real tensor: the device would drop the imaginary part.
+    "index_fill_complex": lambda x: x.clone().index_fill_(1, torch.tensor([0], device=x.device),
+                                                          1 + 1j),
+    "index_fill_complex_into_complex": lambda x: x.to(torch.cfloat).index_fill_(
+        1, torch.tensor([0], device=x.device), 1 + 1j),
 }
 
 
