@@ -3,14 +3,17 @@
 ``install()`` (called by ``torchtpu/registration.py``, the one place that wires torchtpu into
 PyTorch) arranges for "tpu" to be registered with Dynamo (``registration``) the moment Dynamo is
 first imported (``torchtpu/import_hooks.py``), so ``import torch`` stays free of Dynamo's import
-cost. ``backend`` wires AOTAutograd, ``graph_function`` turns one FX graph into one JAX function
-from the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views,
+cost, and serves eager op calls whose sizes grow from size buckets (``eager_buckets``).
+``backend`` wires AOTAutograd, ``graph_function`` turns one FX graph into one JAX function from
+the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views,
 copies, allocation), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks what the
 user passed; ``whole_step`` runs a compiled training-step function as one captured program per
 call.
 """
 
-from torchtpu.compile import checkpoint, registration, whole_step
+from torchtpu.compile import checkpoint, eager_buckets, registration, whole_step
+from torchtpu.device import tensors
+from torchtpu.eager import dispatch
 from torchtpu.import_hooks import after_import
 from torchtpu.lowering import elementwise
 
@@ -22,3 +25,6 @@ def install() -> None:
     after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
     whole_step.install()
     checkpoint.install()
+    # Eager calls over growing sizes run in size buckets, and their views read on the host.
+    dispatch.growing = eager_buckets.run
+    tensors.view_reader = eager_buckets.read_view

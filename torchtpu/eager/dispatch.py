@@ -139,9 +139,19 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     return hit
 
 
+# An upper layer's hook for calls whose sizes vary between calls (``compile/eager_buckets.py``,
+# installed by ``torchtpu.compile.install``): ``growing(lowering, spec, values, dyn, views)``
+# gives the call's arrays, or None to run it here as usual.
+growing = None
+
+
 def compute(lowering: Lowering, spec: Spec, values: list):
     """Run lowering on bound values through the current executor; returns arrays."""
     dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    if growing is not None:
+        out = growing(lowering, spec, values, dyn, views)
+        if out is not None:
+            return dedupe(out, dyn)
     if views:
         spec = with_views(spec, views)
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)

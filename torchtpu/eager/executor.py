@@ -43,6 +43,15 @@ class Strict:
             return observe(lowering.op, self._concrete, (lowering, spec, dyn))
         return self._concrete(lowering, spec, dyn)
 
+    def run_program(self, label, fn, args: tuple):
+        """A program an upper layer built for one op call (``compile/eager_buckets.py``), on
+        concrete arguments: run now, in every mode."""
+        metrics.count("executions")
+        observe = launch.observer
+        if observe is not None:
+            return observe(label, fn, args)
+        return fn(*args)
+
     @staticmethod
     def _concrete(lowering: Lowering, spec: Spec, dyn: tuple):
         return cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn)), spec.final)
@@ -127,16 +136,20 @@ class Debug(Strict):
     name = "debug"
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        return self._checked(super().run, lowering, spec, dyn)
+        return self._checked(lowering.op, super().run(lowering, spec, dyn))
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        return self._checked(super().run_concrete, lowering, spec, dyn)
+        return self._checked(lowering.op, super().run_concrete(lowering, spec, dyn))
 
-    def _checked(self, run, lowering: Lowering, spec: Spec, dyn: tuple):
-        out = jax.block_until_ready(run(lowering, spec, dyn))
+    def run_program(self, label, fn, args: tuple):
+        return self._checked(label, super().run_program(label, fn, args))
+
+    @staticmethod
+    def _checked(label, out):
+        out = jax.block_until_ready(out)
         if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
             raise at_user(FloatingPointError(
-                f"torchtpu.numerics: {lowering.op} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
+                f"torchtpu.numerics: {label} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
         return out
 
 

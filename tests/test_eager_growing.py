@@ -1,0 +1,62 @@
+"""Eager loops over growing lengths: a new length inside a size bucket compiles nothing.
+
+A greedy sampler feeds a TinyGPT its whole growing context each step (cropped at its block
+size), in each eager mode: its tokens equal CPU's, and once a bucket has been entered, the
+lengths after it in the same bucket load no program (``compile/eager_buckets.py``).
+"""
+
+import pytest
+import torch
+
+from torchtpu import metrics
+from torchtpu.compile import eager_buckets
+from torchtpu.eager.modes import EagerMode, set_eager_mode
+from torchtpu.testing.models import TinyGPT
+
+# A block of 40: lengths 2..16 run in the first bucket, 17..32 in the second, then 33..40 and
+# the cropped windows in the third; one layer keeps the programs few.
+BLOCK = 40
+
+
+def _greedy(model: TinyGPT, idx: torch.Tensor, steps: int) -> torch.Tensor:
+    with torch.no_grad():
+        for _ in range(steps):
+            logits, _ = model(idx[:, -model.block:])
+            nxt = logits[:, -1, :].argmax(-1, keepdim=True)
+            idx = torch.cat([idx, nxt], dim=1)
+    return idx
+
+
+def _programs() -> int:
+    s = metrics.snapshot()
+    return s.get("executable_compiles", 0) + s.get("persistent_cache_hits", 0)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    cpu = TinyGPT(13, BLOCK, n_layer=1, n_head=2, n_embd=16).eval()
+    tpu = TinyGPT(13, BLOCK, n_layer=1, n_head=2, n_embd=16).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    prompt = torch.tensor([[3, 7]])
+    return cpu, tpu.to("tpu"), prompt, _greedy(cpu, prompt, 44)
+
+
+@pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+                                  EagerMode.DEFER_AND_FUSE])
+def test_growing_loop_compiles_per_bucket_not_per_length(models, mode):
+    _, model, prompt, expected = models
+    with set_eager_mode(mode):
+        idx = _greedy(model, prompt.to("tpu"), 16)  # inputs of lengths 2..17
+        before = _programs()
+        calls = metrics.snapshot().get("eager_bucketed_calls", 0)
+        idx = _greedy(model, idx, 14)                # 18..31, and cat's results to 32
+        assert _programs() - before == 0             # all in the buckets 17 entered
+        assert metrics.snapshot().get("eager_bucketed_calls", 0) > calls
+        idx = _greedy(model, idx, 14)                # 32..40, then cropped windows of 40
+    assert torch.equal(idx.cpu(), expected)
+
+
+def test_buckets_are_the_compiled_paths():
+    assert [eager_buckets._bucket(n) for n in (2, 16, 17, 33, 512, 513)] == \
+        [16, 16, 32, 64, 512, 1024]
