@@ -302,11 +302,17 @@ def _parts(t: torch.Tensor) -> tuple:
     return (array, None) if _is_whole(t, array) else (array, _geometry(t, array))
 
 
+# An upper layer's hook for views whose geometry varies between reads (``compile/eager_buckets``):
+# ``view_reader(t, array, geometry)`` gives t's value read without a program per geometry, or None.
+view_reader = None
+
+
 def read(t: torch.Tensor) -> jax.Array:
     """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
     array, g = _parts(t)
     if g is not None:
-        array = call(_reader(g), array)
+        value = None if view_reader is None else view_reader(t, array, g)
+        array = call(_reader(g), array) if value is None else value
     if t.is_conj() or t.is_neg():
         array = _apply_lazy_bits(t, array)
     return array
