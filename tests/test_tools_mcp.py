@@ -80,7 +80,7 @@ def test_mcp_server_serves_every_tool(tmp_path):
     r = anyio.run(session)
     assert r.get("sockets", []) == [], r["sockets"]
     assert r["tools"] == {"doctor", "onboard", "diagnose", "metrics", "trace_summary",
-                          "docs_search", "triage_log", "aot", "plan"}
+                          "docs_search", "triage_log", "aot", "plan", "tune"}
     assert r["doctor"][0]["ok"] and r["doctor"][0]["checks"][0]["name"] == "platform"
     good, missing = r["onboard"]
     assert good["ok"] and good["modes"][0]["mode"] == "strict" and good["modes"][0]["ok"]

@@ -98,3 +98,12 @@ def test_bad_input_exits_2_with_a_tool_error(script, capsys, argv, words):
     assert tuner.main([a.replace("{script}", str(script)) for a in argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("torchtpu.tool: ") and words in err, err
+
+
+def test_the_mcp_tool_reports_bad_input_as_an_error(tmp_path):
+    from torchtpu.tools import mcp_server
+
+    r = mcp_server._guarded(mcp_server._tune_target, f"{tmp_path}/missing.py:make", 2, 60.0,
+                            "train", None)
+    assert r["ok"] is False and r["error"].startswith("torchtpu.tool: ") and "missing.py" in \
+        r["error"]

@@ -1,7 +1,8 @@
 """``python -m torchtpu.mcp``: the tools as a Model Context Protocol server on stdio.
 
-Tools, each returning JSON: ``doctor``, ``onboard``, ``diagnose`` and ``aot`` (a step compiled
-for a TPU topology and estimated) on a ``path/to/script.py:factory`` target, ``metrics``
+Tools, each returning JSON: ``doctor``, ``onboard``, ``diagnose``, ``aot`` (a step compiled
+for a TPU topology and estimated), ``plan`` and ``tune`` (the fastest settings, by trials) on a
+``path/to/script.py:factory`` target, ``metrics``
 (this server process's ``torchtpu.metrics``), ``trace_summary`` (a profiler trace file),
 ``docs_search`` (torchtpu's README, glossary and docstrings, cited by file, section and line,
 with ``covered: false`` for what they do not cover) and ``triage_log`` (a traceback or log:
@@ -24,6 +25,7 @@ from torchtpu.tools import onboard as _onboard
 from torchtpu.tools import plan as _plan
 from torchtpu.tools import trace as _trace
 from torchtpu.tools import triage as _triage
+from torchtpu.tools import tune as _tune
 from torchtpu.tools.target import ToolError, describe, load
 
 SKILL = Path(__file__).with_name("SKILL.md")
@@ -65,6 +67,10 @@ def _plan_target(target, chips, topology, hbm_gib) -> dict:
     model, inputs = load(target)
     hbm = int(hbm_gib * (1 << 30)) if hbm_gib is not None else None
     return _plan.plan(model, inputs, chips=chips, hbm_bytes=hbm, topology=topology).to_dict()
+
+
+def _tune_target(target, trials, budget, step, topology) -> dict:
+    return _tune.tune(target, trials=trials, budget=budget, step=step, topology=topology).to_dict()
 
 
 def _metrics_report() -> dict:
@@ -118,6 +124,16 @@ def build():
         N chips (or a TPU topology's) by what fits each chip's memory and the bytes each chip
         sends per step, from sizes measured on CPU; the best layout's mesh and sharding code."""
         return _guarded(_plan_target, target, chips, topology, hbm_gib)
+
+    @server.tool()
+    def tune(target: str, trials: int = 6, budget: float = 300.0, step: str = "train",
+             topology: str | None = None) -> dict:
+        """Search the settings that run the target's step fastest (eager mode strict / defer,
+        torch.compile whole step, captured, buckets; matmul precision; XLA option sets), each
+        trial in a child process, at most trials trials in budget seconds: ms/step per trial
+        (with a TPU topology the cost model's), the best setting, the command that reproduces
+        it and the code that sets it."""
+        return _guarded(_tune_target, target, trials, budget, step, topology)
 
     @server.tool()
     def metrics() -> dict:
