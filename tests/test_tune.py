@@ -92,6 +92,7 @@ def test_a_trial_past_its_timeout_is_killed(script):
     (["{script}:nothing"], "has no function 'nothing'"),
     (["{script}:make", "--trials", "0"], "--trials 0"),
     (["{script}:make", "--setting", "{bad"], "--setting is not JSON"),
+    (["{script}:make", "--topology", "v9z:1x1"], "v9z"),
     (["{script}:make", "--setting", '{"xla": "xla_optimization_level=O7"}'], "O7"),
 ])
 def test_bad_input_exits_2_with_a_tool_error(script, capsys, argv, words):

@@ -215,6 +215,13 @@ def tune(target: str, *, trials: int = 8, budget: float = 600.0, step: str = "tr
         raise ToolError(f"--step {step!r}: use {' or '.join(aot.STEPS)}")
     if steps < 1 or warmup < 1:
         raise ToolError("--steps and --warmup are at least 1")
+    if topology is not None:  # a bad name or no libtpu: said once, before any trial starts
+        from torchtpu.runtime import tpu_target
+
+        try:
+            tpu_target.target(topology)
+        except tpu_target.TargetError as e:
+            raise ToolError(str(e).removeprefix("torchtpu.tpu: ")) from None
     model, inputs = load(target)
     aot._check_cpu(model, inputs, step == "train")
     report = TuneReport(target, step, topology, loadavg=[round(os.getloadavg()[0], 2)])
