@@ -19,8 +19,8 @@ The process can free them (``del``) and go on. An allocation a real device's run
 (``RESOURCE_EXHAUSTED`` from XLA on a TPU or GPU) is turned into the same error.
 
 The check scans the live arrays at each launch: it costs milliseconds per program, for finding
-what fits, not for speed. While ``torch.profiler`` records with ``ProfilerActivity.TPU`` its own
-launch observer replaces this one and the limit is not checked.
+what fits, not for speed. ``torch.profiler`` with ``ProfilerActivity.TPU`` replaces this launch
+observer with its own: from its start the limit is not checked until it is set again.
 """
 
 from __future__ import annotations
