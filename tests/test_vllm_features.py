@@ -184,7 +184,59 @@ def test_ngram_speculation_keeps_the_greedy_tokens(tiny_llama):
     assert got, proc.stderr[-4000:]
     assert got["ids"] == _hf_greedy(tiny_llama, SPEC_PROMPTS, 24)
     m = got["metrics"]
-    drafted, accepted = m["vllm:spec_decode_num_draft_tokens"], m["vllm:spec_decode_num_accepted_tokens"]
+    drafted = m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
     # drafts were proposed, some accepted and some rejected: both branches ran
     assert 0 < accepted < drafted, m
     print(f"n-gram acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")
+
+
+def _config(**parts):
+    """A VllmConfig stand-in holding vLLM's own sub-configs (no model needed)."""
+    import types
+
+    from vllm.config import CacheConfig, CompilationConfig, ParallelConfig
+
+    base = {"compilation_config": CompilationConfig(), "parallel_config": ParallelConfig(),
+            "cache_config": CacheConfig()}
+    return types.SimpleNamespace(**{**base, **parts})
+
+
+def test_features_the_platform_cannot_serve_are_refused_by_name():
+    _vllm()
+    from vllm.config import CacheConfig, ParallelConfig
+
+    from torchtpu.integrations.vllm.platform import TpuPlatform
+
+    ns = __import__("types").SimpleNamespace
+    refused = {
+        "tensor_parallel_size=2": _config(parallel_config=ParallelConfig(tensor_parallel_size=2)),
+        "pipeline_parallel_size=2": _config(
+            parallel_config=ParallelConfig(pipeline_parallel_size=2)),
+        "quantization method 'fp8'": _config(model_config=ns(quantization="fp8")),
+        "kv_cache_dtype='fp8'": _config(cache_config=CacheConfig(cache_dtype="fp8")),
+        "KV offloading": _config(cache_config=CacheConfig(kv_offloading_size=1.0)),
+        "KV connector": _config(kv_transfer_config=ns(kv_connector="NixlConnector")),
+        "method 'eagle'": _config(speculative_config=ns(method="eagle")),
+    }
+    for what, config in refused.items():
+        with pytest.raises(NotImplementedError, match="torchtpu.unsupported: .*" + what) as e:
+            TpuPlatform.check_and_update_config(config)
+        assert "yet; instead, " in str(e.value), e.value  # and says what works
+    served = _config(speculative_config=ns(method="ngram"),
+                     cache_config=CacheConfig(cache_dtype="bfloat16"))
+    TpuPlatform.check_and_update_config(served)
+
+
+def test_llm_refuses_tensor_parallel_before_it_starts_an_engine(tiny_llama):
+    code = ("import vllm, sys\n"
+            "try:\n"
+            f"    vllm.LLM(model={tiny_llama!r}, tensor_parallel_size=2)\n"
+            "except NotImplementedError as e:\n"
+            "    print('REFUSED', e); sys.exit(0)\n"
+            "sys.exit(3)\n")
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "tensor_parallel_size=2" in proc.stdout and "vllm-router" in proc.stdout

@@ -54,13 +54,19 @@ def _route_cuda_names_to_tpu() -> None:
     def event(*args, blocking=None, **kwargs):
         return torch.tpu.Event(*args, **kwargs)
 
-    def device_event(device=None, *, enable_timing=False, blocking=False, interprocess=False):
-        return torch.tpu.Event(enable_timing=enable_timing)
-
     torch.cuda.Event = event
     # the device-generic torch.Event asks the C++ accelerator hooks, which a Python backend
-    # has not got; the runner syncs its speculative-decoding copies on such events
-    torch.Event = device_event
+    # has not got; the runner syncs its speculative-decoding copies on such events. A class,
+    # since Dynamo (xgrammar's bitmask kernel is compiled) checks isinstance(x, torch.Event).
+    torch.Event = _DeviceEvent
+
+
+class _DeviceEvent(torch.tpu.Event):
+    """``torch.Event(device, *, enable_timing, blocking, interprocess)`` on "tpu"."""
+
+    def __init__(self, device=None, *, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        super().__init__(enable_timing=enable_timing)
 
 
 def _tpu_runner_hooks() -> None:

@@ -1,0 +1,58 @@
+"""Which of vLLM's features the tpu platform serves; the others are refused at start-up.
+
+vLLM asks a platform to check a config before it builds anything (``check_and_update_config``).
+A feature the tpu worker cannot run would otherwise fail later and far from its cause (a worker
+that never joins, a Triton kernel launched on a "tpu" tensor, a KV connector reading raw
+pointers) or, worse, run with something silently left out. :func:`refuse_unsupported` names the
+setting and says what works instead.
+"""
+
+from __future__ import annotations
+
+# speculative-decoding methods whose kernels have tpu versions (spec_kernels.py)
+SPECULATIVE_METHODS = ("ngram",)
+# KV-cache dtypes the tpu attention backend stores (attention.py)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _refuse(what: str, instead: str) -> None:
+    raise NotImplementedError(f"torchtpu.unsupported: vLLM on device 'tpu' has no {what} yet; "
+                              f"instead, {instead}")
+
+
+def refuse_unsupported(vllm_config) -> None:
+    """Raise naming the first setting in ``vllm_config`` that device "tpu" cannot serve."""
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is not None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+                     "prefill_context_parallel_size", "decode_context_parallel_size"):
+            size = getattr(parallel, name, 1)
+            if size != 1:
+                _refuse(f"{name}={size} (one worker per engine)",
+                        "serve replicas behind vllm-router: python -m "
+                        "torchtpu.integrations.vllm.routing MODEL --replicas N")
+        if getattr(parallel, "enable_expert_parallel", False):
+            _refuse("expert parallelism (enable_expert_parallel)", "leave it off")
+    model = getattr(vllm_config, "model_config", None)
+    quantization = getattr(model, "quantization", None)
+    if quantization:
+        _refuse(f"quantization method {quantization!r}",
+                "serve an unquantized checkpoint (dtype float32, bfloat16 or float16)")
+    cache = getattr(vllm_config, "cache_config", None)
+    dtype = getattr(cache, "cache_dtype", "auto")
+    if dtype not in KV_CACHE_DTYPES:
+        _refuse(f"kv_cache_dtype={dtype!r}",
+                f"use one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)")
+    if getattr(cache, "kv_offloading_size", None):
+        _refuse("KV offloading (kv_offloading_size)",
+                "size the device KV cache with kv_cache_memory_bytes")
+    if getattr(vllm_config, "kv_transfer_config", None) is not None:
+        _refuse("KV connector (kv_transfer_config: disaggregated prefill, KV offloading)",
+                "serve whole requests on each replica (python -m "
+                "torchtpu.integrations.vllm.routing)")
+    spec = getattr(vllm_config, "speculative_config", None)
+    method = getattr(spec, "method", None)
+    if method is not None and method not in SPECULATIVE_METHODS:
+        _refuse(f"speculative decoding method {method!r}",
+                "use speculative_config={'method': 'ngram', 'num_speculative_tokens': k, "
+                "'prompt_lookup_max': n}")
