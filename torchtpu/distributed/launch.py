@@ -7,6 +7,11 @@ records it in ``runtime.platform``; from then on ``tpu:{local rank}`` names this
 too and ``device_count()`` counts the host's processes. The default group's creation also starts
 JAX's multi-process runtime where the XLA transport may be used, before anything starts JAX's
 backend, and each group's creation picks its transport (``jax_runtime``).
+
+torchrun keeps one store for all the attempts of a job it restarts (``--max-restarts``), with
+every key the attempts before it wrote: a restarted rank would read a dead rank's gloo address
+and fail to connect, or connect to a stale one. So every group's keys live under the attempt's
+number (``TORCHELASTIC_RESTART_COUNT``).
 """
 
 from __future__ import annotations
@@ -29,6 +34,12 @@ def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
     return local.index(rank), len(local)
 
 
+def _this_attempt(store: dist.Store) -> dist.Store:
+    """store, its keys this torchrun attempt's own (see the module doc)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    return store if attempt is None else dist.PrefixStore(f"tpu_dist_attempt_{attempt}/", store)
+
+
 def _check_device() -> None:
     from torchtpu.device import control
 
@@ -45,7 +56,7 @@ def create(options, backend_options=None) -> dist.ProcessGroup:
     ``pg_options`` of init_process_group/new_group) may be a ``jax_runtime.Transport``."""
     from torchtpu.distributed.group import TpuProcessGroup
 
-    store, rank, size = options.store, options.group_rank, options.group_size
+    store, rank, size = _this_attempt(options.store), options.group_rank, options.group_size
     default = not dist.is_initialized()  # the default group: every process of the job
     if default:
         if "LOCAL_RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
