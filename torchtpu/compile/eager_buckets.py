@@ -1,16 +1,20 @@
 """Eager op calls over growing sizes, run padded to size buckets instead of compiled per size.
 
 An eager loop whose tensors grow (an autoregressive sampler fed its whole context each step)
-would compile every op at every new length. Here each op call's structure (the op, its static
-spec, its tensors' dtypes and ranks) is a *family*, and the family remembers the sizes of its
-first call: a tensor dim or an integer argument seen at another size since is *varying*. A call
-with varying sizes becomes a one-node FX graph whose varying sizes are symbols (equal sizes, one
-symbol), and ``dynamic.plan`` decides, exactly as for ``torch.compile(dynamic=True)``, whether it
-runs padded and what it masks. If so, its inputs are padded on the host up to their buckets
-(``buckets.pad``), one program per bucket runs it with the real sizes as traced inputs
-(``masking`` through ``GraphFunction``), and its results are cut back to their real sizes on the
-host (``buckets.unpad``): storages only ever hold arrays of their tensors' real shapes. A call
-whose sizes never varied, or that the plan refuses, runs as before, exact-shape.
+would compile every op at every new length. A call at sizes that never ran before is looked
+at here (a call that did takes one dict lookup and runs as usual): its structure (the op, its
+static spec, its tensors' dtypes and ranks) at its call site (the innermost Python frame outside
+PyTorch and torchtpu's machinery) is a *family*, which remembers a few of the values each size
+(a tensor dim, an integer argument) took there; a size that took ``VARYING_VALUES`` distinct
+values is *varying*. A call with varying sizes becomes a one-node FX graph whose varying sizes
+are symbols (equal sizes, one symbol), and ``dynamic.plan`` decides, exactly as for
+``torch.compile(dynamic=True)``, whether it runs padded and what it masks. If so, its inputs
+are padded on the host up to their buckets (``buckets.pad``), one program per bucket runs it
+with the real sizes as traced inputs (``masking`` through ``GraphFunction``), and its results
+are cut back to their real sizes on the host (``buckets.unpad``): storages only ever hold
+arrays of their tensors' real shapes. ``cat`` along the growing dim, which the plan refuses,
+is ``padded_cat``'s. A call whose sizes never varied, or that the plan refuses, runs as
+before, exact-shape.
 
 A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offset moves) would
 make a program per geometry even when the view's own shape does not change: such views are
@@ -72,8 +76,9 @@ class _Family:
 VARYING_VALUES = 4
 _families: dict = {}  # (call structure, call site) -> _Family
 _exact: dict = {}     # (spec, shapes, view geometries) of calls that ran as usual
-_plans: dict = {}     # (call structure, symbol pattern) -> (GraphFunction, Plan, ...) or why not
-_programs: dict = {}  # (call structure, symbol pattern, bucket sizes) -> jitted program
+# (call structure, symbol pattern, fixed sizes) -> (GraphFunction, Plan, ...) or why not
+_plans: dict = {}
+_programs: dict = {}  # (that key, bucket sizes) -> jitted program
 SITE_FRAMES = 1
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _MACHINERY = tuple(os.path.join(_PACKAGE, d) + os.sep
@@ -97,7 +102,8 @@ def _abstract_entries(spec: Spec) -> tuple:
             elif kind == CONST and _int_tuple(payload):
                 payload = (int,) * len(payload)
             entries.append((kind, payload))
-        key = _abstract[spec] = (tuple(entries), spec.compute, spec.final, spec.promote)
+        key = (tuple(entries), spec.compute, spec.final, spec.promote)
+        meta.bounded_put(_abstract, spec, key)
     return key
 
 
@@ -105,12 +111,14 @@ class _Call:
     """One call's pieces: its tensors, where their arrays sit among the dynamic values, the
     places of its traced scalars and its integer constants (entry, list position, value)."""
 
-    __slots__ = ("entries", "tensors", "at", "scalars", "ints", "dyn")
+    __slots__ = ("entries", "tensors", "at", "scalars", "ints", "dyn", "supported")
 
     def __init__(self, lowering: Lowering, spec: Spec, values: list, dyn: tuple) -> None:
         # A random lowering's spec starts with its key entry, which is no argument of the op.
         self.entries = spec.entries[1:] if lowering.random else spec.entries
         self.tensors, self.at, self.scalars, self.ints, self.dyn = [], [], [], [], dyn
+        # CPU scalar tensors (as a scalar, or in a list) keep the exact path.
+        self.supported = True
         k = 0
         for i, ((kind, payload), v) in enumerate(zip(self.entries, values)):
             if kind == TENSOR:
@@ -120,21 +128,18 @@ class _Call:
             elif kind == TENSORS:
                 for x in v:
                     if x is not None:
+                        self.supported &= not x.is_cpu
                         self.tensors.append(x)
                         self.at.append(k)
                         k += 1
             elif kind == SCALAR:
+                self.supported &= not isinstance(v, torch.Tensor)
                 self.scalars.append(k)
                 k += 1
             elif kind == CONST and _is_int(payload):
                 self.ints.append((i, None, payload))
             elif kind == CONST and _int_tuple(payload):
                 self.ints.extend((i, j, x) for j, x in enumerate(payload))
-
-    def supported(self) -> bool:
-        """CPU scalar tensors (as scalars, or in lists) keep the exact path."""
-        return all(not t.is_cpu for t in self.tensors) and all(
-            not isinstance(self.dyn[k], (torch.Tensor, np.ndarray)) for k in self.scalars)
 
 
 def _int_tuple(payload) -> bool:
@@ -161,7 +166,7 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
         return None
     family.note(sizes, exact[2])
     out = None
-    if call.supported():
+    if call.supported:
         if any(family.varying):
             if lowering.op is _CAT:
                 out = padded_cat.run(_programs, spec, values, call.tensors,
@@ -308,9 +313,18 @@ def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, v
     if program is None:
         program = _program(fn, plan, spec, tuple(to[s] for s in int_symbols))
         meta.bounded_put(_programs, program_key, program)
+    def run_and_cut(arrays, scalars):  # the executor's checks (Debug's NaNs) see real sizes
+        return _unpad(program(arrays, scalars), fn.output[0], plan, values_at, to)
+
+    try:
+        out = executor.current().run_program(lowering.op, run_and_cut, (tuple(arrays), scalars))
+    except FloatingPointError:
+        raise
+    except Exception as e:  # a lowering that cannot run padded: the exact path serves it
+        _plans[plan_key] = f"{lowering.op}: {type(e).__name__}: {e}"
+        return None
     metrics.count("eager_bucketed_calls")
-    out = executor.current().run_program(lowering.op, program, (tuple(arrays), scalars))
-    return _unpad(out, fn.output[0], plan, values_at, to)
+    return out
 
 
 def _unpad(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict):

@@ -62,12 +62,14 @@ def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varyin
     program = programs.get(key)
     if program is None:
         program = programs[key] = _program(dim, out_size)
+    def run_and_cut(arrays, lengths):  # the executor's checks (Debug's NaNs) see real sizes
+        host = np.asarray(program(arrays, lengths))[(slice(None),) * dim + (slice(0, total),)]
+        return jax.device_put(np.ascontiguousarray(host), platform.local_device())
+
     metrics.count("eager_bucketed_calls")
-    out = executor.current().run_program(
-        torch.ops.aten.cat.default, program,
+    return executor.current().run_program(
+        torch.ops.aten.cat.default, run_and_cut,
         (tuple(padded), np.asarray(lengths[:-1], np.int32)))
-    host = np.asarray(out)[(slice(None),) * dim + (slice(0, total),)]
-    return jax.device_put(np.ascontiguousarray(host), platform.local_device())
 
 
 def _program(dim: int, out_size: int):
