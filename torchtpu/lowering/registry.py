@@ -28,6 +28,7 @@ Policy that many ops share is declared here instead of repeated in each lowering
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 
 import torch
@@ -46,6 +47,7 @@ class Lowering:
     random: bool | Callable = False
     traced: tuple = ()
     donates: tuple = ()
+    family: str = ""  # the lowering module that registered it ("elementwise", "linalg", ...)
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -81,16 +83,27 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                          f"{promote!r}")
 
     def register(fn: Callable) -> Callable:
+        family = _registering_module()
         for target in targets:
             for op in _overloads(target):
                 if op in TABLE:
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
-                                     tuple(traced), tuple(donates))
+                                     tuple(traced), tuple(donates), family)
         return fn
 
     return register
+
+
+def _registering_module() -> str:
+    # The first caller outside this module: the lowering module whose decorator or lowers_each
+    # registered the function (the function's own __module__ may be jax.numpy).
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame = frame.f_back
+    name = frame.f_globals.get("__name__", "") if frame is not None else ""
+    return name.rsplit(".", 1)[-1]
 
 
 def lowers_each(table: dict, **policy) -> None:

@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from torchtpu.runtime import tpu_hook, tpu_target
-from torchtpu.tools import render
+from torchtpu.tools import lanes, render
 from torchtpu.tools.target import ToolError, check, describe, load, loss_of
 from torchtpu.tools.target import main as tool_main
 
@@ -237,10 +237,7 @@ def _findings(model, programs: list, runs: collections.Counter) -> list:
         names = ", ".join(f"{p.name} ({p.padding_bytes} B)" for p in padded[:3])
         found.append(f"TPU tiles (8x128 for 32-bit, 16x128 for bf16) pad arguments and "
                      f"outputs by {total} bytes over the step's programs; most: {names}")
-    for size in sorted(_head_dims(model)):
-        if size % 128:
-            found.append(f"attention head dim {size} pads to {-(-size // 128) * 128} lanes on "
-                         "TPU (a tile is 128 wide): head dims of 128-256 use the MXU fully")
+    found += lanes.advice(model)
     for kind in ("float64", "int64"):
         wide = [p for p in ran if p.wide_ops.get(kind)]
         if wide:
@@ -258,23 +255,6 @@ def _findings(model, programs: list, runs: collections.Counter) -> list:
         found.append(f"the TPU compiler refused {p.kind} {p.name}"
                      f"{f' (built at {p.line})' if p.line else ''}: {p.error}")
     return found
-
-
-def _head_dims(model) -> set:
-    dims = set()
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        for holder in (module, config):
-            head = getattr(holder, "head_dim", None)
-            if head is None:
-                hidden = getattr(holder, "hidden_size", None) or getattr(holder, "embed_dim", None)
-                heads = getattr(holder, "num_attention_heads", None) or getattr(
-                    holder, "num_heads", None)
-                if isinstance(hidden, int) and isinstance(heads, int) and heads:
-                    head = hidden // heads
-            if isinstance(head, int) and head > 0:
-                dims.add(head)
-    return dims
 
 
 def _fmt_bytes(n: float) -> str:

@@ -10,6 +10,8 @@ the others are the steady state, where each of these is a problem, in this order
 - graph breaks (each splits the step into more programs);
 - host-to-device copies (tensors made on CPU every step);
 - a step that is mostly host time (Python and dispatch between many small programs).
+The command line also says which of the model's attention head dims pad to 128 TPU lanes
+(``advise_lanes``, ``tools/lanes.py``).
 
 The ``Diagnosis`` lists every problem found with its fix, the worst first (``top``), and the
 per-step figures they come from: programs run, programs built, syncs, fallbacks, bytes each way,
@@ -37,7 +39,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from torchtpu.tools import render, trace, triage
+from torchtpu.tools import lanes, render, trace, triage
 from torchtpu.tools.target import ToolError, load
 from torchtpu.tools.target import main as tool_main
 from torchtpu.tools.watch import Watch
@@ -229,6 +231,15 @@ def step(fn: Callable, *args, steps: int = 5, warmup: int = 1, profile: bool = F
     return d
 
 
+def advise_lanes(d: Diagnosis, model: torch.nn.Module) -> Diagnosis:
+    """Add what a TPU's 128-lane tiles make of model's attention head dims (tools/lanes.py):
+    not a cost measured here (XLA:CPU has no lanes), so it comes after the measured ones."""
+    d.findings += [Finding(text, "make the head dim a multiple of 128 (fewer, wider heads: "
+                           "hidden size / heads = 128 or 256) if the model allows it", "tpu_lanes")
+                   for text in lanes.advice(model)]
+    return d
+
+
 def format_report(d: Diagnosis) -> str:
     """The diagnosis for people: the top problem first, then the figures."""
     lines = [f"step diagnosis: {d.ms_per_step:.2f} ms per step after {d.warmup} warm-up "
@@ -270,7 +281,9 @@ def main(argv: list | None = None) -> int:
             return 0
         from torchtpu.tools.onboard import diagnose_model  # onboard imports this module
 
-        d = diagnose_model(*load(args.target), args.backward, args.profile)
+        model, inputs = load(args.target)
+        d = diagnose_model(model, inputs, args.backward, args.profile)
+        advise_lanes(d, model)
         print(json.dumps(d.to_dict(), indent=1, default=str) if args.json else format_report(d))
         return 0
 
