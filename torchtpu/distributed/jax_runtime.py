@@ -16,7 +16,7 @@ transport unavailable: on a TPU or GPU that is an error saying to call ``init_pr
 first; on CPU the group falls back to the host transport with a one-time warning.
 
 A rank that dies (SIGKILL, a crash) inside an XLA collective makes the others' collective fail
-with a Python error at their next read of its result (JAX's runtime error, naming the closed
+with a Python error by their next read of its result (JAX's runtime error, naming the closed
 connection to the dead peer); the runtime is started recoverable, so the survivors go on and
 exit cleanly instead of being aborted by JAX's coordination service.
 """
