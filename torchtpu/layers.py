@@ -17,7 +17,10 @@ same results, one block's program per layer.
 ``scan_layers.patch(model)`` switches a Hugging Face decoder model (``model.model.layers`` or
 ``model.layers``, a ``ModuleList`` that the model's forward loops over) to the scanned form; its
 parameters, names and ``state_dict`` stay as they were, and a KV cache is turned off (a cache is
-written per layer index, which one scanned body cannot do).
+written per layer index, which one scanned body cannot do). The blocks are checked to be
+identical when patched, not again at each trace: Dynamo interprets every attribute read of the
+check, which made tracing grow faster than the model (a block's settings changed after the
+patch are not seen).
 """
 
 from __future__ import annotations
@@ -81,7 +84,10 @@ def _carry(out):
 
 def scan_layers(layers: Sequence[nn.Module], x: torch.Tensor, *args, **kwargs):
     """``x`` through each of ``layers`` in turn, as one scanned body under ``torch.compile``."""
-    layers = list(layers)
+    return _scan(list(layers), x, args, kwargs, checked=False)
+
+
+def _scan(layers: list, x: torch.Tensor, args: tuple, kwargs: dict, checked: bool):
     if not layers:
         return x
     if not torch.compiler.is_compiling():
@@ -91,10 +97,14 @@ def scan_layers(layers: Sequence[nn.Module], x: torch.Tensor, *args, **kwargs):
     from torch._higher_order_ops.scan import scan
     from torch.func import functional_call
 
-    _check_identical(layers)
+    if not checked:  # Dynamo traces the check's every attribute read: seconds per layer
+        _check_identical(layers)
     first = layers[0]
     names = [n for n, _ in _tensors(first)]
-    stacked = [torch.stack([dict(_tensors(layer))[n] for layer in layers]) for n in names]
+    # Each layer's tensors listed once (Dynamo traces every lookup: per name per layer was
+    # quadratic in the tracing time), in the same order, as _check_identical made sure.
+    per_layer = [[t for _, t in _tensors(layer)] for layer in layers]
+    stacked = [torch.stack(ts) for ts in zip(*per_layer, strict=True)]
 
     def body(h, sliced):
         out = _carry(functional_call(first, dict(zip(names, sliced, strict=True)),
@@ -125,7 +135,8 @@ class ScannedLayers(nn.ModuleList):
             raise _fail("a KV cache cannot be written by one scanned body (it is indexed per "
                         "layer); call the model with use_cache=False, or undo the patch with "
                         "scan_layers.unpatch(model) for generation")
-        return scan_layers(list(self._modules.values()), hidden_states, *args, **kwargs)
+        # patch() checked the blocks (a check traced by Dynamo costs seconds per layer).
+        return _scan(list(self._modules.values()), hidden_states, args, kwargs, checked=True)
 
 
 def _owner(model: nn.Module) -> nn.Module:
