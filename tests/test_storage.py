@@ -83,3 +83,33 @@ def test_tensor_resize_grows_the_shared_storage():
     x.resize_(6)
     assert alias.untyped_storage().nbytes() == 24  # the same storage, grown in place
     torch.testing.assert_close(x.cpu()[:4], torch.arange(4, dtype=torch.float32))
+
+
+def _layouts(device):
+    x = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 3, 4, 5).to(device)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    same = torch.randn(6, 4, device=device).t()
+    same_strides = same.stride()
+    same.resize_as_(same)  # the same sizes keep the strides
+    made = {
+        "empty": torch.empty(2, 3, 4, 5, device=device, memory_format=torch.channels_last),
+        "contiguous": cl, "clone": x.clone(memory_format=torch.channels_last),
+        "resize_": torch.zeros(120, device=device).resize_(
+            (2, 3, 4, 5), memory_format=torch.channels_last),
+        "resize_3d": torch.zeros(360, device=device).resize_(
+            (3, 2, 3, 4, 5), memory_format=torch.channels_last_3d),
+        "resize_as_preserve": torch.zeros(120, device=device).resize_as_(
+            cl, memory_format=torch.preserve_format),
+    }
+    strides = {k: v.stride() for k, v in made.items()}
+    strides["same_sizes"] = (same_strides, same.stride())
+    return strides, cl.cpu()
+
+
+def test_memory_formats_give_cpu_strides():
+    actual, values = _layouts("tpu")
+    expected, cpu_values = _layouts("cpu")
+    assert actual == expected
+    torch.testing.assert_close(values, cpu_values)
+    with pytest.raises(RuntimeError, match="required rank 4 tensor to use channels_last"):
+        torch.zeros(6, device="tpu").resize_((2, 3), memory_format=torch.channels_last)

@@ -62,7 +62,11 @@ def _check_device(device) -> None:
 def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
                         memory_format=None):
     _check_device(device)
-    return tensors.new_tensor(size, dtype or torch.get_default_dtype())
+    if memory_format in (None, torch.contiguous_format):
+        return tensors.new_tensor(size, dtype or torch.get_default_dtype())
+    # channels_last(_3d) strides, or the error CPU gives for a format the rank cannot take.
+    strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    return tensors.new_tensor(size, dtype or torch.get_default_dtype(), strides)
 
 
 def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
@@ -195,12 +199,17 @@ def resize_storage(st: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorag
 
 def resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     size = tuple(size)
+    if size == tuple(t.shape) and memory_format is None:
+        return t  # as on CPU: the same sizes keep the strides
     st = t.untyped_storage()
     needed = (t.storage_offset() + math.prod(size)) * t.element_size()
     if needed > st.nbytes():
         resize_storage(st, needed)
+    strides = tensors.contiguous_strides(size)
+    if memory_format not in (None, torch.contiguous_format):
+        strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
     aten.set_.source_Storage_storage_offset.redispatch(
-        _CPU, t, st, t.storage_offset(), size, tensors.contiguous_strides(size)
+        _CPU, t, st, t.storage_offset(), size, strides
     )
     return t
 
