@@ -9,18 +9,20 @@ checkpointing). So the recomputation reads its inputs through ``lax.optimization
 values XLA cannot see through, so the recomputed ops are new ones, scheduled where the backward
 needs them. (JAX's ``jax.checkpoint`` does the same with ``prevent_cse``.)
 
-Two places start a recomputation, and each gets the barrier:
-- eager code (and the captures that record it): ``install()`` wraps the two functions through
-  which ``torch.utils.checkpoint`` hands a region its saved inputs again, ``detach_variable``
-  (``use_reentrant=True``) and ``_CheckpointFrame.get_inputs`` (``use_reentrant=False``, which
-  ``checkpoint_sequential`` and the selective policies of ``create_selective_checkpoint_contexts``
-  use). Only tpu tensors pass through the barrier, as fresh leaves with the same
-  ``requires_grad``, which is what both forms expect of their inputs.
-- ``torch.compile``'s graphs: AOTAutograd's partitioner copies the nodes a checkpoint tagged
-  (``node.meta["recompute"]``) into the backward graph; ``barrier_recomputation(gm)`` routes the
-  inputs each recomputed region reads from outside it, with the gradient that first meets the
-  region, through one barrier, so the region is neither merged with other work nor hoisted to
-  the start of the backward.
+A recomputation that shares a program with the forward starts in eager code (and the captures
+that record it, the compiled whole step among them): ``install()`` wraps the two functions
+through which ``torch.utils.checkpoint`` hands a region its saved inputs again,
+``detach_variable`` (``use_reentrant=True``) and ``_CheckpointFrame.get_inputs``
+(``use_reentrant=False``, which ``checkpoint_sequential`` and the selective policies of
+``create_selective_checkpoint_contexts`` use). Only tpu tensors pass through the barrier, as
+fresh leaves with the same ``requires_grad``, which is what both forms expect of their inputs.
+
+Dynamo's graphs need no barrier: AOTAutograd's partitioner copies the nodes a checkpoint tagged
+into the backward graph, a program of its own that XLA cannot merge with the forward. A tagged
+region holding a random op (``scaled_dot_product_attention`` counts as one) is wrapped by the
+partitioner in ``run_and_save_rng_state`` / ``run_with_rng_state``, which the compiled path does
+not lower yet: such a graph is refused naming the op (eager code and captured steps serve
+it).
 """
 
 from __future__ import annotations
