@@ -13,6 +13,11 @@ MB = 1 << 20
 N = 4 * MB // 4 * 4  # 16 MiB of float32
 
 
+def _line_of(code: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if line.strip().startswith(code))
+
+
 def test_sizes_parse():
     assert memory_limit.parse_size("512M") == 512 * MB
     assert memory_limit.parse_size("2GiB") == 2 << 30
@@ -44,8 +49,8 @@ def test_out_of_memory_names_program_bytes_and_tensors_and_the_process_goes_on()
         assert text.startswith("torchtpu.memory: out of device memory running aten.mul.Tensor")
         assert f"asks for {16 * MB:,} bytes" in text, text
         assert f"over the limit of {base + 40 * MB:,}" in text
-        assert f"{16 * MB:>14,} B  {__file__}:39 in test_out" in text, text  # a's line
-        assert f"{16 * MB:>14,} B  {__file__}:40 in test_out" in text, text  # b's line
+        for made in ("a = torch.ones(N", "b = torch.full((N,)"):  # a's and b's lines
+            assert f"{16 * MB:>14,} B  {__file__}:{_line_of(made)} in test_out" in text, text
         assert caught.value.__class__ is torch.cuda.OutOfMemoryError
         del b, caught  # free (the traceback holds the arguments too), and go on
         c = a * a
