@@ -59,3 +59,21 @@ def test_out_of_memory_names_program_bytes_and_tensors_and_the_process_goes_on()
         memory_limit.set_limit(None)
         torch.tpu.memory._record_memory_history(None)
     assert memory_limit.limit() is None
+
+
+def test_a_fused_run_over_the_limit_is_refused_at_the_flush_and_holds_nothing():
+    a = torch.ones(N, device="tpu")
+    b = torch.full((N,), 2.0, device="tpu")
+    torch.tpu.synchronize()
+    before = memory_limit._in_use()
+    memory_limit.set_limit(before + 8 * MB)
+    try:
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            product = a * b  # kept, so the fused run must make it (a sum alone would need none)
+            with pytest.raises(torch.OutOfMemoryError, match=r"running defer_and_fuse\["):
+                product.sum().item()
+            del product
+        assert memory_limit._in_use() == before  # nothing ran, nothing was kept
+    finally:
+        memory_limit.set_limit(None)
+    assert torch.equal((a * b)[:3].cpu(), torch.full((3,), 2.0))
