@@ -194,6 +194,8 @@ def install() -> None:
     signature = inspect.signature(original)
 
     def get_compile_options(*args, **kwargs):
+        if not (_stack or _env):
+            return original(*args, **kwargs)
         if _unchecked:
             _check_env()
         call = signature.bind(*args, **kwargs)
