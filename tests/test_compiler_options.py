@@ -68,8 +68,7 @@ def test_an_option_xla_does_not_know_is_refused_where_it_is_set():
             pass
     assert compiler_options.key() == ""
     # TPU-only names are kept for TPU compiles (the host's compiler would refuse them).
-    with compiler_options.custom_compiler_options({"xla_tpu_enable_latency_hiding_scheduler":
-                                                   True}):
+    with torch.tpu.custom_compiler_options({"xla_tpu_enable_latency_hiding_scheduler": True}):
         assert compiler_options.for_platform("cpu") == {}
         assert compiler_options.for_platform("tpu") == {
             "xla_tpu_enable_latency_hiding_scheduler": True}
