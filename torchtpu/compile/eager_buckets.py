@@ -75,7 +75,7 @@ class _Family:
 
 VARYING_VALUES = 4
 _families: dict = {}  # (call structure, call site) -> _Family
-_exact: dict = {}     # (spec, shapes, view geometries) of calls that ran as usual
+_exact: dict = {}     # (id of a spec, views) of calls that ran as usual -> the spec
 # (call structure, symbol pattern, fixed sizes) -> (GraphFunction, Plan, ...) or why not
 _plans: dict = {}
 _programs: dict = {}  # (that key, bucket sizes) -> jitted program
@@ -149,8 +149,11 @@ def _int_tuple(payload) -> bool:
 def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     """The call's results, padded to buckets or with its views read on the host; None when it
     should run as usual."""
-    exact = (spec, _shapes(values), tuple(g for _, _, g in views))
-    if exact in _exact:  # this call ran exact before: its program exists
+    # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
+    # and views ran exact before has its program. The value keeps the spec, so its id is not
+    # reused while it is a key.
+    exact = (id(spec), views)
+    if exact in _exact:
         return None
     if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries):
         return None  # a capture's replays could not repeat host padding; keys: random draws
@@ -160,11 +163,12 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     sizes = tuple(n for t in call.tensors for n in t.shape) + tuple(x for _, _, x in call.ints)
     key = (structure, _call_site())
     family = _families.get(key)
+    geometries = tuple(g for _, _, g in views)
     if family is None:
-        meta.bounded_put(_families, key, _Family(sizes, exact[2]))
-        meta.bounded_put(_exact, exact, None)
+        meta.bounded_put(_families, key, _Family(sizes, geometries))
+        meta.bounded_put(_exact, exact, spec)
         return None
-    family.note(sizes, exact[2])
+    family.note(sizes, geometries)
     out = None
     if call.supported:
         if any(family.varying):
@@ -177,18 +181,8 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
         elif family.views and views:
             out = _host_views(lowering, spec, call)
     if out is None:
-        meta.bounded_put(_exact, exact, None)
+        meta.bounded_put(_exact, exact, spec)
     return out
-
-
-def _shapes(values: list) -> tuple:
-    out = []
-    for v in values:
-        if isinstance(v, torch.Tensor):
-            out.append(v.shape)
-        elif isinstance(v, (list, tuple)):
-            out.extend(x.shape for x in v if isinstance(x, torch.Tensor))
-    return tuple(out)
 
 
 def _call_site() -> tuple:
