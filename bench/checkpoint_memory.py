@@ -46,8 +46,10 @@ def _enable(model, form: str):
 
 
 def _loss(model, x, y):
-    return F.cross_entropy(model(input_ids=x, use_cache=False).logits.flatten(0, 1),
-                           y.flatten())
+    # With no cache and no mask, transformers reads a device value on the host to look for
+    # packed sequences, which a capture cannot do: an all-ones mask skips that search.
+    return F.cross_entropy(model(input_ids=x, attention_mask=torch.ones_like(x),
+                                 use_cache=False).logits.flatten(0, 1), y.flatten())
 
 
 def measure(form: str, layers: int, cpu_grads: list) -> tuple[int, float]:
