@@ -13,9 +13,9 @@ from torchtpu.compile import eager_buckets
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.testing.models import TinyGPT
 
-# A block of 40: lengths 2..16 run in the first bucket, 17..32 in the second, then 33..40 and
-# the cropped windows in the third; one layer keeps the programs few.
-BLOCK = 40
+# A block of 24: lengths 2..16 run in the first bucket, 17..24 and the cropped windows in the
+# second; one layer keeps the programs few.
+BLOCK = 24
 
 
 def _greedy(model: TinyGPT, idx: torch.Tensor, steps: int) -> torch.Tensor:
@@ -39,7 +39,7 @@ def models():
     tpu = TinyGPT(13, BLOCK, n_layer=1, n_head=2, n_embd=16).eval()
     tpu.load_state_dict(cpu.state_dict())
     prompt = torch.tensor([[3, 7]])
-    return cpu, tpu.to("tpu"), prompt, _greedy(cpu, prompt, 44)
+    return cpu, tpu.to("tpu"), prompt, _greedy(cpu, prompt, 28)
 
 
 @pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
@@ -50,10 +50,10 @@ def test_growing_loop_compiles_per_bucket_not_per_length(models, mode):
         idx = _greedy(model, prompt.to("tpu"), 16)  # inputs of lengths 2..17
         before = _programs()
         calls = metrics.snapshot().get("eager_bucketed_calls", 0)
-        idx = _greedy(model, idx, 14)                # 18..31, and cat's results to 32
+        idx = _greedy(model, idx, 6)                 # 18..23, and cat's results to 24
         assert _programs() - before == 0             # all in the buckets 17 entered
         assert metrics.snapshot().get("eager_bucketed_calls", 0) > calls
-        idx = _greedy(model, idx, 14)                # 32..40, then cropped windows of 40
+        idx = _greedy(model, idx, 6)                 # 24, then cropped windows of 24
     assert torch.equal(idx.cpu(), expected)
 
 
