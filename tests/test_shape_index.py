@@ -2,6 +2,8 @@
 indexing at the edges (empty, zero-size, broadcast, out of bounds, shape mismatches), CPU index
 tensors as CUDA accepts them, and the float8 dtypes."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -286,6 +288,7 @@ EDGE_CASES = {
     "accumulate_repeated": lambda x: _accumulate(x, (torch.tensor([1, 1, 3, 1], device=x.device),),
                                                  torch.ones(4, 3, device=x.device)),
     "accumulate_mask": lambda x: _accumulate(x, (ROWS.to(x.device),), x[:2] * 2),
+    "accumulate_empty_mask": lambda x: _accumulate(x, (NONE.to(x.device),), x[NONE.to(x.device)]),
     # Refused: the same exception type and words as CPU, in Strict mode too.
     "out_of_bounds": lambda x: x[torch.tensor([0, 4], device=x.device)],
     "out_of_bounds_negative": lambda x: x[torch.tensor([-5], device=x.device)],
@@ -383,3 +386,20 @@ def test_assert_async_passes_or_raises_what_cpu_raises():
         torch._assert_async(torch.all(positions <= 3))
     with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
         torch._assert_async(positions < 3)
+
+
+def _byte_mask_warnings(device):
+    x, mask = X.to(device), ROWS.to(torch.uint8).to(device)
+    calls = [lambda: x[mask], lambda: x[mask, :, None], lambda: _set(x, mask, x[mask] * 2),
+             lambda: _accumulate(x, (mask,), x[mask])]
+    counts = []
+    for call in calls:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        counts.append(sum("torch.uint8 is now deprecated" in str(w.message) for w in caught))
+    return counts
+
+
+def test_byte_masks_warn_as_on_cpu():
+    assert _byte_mask_warnings("tpu") == _byte_mask_warnings("cpu")

@@ -17,6 +17,7 @@ of data hands the device a jittable ``find(values) -> int array [bad, value]`` i
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 
 import jax.numpy as jnp
@@ -147,6 +148,10 @@ def _mask_mismatch(self, d: int, mask) -> IndexError | None:
 def _index(self, indices, values=None, *rest):
     d = 0  # the dimension the next index applies to (a mask covers one per dimension of its own)
     for index in indices:
+        if index is not None and index.dtype == torch.uint8:
+            # What CPU warns, once per byte mask of each call.
+            warnings.warn("torchtpu.check: indexing with dtype torch.uint8 is now deprecated, "
+                          "please use a dtype torch.bool instead.", UserWarning, stacklevel=2)
         if index is not None and index.dtype in (torch.bool, torch.uint8):
             err = _mask_mismatch(self, d, index)
             if err is not None:

@@ -88,6 +88,8 @@ def index_put(x, indices, values, accumulate=False):
                 "index with "
                 "mask.nonzero() instead"
             )
+        if values.size == 0:
+            return x  # an empty value tensor can only go to an all-false mask
         mask, placed = _mask_values(x, indices, values)
         if accumulate:
             return x + jnp.where(mask, placed, jnp.zeros((), x.dtype))
