@@ -59,7 +59,8 @@ def _captured(form):
 
 
 @pytest.mark.parametrize("form", ["reentrant", "non_reentrant",
-                                  pytest.param("sequential", marks=pytest.mark.full)])
+                                  pytest.param("sequential", marks=pytest.mark.full),
+                                  pytest.param("selective", marks=pytest.mark.full)])
 def test_checkpointing_cuts_the_captured_steps_temporaries(form):
     plain = _captured("none")
     kept = _captured(form)
