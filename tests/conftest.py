@@ -4,7 +4,12 @@
 
 ``TORCHTPU_TESTS_REQUIRE=mod,mod`` names modules the run must be able to import (CI's main stage
 lists its extras'): the tests that need them skip where they are missing, so a broken install
-would otherwise pass as skips. The session stops before any test if one does not import."""
+would otherwise pass as skips. The session stops before any test if one does not import.
+
+The suite runs on pytest-xdist workers (``-n auto --dist loadfile`` in pyproject.toml): one per
+core, at most ``TORCHTPU_TEST_WORKERS`` (default 4: each worker holds its own compiled programs,
+~1-3 GiB), each file on one worker so its module fixtures and shared programs are built once.
+``-n 0`` runs in one process (quicker for a single test: no workers to start)."""
 
 import importlib
 import os
@@ -31,6 +36,12 @@ def pytest_configure(config):
     if broken:
         raise pytest.UsageError("TORCHTPU_TESTS_REQUIRE: these do not import, so the tests that "
                                 "need them would skip: " + "; ".join(broken))
+
+
+@pytest.hookimpl(optionalhook=True)  # venvs without pytest-xdist still load this file
+def pytest_xdist_auto_num_workers(config):
+    cap = int(os.environ.get("TORCHTPU_TEST_WORKERS", "4"))
+    return max(1, min(len(os.sched_getaffinity(0)), cap))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -5,6 +5,7 @@ same collectives computed on CPU; a tensor-parallel MLP compiles and trains like
 ranks whose programs hold different collectives raise on every rank. Two processes on
 localhost, started and stopped by the test (TORCHTPU_DIST_TRANSPORT=xla on XLA:CPU)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -65,27 +66,6 @@ def _in_programs(rank, world):
     return [o.cpu() for o in outs], counts, loss.detach().cpu(), grads
 
 
-def test_compiled_collectives_run_inside_one_program_per_rank():
-    results = run(_in_programs, 2, env=XLA, pg_timeout=120, timeout=400)
-    xs = [_input(r) for r in range(2)]
-    total = xs[0] + xs[1]
-    gathered = torch.cat(xs)
-    for rank, (outs, counts, loss, grads) in enumerate(results):
-        expect = [total, gathered, (2 * total / 2).chunk(2)[rank],
-                  torch.cat([x.chunk(2)[rank] for x in xs]), torch.maximum(*xs), total.sum()]
-        for got, want in zip(outs, expect, strict=True):
-            torch.testing.assert_close(got, want)
-        # One program per call, no collective outside it (no header exchange after the first).
-        assert counts == {"programs": 1, "eager_collectives": 0}, counts
-        model = _mlp()
-        data = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
-        ref = model(data).square().mean()
-        ref.backward()
-        torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
-        for g, p in zip(grads, model.parameters(), strict=True):
-            torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-5)
-
-
 def _mismatched(rank, world):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
@@ -99,13 +79,6 @@ def _mismatched(rank, world):
     except CollectiveMismatchError as e:
         return str(e)
     return None
-
-
-def test_ranks_compiling_other_collectives_raise_on_every_rank():
-    for rank, message in enumerate(run(_mismatched, 2, env=XLA, pg_timeout=60, timeout=300)):
-        assert message is not None, rank
-        assert "mismatched compiled programs in process group" in message
-        assert f"rank(s) [{1 - rank}]" in message
 
 
 def _mpmd(rank, world):
@@ -122,7 +95,45 @@ def _mpmd(rank, world):
     return compiled(torch.arange(4.0, device="tpu")).cpu()
 
 
-def test_ranks_compiling_other_code_around_the_same_collectives_agree():
+def _scenarios(rank, world):
+    # One pair of processes for the three scenarios (each start costs seconds of imports); the
+    # mismatch goes last: its programs never run.
+    return _mpmd(rank, world), _in_programs(rank, world), _mismatched(rank, world)
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run(_scenarios, 2, env=XLA, pg_timeout=120, timeout=600)
+
+
+def test_compiled_collectives_run_inside_one_program_per_rank(results):
+    xs = [_input(r) for r in range(2)]
+    total = xs[0] + xs[1]
+    gathered = torch.cat(xs)
+    for rank, (_, (outs, counts, loss, grads), _) in enumerate(results):
+        expect = [total, gathered, (2 * total / 2).chunk(2)[rank],
+                  torch.cat([x.chunk(2)[rank] for x in xs]), torch.maximum(*xs), total.sum()]
+        for got, want in zip(outs, expect, strict=True):
+            torch.testing.assert_close(got, want)
+        # One program per call, no collective outside it (no header exchange after the first).
+        assert counts == {"programs": 1, "eager_collectives": 0}, counts
+        model = _mlp()
+        data = torch.randn(4, 6, generator=torch.Generator().manual_seed(3))
+        ref = model(data).square().mean()
+        ref.backward()
+        torch.testing.assert_close(loss, ref.detach(), atol=1e-5, rtol=1e-5)
+        for g, p in zip(grads, model.parameters(), strict=True):
+            torch.testing.assert_close(g, p.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_ranks_compiling_other_collectives_raise_on_every_rank(results):
+    for rank, (_, _, message) in enumerate(results):
+        assert message is not None, rank
+        assert "mismatched compiled programs in process group" in message
+        assert f"rank(s) [{1 - rank}]" in message
+
+
+def test_ranks_compiling_other_code_around_the_same_collectives_agree(results):
     x = torch.arange(4.0)
-    for out in run(_mpmd, 2, env=XLA, pg_timeout=60, timeout=300):
+    for out, _, _ in results:
         torch.testing.assert_close(out, x * 2 + x.sin() + 1)
