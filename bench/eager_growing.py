@@ -32,13 +32,10 @@ def _child(tokens: int, block: int, buckets: bool) -> dict:
 
     import torchtpu  # noqa: F401
     from torchtpu import metrics
-    from torchtpu.device import tensors
-    from torchtpu.eager import dispatch
+    from torchtpu.compile import eager_buckets
     from torchtpu.testing.models import TinyGPT
 
-    if not buckets:
-        dispatch.growing = None
-        tensors.view_reader = None
+    eager_buckets.set_enabled(buckets)
 
     def sample(model, idx):
         with torch.no_grad():

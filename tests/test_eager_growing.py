@@ -32,6 +32,13 @@ def _programs() -> int:
     return s.get("executable_compiles", 0) + s.get("persistent_cache_hits", 0)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def buckets_on():
+    eager_buckets.set_enabled(True)  # opt-in (TORCHTPU_EAGER_BUCKETS=1)
+    yield
+    eager_buckets.set_enabled(False)
+
+
 @pytest.fixture(scope="module")
 def models():
     torch.manual_seed(0)

@@ -3,7 +3,8 @@
 ``install()`` (called by ``torchtpu/registration.py``, the one place that wires torchtpu into
 PyTorch) arranges for "tpu" to be registered with Dynamo (``registration``) the moment Dynamo is
 first imported (``torchtpu/import_hooks.py``), so ``import torch`` stays free of Dynamo's import
-cost, and serves eager op calls whose sizes grow from size buckets (``eager_buckets``).
+cost, and, with ``TORCHTPU_EAGER_BUCKETS=1``, serves eager op calls whose sizes grow from size
+buckets (``eager_buckets``).
 ``backend`` wires AOTAutograd, ``graph_function`` turns one FX graph into one JAX function from
 the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views,
 copies, allocation), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks what the
@@ -11,9 +12,9 @@ user passed; ``whole_step`` runs a compiled training-step function as one captur
 call.
 """
 
+import os
+
 from torchtpu.compile import checkpoint, eager_buckets, registration, whole_step
-from torchtpu.device import tensors
-from torchtpu.eager import dispatch
 from torchtpu.import_hooks import after_import
 from torchtpu.lowering import elementwise
 
@@ -25,6 +26,6 @@ def install() -> None:
     after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
     whole_step.install()
     checkpoint.install()
-    # Eager calls over growing sizes run in size buckets, and their views read on the host.
-    dispatch.growing = eager_buckets.run
-    tensors.view_reader = eager_buckets.read_view
+    # Eager calls over growing sizes run in size buckets: opt-in while a call site shared by
+    # unrelated shapes can still take the padded path (see eager_buckets.set_enabled).
+    eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS") == "1")

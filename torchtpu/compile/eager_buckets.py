@@ -20,6 +20,10 @@ A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offse
 make a program per geometry even when the view's own shape does not change: such views are
 read on the host and passed whole.
 
+Opt-in (``TORCHTPU_EAGER_BUCKETS=1``, or ``set_enabled(True)``): a family is keyed by its call
+site, and a site that unrelated models share (a module's ``forward`` line) can reach the padded
+path from another model's sizes, which changed a T5's results in the test suite (not yet found).
+
 Host padding waits for the inputs: a bucketed call is synchronous, which under DeferAndFuse
 runs what is pending first. Random ops, captures and views the host cannot read by strides
 (a reinterpreting dtype) keep the exact path.
@@ -86,6 +90,12 @@ _MACHINERY = tuple(os.path.join(_PACKAGE, d) + os.sep
     os.path.dirname(torch.__file__) + os.sep,)
 _CAT = torch.ops.aten.cat.default
 _abstract: dict = {}  # spec -> its entries with integer constants left out
+
+
+def set_enabled(on: bool) -> None:
+    """Route eager calls through ``run`` (and varying views through ``read_view``), or not."""
+    dispatch.growing = run if on else None
+    tensors.view_reader = read_view if on else None
 
 
 def _is_int(v) -> bool:
