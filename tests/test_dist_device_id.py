@@ -2,7 +2,6 @@
 binds each process's own device, as CUDA scripts ask; another process's device is refused on
 every rank, naming the rank. Two processes on localhost, started and stopped by the test."""
 
-import pytest
 import torch
 
 from torchtpu.runtime import platform
@@ -20,6 +19,7 @@ def _as_torchrun_starts():
 def _bound(rank, world):
     import torch.distributed as dist
 
+    _as_torchrun_starts()
     # Rank 0 names its device as torch.device("tpu:0"), rank 1 by index (tpu:1, CUDA's form).
     dist.init_process_group("tpu_dist", device_id=torch.device("tpu:0") if rank == 0 else rank)
     t = torch.full((3,), float(rank + 1), device="tpu")
@@ -28,9 +28,15 @@ def _bound(rank, world):
     return t.cpu()
 
 
+def test_device_id_binds_each_process_to_its_device():
+    for out in run(_bound, 2, init=False, timeout=180):
+        torch.testing.assert_close(out, torch.full((3,), 3.0))
+
+
 def _refused(rank, world):
     import torch.distributed as dist
 
+    _as_torchrun_starts()
     try:  # tpu:1 is rank 1's device: rank 0 is given another process's
         dist.init_process_group("tpu_dist", device_id=torch.device("tpu:1"))
     except ValueError as e:
@@ -38,25 +44,8 @@ def _refused(rank, world):
     return None
 
 
-def _refused_then_bound(rank, world):
-    # One pair of processes for both (each start costs seconds of imports): the refusal comes
-    # before any group exists, so the same processes then bind their own devices.
-    _as_torchrun_starts()
-    return _refused(rank, world), _bound(rank, world)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return run(_refused_then_bound, 2, init=False, timeout=240)
-
-
-def test_device_id_binds_each_process_to_its_device(pair):
-    for _, out in pair:
-        torch.testing.assert_close(out, torch.full((3,), 3.0))
-
-
-def test_device_id_of_another_process_raises_on_every_rank(pair):
-    for message, _ in pair:
+def test_device_id_of_another_process_raises_on_every_rank():
+    for message in run(_refused, 2, init=False, timeout=180):
         assert message is not None
         assert "torchtpu.distributed: tpu_dist: init_process_group: rank 0 was given " \
                "device_id=tpu:1, which is not its device" in message
