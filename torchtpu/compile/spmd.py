@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
-from jax._src import config as jax_config
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -81,11 +80,10 @@ class Spmd:
 
     @staticmethod
     def compile(lowered):
-        """The lowered program compiled outside the persistent cache (``unpersisted``); a
-        compile option of its own (at its default value) also keeps it off keys that entries
-        were written under before."""
-        with unpersisted():
-            return lowered.compile(compiler_options={"xla_dump_hlo_as_text": False})
+        """The lowered program compiled. The persistent cache never writes it (it spans several
+        processes: ``compile_cache.spans_processes``); a compile option of its own (at its
+        default value) also keeps it off keys that entries were written under before."""
+        return lowered.compile(compiler_options={"xla_dump_hlo_as_text": False})
 
     @staticmethod
     def to_local(outs: list, scalars: list) -> list:
@@ -103,15 +101,6 @@ class _Passed:
 def _is_value(o) -> bool:
     return isinstance(o, (jax.Array, np.ndarray, np.generic, int, float, bool, complex)) \
         or isinstance(o, jax.core.Tracer)
-
-
-def unpersisted():
-    """This thread's compiles inside are not written to the persistent cache: its writer checks
-    an entry by deserializing it onto this process's devices, and XLA aborts the process
-    deserializing a multi-process executable that way ("sharding's tile count and device count
-    does not match"). JAX reads its minimum compile time at each write (whether the cache is on,
-    only once per process)."""
-    return jax_config.persistent_cache_min_compile_time_secs(float("inf"))
 
 
 def _is_array(a) -> bool:

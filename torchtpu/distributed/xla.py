@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
-from torchtpu.compile import spmd
 from torchtpu.device import tensors
 from torchtpu.distributed import host
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
@@ -151,8 +150,7 @@ class XlaProcessGroup(TpuProcessGroup):
                 (n * block[0], *block[1:]), self._sharding, [value]))
         fn = _program(op, self._mesh_devices, outputs, **params)
         observe = launch.observer
-        with spmd.unpersisted():  # a multi-process program (see there)
-            result = observe(op, fn, tuple(args)) if observe is not None else fn(*args)
+        result = observe(op, fn, tuple(args)) if observe is not None else fn(*args)
         results = (result,) if outputs is None else result
         return [r.addressable_data(0) for r in results]
 
