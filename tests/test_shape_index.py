@@ -306,6 +306,9 @@ EDGE_CASES = {
                                                           1 + 1j),
     "index_fill_complex_into_complex": lambda x: x.to(torch.cfloat).index_fill_(
         1, torch.tensor([0], device=x.device), 1 + 1j),
+    # gather's result has the index's shape, also where only one of self and index is 0-d.
+    "gather_0d_index": lambda x: torch.gather(x[0], 0, torch.tensor(1, device=x.device)),
+    "gather_0d_self": lambda x: torch.gather(x[0, 0], 0, torch.tensor([0], device=x.device)),
 }
 
 

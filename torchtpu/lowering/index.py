@@ -128,10 +128,15 @@ def _1d(v):
     return v.reshape(1) if hasattr(v, "ndim") and v.ndim == 0 else v
 
 
-@lowers(aten.gather.default)
 @_at_least_1d
-def gather(x, dim, index, sparse_grad=False):
+def _gather(x, dim, index):
     return x[_along(x, dim, index)]
+
+
+@lowers(aten.gather.default)
+def gather(x, dim, index, sparse_grad=False):
+    # The result has the index's shape also where x or the index is 0-d (and the other is not).
+    return _gather(x, dim, index).reshape(index.shape)
 
 
 def _src(src, index, dtype):
