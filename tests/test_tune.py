@@ -3,11 +3,16 @@ setting with the command that reproduces it; bad input exits 2."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from torchtpu.tools import aot
 from torchtpu.tools import tune as tuner
 from torchtpu.tools.target import ToolError
 
@@ -22,6 +27,10 @@ def make():
 def broken():
     return torch.nn.Linear(8, 4), (torch.randn(4, 5),)
 """
+
+
+needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                                  reason="libtpu is not installed (pip install -e '.[tpu-aot]')")
 
 
 @pytest.fixture
@@ -108,3 +117,48 @@ def test_the_mcp_tool_reports_bad_input_as_an_error(tmp_path):
                             "train", None)
     assert r["ok"] is False and r["error"].startswith("torchtpu.tool: ") and "missing.py" in \
         r["error"]
+
+
+@needs_libtpu
+def test_on_a_tpu_target_each_trial_is_the_cost_models_time_and_reproduces(script, capsys):
+    """--topology: each trial (a child) compiles the step for a v5e chip and reports the cost
+    model's time, no host time; the best one's command, run again, gives the same figure."""
+    assert tuner.main([f"{script}:make", "--topology", "v5e:2x2", "--trials", "2", "--step",
+                       "forward", "--steps", "1", "--warmup", "1", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert [t["setting"]["mode"] for t in r["trials"]] == ["strict", "defer"]
+    for t in r["trials"]:  # (a deferred forward whose output nobody reads would run nothing: 0)
+        assert t["error"] is None and t["ms_per_step"] is None and t["cost_model_ms"] > 0, t
+    best = min(r["trials"], key=lambda t: t["cost_model_ms"])
+    assert r["best"] == best and "--topology v5e:2x2" in r["command"]
+    again = subprocess.run([sys.executable, *shlex.split(r["command"])[1:], "--json"],
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert json.loads(again.stdout.splitlines()[-1])["cost_model_ms"] == best["cost_model_ms"]
+
+
+def test_a_step_the_cost_model_cannot_time_is_a_failed_trial_naming_its_programs(monkeypatch):
+    """A cost model's step time with programs left out would flatter the setting: none."""
+    from torchtpu.runtime.tpu_target import Report
+
+    def report(seconds, runs=3):
+        step = aot.Step(seconds=seconds, flops=1.0, mfu=None, hbm_peak_bytes=1,
+                        hbm_capacity_bytes=2, fits=True, peak_flops=1.0, chip="c",
+                        programs_run=runs)
+        programs = [Report("jit_timed", "op", "v5e:2x2", compiles=True, seconds=1e-6),
+                    Report("jit_aten__foreach_mul_Scalar", "op", "v5e:2x2", compiles=True)]
+        return lambda *a, **k: aot.AotReport("v5e:2x2", "strict", "train", 1, programs, step)
+
+    model, inputs = torch.nn.Linear(2, 2), (torch.randn(1, 2),)
+    monkeypatch.setattr(aot, "report", report(None))
+    with pytest.raises(ToolError, match=r"no time for jit_aten__foreach_mul_Scalar, so"):
+        tuner.run_setting(model, inputs, {}, topology="v5e:2x2")
+    monkeypatch.setattr(aot, "report", report(2e-6, runs=0))
+    with pytest.raises(ToolError, match="ran no program"):
+        tuner.run_setting(model, inputs, {}, topology="v5e:2x2")
+    monkeypatch.setattr(aot, "report", report(2e-6))
+    trial = tuner.run_setting(model, inputs, {}, topology="v5e:2x2")
+    assert trial.cost_model_ms == pytest.approx(2e-3) and trial.ms_per_step is None
+    shown = tuner.format_report(tuner.TuneReport("t.py:make", "train", "v5e:2x2", [trial],
+                                                 trial, "python -m torchtpu.tune ..."))
+    assert "cost-model ms/step" in shown and "best: 0.002 cost-model ms/step" in shown

@@ -114,10 +114,22 @@ def _mode_context(mode: str):
     return contextlib.nullcontext()
 
 
+def _step_boundary(step):
+    """step, then a flush of what DeferAndFuse holds (as torch_xla's ``mark_step``): each step
+    is the same one program, and an output nobody reads still runs (unread, it never would)."""
+    def bounded():
+        out = step()
+        torch.tpu.synchronize(wait=False)
+        return out
+    return bounded
+
+
 def _runner(mode: str, step, warmup: int):
     """The callable one step is, in mode, after its warm-up steps."""
     if mode == "compile":
         step = torch.compile(step, backend="tpu")
+    elif mode == "defer":
+        step = _step_boundary(step)
     for _ in range(warmup):
         step()
     torch.tpu.synchronize()

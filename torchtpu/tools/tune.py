@@ -118,6 +118,8 @@ def _runner(mode: str, step):
         return torch.compile(step, backend="tpu", dynamic=True)
     if mode == "compile":
         return torch.compile(step, backend="tpu")
+    if mode == "defer":
+        return aot._step_boundary(step)
     return step
 
 
@@ -136,7 +138,12 @@ def run_setting(model: torch.nn.Module, inputs: tuple, setting: dict, *, step: s
         if topology is not None:
             aot_mode = "compile" if mode == "buckets" else mode
             r = aot.report(model, inputs, topology=topology, step=step, mode=aot_mode)
-            trial.cost_model_ms = None if r.step.seconds is None else r.step.seconds * 1e3
+            if r.step.seconds is None:  # a partial sum would flatter this setting
+                raise ToolError(f"the TPU cost model has no time for {_untimed(r)}, so this "
+                                "setting has no cost-model step time")
+            if not r.step.programs_run:
+                raise ToolError("the step ran no program (nothing to time)")
+            trial.cost_model_ms = r.step.seconds * 1e3
             return trial
         train = step == "train"
         device_model = model.to("tpu")
@@ -159,6 +166,14 @@ def run_setting(model: torch.nn.Module, inputs: tuple, setting: dict, *, step: s
             torch.tpu.synchronize()
             trial.ms_per_step = round((time.perf_counter() - start) / steps * 1e3, 3)
     return trial
+
+
+def _untimed(r: aot.AotReport) -> str:
+    """The programs of r the cost model gave no time, and why when the report knows."""
+    names = sorted({p.name for p in r.programs if p.compiles and p.seconds is None})
+    wide = any(p.wide_ops.get("float64") for p in r.programs if p.seconds is None)
+    return (", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            + (" (they do float64 work, which the TPU emulates)" if wide else ""))
 
 
 def _child(target: str, setting: dict, *, step: str, steps: int, warmup: int,
@@ -278,20 +293,24 @@ def code(setting: dict) -> list:
     return lines or ["(the defaults: nothing to set)"]
 
 
+def _ms(ms: float) -> str:
+    return f"{ms:.3f}" if ms >= 0.1 else f"{ms:.3g}"  # a small model's cost-model time: us
+
+
 def format_report(r: TuneReport) -> str:
     unit = "cost-model ms/step" if r.topology else "ms/step"
     lines = [f"tune {r.target} ({r.step} step{', ' + r.topology if r.topology else ''}): "
              f"{len(r.trials)} trials, load average {' -> '.join(map(str, r.loadavg))}",
              f"  {'#':>2}  {unit:>18}  {'wall s':>7}  setting"]
     for i, t in enumerate(r.trials, 1):
-        score = f"{t.score:.3f}" if t.score is not None else "-"
+        score = _ms(t.score) if t.score is not None else "-"
         shown = " ".join(f"{k}={v or '-'}" for k, v in t.setting.items())
         lines.append(f"  {i:>2}  {score:>18}  {t.seconds:>7.1f}  {shown}"
                      + (f"  ({t.error})" if t.error else ""))
     if r.best is None:
         lines.append("no trial finished")
         return "\n".join(lines)
-    lines += [f"best: {r.best.score:.3f} {unit}  "
+    lines += [f"best: {_ms(r.best.score)} {unit}  "
               + " ".join(f"{k}={v or '-'}" for k, v in r.best.setting.items()),
               f"reproduce: {r.command}", "in a program:", *(f"  {c}" for c in r.code)]
     return "\n".join(lines)
