@@ -2,12 +2,15 @@
 TinyGPT with DDP on 2 local workers, each on its own tpu device, with the losses of the
 single-process full-batch run on CPU; more workers on a host than it has devices (simulated with
 XLA:CPU's forced device count) fail before the loop starts, naming both counts; Ray Data's
-``iter_torch_batches(device="tpu")`` hands batches already on the device. One local Ray instance
-for the module, started with bounded time and shut down after it, also on failure. Needs ``pip
-install -e '.[ray]'``.
+``iter_torch_batches(device="tpu")`` hands batches already on the device; with
+``FailureConfig(max_failures=1)``, a worker SIGKILLed mid-training is restarted, the group
+resumes from its last reported checkpoint and ends with the uninterrupted run's weights. One local
+Ray instance for the module, started with bounded time and shut down after it, also on failure.
+Needs ``pip install -e '.[ray]'``.
 """
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -18,10 +21,10 @@ pytest.importorskip("ray.train", reason="Ray is not installed: pip install -e '.
 
 import ray  # noqa: E402
 import ray.data  # noqa: E402
-from ray.train import RunConfig, ScalingConfig  # noqa: E402
+from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 
-from torchtpu.testing.models import TinyGPT, train_steps  # noqa: E402
+from torchtpu.testing.models import TinyGPT, batch, train_steps  # noqa: E402
 
 STEPS, WORKERS, VOCAB, BLOCK, BATCH = 3, 2, 17, 8, 8
 TOO_MANY = 3  # workers, for a host simulated with WORKERS devices
@@ -135,3 +138,83 @@ def test_iter_torch_batches_hands_batches_on_tpu(local_ray):
     assert type(batches[0]["x"]) is torch.Tensor
     got = torch.cat([b["x"].cpu() for b in batches])
     assert torch.equal(got[torch.cat([b["y"].cpu() for b in batches]).argsort()], rows)
+
+
+RESUME_STEPS, KILL_AT = 4, 2  # the kill comes after two checkpointed steps
+
+
+def _sgd(params) -> torch.optim.SGD:
+    # Momentum, so that a resume which lost the optimizer's state ends with other weights.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _sgd_step(model, opt, step: int, device, shard: tuple[int, int] = (0, 1)) -> None:
+    x, y = batch(_data(), BATCH, BLOCK, torch.Generator().manual_seed(step))
+    rank, world = shard
+    _, loss = model(x.chunk(world)[rank].to(device), y.chunk(world)[rank].to(device))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+
+
+def _on_cpu(tree):
+    return torch.utils._pytree.tree_map_only(torch.Tensor, lambda t: t.cpu(), tree)
+
+
+def _resumable_loop(config: dict) -> None:
+    """Checkpoints every step; rank 1 of the first attempt SIGKILLs itself before step KILL_AT."""
+    import ray.train
+    import ray.train.torch
+
+    context = ray.train.get_context()
+    rank, world = context.get_world_rank(), context.get_world_size()
+    device = torch.device("tpu")
+    model, start, state = _model(), 0, None
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as folder:
+            state = torch.load(os.path.join(folder, "state.pt"))
+        model.load_state_dict(state["model"])
+        start = state["step"]
+    ddp = ray.train.torch.prepare_model(model, move_to_device=device)
+    opt = _sgd(ddp.parameters())
+    if state is not None:
+        opt.load_state_dict(state["opt"])
+    for step in range(start, RESUME_STEPS):
+        if step == KILL_AT and rank == 1 and not os.path.exists(config["marker"]):
+            open(config["marker"], "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+        _sgd_step(ddp, opt, step, device, (rank, world))
+        with tempfile.TemporaryDirectory() as folder:
+            saved = None
+            if rank == 0:
+                torch.save({"model": _on_cpu(model.state_dict()),
+                            "opt": _on_cpu(opt.state_dict()), "step": step + 1},
+                           os.path.join(folder, "state.pt"))
+                saved = ray.train.Checkpoint.from_directory(folder)
+            ray.train.report({"step": step + 1, "resumed_from": start}, checkpoint=saved)
+
+
+def test_killed_worker_restarts_from_its_checkpoint_with_the_uninterrupted_weights(
+        local_ray, tmp_path):
+    marker = tmp_path / "killed-once"
+    trainer = TorchTrainer(
+        _resumable_loop, train_loop_config={"marker": str(marker)},
+        torch_config=TorchConfig(backend="tpu_dist", timeout_s=120),
+        scaling_config=ScalingConfig(num_workers=WORKERS),
+        run_config=RunConfig(storage_path=str(tmp_path), name="resume",
+                             failure_config=FailureConfig(max_failures=1)))
+    result = trainer.fit()
+    assert result.error is None, result.error
+    assert marker.exists()  # a worker really died
+    # Ray commits a step's checkpoint once every worker has reported it, so the restart resumes
+    # from the last step both reported before the kill or the one before it.
+    assert result.metrics["step"] == RESUME_STEPS and 0 < result.metrics["resumed_from"] <= KILL_AT
+    reference = _model()
+    opt = _sgd(reference.parameters())
+    for step in range(RESUME_STEPS):
+        _sgd_step(reference, opt, step, "cpu")
+    with result.checkpoint.as_directory() as folder:
+        trained = torch.load(os.path.join(folder, "state.pt"))["model"]
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6, msg=name)
