@@ -1,4 +1,5 @@
-"""vLLM's serving features on device "tpu": speculative decoding, structured output, refusals.
+"""vLLM's serving features on device "tpu": speculative decoding, structured output, FP8 KV cache,
+refusals.
 
 Each engine runs in a process of its own (vLLM picks its platform once per process) and is
 compared with Hugging Face's greedy tokens on CPU, which ``tests/test_vllm.py`` shows equal to
@@ -133,11 +134,12 @@ _ENGINE = r"""
 import json, sys
 import vllm
 
-model, prompts, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
+options = {"dtype": "float32", **json.loads(sys.argv[3])}
 structured = options.pop("structured", None)
-llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
-               max_num_batched_tokens=64, gpu_memory_utilization=0.01,
-               kv_cache_memory_bytes=4 << 20, disable_log_stats=False, **options)
+llm = vllm.LLM(model=model, max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+               gpu_memory_utilization=0.01, kv_cache_memory_bytes=4 << 20,
+               disable_log_stats=False, **options)
 extra = {}
 if structured:
     from vllm.sampling_params import StructuredOutputsParams
@@ -150,17 +152,26 @@ print("RESULT " + json.dumps({
     "ids": [list(o.outputs[0].token_ids) for o in outs],
     "text": [o.outputs[0].text for o in outs],
     "metrics": {k: v for k, v in metrics.items() if "spec_decode" in k},
+    # each layer's cache tensor: (dtype, bytes, blocks)
+    "caches": llm.collective_rpc(lambda worker: [
+        (str(t.dtype), t.numel() * t.element_size(), t.shape[0])
+        for t in worker.model_runner.kv_caches])[0],
 }))
 """
 
 
-def _engine(model_dir, prompts, options, max_tokens, timeout=900):
+def run_engine(script: str, *args: str, timeout: float = 900):
+    """Run ``script`` in a process of its own on the tpu platform: (process, its RESULT json)."""
     env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run(
-        [sys.executable, "-c", _ENGINE, model_dir, json.dumps(prompts), json.dumps(options),
-         str(max_tokens)], env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     return proc, json.loads(lines[-1][len("RESULT "):]) if lines else None
+
+
+def _engine(model_dir, prompts, options, max_tokens):
+    return run_engine(_ENGINE, model_dir, json.dumps(prompts), json.dumps(options),
+                      str(max_tokens))
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +225,8 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         "pipeline_parallel_size=2": _config(
             parallel_config=ParallelConfig(pipeline_parallel_size=2)),
         "quantization method 'fp8'": _config(model_config=ns(quantization="fp8")),
-        "kv_cache_dtype='fp8'": _config(cache_config=CacheConfig(cache_dtype="fp8")),
+        "kv_cache_dtype='fp8_per_token_head'": _config(
+            cache_config=CacheConfig(cache_dtype="fp8_per_token_head")),
         "KV offloading": _config(cache_config=CacheConfig(kv_offloading_size=1.0)),
         "KV connector": _config(kv_transfer_config=ns(kv_connector="NixlConnector")),
         "method 'eagle'": _config(speculative_config=ns(method="eagle")),
@@ -223,9 +235,10 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         with pytest.raises(NotImplementedError, match="torchtpu.unsupported: .*" + what) as e:
             TpuPlatform.check_and_update_config(config)
         assert "yet; instead, " in str(e.value), e.value  # and says what works
-    served = _config(speculative_config=ns(method="ngram"),
-                     cache_config=CacheConfig(cache_dtype="bfloat16"))
-    TpuPlatform.check_and_update_config(served)
+    for dtype in ("bfloat16", "fp8"):
+        served = _config(speculative_config=ns(method="ngram"),
+                         cache_config=CacheConfig(cache_dtype=dtype))
+        TpuPlatform.check_and_update_config(served)
 
 
 def test_llm_refuses_tensor_parallel_before_it_starts_an_engine(tiny_llama):
@@ -284,3 +297,29 @@ def test_json_schema_structured_output_is_valid_and_equals_hf_under_the_same_gra
     for text in got["text"]:
         jsonschema.validate(json.loads(text), SCHEMA)
     assert got["ids"] == _hf_constrained(tiny_llama, prompts, SCHEMA, 40)
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy runs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+FP8_PROMPTS = ["hello world", "the quick brown fox jumps over", "abcabcabc"]
+
+
+def test_fp8_kv_cache_halves_kv_memory_and_keeps_the_greedy_tokens(tiny_llama):
+    """bfloat16 model: kv_cache_dtype="fp8" against the same run with the model's dtype."""
+    runs = {}
+    for kv in ("auto", "fp8"):
+        proc, runs[kv] = _engine(tiny_llama, FP8_PROMPTS,
+                                 {"dtype": "bfloat16", "kv_cache_dtype": kv}, 32)
+        assert runs[kv], proc.stderr[-4000:]
+    (base_dtype, base_bytes, base_blocks), = set(map(tuple, runs["auto"]["caches"]))
+    (fp8_dtype, fp8_bytes, fp8_blocks), = set(map(tuple, runs["fp8"]["caches"]))
+    assert (base_dtype, fp8_dtype) == ("torch.bfloat16", "torch.uint8")  # vLLM's fp8 spec
+    # half the bytes a block: the same KV budget holds twice the blocks
+    assert fp8_bytes / fp8_blocks == base_bytes / base_blocks / 2
+    assert fp8_blocks >= 2 * base_blocks - 1
+    shared = [_agreement(a, b) for a, b in zip(runs["auto"]["ids"], runs["fp8"]["ids"])]
+    print(f"fp8 KV cache: leading greedy tokens equal to bfloat16's: {shared} of 32")
+    assert min(shared) >= 8, shared

@@ -15,6 +15,15 @@ and gather indices are derived once a step, by the first layer, from vLLM's pers
 are rounded up to powers of two (of tokens, of blocks), so programs are reused across steps;
 tokens and requests that the runner pads (slot -1, block table rows on the null block 0) are
 computed and dropped.
+
+With ``kv_cache_dtype="fp8"`` (``fp8_e4m3``, ``fp8_e5m2``) vLLM sizes the cache in bytes (its
+spec's dtype is uint8); the backend reads those bytes as float8, writes ``key / k_scale``
+saturated to the float8 range, as vLLM's CUDA cache kernels do, and reads ``k_scale * key``
+back in the query's dtype (the same for values, with the layer's per-tensor scales: 1.0 unless
+the checkpoint has them).
+
+Encoder-only attention (BERT-style embedding models, vLLM's ``EncoderOnlyAttention``) has no
+cache: each request's queries see all of its own new keys and values, which the layer passes in.
 """
 
 from __future__ import annotations
@@ -38,10 +47,16 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from torchtpu.integrations.vllm.support import KV_CACHE_DTYPES
+
+# the float8 type each fp8 kv_cache_dtype's bytes hold
+FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
+                 "fp8_e5m2": torch.float8_e5m2}
+
 
 class TpuAttentionBackend(AttentionBackend):
     supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto", "float32", "bfloat16", "float16"]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = list(KV_CACHE_DTYPES)
     forward_includes_kv_cache_update: bool = False
 
     @staticmethod
@@ -55,6 +70,10 @@ class TpuAttentionBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls() -> type[TpuAttentionMetadataBuilder]:
         return TpuAttentionMetadataBuilder
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
@@ -129,6 +148,7 @@ class TpuAttentionMetadata:
     query_start_loc: torch.Tensor  # [R + 1], non-decreasing (padded requests query nothing)
     seq_lens: torch.Tensor  # [R]
     block_table: torch.Tensor  # [R, >= L / block_size]
+    causal: bool = True  # False: encoder-only, each query sees its request's new tokens
     _layout: tuple | None = None
 
     def layout(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -137,7 +157,8 @@ class TpuAttentionMetadata:
         query_rows: the step token each padded query row reads; token_rows: the padded row
         each step token's output is in; context_slots: the cache slot of each request's context
         position; mask: True where a query sees a context position (a padded query row sees
-        position 0 only, so its softmax stays finite; its output is dropped).
+        position 0 only, so its softmax stays finite; its output is dropped). Not causal, the
+        mask is [R, 1, 1, Q]: the request's own new tokens (at least one, for padded requests).
         """
         if self._layout is None:
             self._layout = _layout(self)
@@ -157,7 +178,10 @@ def _layout(md: TpuAttentionMetadata) -> tuple:
     query_rows = (starts[:-1, None] + offsets).clamp(max=max(t - 1, 0))
     positions = md.seq_lens[:r].long()[:, None] - lens[:, None] + offsets
     positions = torch.where(offsets < lens[:, None], positions, 0)
-    mask = (torch.arange(md.context_len, device=dev) <= positions[:, :, None])[:, None]
+    if md.causal:
+        mask = (torch.arange(md.context_len, device=dev) <= positions[:, :, None])[:, None]
+    else:
+        mask = (offsets < lens.clamp(min=1)[:, None])[:, None, None]
     token = torch.arange(t, device=dev)
     req = torch.searchsorted(starts[1:], token, right=True).clamp(max=r - 1)
     token_rows = (req * q + token - starts[req]).clamp(0, r * q - 1)
@@ -180,6 +204,9 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
               fast_build: bool = False) -> TpuAttentionMetadata:
         # no device work here: the layout is derived inside the model's forward (layout())
         m = common_attn_metadata
+        if not isinstance(m.causal, bool):
+            raise NotImplementedError("torchtpu.unsupported: the tpu attention backend has no "
+                                      "per-request (dynamic) causality yet")
         table = m.block_table_tensor
         num_blocks = min(table.shape[1], _pow2_at_least(-(-m.max_seq_len // self.block_size)))
         return TpuAttentionMetadata(
@@ -187,6 +214,7 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
             max_query_len=min(_pow2_at_least(m.max_query_len), m.num_actual_tokens),
             context_len=num_blocks * self.block_size, block_size=self.block_size,
             query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
+            causal=m.causal,
         )
 
 
@@ -202,7 +230,7 @@ class TpuAttentionImpl(AttentionImpl):
             "sliding-window attention": sliding_window is not None,
             "logits soft-capping": bool(logits_soft_cap),
             "attention sinks": sinks is not None,
-            f"attention type {attn_type}": attn_type != AttentionType.DECODER,
+            f"attention type {attn_type}": not TpuAttentionBackend.supports_attn_type(attn_type),
         }
         for what, asked in unsupported.items():
             if asked:
@@ -214,14 +242,23 @@ class TpuAttentionImpl(AttentionImpl):
         self.scale = float(scale)
         self.num_kv_heads = num_kv_heads
         self.kv_cache_dtype = kv_cache_dtype
+        self.fp8 = FP8_KV_DTYPES.get(kv_cache_dtype)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        if self.attn_type == AttentionType.ENCODER_ONLY:  # no cache
+            return
         slots = _slots(kv_cache)
         n = min(key.shape[0], slot_mapping.shape[0])
-        rows = torch.cat([key[:n], value[:n]], dim=-1).to(slots.dtype)
+        key, value = key[:n], value[:n]
+        if self.fp8 is not None:
+            slots = slots.view(self.fp8)
+            top = torch.finfo(self.fp8).max
+            key = (key.float() / layer._k_scale).clamp(-top, top)
+            value = (value.float() / layer._v_scale).clamp(-top, top)
+        rows = torch.cat([key, value], dim=-1).to(slots.dtype)
         # a padded token's slot is -1, which indexing would wrap to the last slot: it writes
         # into block 0 instead, vLLM's null block, which no request's context reads
         slots.index_copy_(0, slot_mapping[:n].long().clamp(min=0), rows)
@@ -241,14 +278,29 @@ class TpuAttentionImpl(AttentionImpl):
         n, reqs, q_len = md.num_actual_tokens, md.num_reqs, md.max_query_len
         d = self.head_size
         query_rows, token_rows, context_slots, mask = md.layout()
-        context = _slots(kv_cache).index_select(0, context_slots)
-        context = context.view(reqs, md.context_len, self.num_kv_heads, 2 * d).transpose(1, 2)
-        k, v = context[..., :d], context[..., d:]
         q = query[:n][query_rows].transpose(1, 2)  # [R, heads, Q, d]
+        if self.attn_type == AttentionType.ENCODER_ONLY:
+            k, v = key[:n][query_rows].transpose(1, 2), value[:n][query_rows].transpose(1, 2)
+        else:
+            k, v = self._context(layer, kv_cache, md, context_slots, q.dtype)
         out = F.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=self.scale,
+            q, k, v, attn_mask=mask, scale=self.scale,
             enable_gqa=self.num_heads != self.num_kv_heads,
         )
         out = out.transpose(1, 2).reshape(reqs * q_len, self.num_heads, d)
         output[:n] = out[token_rows]
         return output
+
+    def _context(self, layer: torch.nn.Module, kv_cache: torch.Tensor, md: TpuAttentionMetadata,
+                 context_slots: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's cached keys and values, ``[R, kv_heads, L, d]`` each, in ``dtype``."""
+        d = self.head_size
+        slots = _slots(kv_cache)
+        context = slots.view(self.fp8 or slots.dtype).index_select(0, context_slots)
+        context = context.view(md.num_reqs, md.context_len, self.num_kv_heads, 2 * d)
+        context = context.transpose(1, 2)
+        k, v = context[..., :d].to(dtype), context[..., d:].to(dtype)
+        if self.fp8 is not None:
+            k, v = k * layer._k_scale.to(dtype), v * layer._v_scale.to(dtype)
+        return k, v

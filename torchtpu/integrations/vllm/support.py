@@ -11,8 +11,9 @@ from __future__ import annotations
 
 # speculative-decoding methods whose kernels have tpu versions (spec_kernels.py)
 SPECULATIVE_METHODS = ("ngram",)
-# KV-cache dtypes the tpu attention backend stores (attention.py)
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV-cache dtypes the tpu attention backend stores (attention.py); the fp8 ones as float8 with
+# vLLM's per-tensor scales (``k_scale``/``v_scale``), per-token-head ones not
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 def _refuse(what: str, instead: str) -> None:
