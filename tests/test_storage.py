@@ -113,3 +113,26 @@ def test_memory_formats_give_cpu_strides():
     torch.testing.assert_close(values, cpu_values)
     with pytest.raises(RuntimeError, match="required rank 4 tensor to use channels_last"):
         torch.zeros(6, device="tpu").resize_((2, 3), memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("args", [(), (0,), (5,), ([1, 2, 255, 0, 256, -1],)])
+def test_storage_constructors_take_cpus_arguments(args):
+    untyped = torch.UntypedStorage(*args, device="tpu")
+    assert untyped.device.type == "tpu"
+    cpu = torch.UntypedStorage(*args)
+    assert untyped.nbytes() == cpu.nbytes()
+    if args and isinstance(args[0], list):
+        assert untyped.tolist() == cpu.tolist()
+    typed = torch.TypedStorage(*args, dtype=torch.float32, device="tpu")
+    typed_cpu = torch.TypedStorage(*args, dtype=torch.float32)
+    assert typed.size() == typed_cpu.size()
+    if args and isinstance(args[0], list):
+        assert typed.tolist() == typed_cpu.tolist()
+
+
+def test_storage_constructor_refuses_what_cpu_refuses():
+    with pytest.raises(RuntimeError) as cpu:
+        torch.UntypedStorage([1, 2.5])
+    with pytest.raises(RuntimeError) as tpu:
+        torch.UntypedStorage([1, 2.5], device="tpu")
+    assert str(tpu.value) == str(cpu.value)

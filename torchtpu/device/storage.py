@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchtpu.device import memory_history
+from torchtpu.runtime.platform import jax_device
 
 _ALIGN = 64
 _lock = threading.Lock()
@@ -82,8 +83,6 @@ def set_array(storage: torch.UntypedStorage, array: jax.Array) -> None:
 
 def zeros_for(storage: torch.UntypedStorage, index: int = 0) -> jax.Array:
     """The array an unwritten storage reads as: zero bytes."""
-    from torchtpu.runtime.platform import jax_device
-
     arr = jax.device_put(np.zeros(storage.nbytes(), np.uint8), jax_device(index))
     storage._tpu_array = arr
     return arr
@@ -95,7 +94,8 @@ def _device_of(args, kwargs) -> torch.device | None:
 
 
 def install_constructor() -> None:
-    """Make ``torch.UntypedStorage(n, device="tpu")`` build a device storage.
+    """Make ``torch.UntypedStorage(n, device="tpu")`` build a device storage (of n bytes, none,
+    or the byte values of a sequence, as CPU's).
 
     PyTorch has no allocator for a Python backend, so its own constructor would dereference a
     null allocator; deepcopy, ``storage.clone()`` and ``torch.load(map_location="tpu")`` all
@@ -111,10 +111,16 @@ def install_constructor() -> None:
 
             index = platform.check_index(device.index) if device.index is not None \
                 else platform.current_index()
-            if len(args) != 1 or not isinstance(args[0], int):
-                raise TypeError("torchtpu.argument: torch.UntypedStorage(size, device='tpu') "
-                                "takes one int size")
-            storage = new_storage(args[0], index)
+            if len(args) == 1 and isinstance(args[0], int):
+                storage = new_storage(args[0], index)
+            else:
+                # No size, or a sequence of byte values: built on CPU first, so every other
+                # argument is checked, and refused, in CPU's words.
+                host = base_new(klass, *args)
+                storage = new_storage(host.nbytes(), index)
+                if host.nbytes():
+                    host_bytes = torch.empty(0, dtype=torch.uint8).set_(host).numpy()
+                    set_array(storage, jax.device_put(host_bytes, jax_device(index)))
             if memory_history.recording:
                 memory_history.track(storage)
             return storage
