@@ -19,11 +19,26 @@ from torchtpu.lowering import collectives
 
 BACKENDS = ("tpu_dist", "tpu")
 
+# The process group's own modules. C++ callers (DDP's buffer broadcast and reducer, c10d's
+# coalesced ops) enter them through PyTorch's trampoline also while a compiled function runs
+# its eager parts, where Dynamo would try to trace their frames as user code (and fail on the
+# group, an opaque object to it): Dynamo must run them, as it runs the device runtime.
+# ``simple_fsdp``, ``topology`` and ``dtensor_sdpa`` are user-facing and stay traceable.
+_TRANSPORT = ("group", "host", "p2p", "protocol", "work", "xla", "programs", "jax_runtime",
+              "launch", "device_binding")
+
 
 def _in_program(nodes: list):
     from torchtpu.distributed import programs  # the XLA transport's modules load on first use
 
     return programs.resolve(nodes)
+
+
+def _hide_transport_from_dynamo() -> None:
+    from torch._dynamo import trace_rules
+
+    for name in _TRANSPORT:
+        trace_rules.add(f"{__name__}.{name}")
 
 
 def register() -> None:
@@ -43,6 +58,7 @@ def register() -> None:
             dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
     # Tensor-parallel attention: DTensor's sharding rules for the tpu's fused SDPA op.
     after_import("torch.distributed.tensor", dtensor_sdpa.register)
+    after_import("torch._dynamo", _hide_transport_from_dynamo)
 
 
 __all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "register"]
