@@ -406,3 +406,13 @@ def _byte_mask_warnings(device):
 
 def test_byte_masks_warn_as_on_cpu():
     assert _byte_mask_warnings("tpu") == _byte_mask_warnings("cpu")
+
+
+def test_repeat_interleave_by_tensor_matches_cpu():
+    """Tensor repeats (zeros included): with output_size one program, without it sized from the
+    repeats' values; vLLM's mean pooling takes the first form."""
+    r = torch.tensor([2, 0, 3, 1, 4])
+    x = torch.randn(5, 3)
+    check_against_cpu(lambda r: torch.repeat_interleave(r), r)
+    check_against_cpu(lambda x, r: torch.repeat_interleave(x, r, dim=0, output_size=10), x, r)
+    check_against_cpu(lambda x, r: torch.repeat_interleave(x, r, dim=1), x.T.contiguous(), r)

@@ -1,5 +1,6 @@
 """Indexing: index, index_put, gather, scatter, scatter_reduce, index_select/add/copy/fill,
-masked_scatter/select, nonzero, unique, embedding and its backward, searchsorted/bucketize.
+masked_scatter/select, nonzero, unique, embedding and its backward, searchsorted/bucketize,
+repeat_interleave.
 
 Ops whose result shape depends on values (nonzero, masked_select, unique) are registered with
 ``data_dependent_shape`` and run on concrete arrays. Boolean masks in ``index_put`` are handled
@@ -344,6 +345,15 @@ def _searchsorted(boundaries, values, right: bool, sorter=None):
 def searchsorted(sorted_sequence, x, out_int32=False, right=False, side=None, sorter=None):
     right = side == "right" if side is not None else right
     return _searchsorted(sorted_sequence, jnp.asarray(x), right, sorter)
+
+
+@lowers(aten.repeat_interleave.Tensor,
+        data_dependent_shape=lambda repeats, output_size=None: output_size is None)
+def repeat_interleave(repeats, output_size=None):
+    """``[0]*r0 + [1]*r1 + ...``: output i is the first j whose running total passes i."""
+    size = int(repeats.sum()) if output_size is None else output_size  # concrete without it
+    return jnp.searchsorted(jnp.cumsum(repeats), jnp.arange(size), side="right").astype(
+        jnp.int64)
 
 
 @lowers(aten.bucketize.Tensor, aten.bucketize.Scalar)
