@@ -125,6 +125,19 @@ def test_normalization_layers():
     check_fwd_bwd(lambda x, w, b: F.layer_norm(x, (5,), w, b), r(3, 5), r(5), r(5))
 
 
+def test_group_norm_layouts_and_statistics():
+    # channels_last input reaches native_group_norm as it is (PyTorch's composite kernel cannot
+    # view it); 3-d spatial sizes, no affine, and the saved mean / rstd are CPU's too.
+    x = r(2, 6, 3, 4).detach().contiguous(memory_format=torch.channels_last).requires_grad_()
+    check_fwd_bwd(lambda x, w, b: F.group_norm(x, 3, w, b), x, r(6), r(6))
+    check_fwd_bwd(lambda x: F.group_norm(x, 2), r(3, 4, 2, 3, 2))
+    args = (torch.randn(2, 6, 5), torch.randn(6), torch.randn(6), 2, 6, 5, 3, 1e-5)
+    stats = torch.ops.aten.native_group_norm(*args)
+    assert_same(torch.ops.aten.native_group_norm(*to_device(args)), stats, **TOL)
+    half = torch.randn(2, 4, 8, dtype=torch.bfloat16)
+    assert_same(F.group_norm(half.to("tpu"), 2), F.group_norm(half, 2), atol=1e-2, rtol=1e-2)
+
+
 def test_activations():
     x = r(3, 5)
     for fn in (lambda t: F.softmax(t, -1), lambda t: F.log_softmax(t, 0), F.gelu,

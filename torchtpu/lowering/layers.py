@@ -1,5 +1,5 @@
 """The ops every transformer step runs, lowered whole: softmax and log-softmax, GELU, layer norm
-and the NLL loss, forward and backward, plus ``addmm``.
+and the NLL loss, forward and backward, plus ``addmm``; and group norm's forward.
 
 PyTorch decomposes all of them, and those decompositions give the right numbers, but in eager
 mode each costs a pass through PyTorch's Python references (about half a millisecond) and then a
@@ -99,6 +99,18 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
     axes = _layer_norm_axes(x, normalized_shape)
     y, mean, rstd = _normalize(_wide(x), axes, eps)
     return _affine(y, weight, bias), mean, rstd
+
+
+@lowers(aten.native_group_norm.default)
+def native_group_norm(x, weight, bias, n, c, hxw, group, eps):
+    # Not PyTorch's composite kernel: it views the input as (1, N * group, -1), which a
+    # channels_last input (group_norm passes one on as it is) cannot be viewed as.
+    grouped = _wide(x).reshape(n, group, c // group * hxw)
+    y, mean, rstd = _normalize(grouped, (2,), eps)
+    per_channel = (1, c) + (1,) * (x.ndim - 2)
+    y = _affine(y.reshape(x.shape), None if weight is None else weight.reshape(per_channel),
+                None if bias is None else bias.reshape(per_channel))
+    return y, mean.reshape(n, group), rstd.reshape(n, group)
 
 
 @lowers(aten.native_layer_norm_backward.default)

@@ -6,7 +6,7 @@ Most of the family needs none: every other op of it that reaches the device has 
 ``torch._decomp`` decomposition whose pieces are lowered elsewhere, and tests/test_nn_ops.py checks
 each against CPU, forward and backward: silu/relu/leaky_relu/elu/hardtanh/softplus/mish/
 hardswish/hardsigmoid and their backwards, ``native_batch_norm`` (its decomposition writes the
-running stats back with ``copy_``, which lands in the device storage), ``native_group_norm``,
+running stats back with ``copy_``, which lands in the device storage), the group norm backward,
 ``_fused_rms_norm``, the mse/bce/smooth_l1/huber losses. The ops every transformer step runs
 (softmax, GELU, layer norm, NLL loss) are lowered whole in ``layers`` for speed.
 ``scaled_dot_product_attention`` on a tpu tensor runs as one fused op forward and one backward
