@@ -206,6 +206,17 @@ def test_pad_backward(mode):
         assert_same(actual, expected)
 
 
+@pytest.mark.parametrize("mode", ["reflect", "replicate"])
+def test_negative_pads_crop(mode):
+    # A negative pad crops its side; the other side's edge stays the input's, so (-2, 2) reflects
+    # into the cropped part.
+    for shape, pad in (((2, 5), (-2, 2)), ((2, 5), (1, -3)), ((1, 3, 4, 5), (0, 0, -1, -1)),
+                       ((1, 3, 4, 5), (-1, 2, 2, -2))):
+        actual, expected = _grads(lambda t, p=pad: F.pad(t, p, mode=mode),
+                                  torch.randn(shape, dtype=torch.float64))
+        assert_same(actual, expected)
+
+
 @pytest.mark.filterwarnings("ignore:index_reduce")
 @pytest.mark.parametrize("reduce", ["prod", "mean", "amax", "amin"])
 def test_index_reduce(reduce):

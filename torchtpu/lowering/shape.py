@@ -41,7 +41,18 @@ def _pad_last_dims(x, pad, mode: str):
     widths = [(0, 0)] * x.ndim
     for i in range(len(pad) // 2):
         widths[x.ndim - 1 - i] = (pad[2 * i], pad[2 * i + 1])
-    return jnp.pad(x, widths, mode=mode)
+    if min(pad, default=0) >= 0:
+        return jnp.pad(x, widths, mode=mode)
+    # A negative pad crops that side, and the reflected or repeated edge is still the input's
+    # (so a reflection may reach into the cropped part): output j reads input j - before,
+    # folded back into range.
+    for d, (before, after) in enumerate(widths):
+        if before or after:
+            k = jnp.arange(x.shape[d] + before + after) - before
+            last = x.shape[d] - 1
+            k = jnp.abs(k) if mode == "reflect" else jnp.clip(k, 0, last)
+            x = jnp.take(x, jnp.where(k > last, 2 * last - k, k), axis=d)
+    return x
 
 
 @lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default,
