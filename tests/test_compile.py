@@ -289,15 +289,25 @@ def test_dynamic_shapes_training_matches_cpu():
     _check_grads(cpu, dev, atol=1e-4, rtol=1e-4)
 
 
-def test_plain_torch_compile_picks_tpu_for_device_inputs():
+@pytest.mark.parametrize("backend", [{}, {"backend": "inductor"}], ids=["no-backend", "inductor"])
+def test_plain_torch_compile_picks_tpu_for_device_inputs(backend, fresh_dynamo):
+    # Scripts written for CUDA name Inductor (TorchTitan passes backend="inductor"), which has no
+    # code generator for tpu: graphs on the device compile with "tpu", the rest with Inductor.
     torch.manual_seed(0)
     cpu_model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
     dev_model = copy.deepcopy(cpu_model).to("tpu")
     x = torch.randn(5, 4)
     before = torchtpu.metrics.snapshot().get("compiled_graphs", 0)
-    out = torch.compile(dev_model)(x.to("tpu"))  # no backend given
-    assert torchtpu.metrics.snapshot()["compiled_graphs"] > before
+    out = torch.compile(dev_model, **backend)(x.to("tpu"))
+    assert torchtpu.metrics.snapshot()["compiled_graphs"] == before + 1
     torch.testing.assert_close(out.cpu(), cpu_model(x), atol=1e-5, rtol=1e-5)
+
+
+def test_inductor_modes_on_device_are_refused_by_name(fresh_dynamo):
+    model = torch.nn.Linear(4, 3).to("tpu")
+    with pytest.raises(Exception, match=r"torchtpu.compile: torch.compile\(mode='max-autotune'\)"):
+        torch.compile(model, backend="inductor", mode="max-autotune")(
+            torch.randn(2, 4, device="tpu"))
 
 
 def test_compiled_adamw_steps_match_cpu_eager(monkeypatch):
@@ -333,3 +343,22 @@ def test_compiled_adamw_steps_match_cpu_eager(monkeypatch):
         assert dev_opt.state[p]["step"].item() == cpu_opt.state[q]["step"].item() == 4
     # The step counts are computed on the host: none waits for the program's copy of it.
     assert host_reads == []
+
+
+def test_complex_views_in_compiled_graphs_match_cpu():
+    # Rotary embeddings as Llama and TorchTitan write them: pairs viewed as complex, multiplied,
+    # viewed back; the backward holds the conjugate view.
+    def rope(x, freqs):
+        pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(pairs * freqs).flatten(-2).type_as(x)
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    freqs = torch.polar(torch.ones(5, 4), torch.randn(5, 4))
+    expected = rope(x, freqs)
+    expected.square().sum().backward()
+    dev_x = x.detach().to("tpu").requires_grad_()
+    out = torch.compile(rope, backend="tpu")(dev_x, freqs.to("tpu"))
+    out.square().sum().backward()
+    assert_same(out, expected, atol=1e-5, rtol=1e-5)
+    assert_same(dev_x.grad, x.grad, atol=1e-5, rtol=1e-5)

@@ -168,6 +168,25 @@ def view_dtype(x, dtype):
     return lax.bitcast_convert_type(x, target)
 
 
+@_graph_op(aten.view_as_complex.default)
+def view_as_complex(x):
+    # (..., 2) pairs to complex values; a float16 pair computes as complex64 (device/dtypes.py).
+    if x.dtype == jnp.float16:
+        x = x.astype(jnp.float32)
+    return lax.complex(x[..., 0], x[..., 1])
+
+
+@_graph_op(aten.view_as_real.default)
+def view_as_real(x):
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+@_graph_op(aten._conj.default)
+def conj_view(x):
+    # A view with the conjugate bit set in eager; as a value, the conjugate.
+    return jnp.conj(x)
+
+
 @_graph_op(aten.copy.default)
 def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src, x.shape)

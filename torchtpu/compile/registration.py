@@ -1,4 +1,5 @@
-"""What Dynamo must know about "tpu": the backend name, the device interface, the default backend.
+"""What Dynamo must know about "tpu": the backend name, the device interface, and that Inductor
+(named, or torch.compile's default) hands graphs on the device to "tpu".
 
 ``register`` runs once, right after ``torch._dynamo`` is first imported
 (``torchtpu/import_hooks.py``), so ``import torch`` does not load Dynamo. The backend itself
@@ -29,12 +30,31 @@ def _on_device(example_inputs: list) -> bool:
     return any(isinstance(x, torch.Tensor) and x.device.type == "tpu" for x in example_inputs)
 
 
-def default_backend(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
-                    options: dict | None = None) -> Callable:
-    """``torch.compile`` without a backend: "tpu" for graphs on the device, else Inductor."""
-    if _on_device(example_inputs):
-        return tpu(gm, example_inputs, mode=mode, options=options)
-    return torch._TorchCompileInductorWrapper(mode, options, None)(gm, example_inputs)
+def _route_inductor_on_device() -> None:
+    """``backend="inductor"`` (also torch.compile's default) compiles graphs on tpu with "tpu".
+
+    Inductor has no code generator for this device, and scripts written for CUDA name it
+    (TorchTitan passes ``backend=compile.backend``, "inductor" by default); graphs off the
+    device still go to Inductor. The mode and options given travel with the graph, so Inductor
+    modes are refused by name (``options.parse``) as with ``backend="tpu"``.
+    """
+    wrapper = torch._TorchCompileInductorWrapper
+    if getattr(wrapper, "_torchtpu_routed", False):
+        return
+    inductor_init, inductor_call = wrapper.__init__, wrapper.__call__
+
+    def __init__(self, mode, options, dynamic, *args, **kwargs):
+        inductor_init(self, mode, options, dynamic, *args, **kwargs)
+        self._torchtpu_request = (mode, options)
+
+    def __call__(self, model_, inputs_):
+        if _on_device(inputs_):
+            mode, options = getattr(self, "_torchtpu_request", (None, None))
+            return tpu(model_, inputs_, mode=mode, options=options)
+        return inductor_call(self, model_, inputs_)
+
+    wrapper.__init__, wrapper.__call__ = __init__, __call__
+    wrapper._torchtpu_routed = True
 
 
 def register() -> None:
@@ -48,5 +68,4 @@ def register() -> None:
         trace_rules.add(name)
     registry.register_backend(tpu, name="tpu")
     device_interface.register()
-    if hasattr(registry, "set_default_backend"):  # torch >= 2.13
-        registry.set_default_backend(default_backend)
+    _route_inductor_on_device()
