@@ -1,5 +1,5 @@
-"""vLLM's serving features on device "tpu": speculative decoding, structured output, FP8 KV cache,
-refusals.
+"""vLLM's serving features on device "tpu": speculative decoding, structured output (engine and
+OpenAI server), FP8 KV cache, refusals.
 
 Each engine runs in a process of its own (vLLM picks its platform once per process) and is
 compared with Hugging Face's greedy tokens on CPU, which ``tests/test_vllm.py`` shows equal to
@@ -263,7 +263,8 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"},
 
 def _hf_constrained(model_dir, prompts, schema, max_new_tokens):
     """HF ``generate()``'s greedy tokens under xgrammar's mask for ``schema``, on CPU, compiled
-    as vLLM's xgrammar backend compiles it with ``disable_any_whitespace``."""
+    as vLLM's xgrammar backend compiles it with ``disable_any_whitespace``; a prompt is text or
+    token ids."""
     import xgrammar as xgr
     import xgrammar.contrib.hf
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -276,7 +277,7 @@ def _hf_constrained(model_dir, prompts, schema, max_new_tokens):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     out = []
     for prompt in prompts:
-        ids = tok(prompt).input_ids
+        ids = tok(prompt).input_ids if isinstance(prompt, str) else prompt
         gen = model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens,
                              do_sample=False,
                              logits_processor=[xgrammar.contrib.hf.LogitsProcessor(grammar)])
@@ -323,3 +324,28 @@ def test_fp8_kv_cache_halves_kv_memory_and_keeps_the_greedy_tokens(tiny_llama):
     shared = [_agreement(a, b) for a, b in zip(runs["auto"]["ids"], runs["fp8"]["ids"])]
     print(f"fp8 KV cache: leading greedy tokens equal to bfloat16's: {shared} of 32")
     assert min(shared) >= 8, shared
+
+
+def test_openai_server_json_schema_response_format_is_valid_and_equals_hf(tiny_llama):
+    """``vllm serve`` on tpu, two concurrent chat requests with a JSON-schema
+    ``response_format``: valid JSON for the schema, the tokens HF picks under the same grammar."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jsonschema
+
+    from torchtpu.integrations.vllm import server
+
+    guided = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
+    body = {"model": tiny_llama, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
+            "response_format": {"type": "json_schema",
+                                "json_schema": {"name": "answer", "schema": SCHEMA}}}
+    chats = [[{"role": "user", "content": "give me json"}], [{"role": "user", "content": "hi"}]]
+    with server.serve(tiny_llama, "tpu",
+                      args=(*server.SERVE_ARGS, "--structured-outputs-config", guided)) as url:
+        with ThreadPoolExecutor(len(chats)) as pool:
+            answers = list(pool.map(lambda m: server.post(
+                url + "/v1/chat/completions", {**body, "messages": m}), chats))
+    for answer in answers:
+        jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), SCHEMA)
+    want = _hf_constrained(tiny_llama, [a["prompt_token_ids"] for a in answers], SCHEMA, 40)
+    assert [a["choices"][0]["token_ids"] for a in answers] == want
