@@ -77,3 +77,61 @@ def test_a_fused_run_over_the_limit_is_refused_at_the_flush_and_holds_nothing():
     finally:
         memory_limit.set_limit(None)
     assert torch.equal((a * b)[:3].cpu(), torch.full((3,), 2.0))
+
+
+# ---------------------------------------------------------------------------- without a limit
+
+HUGE = 2**48  # float32 elements: 1 PiB, past what the host can map, so XLA:CPU refuses at once
+
+
+def _per_op(x):
+    return x.expand(HUGE) + 1
+
+
+def _deferred(x):
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        y = x.expand(HUGE) + 1
+        torch.tpu.synchronize()
+    return y
+
+
+_compiled_fn = None
+
+
+def _compiled(x):
+    global _compiled_fn
+    _compiled_fn = _compiled_fn or torch.compile(lambda a: a.expand(HUGE) + 1, backend="tpu")
+    return _compiled_fn(x)
+
+
+def _captured(x):
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):  # a sort's temporaries: XLA:CPU allocates them as it runs
+        y = torch.sort(torch.arange(HUGE // 4, device="tpu", dtype=torch.float32) * x).values.sum()
+    g.replay()
+    return y.item()
+
+
+@pytest.mark.parametrize("path, running, asked", [
+    (_per_op, "aten.add.Tensor", HUGE * 4),
+    (_deferred, "defer_and_fuse[1 ops]", HUGE * 4),
+    (_compiled, "compiled_inference_", HUGE * 4),
+    (_captured, "an earlier program (its results waited for here)", None),
+])
+def test_the_runtime_refusing_memory_is_torchs_out_of_memory_error_and_the_process_goes_on(
+        path, running, asked):
+    """No torchtpu limit: XLA's own RESOURCE_EXHAUSTED at a launch (or, for temporaries XLA:CPU
+    allocates as the program runs, at the wait for its results) is a torchtpu.memory error."""
+    assert memory_limit.limit() is None
+    x = torch.ones(1, device="tpu")
+    keep = torch.full((1000,), 3.0, device="tpu")  # the largest live tensor
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        path(x)
+    text = str(caught.value)
+    assert text.startswith(f"torchtpu.memory: out of device memory running {running}"), text
+    assert f"(at {__file__}:" in text and "the runtime refused an allocation of " in text, text
+    if asked is not None:
+        assert f"of {asked:,} bytes" in text, text
+    assert "RESOURCE_EXHAUSTED" in text and "4,000 B  float32[1000]" in text, text
+    del caught
+    assert torch.equal((x + keep).cpu(), torch.full((1000,), 4.0))  # it goes on

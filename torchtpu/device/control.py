@@ -17,7 +17,7 @@ import torch
 
 from torchtpu.device import memory
 from torchtpu.device import random as _random
-from torchtpu.runtime import platform
+from torchtpu.runtime import launch, platform
 
 
 class Precision(enum.Enum):
@@ -134,7 +134,7 @@ def wait(device=None, wait: bool = True) -> None:
         arrays = [_barrier()(), *jax.live_arrays()]
     if wait:
         for array in arrays:
-            array.block_until_ready()
+            launch.wait(array.block_until_ready)
 
 
 def get_device_name(device=None) -> str:

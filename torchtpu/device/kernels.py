@@ -21,7 +21,7 @@ from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
-from torchtpu.runtime import platform, warm
+from torchtpu.runtime import launch, platform, warm
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -86,7 +86,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
         tensors.capture.host_read()
     watcher = host_read_watcher
     start = time.perf_counter() if watcher is not None else 0.0
-    array = np.array(tensors.read(t))  # a copy: a donated buffer must never back a CPU tensor
+    # A copy: a donated buffer must never back a CPU tensor.
+    array = launch.wait(np.array, tensors.read(t))
     metrics.count("device_to_host_bytes", array.nbytes)
     asserts.raise_pending()
     if watcher is not None:

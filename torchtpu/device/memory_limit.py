@@ -15,8 +15,13 @@ the device; over the limit, nothing runs and nothing is donated: a ``torch.OutOf
 (``torch.cuda.OutOfMemoryError`` is the same class) names the program, the user's line that ran
 it, the bytes it asked for, the bytes in use, and the largest live tensors, with the Python stack
 that made each while memory history records (``torch.tpu.memory._record_memory_history()``).
-The process can free them (``del``) and go on. An allocation a real device's runtime refuses
-(``RESOURCE_EXHAUSTED`` from XLA on a TPU or GPU) is turned into the same error.
+The process can free them (``del``) and go on.
+
+With or without a limit, a launch the runtime itself refuses for want of memory (XLA's
+``RESOURCE_EXHAUSTED`` / "Out of memory" on a TPU or GPU, or on XLA:CPU an allocation past what
+the host can map) is the same error: ``install`` makes ``refusal`` the launch hook's handler
+(``runtime/launch.py``), which names the program, its line, the bytes the runtime was asked for
+(from its message, else XLA's memory analysis of the program) and the largest live tensors.
 
 The check scans the live arrays at each launch: it costs milliseconds per program, for finding
 what fits, not for speed. ``torch.profiler`` with ``ProfilerActivity.TPU`` replaces this launch
@@ -97,9 +102,11 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
 
 
 def install() -> None:
-    """Set the limit ``TORCHTPU_MEMORY_LIMIT`` names, if any. (A fraction is resolved at the
-    first launch: asking the device's size now would start JAX's backends at import, before
+    """Turn the runtime's refusals for memory into ``torch.OutOfMemoryError`` and set the limit
+    ``TORCHTPU_MEMORY_LIMIT`` names, if any. (A fraction is resolved at the first launch: asking
+    the device's size now would start JAX's backends at import, before
     jax.distributed.initialize can run.)"""
+    launch.refused = refusal
     cap = parse_size(os.environ.get(ENV, ""))
     if cap is not None:
         _arm(cap)
@@ -142,12 +149,18 @@ def _guard(label, fn, args: tuple):
         if asked and in_use + asked > cap:
             raise torch.OutOfMemoryError(_message(label, fn, asked, in_use, cap))
     previous = _state["previous"]
-    try:
-        return fn(*args) if previous is None else previous(label, fn, args)
-    except Exception as e:
-        if "RESOURCE_EXHAUSTED" not in str(e):
-            raise
-        raise torch.OutOfMemoryError(_message(label, fn, None, _in_use(), cap, str(e))) from e
+    return fn(*args) if previous is None else previous(label, fn, args)
+
+
+_ASKED = re.compile(r"allocat\w*\s+(\d+)\s*bytes", re.I)  # XLA's "Out of memory allocating N bytes"
+
+
+def refusal(label, fn, args: tuple, error: Exception) -> torch.OutOfMemoryError:
+    """The error for a launch the runtime refused for memory (``launch.refused``)."""
+    found = _ASKED.search(str(error))
+    asked = int(found.group(1)) if found else _asks(fn, args) or None
+    runtime = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    return torch.OutOfMemoryError(_message(label, fn, asked, _in_use(), limit(), runtime))
 
 
 def _message(label, fn, asked: int | None, in_use: int, cap: int | None,
@@ -158,11 +171,13 @@ def _message(label, fn, asked: int | None, in_use: int, cap: int | None,
     line = user_line()
     head = f"torchtpu.memory: out of device memory running {name}"
     head += f" (at {line})" if line else ""
-    if asked is not None:
+    if runtime is None:
         head += (f": it asks for {asked:,} bytes with {in_use:,} in use, over the limit of "
                  f"{cap:,} ({ENV} / torch.tpu.set_per_process_memory_fraction)")
     else:
-        head += f": the runtime refused an allocation with {in_use:,} bytes in use ({runtime})"
+        wanted = f" of {asked:,} bytes" if asked else ""
+        head += (f": the runtime refused an allocation{wanted} with {in_use:,} bytes in use "
+                 f"({runtime})")
     return "\n".join([head + ".", *largest_lines(),
                       "Free what you no longer need (del the tensors, drop references to them) "
                       "and go on, or lower the batch size."])

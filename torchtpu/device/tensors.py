@@ -181,10 +181,7 @@ def call(fn, *args):
     recorder = deferrer
     if recorder is not None:
         return recorder.record(fn, args)
-    observe = launch.observer
-    if observe is not None:
-        return observe(None, fn, args)
-    return fn(*args)
+    return launch.run(None, fn, args)
 
 
 # The capture in progress (``eager/capture.py``), else None. It is told of every storage read or
@@ -268,8 +265,9 @@ def storage_array(t: torch.Tensor):
         if _covers_storage(t, st) and t.dtype is not torch.complex32:
             zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
             # A capture reads a never-written storage as a real input, not as zeros it records.
-            array = st._tpu_array = (zeros_now(tuple(t.shape), dtypes.to_jax(t.dtype))()
-                                     if capture is not None else call(zeros))
+            array = st._tpu_array = (
+                launch.run(None, zeros_now(tuple(t.shape), dtypes.to_jax(t.dtype)), ())
+                if capture is not None else call(zeros))
         else:
             array = storages.zeros_for(st)
     if capture is not None:

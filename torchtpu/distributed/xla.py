@@ -149,8 +149,7 @@ class XlaProcessGroup(TpuProcessGroup):
             args.append(jax.make_array_from_single_device_arrays(
                 (n * block[0], *block[1:]), self._sharding, [value]))
         fn = _program(op, self._mesh_devices, outputs, **params)
-        observe = launch.observer
-        result = observe(op, fn, tuple(args)) if observe is not None else fn(*args)
+        result = launch.run(op, fn, tuple(args))
         results = (result,) if outputs is None else result
         return [r.addressable_data(0) for r in results]
 

@@ -218,7 +218,8 @@ class Capture:
             if start is None and isinstance(value, Pending):
                 # Created by the capture: zeros until a replay writes it, so that a later
                 # capture (a backward after a forward) reads it as an input of its shape.
-                start = tensors.zeros_now(tuple(value.shape), np.dtype(value.dtype))()
+                start = launch.run(None, tensors.zeros_now(tuple(value.shape),
+                                                           np.dtype(value.dtype)), ())
             if isinstance(start, jax.Array) and not start.committed:
                 # The program's outputs are committed to the device: an uncommitted input
                 # (from jnp.zeros, say) would make the second replay compile again.
@@ -343,11 +344,7 @@ class Captured:
                                "not nest")
         args = self._arguments(bind)
         metrics.count("executions")
-        observe = launch.observer
-        if observe is None:
-            results = self._fn(*args)
-        else:
-            results = observe(f"captured_graph[{self.ops} ops]", self._fn, args)
+        results = launch.run(f"captured_graph[{self.ops} ops]", self._fn, args)
         seen = {id(a) for a in args}
         for sts, r in zip(self._targets, results, strict=True):
             for st in sts:

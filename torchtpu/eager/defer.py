@@ -355,11 +355,7 @@ class Recorder:
             metrics.count("donated_inputs", len(donate))
             metrics.count("reused_buffers", len(inputs) - n_inputs)
             try:
-                observe = launch.observer
-                if observe is None:
-                    results = fused(*inputs)
-                else:
-                    results = observe(f"defer_and_fuse[{len(trace.nodes)} ops]", fused, inputs)
+                results = launch.run(f"defer_and_fuse[{len(trace.nodes)} ops]", fused, inputs)
             except BaseException as e:
                 for p in targets:
                     p._error, p._trace = e, None

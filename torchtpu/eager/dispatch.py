@@ -397,8 +397,9 @@ def kernel(op: OpOverload, *args, **kwargs):
         return handler(op)(args, kwargs)
     except Exception as e:
         at_user = executor.reported_at_user(e)
-        # Debug's NaN report is about values, which CPU would not refuse.
-        expected = None if isinstance(e, FloatingPointError) else \
+        # Debug's NaN report is about values, which CPU would not refuse; a device out of
+        # memory is no error of the call's (and a CPU copy would take as much host memory).
+        expected = None if isinstance(e, (FloatingPointError, torch.OutOfMemoryError)) else \
             fallback.cpu_error(op, args, kwargs)
         if expected is None:
             if at_user:

@@ -30,27 +30,18 @@ class Strict:
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
-        observe = launch.observer
-        if observe is not None:
-            return observe(lowering.op, program(lowering, spec), dyn)
-        return program(lowering, spec)(*dyn)
+        return launch.run(lowering.op, program(lowering, spec), dyn)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""
         metrics.count("executions")
-        observe = launch.observer
-        if observe is not None:
-            return observe(lowering.op, self._concrete, (lowering, spec, dyn))
-        return self._concrete(lowering, spec, dyn)
+        return launch.run(lowering.op, self._concrete, (lowering, spec, dyn))
 
     def run_program(self, label, fn, args: tuple):
         """A program an upper layer built for one op call (``compile/eager_buckets.py``), on
         concrete arguments: run now, in every mode."""
         metrics.count("executions")
-        observe = launch.observer
-        if observe is not None:
-            return observe(label, fn, args)
-        return fn(*args)
+        return launch.run(label, fn, args)
 
     @staticmethod
     def _concrete(lowering: Lowering, spec: Spec, dyn: tuple):

@@ -1,10 +1,21 @@
-"""The one hook on device program launches, for observers such as ``torch.profiler``.
+"""The one way device programs are launched: ``run(label, fn, args)``, and its two hooks.
 
 Every place that runs a device program (the executors' per-op programs, view readers and writers,
-DeferAndFuse's fused programs, compiled graphs) reads ``observer`` first. None, the default,
-costs one global read per program. An observer (``torchtpu/profiler/`` sets one while a profiler
-with ``ProfilerActivity.TPU`` records) runs the program itself, as ``observer(label, fn, args)``:
-``label`` names what the program runs (an op overload, a string, or None for ``fn``'s own name).
+DeferAndFuse's fused programs, compiled graphs, captured replays, XLA collectives) calls
+``run``; ``label`` names what the program runs (an op overload, a string, or None for ``fn``'s
+own name). Upper layers set the hooks:
+
+- ``observer``: None, the default, costs one global read per program. An observer
+  (``torchtpu/profiler/`` sets one while a profiler with ``ProfilerActivity.TPU`` records, and
+  ``device/memory_limit.py`` while a limit is set) runs the program itself, as
+  ``observer(label, fn, args)``.
+- ``refused``: when the runtime refuses a launch for want of device memory (XLA's
+  ``RESOURCE_EXHAUSTED`` status, or its "Out of memory" text), ``refused(label, fn, args, error)``
+  returns the exception raised in its place (``device/memory_limit.py``: a
+  ``torch.OutOfMemoryError`` naming the program, its line and the largest live tensors). It is
+  asked only on that error path: a launch that runs pays nothing for it. Host waits on results
+  go through ``wait``, which turns a refusal reported late (XLA:CPU allocates a program's
+  temporaries as it runs) into the same error.
 """
 
 from __future__ import annotations
@@ -12,4 +23,42 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 observer: Callable[[Any, Callable, tuple], Any] | None = None
+refused: Callable[[Any, Callable, tuple, Exception], Exception] | None = None
+
+
+def run(label: Any, fn: Callable, args: tuple) -> Any:
+    """fn(*args), through the observer when one is set; a refusal for memory as ``refused``
+    makes it."""
+    observe = observer
+    try:
+        return fn(*args) if observe is None else observe(label, fn, args)
+    except Exception as e:
+        handler = refused
+        if handler is None or not out_of_memory(e):
+            raise
+        raise handler(label, fn, args, e) from e
+
+
+def wait(fn: Callable, *args) -> Any:
+    """fn(*args), a host wait on launched programs' results (a copy to the host, a
+    ``block_until_ready``): a runtime that allocates a program's temporaries as it runs (XLA:CPU)
+    reports a refusal for them here, made into what ``refused`` makes of it."""
+    try:
+        return fn(*args)
+    except Exception as e:
+        handler = refused
+        if handler is None or not out_of_memory(e):
+            raise
+        raise handler("an earlier program (its results waited for here)", fn, args, e) from e
+
+
+def out_of_memory(e: BaseException) -> bool:
+    """Whether e is the runtime refusing an allocation (not one already turned into torch's
+    ``OutOfMemoryError``)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return False
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
