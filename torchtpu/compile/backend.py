@@ -372,8 +372,7 @@ class CompiledGraph:
             metrics.count("compiled_donated_inputs", len(donate))
         if self.spmd is not None:
             call = self.spmd.to_global(call)
-        observe = launch.observer
-        outs = program(*call) if observe is None else observe(self.name, program, call)
+        outs = launch.run(self.name, program, call)
         if self.spmd is not None:
             outs = self.spmd.to_local(outs, self.scalar_outputs)
         for t, by in consumed:
