@@ -111,3 +111,22 @@ def test_module_to_tpu_and_back():
 def test_module_to_tpu_keeps_tied_weights():
     model = TinyGPT(**CONFIG).to("tpu")
     assert_tied(model)
+
+
+def test_moves_keep_tied_weights_and_other_conversions_keep_pytorchs_path():
+    model = TinyGPT(**CONFIG).to("tpu")
+    assert_tied(model.cpu())
+    assert_tied(model.tpu())
+    with torch.device("meta"):
+        on_meta = TinyGPT(**CONFIG)
+    assert_tied(on_meta.to_empty(device="tpu"))
+    # Not a move: PyTorch's `.data =` path, which a live autograd graph does not block (a swap
+    # refuses a parameter the graph holds), on CPU and on tpu alike.
+    for device in ("cpu", "tpu"):
+        conv = torch.nn.Conv2d(4, 4, 3).to(device)
+        out = conv(torch.randn(1, 4, 8, 8, device=device))
+        weight = conv.weight
+        conv.to(memory_format=torch.channels_last)
+        assert conv.weight is weight
+        assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+        out.sum().backward()

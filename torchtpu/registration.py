@@ -11,6 +11,8 @@ entry point (plain ``import torch``) call.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import threading
 
 import torch
@@ -104,25 +106,53 @@ def _install_matmul_precision() -> None:
     torch.set_float32_matmul_precision = set_float32_matmul_precision
 
 
+def _moves_tpu(module: torch.nn.Module, device) -> bool:
+    """Whether converting module's tensors to device moves any of them onto or off the tpu."""
+    if device is None:
+        return False
+    to_tpu = torch.device(device).type == "tpu"
+    tensors = itertools.chain(module.parameters(), module.buffers())
+    return any((t.device.type == "tpu") != to_tpu for t in tensors)
+
+
+def _swapping_when(moves):
+    """Wraps a Module conversion method to swap parameters in place when moves(...) says so."""
+    def wrap(method):
+        @functools.wraps(method)
+        def run(self, *args, **kwargs):
+            future = torch.__future__
+            try:
+                swap = not future.get_swap_module_params_on_conversion() and \
+                    moves(self, *args, **kwargs)
+            except Exception:  # arguments the method itself will refuse, in its own words
+                swap = False
+            if not swap:
+                return method(self, *args, **kwargs)
+            future.set_swap_module_params_on_conversion(True)
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                future.set_swap_module_params_on_conversion(False)
+
+        return run
+
+    return wrap
+
+
 def _install_parameter_swap() -> None:
-    # Module.to("tpu") would otherwise replace each Parameter by a new object (PyTorch's
-    # shallow-copy check does not know PrivateUse1), splitting tied weights in two.
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    # The flag makes load_state_dict swap too, and swap_tensors refuses a tensor that has weak
-    # references: the RNN modules keep one to each weight, so their load_state_dict failed (on
-    # CPU as well). Their own _apply drops and rebuilds those references around a conversion;
-    # loading does the same here.
-    rnn = torch.nn.modules.rnn.RNNBase
-    load = rnn._load_from_state_dict
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._flat_weight_refs = []
-        try:
-            load(self, *args, **kwargs)
-        finally:
-            self._init_flat_weights()
-
-    rnn._load_from_state_dict = _load_from_state_dict
+    # A move onto or off the device (Module.to("tpu"), .tpu(), .cpu(), .to_empty) would replace
+    # each Parameter by a new object (PyTorch's shallow-copy check does not know PrivateUse1),
+    # splitting tied weights in two, so those moves swap tensors in place. Every other
+    # conversion keeps PyTorch's own ``.data =``: a swap refuses a parameter that an autograd
+    # graph still holds, so a global switch made ``conv.to(memory_format=...)`` after a forward
+    # fail, on CPU too.
+    module = torch.nn.Module
+    module.to = _swapping_when(
+        lambda m, *a, **k: _moves_tpu(m, torch._C._nn._parse_to(*a, **k)[0]))(module.to)
+    module.cpu = _swapping_when(lambda m: _moves_tpu(m, "cpu"))(module.cpu)
+    module.tpu = _swapping_when(lambda m, device=None: _moves_tpu(m, "tpu"))(module.tpu)
+    module.to_empty = _swapping_when(
+        lambda m, *, device, recurse=True: _moves_tpu(m, device))(module.to_empty)
 
 
 def register() -> None:
