@@ -67,3 +67,14 @@ def test_growing_loop_compiles_per_bucket_not_per_length(models, mode):
 def test_buckets_are_the_compiled_paths():
     assert [eager_buckets._bucket(n) for n in (2, 16, 17, 33, 512, 513)] == \
         [16, 16, 32, 64, 512, 1024]
+
+
+def test_negative_indices_into_a_growing_dim_count_from_its_real_end():
+    # x[:, [-1, 0]] at a line whose x grows: padded, -1 must still be the last real position.
+    torch.manual_seed(0)
+    index = torch.tensor([-1, 0, -3])
+    calls = metrics.snapshot().get("eager_bucketed_calls", 0)
+    for n in range(3, 20):
+        x = torch.randn(2, n)
+        assert torch.equal(x.to("tpu")[:, index.to("tpu")].cpu(), x[:, index])
+    assert metrics.snapshot().get("eager_bucketed_calls", 0) > calls

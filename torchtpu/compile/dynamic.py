@@ -25,7 +25,8 @@ whether that gives exactly the unpadded results, and what the program must mask:
   bucket.
 
 Reads that only look at real positions need nothing either: ``gather`` and integer-tensor
-indexing (padded index positions give padded outputs), a ``select`` or a fixed slice counted
+indexing (padded index positions give padded outputs; a negative index into a padded dim is
+made to count from its real end), a ``select`` or a fixed slice counted
 from the start (``x[:, 0]``, ``x[:, :1]``; Dynamo guards that they fit the real size). Counted
 from the end (``x[:, -1]``, ``x[:, -3:]``), the input is first rolled so that its real elements
 end where the padded dim ends.
@@ -94,9 +95,11 @@ _CONTRACTING = {aten.mm.default: ((0, 1), (1, 0)), aten.bmm.default: ((0, 2), (1
 
 @dataclasses.dataclass(frozen=True)
 class Mask:
-    """Replace the padding of argument ``arg`` along ``dims`` by ``fill`` before the op runs."""
+    """Replace the padding of argument ``arg`` along ``dims`` by ``fill`` before the op runs;
+    "wrap": make the negative values of index tensor ``arg`` ((argument, list position)) count
+    from the real end of ``dims`` of argument 0."""
 
-    arg: int
+    arg: int | tuple
     dims: tuple
     fill: str | int
 
@@ -318,10 +321,17 @@ def _masks(node: fx.Node, layouts: dict) -> list:
                   f"{op} reads")
         return []
     if op is aten.index.Tensor:
-        # The same for advanced indexing with integer index tensors (masks are data-dependent).
+        # The same for advanced indexing with integer index tensors (masks are data-dependent),
+        # but a negative index counts from the end: along a padded dim it is made to count from
+        # the real end.
         if any(isinstance(i, fx.Node) and _val(i).dtype == torch.bool for i in args[1]):
             raise _Refused(f"{op} with a boolean mask")
-        return []
+        wrapped = [j for j, i in enumerate(args[1]) if isinstance(i, fx.Node) and _padded(lay, [j])]
+        if any(len(lay[j]) > 1 for j in wrapped):
+            raise _Refused(f"{op} indexes a merged dim")
+        if len({args[1][j] for j in wrapped}) < len(wrapped):
+            raise _Refused(f"{op} indexes two padded dims with one tensor")
+        return [Mask((1, j), (j,), "wrap") for j in wrapped]
     x = _val(args[0]) if args else None
     if op is aten.slice.Tensor:
         dim, start, end = (list(args[1:4]) + [0, None, None])[:3]

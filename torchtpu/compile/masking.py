@@ -3,7 +3,8 @@
 A padded program receives the real sizes of its symbols as traced int32 scalars. A node that
 mixes positions along a padded dim sees its inputs with the padding replaced (``jnp.where``, so
 a NaN or Inf in padding never leaks) by the identity of what it computes; a mean divides by the
-real count; a symbolic size taken as a number is the real size.
+real count; a symbolic size taken as a number is the real size; a negative index into a padded
+dim counts from the real end.
 """
 
 from __future__ import annotations
@@ -64,6 +65,14 @@ class Padding:
             return step.run(env, keys, scalars)
         local = dict(env)
         for m in masks:
+            if m.fill == "wrap":
+                (d,) = m.dims
+                (f,) = self.plan.layouts[node.args[0]][d]
+                at, j = m.arg
+                index = node.args[at][j]
+                i = env[index]
+                local[index] = jnp.where(i < 0, i + self.real[f].astype(i.dtype), i)
+                continue
             arg = node.args[m.arg]
             x = env[arg]
             if m.fill == "end":  # real elements moved to the end, for positions counted from it
