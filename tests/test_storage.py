@@ -136,3 +136,11 @@ def test_storage_constructor_refuses_what_cpu_refuses():
     with pytest.raises(RuntimeError) as tpu:
         torch.UntypedStorage([1, 2.5], device="tpu")
     assert str(tpu.value) == str(cpu.value)
+
+
+def test_storage_slices_are_refused_in_words():
+    storage = torch.arange(8, dtype=torch.uint8, device="tpu").untyped_storage()
+    assert storage[3] == 3
+    with pytest.raises(NotImplementedError, match=r"torchtpu.unsupported: slicing a tpu storage"):
+        storage[2:4]
+    assert list(torch.arange(8, dtype=torch.uint8).untyped_storage()[2:4]) == [2, 3]

@@ -178,6 +178,7 @@ def register() -> None:
         quantized_fallback = quantized.register()
         storage.install_constructor()
         storage.install_pickling()
+        storage.install_slicing()
         loader.install_pin_memory()
         from torchtpu.device import memory_limit
 

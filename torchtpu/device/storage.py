@@ -129,6 +129,27 @@ def install_constructor() -> None:
     cls.__new__ = __new__
 
 
+def install_slicing() -> None:
+    """Refuse ``storage[a:b]`` on a device storage in words.
+
+    PyTorch builds the slice as a second StorageImpl over the same addresses, which carries no
+    array: reading it failed on a missing attribute, and a write to it could not reach the
+    storage's bytes.
+    """
+    cls = torch.UntypedStorage
+    base_getitem = cls.__getitem__
+
+    def __getitem__(self, *args, **kwargs):
+        if self.device.type == "tpu" and args and isinstance(args[0], slice):
+            raise NotImplementedError(
+                "torchtpu.unsupported: slicing a tpu storage (storage[a:b]): the slice would not "
+                "share the storage's device bytes; read them through a tensor on the storage, "
+                "torch.empty(0, dtype=torch.uint8, device='tpu').set_(storage)[a:b]")
+        return base_getitem(self, *args, **kwargs)
+
+    cls.__getitem__ = __getitem__
+
+
 def from_host(host_bytes: torch.Tensor, dtype: torch.dtype | None) -> torch.UntypedStorage:
     """A pickled device storage back on the device, typed when it was: its bytes travel as a
     CPU uint8 tensor."""
