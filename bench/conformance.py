@@ -117,9 +117,13 @@ def _collect(tests_dir: Path, name: str, select: str | None, env: dict) -> list[
     """The file's test ids, so that tests a run never reached are reported as not run."""
     cmd = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
            "--rootdir", str(tests_dir), name] + (["-k", select] if select else [])
-    out = subprocess.run(cmd, cwd=tests_dir, env={**env, LOG_ENV: os.devnull},
-                         capture_output=True, text=True, timeout=600).stdout
-    return [line for line in out.splitlines() if line.startswith(name + "::")]
+    done = subprocess.run(cmd, cwd=tests_dir, env={**env, LOG_ENV: os.devnull},
+                          capture_output=True, text=True, timeout=600)
+    ids = [line for line in done.stdout.splitlines() if line.startswith(name + "::")]
+    if not ids:  # an import error (a helper this torch lacks) would read as a 0/0 file
+        tail = "\n".join((done.stdout + done.stderr).strip().splitlines()[-15:])
+        raise SystemExit(f"torchtpu.bench: pytest collected no tests from {name}:\n{tail}")
+    return ids
 
 
 def run_file(tests_dir: Path, name: str, work: Path, timeout: int, file_timeout: int,
