@@ -6,7 +6,13 @@ AdamW with clipping; same weights and batches), three ways:
   (``compile/whole_step.py``; default AdamW);
 - ``graph``: one eager warm-up step, then the step captured with ``torch.tpu.graph`` and
   replayed (``AdamW(capturable=True)``); its first step is the capture and the first replay;
-- ``dynamo``: the same compile as Dynamo's graphs (``options={"whole_step": False}``).
+- ``dynamo``: the same compile as Dynamo's graphs (``options={"whole_step": False}``), found
+  in AOTAutogradCache when warm (``compile/graph_cache.py``; Dynamo still traces);
+- ``precompile``: the model's loss compiled (Dynamo's forward and backward graphs), the
+  clipping and AdamW eager, with PyTorch's precompile on (``caching_precompile``; the
+  function's bytecode, guards and graphs saved by ``torch.compiler.save_cache_artifacts()``
+  after the steps): warm, nothing is traced. Its "graphs" column is the compiled forward and
+  the backward alone, without the eager optimizer step.
 
 Each runs in a fresh process with an empty ``TORCHTPU_CACHE_DIR`` (cold), then in another fresh
 process with the directory the first one filled (warm). A step is timed from its call to its
@@ -37,7 +43,7 @@ _spec = importlib.util.spec_from_file_location(
 cb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cb)
 
-KINDS = ("whole", "graph", "dynamo")
+KINDS = ("whole", "graph", "dynamo", "precompile")
 
 
 def _clock() -> tuple[float, float]:
@@ -56,8 +62,12 @@ def first_steps(kind: str) -> dict:
     model = cb._model().to("tpu")
     opt = torch.optim.AdamW(model.parameters(), lr=cb.LR, betas=cb.BETAS, eps=cb.EPS,
                             weight_decay=cb.WD, capturable=kind == "graph")
+    graphs: list = []
     if kind == "graph":
         run = _graphed(model, opt, batches[0])
+    elif kind == "precompile":
+        torch._dynamo.config.caching_precompile = True
+        run = _loss_compiled(model, opt, graphs)
     else:
         run = torch.compile(cb._step, backend="tpu", options={"whole_step": kind == "whole"})
         run = _call(run, model, opt)
@@ -68,8 +78,33 @@ def first_steps(kind: str) -> dict:
         run(x, y)
         steps.append(_since(start))
     m = torchtpu.metrics.snapshot()
-    return {"setup": setup, "steps": steps, "compiles": m["executable_compiles"],
+    if kind == "precompile":
+        torch.compiler.save_cache_artifacts()
+    return {"setup": setup, "steps": steps, "graphs": graphs,
+            "compiles": m["executable_compiles"],
             "hits": m["persistent_cache_hits"], "by_key": m.get("programs_loaded_by_key", 0)}
+
+
+def _loss(model, x, y):
+    return model(x, y)[1]
+
+
+def _loss_compiled(model, opt, graphs: list):
+    """The step with only the loss compiled; graphs gets each call's forward and backward time."""
+    loss_of = torch.compile(_loss, backend="tpu")
+
+    def run(x, y):
+        start = _clock()
+        loss = loss_of(model, x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.tpu.synchronize()
+        graphs.append(_since(start))
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cb.MAX_NORM)
+        opt.step()
+        return loss.item()
+
+    return run
 
 
 def _call(compiled, model, opt):
@@ -103,6 +138,7 @@ def _graphed(model, opt, warmup: tuple):
 
 def _fresh_process(cache: str, kind: str) -> dict:
     env = {**os.environ, "TORCHTPU_CACHE_DIR": cache}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # set in this process by graph_cache.place
     out = subprocess.run([sys.executable, __file__, "--child", kind], env=env, text=True,
                          capture_output=True, timeout=1800)
     if out.returncode != 0:
@@ -126,18 +162,23 @@ def main() -> None:
     print(f"TinyGPT {cb.LAYERS} layers, width {cb.WIDTH}, seq {cb.BLOCK}, batch {cb.BATCH}, "
           f"AdamW + clipping; platform {torchtpu.runtime.platform.platform()}; load "
           f"{load:.2f} -> {os.getloadavg()[0]:.2f}; seconds wall / CPU")
-    print(f"{'run':<8}{'cache':<6}{'setup':>13}{'step 1':>14}{'step 2':>13}{'compiles':>10}"
+    print(f"{'run':<11}{'cache':<6}{'setup':>13}{'step 1':>14}{'step 2':>13}{'compiles':>10}"
           f"{'JAX hits':>10}{'by key':>8}")
     for kind, (cold, warm) in results.items():
         for name, r in (("cold", cold), ("warm", warm)):
-            print(f"{kind:<8}{name:<6}{_pair(r['setup']):>13}{_pair(r['steps'][0]):>14}"
+            print(f"{kind:<11}{name:<6}{_pair(r['setup']):>13}{_pair(r['steps'][0]):>14}"
                   f"{_pair(r['steps'][1]):>13}{r['compiles']:>10}{r['hits']:>10}"
                   f"{r['by_key']:>8}")
         ratios = [c / w for c, w in zip(cold["steps"][0], warm["steps"][0])]
         both = [sum(s[i] for s in cold["steps"]) / sum(s[i] for s in warm["steps"])
                 for i in (0, 1)]
-        print(f"{kind:<8}cold / warm: first step {ratios[0]:.1f}x wall, {ratios[1]:.1f}x CPU; "
+        print(f"{kind:<11}cold / warm: first step {ratios[0]:.1f}x wall, {ratios[1]:.1f}x CPU; "
               f"first two steps {both[0]:.1f}x wall, {both[1]:.1f}x CPU")
+        if cold["graphs"]:
+            graphs = [c / w for c, w in zip(cold["graphs"][0], warm["graphs"][0])]
+            print(f"{kind:<11}graphs (compiled forward + backward) of the first step: "
+                  f"{_pair(cold['graphs'][0])} cold, {_pair(warm['graphs'][0])} warm: "
+                  f"{graphs[0]:.1f}x wall, {graphs[1]:.1f}x CPU")
 
 
 def _pair(seconds: list) -> str:

@@ -1,5 +1,6 @@
 """Warm starts (runtime/warm.py): a new process loads captured programs by torchtpu's own key,
-compiling and lowering nothing; a directory others can write gets no warm-start records."""
+compiling and lowering nothing; a directory others can write gets no warm-start records.
+Dynamo's graphs (compile/graph_cache.py): found in PyTorch's caches in the private directory."""
 
 import json
 import os
@@ -44,6 +45,9 @@ def _child(kind: str) -> None:
                 p.grad = None
         return loss
 
+    if kind == "precompile":
+        _precompile_child(build, batches)
+        return
     if kind == "graph":
         # No torch.optim here: its first use imports Dynamo (seconds), kept out of the
         # default suite.
@@ -60,7 +64,7 @@ def _child(kind: str) -> None:
             static_y.copy_(y)
             g.replay()
             tpu.append(static_loss.item())
-    else:
+    else:  # "whole" (one captured program) or "dynamo" (Dynamo's graphs, AOTAutogradCache)
         def adamw_step(model, opt, x, y):
             loss = (model(x) - y).square().mean()
             opt.zero_grad(set_to_none=True)
@@ -73,16 +77,65 @@ def _child(kind: str) -> None:
         cpu = [adamw_step(model, opt, x, y).item() for x, y in batches]
         model = build("tpu")
         opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        compiled = torch.compile(adamw_step, backend="tpu")
+        compiled = torch.compile(adamw_step, backend="tpu",
+                                 options={"whole_step": kind == "whole"})
+        before = _counts()
         tpu = [compiled(model, opt, x.to("tpu"), y.to("tpu")).item() for x, y in batches]
     m = torchtpu.metrics.snapshot()
     print(json.dumps({"cpu": cpu, "tpu": tpu, "compiles": m["executable_compiles"],
                       "hits": m["persistent_cache_hits"],
-                      "by_key": m.get("programs_loaded_by_key", 0)}))
+                      "by_key": m.get("programs_loaded_by_key", 0),
+                      **(_since(before) if kind == "dynamo" else {})}))
+
+
+def _counts() -> dict:
+    """What Dynamo, AOTAutograd and torchtpu have traced or loaded so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return {"dynamo_graphs": counters["stats"]["unique_graphs"],
+            "aot_traced": counters["aot_autograd"]["total"] - counters["aot_autograd"][
+                "autograd_cache_hit"],
+            "aot_hits": counters["aot_autograd"]["autograd_cache_hit"],
+            "precompiled": counters["dynamo_cache"]["dynamo_cache_hit"],
+            "loaded": metrics.snapshot().get("graphs_loaded_from_torch_cache", 0)}
+
+
+def _since(before: dict) -> dict:
+    return {k: v - before[k] for k, v in _counts().items()}
+
+
+def _precompile_child(build, batches) -> None:
+    """A model's loss compiled with PyTorch's precompile on (graph_cache.py): its forward and
+    backward graphs, losses and gradients against CPU eager; what was traced or loaded."""
+    import torch
+
+    torch._dynamo.config.caching_precompile = True
+
+    def loss_of(model, x, y):
+        return (model(x) - y).square().mean()
+
+    def run(model, fn, device):
+        losses, grads = [], []
+        for x, y in batches:
+            loss = fn(model, x.to(device), y.to(device))
+            loss.backward()
+            losses.append(loss.item())
+            grads.append(torch.cat([p.grad.cpu().flatten() for p in model.parameters()]).tolist())
+            model.zero_grad()
+        return losses, grads
+
+    cpu = run(build("cpu"), loss_of, "cpu")
+    before = _counts()
+    compiled = torch.compile(loss_of, backend="tpu")  # where Dynamo installs what it kept
+    tpu = run(build("tpu"), compiled, "tpu")
+    delta = _since(before)
+    torch.compiler.save_cache_artifacts()
+    print(json.dumps({"cpu": cpu, "tpu": tpu, **delta}))
 
 
 def _run(cache, kind: str) -> dict:
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error"}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # this process's (graph_cache.place): the child's own
     out = subprocess.run([sys.executable, __file__, kind], env=env, text=True,
                          capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -101,6 +154,70 @@ def test_second_process_compiles_and_lowers_nothing(tmp_path, kind):
     assert warm_run["by_key"] >= (1 if kind == "graph" else 2)
     assert warm_run["tpu"] == cold["tpu"]
     np.testing.assert_allclose(warm_run["tpu"], warm_run["cpu"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.full  # two processes that import Dynamo and compile: ~17 s of CPU
+def test_second_process_runs_dynamo_graphs_untraced(tmp_path):
+    """PyTorch's precompile (Dynamo's bytecode and guards) with AOTAutogradCache's bundled
+    entries of tpu graphs: the second process traces nothing and loads both graphs."""
+    cache = tmp_path / "cache"
+    cold, warm_run = _run(cache, "precompile"), _run(cache, "precompile")
+    assert cold["dynamo_graphs"] >= 1 and cold["aot_traced"] >= 1 and cold["loaded"] == 0
+    assert warm_run["precompiled"] == 1
+    assert warm_run["dynamo_graphs"] == 0 and warm_run["aot_traced"] == 0
+    assert warm_run["aot_hits"] == 0  # not even looked up: Dynamo installed its backends
+    assert warm_run["loaded"] == 2  # the forward and the backward graph
+    for run in (cold, warm_run):
+        np.testing.assert_allclose(run["tpu"][0], run["cpu"][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(run["tpu"][1], run["cpu"][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.full
+def test_second_process_loads_dynamo_graphs_of_a_training_step(tmp_path):
+    """Without precompile, a step that calls an optimizer: Dynamo traces again, AOTAutograd
+    does not (every graph is found in AOTAutogradCache); results as on CPU."""
+    cache = tmp_path / "cache"
+    cold, warm_run = _run(cache, "dynamo"), _run(cache, "dynamo")
+    assert cold["aot_traced"] >= 2 and cold["aot_hits"] == 0 and cold["loaded"] == 0
+    assert warm_run["aot_traced"] == 0 and warm_run["aot_hits"] == cold["aot_traced"]
+    assert warm_run["loaded"] >= 2
+    assert warm_run["compiles"] == 0  # every XLA program from the persistent cache
+    np.testing.assert_allclose(warm_run["tpu"], warm_run["cpu"], rtol=1e-5, atol=1e-6)
+
+
+def test_output_code_round_trip():
+    """A tpu graph as AOTAutogradCache keeps it: pickled without its program, rebuilt after
+    loading and run as on CPU; refused under other options; never saved with a callback."""
+    import copy
+    import pickle
+
+    import torch
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchtpu.compile import backend, graph_cache, options
+
+    x = torch.randn(130, 3)  # more rows than a bucket
+    gm = make_fx(lambda t: (t.sin() * 2 + t.sum(0),), tracing_mode="fake")(x.to("tpu"))
+    opts = options.parse(None, None)
+    disk = copy.copy(graph_cache.TpuOutputCode(backend._graph_compiler, gm, "inference", opts))
+    disk.prepare_for_serialization()
+    saved = pickle.dumps(disk)
+    loaded = pickle.loads(saved)
+    assert loaded.compiled is None
+    before = metrics.snapshot().get("graphs_loaded_from_torch_cache", 0)
+    with graph_cache.compiling(opts):
+        loaded.post_compile([], None, {})
+    assert metrics.snapshot()["graphs_loaded_from_torch_cache"] == before + 1
+    (out,) = loaded([x.to("tpu")])
+    np.testing.assert_allclose(out.cpu(), x.sin() * 2 + x.sum(0), rtol=1e-6, atol=1e-6)
+    with graph_cache.compiling(options.parse(None, {"bucket_size": 64})), \
+            pytest.raises(BypassAOTAutogradCache, match="other options"):
+        pickle.loads(saved).post_compile([], None, {})
+    traced = graph_cache.TpuOutputCode(backend._graph_compiler, gm, "inference",
+                                       options.parse(None, {"debug_callback": print}))
+    with pytest.raises(BypassAOTAutogradCache, match="debug_callback"):
+        copy.copy(traced).prepare_for_serialization()
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ gets that input's buffer as eager would give it, and the input is consumed (``do
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import logging
@@ -32,7 +33,7 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
 from torchtpu import metrics
-from torchtpu.compile import buckets, donation, dynamic, eager_split, reduce_overhead
+from torchtpu.compile import buckets, donation, dynamic, eager_split, graph_cache, reduce_overhead
 from torchtpu.compile import options as options_mod
 from torchtpu.compile import spmd as spmd_mod
 from torchtpu.compile.graph_function import GraphFunction
@@ -426,13 +427,18 @@ def tpu_backend(gm: fx.GraphModule, example_inputs: list, mode: str | None = Non
         graphed = reduce_overhead.graphed(gm, example_inputs)
         if graphed is not None:
             return graphed
-    return aot_autograd(
-        fw_compiler=_graph_compiler("forward", opts),
-        bw_compiler=_graph_compiler("backward", opts),
-        inference_compiler=_graph_compiler("inference", opts),
-        decompositions=decompositions(),
-        # Mutated inputs (an optimizer's parameters and state) are written by the compiled
-        # graph's caller in one pass, instead of one copy_ dispatch each.
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    cached = graph_cache.usable()  # kept across processes by AOTAutogradCache (graph_cache.py)
+    compilers = {kind: graph_cache.compiler(_graph_compiler, kind, opts) if cached
+                 else _graph_compiler(kind, opts) for kind in ("forward", "backward", "inference")}
+    with graph_cache.compiling(opts), \
+            graph_cache.caching() if cached else contextlib.nullcontext():
+        return aot_autograd(
+            fw_compiler=compilers["forward"],
+            bw_compiler=compilers["backward"],
+            inference_compiler=compilers["inference"],
+            decompositions=decompositions(),
+            # Mutated inputs (an optimizer's parameters and state) are written by the compiled
+            # graph's caller in one pass, instead of one copy_ dispatch each.
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
 

@@ -65,7 +65,8 @@ hook that runs before JAX's own clean-up) the process stops starting writes and 
 
 The digest detects damage, not tampering: like JAX's cache, the directory is trusted (whoever can
 write to it can make this process run code of their choosing). Do not share it with untrusted
-users.
+users. Only a directory no one else can write (``warm.private_store``) also gets torchtpu's
+warm-start records and PyTorch's pickled caches of tpu graphs (``compile/torch_caches.py``).
 """
 
 from __future__ import annotations

@@ -60,18 +60,24 @@ class Unstable(Exception):
 
 
 @functools.cache
-def fingerprint() -> str:
-    """What every key depends on besides its caller's parts (and, for a program, the settings
-    and argument signature of its first call): versions, platform, XLA flags, own source."""
+def source_digest() -> str:
+    """A hash of torchtpu's own source (its Python files, by path)."""
     source = hashlib.sha256()
     root = Path(__file__).resolve().parent.parent
     for path in sorted(root.rglob("*.py")):
         source.update(str(path.relative_to(root)).encode())
         source.update(path.read_bytes())
+    return source.hexdigest()
+
+
+@functools.cache
+def fingerprint() -> str:
+    """What every key depends on besides its caller's parts (and, for a program, the settings
+    and argument signature of its first call): versions, platform, XLA flags, own source."""
     device = jax.devices()[0]
     parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
              device.platform, device.device_kind, device.client.platform_version,
-             os.environ.get("XLA_FLAGS", ""), source.hexdigest()]
+             os.environ.get("XLA_FLAGS", ""), source_digest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
