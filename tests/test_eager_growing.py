@@ -78,3 +78,11 @@ def test_negative_indices_into_a_growing_dim_count_from_its_real_end():
         x = torch.randn(2, n)
         assert torch.equal(x.to("tpu")[:, index.to("tpu")].cpu(), x[:, index])
     assert metrics.snapshot().get("eager_bucketed_calls", 0) > calls
+
+
+def test_a_growing_view_that_reinterprets_its_dtype_keeps_its_bits():
+    # x.view(int32) has its float storage's shape: read on the host it must not become floats.
+    torch.manual_seed(0)
+    for n in range(3, 12):
+        x = torch.randn(2, n)
+        assert torch.equal((x.to("tpu").view(torch.int32) + 1).cpu(), x.view(torch.int32) + 1)

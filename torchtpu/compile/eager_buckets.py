@@ -222,10 +222,10 @@ def _strided(t: torch.Tensor, array) -> np.ndarray | None:
     """t's stored values (before a lazy conj or negation) as a host array, read from its
     storage array by strides; None for a view that reinterprets the storage's dtype."""
     host = np.asarray(array)
+    if host.dtype != dtypes.to_jax(t.dtype) or t.dtype is torch.complex32:
+        return None  # checked first: a reinterpreting view may have its storage's shape
     if tuple(host.shape) == tuple(t.shape) and t.is_contiguous() and t.storage_offset() == 0:
         return host
-    if host.dtype != dtypes.to_jax(t.dtype) or t.dtype is torch.complex32:
-        return None
     flat = host.reshape(-1)
     view = np.lib.stride_tricks.as_strided(
         flat[t.storage_offset():], tuple(t.shape), tuple(s * flat.itemsize for s in t.stride()))
