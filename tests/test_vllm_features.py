@@ -326,9 +326,10 @@ def test_fp8_kv_cache_halves_kv_memory_and_keeps_the_greedy_tokens(tiny_llama):
     assert min(shared) >= 8, shared
 
 
-def test_openai_server_json_schema_response_format_is_valid_and_equals_hf(tiny_llama):
-    """``vllm serve`` on tpu, two concurrent chat requests with a JSON-schema
-    ``response_format``: valid JSON for the schema, the tokens HF picks under the same grammar."""
+def test_openai_server_json_schema_and_named_tool_call_are_valid_and_equal_hf(tiny_llama):
+    """``vllm serve`` on tpu, three concurrent chat requests: two with a JSON-schema
+    ``response_format``, one calling a named tool whose parameters are that schema. Each answer
+    is valid for the schema and the tokens HF picks under the same grammar."""
     from concurrent.futures import ThreadPoolExecutor
 
     import jsonschema
@@ -336,16 +337,26 @@ def test_openai_server_json_schema_response_format_is_valid_and_equals_hf(tiny_l
     from torchtpu.integrations.vllm import server
 
     guided = json.dumps({"backend": "xgrammar", "disable_any_whitespace": True})
-    body = {"model": tiny_llama, "max_tokens": 40, "temperature": 0, "return_token_ids": True,
-            "response_format": {"type": "json_schema",
-                                "json_schema": {"name": "answer", "schema": SCHEMA}}}
-    chats = [[{"role": "user", "content": "give me json"}], [{"role": "user", "content": "hi"}]]
+    greedy = {"model": tiny_llama, "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+    as_json = {"response_format": {"type": "json_schema",
+                                   "json_schema": {"name": "answer", "schema": SCHEMA}}}
+    tool = {"tools": [{"type": "function", "function": {
+                "name": "paint", "description": "paint it", "parameters": SCHEMA}}],
+            "tool_choice": {"type": "function", "function": {"name": "paint"}}}
+    bodies = [{**greedy, **extra, "messages": [{"role": "user", "content": text}]}
+              for text, extra in [("give me json", as_json), ("hi", as_json), ("paint", tool)]]
+    # a parser that takes named tool calls as plain JSON (hermes', say, as its own tags)
+    parser = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic")
     with server.serve(tiny_llama, "tpu",
-                      args=(*server.SERVE_ARGS, "--structured-outputs-config", guided)) as url:
-        with ThreadPoolExecutor(len(chats)) as pool:
-            answers = list(pool.map(lambda m: server.post(
-                url + "/v1/chat/completions", {**body, "messages": m}), chats))
-    for answer in answers:
-        jsonschema.validate(json.loads(answer["choices"][0]["message"]["content"]), SCHEMA)
+                      args=(*server.SERVE_ARGS, "--structured-outputs-config", guided,
+                            *parser)) as url:
+        with ThreadPoolExecutor(len(bodies)) as pool:
+            answers = list(pool.map(
+                lambda body: server.post(url + "/v1/chat/completions", body), bodies))
+    texts = [a["choices"][0]["message"]["content"] for a in answers[:2]]
+    (call,) = answers[2]["choices"][0]["message"]["tool_calls"]
+    assert call["function"]["name"] == "paint"
+    for text in [*texts, call["function"]["arguments"]]:
+        jsonschema.validate(json.loads(text), SCHEMA)
     want = _hf_constrained(tiny_llama, [a["prompt_token_ids"] for a in answers], SCHEMA, 40)
     assert [a["choices"][0]["token_ids"] for a in answers] == want
