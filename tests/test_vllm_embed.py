@@ -32,6 +32,7 @@ TEXTS = ["hello", "A man is playing a guitar on the stage tonight.",
          "Embeddings on a tpu.", "vLLM serves pooling models too.", "short one"]
 
 
+@pytest.mark.full  # an engine of its own: minutes
 def test_minilm_embeddings_equal_sentence_transformers_on_cpu():
     pytest.importorskip("vllm", reason="vLLM is not installed: "
                         "python -m torchtpu.integrations.vllm.install")

@@ -308,6 +308,7 @@ def _agreement(a: list[int], b: list[int]) -> int:
 FP8_PROMPTS = ["hello world", "the quick brown fox jumps over", "abcabcabc"]
 
 
+@pytest.mark.full  # engines of their own: minutes
 def test_fp8_kv_cache_halves_kv_memory_and_keeps_the_greedy_tokens(tiny_llama):
     """bfloat16 model: kv_cache_dtype="fp8" against the same run with the model's dtype."""
     runs = {}
@@ -326,6 +327,7 @@ def test_fp8_kv_cache_halves_kv_memory_and_keeps_the_greedy_tokens(tiny_llama):
     assert min(shared) >= 8, shared
 
 
+@pytest.mark.full  # engines of their own: minutes
 def test_openai_server_json_schema_and_named_tool_call_are_valid_and_equal_hf(tiny_llama):
     """``vllm serve`` on tpu, three concurrent chat requests: two with a JSON-schema
     ``response_format``, one calling a named tool whose parameters are that schema. Each answer
