@@ -38,7 +38,20 @@ def _reference():
     return torch.stack(losses), [p.detach() for p in model.parameters()]
 
 
-def _steps(rank, world, model, compile_root=True):
+def _collectives(graphs: list):
+    """A debug_callback that appends each compiled graph's collective ops, counted."""
+    import collections
+
+    def seen(gm, hlo):
+        graphs.append(dict(collections.Counter(
+            n.target.__name__.split(".")[0] for n in gm.graph.nodes
+            if n.op == "call_function" and "c10d" in str(n.target)
+            and n.target is not torch.ops._c10d_functional.wait_tensor.default)))
+
+    return seen
+
+
+def _steps(rank, world, model, compile_root=True, graphs=None):
     """Train STEPS steps; the losses, and the last step's compiled program launches and eager
     collectives (deltas around it)."""
     import torch.distributed as dist
@@ -47,7 +60,9 @@ def _steps(rank, world, model, compile_root=True):
 
     group = dist.group.WORLD
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    compiled = torch.compile(model, backend="tpu") if compile_root else model
+    compiled = torch.compile(model, backend="tpu", options={
+        "debug_callback": _collectives(graphs if graphs is not None else [])}) \
+        if compile_root else model
     x = _data().chunk(world)[rank].to("tpu")
     launched: list = []
     launch.observer = torch._dynamo.disable(
@@ -79,7 +94,8 @@ def _train(rank, world):
     mesh = init_device_mesh("tpu", (world,))
     model = simple_fsdp(_model().to("tpu"), mesh)
     before = metrics.snapshot()
-    simple = _steps(rank, world, model)
+    graphs: list = []
+    simple = (*_steps(rank, world, model, graphs=graphs), graphs)
     in_programs = (metrics.snapshot().get("collective_programs", 0)
                    - before.get("collective_programs", 0))
     params = [p.full_tensor().cpu() for p in model.parameters()]
@@ -97,7 +113,12 @@ def test_compiled_sharded_training_equals_cpu():
     # Equal per-rank batches: the mean of the ranks' losses is the full batch's.
     torch.testing.assert_close(torch.stack([r[0][0] for r in results]).mean(0), ref_losses)
     for rank, (simple, in_programs, params, cut) in enumerate(results):
-        losses, programs, eager = simple
+        losses, programs, eager, graphs = simple
+        # Each graph's collectives combined (compile/spmd.combine): the forward's two
+        # all-gathers (Linear 1's weight and bias) are one, and so are the backward's two
+        # reduce-scatters and the two all-reduces of Linear 2's replicated weight and bias.
+        assert graphs == [{"all_gather_into_tensor": 1},
+                          {"all_reduce": 1, "reduce_scatter_tensor": 1}], (rank, graphs)
         for got, want in zip(params, ref_params, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         # One forward and one backward program, every collective inside them.

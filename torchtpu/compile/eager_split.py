@@ -25,6 +25,7 @@ from torch import fx
 from torch.fx.passes.split_module import split_module
 
 from torchtpu import metrics
+from torchtpu.compile.spmd import combine
 
 _NAMESPACES: dict[str, Callable | None] = {}
 
@@ -94,10 +95,12 @@ def _in_program(gm: fx.GraphModule, nodes: list, compile_piece: Callable) -> Cal
     spmd = resolve(found) if resolve is not None else None
     if spmd is None:
         return None
+    sig = signature(found)  # what every rank traced, before combine() merges collectives
+    combine(gm)
     compiled = compile_piece(gm, spmd)
     if getattr(compiled, "padded", False):  # bucketed dynamic shapes: not in SPMD programs
         return None
-    return _Checked(compiled, spmd.check, signature(found))
+    return _Checked(compiled, spmd.check, sig)
 
 
 def split(gm: fx.GraphModule, compile_piece: Callable[..., Callable]) -> Callable | None:
