@@ -362,3 +362,28 @@ def test_lstsq_drivers():
     check_against_cpu(lambda a, b: tuple(torch.linalg.lstsq(a, b, driver="gels")),
                       torch.randn(4, 3), torch.randn(4), atol=1e-5, rtol=1e-5)
     check_fwd_bwd(lambda a, b: torch.linalg.lstsq(a, b).solution, r(3, 4, 3), r(3, 4, 2))
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_inference_fast_paths(monkeypatch, norm_first):
+    # Eval mode without autograd takes PyTorch's fused ops on tpu too; they must run on the
+    # device (no CPU fallback) and give CPU's numbers, padding and causal masks included.
+    monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "error")
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True,
+                                       norm_first=norm_first, activation="gelu").eval()
+    mha = nn.MultiheadAttention(16, 4, batch_first=True).eval()
+    x, memory = torch.randn(3, 5, 16), torch.randn(3, 7, 16)
+    padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2, [False] * 4 + [True]])
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    calls = [
+        (layer, (x,), {"src_key_padding_mask": padding}),
+        (layer, (x,), {"src_mask": causal}),
+        (mha, (x, memory, memory), {"key_padding_mask": torch.zeros(3, 7, dtype=torch.bool)}),
+        (mha, (x, x, x), {"average_attn_weights": False}),
+    ]
+    with torch.no_grad():
+        for module, args, kwargs in calls:
+            expected = module(*args, **kwargs)
+            actual = module.to("tpu")(*to_device(args), **to_device(kwargs))
+            module.cpu()
+            assert_same(actual, expected, **TOL)

@@ -17,4 +17,5 @@ from torchtpu.lowering import (  # noqa: F401
     rnn,
     shape,
     special,
+    transformer,
 )
