@@ -8,19 +8,23 @@ of the target with libtpu (compile-only: nothing runs on a TPU). Beside it the r
 the process's JAX settings are torchtpu's) is compiled for the same chip as one ``jax.jit``.
 Per row: the cost model's seconds, flops and bytes accessed of one step (summed over the
 programs it runs, as often as it runs them) and the HBM of its largest program (arguments,
-outputs, temporaries and code, less what is aliased), each with torchtpu / JAX. The train step is
-``torchtpu.aot``'s (loss, ``backward()``, ``torch.optim.AdamW(lr=1e-3)``), and the JAX port's the
-same AdamW. These figures are deterministic: no load noise. libtpu's cost model has no estimate
-for a program with any 64-bit op (its ``optimal_seconds`` goes negative, -1 per such op), and
-torch's token ids are int64; a row whose cost-model seconds are missing on either side compares
-roofline times instead (marked ``*``: the larger of flops at the chip's bf16 peak and bytes at
-its HBM bandwidth).
+outputs, temporaries and code, less what is aliased; and the compiler's own peak), each with
+torchtpu / JAX. The train step is ``torchtpu.aot``'s (loss, ``backward()``,
+``torch.optim.AdamW(lr=1e-3)``, ``zero_grad()``), and the JAX port's the same AdamW. These
+figures are deterministic: no load noise. libtpu's cost model has no estimate for a program with
+any 64-bit op, and torch's token ids are int64: such a program's seconds are those of its
+64-bit-narrowed twin (``runtime/tpu_narrow.py``), on both sides; a row whose seconds are still
+missing compares roofline times (marked ``*``: the larger of flops at the chip's bf16 peak and
+bytes at its HBM bandwidth).
 
 ``--gpt2`` adds a GPT-2 small (124M) training step, bf16 under ``torch.autocast``, and its
-estimated MFU on one chip (flops / (cost-model seconds x the chip's bf16 peak)).
+estimated MFU on one chip (flops / (cost-model seconds x the chip's bf16 peak));
+``--gpt2-from 1,2`` scales the 12-block figures from 1- and 2-block steps, for a host too slow
+to run the whole model's step on XLA:CPU.
 
     python bench/tpu_cost.py [--chips v5e,v6e] [--models ...] [--kinds forward,train]
-                             [--modes compile,captured] [--gpt2] [--json out.json]
+                             [--modes compile,captured] [--gpt2 [--gpt2-from A,B]]
+                             [--json out.json]
 
 One target per process (``runtime/tpu_hook.py``), so each chip runs in a process of its own.
 Needs libtpu (``pip install -e '.[tpu-aot]'``).
@@ -82,6 +86,7 @@ def _step_figures(r) -> dict:
     return {"seconds": r.step.seconds, "flops": r.step.flops,
             "bytes": sum(p.bytes_accessed * n for p, n in ran),
             "hbm": max((p.hbm_bytes for p, _ in ran), default=0),
+            "peak": max((p.hbm.get("peak", 0) for p, _ in ran), default=0),
             "programs": r.step.programs_run, "complete": counted == r.step.programs_run,
             "refused": [p.name for p in r.programs if not p.compiles],
             "wide": {k: sum(p.wide_ops.get(k, 0) for p, _ in ran) for k in ("float64", "int64")}}
@@ -119,24 +124,49 @@ def jax_row(name: str, kind: str, topology: str) -> dict:
         raise RuntimeError(f"torchtpu.bench: the JAX port of {name} {kind} does not compile "
                            f"for {topology}: {report.error}")
     return {"seconds": report.seconds, "flops": report.flops, "bytes": report.bytes_accessed,
-            "hbm": report.hbm_bytes,
+            "hbm": report.hbm_bytes, "peak": report.hbm.get("peak", 0),
             "wide": {k: report.wide_ops.get(k, 0) for k in ("float64", "int64")}}
 
 
-def gpt2_row(topology: str, batch: int = 1, seq: int = 1024, mode: str = "compile") -> dict:
-    """GPT-2 small's bf16 (autocast) training step: the cost model's seconds and MFU."""
+def gpt2_row(topology: str, batch: int = 1, seq: int = 1024, mode: str = "compile",
+             layers: int = 12) -> dict:
+    """GPT-2 small's bf16 (autocast) training step (its dims, ``layers`` blocks): the cost
+    model's seconds and MFU."""
     import transformers
 
     torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=seq))
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=seq,
+                                                                 n_layer=layers))
     ids = torch.randint(50257, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
     r = aot.report(_Loss(model, reg.hf_loss, True, torch.bfloat16),
                    (ids[:, :-1].contiguous(), ids[:, 1:].contiguous()), topology=topology,
                    step="train", mode=mode)
     params = sum(p.numel() for p in model.parameters())
     return {**_step_figures(r), "mfu": r.step.mfu, "peak_flops": r.step.peak_flops,
-            "params": params, "tokens": batch * seq, "mode": mode,
+            "params": params, "tokens": batch * seq, "mode": mode, "layers": layers,
             "hbm_peak": r.step.hbm_peak_bytes}
+
+
+def gpt2_scaled(topology: str, few: tuple, layers: int = 12, **kw) -> dict:
+    """GPT-2's step at ``layers`` blocks from two shallower ones (``few``: (a, b) blocks): the
+    blocks are unrolled and alike, so seconds, flops, parameters and the HBM peak grow by the
+    same amount per block; each is a + (layers - a) x (per block from a to b). For a host too
+    slow for the 12-block step (XLA:CPU runs it to find its programs)."""
+    a, b = (gpt2_row(topology, layers=n, **kw) for n in few)
+    span = few[1] - few[0]
+
+    def at(k: str) -> float | None:
+        if a[k] is None or b[k] is None:
+            return None
+        return a[k] + (layers - few[0]) * (b[k] - a[k]) / span
+
+    out = {**a, "layers": layers, "scaled_from": list(few)}
+    for k in ("seconds", "flops", "bytes", "params", "hbm_peak"):
+        out[k] = at(k)
+    out["mfu"] = (out["flops"] / (out["seconds"] * a["peak_flops"])
+                  if out["seconds"] else None)
+    out["rows"] = [a, b]
+    return out
 
 
 def _times(t: dict, j: dict, chip: str) -> tuple:
@@ -165,8 +195,8 @@ def _fmt(v, scale: float, digits: int = 2) -> str:
 def table(rows: list) -> str:
     lines = ["| chip | model | kind | form | µs torchtpu | µs JAX | ratio | GFLOP torchtpu | "
              "GFLOP JAX | MB accessed torchtpu | MB accessed JAX | ratio | HBM MB torchtpu | "
-             "HBM MB JAX | ratio |",
-             "| --- | --- | --- | --- |" + " ---: |" * 11]
+             "HBM MB JAX | ratio | peak MB torchtpu | peak MB JAX | ratio |",
+             "| --- | --- | --- | --- |" + " ---: |" * 14]
     for r in rows:
         t, j = r["torchtpu"], r["jax"]
         lines.append(
@@ -174,11 +204,12 @@ def table(rows: list) -> str:
             + " | ".join(_times(t, j, r["chip"])) + f" | {_fmt(t['flops'], 1e9, 3)} | "
             f"{_fmt(j['flops'], 1e9, 3)} | {_fmt(t['bytes'], 1e6)} | {_fmt(j['bytes'], 1e6)} | "
             f"{_ratio(t['bytes'], j['bytes'])} | {_fmt(t['hbm'], 1e6)} | {_fmt(j['hbm'], 1e6)} | "
-            f"{_ratio(t['hbm'], j['hbm'])} |")
+            f"{_ratio(t['hbm'], j['hbm'])} | {_fmt(t.get('peak'), 1e6)} | "
+            f"{_fmt(j.get('peak'), 1e6)} | {_ratio(t.get('peak'), j.get('peak'))} |")
     return "\n".join(lines)
 
 
-def run_chip(chip: str, models, kinds, modes, gpt2: bool) -> dict:
+def run_chip(chip: str, models, kinds, modes, gpt2: bool, few: tuple | None = None) -> dict:
     topology = f"{chip}:2x2"
     rows = []
     for name in models:
@@ -187,7 +218,10 @@ def run_chip(chip: str, models, kinds, modes, gpt2: bool) -> dict:
             for mode in modes:
                 rows.append({"chip": chip, "model": name, "kind": kind, "mode": mode,
                              "torchtpu": torchtpu_row(name, kind, mode, topology), "jax": port})
-    return {"rows": rows, "gpt2": gpt2_row(topology) if gpt2 else None}
+    g = None
+    if gpt2:
+        g = gpt2_scaled(topology, few) if few else gpt2_row(topology)
+    return {"rows": rows, "gpt2": g}
 
 
 def main(argv: list | None = None) -> dict:
@@ -197,20 +231,28 @@ def main(argv: list | None = None) -> dict:
     parser.add_argument("--kinds", default=",".join(reg.KINDS))
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--gpt2", action="store_true", help="also GPT-2 small's bf16 train step")
+    parser.add_argument("--gpt2-from", default=None, metavar="A,B",
+                        help="GPT-2's 12-block step scaled from A- and B-block steps (for a "
+                             "host too slow for the whole model)")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     chips = reg._names(args.chips, CHIPS)
     picked = (reg._names(args.models, MODELS), reg._names(args.kinds, reg.KINDS),
               reg._names(args.modes, MODES))
+    few = tuple(int(n) for n in args.gpt2_from.split(",")) if args.gpt2_from else None
+    if few is not None and not (len(few) == 2 and 0 < few[0] < few[1]):
+        raise SystemExit("torchtpu.argument: --gpt2-from takes two block counts A,B with "
+                         f"0 < A < B, not {args.gpt2_from!r}")
     if len(chips) == 1:
-        out = {chips[0]: run_chip(chips[0], *picked, args.gpt2)}
+        out = {chips[0]: run_chip(chips[0], *picked, args.gpt2, few)}
     else:  # one target per process
         out = {}
         for chip in chips:
             with tempfile.NamedTemporaryFile(suffix=".json") as f:
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--chips", chip,
                                 "--models", args.models, "--kinds", args.kinds, "--modes",
-                                args.modes, *(["--gpt2"] if args.gpt2 else []), "--json",
+                                args.modes, *(["--gpt2"] if args.gpt2 else []),
+                                *(["--gpt2-from", args.gpt2_from] if few else []), "--json",
                                 f.name], check=True, stdout=subprocess.DEVNULL)
                 out.update(json.load(open(f.name)))
     rows = [r for chip in chips for r in out[chip]["rows"]]
@@ -220,8 +262,11 @@ def main(argv: list | None = None) -> dict:
     for chip in chips:
         g = out[chip]["gpt2"]
         if g:
-            print(f"{chip}: GPT-2 small ({g['params'] / 1e6:.0f}M) bf16 autocast train step "
-                  f"({g['mode']}, {g['tokens']} tokens): {_fmt(g['seconds'], 1e-3)} ms, "
+            scaled = (f", scaled from {g['scaled_from'][0]} and {g['scaled_from'][1]} blocks"
+                      if g.get("scaled_from") else "")
+            print(f"{chip}: GPT-2 small ({g['params'] / 1e6:.0f}M, {g['layers']} blocks{scaled}) "
+                  f"bf16 autocast train step ({g['mode']}, {g['tokens']} tokens): "
+                  f"{_fmt(g['seconds'], 1e-3)} ms, "
                   f"{_fmt(g['flops'], 1e12, 3)} TFLOP, MFU {_fmt(g['mfu'], 0.01, 1)}% of "
                   f"{g['peak_flops'] / 1e12:.0f} TFLOP/s, HBM peak "
                   f"{_fmt(g['hbm_peak'], 2**30)} GiB")

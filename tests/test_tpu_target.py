@@ -152,6 +152,23 @@ def test_refused_module_and_64_bit_work_are_reported():
           }
         }"""), name="wide")
     assert wide.compiles and wide.wide_ops == {"float64": 3, "int64": 1}
+    # libtpu's cost model has no time for 64-bit ops: the time is the narrowed program's.
+    assert wide.seconds > 0 and wide.seconds_narrowed
+
+
+def test_narrowed_programs_are_32_bit_or_none():
+    from torchtpu.runtime import tpu_narrow
+
+    text = ("%0 = stablehlo.constant dense<0xFFF0000000000000> : tensor<f64>\n"
+            "%1 = stablehlo.add %a, %a : tensor<8x4xi64>\n"
+            "%2 = stablehlo.convert %b : (tensor<4xui64>) -> tensor<4xcomplex<f64>>")
+    out = tpu_narrow.narrowed(text)
+    assert "64" not in out.replace("0xFF800000", "")
+    assert "dense<0xFF800000> : tensor<f32>" in out and "tensor<8x4xi32>" in out
+    assert "tensor<4xui32>" in out and "complex<f32>" in out
+    # INT64_MAX (a sentinel) has no int32 value: no narrowed program rather than a wrong one.
+    assert tpu_narrow.narrowed("dense<9223372036854775807> : tensor<i64>") is None
+    assert tpu_narrow.narrowed("tensor<4xf32>") is None  # nothing to narrow
 
 
 # ---------------------------------------------------------------------------- every program
@@ -259,7 +276,8 @@ def _aot(tmp_path, *args):
 
 
 @needs_libtpu
-@pytest.mark.parametrize("mode,step", [("compile", "train"), ("strict", "forward")])
+@pytest.mark.parametrize("mode,step", [("compile", "train"), ("strict", "forward"),
+                                       ("captured", "forward")])
 def test_aot_json_estimates_the_step(tmp_path, mode, step):
     run = _aot(tmp_path, "--topology", "v5e:2x2", "--json", "--mode", mode, "--step", step,
                "model.py:make")
@@ -274,9 +292,15 @@ def test_aot_json_estimates_the_step(tmp_path, mode, step):
     assert expected <= s["flops"] <= expected * 1.1
     assert s["seconds"] > 0 and 0 < s["mfu"] < 1 and s["fits"]
     assert s["hbm_capacity_bytes"] == 16 << 30 and s["hbm_peak_bytes"] > 4 * 256 * 512 * 2
-    assert s["unknown_runs"] == 0 and s["programs_run"] >= (1 if mode == "compile" else 3)
+    assert s["unknown_runs"] == 0 and s["programs_run"] >= (3 if mode == "strict" else 1)
     if mode == "strict":
         assert any(p["kind"] == "op" for p in out["programs"])
+    if step == "train":
+        # Parameters, AdamW's two moments, the input: gradients are no state of the step
+        # (zero_grad sets them to None), so they are no arguments of its program.
+        params = (256 * 512 + 512 + 512 * 256 + 256) * 4
+        biggest = max(out["programs"], key=lambda p: p["hbm"].get("arguments", 0))
+        assert 3 * params <= biggest["hbm"]["arguments"] < 3.5 * params
 
 
 @needs_libtpu

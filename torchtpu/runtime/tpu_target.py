@@ -245,11 +245,12 @@ class Report:
     devices: int = 1                # the devices it was compiled across (one per rank)
     compiles: bool = False
     error: str | None = None        # the compiler's message when it refused
-    hbm: dict = field(default_factory=dict)  # arguments/outputs/temporaries/code/aliased bytes
+    hbm: dict = field(default_factory=dict)  # arguments/outputs/temporaries/code/aliased/peak
     flops: float = 0.0
     transcendentals: float = 0.0
     bytes_accessed: float = 0.0
     seconds: float | None = None    # the cost model's optimal_seconds (None: it has none)
+    seconds_narrowed: bool = False  # seconds are the 64-bit-narrowed program's (tpu_narrow.py)
     padding_bytes: int = 0          # argument and output bytes added by TPU tiles
     wide_ops: dict = field(default_factory=dict)  # {"float64": n, "int64": n}: emulated on TPU
     chip: str = ""                  # "TPU v5 lite"
@@ -275,7 +276,11 @@ class Report:
 
 _HBM = (("arguments", "argument_size_in_bytes"), ("outputs", "output_size_in_bytes"),
         ("temporaries", "temp_size_in_bytes"), ("code", "generated_code_size_in_bytes"),
-        ("aliased", "alias_size_in_bytes"))
+        ("aliased", "alias_size_in_bytes"),
+        # The compiler's own peak of live HBM. For a program with 64-bit ops libtpu's
+        # temporaries can be far above any buffer it assigns (an elementwise op with one float64
+        # scalar input: 0.97 MB of "temporaries", the same buffers and peak as without it).
+        ("peak", "peak_memory_in_bytes"))
 _results: dict[str, dict] = {}  # compile key -> the compiler's part of a Report
 
 
@@ -338,12 +343,35 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     hbm = {k: int(getattr(stats, attr, 0)) for k, attr in _HBM}
     cost = _cost(exe)
     padded = hbm["arguments"] + hbm["outputs"]
+    seconds = _seconds(cost)
+    narrowed = seconds is None and any(facts["wide"].values())
+    if narrowed:
+        seconds = _narrowed_seconds(parsed, devs, options)
     return {"compiles": True, "error": None, "hbm": hbm, "flops": cost.get("flops", 0.0),
             "transcendentals": cost.get("transcendentals", 0.0),
             "bytes_accessed": cost.get("bytes accessed", 0.0),
-            "seconds": _seconds(cost),
+            "seconds": seconds, "seconds_narrowed": narrowed and seconds is not None,
             "padding_bytes": max(0, padded - facts["logical"]), "wide_ops": facts["wide"],
             "compile_seconds": seconds}
+
+
+def _narrowed_seconds(parsed, devs: tuple, options) -> float | None:
+    """The cost model's seconds for the program with its 64-bit types made 32-bit (libtpu's
+    cost model has none for a program with 64-bit ops; see tpu_narrow.py), or None."""
+    from jax._src.interpreters import mlir
+    from jax._src.lib import xla_client as xc
+
+    from torchtpu.runtime import tpu_narrow
+
+    text = tpu_narrow.narrowed(parsed.operation.get_asm())
+    if text is None:
+        return None
+    try:
+        module = mlir.ir.Module.parse(text, context=parsed.context)
+        exe = devs[0].client.compile(module, xc.DeviceList(devs), options)
+    except Exception:  # noqa: BLE001 (the narrowed text is no valid program: no time)
+        return None
+    return _seconds(_cost(exe))
 
 
 def _seconds(cost: dict) -> float | None:
@@ -476,10 +504,11 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
 
 @functools.cache
 def _fingerprint() -> str:
-    """What a kept verdict was made by: JAX, jaxlib, libtpu and this module's source (the
-    module bytes, the target and the device count are the rest of its key)."""
+    """What a kept verdict was made by: JAX, jaxlib, libtpu and the source of this module and
+    tpu_narrow.py (the module bytes, the target and the device count are the rest of its key)."""
     parts = [jax.__version__, jax.lib.__version__, check_libtpu(),
-             hashlib.sha256(Path(__file__).read_bytes()).hexdigest()]
+             *(hashlib.sha256(Path(__file__).with_name(f).read_bytes()).hexdigest()
+               for f in ("tpu_target.py", "tpu_narrow.py"))]
     return "\0".join(parts)
 
 

@@ -10,8 +10,11 @@ model's seconds and flops of each program: device seconds on one chip, flops, MF
 chip's peak (named in the report). The HBM peak is the host's peak of live tensors during the
 step plus the largest temporaries and code of a program it runs, or the largest program's own
 peak if more, against the chip's HBM. ``--step train`` takes the output as the loss (a scalar,
-else its ``.loss``, else the float sum of its floating leaves), runs ``backward()`` and a
-``torch.optim.AdamW(lr=1e-3)`` step (``capturable=True`` when captured).
+else its ``.loss``, else the float sum of its floating leaves), runs ``backward()``, a
+``torch.optim.AdamW(lr=1e-3)`` step (``capturable=True`` when captured) and ``zero_grad()``
+(``set_to_none=True``, PyTorch's default: zeroed gradients would be state of the step's program,
+read and written every step, and on v5e aliasing them cost the TinyGPT step 8 MB of
+temporaries).
 
 Modes: ``strict`` (one program per op), ``defer`` (DeferAndFuse), ``compile`` (``torch.compile``
 of the whole step), ``captured`` (``torch.tpu.graph`` of the step, replayed).
@@ -87,7 +90,7 @@ def _step_fn(model, args, train: bool, optimizer):
         if train:
             loss_of(out).backward()
             optimizer.step()
-            optimizer.zero_grad(set_to_none=False)
+            optimizer.zero_grad(set_to_none=True)
         return out
     return step
 
@@ -137,10 +140,16 @@ def _runner(mode: str, step, warmup: int):
         return step
     graph = torch.tpu.TPUGraph()
     with torch.tpu.graph(graph):
-        step()
+        # Kept: a capture whose results are all dropped (a no_grad forward's output) has
+        # nothing to compute, and its replay runs no program.
+        out = step()
     graph.replay()
     torch.tpu.synchronize()
-    return graph.replay
+
+    def replay():
+        graph.replay()
+        return out
+    return replay
 
 
 def _profiled(run) -> collections.Counter:

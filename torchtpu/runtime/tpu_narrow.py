@@ -1,0 +1,44 @@
+"""A program's 64-bit types narrowed to 32 bits, for the TPU cost model's time only.
+
+libtpu's cost model gives no time (``optimal_seconds`` < 0) for a program with any 64-bit op,
+and nearly every program PyTorch builds has some: token ids, ``arange`` positions and loss
+targets are int64, Python numbers fold in as float64. The TPU emulates those types with 32-bit
+ops, and on a TPU they are commonly narrowed outright (PyTorch/XLA's ``XLA_USE_32BIT_LONG``).
+``narrowed(text)`` is the module's text with int64/float64 types made int32/float32 (float64
+constants re-encoded); the target compiles it only to read the cost model's seconds, which its
+report then marks as taken from the narrowed program. Its HBM and bytes stay the real program's.
+``None`` when the narrowed text is not a valid program (a constant outside int32, a bitcast
+between widths): the time then stays unknown.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+
+_TYPES = ((re.compile(r"(?<=[x<])(u?)i64>"), r"\1i32>"),
+          (re.compile(r"(?<=[x<])f64>"), "f32>"),
+          (re.compile(r"complex<f64>"), "complex<f32>"))
+# A float64 splat constant written as its bits (inf, nan, -0.0): ``dense<0xFFF0000000000000>``.
+_F64_BITS = re.compile(r"dense<0x([0-9A-Fa-f]{16})>")
+_INT = re.compile(r"dense<(-?\d+)>\s*:\s*tensor<(?:[0-9]+x)*u?i32>")
+_I32 = (-(1 << 31), (1 << 32) - 1)
+
+
+def _f32_bits(m: re.Match) -> str:
+    value = struct.unpack(">d", bytes.fromhex(m.group(1)))[0]
+    return "dense<0x" + struct.pack(">f", value).hex().upper() + ">"
+
+
+def narrowed(text: str) -> str | None:
+    """text (StableHLO) with its 64-bit element types 32-bit, or None if that cannot hold."""
+    if "64>" not in text:
+        return None
+    out = text
+    for pattern, repl in _TYPES:
+        out = pattern.sub(repl, out)
+    out = _F64_BITS.sub(_f32_bits, out)
+    for m in _INT.finditer(out):
+        if not _I32[0] <= int(m.group(1)) <= _I32[1]:
+            return None  # an int64 sentinel (INT64_MAX) has no int32 twin
+    return out
