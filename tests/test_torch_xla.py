@@ -243,7 +243,7 @@ def _mp_fn(index, out):
 
 if __name__ == "__main__":
     try:
-        import torch_xla.experimental.scan_layers
+        import torch_xla.amp
     except ImportError as e:
         print("refused:", e)
     torch_xla.launch(_mp_fn, args=(sys.argv[1],))
@@ -271,7 +271,7 @@ def test_installed_alias_runs_a_script_with_collectives_under_launch(tmp_path):
         [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
     rc, out = _run([sys.executable, str(script), str(tmp_path)], env)
     assert rc == 0, out
-    assert "refused: torchtpu.unsupported: torch_xla.experimental.scan_layers" in out
+    assert "refused: torchtpu.unsupported: torch_xla.amp" in out
     r0, r1 = (torch.load(tmp_path / f"rank{i}.pt", weights_only=False) for i in range(2))
     x0 = torch.arange(8.0).view(2, 4)
     x1 = x0 + 10

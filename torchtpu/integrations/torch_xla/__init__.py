@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torchtpu  # noqa: F401  (registers the device)
 from torchtpu.integrations.torch_xla import (  # noqa: F401  # noqa: F401
     _XLAC,
+    _internal,
     _missing,
     _step,
     backends,
@@ -41,8 +42,7 @@ from torchtpu.integrations.torch_xla.debug import metrics  # noqa: F401
 from torchtpu.integrations.torch_xla.distributed import parallel_loader, spmd, xla_multiprocessing  # noqa: F401
 from torchtpu.integrations.torch_xla.distributed.spmd import xla_sharding  # noqa: F401
 from torchtpu.integrations.torch_xla.utils import utils as _utils  # noqa: F401
-
-__version__ = "2.9.0+torchtpu"  # the PyTorch/XLA API level these names follow
+from torchtpu.integrations.torch_xla.version import __version__  # noqa: F401
 
 
 def device(index: int | None = None) -> torch.device:

@@ -4,6 +4,9 @@ PyTorch/XLA traces the region lazily (eager mode off inside it) and runs the tra
 end. Here the region runs under DeferAndFuse and ends with the step boundary (``_step.sync``),
 so each call is one cached program and Python side effects (a scheduler's ``step()``, a
 counter) run on every call, as in PyTorch/XLA; pending work from before the region runs first.
+DeferAndFuse's own bound on a recording (``MAX_OPS``, which splits an endless eager loop into
+programs) is lifted inside the region, as PyTorch/XLA's graph has none: a training step of a few
+thousand ops is still one program.
 ``full_graph=True`` raises when the body ran programs before its end (a host read such as
 ``.item()`` or ``print`` of a device value, or a data-dependent shape, split it), naming how many;
 ``max_different_graphs=N`` raises when more than N calls had to compile new programs.
@@ -19,6 +22,7 @@ from collections.abc import Callable
 import torch
 
 from torchtpu import metrics
+from torchtpu.eager import defer
 from torchtpu.integrations.torch_xla import _missing, _step
 
 
@@ -40,17 +44,19 @@ class Region:
 
     def __enter__(self):
         _step.sync()
-        self._saved.append((torch.tpu.eager_mode, metrics.snapshot()))
+        self._saved.append((torch.tpu.eager_mode, metrics.snapshot(), defer.RECORDER.max_ops))
         torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
+        defer.RECORDER.max_ops = float("inf")
         return self
 
     def __exit__(self, kind, error, tb) -> None:
-        mode, before = self._saved.pop()
+        mode, before, max_ops = self._saved.pop()
         try:
             inside = metrics.snapshot()["executions"] - before["executions"]
             _step.sync()
         finally:
             torch.tpu.eager_mode = mode
+            defer.RECORDER.max_ops = max_ops
         if kind is not None:
             return
         after = metrics.snapshot()

@@ -73,6 +73,23 @@ def global_device_count() -> int:
 global_runtime_device_count = global_device_count
 
 
+def runtime_device_attributes(device=None) -> dict:
+    """The device's attributes as PyTorch/XLA names them: ``slice_index`` (the TPU slice it is
+    in; 0 off a TPU or in one slice), ``name``."""
+    from torchtpu.runtime import platform
+
+    d = platform.local_device()
+    return {"name": f"{device_type()}:{global_ordinal()}",
+            "slice_index": int(getattr(d, "slice_index", 0) or 0)}
+
+
+def global_runtime_device_attributes() -> list[dict]:
+    """One ``runtime_device_attributes`` per rank (each process drives one device; all are
+    assumed in this process's slice)."""
+    mine = runtime_device_attributes()
+    return [{**mine, "name": f"{device_type()}:{rank}"} for rank in range(world_size())]
+
+
 def device_type() -> str:
     """The platform torchtpu runs on, upper case: ``"TPU"``, ``"GPU"`` or ``"CPU"``."""
     return torch.tpu.get_device_properties().platform.upper()

@@ -234,6 +234,15 @@ def get_1d_mesh(axis_name: str | None = None) -> Mesh:
     return Mesh(np.arange(n), (n,), (axis_name,) if axis_name else None)
 
 
+def apply_backward_optimization_barrier(module: torch.nn.Module) -> None:
+    """PyTorch/XLA puts an optimization barrier around the module's backward so XLA does not
+    fuse its recomputation into the rest of the graph: a scheduling hint for its one whole-graph
+    program, which changes no value; torchtpu's backward runs as PyTorch's autograd orders it,
+    so there is nothing to do."""
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"torchtpu.argument: expected an nn.Module, got {type(module).__name__}")
+
+
 class ShardingSpec:
     """``xs.ShardingSpec(mesh, partition_spec)``: a spec to apply to tensors later."""
 
