@@ -27,11 +27,12 @@ ARGS = ["--module", "llama3", "--config", "llama3_debugmodel_varlen_attn",
 LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)")
 
 
-def _run(cwd, nproc: int, device: str, extra: list, timeout: float = 900) -> str:
+def _run(cwd, nproc: int, device: str, extra: list, timeout: float = 900,
+         env_extra: dict | None = None) -> str:
     """One torchrun launch; every process it started is killed if it overruns or fails."""
     program = (["-m", "torchtpu.titan"] if device == "tpu"
                else ["--no-python", sys.executable, REFERENCE])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **(env_extra or {}))
     if device == "cpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # the reference runs without torchtpu
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -64,15 +65,35 @@ def workdir(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2-fsdp2"])
-def test_llama3_debug_model_trains_like_cpu(workdir, nproc):
-    load = ["--checkpoint.initial_load_path", str(workdir / "outputs" / "seed" / "step-0")]
+@pytest.fixture(scope="module")
+def cpu_losses(workdir):
+    """The CPU run's losses per process count, made once for the eager and compiled tpu runs."""
     runs = {}
-    for device in ("tpu", "cpu"):
-        folder = ["--checkpoint.folder", f"{device}-{nproc}"]
-        out = _run(workdir, nproc, device, load + folder)
-        runs[device] = _losses(out)
-        assert "torchtpu.fallback" not in out  # every op of the step runs on the device
+
+    def losses(nproc: int) -> list[float]:
+        if nproc not in runs:
+            load = ["--checkpoint.initial_load_path", str(workdir / "outputs" / "seed" / "step-0")]
+            runs[nproc] = _losses(_run(workdir, nproc, "cpu", load + [
+                "--checkpoint.folder", f"cpu-{nproc}"]))
+        return runs[nproc]
+
+    return losses
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2-fsdp2"])
+def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, nproc, compiled, tmp_path):
+    # --compile.enable compiles each TransformerBlock with backend "inductor", TorchTitan's
+    # default, which graphs on tpu compile with "tpu"; FSDP2 wraps the compiled blocks.
+    load = ["--checkpoint.initial_load_path", str(workdir / "outputs" / "seed" / "step-0")]
+    flags = ["--compile.enable"] if compiled else []
+    folder = ["--checkpoint.folder", f"tpu-{nproc}-{'compiled' if compiled else 'eager'}"]
+    out = _run(workdir, nproc, "tpu", load + folder + flags, env_extra={
+        "TORCHTPU_DUMP": str(tmp_path)})  # each program built (or read from the cache), named
+    tpu = _losses(out)
+    assert "torchtpu.fallback" not in out  # every op of the step runs on the device
+    programs = {p.name for p in tmp_path.glob("*.stablehlo.mlir")}
+    assert compiled == any("compiled_backward" in name for name in programs), sorted(programs)
     # Attention runs in bfloat16 (TorchTitan casts q/k/v), so equal to ~1e-5 relative.
-    assert runs["tpu"] == pytest.approx(runs["cpu"], rel=1e-4), runs
-    assert runs["tpu"][-1] < runs["tpu"][0]
+    assert tpu == pytest.approx(cpu_losses(nproc), rel=1e-4), (tpu, cpu_losses(nproc))
+    assert tpu[-1] < tpu[0]
