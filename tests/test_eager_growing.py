@@ -34,9 +34,10 @@ def _programs() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def buckets_on():
-    eager_buckets.set_enabled(True)  # opt-in (TORCHTPU_EAGER_BUCKETS=1)
+    was = eager_buckets.enabled()
+    eager_buckets.set_enabled(True)  # also where TORCHTPU_EAGER_BUCKETS=0
     yield
-    eager_buckets.set_enabled(False)
+    eager_buckets.set_enabled(was)
 
 
 @pytest.fixture(scope="module")
@@ -86,3 +87,15 @@ def test_a_growing_view_that_reinterprets_its_dtype_keeps_its_bits():
     for n in range(3, 12):
         x = torch.randn(2, n)
         assert torch.equal((x.to("tpu").view(torch.int32) + 1).cpu(), x.view(torch.int32) + 1)
+
+
+def test_another_model_of_the_class_keeps_its_fixed_sizes_exact(models):
+    # The grown model's lines took many sizes; another TinyGPT at those lines has its own.
+    _, grown, prompt, _ = models
+    _greedy(grown, prompt.to("tpu"), 6)
+    torch.manual_seed(1)
+    other = TinyGPT(13, BLOCK, n_layer=1, n_head=2, n_embd=16).eval().to("tpu")
+    calls = metrics.snapshot().get("eager_bucketed_calls", 0)
+    with torch.no_grad():
+        other(torch.arange(1, 12).unsqueeze(0).to("tpu"))
+    assert metrics.snapshot().get("eager_bucketed_calls", 0) == calls

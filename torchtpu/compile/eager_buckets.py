@@ -20,9 +20,11 @@ A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offse
 make a program per geometry even when the view's own shape does not change: such views are
 read on the host and passed whole.
 
-Opt-in (``TORCHTPU_EAGER_BUCKETS=1``, or ``set_enabled(True)``): a family is keyed by its call
-site, and a site that unrelated models share (a module's ``forward`` line) can reach the padded
-path from another model's sizes, which changed a T5's results in the test suite (not yet found).
+On by default (``TORCHTPU_EAGER_BUCKETS=0`` or ``set_enabled(False)`` turns it off). Families
+are keyed by call site and, at a method's line, by the method's object: another model built from
+the same class starts families of its own, so the sizes one model took at a shared line do not
+make another's fixed sizes look varying (a plan is exact whichever sizes reach it; this saves
+the compiles of the padded path).
 
 Host padding waits for the inputs: a bucketed call is synchronous, which under DeferAndFuse
 runs what is pending first. Random ops, captures and views the host cannot read by strides
@@ -96,6 +98,10 @@ def set_enabled(on: bool) -> None:
     """Route eager calls through ``run`` (and varying views through ``read_view``), or not."""
     dispatch.growing = run if on else None
     tensors.view_reader = read_view if on else None
+
+
+def enabled() -> bool:
+    return dispatch.growing is run
 
 
 def _is_int(v) -> bool:
@@ -197,12 +203,17 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
 
 def _call_site() -> tuple:
     """The innermost ``SITE_FRAMES`` frames outside PyTorch and torchtpu's machinery, as (code,
-    line) pairs: sizes vary *at a call site* in a growing loop, where a fixed-shape model's
-    differ between sites (its layers' lines). Built only for calls at sizes not run before."""
+    line, the id of the method's ``self``) triples: sizes vary *at a call site* in a growing
+    loop, where a fixed-shape model's differ between sites (its layers' lines). A module's line
+    is shared by every model built from its class, whose sizes need not be related: each
+    instance has its own families. Built only for calls at sizes not run before."""
     site, frame = [], sys._getframe(2)
     while frame is not None and len(site) < SITE_FRAMES:
-        if not frame.f_code.co_filename.startswith(_MACHINERY):
-            site.append((frame.f_code, frame.f_lineno))
+        code = frame.f_code
+        if not code.co_filename.startswith(_MACHINERY):
+            owner = frame.f_locals.get("self") if code.co_argcount and \
+                code.co_varnames[0] == "self" else None
+            site.append((code, frame.f_lineno, id(owner)))
         frame = frame.f_back
     return tuple(site)
 
