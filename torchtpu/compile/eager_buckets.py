@@ -20,11 +20,16 @@ A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offse
 make a program per geometry even when the view's own shape does not change: such views are
 read on the host and passed whole.
 
-On by default (``TORCHTPU_EAGER_BUCKETS=0`` or ``set_enabled(False)`` turns it off). Families
-are keyed by call site and, at a method's line, by the method's object: another model built from
-the same class starts families of its own, so the sizes one model took at a shared line do not
-make another's fixed sizes look varying (a plan is exact whichever sizes reach it; this saves
-the compiles of the padded path).
+Families are keyed by call site and, at a method's line, by the method's object: another model
+built from the same class starts families of its own, so the sizes one model took at a shared
+line do not make another's fixed sizes look varying (a plan is exact whichever sizes reach it;
+this saves the compiles of the padded path).
+
+Opt-in (``TORCHTPU_EAGER_BUCKETS=1``, or ``set_enabled(True)``): one line that serves many fixed
+shapes in one step (an optimizer's per-parameter update, all of whose frames are PyTorch's, at
+the user's ``opt.step()`` line) takes 4 shapes for growth and runs padded, host reads included,
+which splits a ``torch_xla.compile(full_graph=True)`` region and costs a fixed-shape training
+loop compiles and synchronous calls.
 
 Host padding waits for the inputs: a bucketed call is synchronous, which under DeferAndFuse
 runs what is pending first. Random ops, captures and views the host cannot read by strides
