@@ -172,7 +172,10 @@ def test_easy_torch_tpu_trains_unchanged_on_a_local_dataset(tmp_path):
     site = tmp_path / "site"
     assert install.main(["--target", str(site)]) == 0
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(site), str(ROOT), ".", *filter(None, [os.environ.get("PYTHONPATH")])])}
+        [str(site), str(ROOT), ".", *filter(None, [os.environ.get("PYTHONPATH")])]),
+        # nothing from the Hub: offline, and the json builder's cache under tmp_path
+        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+        "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     proc = subprocess.run(
         [sys.executable, "train.py", "debug=true", "data=pre-tokenized-fineweb-tinyllama-1024",
          "data.dataset.url=json", f"+data.dataset.kwargs.data_files={data}",
