@@ -2,6 +2,7 @@
 compiling and lowering nothing; a directory others can write gets no warm-start records.
 Dynamo's graphs (compile/graph_cache.py): found in PyTorch's caches in the private directory."""
 
+import functools
 import json
 import os
 import subprocess
@@ -281,6 +282,41 @@ def test_directory_others_can_write_gets_no_records(tmp_path, store_at):
     store_at(private)
     warm.write_record("index", "k", {"a": 1})
     assert warm.read_record("index", "k") == {"a": 1}
+
+
+def test_torch_caches_only_in_a_private_directory(tmp_path, store_at, monkeypatch):
+    """PyTorch's pickled caches of tpu graphs: never in a shared directory nor in one the user
+    named for Inductor; in the private one under a key, old keys' directories pruned."""
+    from torchtpu.compile import torch_caches
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.setattr(torch_caches, "place", functools.cache(torch_caches.place.__wrapped__))
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    store_at(shared)
+    with pytest.warns(CompileCacheWarning, match="warm starts are off"):
+        assert not torch_caches.place()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    store_at(private)
+    torch_caches.place.cache_clear()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with pytest.warns(CompileCacheWarning, match="TORCHINDUCTOR_CACHE_DIR=.* is set"):
+        assert not torch_caches.place()
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR")
+    torch_caches.place.cache_clear()
+    for k in range(torch_caches.KEEP + 2):  # directories of older keys
+        (private / "torch" / f"old{k}").mkdir(parents=True)
+        os.utime(private / "torch" / f"old{k}", (k, k))
+    assert torch_caches.place()
+    ours = torch_caches.torch_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == ours
+    assert ours.startswith(str(private.resolve() / "torch"))
+    kept = sorted(p.name for p in (private / "torch").iterdir())
+    newest = [f"old{k}" for k in range(3, torch_caches.KEEP + 2)]  # KEEP - 1 of them
+    assert kept == sorted([os.path.basename(ours), *newest])
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory another owner")

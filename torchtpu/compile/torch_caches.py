@@ -11,7 +11,9 @@ depends on which ops have lowerings, which PyTorch's key does not see). ``place`
 process go there too. When the cache is off, the directory is shared, or the user chose a
 ``TORCHINDUCTOR_CACHE_DIR`` of their own, tpu graphs are not cached this way (a
 ``torchtpu.cache:`` warning says why for the last two) and everything is traced as before.
-Directories of older keys are not deleted (nor bounded by ``TORCHTPU_CACHE_MAX_BYTES``).
+A process that makes a new key's directory deletes all but the ``KEEP`` most recently made
+ones (an upgrade or an edit of torchtpu leaves the old one unused); they are not counted in
+``TORCHTPU_CACHE_MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -26,6 +29,8 @@ import jax
 import torch
 
 from torchtpu.runtime import compile_cache, warm
+
+KEEP = 4  # key directories kept (torch versions or torchtpu sources in use side by side)
 
 _warned: set = set()
 
@@ -72,5 +77,19 @@ def place() -> bool:
                   f"caches only from its own private directory ({ours}): unset "
                   "TORCHINDUCTOR_CACHE_DIR for warm starts of compiled graphs")
         return False
+    if not os.path.isdir(ours):
+        _make(Path(ours))
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
     return True
+
+
+def _make(path: Path) -> None:
+    """path made, and its parent's key directories but the KEEP newest deleted."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        keys = sorted(path.parent.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
+    except OSError:
+        return  # PyTorch's own write reports a directory it cannot use
+    for old in keys[KEEP:]:
+        if old != path:
+            shutil.rmtree(old, ignore_errors=True)
