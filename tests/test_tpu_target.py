@@ -157,6 +157,8 @@ def test_refused_module_and_64_bit_work_are_reported():
 
 
 def test_narrowed_programs_are_32_bit_or_none():
+    import numpy as np
+
     from torchtpu.runtime import tpu_narrow
 
     text = ("%0 = stablehlo.constant dense<0xFFF0000000000000> : tensor<f64>\n"
@@ -169,6 +171,13 @@ def test_narrowed_programs_are_32_bit_or_none():
     # INT64_MAX (a sentinel) has no int32 value: no narrowed program rather than a wrong one.
     assert tpu_narrow.narrowed("dense<9223372036854775807> : tensor<i64>") is None
     assert tpu_narrow.narrowed("tensor<4xf32>") is None  # nothing to narrow
+    # Large constants print as raw bytes: re-encoded at 4 bytes an element.
+    blob = np.array([1, -2, 3], "<i8").tobytes().hex()
+    out = tpu_narrow.narrowed(f'dense<"0x{blob}"> : tensor<3xi64>')
+    narrow = np.array([1, -2, 3], "<i4").tobytes().hex().upper()
+    assert out == f'dense<"0x{narrow}"> : tensor<3xi32>'
+    blob = np.array([1, 1 << 40], "<i8").tobytes().hex()
+    assert tpu_narrow.narrowed(f'dense<"0x{blob}"> : tensor<2xi64>') is None
 
 
 # ---------------------------------------------------------------------------- every program

@@ -16,12 +16,18 @@ from __future__ import annotations
 import re
 import struct
 
+import numpy as np
+
 _TYPES = ((re.compile(r"(?<=[x<])(u?)i64>"), r"\1i32>"),
           (re.compile(r"(?<=[x<])f64>"), "f32>"),
           (re.compile(r"complex<f64>"), "complex<f32>"))
 # A float64 splat constant written as its bits (inf, nan, -0.0): ``dense<0xFFF0000000000000>``.
 _F64_BITS = re.compile(r"dense<0x([0-9A-Fa-f]{16})>")
 _INT = re.compile(r"dense<(-?\d+)>\s*:\s*tensor<(?:[0-9]+x)*u?i32>")
+# A large constant is printed as its raw little-endian bytes: still 8 per element once its type
+# says 32 bits.
+_BLOB = re.compile(r'dense<"0x([0-9A-Fa-f]+)">(\s*:\s*tensor<((?:[0-9]+x)*)(ui32|i32|f32)>)')
+_WIDE = {"i32": ("<i8", "<i4"), "ui32": ("<u8", "<u4"), "f32": ("<f8", "<f4")}
 _I32 = (-(1 << 31), (1 << 32) - 1)
 
 
@@ -41,4 +47,21 @@ def narrowed(text: str) -> str | None:
     for m in _INT.finditer(out):
         if not _I32[0] <= int(m.group(1)) <= _I32[1]:
             return None  # an int64 sentinel (INT64_MAX) has no int32 twin
-    return out
+    try:
+        return _BLOB.sub(_narrow_blob, out)
+    except OverflowError:
+        return None
+
+
+def _narrow_blob(m: re.Match) -> str:
+    count = int(np.prod([int(d) for d in m.group(3).split("x") if d], dtype=np.int64))
+    data = bytes.fromhex(m.group(1))
+    wide, narrow = _WIDE[m.group(4)]
+    if len(data) != 8 * count:
+        return m.group(0)  # a 32-bit constant already
+    values = np.frombuffer(data, wide)
+    if values.dtype.kind in "iu":
+        limits = np.iinfo(np.dtype(narrow))
+        if values.size and (values.min() < limits.min or values.max() > limits.max):
+            raise OverflowError
+    return f'dense<"0x{values.astype(narrow).tobytes().hex().upper()}">{m.group(2)}'
