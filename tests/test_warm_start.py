@@ -221,6 +221,14 @@ def test_output_code_round_trip():
         copy.copy(traced).prepare_for_serialization()
 
 
+def test_torch_without_the_hooks_caches_nothing(monkeypatch):
+    from torchtpu.compile import graph_cache
+
+    monkeypatch.setattr(graph_cache, "_MISSING", "torch._functorch.config.some_setting")
+    with pytest.warns(CompileCacheWarning, match="lacks torch._functorch.config.some_setting"):
+        assert not graph_cache.usable()
+
+
 @pytest.fixture
 def store_at(monkeypatch):
     """Point the process's persistent cache (JAX's entries and the warm-start records) at an

@@ -26,7 +26,9 @@ function that steps an optimizer, when it is on.
 Where those caches live, and when they are not used: ``torch_caches.py``.
 
 On a torch without these hooks (``SerializableAOTDispatchCompiler``, ``OutputCode``,
-``bundled_autograd_cache``, ``GraphPickler``) the same: one warning, nothing cached.
+``GraphPickler``, the settings ``bundled_autograd_cache`` and
+``force_non_lazy_backward_lowering``) nothing is cached, and one warning names what is
+missing. Only torch 2.13 was run here.
 
 A graph whose compile is not a plain function of the graph is not cached: one with a
 ``debug_callback`` (the callback would not see a graph it did not compile), one holding
@@ -56,8 +58,9 @@ try:  # torch's hooks for a backend whose compiled graphs AOTAutogradCache keeps
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx._graph_pickler import Options as PicklerOptions
 
-    _MISSING = None if hasattr(torch._functorch.config, "bundled_autograd_cache") else \
-        "torch._functorch.config.bundled_autograd_cache"
+    _MISSING = next((f"torch._functorch.config.{name}" for name in (
+        "bundled_autograd_cache", "force_non_lazy_backward_lowering")
+        if not hasattr(torch._functorch.config, name)), None)
 except ImportError as e:  # an older or newer torch
     _MISSING = str(e)
     OutputCode = object
