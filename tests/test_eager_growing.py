@@ -99,3 +99,21 @@ def test_another_model_of_the_class_keeps_its_fixed_sizes_exact(models):
     with torch.no_grad():
         other(torch.arange(1, 12).unsqueeze(0).to("tpu"))
     assert metrics.snapshot().get("eager_bucketed_calls", 0) == calls
+
+
+def test_backward_calls_keep_the_exact_path():
+    # Every backward op comes from the one line that calls backward(), whatever layer it
+    # belongs to: sizes there say nothing about growth, so autograd's calls are never padded.
+    torch.manual_seed(0)
+    start, in_backward = metrics.snapshot().get("eager_bucketed_calls", 0), 0
+    for n in range(3, 12):
+        x = torch.randn(2, n)
+        xt, xc = x.to("tpu").requires_grad_(), x.clone().requires_grad_()
+        loss = (xt.softmax(-1) * xt).sum()
+        calls = metrics.snapshot().get("eager_bucketed_calls", 0)
+        loss.backward()
+        in_backward += metrics.snapshot().get("eager_bucketed_calls", 0) - calls
+        (xc.softmax(-1) * xc).sum().backward()
+        torch.testing.assert_close(xt.grad.cpu(), xc.grad)
+    assert metrics.snapshot().get("eager_bucketed_calls", 0) > start  # the forward's were
+    assert in_backward == 0

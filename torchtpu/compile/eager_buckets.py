@@ -176,7 +176,8 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     exact = (id(spec), views)
     if exact in _exact:
         return None
-    if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries):
+    if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
+            or _in_backward():
         return None  # a capture's replays could not repeat host padding; keys: random draws
     call = _Call(lowering, spec, values, dyn)
     structure = (lowering, _abstract_entries(spec),
@@ -204,6 +205,12 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     if out is None:
         meta.bounded_put(_exact, exact, spec)
     return out
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine runs the call: a backward's calls, every layer's, all come from
+    the one user line that called ``backward()``, so their sizes would look varying there."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _call_site() -> tuple:
@@ -255,7 +262,7 @@ _exact_views: dict = {}    # geometries read by their own program
 def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
     """A view read on the host once views of its kind (ranks and dtypes of it and its storage)
     have been read at another geometry; None: read it as usual (``tensors.view_reader``)."""
-    if tensors.capture is not None:
+    if tensors.capture is not None or _in_backward():
         return None
     if g in _exact_views:
         return None
