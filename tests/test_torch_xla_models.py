@@ -148,6 +148,33 @@ def test_a_compiled_step_past_defer_and_fuses_op_bound_is_still_one_program():
     assert defer.RECORDER.max_ops == defer.MAX_OPS  # restored after the region
 
 
+def test_a_step_closures_read_on_its_worker_does_not_run_the_next_steps_recording():
+    """xm.add_step_closure(run_async=True) reads a finished step's value on a worker thread
+    while the main thread records the next step: the device checks (index bounds) pending in that
+    recording stay pending, or the worker would flush the step half-way (full_graph refused
+    easy-torch-tpu's step for it, now and then)."""
+    import threading
+
+    from torchtpu.device import asserts
+
+    done = torch.ones(1, device="tpu") * 2
+    table = torch.randn(10, 4)
+    on_tpu = table.to("tpu")
+    torch.tpu.synchronize()
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        rows = on_tpu[torch.tensor([1, 7], device="tpu") + 0]  # a bounds check, pending
+        pending = len(asserts._pending)
+        before = metrics.snapshot()
+        read = []
+        worker = threading.Thread(target=lambda: read.append(done.item()))
+        worker.start()
+        worker.join()
+        assert read == [2.0] and metrics.snapshot()["executions"] == before["executions"]
+        assert pending >= 1 and len(asserts._pending) == pending
+        torch.testing.assert_close(rows.cpu(), table[[1, 7]])  # the main thread's read checks
+    assert not asserts._pending
+
+
 # ---------------------------------------------------------------------------- easy-torch-tpu
 
 ETPU = os.environ.get("TORCHTPU_EASY_TORCH_TPU")  # a checkout of aklein4/easy-torch-tpu

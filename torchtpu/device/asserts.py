@@ -12,6 +12,7 @@ As on CUDA, the failing op's result is garbage until then; unlike CUDA, the proc
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -35,9 +36,12 @@ def add(flags, error: Callable[[int], Exception], where: str) -> None:
 
 
 def raise_pending() -> None:
-    """Read every pending flag; raise the first failed check's error (all are cleared)."""
+    """Read every pending flag; raise the first failed check's error (all are cleared). On a
+    thread other than the main one (a torch_xla step closure's worker) only the flags already
+    computed: reading the others would run the main thread's DeferAndFuse recording early, in
+    the middle of its step; they are read at a later host read."""
     if _pending:
-        _raise(computed_only=False)
+        _raise(computed_only=threading.current_thread() is not threading.main_thread())
 
 
 def _computed(flags) -> bool:
