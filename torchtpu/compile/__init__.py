@@ -3,7 +3,7 @@
 ``install()`` (called by ``torchtpu/registration.py``, the one place that wires torchtpu into
 PyTorch) arranges for "tpu" to be registered with Dynamo (``registration``) the moment Dynamo is
 first imported (``torchtpu/import_hooks.py``), so ``import torch`` stays free of Dynamo's import
-cost, and, with ``TORCHTPU_EAGER_BUCKETS=1``, serves eager op calls whose sizes grow from size
+cost, and, unless ``TORCHTPU_EAGER_BUCKETS=0``, serves eager op calls whose sizes grow from size
 buckets (``eager_buckets``).
 ``backend`` wires AOTAutograd, ``graph_function`` turns one FX graph into one JAX function from
 the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views,
@@ -26,6 +26,5 @@ def install() -> None:
     after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
     whole_step.install()
     checkpoint.install()
-    # Eager calls over growing sizes run in size buckets: opt-in while a call site shared by
-    # unrelated shapes can still take the padded path (see eager_buckets.set_enabled).
-    eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS") == "1")
+    # Eager calls over growing sizes run in size buckets (TORCHTPU_EAGER_BUCKETS=0: never).
+    eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS", "1") != "0")

@@ -25,11 +25,11 @@ built from the same class starts families of its own, so the sizes one model too
 line do not make another's fixed sizes look varying (a plan is exact whichever sizes reach it;
 this saves the compiles of the padded path).
 
-Opt-in (``TORCHTPU_EAGER_BUCKETS=1``, or ``set_enabled(True)``): one line that serves many fixed
-shapes in one step (an optimizer's per-parameter update, all of whose frames are PyTorch's, at
-the user's ``opt.step()`` line) takes 4 shapes for growth and runs padded, host reads included,
-which splits a ``torch_xla.compile(full_graph=True)`` region and costs a fixed-shape training
-loop compiles and synchronous calls.
+On by default (``TORCHTPU_EAGER_BUCKETS=0``, or ``set_enabled(False)``, turns it off). Autograd's
+calls keep the exact path: a backward's ops, every layer's, all come from the user's one
+``backward()`` line, where their sizes would look varying. Still taken for growth: one line that
+serves 4 or more fixed shapes in one step (an ``nn.Sequential`` of 4 widths) runs padded at
+every step, exact in values but with host padding and a synchronous call each time.
 
 Host padding waits for the inputs: a bucketed call is synchronous, which under DeferAndFuse
 runs what is pending first. Random ops, captures and views the host cannot read by strides
