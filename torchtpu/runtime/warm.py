@@ -74,9 +74,11 @@ def source_digest() -> str:
 def fingerprint() -> str:
     """What every key depends on besides its caller's parts (and, for a program, the settings
     and argument signature of its first call): versions, platform, XLA flags, own source."""
-    device = jax.devices()[0]
+    # The local device, not jax.devices()[0]: in a multi-process run each process's programs
+    # are compiled for its own device, and rank 1 loading rank 0's executable fails at launch.
+    device = jax.local_devices()[0]
     parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
-             device.platform, device.device_kind, device.client.platform_version,
+             device.platform, device.device_kind, device.client.platform_version, str(device.id),
              os.environ.get("XLA_FLAGS", ""), source_digest()]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
