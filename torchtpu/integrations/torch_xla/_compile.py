@@ -6,7 +6,9 @@ so each call is one cached program and Python side effects (a scheduler's ``step
 counter) run on every call, as in PyTorch/XLA; pending work from before the region runs first.
 DeferAndFuse's own bound on a recording (``MAX_OPS``, which splits an endless eager loop into
 programs) is lifted inside the region, as PyTorch/XLA's graph has none: a training step of a few
-thousand ops is still one program.
+thousand ops is still one program. Eager size buckets (``compile/eager_buckets.py``, which run
+a call at a growing size as a padded program of its own, at once) are off inside it for the same
+reason: an optimizer's per-parameter loop looks like growth to them.
 ``full_graph=True`` raises when the body ran programs before its end (a host read such as
 ``.item()`` or ``print`` of a device value, or a data-dependent shape, split it), naming how many;
 ``max_different_graphs=N`` raises when more than N calls had to compile new programs.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 import torch
 
 from torchtpu import metrics
+from torchtpu.compile import eager_buckets
 from torchtpu.eager import defer
 from torchtpu.integrations.torch_xla import _missing, _step
 
@@ -44,19 +47,22 @@ class Region:
 
     def __enter__(self):
         _step.sync()
-        self._saved.append((torch.tpu.eager_mode, metrics.snapshot(), defer.RECORDER.max_ops))
+        self._saved.append((torch.tpu.eager_mode, metrics.snapshot(), defer.RECORDER.max_ops,
+                            eager_buckets.enabled()))
         torch.tpu.eager_mode = torch.tpu.EagerMode.DEFER_AND_FUSE
         defer.RECORDER.max_ops = float("inf")
+        eager_buckets.set_enabled(False)
         return self
 
     def __exit__(self, kind, error, tb) -> None:
-        mode, before, max_ops = self._saved.pop()
+        mode, before, max_ops, buckets = self._saved.pop()
         try:
             inside = metrics.snapshot()["executions"] - before["executions"]
             _step.sync()
         finally:
             torch.tpu.eager_mode = mode
             defer.RECORDER.max_ops = max_ops
+            eager_buckets.set_enabled(buckets)
         if kind is not None:
             return
         after = metrics.snapshot()
