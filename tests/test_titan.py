@@ -1,6 +1,7 @@
 """TorchTitan 0.3's llama3 debug model trained on tpu (``python -m torchtpu.titan`` under torchrun)
 against the same run on CPU with gloo (``torchtpu/testing/titan.py``): one process, then two with
-FSDP2 over tpu_dist. Both start from one seed checkpoint (tpu's random init differs from CPU's)
+FSDP2 or tensor parallelism over tpu_dist, eager and with ``--compile.enable``. Both start from
+one seed checkpoint (tpu's random init differs from CPU's)
 and read the same locally made tokenizer and documents. Needs ``pip install -e '.[titan]'``.
 """
 
@@ -65,29 +66,37 @@ def workdir(tmp_path_factory):
     return root
 
 
+# Process count and parallelism flags of each layout TorchTitan trains in.
+LAYOUTS = {"one-process": (1, []), "torchrun-2-fsdp2": (2, []),
+           "torchrun-2-tp": (2, ["--parallelism.tensor_parallel_degree", "2"])}
+
+
 @pytest.fixture(scope="module")
 def cpu_losses(workdir):
-    """The CPU run's losses per process count, made once for the eager and compiled tpu runs."""
+    """The CPU run's losses per layout, made once for the eager and compiled tpu runs."""
     runs = {}
 
-    def losses(nproc: int) -> list[float]:
-        if nproc not in runs:
+    def losses(layout: str) -> list[float]:
+        if layout not in runs:
+            nproc, flags = LAYOUTS[layout]
             load = ["--checkpoint.initial_load_path", str(workdir / "outputs" / "seed" / "step-0")]
-            runs[nproc] = _losses(_run(workdir, nproc, "cpu", load + [
-                "--checkpoint.folder", f"cpu-{nproc}"]))
-        return runs[nproc]
+            runs[layout] = _losses(_run(workdir, nproc, "cpu", load + flags + [
+                "--checkpoint.folder", f"cpu-{layout}"]))
+        return runs[layout]
 
     return losses
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("nproc", [1, 2], ids=["one-process", "torchrun-2-fsdp2"])
-def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, nproc, compiled, tmp_path):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, layout, compiled, tmp_path):
     # --compile.enable compiles each TransformerBlock with backend "inductor", TorchTitan's
-    # default, which graphs on tpu compile with "tpu"; FSDP2 wraps the compiled blocks.
+    # default, which graphs on tpu compile with "tpu"; FSDP2 wraps the compiled blocks, and
+    # tensor parallelism runs them on DTensors.
+    nproc, flags = LAYOUTS[layout]
     load = ["--checkpoint.initial_load_path", str(workdir / "outputs" / "seed" / "step-0")]
-    flags = ["--compile.enable"] if compiled else []
-    folder = ["--checkpoint.folder", f"tpu-{nproc}-{'compiled' if compiled else 'eager'}"]
+    flags = flags + (["--compile.enable"] if compiled else [])
+    folder = ["--checkpoint.folder", f"tpu-{layout}-{'compiled' if compiled else 'eager'}"]
     out = _run(workdir, nproc, "tpu", load + folder + flags, env_extra={
         "TORCHTPU_DUMP": str(tmp_path)})  # each program built (or read from the cache), named
     tpu = _losses(out)
@@ -95,5 +104,5 @@ def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, nproc, compiled
     programs = {p.name for p in tmp_path.glob("*.stablehlo.mlir")}
     assert compiled == any("compiled_backward" in name for name in programs), sorted(programs)
     # Attention runs in bfloat16 (TorchTitan casts q/k/v), so equal to ~1e-5 relative.
-    assert tpu == pytest.approx(cpu_losses(nproc), rel=1e-4), (tpu, cpu_losses(nproc))
+    assert tpu == pytest.approx(cpu_losses(layout), rel=1e-4), (tpu, cpu_losses(layout))
     assert tpu[-1] < tpu[0]
