@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from torchtpu.testing.distributed import run
+from torchtpu.testing.models import sgd_full_batch
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}
 STEPS = 3
@@ -45,16 +46,7 @@ def _data():
 
 
 def _reference():
-    model = _Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(_data()).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses), [p.detach() for p in model.parameters()]
+    return sgd_full_batch(_Net(), _data(), STEPS)
 
 
 def _train(rank, world, mode):

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from torchtpu.testing.distributed import run
+from torchtpu.testing.models import sgd_full_batch
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}
 STEPS = 3
@@ -26,16 +27,7 @@ def _data():
 
 
 def _reference():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(_data()).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses), [p.detach() for p in model.parameters()]
+    return sgd_full_batch(_model(), _data(), STEPS)
 
 
 def _collectives(graphs: list):

@@ -136,3 +136,18 @@ def train_steps(model: TinyGPT, data: torch.Tensor, steps: int, device: str | to
         if on_step is not None:
             on_step(step, losses[-1])
     return losses
+
+
+def sgd_full_batch(model: torch.nn.Module, x: torch.Tensor, steps: int, lr: float = 0.1
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The single-process reference of the data-parallel tests: ``steps`` SGD steps on the mean
+    square of ``model(x)``; the per-step losses and the trained parameters."""
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach() for p in model.parameters()]
