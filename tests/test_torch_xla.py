@@ -17,7 +17,7 @@ import torch
 
 import torchtpu.integrations.torch_xla as torch_xla
 from torchtpu import metrics
-from torchtpu.integrations.torch_xla import install
+from torchtpu.integrations.torch_xla import _autocast, install
 from torchtpu.integrations.torch_xla.core import xla_model as xm
 from torchtpu.integrations.torch_xla.debug import metrics as met
 from torchtpu.integrations.torch_xla.distributed import parallel_loader as pl
@@ -299,7 +299,7 @@ def test_installer_refuses_to_sit_beside_a_real_torch_xla(tmp_path, capsys):
     (real / "torch_xla" / "__init__.py").write_text("# a real PyTorch/XLA\n")
     code = textwrap.dedent(f"""
         import sys
-        from torchtpu.integrations.torch_xla import install
+        from torchtpu.integrations.torch_xla import _autocast, install
         sys.exit(install.main(["--target", {str(tmp_path / "site")!r}]))
         """)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(real), str(ROOT)])}
@@ -309,3 +309,19 @@ def test_installer_refuses_to_sit_beside_a_real_torch_xla(tmp_path, capsys):
     assert install.main(["--target", str(real), "--uninstall"]) == 2
     assert "is not torchtpu's stub" in capsys.readouterr().err
     assert (real / "torch_xla" / "__init__.py").exists()
+
+
+def test_autocast_xla_is_autocast_on_the_device():
+    # What ``import torch_xla`` installs (alias.take_over): PyTorch/XLA scripts' autocast("xla")
+    # would otherwise arm the XLA key's autocast, which tpu tensors never reach (float32 steps).
+    _autocast.install()
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with torch.autocast("xla", dtype=torch.bfloat16):
+        out = a.to("tpu") @ b.to("tpu")
+        assert torch.is_autocast_enabled("xla")
+        assert torch.get_autocast_dtype("xla") == torch.bfloat16
+    assert not torch.is_autocast_enabled("xla")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = a @ b
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu(), expected)

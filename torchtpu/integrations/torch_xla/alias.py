@@ -17,12 +17,12 @@ import importlib.abc
 import pkgutil
 import sys
 
-from torchtpu.integrations.torch_xla import _missing, _step
+from torchtpu.integrations.torch_xla import _autocast, _missing, _step
 
 PACKAGE = "torchtpu.integrations.torch_xla"
 NAME = "torch_xla"
 # Modules of the layer that are not PyTorch/XLA names.
-_OWN = {"alias", "install", "_missing"}
+_OWN = {"alias", "install", "_missing", "_autocast"}
 
 
 class _Refuse(importlib.abc.MetaPathFinder):
@@ -51,3 +51,4 @@ def take_over(name: str = NAME) -> None:
     if not any(isinstance(f, _Refuse) for f in sys.meta_path):
         sys.meta_path.insert(0, _Refuse())
     _step.lazy(True)
+    _autocast.install()
