@@ -32,7 +32,8 @@ def _first_arg_as_tpu(fn):
 
 
 def install() -> None:
-    """Map "xla" to "tpu" in ``torch.autocast`` and the autocast queries (once)."""
+    """Map "xla" to "tpu" in ``torch.autocast`` (its ``__enter__`` then arms tpu's autocast)
+    and in the two autocast queries scripts make (once)."""
     cls = autocast_mode.autocast
     if getattr(cls, "_torchtpu_xla_is_tpu", False):
         return
@@ -44,6 +45,5 @@ def install() -> None:
 
     cls.__init__ = __init__
     cls._torchtpu_xla_is_tpu = True
-    for name in ("is_autocast_enabled", "get_autocast_dtype", "set_autocast_enabled",
-                 "set_autocast_dtype"):
+    for name in ("is_autocast_enabled", "get_autocast_dtype"):  # what scripts query
         setattr(torch, name, _first_arg_as_tpu(getattr(torch, name)))
