@@ -136,8 +136,8 @@ def gpt2_row(topology: str, batch: int = 1, seq: int = 1024, mode: str = "compil
 
     torch.manual_seed(0)
     # No dropout, as MFU figures are quoted: with it, the step's random bits are threefry
-    # rounds in while loops, which libtpu's cost model gives no time and which moved ~5 GB per
-    # block through HBM in the 1-2 block steps.
+    # rounds in while loops, which libtpu's cost model gives no time (and which added 2 GB of
+    # bytes accessed to the 1-block step).
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
         n_positions=seq, n_layer=layers, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
     ids = torch.randint(50257, (batch, seq + 1), generator=torch.Generator().manual_seed(1))
