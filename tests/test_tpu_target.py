@@ -338,9 +338,6 @@ def _all_reduce_on_target(rank, world):
 
 
 @needs_libtpu
-@pytest.mark.xfail(strict=True, reason="with a TPU target, a 2-rank XLA-transport all_reduce "
-                   "aborts rank 0 loading the host executable (xla_sharding.cc: tile count 2 vs "
-                   "1 device); without a target it runs. Not resolved yet")
 def test_xla_collectives_across_processes_are_reported_not_compiled(tmp_path):
     """A collective program spans the world's processes: reported as not compiled (not yet
     handled), and the ranks run on with their other programs compiled."""

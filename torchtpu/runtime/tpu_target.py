@@ -38,6 +38,8 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from torchtpu.runtime import stablehlo_facts
+
 ENV = "TORCHTPU_TPU_TARGET"
 # A folder: each program compiled for the target also writes its optimized HLO there (to diff
 # torchtpu's program against another's); a kept verdict is then not reused.
@@ -322,7 +324,7 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     from jax._src import compiler
     from jax._src.lib import xla_client as xc
 
-    facts = _facts(parsed)
+    facts = stablehlo_facts.facts(parsed)
     # JAX's own options for an SPMD program over devs (its partitioner, Shardy or GSPMD, must
     # be the one the module was lowered for).
     options = compiler.get_compile_options(
@@ -407,51 +409,6 @@ def _module_bytes(module) -> bytes:
     return mlir.module_to_bytecode(module)
 
 
-_WIDE = re.compile(r"tensor<(?:[0-9?]+x)+(f64|i64|ui64|complex<f64>)>")
-_ELEMENT_BYTES = re.compile(r"^(?:[a-z]+)?(\d+)")
-
-
-def _facts(parsed) -> dict:
-    """What the module says itself: its entry's argument and result bytes (before TPU tiles)
-    and its ops with 64-bit results (non-scalar), which TPU emulates."""
-    main = None
-    for op in parsed.body.operations:
-        if op.operation.name == "func.func" and str(op.attributes["sym_name"]) == '"main"':
-            main = op
-            break
-    logical = 0
-    if main is not None:
-        ftype = jax._src.lib.mlir.ir.FunctionType(
-            jax._src.lib.mlir.ir.TypeAttr(main.attributes["function_type"]).value)
-        logical = sum(_type_bytes(t) for t in (*ftype.inputs, *ftype.results))
-    wide = {"float64": 0, "int64": 0}
-    for line in parsed.operation.get_asm(large_elements_limit=4).splitlines():
-        if "=" not in line:
-            continue
-        result_type = line.rsplit("->", 1)[-1] if "->" in line else line.rsplit(":", 1)[-1]
-        for m in _WIDE.finditer(result_type):
-            wide["float64" if "f64" in m.group(1) else "int64"] += 1
-            break
-    return {"logical": logical, "wide": wide}
-
-
-def _type_bytes(t) -> int:
-    from jax._src.lib.mlir import ir
-
-    try:
-        shaped = ir.RankedTensorType(t)
-    except (TypeError, ValueError):
-        return 0
-    if not shaped.has_static_shape:
-        return 0
-    element = shaped.element_type
-    width = getattr(element, "width", None)
-    if width is None:
-        m = re.search(r"(\d+)", str(element))
-        width = int(m.group(1)) if m else 32
-    return int(np.prod(shaped.shape, dtype=np.int64)) * max(1, width // 8)
-
-
 def compile_lowered(lowered, *, name: str | None = None, kind: str = "function", n: int = 1,
                     target_name: str | None = None, line: str | None = None) -> Report:
     """Compile a ``jax.stages.Lowered`` (lowered for the TPU or any platform) for the target."""
@@ -505,10 +462,10 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
 @functools.cache
 def _fingerprint() -> str:
     """What a kept verdict was made by: JAX, jaxlib, libtpu and the source of this module and
-    tpu_narrow.py (the module bytes, the target and the device count are the rest of its key)."""
+    those it uses (the module bytes, the target and the device count are the rest of its key)."""
     parts = [jax.__version__, jax.lib.__version__, check_libtpu(),
              *(hashlib.sha256(Path(__file__).with_name(f).read_bytes()).hexdigest()
-               for f in ("tpu_target.py", "tpu_narrow.py"))]
+               for f in ("tpu_target.py", "tpu_narrow.py", "stablehlo_facts.py"))]
     return "\0".join(parts)
 
 
