@@ -164,14 +164,20 @@ def _fill(store: EntryStore, keys, size: int = 1000) -> None:
 
 
 def test_eviction_keeps_the_directory_under_its_cap_least_recently_used_first(tmp_path):
-    store = EntryStore(tmp_path, max_bytes=10_000)
+    # An entry's header names the host's CPU features, so its size differs between machines:
+    # the cap is 9.57 entries, wherever this runs.
+    probe = EntryStore(tmp_path / "probe")
+    _fill(probe, ["p"])
+    entry = probe.entry("p").stat().st_size
+    cap, root = entry * 10_000 // 1045, tmp_path / "store"
+    store = EntryStore(root, max_bytes=cap)
     _fill(store, [f"a{i}" for i in range(5)])
     for i in range(5):
         os.utime(store.entry(f"a{i}"), (1000 + i, 1000 + i))  # a0 is the oldest
     assert store.get("a0") is not None  # a hit makes a0 the newest
-    _fill(store, [f"b{i}" for i in range(7)])  # ~1045 B each: two evictions of two entries
-    left = {p.name.removesuffix(SUFFIX) for p in _entries(tmp_path)}
-    assert sum(p.stat().st_size for p in _entries(tmp_path)) <= 10_000
+    _fill(store, [f"b{i}" for i in range(7)])  # two evictions of two entries
+    left = {p.name.removesuffix(SUFFIX) for p in _entries(root)}
+    assert sum(p.stat().st_size for p in _entries(root)) <= cap
     assert "a0" in left and not {"a1", "a2", "a3", "a4"} & left
     assert {f"b{i}" for i in range(7)} <= left
     assert store.stats()["entries"]["a0"]["read_count"] == 1

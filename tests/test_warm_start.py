@@ -298,6 +298,7 @@ def test_torch_caches_only_in_a_private_directory(tmp_path, store_at, monkeypatc
     from torchtpu.compile import torch_caches
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv(torch_caches._PLACED, raising=False)
     monkeypatch.setattr(torch_caches, "place", functools.cache(torch_caches.place.__wrapped__))
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)
@@ -325,6 +326,16 @@ def test_torch_caches_only_in_a_private_directory(tmp_path, store_at, monkeypatc
     kept = sorted(p.name for p in (private / "torch").iterdir())
     newest = [f"old{k}" for k in range(3, torch_caches.KEEP + 2)]  # KEEP - 1 of them
     assert kept == sorted([os.path.basename(ours), *newest])
+    # A child process inherits what place() set, with a private directory of its own: the
+    # inherited value is torchtpu's, not the user's, so the child points it at its own.
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    store_at(other)
+    torch_caches.place.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CompileCacheWarning)
+        assert torch_caches.place()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(other.resolve() / "torch"))
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory another owner")

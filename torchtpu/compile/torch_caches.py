@@ -53,9 +53,14 @@ def torch_dir() -> str | None:
     return str(Path(store.path).resolve() / "torch" / key[:16])
 
 
+# What ``place`` set TORCHINDUCTOR_CACHE_DIR to, so that a child process (which inherits both,
+# maybe with another TORCHTPU_CACHE_DIR) knows the value for torchtpu's, not the user's.
+_PLACED = "TORCHTPU_PLACED_INDUCTOR_CACHE_DIR"
+
+
 def _user_chose(chosen: str | None, ours: str) -> bool:
     """Whether TORCHINDUCTOR_CACHE_DIR=chosen is the user's (PyTorch writes its default there)."""
-    if chosen is None or os.path.abspath(chosen) == ours:
+    if chosen is None or os.path.abspath(chosen) in (ours, os.environ.get(_PLACED)):
         return False
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -79,7 +84,7 @@ def place() -> bool:
         return False
     if not os.path.isdir(ours):
         _make(Path(ours))
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_PLACED] = ours
     return True
 
 

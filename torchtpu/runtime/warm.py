@@ -179,7 +179,10 @@ def private_store():
     if store is None:
         return None
     path = store.path
-    why = _not_private(path)
+    try:
+        why = _not_private(path)
+    except OSError:
+        return None  # the directory cannot be used at all: the store's own warning says so
     if why is None:
         return store
     if path not in _refused:
@@ -193,10 +196,7 @@ def private_store():
 
 
 def _not_private(path: Path) -> str | None:
-    try:
-        st = os.stat(path)
-    except OSError as e:
-        return f"cannot be checked ({e.strerror})"
+    st = os.stat(path)
     if st.st_uid != os.getuid():
         return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
