@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
@@ -23,11 +24,14 @@ import ray  # noqa: E402
 import ray.data  # noqa: E402
 from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
+from ray.util.placement_group import PlacementGroup  # noqa: E402
 
+from torchtpu.testing.conformance import time_limit  # noqa: E402
 from torchtpu.testing.models import TinyGPT, batch, train_steps  # noqa: E402
 
 STEPS, WORKERS, VOCAB, BLOCK, BATCH = 3, 2, 17, 8, 8
 TOO_MANY = 3  # workers, for a host simulated with WORKERS devices
+FIT_S = 300  # a fit that takes longer is a hang (each took ~30-70 s here)
 
 
 def _data() -> torch.Tensor:
@@ -85,12 +89,35 @@ def local_ray():
         ray.shutdown()
 
 
+@pytest.fixture(autouse=True)
+def _resources_released(local_ray):
+    """Each test leaves the instance's CPUs free for the next. Ray Train 2.60 keeps the placement
+    group of a worker group whose backend failed to start (the too-many test's), holding its CPUs
+    until the driver exits; the next trainer then waits for workers that cannot be placed, and
+    its restart after a failure waited forever (CI's ray stage ran out of its time)."""
+    before = set(ray.util.placement_group_table())
+    yield
+    for pg_id, pg in ray.util.placement_group_table().items():
+        if pg_id not in before and pg["state"] == "CREATED":
+            ray.util.remove_placement_group(
+                PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    total, deadline = ray.cluster_resources().get("CPU"), time.monotonic() + 30
+    while (free := ray.available_resources().get("CPU", 0)) != total:
+        assert time.monotonic() < deadline, f"{total - free} of {total} CPUs still held after 30 s"
+        time.sleep(0.2)
+
+
+def _fit(trainer: TorchTrainer):
+    with time_limit(FIT_S):
+        return trainer.fit()
+
+
 def test_torch_trainer_with_tpu_dist_matches_the_full_batch_on_cpu(local_ray, tmp_path):
     trainer = TorchTrainer(
         _train_loop, torch_config=TorchConfig(backend="tpu_dist", timeout_s=300),
         scaling_config=ScalingConfig(num_workers=WORKERS),
         run_config=RunConfig(storage_path=str(tmp_path), name="tinygpt"))
-    result = trainer.fit()
+    result = _fit(trainer)
     assert result.error is None, result.error
     metrics = result.metrics
     assert metrics["device"].startswith("tpu") and metrics["backend"] == "tpu_dist"
@@ -126,7 +153,7 @@ def test_more_workers_than_devices_fail_before_the_loop(local_ray, tmp_path):
                              worker_runtime_env={"env_vars": devices}))
     with pytest.raises(Exception, match=f"{TOO_MANY} processes were started on this host, but "
                                         f"it has {WORKERS} cpu devices"):
-        trainer.fit()
+        _fit(trainer)
     assert not marker.exists()
 
 
@@ -141,6 +168,7 @@ def test_iter_torch_batches_hands_batches_on_tpu(local_ray):
 
 
 RESUME_STEPS, KILL_AT = 4, 2  # the kill comes after two checkpointed steps
+POLL_S = 2.0  # Ray Train 2.60's DEFAULT_HEALTH_CHECK_INTERVAL_S
 
 
 def _sgd(params) -> torch.optim.SGD:
@@ -183,6 +211,10 @@ def _resumable_loop(config: dict) -> None:
     for step in range(start, RESUME_STEPS):
         if step == KILL_AT and rank == 1 and not os.path.exists(config["marker"]):
             open(config["marker"], "w").close()
+            # Ray Train's controller collects reports when it polls the workers (every 2 s): a
+            # worker that dies first takes its uncollected reports, and the checkpoints they
+            # commit, with it. Warm steps take milliseconds, so wait out a few polls.
+            time.sleep(3 * POLL_S)
             os.kill(os.getpid(), signal.SIGKILL)
         _sgd_step(ddp, opt, step, device, (rank, world))
         with tempfile.TemporaryDirectory() as folder:
@@ -204,7 +236,7 @@ def test_killed_worker_restarts_from_its_checkpoint_with_the_uninterrupted_weigh
         scaling_config=ScalingConfig(num_workers=WORKERS),
         run_config=RunConfig(storage_path=str(tmp_path), name="resume",
                              failure_config=FailureConfig(max_failures=1)))
-    result = trainer.fit()
+    result = _fit(trainer)
     assert result.error is None, result.error
     assert marker.exists()  # a worker really died
     # Ray commits a step's checkpoint once every worker has reported it, so the restart resumes
