@@ -138,9 +138,23 @@ def test_storage_constructor_refuses_what_cpu_refuses():
     assert str(tpu.value) == str(cpu.value)
 
 
-def test_storage_slices_are_refused_in_words():
+def test_storage_slices_read_their_storage_bytes_as_cpu_slices_do():
+    # PyTorch's test_storage reads a tensor's bytes through storage()[a:b] (bytes_to_scalar).
+    host = torch.arange(6, dtype=torch.float32)
+    t = host.to("tpu")
+    tpu, cpu = t.untyped_storage(), host.untyped_storage()
+    assert list(tpu[4:8]) == list(cpu[4:8]) == [0, 0, 128, 63]
+    assert tpu[4:12][4:8].tolist() == cpu[4:12][4:8].tolist()  # a slice of a slice
+    assert len(tpu[4:8]) == 4 and tpu[4:8].device.type == "tpu"
+    part = tpu[4:8]
+    t.add_(1)  # a slice sees later writes to its storage, as a CPU slice shares its memory
+    host.add_(1)
+    assert list(part) == list(cpu[4:8]) == [0, 0, 0, 64]
+
+
+def test_storage_slice_writes_are_refused_in_words():
     storage = torch.arange(8, dtype=torch.uint8, device="tpu").untyped_storage()
-    assert storage[3] == 3
-    with pytest.raises(NotImplementedError, match=r"torchtpu.unsupported: slicing a tpu storage"):
-        storage[2:4]
-    assert list(torch.arange(8, dtype=torch.uint8).untyped_storage()[2:4]) == [2, 3]
+    part = storage[2:4]
+    with pytest.raises(NotImplementedError, match=r"writing through a slice of a tpu storage"):
+        torch.empty(0, dtype=torch.uint8, device="tpu").set_(part).fill_(9)
+    assert list(storage) == list(range(8))
