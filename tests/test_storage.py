@@ -158,3 +158,19 @@ def test_storage_slice_writes_are_refused_in_words():
     with pytest.raises(NotImplementedError, match=r"writing through a slice of a tpu storage"):
         torch.empty(0, dtype=torch.uint8, device="tpu").set_(part).fill_(9)
     assert list(storage) == list(range(8))
+
+
+def test_legacy_storage_classes_on_torch_tpu_make_tpu_storages():
+    # PyTorch's storage_type() looks for torch.<privateuse1 name>.FloatStorage; without the
+    # class it is None for a tpu tensor.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # TypedStorage's deprecation
+        t = torch.ones(3, dtype=torch.bfloat16, device="tpu")
+        assert t.storage_type() is torch.tpu.BFloat16Storage
+        assert torch.ones(3, device="tpu").storage_type() is torch.tpu.FloatStorage
+        s = torch.tpu.LongStorage([1, 2, 3])
+        assert s.device.type == "tpu" and s.dtype is torch.int64 and s.tolist() == [1, 2, 3]
+        assert isinstance(t.storage(), torch.tpu.BFloat16Storage)
+        assert not isinstance(t.storage(), torch.BFloat16Storage)

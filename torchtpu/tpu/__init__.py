@@ -54,6 +54,8 @@ from torchtpu.layers import scan_layers
 from torchtpu.runtime import compile_cache as _compile_cache
 from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_callables, streams)
 from torchtpu.tpu.graphs import __all__ as _graphs_all
+from torchtpu.tpu.storages import *  # noqa: F403 (FloatStorage, ..., as torch.cuda's)
+from torchtpu.tpu.storages import __all__ as _storages_all
 
 # Submodules imported on first attribute access (each is ``torchtpu/tpu/<name>.py``).
 _LAZY_SUBMODULES: frozenset = frozenset({"distributed", "memory", "ops", "pallas", "profiler",
@@ -174,4 +176,5 @@ __all__ = [
     "scan_layers", "seed", "custom_compiler_options", "set_per_process_memory_fraction",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
     "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
+    *_storages_all,
 ]
