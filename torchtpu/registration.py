@@ -160,7 +160,16 @@ def register() -> None:
         if _libraries:
             return
         from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
-        from torchtpu.device import autocast, kernels, loader, pinned, quantized, sparse, storage
+        from torchtpu.device import (
+            autocast,
+            kernels,
+            loader,
+            pinned,
+            quantized,
+            set_data,
+            sparse,
+            storage,
+        )
         from torchtpu.eager import dispatch, sdpa_routing
 
         _setup_privateuseone_for_python_backend(
@@ -180,6 +189,7 @@ def register() -> None:
         storage.install_pickling()
         storage.install_slicing()
         loader.install_pin_memory()
+        set_data.install()  # tensor.data = ... onto or off the tpu, as for CUDA (FSDP2 needs it)
         from torchtpu.device import memory_limit
 
         memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
