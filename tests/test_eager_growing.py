@@ -89,6 +89,18 @@ def test_a_growing_view_that_reinterprets_its_dtype_keeps_its_bits():
         assert torch.equal((x.to("tpu").view(torch.int32) + 1).cpu(), x.view(torch.int32) + 1)
 
 
+def test_a_varying_0d_view_read_on_the_host_stays_0d():
+    # v[0][i] for each i at one line (PyTorch's test_storage): from the 4th offset on it is read
+    # on the host, where np.ascontiguousarray made a 0-d view 1-d, and clone() then failed.
+    host = torch.arange(15.0).reshape(3, 5)
+    v = host.to("tpu")
+    views = metrics.snapshot().get("eager_host_views", 0)
+    for i in range(5):
+        y = v[0][i].clone()
+        assert y.shape == () and y.item() == host[0][i].item()
+    assert metrics.snapshot().get("eager_host_views", 0) > views
+
+
 def test_another_model_of_the_class_keeps_its_fixed_sizes_exact(models):
     # The grown model's lines took many sizes; another TinyGPT at those lines has its own.
     _, grown, prompt, _ = models

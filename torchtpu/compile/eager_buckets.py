@@ -252,7 +252,7 @@ def _strided(t: torch.Tensor, array) -> np.ndarray | None:
     flat = host.reshape(-1)
     view = np.lib.stride_tricks.as_strided(
         flat[t.storage_offset():], tuple(t.shape), tuple(s * flat.itemsize for s in t.stride()))
-    return np.ascontiguousarray(view)
+    return np.array(view, order="C")  # np.ascontiguousarray would make a 0-d view 1-d
 
 
 _view_families: dict = {}  # (kind of view, call site) -> [geometries, whether they vary]
