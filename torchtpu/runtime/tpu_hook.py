@@ -110,15 +110,16 @@ def install(name: str | None = None, on_error: str | None = None) -> None:
 
     def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
         if getattr(backend, "platform", "") != "tpu":
-            processes = len({d.process_index for d in devices.flat})
-            _submit(computation, int(devices.size), processes > 1)
+            # A program over several processes' devices (tpu_dist's XLA collectives) is one
+            # SPMD program over that many chips of the target, as JAX compiles it on a slice.
+            _submit(computation, int(devices.size))
         return _original(backend, computation, devices, *args, **kwargs)
 
     compiler.compile_or_get_cached = compile_or_get_cached
     atexit.register(_at_exit)
 
 
-def _submit(computation, n: int, across_processes: bool = False) -> None:
+def _submit(computation, n: int) -> None:
     """Queue computation for the target, and give the host program a name of its own.
 
     Programs of one op at other shapes share a name (``jit_aten_mm_default``); a profile of the
@@ -132,16 +133,6 @@ def _submit(computation, n: int, across_processes: bool = False) -> None:
     _raise_failed(state)
     name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
     # The bytes are taken here: an MLIR module belongs to the thread that built it.
-    if across_processes:
-        # Left as it is (no TPU compile, no new name): not checked yet. Seen in a 2-rank test:
-        # the TPU compile needs JAX's Shardy options (given now), and a rerun over a warm cache
-        # aborted the rank loading the host's executable (xla_sharding.cc tile-count check).
-        with state.lock:
-            state.reports.append(tpu_target.Report(
-                name=name, kind=_kind(name), target=state.name, devices=n, module=name,
-                line=user_line(), error="not compiled for the target: programs across "
-                "processes (tpu_dist's XLA collectives) are not compiled for it yet"))
-        return
     if name in _renamed:  # JAX compiles a lowering it keeps again: named and queued before
         return
     data = mlir.module_to_bytecode(computation)
