@@ -224,7 +224,7 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         "tensor_parallel_size=2": _config(parallel_config=ParallelConfig(tensor_parallel_size=2)),
         "pipeline_parallel_size=2": _config(
             parallel_config=ParallelConfig(pipeline_parallel_size=2)),
-        "quantization method 'fp8'": _config(model_config=ns(quantization="fp8")),
+        "quantization method 'awq'": _config(model_config=ns(quantization="awq")),
         "kv_cache_dtype='fp8_per_token_head'": _config(
             cache_config=CacheConfig(cache_dtype="fp8_per_token_head")),
         "KV offloading": _config(cache_config=CacheConfig(kv_offloading_size=1.0)),

@@ -12,6 +12,7 @@ from torchtpu.lowering import (  # noqa: F401
     linalg,
     nn,
     optim,
+    quant,
     random,
     reduction,
     rnn,

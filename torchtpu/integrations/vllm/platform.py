@@ -91,9 +91,12 @@ class TpuPlatform(Platform):
 
     @classmethod
     def register_triton_kernel_overrides(cls) -> None:
-        from torchtpu.integrations.vllm import kernels
+        # vLLM calls this in each worker before it builds the model: the quantized linear
+        # layers' kernels are chosen then
+        from torchtpu.integrations.vllm import kernels, quant
 
         kernels.register()
+        quant.register()
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config,

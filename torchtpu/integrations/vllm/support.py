@@ -14,6 +14,9 @@ SPECULATIVE_METHODS = ("ngram",)
 # KV-cache dtypes the tpu attention backend stores (attention.py); the fp8 ones as float8 with
 # vLLM's per-tensor scales (``k_scale``/``v_scale``), per-token-head ones not
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+# weight quantization methods whose kernels run on tpu (quant.py): vLLM's online FP8 of a
+# bfloat16/float16 checkpoint ("fp8" there means "fp8_per_tensor") and its per-channel form
+QUANTIZATION_METHODS = ("fp8", "fp8_per_tensor", "fp8_per_channel")
 
 
 def _refuse(what: str, instead: str) -> None:
@@ -36,9 +39,10 @@ def refuse_unsupported(vllm_config) -> None:
             _refuse("expert parallelism (enable_expert_parallel)", "leave it off")
     model = getattr(vllm_config, "model_config", None)
     quantization = getattr(model, "quantization", None)
-    if quantization:
+    if quantization and quantization not in QUANTIZATION_METHODS:
         _refuse(f"quantization method {quantization!r}",
-                "serve an unquantized checkpoint (dtype float32, bfloat16 or float16)")
+                f"use quantization={' or '.join(map(repr, QUANTIZATION_METHODS))} (FP8 weights), "
+                "or serve an unquantized checkpoint (dtype float32, bfloat16 or float16)")
     cache = getattr(vllm_config, "cache_config", None)
     dtype = getattr(cache, "cache_dtype", "auto")
     if dtype not in KV_CACHE_DTYPES:
