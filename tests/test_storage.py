@@ -174,3 +174,14 @@ def test_legacy_storage_classes_on_torch_tpu_make_tpu_storages():
         assert s.device.type == "tpu" and s.dtype is torch.int64 and s.tolist() == [1, 2, 3]
         assert isinstance(t.storage(), torch.tpu.BFloat16Storage)
         assert not isinstance(t.storage(), torch.BFloat16Storage)
+
+
+def test_is_set_to_compares_storage_offset_sizes_and_strides_as_cpu():
+    for device in ("cpu", "tpu"):
+        t1 = torch.empty(3, 4, device=device)
+        t3 = torch.tensor([], device=device).set_(t1)
+        assert t1.is_set_to(t3) and t3.is_set_to(t1)
+        assert not t1.is_set_to(torch.empty(3, 4, device=device))  # another storage
+        assert not t1.is_set_to(t1.view(4, 3))  # sizes
+        assert not t1.is_set_to(t1.t().contiguous().t())  # strides, another storage
+        assert not t1.is_set_to(t3[1:])  # offset

@@ -228,6 +228,13 @@ def _install_storage_resize() -> None:
     cls.resize_ = resize_
 
 
+def is_set_to(self: torch.Tensor, src: torch.Tensor) -> bool:
+    """PyTorch's is_set_to: the same StorageImpl, offset, sizes and strides (metadata only)."""
+    return (self.untyped_storage()._cdata == src.untyped_storage()._cdata
+            and self.storage_offset() == src.storage_offset()
+            and self.shape == src.shape and self.stride() == src.stride())
+
+
 def register(lib: torch.library.Library) -> None:
     for op in VIEW_OPS:
         lib.impl(op, _redispatch_cpu(op), "PrivateUse1")
@@ -237,6 +244,7 @@ def register(lib: torch.library.Library) -> None:
     lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
     lib.impl(aten._to_copy.default, to_copy, "PrivateUse1")
     lib.impl(aten.resize_.default, resize_, "PrivateUse1")
+    lib.impl(aten.is_set_to.default, is_set_to, "PrivateUse1")
     # One stream per device, and JAX orders work on it: nothing to record (DDP's input copies).
     lib.impl(aten.record_stream.default, lambda t, stream: None, "PrivateUse1")
     _install_storage_resize()
