@@ -298,3 +298,28 @@ def test_compiled_forward_and_backward(compiled_graphs):
     assert_same(out, expected, atol=1e-5, rtol=1e-5)
     assert_same(grads, expected_grads, atol=1e-5, rtol=1e-5)
     _fused_forward_then_backward(compiled_graphs)
+
+
+def test_half_precision_products_keep_their_dtype():
+    # A bf16 call's five products take bf16 operands (float32 accumulation): float32 (L, S)
+    # operands were most of a bf16 GPT-2 block's bytes on TPU. The scores stay float32.
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.lowering import attention
+
+    q, k, v = (jnp.ones((1, 2, 16, 8), jnp.bfloat16) for _ in range(3))
+
+    def step(q, k, v):
+        out, lse, *_ = attention.sdpa_forward(None, q, k, v, is_causal=True)
+        seed = jnp.zeros((), jnp.int64)
+        grads = attention.sdpa_backward(out.astype(q.dtype), q, k, v, None,
+                                        [True, True, True, False], out, lse, None, None, 16,
+                                        16, 0.0, True, seed, seed)
+        return out, lse, grads[:3]
+
+    dots = [e for e in jax.make_jaxpr(step)(q, k, v).eqns if e.primitive.name == "dot_general"]
+    assert len(dots) == 7  # forward: q @ k, p @ v; backward: q @ k again, dp, dq, dk, dv
+    assert all(x.aval.dtype == jnp.bfloat16 for e in dots for x in e.invars), \
+        [[x.aval.dtype for x in e.invars] for e in dots]
+    assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)

@@ -7,8 +7,13 @@ backward, pure JAX functions shared by eager and compiled graphs; which calls re
 SDPA backend choice, ``sdpa_kernel``, the long-sequence flash path) is decided on tensors, by
 ``eager/sdpa_routing.py``.
 
-Numerics follow the math path: scores in float32 (float64 inputs take the math path itself), a
-causal mask aligned top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is
+Numerics: scores, softmax and every product's accumulation in float32 (float64 inputs take the
+math path itself). Products take their operands in the inputs' dtype: a half-precision q @ k and
+grad_out @ v are exact products summed in float32 (what upcasting first gives, at a quarter of
+the bytes), and the probabilities and score gradients are rounded to that dtype before their
+products with v, grad_out, k and q, as FlashAttention and PyTorch's CPU flash kernel do (float32
+(L, S) operands were most of a bf16 GPT-2 block's traffic on TPU). A causal mask aligned
+top-left (``tril(ones(L, S))``), a boolean mask keeps True, a float mask is
 added, and a row with nothing left to attend to gives zeros (``_safe_softmax``), not NaN.
 
 Dropout (``dropout_p > 0``) drops attention probabilities after the softmax, keeping each with
@@ -42,10 +47,16 @@ def _mm(spec: str, a, b):
     return jnp.einsum(spec, a, b, precision=_HIGHEST, preferred_element_type=jnp.float32)
 
 
+def _low(x, like):
+    """x rounded to like's dtype when that is half precision (an (L, S) operand of a product,
+    as flash kernels keep it), else float32."""
+    return x.astype(like.dtype if like.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32)
+
+
 def _scores(q, k, attn_bias, is_causal: bool, scale: float | None):
     """Masked, scaled float32 scores (N, H, L, S) and the scale used."""
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
-    s = _mm("nhle,nhse->nhls", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    s = _mm("nhle,nhse->nhls", _low(q, q), _low(k, q)) * scale
     if is_causal:
         L, S = s.shape[-2:]
         s = jnp.where(jnp.tril(jnp.ones((L, S), bool)), s, -jnp.inf)
@@ -108,7 +119,7 @@ def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
     seed = _pack_key(key) if dropout_p > 0.0 else jnp.zeros((), jnp.int64)
     if dropout_p > 0.0:
         p = p * _dropout_scale(key, p.shape, dropout_p)
-    out = _mm("nhls,nhsv->nhlv", p, v.astype(jnp.float32))
+    out = _mm("nhls,nhsv->nhlv", _low(p, v), _low(v, v))
     # cum_seq_q/k and the debug mask are undefined (no nested tensors, no debug mask); max_q and
     # max_k are the sequence lengths.
     return out, lse, None, None, q.shape[-2], k.shape[-2], seed, jnp.zeros((), jnp.int64), None
@@ -116,8 +127,8 @@ def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
 
 def _gradients(p, grad_out, q, k, v, scale: float, drop=None, want=(True, True, True)):
     """dq, dk, dv (float32, None where not wanted) and d(scores) of out = (p * drop) @ v."""
-    g = grad_out.astype(jnp.float32)
-    dp = _mm("nhlv,nhsv->nhls", g, v.astype(jnp.float32))
+    g = _low(grad_out, v)
+    dp = _mm("nhlv,nhsv->nhls", g, _low(v, v))
     if drop is not None:
         dp = dp * drop
     # d(softmax): rowsum(p * dp) equals rowsum(grad_out * out), without out's rounding.
@@ -125,9 +136,9 @@ def _gradients(p, grad_out, q, k, v, scale: float, drop=None, want=(True, True, 
     if drop is not None:
         p = p * drop  # what multiplied v in forward
     want_q, want_k, want_v = want
-    dq = _mm("nhls,nhse->nhle", ds, k.astype(jnp.float32)) * scale if want_q else None
-    dk = _mm("nhls,nhle->nhse", ds, q.astype(jnp.float32)) * scale if want_k else None
-    dv = _mm("nhls,nhlv->nhsv", p, g) if want_v else None
+    dq = _mm("nhls,nhse->nhle", _low(ds, k), _low(k, k)) * scale if want_q else None
+    dk = _mm("nhls,nhle->nhse", _low(ds, q), _low(q, q)) * scale if want_k else None
+    dv = _mm("nhls,nhlv->nhsv", _low(p, v), g) if want_v else None
     return dq, dk, dv, ds
 
 
@@ -250,7 +261,7 @@ def flash_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_cau
                                      window_size_left, window_size_right)
     s, _ = _scores(qp, kp, keep, False, scale)
     lse = _logsumexp(s)
-    out = _mm("nhls,nhsv->nhlv", _probabilities(s, lse), vp.astype(jnp.float32))
+    out = _mm("nhls,nhsv->nhlv", _low(_probabilities(s, lse), vp), _low(vp, vp))
     out = _unpadded(out, cum_seq_q, q.shape[0]).astype(q.dtype)
     if cum_seq_q is not None:
         lse = _unpadded(lse[..., None], cum_seq_q, q.shape[0])[..., 0].T
