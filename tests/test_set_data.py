@@ -43,9 +43,11 @@ def test_other_refusals_stay_pytorchs():
 VOCAB, BLOCK, STEPS = 32, 8, 3
 
 
-def _cpu_built_fsdp(rank, world, data):
-    torch.manual_seed(0)
+def _cpu_built_fsdp(rank, world, state, data):
     model = TinyGPT(VOCAB, BLOCK)  # on CPU: fully_shard moves it with .data =
+    # The weights come from the caller: thread ranks share the global RNG, so seeding here
+    # would interleave their draws.
+    model.load_state_dict(state)
     mesh = init_device_mesh("tpu", (world,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
@@ -58,6 +60,8 @@ def _cpu_built_fsdp(rank, world, data):
 def test_fsdp2_of_a_cpu_built_model_trains_as_on_cpu(run):
     data = torch.randint(VOCAB, (512,), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
-    expected = train_steps(TinyGPT(VOCAB, BLOCK), data, STEPS, "cpu")
-    losses = torch.tensor(run(_cpu_built_fsdp, 2, args=(data,))).mean(0)
+    reference = TinyGPT(VOCAB, BLOCK)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    expected = train_steps(reference, data, STEPS, "cpu")
+    losses = torch.tensor(run(_cpu_built_fsdp, 2, args=(state, data))).mean(0)
     torch.testing.assert_close(losses, torch.tensor(expected), atol=1e-5, rtol=1e-5)
