@@ -46,19 +46,29 @@ def scaled_fp8_quant(input: torch.Tensor, scale: torch.Tensor | None = None,
                 amax = amax.clamp(max=scale_ub.to(torch.float32))
         else:
             amax = x.abs().amax().reshape(1)
-        scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+        scale = _dynamic_scale(amax)
         broadcast = scale
     else:
         scale = scale.to(torch.float32)
         broadcast = _broadcastable(scale, x, group_shape)
-    # the cast saturates past float8's range, as PyTorch's and the kernels' do
-    out = (x * broadcast.reciprocal()).to(FP8)
+    out = _to_fp8(x, broadcast)
     if num_token_padding and out.shape[0] < num_token_padding:
         out = torch.nn.functional.pad(out, (0, 0, 0, num_token_padding - out.shape[0]))
     if output is not None:
         output.copy_(out)
         out = output
     return out, scale
+
+
+def _dynamic_scale(amax: torch.Tensor) -> torch.Tensor:
+    """The scale that maps amax to float8's largest value, floored as vLLM floors it."""
+    return (amax / FP8_MAX).clamp(min=MIN_SCALE)
+
+
+def _to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    # x times the scale's reciprocal, as the kernels compute it; the cast saturates past
+    # float8's range, as PyTorch's and the kernels' do
+    return (x.to(torch.float32) * scale.reciprocal()).to(FP8)
 
 
 def _broadcastable(scale: torch.Tensor, x: torch.Tensor, group_shape) -> torch.Tensor:
@@ -130,9 +140,9 @@ def _kernels():
             w, w_s, _, _ = self._get_layer_params(layer)
             x_2d = x.reshape(-1, x.shape[-1])
             amax = x_2d.abs().masked_fill(padding, 0).max().reshape(1).to(torch.float32)
-            scale = (amax / FP8_MAX).clamp(min=MIN_SCALE)
+            scale = _dynamic_scale(amax)
             return self.apply_scaled_mm(
-                A=(x_2d.to(torch.float32) * scale.reciprocal()).to(FP8), B=w,
+                A=_to_fp8(x_2d, scale), B=w,
                 out_dtype=self.config.out_dtype or x.dtype, As=scale, Bs=w_s, bias=bias,
                 output_shape=[*x.shape[:-1], w.shape[1]])
 
