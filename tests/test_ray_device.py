@@ -3,6 +3,7 @@ stand-in ``ray.air._internal.torch_utils`` (Ray's one device query, which says C
 without Ray "TPU" resources) imported in a tpu_dist process gets wrapped by the import hook and
 answers the worker's tpu device; without a tpu_dist group Ray's answer stands."""
 
+import os
 import sys
 
 from torchtpu.testing.distributed import run
@@ -27,7 +28,10 @@ def _worker(rank, world, root):
     dist.init_process_group("cpu:gloo,tpu:tpu_dist")
     during = torch_utils.get_devices()
     dist.destroy_process_group()
-    dist.init_process_group("gloo")
+    # A store of its own: on MASTER_PORT again, a rank could reach rank 0's first store before
+    # its teardown and rendezvous on the first group's stale gloo address (connection refused).
+    store = dist.FileStore(os.path.join(root, "second_group"), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     gloo = torch_utils.get_devices()
     dist.destroy_process_group()
     return [str(d) for d in before + during + gloo]
