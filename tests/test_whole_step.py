@@ -119,6 +119,32 @@ def test_whole_step_guards_recapture_for_new_shapes_modes_and_hyperparameters():
     assert _delta(before)["captures"] == 1  # eval mode is another signature
 
 
+def test_a_step_without_an_optimizer_replays_one_program():
+    """A hand-written update under no_grad (no torch.optim): captured once warm, then replayed."""
+    cpu, dev = _nets()
+
+    def sgd(model, x, y):
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sub_(0.1 * p.grad)
+                p.grad = None
+        return loss
+
+    compiled = torch.compile(sgd, backend="tpu")
+    for i, (x, y) in enumerate(_batches(5)):
+        before = _counts()
+        loss = compiled(dev, x.to("tpu"), y.to("tpu"))
+        delta = _delta(before)
+        torch.testing.assert_close(loss.cpu(), sgd(cpu, x, y).detach(), atol=2e-6, rtol=2e-6)
+        assert delta == {"executions": 1, "captures": 1 if i < 2 else 0,
+                         "compiled_graphs": 0}, (i, delta)
+    for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-6, rtol=1e-6)
+        assert p.grad is None
+
+
 def test_a_step_that_cannot_be_one_program_says_why_and_runs_through_dynamo(fresh_dynamo):
     cpu, dev = _nets()
     cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.05)

@@ -20,8 +20,9 @@ Dynamo's graphs of the same step, as fast as a hand-written ``torch.tpu.graph`` 
 
 How a call runs (``WholeStep``):
 - the first call is captured and run once, not kept: its optimizers create their state in it,
-  which a replay would create afresh (CUDA Graphs require warm-up steps for this reason); it
-  also tells which optimizers the function steps;
+  and its first ``backward()`` the ``.grad`` buffers, which a replay would create afresh (CUDA
+  Graphs require warm-up steps for this reason); it also tells which optimizers the function
+  steps (a step may have none: a hand-written update under ``no_grad``);
 - a call with a new signature (tensor shapes, dtypes and ``requires_grad``; other arguments by
   value or identity; grad mode, autocast, matmul precision; the train/eval mode of every module
   among the arguments and the function's globals and closure; the scalars it reads from them)
@@ -241,6 +242,7 @@ class WholeStep:
         self._optimizers: dict = {}    # id -> optimizer stepped by fn
         self._steps: dict = {}         # signature -> _Step
         self._captures = 0
+        self._warmed = False           # a first step ran (captured once, not kept)
         self._reason: str | None = None  # why fn runs through Dynamo's graphs instead
 
     def __call__(self, *args, **kwargs):
@@ -269,7 +271,7 @@ class WholeStep:
             leaves = [x.contiguous().clone() if not _covers(x) else x for x in leaves]
             args, kwargs = pytree.tree_unflatten(leaves, pytree.tree_structure((args, kwargs)))
         try:
-            return self._capture(key, leaves, args, kwargs, once=not self._optimizers)
+            return self._capture(key, leaves, args, kwargs, once=not self._warmed)
         except _NewState:
             return self._capture(key, leaves, args, kwargs, once=True)
         except _CannotCapture as e:
@@ -324,6 +326,7 @@ class WholeStep:
         step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
                      steps, grads_in, grads_out)
         self._captures += 1
+        self._warmed = True
         if not once:
             self._steps[key] = step
         return step.run(leaves)
