@@ -133,8 +133,8 @@ def wait(device=None, wait: bool = True) -> None:
         _index(device)
         arrays = [_barrier()(), *jax.live_arrays()]
     if wait:
-        for array in arrays:
-            launch.wait(array.block_until_ready)
+        # One batched wait: a Python loop of block_until_ready costs ~1 µs per live array.
+        launch.wait(jax.block_until_ready, arrays)
 
 
 def get_device_name(device=None) -> str:
