@@ -145,6 +145,34 @@ def test_a_step_without_an_optimizer_replays_one_program():
         assert p.grad is None
 
 
+def test_a_step_that_calls_backward_through_a_closures_function_is_a_whole_step():
+    """zero_grad, then a ``train`` defined elsewhere (bench/registry.py's shape): one program."""
+    cpu, dev = _nets()
+    cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.05)
+    dev_opt = torch.optim.SGD(dev.parameters(), lr=0.05)
+
+    def make(model, opt):
+        def train(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            return loss
+
+        def wrapper(x, y):
+            opt.zero_grad(set_to_none=True)
+            return train(x, y)
+        return wrapper
+
+    compiled = torch.compile(make(dev, dev_opt), backend="tpu")
+    expected = make(cpu, cpu_opt)
+    for i, (x, y) in enumerate(_batches(4)):
+        before = _counts()
+        loss = compiled(x.to("tpu"), y.to("tpu"))
+        delta = _delta(before)
+        torch.testing.assert_close(loss.cpu(), expected(x, y).detach(), atol=2e-6, rtol=2e-6)
+        assert delta["executions"] == 1 and delta["compiled_graphs"] == 0, (i, delta)
+
+
 def test_a_step_that_cannot_be_one_program_says_why_and_runs_through_dynamo(fresh_dynamo):
     cpu, dev = _nets()
     cpu_opt = torch.optim.SGD(cpu.parameters(), lr=0.05)

@@ -78,15 +78,26 @@ class _CannotCapture(Exception):
     """This call's step cannot be one captured program (the reason is the message)."""
 
 
-def mentions_backward(fn) -> bool:
-    """Whether fn's code (or code nested in it) calls something named ``backward``."""
-    code = getattr(fn, "__code__", None)
-    stack = [code] if isinstance(code, types.CodeType) else []
-    while stack:
-        c = stack.pop()
-        if "backward" in c.co_names:
-            return True
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+def mentions_backward(fn, depth: int = 3) -> bool:
+    """Whether fn's code (or code nested in it) calls something named ``backward``, or a
+    function it reaches by name does (a closure's or a global's, ``depth`` calls deep): a step
+    is often a thin wrapper, ``zero_grad()`` and then a ``train(x, y)`` defined elsewhere."""
+    seen: set = set()
+    todo = [(fn, depth)]
+    while todo:
+        f, left = todo.pop()
+        code = getattr(f, "__code__", None)
+        if not isinstance(code, types.CodeType) or id(code) in seen:
+            continue
+        seen.add(id(code))
+        stack = [code]
+        while stack:
+            c = stack.pop()
+            if "backward" in c.co_names:
+                return True
+            stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+        if left:
+            todo.extend((x, left - 1) for x in _environment(f) if isinstance(x, types.FunctionType))
     return False
 
 
