@@ -42,7 +42,7 @@ from torchtpu.device import asserts, dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
 from torchtpu.lowering.registry import lookup
-from torchtpu.runtime import launch
+from torchtpu.runtime import launch, transfer
 
 log = logging.getLogger("torchtpu.compile")
 
@@ -312,7 +312,7 @@ class CompiledGraph:
         padded = []
         for a, n in zip(arrays, self.tensor_nodes, strict=True):
             host = buckets.pad(a, self.plan.layouts[n], values, to)
-            padded.append(a if host is a else jax.device_put(host, next(iter(a.devices()))))
+            padded.append(a if host is a else transfer.put(host, next(iter(a.devices()))))
         padded += [np.asarray(values[s], np.int32) for s in self.plan.order]
         syms = [n.meta["val"] for n, t in
                 zip(self.fn.placeholders, self.fn.tensor_inputs, strict=True) if not t]
@@ -327,7 +327,7 @@ class CompiledGraph:
             if isinstance(val, torch.Tensor):
                 host = buckets.unpad(o, self.plan.layouts[n], values, to)
                 if host is not o:
-                    o = jax.device_put(host, next(iter(o.devices())))
+                    o = transfer.put(host, next(iter(o.devices())))
             elif isinstance(val, torch.SymInt):
                 o = buckets.real_value(val, values)
             real.append(o)

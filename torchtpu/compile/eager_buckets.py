@@ -53,7 +53,7 @@ from torchtpu.device import dtypes, tensors
 from torchtpu.eager import dispatch, executor, meta, schema
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import platform
+from torchtpu.runtime import platform, transfer
 
 # Buckets: 16, 32, ..., 512, then multiples of 512 (``buckets.bucket``).
 BUCKET_SIZE = 16
@@ -278,7 +278,7 @@ def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
         meta.bounded_put(_exact_views, g, None)
         return None
     metrics.count("eager_host_views")
-    return jax.device_put(host, platform.local_device())
+    return transfer.put(host, platform.local_device())
 
 
 def _host_views(lowering: Lowering, spec: Spec, call: _Call):
@@ -288,7 +288,7 @@ def _host_views(lowering: Lowering, spec: Spec, call: _Call):
         host = _host_value(t, dyn[k])
         if host is None:
             return None
-        dyn[k] = jax.device_put(host, platform.local_device())
+        dyn[k] = transfer.put(host, platform.local_device())
     metrics.count("eager_host_views")
     return executor.current().run(lowering, spec, tuple(dyn))
 
@@ -332,7 +332,7 @@ def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, v
         if host is None:
             return None
         padded = buckets.pad(host, plan.layouts[node], values_at, to)
-        arrays.append(jax.device_put(padded, platform.local_device()))
+        arrays.append(transfer.put(padded, platform.local_device()))
     arrays += [np.asarray(values_at[s], np.int32) for s in plan.order]
     scalars = tuple(call.dyn[k] for k in call.scalars)
     program_key = (plan_key, tuple(to[s] for s in symbols))
@@ -362,7 +362,7 @@ def _unpad(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict):
         if not isinstance(val, torch.Tensor):
             return o
         host = buckets.unpad(o, layout, values_at, to)
-        return o if host is o else jax.device_put(host, platform.local_device())
+        return o if host is o else transfer.put(host, platform.local_device())
 
     val, layout = node.meta["val"], plan.layouts[node]
     if isinstance(out, (tuple, list)):

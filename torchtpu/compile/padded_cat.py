@@ -23,7 +23,7 @@ from torchtpu import metrics
 from torchtpu.device import dtypes
 from torchtpu.eager import executor
 from torchtpu.eager.program import Spec
-from torchtpu.runtime import platform
+from torchtpu.runtime import platform, transfer
 
 
 def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varying: tuple,
@@ -56,7 +56,7 @@ def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varyin
             pad = [(0, 0)] * rank
             pad[dim] = (0, n - host.shape[dim])
             host = np.pad(host, pad)
-        padded.append(jax.device_put(host, platform.local_device()))
+        padded.append(transfer.put(host, platform.local_device()))
     key = ("cat", dim, tuple(t.shape[:dim] + t.shape[dim + 1:] for t in ts), final, sizes,
            out_size)
     program = programs.get(key)
@@ -64,7 +64,7 @@ def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varyin
         program = programs[key] = _program(dim, out_size)
     def run_and_cut(arrays, lengths):  # the executor's checks (Debug's NaNs) see real sizes
         host = np.asarray(program(arrays, lengths))[(slice(None),) * dim + (slice(0, total),)]
-        return jax.device_put(np.ascontiguousarray(host), platform.local_device())
+        return transfer.put(np.ascontiguousarray(host), platform.local_device())
 
     metrics.count("eager_bucketed_calls")
     return executor.current().run_program(

@@ -21,7 +21,7 @@ from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
-from torchtpu.runtime import launch, platform, warm
+from torchtpu.runtime import launch, platform, transfer, warm
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -144,7 +144,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             # tensor's later in-place writes would then show through on the device.
             host = np.array(torch_to_numpy(src), copy=True)
             metrics.count("host_to_device_bytes", host.nbytes)
-            value = convert(jax.device_put(host, platform.jax_device(dst.device.index)), dst)
+            value = convert(transfer.put(host, platform.jax_device(dst.device.index)), dst)
         tensors.write(dst, value)
         return dst
     dst.copy_(numpy_to_torch(to_numpy(src), src.dtype))
