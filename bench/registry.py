@@ -17,7 +17,8 @@ on XLA:CPU they are the live arrays sampled after each step, so in-program tempo
 seen), the ratios to Strict, CPU eager and JAX, and the largest loss difference from CPU eager.
 
     python bench/registry.py [--models llama-3.2,qwen3] [--kinds train] [--forms strict,captured]
-                             [--steps 5] [--warmup 2] [--threads 1] [--json out.json]
+                             [--steps 5] [--warmup 2] [--rounds N] [--threads 1]
+                             [--json out.json]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import gc
 import importlib.util
 import json
 import os
+import statistics
 import time
 from collections.abc import Callable
 
@@ -57,7 +59,7 @@ class Model:
     batch: Callable[[torch.Generator], tuple]  # (input, target) on CPU
     loss: Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
     max_norm: float | None = None              # gradient clipping in the train step
-    jax: Callable | None = None                # (kind, batches) -> (step times, losses)
+    jax: Callable | None = None                # (kind, batches) -> (step(i) -> loss, sample)
 
 
 def tokens(vocab: int, seq: int, batch: int) -> Callable[[torch.Generator], tuple]:
@@ -121,7 +123,7 @@ def jax_form(port: Callable[[], tuple], max_norm: float | None = None) -> Callab
     """A Model.jax: the row's step in one jax.jit, from ``port() -> (params, loss)`` (the torch
     model's own weights, the same batches); train: AdamW (+ clipping) with the parameters and
     moments donated."""
-    def run(kind: str, batches: list) -> tuple[list, list]:
+    def run(kind: str, batches: list) -> tuple[Callable, Callable]:
         p, loss = port()
         data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches]
         if kind == "forward":
@@ -137,8 +139,7 @@ def jax_form(port: Callable[[], tuple], max_norm: float | None = None) -> Callab
                 *state[:], loss_value = step(*state, x, y)  # new parameters, moments, count
                 return loss_value
         # The arrays live on the device torchtpu measures, so its figures hold for JAX too.
-        return _timed(lambda i: float(call(*data[i])), len(batches),
-                      torch.tpu.max_memory_allocated)
+        return lambda i: float(call(*data[i])), torch.tpu.max_memory_allocated
     return run
 
 
@@ -164,9 +165,10 @@ SKIPPED = {} if importlib.util.find_spec("timm") else {"resnet-50": _NO_TIMM, "v
 KINDS = ("forward", "train")
 
 
-def _timed(step: Callable[[int], float], n: int, sample=lambda: None) -> tuple[list, list]:
+def _timed(step: Callable[[int], float], sample: Callable, n: int,
+           start: int = 0) -> tuple[list, list]:
     times, losses = [], []
-    for i in range(n):
+    for i in range(start, start + n):
         start = time.perf_counter()
         losses.append(step(i))
         times.append(time.perf_counter() - start)
@@ -211,7 +213,7 @@ def _step(body: Callable, opt) -> Callable:
 
 
 def _eager(device: str, mode=None, compiled: bool = False) -> Callable:
-    def run(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+    def run(spec: Model, kind: str, batches: list) -> tuple[Callable, Callable]:
         model = spec.build().to(device)
         opt = _optimizer(model, kind, capturable=device != "cpu")
         step = _step(_body(spec, kind, model, opt), opt)
@@ -219,14 +221,16 @@ def _eager(device: str, mode=None, compiled: bool = False) -> Callable:
             torch._dynamo.reset()
             step = torch.compile(step, backend="tpu")
         data = [(x.to(device), y.to(device)) for x, y in batches]
-        context = torch.tpu.set_eager_mode(mode) if mode else contextlib.nullcontext()
         sample = torch.tpu.max_memory_allocated if device != "cpu" else lambda: None
-        with context:
-            return _timed(lambda i: step(*data[i]).item(), len(batches), sample)
+
+        def one(i: int) -> float:
+            with torch.tpu.set_eager_mode(mode) if mode else contextlib.nullcontext():
+                return step(*data[i]).item()
+        return one, sample
     return run
 
 
-def _captured(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+def _captured(spec: Model, kind: str, batches: list) -> tuple[Callable, Callable]:
     """The CUDA Graphs notes' pattern: one eager step, capture, then copy_ + replay per step."""
     model = spec.build().to("tpu")
     opt = _optimizer(model, kind, capturable=True)
@@ -247,10 +251,10 @@ def _captured(spec: Model, kind: str, batches: list) -> tuple[list, list]:
                 static_loss = body(static_x, static_y)
         graph.replay()
         return static_loss.item()
-    return _timed(step, len(batches), torch.tpu.max_memory_allocated)
+    return step, torch.tpu.max_memory_allocated
 
 
-def _jax(spec: Model, kind: str, batches: list) -> tuple[list, list]:
+def _jax(spec: Model, kind: str, batches: list) -> tuple[Callable, Callable]:
     return spec.jax(kind, batches)
 
 
@@ -278,13 +282,45 @@ def run_row(model: str | Model, kind: str, form: str, steps: int, warmup: int) -
     gc.collect()
     torch.tpu.reset_peak_memory_stats()
     base = torch.tpu.memory_allocated()
-    times, losses = FORMS[form](spec, kind, batches)
+    times, losses = _timed(*FORMS[form](spec, kind, batches), len(batches))
     steady = sum(times[warmup:]) / steps
     on_device = form not in ("cpu", "jax")
     return {"model": spec.name, "kind": kind, "form": form, "steady": steady, "first": times[lead],
             "overhead": sum(times[:warmup]) - warmup * steady,
             "peak": torch.tpu.max_memory_allocated() - base if form != "cpu" else None,
             "device": on_device, "losses": losses, "times": times}
+
+
+def interleaved_rows(model: str | Model, kind: str, forms: list, steps: int, warmup: int,
+                     rounds: int) -> list:
+    """One row per form of model and kind, the forms' steps taken in interleaved rounds: every
+    form is built and warmed up, then each round runs ``steps`` steps of every form in turn, so
+    a change of the machine's load falls on all of them. A row's step time is the median over
+    rounds of its rounds' means (``round_means`` has them all); peak memory is not told apart
+    (all forms are alive at once)."""
+    spec = MODELS[model] if isinstance(model, str) else model
+    warmup = max(warmup, 2)  # the captured form's eager step, then its capture
+    gen = torch.Generator().manual_seed(1)
+    batches = [spec.batch(gen) for _ in range(warmup + rounds * steps)]
+    runs = {form: FORMS[form](spec, kind, batches) for form in forms}
+    done = {form: _timed(*run, warmup) for form, run in runs.items()}
+    means: dict = {form: [] for form in forms}
+    for r in range(rounds):
+        for form, run in runs.items():
+            times, losses = _timed(*run, steps, start=warmup + r * steps)
+            done[form][0].extend(times)
+            done[form][1].extend(losses)
+            means[form].append(sum(times) / steps)
+    rows = []
+    for form in forms:
+        times, losses = done[form]
+        steady = statistics.median(means[form])
+        rows.append({"model": spec.name, "kind": kind, "form": form, "steady": steady,
+                     "first": times[1 if form == "captured" else 0],
+                     "overhead": sum(times[:warmup]) - warmup * steady, "peak": None,
+                     "device": form not in ("cpu", "jax"), "losses": losses, "times": times,
+                     "round_means": means[form]})
+    return rows
 
 
 def _cell(value, fmt: str) -> str:
@@ -331,6 +367,9 @@ def main(argv: list | None = None) -> list:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per row")
     parser.add_argument("--threads", type=int, help="torch's CPU threads (torch.set_num_threads); "
                         "on a loaded machine 1 keeps CPU eager out of OpenMP's spin waits")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds of --steps steps per form "
+                        "(all of a row's forms alive at once; ratios that hold on a loaded "
+                        "machine); without it each form runs its steps alone")
     parser.add_argument("--json", help="also write the rows to this file")
     args = parser.parse_args(argv)
     if args.threads:
@@ -340,21 +379,26 @@ def main(argv: list | None = None) -> list:
     models, kinds = _names(args.models, MODELS), _names(args.kinds, KINDS)
     forms = _names(args.forms, FORMS)
     rows, notes = [], []
+    load_before = os.getloadavg()[0]
     for model in models:
         if model in SKIPPED:
             notes.append(f"{model}: skipped: {SKIPPED[model]}")
             continue
         for kind in kinds:
-            for form in forms:
-                if form == "jax" and MODELS[model].jax is None:
-                    continue
+            present = [f for f in forms if f != "jax" or MODELS[model].jax is not None]
+            if args.rounds:
+                rows.extend(interleaved_rows(model, kind, present, args.steps, args.warmup,
+                                             args.rounds))
+                continue
+            for form in present:
                 rows.append(run_row(model, kind, form, args.steps, args.warmup))
     missing = [m for m in models if m not in SKIPPED and MODELS[m].jax is None]
     if "jax" in forms and missing:
         notes.append(f"no JAX port: {', '.join(missing)}")
-    print(f"platform {torchtpu.runtime.platform.platform()}; {args.steps} timed steps after "
-          f"{args.warmup} warm-up; torch CPU threads {torch.get_num_threads()}; load "
-          f"{os.getloadavg()[0]:.2f}")
+    rounds = f" x {args.rounds} interleaved rounds (median of round means)" if args.rounds else ""
+    print(f"platform {torchtpu.runtime.platform.platform()}; {args.steps} timed steps{rounds} "
+          f"after {args.warmup} warm-up; torch CPU threads {torch.get_num_threads()}; load "
+          f"{load_before:.2f} before, {os.getloadavg()[0]:.2f} after")
     print(table(rows))
     for note in notes:
         print(note)
