@@ -9,8 +9,8 @@ A program of almost no work (``y = x * 2 + 1`` on a 4x4 float32 tensor) called t
   updates the parameter (one captured program per call: ``compile/whole_step.py``);
 - replay: the same step captured once with ``torch.tpu.graph`` and ``g.replay()``;
 - jax step: the whole step's JAX twin, ``jax.jit`` of value_and_grad + the update, donated.
-Every call ends with the device finished (``block_until_ready`` / ``torch.tpu.synchronize()``),
-so each figure is one call's full round trip. The paths run in interleaved rounds in one
+Every call ends with its result ready (``block_until_ready`` /
+``torch.tpu.synchronize([result])``), so each figure is one call's full round trip. The paths run in interleaved rounds in one
 process (each round times every path), and the median over rounds is reported: the ratios hold
 on a loaded machine.
 
@@ -34,7 +34,7 @@ def _paths() -> dict:
     x_cpu = torch.randn(4, 4)
     x = x_cpu.to("tpu")
     jx = jnp.asarray(x_cpu.numpy())
-    sync = torch.tpu.synchronize
+    sync = torch.tpu.synchronize  # given tensors: waits for their values only
 
     jitted = jax.jit(lambda a: a * 2 + 1)
 
@@ -70,7 +70,7 @@ def _paths() -> dict:
         graph_step()
     g = torch.tpu.TPUGraph()
     with torch.tpu.graph(g):
-        graph_step()
+        static_loss = graph_step()
 
     def jax_update(jw, a):
         loss, grad = jax.value_and_grad(lambda p: (a * p).sum())(jw)
@@ -83,13 +83,17 @@ def _paths() -> dict:
         loss, state["w"] = jax_step(state["w"], jx)
         loss.block_until_ready()
 
+    def replay():
+        g.replay()
+        return static_loss
+
     return {
         "jax.jit": lambda: jitted(jx).block_until_ready(),
-        "Strict (2 ops)": lambda: (f(x), sync()),
-        "compiled": lambda: (compiled(x), sync()),
+        "Strict (2 ops)": lambda: sync([f(x)]),
+        "compiled": lambda: sync([compiled(x)]),
         "jax step": run_jax_step,
-        "whole step": lambda: (whole(x), sync()),
-        "replay": lambda: (g.replay(), sync()),
+        "whole step": lambda: sync([whole(x)]),
+        "replay": lambda: sync([replay()]),
     }
 
 
