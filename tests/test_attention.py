@@ -101,9 +101,12 @@ def test_bfloat16():
            atol=2e-2, rtol=2e-2)
 
 
-def test_gqa_takes_the_math_path():
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_takes_the_fused_op_with_its_heads_repeated(causal):
+    # Llama, Qwen and Gemma configs have fewer key/value heads than query heads.
     q, k, v = _qkv(h=4)[0], *_qkv(h=2)[1:]
-    _check(lambda q, k, v: sdpa(q, k, v, enable_gqa=True), [q, k, v], fused=False)
+    _check(lambda q, k, v: sdpa(q, k, v, is_causal=causal, enable_gqa=True), [q, k, v],
+           fused=True)
 
 
 def test_float64_takes_the_math_path_at_full_precision():

@@ -103,8 +103,25 @@ def _is_dtensor(t) -> bool:
     return tensor is not None and isinstance(t, tensor.DTensor)
 
 
+def _grouped(query, key, value) -> int:
+    """How many query heads share each key/value head in a grouped-query call (1: none), or 0
+    when the grouping is not one the math path would accept."""
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4 or _is_dtensor(key):
+        return 0
+    h, hk = query.shape[-3], key.shape[-3]
+    return h // hk if hk and h % hk == 0 and value.shape[-3] == hk else 0
+
+
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
           enable_gqa=False):
+    groups = _grouped(query, key, value) if enable_gqa else 1
+    if groups > 1 and torch._C._get_overrideable_sdp_enabled():
+        # Grouped-query attention (Llama, Qwen, Gemma with fewer key/value heads) as the math path
+        # computes it, heads repeated, but through the fused op: the math path's ~15 ops (with its
+        # transposed copies and fully-masked-row guard) would otherwise serve every such model.
+        key = key.repeat_interleave(groups, dim=-3)
+        value = value.repeat_interleave(groups, dim=-3)
+        enable_gqa = False
     choice = sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
                         enable_gqa=enable_gqa)
     if choice == int(_SDPBackend.OVERRIDEABLE):
