@@ -235,13 +235,15 @@ def _captured(spec: Model, kind: str, batches: list) -> tuple[Callable, Callable
     model = spec.build().to("tpu")
     opt = _optimizer(model, kind, capturable=True)
     body = _body(spec, kind, model, opt)
-    static_x, static_y = (t.to("tpu") for t in batches[0])
+    # On the device beforehand, as the other forms' batches are: a step copies device to device.
+    data = [(x.to("tpu"), y.to("tpu")) for x, y in batches]
+    static_x, static_y = (t.clone() for t in data[0])
     graph, static_loss = torch.tpu.TPUGraph(), None
 
     def step(i: int) -> float:
         nonlocal static_loss
-        static_x.copy_(batches[i][0])
-        static_y.copy_(batches[i][1])
+        static_x.copy_(data[i][0])
+        static_y.copy_(data[i][1])
         if i == 0:  # creates the optimizer state outside the capture
             return _step(body, opt)(static_x, static_y).item()
         if static_loss is None:
