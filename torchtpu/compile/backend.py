@@ -252,7 +252,10 @@ class CompiledGraph:
             elif a.device.type != "tpu":
                 raise meta.device_error(a)
             else:
-                arrays.append(_computed(tensors.read(a)))
+                # read_parts first: its short path serves an input that is its storage's whole
+                # computed array (most inputs: parameters, activations), without read's steps.
+                array, geometry = tensors.read_parts(a)
+                arrays.append(_computed(array if geometry is None else tensors.read(a)))
         return arrays, symbols
 
     def _constants(self) -> tuple:
