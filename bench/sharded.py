@@ -15,9 +15,10 @@ builds every variant first, from the same initial weights:
 - ``unsharded compiled``: the plain model compiled on each rank with no communication (the
   per-rank cost the sharded steps are set against);
 - ``... whole step``: ``torch.compile(train_step, backend="tpu")`` of the whole step, AdamW
-  included. Unsharded it is one captured program per call; with simple_fsdp the capture cannot
-  hold the eager XLA-transport collectives (their values are read on the host), so it warns and
-  runs through Dynamo's graphs: the forward and backward SPMD programs and the compiled AdamW.
+  included: one captured program per call. With simple_fsdp the capture records the XLA
+  transport's collectives too (``distributed/xla.py``), so it is one SPMD program per rank
+  (``eager/spanning.py``): the all-gathers, reduce-scatters and all-reduces inside it with the
+  forward, backward and AdamW on the shards.
 
 A step is forward, backward, AdamW (eager in the non-whole-step variants) and a host read of
 the loss. After ``--warmup`` steps each, the variants run ``--steps`` steps in turn for ``--rounds``
@@ -26,6 +27,7 @@ gives each variant's median ms/step over rounds (rank 0) and its ratio to ``fsdp
 ``unsharded compiled``, plus its programs launched and eager collectives per step.
 
     python bench/sharded.py [--rounds 5] [--steps 5] [--batch 8] [--layers 2] [--embd 64]
+                            [--only "simple_fsdp whole step,unsharded whole step"]
 """
 
 from __future__ import annotations
@@ -80,14 +82,20 @@ def _variants(args, world):
     def whole(model):
         return torch.compile(stepped(model, model), backend="tpu")
 
-    return {"fsdp2 eager": stepped(m := fsdp2(False), m),
-            "fsdp2 compiled": stepped(m := fsdp2(True), m),
-            "simple_fsdp compiled": stepped(m := simple_fsdp(_model(args).to("tpu"), mesh),
-                                            torch.compile(m, backend="tpu")),
-            "unsharded compiled": stepped(m := _model(args).to("tpu"),
-                                          torch.compile(m, backend="tpu")),
-            "simple_fsdp whole step": whole(simple_fsdp(_model(args).to("tpu"), mesh)),
-            "unsharded whole step": whole(_model(args).to("tpu"))}
+    makers = {"fsdp2 eager": lambda: stepped(m := fsdp2(False), m),
+              "fsdp2 compiled": lambda: stepped(m := fsdp2(True), m),
+              "simple_fsdp compiled": lambda: stepped(
+                  m := simple_fsdp(_model(args).to("tpu"), mesh), torch.compile(m, backend="tpu")),
+              "unsharded compiled": lambda: stepped(m := _model(args).to("tpu"),
+                                                    torch.compile(m, backend="tpu")),
+              "simple_fsdp whole step": lambda: whole(simple_fsdp(_model(args).to("tpu"), mesh)),
+              "unsharded whole step": lambda: whole(_model(args).to("tpu"))}
+    only = [n.strip() for n in args.only.split(",")] if args.only else list(makers)
+    unknown = [n for n in only if n not in makers]
+    if unknown:
+        raise ValueError(f"bench/sharded.py: --only names unknown variants {unknown}; "
+                         f"known: {list(makers)}")
+    return {name: makers[name]() for name in only}
 
 
 def _bench(rank, world, args):
@@ -138,6 +146,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8, help="per-rank batch")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--embd", type=int, default=64)
+    parser.add_argument("--only", default="", help="comma-separated variants to run (default all)")
     args = parser.parse_args()
     with open("/proc/loadavg") as f:
         print("loadavg before:", f.read().strip())
@@ -146,8 +155,9 @@ def main() -> None:
     with open("/proc/loadavg") as f:
         print("loadavg after:", f.read().strip())
     rows = results[0]
-    eager, single = rows["fsdp2 eager"][0], rows["unsharded compiled"][0]
-    whole = rows["unsharded whole step"][0]
+    nan = float("nan")
+    eager, single, whole = (rows.get(name, (nan,))[0] for name in (
+        "fsdp2 eager", "unsharded compiled", "unsharded whole step"))
     print(f"TinyGPT {args.layers} layers, n_embd {args.embd}, batch {args.batch} x {BLOCK} "
           f"per rank, 2 ranks, XLA transport; median of {args.rounds} rounds x {args.steps} "
           "steps (rank 0)")

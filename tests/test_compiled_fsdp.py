@@ -178,3 +178,122 @@ def test_hsdp_on_two_slices_equals_cpu_with_one_cross_slice_reduction_per_step()
         # slices, and within the slice the forward's all-gather and the gradients'
         # reduce-scatter (the root keeps its gathered parameters for backward).
         assert r["fully_shard"][1] == [1, 2], (rank, r["fully_shard"][1])
+
+
+def _adamw_reference(steps: int):
+    """The CPU model trained on the full batch with the whole step's clipping and AdamW."""
+    model, x = _model(), _data()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(steps):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses), [p.detach() for p in model.parameters()]
+
+
+WHOLE_STEPS = 4  # the first two capture (the first creates AdamW's state), the rest replay
+
+
+def _whole_step(rank, world):
+    """simple_fsdp's whole step (forward, backward, clipping, AdamW) compiled: the losses, the
+    trained parameters, the warnings, and the last step's counts (deltas around it)."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from torchtpu import metrics
+    from torchtpu.distributed.simple_fsdp import simple_fsdp
+    from torchtpu.runtime import launch
+
+    group = dist.group.WORLD
+    model = simple_fsdp(_model().to("tpu"), init_device_mesh("tpu", (world,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+    def train_step(x):
+        loss = model(x).square().mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    step = torch.compile(train_step, backend="tpu")
+    x = _data().chunk(world)[rank].to("tpu")
+    losses, launched = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(WHOLE_STEPS):
+            launched.clear()
+            seq, before = group._seq, metrics.snapshot()
+            launch.observer = torch._dynamo.disable(
+                lambda label, fn, args: (launched.append(str(label)), fn(*args))[1])
+            try:
+                loss = step(x)
+            finally:
+                launch.observer = None
+            after = metrics.snapshot()
+            losses.append(loss.cpu())
+    counts = {k: after.get(k, 0) - before.get(k, 0)
+              for k in ("executions", "collective_programs", "captures")}
+    counts["eager_collectives"] = group._seq - seq
+    params = [p.full_tensor().cpu() for p in model.parameters()]
+    return (torch.stack(losses), params, [str(w.message) for w in caught], counts,
+            [label.split("[")[0] for label in launched])
+
+
+def _captured_mpmd_and_mismatch(rank, world):
+    """torch.tpu.graph of a collective: ranks capturing other code around the same all_reduce
+    agree; ranks whose all_reduce differs only in what the header does not carry (PREMUL_SUM's
+    factor) raise at the first replay, on every rank."""
+    import torch.distributed as dist
+
+    from torchtpu.distributed import CollectiveMismatchError
+
+    x = torch.arange(4.0, device="tpu")
+    out = torch.empty(4, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        y = x * 2 if rank == 0 else x.sin()
+        dist.all_reduce(y)
+        out.copy_(y + 1)
+    g.replay()
+    agreed = out.cpu()
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        dist.all_reduce(x.clone(), op=dist._make_nccl_premul_sum(1.0 + rank))
+    try:
+        g.replay()
+    except CollectiveMismatchError as e:
+        return agreed, str(e)
+    return agreed, None
+
+
+def _whole_step_scenarios(rank, world):
+    return _whole_step(rank, world), _captured_mpmd_and_mismatch(rank, world)
+
+
+def test_sharded_whole_step_is_one_program_per_rank_and_equals_cpu():
+    ref_losses, ref_params = _adamw_reference(WHOLE_STEPS)
+    results = run(_whole_step_scenarios, 2, env=XLA, pg_timeout=120, timeout=500)
+    torch.testing.assert_close(torch.stack([r[0][0] for r in results]).mean(0), ref_losses,
+                               atol=1e-5, rtol=1e-5)
+    x = torch.arange(4.0)
+    for rank, ((_, params, caught, counts, launched), (agreed, mismatch)) in enumerate(results):
+        for got, want in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not [w for w in caught if "cannot run as one captured program" in w], caught
+        # A steady step: one launch, the captured SPMD program with every collective inside
+        # (the forward's all-gathers, the backward's reduce-scatters and all-reduces, the
+        # clipping norm's all-reduce), no eager collective, nothing captured again.
+        assert launched == ["captured_graph"], (rank, launched)
+        assert counts == {"executions": 1, "collective_programs": 1, "captures": 0,
+                          "eager_collectives": 0}, (rank, counts)
+        torch.testing.assert_close(agreed, x * 2 + x.sin() + 1)
+        assert mismatch is not None, rank
+        assert "mismatched compiled programs in process group" in mismatch
+        assert f"rank(s) [{1 - rank}]" in mismatch

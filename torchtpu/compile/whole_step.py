@@ -62,7 +62,7 @@ import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from torchtpu.device import tensors
-from torchtpu.eager.capture import Capture, CaptureError
+from torchtpu.eager.capture import Capture, CaptureError, storage_of
 from torchtpu.eager.graphed_callables import bind, binding, context, move_out
 from torchtpu.eager.tpu_graph import OptimizerWatch, StateCreated, mismatch
 
@@ -180,7 +180,7 @@ class _Step:
         # it); any other .grad the step replaces, as its Python did at capture.
         read = {id(st) for st in captured.storages_read()}
         self.grads_in = {p: g for p, g in grads_in.items()
-                         if g is not None and id(g.untyped_storage()) in read}
+                         if g is not None and id(storage_of(g)) in read}
         self.grads_out = grads_out        # [(param, .grad the step leaves)]
         self.guards = guards              # the optimizers' (eager/tpu_graph.py)
 
@@ -324,7 +324,7 @@ class WholeStep:
             handle.remove()
             device_steps.restore()
         written = {id(st) for st in captured.storages_written()}
-        if any(isinstance(t, torch.Tensor) and id(t.untyped_storage()) in written
+        if any(isinstance(t, torch.Tensor) and id(storage_of(t)) in written
                for t in leaves):
             raise _CannotCapture("the step writes one of its tensor arguments in place")
         flat_out, out_spec = pytree.tree_flatten(out)
@@ -332,7 +332,7 @@ class WholeStep:
         grad_ids = {id(g) for _, g in grads_out if g is not None}
         fresh = {k for k, o in enumerate(flat_out)
                  if isinstance(o, torch.Tensor) and id(o) not in grad_ids
-                 and capture.created(o.untyped_storage())}
+                 and capture.created(storage_of(o))}
         steps = [(cpu, dev, stepped.get(id(opt), 0)) for opt, cpu, dev in device_steps.twins]
         step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
                      steps, grads_in, grads_out)

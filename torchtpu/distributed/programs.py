@@ -2,23 +2,20 @@
 collectives all run on one tpu_dist group of the XLA transport (``compile/eager_split.py`` asks
 ``resolve``). Their program runs over that group's mesh (``compile/spmd.py``), and before its
 first run the ranks compare the program's collective signature in one header exchange
-(``check``): a mismatch raises ``CollectiveMismatchError`` on every rank, within the group's
-timeout, instead of deadlocking inside XLA. Graphs on the host transport, on several groups, or
-with an uneven ``all_to_all_single`` keep today's cut graphs (the collectives run eagerly).
+(the group's ``check_program``): a mismatch raises ``CollectiveMismatchError`` on every rank,
+within the group's timeout, instead of deadlocking inside XLA. Graphs on the host transport, on
+several groups, or with an uneven ``all_to_all_single`` keep today's cut graphs (the collectives
+run eagerly).
 """
 
 from __future__ import annotations
 
-import functools
-
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import fx
 
 from torchtpu.compile.spmd import Spmd
 from torchtpu.distributed import xla
-from torchtpu.distributed.protocol import CollectiveMismatchError
 
 c10d = torch.ops._c10d_functional
 
@@ -45,18 +42,4 @@ def resolve(nodes: list[fx.Node]) -> Spmd | None:
         return None
     if not isinstance(group, xla.XlaProcessGroup):
         return None
-    return Spmd(mesh=xla._mesh(group._mesh_devices), check=functools.partial(check, group))
-
-
-def check(group: xla.XlaProcessGroup, signature: bytes) -> None:
-    """Raise on every rank unless every rank's program has this collective signature."""
-    mine = np.frombuffer(signature, np.uint8)
-    rows = group._exchange("program", None, mine)[:, : mine.size]
-    differ = [r for r in range(group.size()) if not np.array_equal(rows[r], mine)]
-    if differ:
-        raise CollectiveMismatchError(
-            f"torchtpu.distributed: tpu_dist: mismatched compiled programs in process group "
-            f"{group._label()!r}: the program this rank (rank {group.rank()}) is about to run "
-            f"holds other collectives (ops, shapes, dtypes or order) than rank(s) {differ}'s. "
-            "Every rank must compile the same collectives; a rank that traced different code "
-            "around them runs a different program.")
+    return group.spmd

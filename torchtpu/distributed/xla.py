@@ -16,6 +16,13 @@ that called different collectives raise ``CollectiveMismatchError`` before any X
 starts, and a rank that is missing makes the others time out in Python. gather, scatter,
 point-to-point, all_to_all with lists, all_to_all_single with uneven splits and CPU tensors
 keep the host transport (``TpuProcessGroup``, which this extends).
+
+Inside a graph capture (``torch.tpu.graph``, a whole-step ``torch.compile``) a collective runs
+nothing: after the same header exchange it is recorded into the capture as its per-shard
+computation over the mesh axis, and the captured step becomes one SPMD program over this
+group's mesh (``eager/spanning.py``), the collectives inside it with the step's compute.
+Programs holding this group's collectives (captured or compiled graphs) run where ``spmd``
+says, and ``check_program`` compares their collective signatures across ranks at first run.
 """
 
 from __future__ import annotations
@@ -28,14 +35,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from jax import lax
+from jax._src import core as jax_core
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
+from torchtpu.compile.spmd import Spmd
 from torchtpu.device import tensors
 from torchtpu.distributed import host
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
-from torchtpu.distributed.protocol import ANY_SHAPE
+from torchtpu.distributed.protocol import ANY_SHAPE, CollectiveMismatchError
 from torchtpu.distributed.work import Done
 from torchtpu.lowering.collectives import AXIS as _AXIS
 from torchtpu.runtime import launch, platform
@@ -122,6 +131,36 @@ def _program(op: str, devices: tuple, outputs: int | None, **params):
                                  check_vma=False))
 
 
+def _axis_bound() -> bool:
+    try:
+        lax.axis_size(_AXIS)
+    except NameError:
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1024)
+def _recorded(op: str, size: int, block: tuple, **params):
+    """op's per-shard computation on one rank's value, as a call a capture records (the SPMD
+    program the capture becomes binds the mesh axis)."""
+    body = functools.partial(_BODIES[op], **params)
+
+    def collective(value):
+        value = value.reshape(block)
+        if _axis_bound():
+            return body(value)
+        # Recording asks for the result's shape, before any program binds the axis.
+        with jax_core.extend_axis_env_nd([(_AXIS, size)]):
+            return body(value)
+
+    return collective
+
+
+@functools.lru_cache(maxsize=256)
+def _reshape(shape: tuple):
+    return jax.jit(lambda x: x.reshape(shape))
+
+
 class XlaProcessGroup(TpuProcessGroup):
     """A tpu_dist group whose bulk collectives run as XLA collectives (see the module doc)."""
 
@@ -135,6 +174,40 @@ class XlaProcessGroup(TpuProcessGroup):
         self._mesh_devices = tuple(by_id[int(store.get(f"tpu_dist/xla_device/{r}"))]
                                    for r in range(size))
         self._sharding = NamedSharding(_mesh(self._mesh_devices), P(_AXIS))
+
+    @property
+    def spmd(self) -> Spmd:
+        """Where a program holding this group's collectives runs: the group's mesh, and the
+        ranks' comparison of its collective signature before its first run."""
+        return Spmd(mesh=_mesh(self._mesh_devices), check=self.check_program)
+
+    def check_program(self, signature: bytes) -> None:
+        """Raise on every rank unless every rank's program has this collective signature."""
+        mine = np.frombuffer(signature, np.uint8)
+        rows = self._exchange("program", None, mine)[:, : mine.size]
+        differ = [r for r in range(self.size()) if not np.array_equal(rows[r], mine)]
+        if differ:
+            raise CollectiveMismatchError(
+                f"torchtpu.distributed: tpu_dist: mismatched compiled programs in process group "
+                f"{self._label()!r}: the program this rank (rank {self.rank()}) is about to run "
+                f"holds other collectives (ops, shapes, dtypes or order) than rank(s) {differ}'s. "
+                "Every rank must compile the same collectives; a rank that traced different "
+                "code around them runs a different program.")
+
+    def _shards(self, op: str, inputs: list[torch.Tensor], outputs: int | None = None,
+                **params) -> list:
+        """This rank's shards of op's program on the inputs: run now, or recorded into the
+        graph capture in progress (see the module doc)."""
+        capture = tensors.capture
+        if capture is None:
+            return self._run(op, inputs, [host.read_now(t) for t in inputs], outputs, **params)
+        (t,) = inputs
+        block = _block(tuple(t.shape))
+        described = f"{op}({sorted(params.items())}) {outputs} {t.dtype}{list(t.shape)}"
+        out = capture.record_spanning(self.spmd, described,
+                                      _recorded(op, self.size(), block, **params),
+                                      (tensors.read(t),))
+        return [out] if outputs is None else list(out)
 
     def _run(self, op: str, inputs: list[torch.Tensor], values: list[jax.Array],
              outputs: int | None = None, **params) -> list:
@@ -167,7 +240,7 @@ class XlaProcessGroup(TpuProcessGroup):
         asynchronously, so only the header exchange waits for the other ranks."""
         fields = dict(header)
         self._exchange(op, fields.pop("tensor"), **fields)
-        shards = self._run(program, inputs, [host.read_now(t) for t in inputs], **params)
+        shards = self._shards(program, inputs, **params)
         for o, value in zip(targets, shards):
             if o is not None:
                 self._write_result(o, value)
@@ -176,7 +249,8 @@ class XlaProcessGroup(TpuProcessGroup):
     @staticmethod
     def _write_result(t: torch.Tensor, value: jax.Array) -> None:
         if tuple(value.shape) != tuple(t.shape):
-            value = value.reshape(tuple(t.shape))
+            value = tensors.call(_reshape(tuple(t.shape)), value) \
+                if isinstance(value, tensors.Deferred) else value.reshape(tuple(t.shape))
         tensors.write(t, value)
 
     # ---- reductions ----
@@ -257,8 +331,7 @@ class XlaProcessGroup(TpuProcessGroup):
         if not (rows == mine).all() or not even:
             return super().all_to_all_single(output, input, output_split_sizes,
                                              input_split_sizes, opts)
-        (value,) = self._run("all_to_all", [input], [host.read_now(input)], n=n,
-                             out=_block(tuple(output.shape)))
+        (value,) = self._shards("all_to_all", [input], n=n, out=_block(tuple(output.shape)))
         self._write_result(output, value)
         return Done([output])
 

@@ -22,6 +22,10 @@ autograd engine: one program call.
 Inside a capture, whatever needs a value on the host (``.item()``, ``.cpu()``, printing,
 ``torch.tpu.synchronize()``, an op whose result shape depends on values, an op that runs on the
 CPU) raises ``CaptureError`` naming the user's line: a replay could not repeat it.
+
+Collectives of the XLA transport are recorded too (``record_spanning``): the capture then spans
+the processes of their group, and its replay is one SPMD program per rank over the group's mesh
+(``eager/spanning.py``).
 """
 
 from __future__ import annotations
@@ -32,11 +36,13 @@ from collections.abc import Callable
 
 import jax
 import numpy as np
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
 from torchtpu.device import random, storage, tensors
 from torchtpu.device.views import _bitcast_flat
-from torchtpu.eager import executor, facts
+from torchtpu.eager import executor, facts, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
@@ -60,6 +66,17 @@ def _at(what: str) -> CaptureError:
         "device work without running it, so no value exists yet and a replay could not repeat "
         "what the host did with it. Move it out of the captured region (read results after "
         "g.replay()), or run this code eagerly.")
+
+
+def storage_of(t: torch.Tensor) -> torch.UntypedStorage:
+    """The storage holding t's data: for a tensor subclass wrapping one tensor (a DTensor, whose
+    own storage is a placeholder), the wrapped tensor's."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # a DTensor's: its local tensor, its mesh
+        inner = [x for x in (getattr(t, n) for n in names) if isinstance(x, torch.Tensor)]
+        if len(inner) == 1:
+            return storage_of(inner[0])
+    return t.untyped_storage()
 
 
 class _Recording(Recorder):
@@ -121,6 +138,8 @@ class Capture:
         self._draws: dict = {}      # id(key data) -> (generator, key data)
         self._fed: dict = {}        # id(array) -> (function giving its value at replay, array)
         self._previous = None
+        self._spmd = None           # the mesh and check of the collectives recorded, if any
+        self._collectives: list = []  # their descriptions, in order (the ranks compare them)
 
     # ---- called by the device layer while capturing
 
@@ -147,6 +166,17 @@ class Capture:
 
     def host_read(self) -> None:
         raise _at("a host read of a device value (.item(), .cpu(), print, bool, ...)")
+
+    def record_spanning(self, spmd, description: str, fn, args: tuple):
+        """Record fn(*args), a collective over spmd's mesh axis (``distributed/xla.py``): the
+        replay becomes one SPMD program over that mesh, whose first run checks with the other
+        ranks that theirs recorded the same collectives (each one's ``description``)."""
+        if self._spmd is not None and self._spmd.mesh != spmd.mesh:
+            raise _at("a collective on a second process group (one captured program spans "
+                      "one group's devices)")
+        self._spmd = self._spmd or spmd
+        self._collectives.append(description)
+        return self.recording.record(fn, args)
 
     # ---- called by the capturing code
 
@@ -225,10 +255,13 @@ class Capture:
                 # (from jnp.zeros, say) would make the second replay compile again.
                 start = jax.device_put(start, next(iter(start.devices())))
             st._tpu_array = start
-        # Keyed by what was recorded, so that a new process loads the executable without
-        # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
-        key = warm.key_of("captured", trace.nodes, wanted, donate, baked)
-        fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
+        if self._spmd is not None:
+            fn = spanning.Spanning(self._spmd, replay, donate, self._collectives)
+        else:
+            # Keyed by what was recorded, so that a new process loads the executable without
+            # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
+            key = warm.key_of("captured", trace.nodes, wanted, donate, baked)
+            fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
         facts.save()
         metrics.count("captures")
         return Captured(fn, sources, targets, len(trace.nodes))
@@ -355,6 +388,8 @@ class Captured:
 
     def hlo(self) -> str:
         """The captured program as StableHLO text."""
+        if isinstance(self._fn, spanning.Spanning):
+            return self._fn.hlo(tuple(self._arguments(None)))
         return self._fn.jitted.lower(*self._arguments(None)).as_text()
 
 

@@ -31,7 +31,7 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu.eager import executor
-from torchtpu.eager.capture import Capture, Captured, CaptureError
+from torchtpu.eager.capture import Capture, Captured, CaptureError, storage_of
 
 
 class StateCreated(CaptureError):
@@ -94,7 +94,7 @@ class OptimizerWatch:
         with self._capture.paused():
             t = torch.tensor(float(lr), dtype=dtype, device=group["params"][0].device)
         np_dtype = np.float64 if double else np.float32
-        self._capture.feed(t.untyped_storage(), lambda: np.asarray(group["lr"], np_dtype))
+        self._capture.feed(storage_of(t), lambda: np.asarray(group["lr"], np_dtype))
         self._fed.add(id(group))
         return t
 
@@ -103,7 +103,7 @@ class OptimizerWatch:
         for group in opt.param_groups:
             for p in group["params"]:
                 for name, t in _state_tensors(opt, p):
-                    if not self._once and self._capture.created(t.untyped_storage()):
+                    if not self._once and self._capture.created(storage_of(t)):
                         raise StateCreated(
                             f"torchtpu.capture: {type(opt).__name__}'s state {name!r} was created "
                             f"inside the capture, {executor.user_location()}: a replay would "
@@ -120,7 +120,7 @@ class OptimizerWatch:
         for opt in self._seen.values():
             groups = []
             for group in opt.param_groups:
-                tensors = tuple((p, p.untyped_storage(), p.grad, _state_tensors(opt, p))
+                tensors = tuple((p, storage_of(p), p.grad, _state_tensors(opt, p))
                                 for p in group["params"])
                 fed = id(group) in self._fed
                 groups.append((group, fed, _hyperparameters(group, fed), tensors))
@@ -144,7 +144,7 @@ def mismatch(guards: list, grads: bool = True) -> str | None:
                         "are constants of the captured program; only the lr of a "
                         "capturable=True optimizer is an input)")
             for p, (q, st, grad, state) in zip(group["params"], tensors):
-                if p is not q or p.untyped_storage() is not st or (grads and p.grad is not grad) \
+                if p is not q or storage_of(p) is not st or (grads and p.grad is not grad) \
                         or not _same_state(_state_tensors(opt, p), state):
                     return (f"a parameter, its .grad or its {name} state is not the tensor the "
                             "capture used (replaced, or set to None by zero_grad?); the captured "
