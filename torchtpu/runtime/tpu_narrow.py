@@ -8,7 +8,8 @@ ops, and on a TPU they are commonly narrowed outright (PyTorch/XLA's ``XLA_USE_3
 constants re-encoded); the target compiles it only to read the cost model's seconds, which its
 report then marks as taken from the narrowed program. Its HBM and bytes stay the real program's.
 ``None`` when the narrowed text is not a valid program (a constant outside int32, a bitcast
-between widths): the time then stays unknown.
+between widths): the time then stays unknown. Attributes that name devices stay 64-bit (a
+collective's ``replica_groups``, ``source_target_pairs``: the compiler takes them as i64 only).
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ _INT = re.compile(r"dense<(-?\d+)>\s*:\s*tensor<(?:[0-9]+x)*u?i32>")
 _BLOB = re.compile(r'dense<"0x([0-9A-Fa-f]+)">(\s*:\s*tensor<((?:[0-9]+x)*)(ui32|i32|f32)>)')
 _WIDE = {"i32": ("<i8", "<i4"), "ui32": ("<u8", "<u4"), "f32": ("<f8", "<f4")}
 _I32 = (-(1 << 31), (1 << 32) - 1)
+# Device ids of an SPMD program's collectives: i64 by the op's definition, not data.
+_DEVICE_IDS = re.compile(r"\b(?:replica_groups|source_target_pairs)\s*=\s*dense<[^>]*>\s*:\s*"
+                         r"tensor<[0-9x]*i64>")
 
 
 def _f32_bits(m: re.Match) -> str:
@@ -40,7 +44,15 @@ def narrowed(text: str) -> str | None:
     """text (StableHLO) with its 64-bit element types 32-bit, or None if that cannot hold."""
     if "64>" not in text:
         return None
-    out = text
+    kept: list[str] = []
+
+    def keep(m: re.Match) -> str:
+        kept.append(m.group(0))
+        return f"@torchtpu_kept_{len(kept) - 1}@"
+
+    out = _DEVICE_IDS.sub(keep, text)
+    if "64>" not in out:
+        return None
     for pattern, repl in _TYPES:
         out = pattern.sub(repl, out)
     out = _F64_BITS.sub(_f32_bits, out)
@@ -48,9 +60,10 @@ def narrowed(text: str) -> str | None:
         if not _I32[0] <= int(m.group(1)) <= _I32[1]:
             return None  # an int64 sentinel (INT64_MAX) has no int32 twin
     try:
-        return _BLOB.sub(_narrow_blob, out)
+        out = _BLOB.sub(_narrow_blob, out)
     except OverflowError:
         return None
+    return re.sub(r"@torchtpu_kept_(\d+)@", lambda m: kept[int(m.group(1))], out)
 
 
 def _narrow_blob(m: re.Match) -> str:
