@@ -131,6 +131,28 @@ def test_sharded_function_compiles_across_the_mesh():
 
 
 @needs_libtpu
+def test_a_collective_program_with_64_bit_ops_has_a_narrowed_time():
+    """An SPMD program (an FSDP step's forward: all-gathers, 64-bit ops) gets the cost model's
+    time from its narrowed twin, whose collectives keep their i64 device ids."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = tpu_target.mesh((2,), ("g",), "v5e:2x2")
+
+    def body(a):  # a float64 product: libtpu's cost model has no time for it
+        return jax.lax.all_gather(a, "g", tiled=True) @ jnp.ones((128, 128), jnp.float64)
+
+    fn = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("g"), out_specs=P("g"),
+                               check_vma=False))
+    x = jax.ShapeDtypeStruct((256, 128), jnp.float32, sharding=NamedSharding(mesh, P("g")))
+    r = tpu_target.compile_function(fn, x, name="gathered")
+    assert r.compiles and r.devices == 2 and r.wide_ops["float64"] > 0
+    assert r.seconds is not None and r.seconds > 0 and r.seconds_narrowed
+
+
+@needs_libtpu
 def test_refused_module_and_64_bit_work_are_reported():
     refused = tpu_target.compile_module(textwrap.dedent("""\
         module @jit_lu {
@@ -178,6 +200,12 @@ def test_narrowed_programs_are_32_bit_or_none():
     assert out == f'dense<"0x{narrow}"> : tensor<3xi32>'
     blob = np.array([1, 1 << 40], "<i8").tobytes().hex()
     assert tpu_narrow.narrowed(f'dense<"0x{blob}"> : tensor<2xi64>') is None
+    # A collective's device ids are i64 by definition: kept, its data narrowed.
+    groups = "replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>"
+    out = tpu_narrow.narrowed(f'"stablehlo.all_gather"(%a) <{{{groups}}}> : '
+                              "(tensor<4xi64>) -> tensor<8xi64>")
+    assert groups in out and "(tensor<4xi32>) -> tensor<8xi32>" in out
+    assert tpu_narrow.narrowed(groups) is None  # nothing else to narrow
 
 
 # ---------------------------------------------------------------------------- every program
