@@ -221,6 +221,34 @@ def test_output_code_round_trip():
         copy.copy(traced).prepare_for_serialization()
 
 
+def test_a_graph_with_a_tpu_constant_is_kept_as_aotautogradcache_saves_it():
+    """A tensor made inside the compiled code (Hugging Face's models make several) is a constant
+    of the graph; AOTAutogradCache pickles the graph under its FakeTensorMode, where the
+    constant's bytes must still be read (it logged "unable to serialize" and kept nothing)."""
+    import copy
+    import pickle
+
+    import torch
+    from torch._subclasses import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchtpu.compile import backend, graph_cache, options
+
+    constant = torch.tensor([1.0, 2.0, 3.0], device="tpu")
+    x = torch.randn(4, 3)
+    gm = make_fx(lambda t: (t * constant,), tracing_mode="real")(x.to("tpu"))
+    assert any(n.op == "get_attr" for n in gm.graph.nodes)
+    opts = options.parse(None, None)
+    disk = copy.copy(graph_cache.TpuOutputCode(backend._graph_compiler, gm, "inference", opts))
+    with FakeTensorMode():
+        disk.prepare_for_serialization()
+    loaded = pickle.loads(pickle.dumps(disk))
+    with graph_cache.compiling(opts):
+        loaded.post_compile([], None, {})
+    (out,) = loaded([x.to("tpu")])
+    np.testing.assert_allclose(out.cpu(), x * constant.cpu(), rtol=1e-6, atol=1e-6)
+
+
 def test_torch_without_the_hooks_caches_nothing(monkeypatch):
     from torchtpu.compile import graph_cache
 

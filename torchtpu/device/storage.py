@@ -15,6 +15,7 @@ import threading
 import jax
 import numpy as np
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu.device import memory_history
 from torchtpu.runtime.platform import jax_device
@@ -200,7 +201,10 @@ def install_pickling() -> None:
             untyped = self._untyped_storage if typed else self
             if untyped.device.type != "tpu":
                 return base_reduce(self)
-            host = torch.empty(0, dtype=torch.uint8).set_(untyped.cpu())
+            # The bytes of a real storage, also while a dispatch mode is active (AOTAutogradCache
+            # pickles a graph's tpu constants under its FakeTensorMode, where set_ would be faked).
+            with _disable_current_modes():
+                host = torch.empty(0, dtype=torch.uint8).set_(untyped.cpu())
             return (from_host, (host, self.dtype if typed else None))
 
         cls.__reduce__ = __reduce__
