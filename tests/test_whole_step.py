@@ -126,10 +126,10 @@ def test_a_step_without_an_optimizer_replays_one_program():
     def sgd(model, x, y):
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        params = list(model.parameters())
         with torch.no_grad():
-            for p in model.parameters():
-                p.sub_(0.1 * p.grad)
-                p.grad = None
+            torch._foreach_add_(params, [p.grad for p in params], alpha=-0.1)
+        model.zero_grad(set_to_none=True)
         return loss
 
     compiled = torch.compile(sgd, backend="tpu")
