@@ -185,3 +185,43 @@ def test_is_set_to_compares_storage_offset_sizes_and_strides_as_cpu():
         assert not t1.is_set_to(t1.view(4, 3))  # sizes
         assert not t1.is_set_to(t1.t().contiguous().t())  # strides, another storage
         assert not t1.is_set_to(t3[1:])  # offset
+
+
+def _uninitialized(device, dtype):
+    """What allocations read in deterministic mode: the factories, empty(out=) and the new
+    elements of a resize_ (the first three were written as zeros before it)."""
+    from torch.testing._internal.common_utils import DeterministicGuard
+
+    with DeterministicGuard(True):
+        grown = torch.zeros(3, dtype=dtype, device=device)
+        grown.resize_(2, 4)
+        made = [torch.empty(2, 3, dtype=dtype, device=device),
+                torch.empty_strided((2, 3), (1, 2), dtype=dtype, device=device),
+                torch.empty((1, 2, 2, 2), dtype=dtype, device=device,
+                            memory_format=torch.channels_last),
+                torch.empty_like(torch.zeros(4, dtype=dtype, device=device)),
+                torch.empty(5, dtype=dtype, device=device, out=torch.zeros(1, dtype=dtype,
+                                                                          device=device)),
+                grown]
+    return [t.cpu() for t in made]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64, torch.int32,
+                                   torch.uint8, torch.bool])
+def test_deterministic_mode_fills_uninitialized_memory_as_cpu(dtype):
+    """torch.use_deterministic_algorithms(True) fills what an allocation hands out unwritten
+    (NaN, the dtype's largest value, True), as CPU does; PyTorch's test_deterministic_empty and
+    test_deterministic_resize check it for every dtype."""
+    for tpu, cpu in zip(_uninitialized("tpu", dtype), _uninitialized("cpu", dtype), strict=True):
+        torch.testing.assert_close(tpu, cpu, rtol=0, atol=0, equal_nan=True)
+
+
+def test_filling_is_off_outside_deterministic_mode_or_when_turned_off():
+    from torch.testing._internal.common_utils import DeterministicGuard
+
+    assert torch.empty(3, device="tpu").eq(0).all()  # no fill program outside deterministic mode
+    with DeterministicGuard(True, fill_uninitialized_memory=False):
+        assert torch.empty(3, device="tpu").eq(0).all()
+        grown = torch.zeros(1, device="tpu")
+        grown.resize_(4)
+        assert grown.eq(0).all()

@@ -62,16 +62,41 @@ def _check_device(device) -> None:
 def empty_memory_format(size, dtype=None, layout=None, device=None, pin_memory=None,
                         memory_format=None):
     _check_device(device)
-    if memory_format in (None, torch.contiguous_format):
-        return tensors.new_tensor(size, dtype or torch.get_default_dtype())
-    # channels_last(_3d) strides, or the error CPU gives for a format the rank cannot take.
-    strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
-    return tensors.new_tensor(size, dtype or torch.get_default_dtype(), strides)
+    strides = None
+    if memory_format not in (None, torch.contiguous_format):
+        # channels_last(_3d) strides, or the error CPU gives for a format the rank cannot take.
+        strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
+    return _filled_if_deterministic(
+        tensors.new_tensor(size, dtype or torch.get_default_dtype(), strides))
 
 
 def empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     _check_device(device)
-    return tensors.new_tensor(size, dtype or torch.get_default_dtype(), stride)
+    return _filled_if_deterministic(
+        tensors.new_tensor(size, dtype or torch.get_default_dtype(), stride))
+
+
+def _fills_uninitialized() -> bool:
+    # torch.use_deterministic_algorithms(True) with torch.utils.deterministic
+    # .fill_uninitialized_memory (its default): CPU's and CUDA's allocations are then filled, so
+    # that a read of memory never written gives the same (and a conspicuous) value every run.
+    return (torch.are_deterministic_algorithms_enabled()
+            and torch._C._get_deterministic_fill_uninitialized_memory())
+
+
+def _fill_uninitialized(t: torch.Tensor) -> None:
+    """What CPU writes into memory it hands out uninitialized in deterministic mode: NaN for
+    floating and complex dtypes, the dtype's largest value for integers (True for bool)."""
+    if t.dtype.is_floating_point or t.dtype.is_complex:
+        t.fill_(float("nan"))
+    else:
+        t.fill_(True if t.dtype is torch.bool else torch.iinfo(t.dtype).max)
+
+
+def _filled_if_deterministic(t: torch.Tensor) -> torch.Tensor:
+    if _fills_uninitialized() and t.numel():
+        _fill_uninitialized(t)
+    return t
 
 
 # Every host read (``.item()``, ``.cpu()``, ``print``) goes through to_numpy. A tool that
@@ -205,7 +230,13 @@ def resize_(t: torch.Tensor, size, memory_format=None) -> torch.Tensor:
     st = t.untyped_storage()
     needed = (t.storage_offset() + math.prod(size)) * t.element_size()
     if needed > st.nbytes():
+        old_numel = st.nbytes() // t.element_size()
         resize_storage(st, needed)
+        if _fills_uninitialized():  # the storage's new elements, as CPU's resize_ fills them
+            tail = tensors.new_tensor((0,), t.dtype)
+            aten.set_.source_Storage_storage_offset.redispatch(
+                _CPU, tail, st, old_numel, (needed // t.element_size() - old_numel,), (1,))
+            _fill_uninitialized(tail)
     strides = tensors.contiguous_strides(size)
     if memory_format not in (None, torch.contiguous_format):
         strides = torch.empty(size, device="meta", memory_format=memory_format).stride()
