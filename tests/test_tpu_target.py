@@ -153,6 +153,30 @@ def test_a_collective_program_with_64_bit_ops_has_a_narrowed_time():
 
 
 @needs_libtpu
+def test_programs_of_empty_arrays_or_a_64_bit_scalar_result_have_a_time():
+    """Every program of a step needs a time, or the step has none: an SPMD program's int64
+    scalar result made 0-d again (libtpu: no cost) takes its narrowed twin's, a program of
+    empty arrays (libtpu: no time) takes 0."""
+    scalar = tpu_target.compile_module(textwrap.dedent("""\
+        module @jit_reshape {
+          func.func public @main(%a: tensor<1xi64>) -> tensor<i64> {
+            %0 = stablehlo.reshape %a : (tensor<1xi64>) -> tensor<i64>
+            return %0 : tensor<i64>
+          }
+        }"""), name="scalar")
+    assert scalar.compiles and scalar.seconds is not None and scalar.seconds_narrowed
+    empty = tpu_target.compile_module(textwrap.dedent("""\
+        module @jit_copy {
+          func.func public @main(%a: tensor<0x4xf32>) -> tensor<0x4xf32> {
+            %0 = stablehlo.add %a, %a : tensor<0x4xf32>
+            return %0 : tensor<0x4xf32>
+          }
+        }"""), name="empty")
+    assert empty.compiles and empty.seconds == 0.0 and not empty.seconds_narrowed
+    assert 0 < empty.compile_seconds < 600  # the compile's own time, not the cost model's
+
+
+@needs_libtpu
 def test_refused_module_and_64_bit_work_are_reported():
     refused = tpu_target.compile_module(textwrap.dedent("""\
         module @jit_lu {
