@@ -336,7 +336,7 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     except Exception as e:  # noqa: BLE001 (the TPU compiler's refusal)
         return {"compiles": False, "error": _compiler_message(e), "wide_ops": facts["wide"],
                 "compile_seconds": time.perf_counter() - start}
-    seconds = time.perf_counter() - start
+    elapsed = time.perf_counter() - start
     if dump:
         os.makedirs(os.path.dirname(dump), exist_ok=True)
         Path(dump + ".hlo.txt").write_text(
@@ -346,7 +346,11 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     cost = _cost(exe)
     padded = hbm["arguments"] + hbm["outputs"]
     seconds = _seconds(cost)
-    narrowed = seconds is None and any(facts["wide"].values())
+    if seconds is None and not padded and not cost.get("flops"):
+        seconds = 0.0  # a program of empty arrays, which libtpu gives no time: it does nothing
+    # Any 64-bit type, a scalar's too (an SPMD program's int64 scalar result reshaped back to
+    # 0-d has no cost): tpu_narrow says whether there is a twin.
+    narrowed = seconds is None
     if narrowed:
         seconds = _narrowed_seconds(parsed, devs, options)
     return {"compiles": True, "error": None, "hbm": hbm, "flops": cost.get("flops", 0.0),
@@ -354,7 +358,7 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
             "bytes_accessed": cost.get("bytes accessed", 0.0),
             "seconds": seconds, "seconds_narrowed": narrowed and seconds is not None,
             "padding_bytes": max(0, padded - facts["logical"]), "wide_ops": facts["wide"],
-            "compile_seconds": seconds}
+            "compile_seconds": elapsed}
 
 
 def _narrowed_seconds(parsed, devs: tuple, options) -> float | None:
