@@ -427,3 +427,24 @@ def test_repeat_interleave_by_tensor_matches_cpu():
     check_against_cpu(lambda r: torch.repeat_interleave(r), r)
     check_against_cpu(lambda x, r: torch.repeat_interleave(x, r, dim=0, output_size=10), x, r)
     check_against_cpu(lambda x, r: torch.repeat_interleave(x, r, dim=1), x.T.contiguous(), r)
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_put_refuses_what_cpu_refuses(device):
+    """put_ out of range raises CPU's IndexError (XLA's scatter would drop the write), and
+    without accumulate it alerts in deterministic mode (PyTorch's test_nondeterministic_alert_put):
+    raised, or warned under warn_only; accumulating does not alert."""
+    from torch.testing._internal.common_utils import DeterministicGuard
+
+    x = torch.zeros(4, device=device)
+    for bad in (7, -5):
+        with pytest.raises(IndexError, match=f"tried to access index {bad} on a tensor of 4"):
+            x.put_(torch.tensor([bad], device=device), torch.tensor([1.0], device=device))
+    i, v = torch.tensor([1, 1], device=device), torch.tensor([1.0, 2.0], device=device)
+    with DeterministicGuard(True):
+        with pytest.raises(RuntimeError, match="put_ does not have a deterministic"):
+            x.put_(i, v)
+        assert x.put(i, v, accumulate=True).tolist() == [0, 3, 0, 0]
+    with DeterministicGuard(True, warn_only=True):
+        with pytest.warns(UserWarning, match="put_ does not have a deterministic"):
+            x.put_(i, v)

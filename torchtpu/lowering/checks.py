@@ -273,6 +273,15 @@ def _take(self, index):
     return out_of_bounds(index, int(np.prod(self.shape)), 0, negative=True)
 
 
+@check(aten.put.default)
+def _put(self, index, source, accumulate=False):
+    if not accumulate:
+        # CPU's put_ alerts in deterministic mode (which of a repeated index's writes lands is
+        # not defined): it raises, or warns under warn_only.
+        torch._prims_common.alert_not_deterministic("put_")
+    return out_of_bounds(index, int(np.prod(self.shape)), 0, negative=True)
+
+
 @check(aten.multinomial.default)
 def _multinomial(self, num_samples, replacement=False, generator=None):
     if not self.dtype.is_floating_point:
