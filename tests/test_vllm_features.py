@@ -221,9 +221,14 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
 
     ns = __import__("types").SimpleNamespace
     refused = {
-        "tensor_parallel_size=2": _config(parallel_config=ParallelConfig(tensor_parallel_size=2)),
         "pipeline_parallel_size=2": _config(
             parallel_config=ParallelConfig(pipeline_parallel_size=2)),
+        "data_parallel_size=2": _config(parallel_config=ParallelConfig(data_parallel_size=2)),
+        r"tensor parallelism across hosts \(nnodes=2\)": _config(
+            parallel_config=ParallelConfig(tensor_parallel_size=2, nnodes=2)),
+        # (vLLM's ParallelConfig imports Ray to check that name; this venv has none)
+        "tensor parallelism with distributed_executor_backend='ray'": _config(
+            parallel_config=ns(tensor_parallel_size=2, distributed_executor_backend="ray")),
         "quantization method 'awq'": _config(model_config=ns(quantization="awq")),
         "kv_cache_dtype='fp8_per_token_head'": _config(
             cache_config=CacheConfig(cache_dtype="fp8_per_token_head")),
@@ -239,12 +244,15 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         served = _config(speculative_config=ns(method="ngram"),
                          cache_config=CacheConfig(cache_dtype=dtype))
         TpuPlatform.check_and_update_config(served)
+    # tensor parallelism on one host is served (tests/test_vllm_tp.py)
+    TpuPlatform.check_and_update_config(
+        _config(parallel_config=ParallelConfig(tensor_parallel_size=2)))
 
 
-def test_llm_refuses_tensor_parallel_before_it_starts_an_engine(tiny_llama):
+def test_llm_refuses_pipeline_parallel_before_it_starts_an_engine(tiny_llama):
     code = ("import vllm, sys\n"
             "try:\n"
-            f"    vllm.LLM(model={tiny_llama!r}, tensor_parallel_size=2)\n"
+            f"    vllm.LLM(model={tiny_llama!r}, pipeline_parallel_size=2)\n"
             "except NotImplementedError as e:\n"
             "    print('REFUSED', e); sys.exit(0)\n"
             "sys.exit(3)\n")
@@ -252,7 +260,7 @@ def test_llm_refuses_tensor_parallel_before_it_starts_an_engine(tiny_llama):
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "tensor_parallel_size=2" in proc.stdout and "vllm-router" in proc.stdout
+    assert "pipeline_parallel_size=2" in proc.stdout and "vllm-router" in proc.stdout
 
 
 # bounded output (no free whitespace, closed properties): every request ends by itself

@@ -21,8 +21,21 @@ KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 DEFAULT_HOST_KV_BYTES = 4 << 30
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
 ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
+COMMUNICATOR = "torchtpu.integrations.vllm.communicator.TpuCommunicator"
 # vLLM names every backend by a member of its enum; an out-of-tree one adds its own
 register_backend("TORCHTPU_ATTN", ATTENTION)
+
+
+def _no_caches_to_empty() -> None:
+    """PJRT frees buffers when their arrays die; there is no cache to empty, and the C++ hooks
+    torch.accelerator's would reach do not exist for a Python backend (empty_cache asserts,
+    empty_host_cache segfaults). vLLM empties them in every process it runs on the platform:
+    its workers, and at shutdown the engine's, which holds no worker under tensor parallel."""
+    torch.accelerator.empty_cache = lambda: None
+    torch.accelerator.empty_host_cache = lambda: None
+
+
+_no_caches_to_empty()
 
 
 class TpuPlatform(Platform):
@@ -31,7 +44,9 @@ class TpuPlatform(Platform):
     device_type: str = "tpu"
     dispatch_key: str = "PrivateUse1"
     ray_device_key: str = "TPU"
-    dist_backend: str = "gloo"
+    # vLLM's device groups are torchtpu's process groups (communicator.py); vLLM makes a gloo
+    # group beside each for host-side coordination
+    dist_backend: str = "tpu_dist"
     device_control_env_var: str = "TORCHTPU_VISIBLE_DEVICES"
     simple_compile_backend: str = "eager"
     supported_quantization: list[str] = []
@@ -74,7 +89,7 @@ class TpuPlatform(Platform):
 
     @classmethod
     def get_device_communicator_cls(cls) -> str:
-        return "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+        return COMMUNICATOR
 
     @classmethod
     def support_static_graph_mode(cls) -> bool:

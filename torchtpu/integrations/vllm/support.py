@@ -24,19 +24,34 @@ def _refuse(what: str, instead: str) -> None:
                               f"instead, {instead}")
 
 
+def _refuse_parallelism(parallel) -> None:
+    """Tensor parallelism on one host through vLLM's multiprocessing executor (one worker
+    process per device, collectives over tpu_dist: communicator.py); no other parallelism."""
+    replicas = ("serve replicas behind vllm-router: python -m "
+                "torchtpu.integrations.vllm.routing MODEL --replicas N")
+    for name in ("pipeline_parallel_size", "data_parallel_size",
+                 "prefill_context_parallel_size", "decode_context_parallel_size"):
+        size = getattr(parallel, name, 1)
+        if size != 1:
+            _refuse(f"{name}={size}", f"use tensor_parallel_size, or {replicas}")
+    if getattr(parallel, "enable_expert_parallel", False):
+        _refuse("expert parallelism (enable_expert_parallel)", "leave it off")
+    if getattr(parallel, "tensor_parallel_size", 1) == 1:
+        return
+    if getattr(parallel, "nnodes", 1) != 1:
+        _refuse(f"tensor parallelism across hosts (nnodes={parallel.nnodes})",
+                f"keep tensor_parallel_size within one host, or {replicas}")
+    backend = getattr(parallel, "distributed_executor_backend", None)
+    if backend not in (None, "mp"):
+        _refuse(f"tensor parallelism with distributed_executor_backend={backend!r}",
+                "leave it unset (vLLM's multiprocessing executor, 'mp')")
+
+
 def refuse_unsupported(vllm_config) -> None:
     """Raise naming the first setting in ``vllm_config`` that device "tpu" cannot serve."""
     parallel = getattr(vllm_config, "parallel_config", None)
     if parallel is not None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
-                     "prefill_context_parallel_size", "decode_context_parallel_size"):
-            size = getattr(parallel, name, 1)
-            if size != 1:
-                _refuse(f"{name}={size} (one worker per engine)",
-                        "serve replicas behind vllm-router: python -m "
-                        "torchtpu.integrations.vllm.routing MODEL --replicas N")
-        if getattr(parallel, "enable_expert_parallel", False):
-            _refuse("expert parallelism (enable_expert_parallel)", "leave it off")
+        _refuse_parallelism(parallel)
     model = getattr(vllm_config, "model_config", None)
     quantization = getattr(model, "quantization", None)
     if quantization and quantization not in QUANTIZATION_METHODS:

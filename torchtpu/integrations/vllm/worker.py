@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import os
 
 import torch
 from vllm.config import CUDAGraphMode
@@ -24,7 +25,9 @@ from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_dist
 from vllm.v1.worker.utils import request_memory
 
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
+from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
+from torchtpu.runtime import platform
 
 # torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
 # has not got; torch.tpu answers the same questions.
@@ -44,10 +47,6 @@ def _route_cuda_names_to_tpu() -> None:
     """Point the accelerator and CUDA names vLLM's GPU code calls at torch.tpu (worker only)."""
     for name, tpu_name in _MEMORY.items():
         setattr(torch.accelerator, name, functools.partial(getattr(torch.tpu, tpu_name)))
-    # PJRT frees buffers when their arrays die; there is no cache to empty (and the C++ hooks
-    # these would reach do not exist for a Python backend: empty_host_cache segfaults)
-    torch.accelerator.empty_cache = lambda: None
-    torch.accelerator.empty_host_cache = lambda: None
     for name in _STREAMS:
         setattr(torch.cuda, name, getattr(torch.tpu, name))
 
@@ -87,7 +86,11 @@ class TpuModelRunner(GPUModelRunner):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.step_graphs = None if self.model_config.enforce_eager else StepGraphs()
+        # a tensor-parallel forward holds collectives, which a capture cannot record yet (the
+        # group moves their values between processes as each runs): such steps run op by op
+        tensor_parallel = self.parallel_config.tensor_parallel_size > 1
+        self.step_graphs = (None if self.model_config.enforce_eager or tensor_parallel
+                            else StepGraphs())
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args,
                                                force_eager: bool = False, **kwargs):
@@ -145,6 +148,26 @@ class TpuModelRunner(GPUModelRunner):
                 input_ids.data_ptr(), positions.data_ptr(), tuple(positions.shape))
 
 
+def _claim_local_device(local_rank: int, local_world_size: int) -> None:
+    """Make ``tpu:{local_rank}`` this worker process's device, as CUDA's local ranks are.
+
+    torchtpu drives one device per process and learns a process's host-local index from
+    torchrun's variables or at init_process_group; vLLM names the device (and sets it) before
+    it starts its process groups, so the index is recorded here, and on a host of several
+    devices picks which one this process drives.
+    """
+    if local_world_size > 1:
+        os.environ.setdefault("TORCHTPU_LOCAL_DEVICE", str(local_rank))
+        platform.set_process_slot(local_rank, local_world_size)
+
+
+def _groups() -> dict:
+    """vLLM's live group coordinators by unique name (tp:0, pp:0, world, ...)."""
+    from vllm.distributed import parallel_state
+
+    return {name: ref() for name, ref in parallel_state._groups.items() if ref() is not None}
+
+
 class TpuWorker(Worker):
     def init_device(self) -> None:
         if self.device_config.device_type != "tpu":
@@ -154,6 +177,7 @@ class TpuWorker(Worker):
                 "set TORCHTPU_VLLM=0 to use vLLM's own platform"
             )
         _tpu_runner_hooks()
+        _claim_local_device(self.local_rank, self.parallel_config.local_world_size)
         self.device = torch.device("tpu", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
@@ -169,6 +193,13 @@ class TpuWorker(Worker):
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
+
+    def communication(self) -> dict[str, dict[str, int]]:
+        """The collectives this worker's tpu_dist communicators served, by vLLM group name
+        (``llm.collective_rpc("communication")`` asks every worker)."""
+        return {name: dict(group.device_communicator.calls)
+                for name, group in _groups().items()
+                if isinstance(group.device_communicator, TpuCommunicator)}
 
     def _make_model_runner(self) -> GPUModelRunner:
         return TpuModelRunner(self.vllm_config, self.device)
