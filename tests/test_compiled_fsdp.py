@@ -242,8 +242,12 @@ def _whole_step(rank, world):
               for k in ("executions", "collective_programs", "captures")}
     counts["eager_collectives"] = group._seq - seq
     params = [p.full_tensor().cpu() for p in model.parameters()]
+    (kept,) = step._steps.values()
+    hlo = kept.captured.hlo()
+    collectives = {op: hlo.count(f"stablehlo.{op}")
+                   for op in ("all_gather", "reduce_scatter", "all_reduce")}
     return (torch.stack(losses), params, [str(w.message) for w in caught], counts,
-            [label.split("[")[0] for label in launched])
+            [label.split("[")[0] for label in launched], collectives)
 
 
 def _captured_mpmd_and_mismatch(rank, world):
@@ -283,7 +287,8 @@ def test_sharded_whole_step_is_one_program_per_rank_and_equals_cpu():
     torch.testing.assert_close(torch.stack([r[0][0] for r in results]).mean(0), ref_losses,
                                atol=1e-5, rtol=1e-5)
     x = torch.arange(4.0)
-    for rank, ((_, params, caught, counts, launched), (agreed, mismatch)) in enumerate(results):
+    for rank, (whole, (agreed, mismatch)) in enumerate(results):
+        _, params, caught, counts, launched, collectives = whole
         for got, want in zip(params, ref_params, strict=True):
             torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         assert not [w for w in caught if "cannot run as one captured program" in w], caught
@@ -293,6 +298,11 @@ def test_sharded_whole_step_is_one_program_per_rank_and_equals_cpu():
         assert launched == ["captured_graph"], (rank, launched)
         assert counts == {"executions": 1, "collective_programs": 1, "captures": 0,
                           "eager_collectives": 0}, (rank, counts)
+        # Merged (eager/spanning.py): Linear 1's weight and bias gathered by one all-gather,
+        # their gradients reduce-scattered by one, Linear 2's replicated gradients all-reduced
+        # by one; the clipping norm's all-reduce waits for those, so it is its own.
+        assert collectives == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}, (
+            rank, collectives)
         torch.testing.assert_close(agreed, x * 2 + x.sin() + 1)
         assert mismatch is not None, rank
         assert "mismatched compiled programs in process group" in mismatch

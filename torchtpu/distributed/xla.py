@@ -28,6 +28,7 @@ says, and ``check_program`` compares their collective signatures across ranks at
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -139,21 +140,53 @@ def _axis_bound() -> bool:
     return True
 
 
-@functools.lru_cache(maxsize=1024)
-def _recorded(op: str, size: int, block: tuple, **params):
+class _Recorded:
     """op's per-shard computation on one rank's value, as a call a capture records (the SPMD
-    program the capture becomes binds the mesh axis)."""
-    body = functools.partial(_BODIES[op], **params)
+    program the capture becomes binds the mesh axis). Calls of one ``merge_key`` whose inputs
+    are ready before any of their results is used may run as one collective over their
+    concatenated values (``merge``, asked by ``eager/spanning.py``): each cross-process
+    collective costs a fixed latency, as ``compile/spmd.combine`` explains for compiled graphs."""
 
-    def collective(value):
-        value = value.reshape(block)
+    def __init__(self, op: str, size: int, block: tuple, dtype, params: dict) -> None:
+        self.op, self.size, self.block, self.params = op, size, block, params
+        self._body = functools.partial(_BODIES[op], **params)
+        self.nbytes = math.prod(block) * dtype.itemsize
+        mergeable = op in ("all_reduce", "reduce_scatter") or (
+            op == "all_gather" and params.get("out") is not None)
+        self.merge_key = (op, str(dtype), tuple(sorted(
+            (k, v) for k, v in params.items() if k != "out"))) if mergeable else None
+
+    def __call__(self, value):
+        return self._bound(self._body, value.reshape(self.block))
+
+    def _bound(self, body, value):
         if _axis_bound():
             return body(value)
         # Recording asks for the result's shape, before any program binds the axis.
-        with jax_core.extend_axis_env_nd([(_AXIS, size)]):
+        with jax_core.extend_axis_env_nd([(_AXIS, self.size)]):
             return body(value)
 
-    return collective
+    def merge(self, calls: list[_Recorded], values: list) -> list:
+        """What each of calls (all of this merge_key) gives for its value, from one collective."""
+        n, blocks = self.size, [v.reshape(c.block) for c, v in zip(calls, values, strict=True)]
+        if self.op == "reduce_scatter":  # each rank's chunk of every value side by side
+            rows = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
+            sizes = [r // n for r in (b.size for b in blocks)]
+            body = functools.partial(_BODIES[self.op], **{**self.params, "out": (sum(sizes),)})
+            done = self._bound(body, rows)
+        else:
+            flat = jnp.concatenate([b.reshape(-1) for b in blocks])
+            sizes = [b.size for b in blocks]
+            done = self._bound(self._body if self.op == "all_reduce"
+                               else lambda x: lax.all_gather(x, _AXIS), flat)
+        axis = 1 if self.op == "all_gather" else 0  # gathered: [n, sum of sizes]
+        parts = jnp.split(done, np.cumsum(sizes)[:-1], axis=axis)
+        return [p.reshape(c.params.get("out") or c.block) for c, p in zip(calls, parts)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _recorded(op: str, size: int, block: tuple, dtype, **params) -> _Recorded:
+    return _Recorded(op, size, block, dtype, params)
 
 
 @functools.lru_cache(maxsize=256)
@@ -205,7 +238,7 @@ class XlaProcessGroup(TpuProcessGroup):
         block = _block(tuple(t.shape))
         described = f"{op}({sorted(params.items())}) {outputs} {t.dtype}{list(t.shape)}"
         out = capture.record_spanning(self.spmd, described,
-                                      _recorded(op, self.size(), block, **params),
+                                      _recorded(op, self.size(), block, t.dtype, **params),
                                       (tensors.read(t),))
         return [out] if outputs is None else list(out)
 

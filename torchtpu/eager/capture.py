@@ -241,7 +241,8 @@ class Capture:
         targets = [outputs[w] for w in wanted]
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
         written = {id(st) for sts in targets for st in sts}
-        replay, baked, sources = _baked(_replay(tuple(trace.nodes), wanted), sources)
+        run = (spanning.replay if self._spmd is not None else _replay)(tuple(trace.nodes), wanted)
+        replay, baked, sources = _baked(run, sources)
         donate = _donations(sources, written, avals)
         for st, start in live:
             value = st._tpu_array
