@@ -1,13 +1,19 @@
 """Activation checkpointing that XLA keeps: in a captured training step (one program for forward
 and backward) ``torch.utils.checkpoint`` in both forms cuts the program's temporary memory (XLA's
-memory analysis of the compiled program), with CPU's loss and gradients."""
+memory analysis of the compiled program), with CPU's loss and gradients; so does Hugging Face's
+``gradient_checkpointing_enable`` on a Llama step, captured, as a whole step and as Dynamo's
+graphs, whose recomputed random ops draw what the forward drew."""
 
 import copy
+import importlib.util
+import os
+import sys
 
 import pytest
 import torch
 from torch.utils import checkpoint as ckpt
 
+from torchtpu import metrics
 from torchtpu.testing.program_memory import temp_bytes
 
 
@@ -65,3 +71,62 @@ def test_checkpointing_cuts_the_captured_steps_temporaries(form):
     plain = _captured("none")
     kept = _captured(form)
     assert kept <= 0.6 * plain, (kept, plain)
+
+
+# The Llama step of bench/checkpoint_memory.py (the registry's Llama-3.2 row), at 2 layers.
+_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "checkpoint_memory.py")
+
+
+@pytest.fixture(scope="module")
+def llama_bench():
+    pytest.importorskip("transformers")
+    spec = importlib.util.spec_from_file_location("bench_checkpoint_memory", _BENCH)
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (Dynamo imports it)
+    spec.loader.exec_module(bench)
+    bench.grads = bench.cpu_gradients(2)
+    return bench
+
+
+@pytest.mark.parametrize(("path", "form"), [
+    ("captured", "non_reentrant"),
+    ("dynamo", "non_reentrant"),
+    pytest.param("captured", "reentrant", marks=pytest.mark.full),
+    pytest.param("whole_step", "non_reentrant", marks=pytest.mark.full),
+    pytest.param("dynamo", "selective", marks=pytest.mark.full),
+])
+def test_a_checkpointed_llama_step_keeps_less_with_cpus_gradients(llama_bench, path, form):
+    before = metrics.snapshot()["cpu_fallbacks"]
+    plain, plain_diff = llama_bench.measure(path, "none", 2, llama_bench.grads)
+    kept, diff = llama_bench.measure(path, form, 2, llama_bench.grads)
+    assert metrics.snapshot()["cpu_fallbacks"] == before
+    assert max(plain_diff, diff) < 1e-5, (plain_diff, diff)
+    assert kept <= LLAMA_SHARE[path] * plain, (kept, plain)
+
+
+# What 2 of the row's layers keep checkpointed, at most, of what they keep without (the
+# embedding, the tied head's logits and the loss are not checkpointed; 8 layers save more:
+# bench/RESULTS.md).
+LLAMA_SHARE = {"captured": 0.6, "whole_step": 0.6, "dynamo": 0.6}
+
+
+def test_a_recomputed_random_region_draws_what_the_forward_drew(fresh_dynamo):
+    """Under Dynamo's graphs the partitioner wraps a checkpointed dropout in
+    run_and_save_rng_state / run_with_rng_state: the backward's recomputation must draw the
+    forward's mask, which the gradient shows (2 * cos(x) where the output kept x, else 0)."""
+    graphs: list = []
+
+    def f(x):
+        return ckpt.checkpoint(lambda t: torch.nn.functional.dropout(t.sin(), 0.5, True), x,
+                               use_reentrant=False)
+
+    compiled = torch.compile(f, backend="tpu",
+                             options={"debug_callback": lambda gm, text: graphs.append(gm)})
+    x = torch.randn(64, 64, device="tpu", requires_grad=True)
+    y = compiled(x)
+    y.sum().backward()
+    targets = {n.target for gm in graphs for n in gm.graph.nodes}
+    assert torch.ops.higher_order.run_with_rng_state in targets
+    kept = y.cpu() != 0
+    assert 0.3 < kept.float().mean() < 0.7
+    expected = torch.where(kept, 2 * x.detach().cpu().cos(), 0.0)
+    torch.testing.assert_close(x.grad.cpu(), expected)

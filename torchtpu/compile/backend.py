@@ -33,7 +33,15 @@ from torch._decomp import core_aten_decompositions, decomposition_table
 from torch._dynamo.backends.common import aot_autograd
 
 from torchtpu import metrics
-from torchtpu.compile import buckets, donation, dynamic, eager_split, graph_cache, reduce_overhead
+from torchtpu.compile import (
+    buckets,
+    checkpoint,
+    donation,
+    dynamic,
+    eager_split,
+    graph_cache,
+    reduce_overhead,
+)
 from torchtpu.compile import options as options_mod
 from torchtpu.compile import spmd as spmd_mod
 from torchtpu.compile.graph_function import GraphFunction
@@ -415,6 +423,8 @@ class CompiledGraph:
 
 def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
     def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        if kind == "backward":  # activation checkpointing's regions, recomputed in time
+            gm = checkpoint.schedule_recomputation(gm)
         pieces = eager_split.split(
             gm, lambda piece, spmd=None: CompiledGraph(piece, kind, opts, spmd))
         return pieces if pieces is not None else CompiledGraph(gm, kind, opts)

@@ -12,9 +12,21 @@ trace are inputs of the outer program (popped in order, as every node's are), an
 draw in the body takes one key of the outer program, folded with the iteration index so every
 iteration draws afresh. Checks of data inside the body give one flag per iteration; the first
 failing iteration's flag is the node's.
+
+The partitioner's RNG wrappers are the other higher-order ops: a region that activation
+checkpointing recomputes in the backward and that draws random numbers (dropout,
+``scaled_dot_product_attention``, tagged ``nondeterministic_seeded``) becomes
+``run_and_save_rng_state(op, *args)`` in the forward graph, returning the RNG state beside the
+op's result, and ``run_with_rng_state(state, op, *args)`` in the backward, which must draw the
+same numbers. Here the inner op is an ordinary step of the lowering table; the state is the key
+data it drew (the forward program's inputs), laid into the bytes of the state tensor AOTAutograd
+expects, and the backward's step draws from the keys it reads back from that tensor: the
+recomputation is exact, and neither program asks the host for a state.
 """
 
 from __future__ import annotations
+
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +37,24 @@ import torch.fx as fx
 from torchtpu.device import dtypes
 
 SCAN = torch.ops.higher_order.scan
+RUN_AND_SAVE_RNG = torch.ops.higher_order.run_and_save_rng_state
+RUN_WITH_RNG = torch.ops.higher_order.run_with_rng_state
+_HIGHER_ORDER = (SCAN, RUN_AND_SAVE_RNG, RUN_WITH_RNG)
+
+# Bytes of one key's data (4 uint32 words) inside an RNG state tensor.
+_KEY_BYTES = 16
 
 
 def is_higher_order(node: fx.Node) -> bool:
-    return node.op == "call_function" and node.target is SCAN
+    return node.op == "call_function" and node.target in _HIGHER_ORDER
+
+
+def higher_order_step(node: fx.Node, key_slots: list, graph_function: type, plain_step: type):
+    """The step serving a higher-order node (``plain_step`` serves the ops the RNG wrappers
+    apply, ``graph_function`` scan's body)."""
+    if node.target is SCAN:
+        return ScanStep(node, key_slots, graph_function)
+    return RngStateStep(node, key_slots, plain_step)
 
 
 def _view_of(op):
@@ -136,3 +162,85 @@ class ScanStep:
         self._flags = [_first_failure(f) for f in flags]
         return [*carry, *ys]
 
+
+
+class _Call:
+    """The op an RNG wrapper applies, standing as a node of its own (what a step is built of)."""
+
+    op = "call_function"
+
+    def __init__(self, target, args: tuple, kwargs: dict, val) -> None:
+        self.target, self.args, self.kwargs = target, tuple(args), dict(kwargs)
+        self.meta = {"val": val}
+
+
+def _val(v):
+    return v.meta.get("val") if isinstance(v, fx.Node) else v
+
+
+def _call_value(node: fx.Node, op, args: tuple, kwargs: dict):
+    """The fake value of op's result: the wrapper's own (run_with_rng_state's), the user that
+    takes it from run_and_save_rng_state's pair, or op run on its arguments' fake values (the
+    partitioner gives its new nodes none)."""
+    if node.target is RUN_AND_SAVE_RNG:
+        for user in node.users:
+            if user.target is operator.getitem and user.args[1] == 1 and "val" in user.meta:
+                return user.meta["val"]
+    elif "val" in node.meta:
+        return node.meta["val"]
+    return op(*fx.node.map_arg(args, _val), **fx.node.map_arg(kwargs, _val))
+
+
+class RngStateStep:
+    """One ``run_and_save_rng_state`` / ``run_with_rng_state`` node (see the module docstring)."""
+
+    lowering = None
+    traced = frozenset()
+
+    def __init__(self, node: fx.Node, key_slots: list, plain_step: type) -> None:
+        self.node = node
+        self.saves = node.target is RUN_AND_SAVE_RNG
+        op, *args = node.args if self.saves else node.args[1:]
+        call = _Call(op, args, node.kwargs, _call_value(node, op, args, node.kwargs))
+        # The forward's op draws its keys as any op does; the backward's, from the state only.
+        start = len(key_slots)
+        self.inner = plain_step(call, key_slots if self.saves else [])
+        key_slots[start:] = [node] * (len(key_slots) - start)  # the graph's node draws them
+        self.n_keys = len(self.inner.key_slots)
+        state = (_state_value(node) if self.saves else _val(node.args[0]))
+        if not (isinstance(state, torch.Tensor) and state.dtype == torch.uint8
+                and state.numel() >= self.n_keys * _KEY_BYTES):
+            raise NotImplementedError(
+                f"torchtpu.compile: {node.target.name()} of {op} with an RNG state "
+                f"{getattr(state, 'dtype', state)}{list(getattr(state, 'shape', ()))} that cannot "
+                f"hold its {self.n_keys} key(s)")
+        self.state_shape = tuple(state.shape)
+        self.check = getattr(self.inner, "check", None)
+        self.dtypes = self.inner.dtypes
+
+    def scalar_args(self) -> list:
+        return self.inner.scalar_args()
+
+    def device_checks(self, env: dict) -> list:
+        return self.inner.device_checks(env)
+
+    def run(self, env: dict, keys: tuple, scalars: list):
+        if not self.saves:
+            state = env[self.node.args[0]].reshape(-1)[:self.n_keys * _KEY_BYTES]
+            words = jax.lax.bitcast_convert_type(state.reshape(self.n_keys, 4, 4), np.uint32)
+            return self.inner.run(env, tuple(words), scalars)
+        out = self.inner.run(env, keys, scalars)
+        drawn = [jax.lax.bitcast_convert_type(jnp.asarray(keys[k], np.uint32), np.uint8)
+                 for k in self.inner.key_slots]
+        size = int(np.prod(self.state_shape))
+        state = jnp.zeros(size - self.n_keys * _KEY_BYTES, np.uint8)
+        state = jnp.concatenate([*(d.reshape(-1) for d in drawn), state])
+        return state.reshape(self.state_shape), out
+
+
+def _state_value(node: fx.Node):
+    """The fake RNG state run_and_save_rng_state returns (its user taking element 0)."""
+    for user in node.users:
+        if user.target is operator.getitem and user.args[1] == 0:
+            return user.meta.get("val")
+    return None

@@ -220,7 +220,7 @@ class GraphFunction:
         self.constants = [n for n in graph.nodes if n.op == "get_attr"
                           and not isinstance(getattr(gm, n.target), torch.nn.Module)]
         self.key_nodes: list = []
-        self.steps = [control_flow.ScanStep(n, self.key_nodes, GraphFunction)
+        self.steps = [control_flow.higher_order_step(n, self.key_nodes, GraphFunction, _Step)
                       if control_flow.is_higher_order(n) else _Step(n, self.key_nodes)
                       for n in graph.nodes if n.op == "call_function"]
         self.scalars = [s for step in self.steps for s in step.scalar_args()]
