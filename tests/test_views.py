@@ -165,3 +165,27 @@ def test_a_view_operand_is_read_inside_the_op_program(monkeypatch, mode):
         assert_same(out, a[1:5].t() @ b[::2] + a.view(4, 6)[:, 2, None])
         assert_same(joined, torch.cat([a[1:3], b.t()[:2, :4]]))
         assert_same(summed, torch._foreach_add([a.t(), b[2:4]], 1.0))
+
+
+def _expanded_writes(device):
+    """Writes into a target whose elements share memory: fill_ with a Scalar and zero_ write one
+    value (CPU allows them), anything else is refused; what each does, or whether it refused."""
+    base = torch.zeros(2, device=device)
+    target = base.expand(3, 2)
+    outcomes = []
+    for name, write in [("fill", lambda: target.fill_(2.5)), ("zero", lambda: target.zero_()),
+                        ("fill", lambda: target.fill_(-1)),
+                        ("fill_tensor", lambda: target.fill_(torch.tensor(5.0, device=device))),
+                        ("add", lambda: target.add_(1))]:
+        try:
+            write()
+            outcomes.append((name, base.cpu().tolist()))
+        except RuntimeError as error:
+            outcomes.append((name, "more than one element" in str(error)))
+    stride_0 = torch.empty_strided((10,), (0,), device=device).fill_(3)
+    return outcomes, stride_0.cpu().tolist()
+
+
+def test_writes_into_expanded_targets_allowed_or_refused_as_on_cpu():
+    """PyTorch's test_deterministic_resize fills an empty_strided((10,), (0,)) tensor."""
+    assert _expanded_writes("tpu") == _expanded_writes("cpu")

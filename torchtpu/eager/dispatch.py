@@ -265,7 +265,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         # and says what shape each out= argument must take.
         validated = meta.infer(op, values, outs, traced)
         targets, flat = _flat_targets(values, oi, outs)
-        overlap.check_internal(flat)
+        overlap.check_internal(flat, op)
         if outs:
             shapes = [d[0] for d in _leaves(validated)]
             for t, s in zip(flat, shapes):

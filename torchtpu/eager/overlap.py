@@ -50,9 +50,16 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return "partial" if a0 < b1 and b0 < a1 else None
 
 
-def check_internal(written: list) -> None:
+# CPU's fill_ with a Scalar and zero_ skip the check: they write one value, so an expand-ed
+# target is well defined (fill_ with a Tensor value, and every other op, check).
+_WRITE_ONE_VALUE = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
+
+
+def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> None:
     """Raise RuntimeError if a written tensor's elements share memory (before any resize of an
     out= argument, as CPU checks)."""
+    if op in _WRITE_ONE_VALUE:
+        return
     for w in written:
         if isinstance(w, torch.Tensor) and torch._debug_has_internal_overlap(w) == 1:
             raise RuntimeError(_INTERNAL)
