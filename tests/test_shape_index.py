@@ -448,3 +448,17 @@ def test_put_refuses_what_cpu_refuses(device):
     with DeterministicGuard(True, warn_only=True):
         with pytest.warns(UserWarning, match="put_ does not have a deterministic"):
             x.put_(i, v)
+
+
+def test_bool_accumulations_are_a_logical_or_as_on_cpu():
+    """index_put_(accumulate=True), put(accumulate=True), index_add_ and scatter_add_ on bool
+    tensors (XLA's scatter-add has no bool; PyTorch's test_index_put_src_datatype[bool])."""
+    x = torch.tensor([[True, False], [False, False], [False, True]])
+    v = torch.tensor([[True, True], [False, True]])
+    i = torch.tensor([0, 0])
+    check_against_cpu(lambda x, v, i: x.clone().index_put_((i,), v, accumulate=True), x, v, i)
+    check_against_cpu(lambda x, i: x.put(i, torch.ones_like(i, dtype=torch.bool),
+                                         accumulate=True), x, i)
+    check_against_cpu(lambda x, v, i: x.clone().index_add_(0, i, v), x, v, i)
+    check_against_cpu(lambda x, v, i: x.clone().scatter_add_(0, i[:, None].expand(2, 2), v),
+                      x, v, i)

@@ -96,7 +96,12 @@ def index_put(x, indices, values, accumulate=False):
             return x + jnp.where(mask, placed, jnp.zeros((), x.dtype))
         return jnp.where(mask, placed, x)
     ref = x.at[_advanced(indices)]
-    return ref.add(values) if accumulate else ref.set(values)
+    return _add(ref, values) if accumulate else ref.set(values)
+
+
+def _add(ref, values):
+    """A scatter-add, as CPU accumulates: for bool, a logical or (XLA has no bool add)."""
+    return ref.max(values) if values.dtype == jnp.bool_ else ref.add(values)
 
 
 @lowers(aten._index_put_impl.default)
@@ -166,7 +171,7 @@ def scatter_with_reduce(x, dim, index, src, reduce):
 @lowers(aten.scatter_add.default)
 @_at_least_1d
 def scatter_add(x, dim, index, src):
-    return x.at[_along(x, dim, index)].add(_src(src, index, x.dtype))
+    return _add(x.at[_along(x, dim, index)], _src(src, index, x.dtype))
 
 
 def _identity(reduce: str, dtype):
@@ -213,7 +218,7 @@ def index_reduce(x, dim, index, source, reduce, include_self=True):
 def put(x, index, source, accumulate=False):
     ref = x.reshape(-1).at[index.reshape(-1)]
     src = source.reshape(-1).astype(x.dtype)
-    return (ref.add(src) if accumulate else ref.set(src)).reshape(x.shape)
+    return (_add(ref, src) if accumulate else ref.set(src)).reshape(x.shape)
 
 
 def _along_dim(x, dim: int):
@@ -232,7 +237,7 @@ def index_add(x, dim, index, source, alpha=1):
     src = source.astype(x.dtype) * jnp.asarray(alpha).astype(x.dtype)
     if x.ndim == 0:
         return x + src.sum(dtype=x.dtype) if index.size else x
-    return x.at[_along_dim(x, dim) + (index.reshape(-1),)].add(src)
+    return _add(x.at[_along_dim(x, dim) + (index.reshape(-1),)], src)
 
 
 @lowers(aten.index_copy.default)
