@@ -15,6 +15,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from torchtpu.runtime import tpu_target
 
@@ -326,13 +327,12 @@ _MLP = """\
 _FORWARD_FLOPS = 2 * 64 * 256 * 512 * 2
 
 
-def _aot(tmp_path, *args):
-    script = tmp_path / "model.py"
-    script.write_text(textwrap.dedent(_MLP))
+def _aot(tmp_path, *args, script: str = _MLP, timeout: float = 600):
+    (tmp_path / "model.py").write_text(textwrap.dedent(script))
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache")}
     env.pop(tpu_target.ENV, None)
     run = subprocess.run([sys.executable, "-m", "torchtpu.aot", *args], capture_output=True,
-                         text=True, env=env, timeout=600, cwd=tmp_path)
+                         text=True, env=env, timeout=timeout, cwd=tmp_path)
     return run
 
 
@@ -403,3 +403,79 @@ def test_xla_collectives_across_processes_compile_over_the_targets_chips(tmp_pat
         collective = [r for r in reports if r[2] == 2]
         assert collective and all(r[3] and r[4] is None for r in collective), collective
         assert all(r[3] for r in reports if r[2] == 1)
+
+
+# The registry's Llama-3.2 row (bench/registry.py) with its loss: the output is the batch mean.
+_LLAMA = f"""\
+    import importlib.util
+    import sys
+
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_registry", {os.path.join(os.path.dirname(__file__), "..", "bench", "registry.py")!r})
+    registry = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = registry  # its dataclasses look their module up
+    spec.loader.exec_module(registry)
+
+
+    class CausalLM(nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x, y):
+            return F.cross_entropy(self.inner(input_ids=x).logits.flatten(0, 1), y.flatten())
+
+
+    def make():
+        lm = CausalLM(registry.hf("llama-3.2")())
+        draw = registry.tokens(registry.HF_VOCAB, registry.HF_SEQ, registry.HF_BATCH)
+        return lm, draw(torch.Generator().manual_seed(0))
+"""
+
+
+def _cpu_losses(tmp_path, steps: int) -> list:
+    """The unsharded CPU model's losses over steps of the tool's AdamW, on the full batch."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("aot_llama", tmp_path / "model.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model, inputs = module.make()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@needs_libtpu
+@pytest.mark.parametrize("world,tp", [(2, 1), pytest.param(4, 2, marks=pytest.mark.full)])
+def test_aot_sharded_llama_step_compiles_for_each_chip_and_trains_as_on_cpu(tmp_path, world, tp):
+    """FSDP over 2 ranks (simple_fsdp) and FSDP2 x TP on 2 x 2, each rank's compiled step for
+    its chip of v5e:2x2: every program compiles (those with collectives over the ranks' chips),
+    the step has a cost-model time and fits, and the losses are the CPU model's."""
+    run = _aot(tmp_path, "--topology", "v5e:2x2", "--json", "--step", "train",
+               "--world", str(world), "--tp", str(tp), "model.py:make", script=_LLAMA,
+               timeout=1500)
+    assert run.returncode == 0, run.stderr[-3000:]
+    (tmp_path / "report.json").write_text(run.stdout)  # kept for a look at the figures
+    out = json.loads(run.stdout)
+    assert (out["world"], out["tp"], out["ok"]) == (world, tp, True), out["ranks"]
+    assert len(out["ranks"]) == world
+    for rank in out["ranks"]:
+        assert rank["refused"] == 0 and rank["programs"] > 0, rank
+        # The programs with collectives over a group of 2 ranks (FSDP's, TP's) compiled over
+        # 2 chips, the others over 1.
+        assert set(rank["devices"]) == {"1", "2"}, rank
+    s = out["step"]
+    assert s["seconds"] > 0 and s["flops"] > 0 and s["fits"] and s["unknown_runs"] == 0
+    torch.testing.assert_close(out["losses"], _cpu_losses(tmp_path, len(out["losses"])),
+                               atol=1e-4, rtol=1e-4)

@@ -18,6 +18,9 @@ temporaries).
 
 Modes: ``strict`` (one program per op), ``defer`` (DeferAndFuse), ``compile`` (``torch.compile``
 of the whole step), ``captured`` (``torch.tpu.graph`` of the step, replayed).
+
+``world`` above 1 (``--world N [--tp K]``): the step sharded over N ranks, one chip of the
+target each (``aot_sharded.py``); ``measure`` is what each rank runs.
 """
 
 from __future__ import annotations
@@ -64,33 +67,51 @@ class Step:
 
 
 @dataclass
+class Measured:
+    """One process's run of the step: the programs it built (``tpu_target.Report``), how often
+    each ran in the measured step (by module name), its estimate, the losses of its steps."""
+
+    programs: list
+    runs: collections.Counter
+    step: Step
+    losses: list
+
+
+@dataclass
 class AotReport:
     topology: str
     mode: str
     step_kind: str
     world: int
-    programs: list                 # tpu_target.Report, one per program the step built
-    step: Step
+    programs: list                 # tpu_target.Report, one per program the step built (rank 0)
+    step: Step                     # per chip (world > 1: the slowest chip, the largest HBM)
     findings: list = field(default_factory=list)  # what only a TPU shows (padding, 64-bit, ...)
+    losses: list = field(default_factory=list)    # each step's loss (train; rank 0's)
+    tp: int = 1
+    layout: str = ""               # how the ranks shard the model (world > 1)
+    ranks: list = field(default_factory=list)     # world > 1: per rank {"rank", "step", ...}
 
     @property
     def ok(self) -> bool:
-        return self.step.fits and all(p.compiles for p in self.programs)
+        return self.step.fits and all(p.compiles for p in self.programs) \
+            and all(r["refused"] == 0 for r in self.ranks)
 
     def to_dict(self) -> dict:
         return {"topology": self.topology, "mode": self.mode, "step_kind": self.step_kind,
-                "world": self.world, "ok": self.ok,
+                "world": self.world, "tp": self.tp, "layout": self.layout, "ok": self.ok,
                 "programs": [p.to_json() for p in self.programs], "step": asdict(self.step),
-                "findings": self.findings}
+                "losses": self.losses, "ranks": self.ranks, "findings": self.findings}
 
 
 def _step_fn(model, args, train: bool, optimizer):
     def step():
         out = model(*args)
         if train:
-            loss_of(out).backward()
+            loss = loss_of(out)
+            loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            return out, loss.detach()
         return out
     return step
 
@@ -107,7 +128,7 @@ def _check_cpu(model, inputs, train: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _to_tpu(x):
+def to_tpu(x):
     return x.detach().to("tpu") if isinstance(x, torch.Tensor) else x
 
 
@@ -127,14 +148,15 @@ def _step_boundary(step):
     return bounded
 
 
-def _runner(mode: str, step, warmup: int):
-    """The callable one step is, in mode, after its warm-up steps."""
+def _runner(mode: str, step, warmup: int, seen=lambda out: None):
+    """The callable one step is, in mode, after its warm-up steps (``seen`` gets the output of
+    each)."""
     if mode == "compile":
         step = torch.compile(step, backend="tpu")
     elif mode == "defer":
         step = _step_boundary(step)
     for _ in range(warmup):
-        step()
+        seen(step())
     torch.tpu.synchronize()
     if mode != "captured":
         return step
@@ -144,6 +166,7 @@ def _runner(mode: str, step, warmup: int):
         # nothing to compute, and its replay runs no program.
         out = step()
     graph.replay()
+    seen(out)
     torch.tpu.synchronize()
 
     def replay():
@@ -152,15 +175,15 @@ def _runner(mode: str, step, warmup: int):
     return replay
 
 
-def _profiled(run) -> collections.Counter:
-    """How often each host program ran during run() (by module name), and the HBM peak."""
+def _profiled(run) -> tuple[collections.Counter, object]:
+    """How often each host program ran during run() (by module name), and its result."""
     from torchtpu.profiler import xplane
 
     directory = tempfile.mkdtemp(prefix="torchtpu_aot_")
     try:
         jax.profiler.start_trace(directory)
         try:
-            run()
+            out = run()
             torch.tpu.synchronize()
         finally:
             jax.profiler.stop_trace()
@@ -170,13 +193,15 @@ def _profiled(run) -> collections.Counter:
         runs = xplane.programs(jax.profiler.ProfileData.from_file(files[0]))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    return collections.Counter(r.module for r in runs)
+    return collections.Counter(r.module for r in runs), out
 
 
 def report(model: torch.nn.Module, inputs, *, topology: str | None = None,
-           step: str = "forward", mode: str = "compile", world: int = 1,
-           warmup: int = 2) -> AotReport:
-    """Compile model's step for topology and estimate it (see the module doc)."""
+           step: str = "forward", mode: str = "compile", world: int = 1, tp: int = 1,
+           warmup: int = 2, script: str | None = None) -> AotReport:
+    """Compile model's step for topology and estimate it (see the module doc); ``world`` ranks
+    (``tp`` of them tensor parallel) shard it as ``aot_sharded.py`` says. ``script``
+    ("path.py:make", which gave model and inputs) lets the ranks build them again."""
     if step not in STEPS:
         raise ToolError(f"unknown step {step!r}; use {' or '.join(STEPS)}")
     if mode not in MODES:
@@ -189,35 +214,46 @@ def report(model: torch.nn.Module, inputs, *, topology: str | None = None,
     if not 1 <= world <= target.chips:
         raise ToolError(f"--world {world}: {target.name} has {target.chips} chips; use a "
                         "topology with at least as many chips as ranks")
-    if world > 1:
-        raise ToolError("--world above 1 runs under torchrun with the XLA transport: "
-                        f"TORCHTPU_TPU_TARGET={target.name} torchrun --nproc-per-node {world} "
-                        "... compiles each rank's programs for its chip")
     train = step == "train"
     cpu_model = model.cpu()
     cpu_inputs = tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, inputs)
     _check_cpu(cpu_model, cpu_inputs, train)
+    if world > 1 or tp > 1:
+        from torchtpu.tools import aot_sharded
+
+        return aot_sharded.report(cpu_model, cpu_inputs, target=target, step=step, mode=mode,
+                                  world=world, tp=tp, warmup=warmup, script=script)
     tpu_hook.install(target.name, on_error="keep")
     device_model = cpu_model.to("tpu")
-    args = tree_map(_to_tpu, cpu_inputs)
-    optimizer = (torch.optim.AdamW(device_model.parameters(), lr=1e-3,
+    m = measure(target, device_model, tree_map(to_tpu, cpu_inputs), train, mode, warmup)
+    return AotReport(target.name, mode, step, world, m.programs, m.step,
+                     findings(device_model, m.programs, m.runs), losses=m.losses)
+
+
+def measure(target: tpu_target.Target, model: torch.nn.Module, args: tuple, train: bool,
+            mode: str, warmup: int, foreach: bool | None = None) -> Measured:
+    """Run model's step on the host in mode (its programs compiled for target by the hook,
+    which must be on): the programs it built, the step's estimate on one chip, and the loss
+    of every step run (train; else empty). ``foreach``: AdamW's (None: PyTorch's choice)."""
+    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach,
                                    capturable=mode == "captured") if train else None)
+    losses: list = []
+    seen = (lambda out: losses.append(float(out[1]))) if train else (lambda out: None)
     before = {id(r) for r in tpu_hook.reports()}
     with _mode_context(mode), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            run = _runner(mode, _step_fn(device_model, args, train, optimizer), warmup)
+            run = _runner(mode, _step_fn(model, args, train, optimizer), warmup, seen)
             torch.tpu.reset_peak_memory_stats()
-            runs = _profiled(run)
+            runs, out = _profiled(run)
             live_peak = torch.tpu.max_memory_allocated()
+            seen(out)
         except ToolError:
             raise
         except Exception as e:
             raise ToolError(f"the step fails on the host in mode {mode}: {describe(e)}") from None
     programs = [r for r in tpu_hook.wait() if id(r) not in before]
-    return AotReport(target.name, mode, step, world, programs,
-                     _estimate(target, programs, runs, live_peak),
-                     _findings(device_model, programs, runs))
+    return Measured(programs, runs, _estimate(target, programs, runs, live_peak), losses)
 
 
 def _estimate(target, programs: list, runs: collections.Counter, live_peak: int) -> Step:
@@ -248,7 +284,7 @@ def _estimate(target, programs: list, runs: collections.Counter, live_peak: int)
                 sum(runs.values()), unknown, rows[:5])
 
 
-def _findings(model, programs: list, runs: collections.Counter) -> list:
+def findings(model, programs: list, runs: collections.Counter) -> list:
     """What the TPU makes of this step that XLA:CPU does not show."""
     found = []
     ran = [p for p in programs if p.module in runs]
@@ -308,6 +344,16 @@ def format_report(r: AotReport) -> str:
         t = "-" if row["seconds"] is None else f"{row['seconds'] * 1e6:.2f} us"
         lines.append(f"  largest: {row['name']} x{row['runs']}: {t}, "
                      f"{_fmt_bytes(row['hbm_bytes'])}")
+    if r.ranks:
+        lines.append(f"{r.world} ranks, {r.layout}; per chip (the slowest rank's time, the "
+                     "largest HBM peak) above; per rank:")
+        for row in r.ranks:
+            t = "unknown" if row["seconds"] is None else f"{row['seconds'] * 1e3:.3f} ms"
+            over = ", ".join(f"{n} over {k} chips" for k, n in sorted(row["devices"].items()))
+            lines.append(f"  rank {row['rank']}: {row['programs']} programs ({over}), "
+                         f"{row['refused']} refused, {t}, HBM {_fmt_bytes(row['hbm_peak_bytes'])}")
+    if r.losses:
+        lines.append("losses: " + ", ".join(f"{x:.6f}" for x in r.losses))
     lines += [f"note: {f}" for f in r.findings]
     return "\n".join(lines)
 
@@ -325,7 +371,12 @@ def main(argv: list | None = None) -> int:
                              f"TORCHTPU_TPU_TARGET, else {tpu_target.DEFAULT})")
     parser.add_argument("--step", default="forward", choices=STEPS)
     parser.add_argument("--mode", default="compile", choices=MODES)
-    parser.add_argument("--world", type=int, default=1, help="ranks, one chip each")
+    parser.add_argument("--world", type=int, default=1,
+                        help="ranks, one chip each (processes with the XLA transport; the model "
+                             "sharded as torchtpu/tools/aot_sharded.py says)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="of the --world ranks, how many are tensor parallel (the rest "
+                             "FSDP2 over them)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
 
@@ -337,7 +388,7 @@ def main(argv: list | None = None) -> int:
                 raise ToolError(str(e).removeprefix("torchtpu.tpu: ")) from None
         model, inputs = load(args.target)
         r = report(model, inputs, topology=args.topology, step=args.step, mode=args.mode,
-                   world=args.world)
+                   world=args.world, tp=args.tp, script=args.target)
         print(json.dumps(r.to_dict(), indent=1) if args.json else format_report(r))
         if not r.step.fits:
             by_hbm = sorted(r.step.largest, key=lambda x: -x["hbm_bytes"])[:3]

@@ -58,9 +58,10 @@ def _triage_log(path: str | None, text: str | None) -> dict:
     return _triage.triage(_triage.read_log(path) if path is not None else text).to_dict()
 
 
-def _aot_target(target, topology, step, mode) -> dict:
+def _aot_target(target, topology, step, mode, world=1, tp=1) -> dict:
     model, inputs = load(target)
-    return _aot.report(model, inputs, topology=topology, step=step, mode=mode).to_dict()
+    return _aot.report(model, inputs, topology=topology, step=step, mode=mode, world=world,
+                       tp=tp, script=target).to_dict()
 
 
 def _plan_target(target, chips, topology, hbm_gib) -> dict:
@@ -109,13 +110,14 @@ def build():
 
     @server.tool()
     def aot(target: str, topology: str = "v5e:2x2", step: str = "forward",
-            mode: str = "compile") -> dict:
+            mode: str = "compile", world: int = 1, tp: int = 1) -> dict:
         """Compile the target's step (forward or train; mode strict, defer, compile or
         captured) for a TPU topology with libtpu, compile-only (nothing runs on a TPU): per
         program whether the TPU compiler takes it, HBM, flops, bytes and cost-model seconds;
-        per step seconds on one chip, MFU, HBM peak against the chip's. Needs the tpu-aot
-        extra; one topology per server process."""
-        return _guarded(_aot_target, target, topology, step, mode)
+        per step seconds on one chip, MFU, HBM peak against the chip's. world > 1: the step
+        sharded over that many ranks, one chip each (FSDP; tp of them tensor parallel), per
+        chip. Needs the tpu-aot extra; one topology per server process."""
+        return _guarded(_aot_target, target, topology, step, mode, world, tp)
 
     @server.tool()
     def plan(target: str, chips: int | None = None, topology: str | None = None,
