@@ -457,6 +457,8 @@ def _cpu_losses(tmp_path, steps: int) -> list:
 
 
 @needs_libtpu
+# The 2 x 2 case (FSDP2 x TP) is not yet seen to pass: on the 2-core box at load ~35 it did not
+# finish in 30 minutes (bench/RESULTS.md, "Sharded steps compiled for v5e").
 @pytest.mark.parametrize("world,tp", [(2, 1), pytest.param(4, 2, marks=pytest.mark.full)])
 def test_aot_sharded_llama_step_compiles_for_each_chip_and_trains_as_on_cpu(tmp_path, world, tp):
     """FSDP over 2 ranks (simple_fsdp) and FSDP2 x TP on 2 x 2, each rank's compiled step for
