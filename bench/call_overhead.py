@@ -10,9 +10,9 @@ A program of almost no work (``y = x * 2 + 1`` on a 4x4 float32 tensor) called t
 - replay: the same step captured once with ``torch.tpu.graph`` and ``g.replay()``;
 - jax step: the whole step's JAX twin, ``jax.jit`` of value_and_grad + the update, donated.
 Every call ends with its result ready (``block_until_ready`` /
-``torch.tpu.synchronize([result])``), so each figure is one call's full round trip. The paths run in interleaved rounds in one
-process (each round times every path), and the median over rounds is reported: the ratios hold
-on a loaded machine.
+``torch.tpu.synchronize([result])``), so each figure is one call's full round trip. The paths
+run in interleaved rounds in one process (each round times every path), and the median over
+rounds is reported: the ratios hold on a loaded machine.
 
     python bench/call_overhead.py [--rounds N] [--calls N]
 """
