@@ -38,8 +38,8 @@ def _live_bytes() -> int:
     )
 
 
-def _current() -> dict:
-    stats = _runtime_stats()
+def _current(stats: dict | None = None) -> dict:
+    stats = _runtime_stats() if stats is None else stats
     allocated = stats.get("bytes_in_use", _live_bytes() if not stats else 0)
     reserved = stats.get("bytes_reserved", 0) + allocated if "bytes_reserved" in stats \
         else allocated
@@ -68,12 +68,13 @@ _last_walk = [float("-inf")]
 
 def sample() -> None:
     """Fold the current figures into the sampled peak (called at synchronize)."""
-    if not _runtime_stats():
+    stats = _runtime_stats()
+    if not stats:
         now = time.monotonic()
         if now - _last_walk[0] < SAMPLE_INTERVAL_S:
             return
         _last_walk[0] = now
-    _current()
+    _current(stats)
 
 
 def memory_allocated() -> int:
