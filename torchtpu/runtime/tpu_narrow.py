@@ -8,8 +8,9 @@ ops, and on a TPU they are commonly narrowed outright (PyTorch/XLA's ``XLA_USE_3
 constants re-encoded); the target compiles it only to read the cost model's seconds, which its
 report then marks as taken from the narrowed program. Its HBM and bytes stay the real program's.
 ``None`` when the narrowed text is not a valid program (a constant outside int32, a bitcast
-between widths): the time then stays unknown. Attributes that name devices stay 64-bit (a
-collective's ``replica_groups``, ``source_target_pairs``: the compiler takes them as i64 only).
+between widths): the time then stays unknown. Attributes that are i64 by definition stay 64-bit
+(a collective's ``replica_groups``, ``source_target_pairs``, a window's ``padding``: the compiler
+takes them as i64 only).
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ _INT = re.compile(r"dense<(-?\d+)>\s*:\s*tensor<(?:[0-9]+x)*u?i32>")
 _BLOB = re.compile(r'dense<"0x([0-9A-Fa-f]+)">(\s*:\s*tensor<((?:[0-9]+x)*)(ui32|i32|f32)>)')
 _WIDE = {"i32": ("<i8", "<i4"), "ui32": ("<u8", "<u4"), "f32": ("<f8", "<f4")}
 _I32 = (-(1 << 31), (1 << 32) - 1)
-# Device ids of an SPMD program's collectives: i64 by the op's definition, not data.
-_DEVICE_IDS = re.compile(r"\b(?:replica_groups|source_target_pairs)\s*=\s*dense<[^>]*>\s*:\s*"
-                         r"tensor<[0-9x]*i64>")
+# Attributes that are i64 by the op's definition, not data: device ids of an SPMD program's
+# collectives, a window's padding (reduce_window, select_and_scatter: a cumsum's).
+_DEVICE_IDS = re.compile(r"\b(?:replica_groups|source_target_pairs|padding)\s*=\s*dense<[^>]*>"
+                         r"\s*:\s*tensor<[0-9x]*i64>")
 
 
 def _f32_bits(m: re.Match) -> str:

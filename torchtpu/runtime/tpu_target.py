@@ -253,6 +253,7 @@ class Report:
     bytes_accessed: float = 0.0
     seconds: float | None = None    # the cost model's optimal_seconds (None: it has none)
     seconds_narrowed: bool = False  # seconds are the 64-bit-narrowed program's (tpu_narrow.py)
+    seconds_twin: str = ""          # the twin the seconds are from ("": the program's own)
     padding_bytes: int = 0          # argument and output bytes added by TPU tiles
     wide_ops: dict = field(default_factory=dict)  # {"float64": n, "int64": n}: emulated on TPU
     chip: str = ""                  # "TPU v5 lite"
@@ -320,16 +321,22 @@ def _file_name(name: str) -> str:
     return re.sub(r"[^\w.-]+", "_", name)[:80]
 
 
-def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
+def _options(devs: tuple, overrides: dict | None = None):
+    """JAX's own options for an SPMD program over devs (its partitioner, Shardy or GSPMD, must be
+    the one the module was lowered for), with libtpu options ``overrides``."""
     from jax._src import compiler
+
+    return compiler.get_compile_options(
+        num_replicas=1, num_partitions=len(devs),
+        device_assignment=np.array(devs, dtype=object).reshape(1, -1), backend=devs[0].client,
+        env_options_overrides=overrides)
+
+
+def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     from jax._src.lib import xla_client as xc
 
     facts = stablehlo_facts.facts(parsed)
-    # JAX's own options for an SPMD program over devs (its partitioner, Shardy or GSPMD, must
-    # be the one the module was lowered for).
-    options = compiler.get_compile_options(
-        num_replicas=1, num_partitions=len(devs),
-        device_assignment=np.array(devs, dtype=object).reshape(1, -1), backend=devs[0].client)
+    options = _options(devs)
     start = time.perf_counter()
     try:
         exe = devs[0].client.compile(parsed, xc.DeviceList(devs), options)
@@ -348,36 +355,53 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     seconds = _seconds(cost)
     if seconds is None and not padded and not cost.get("flops"):
         seconds = 0.0  # a program of empty arrays, which libtpu gives no time: it does nothing
-    # Any 64-bit type, a scalar's too (an SPMD program's int64 scalar result reshaped back to
-    # 0-d has no cost): tpu_narrow says whether there is a twin.
-    narrowed = seconds is None
-    if narrowed:
-        seconds = _narrowed_seconds(parsed, devs, options)
+    twin = ""
+    if seconds is None:
+        seconds, twin = _twin_seconds(parsed, devs)
     return {"compiles": True, "error": None, "hbm": hbm, "flops": cost.get("flops", 0.0),
             "transcendentals": cost.get("transcendentals", 0.0),
             "bytes_accessed": cost.get("bytes accessed", 0.0),
-            "seconds": seconds, "seconds_narrowed": narrowed and seconds is not None,
+            "seconds": seconds, "seconds_narrowed": "narrowed" in twin, "seconds_twin": twin,
             "padding_bytes": max(0, padded - facts["logical"]), "wide_ops": facts["wide"],
             "compile_seconds": elapsed}
 
 
-def _narrowed_seconds(parsed, devs: tuple, options) -> float | None:
-    """The cost model's seconds for the program with its 64-bit types made 32-bit (libtpu's
-    cost model has none for a program with 64-bit ops; see tpu_narrow.py), or None."""
+# libtpu's memory-space assignment may prefetch an operand into VMEM in slices (async
+# slice-start/done ops joined by a "ConcatBitcast" custom call); its cost model then gives the
+# whole program no time (a bf16 linear's weight gradient on v5e is enough). With sliced
+# prefetching off (one prefetch per operand) the program is otherwise the same, and timed.
+NO_SLICED_PREFETCH = {"xla_tpu_sliced_prefetch_max_slices": 0}
+
+
+def _twin_seconds(parsed, devs: tuple) -> tuple[float | None, str]:
+    """The cost model's seconds for a program it gave none, from a twin of it, and which twin:
+    "narrowed" (its 64-bit types made 32-bit, see tpu_narrow.py: libtpu's cost model has no time
+    for 64-bit ops), "no sliced prefetch" (compiled with ``NO_SLICED_PREFETCH``), or both
+    ("narrowed, no sliced prefetch"); (None, "") when no twin has a time. HBM and bytes stay
+    the real program's."""
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
 
     from torchtpu.runtime import tpu_narrow
 
     text = tpu_narrow.narrowed(parsed.operation.get_asm())
-    if text is None:
-        return None
-    try:
-        module = mlir.ir.Module.parse(text, context=parsed.context)
-        exe = devs[0].client.compile(module, xc.DeviceList(devs), options)
-    except Exception:  # noqa: BLE001 (the narrowed text is no valid program: no time)
-        return None
-    return _seconds(_cost(exe))
+    module = parsed
+    if text is not None:
+        try:
+            module = mlir.ir.Module.parse(text, context=parsed.context)
+        except Exception:  # noqa: BLE001 (the narrowed text is no valid program)
+            text = None
+    tries = ([("narrowed", None)] if text is not None else []) + [("no sliced prefetch",
+                                                                   NO_SLICED_PREFETCH)]
+    for how, overrides in tries:
+        try:
+            exe = devs[0].client.compile(module, xc.DeviceList(devs), _options(devs, overrides))
+        except Exception:  # noqa: BLE001 (the twin is no valid program: no time from it)
+            continue
+        seconds = _seconds(_cost(exe))
+        if seconds is not None:
+            return seconds, ("narrowed, " + how if text is not None and overrides else how)
+    return None, ""
 
 
 def _seconds(cost: dict) -> float | None:
