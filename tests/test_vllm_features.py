@@ -232,7 +232,8 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         "quantization method 'awq'": _config(model_config=ns(quantization="awq")),
         "kv_cache_dtype='fp8_per_token_head'": _config(
             cache_config=CacheConfig(cache_dtype="fp8_per_token_head")),
-        "KV offloading": _config(cache_config=CacheConfig(kv_offloading_size=1.0)),
+        "kv_offloading_backend='lmcache'": _config(cache_config=CacheConfig(
+            kv_offloading_size=1.0, kv_offloading_backend="lmcache")),
         "KV connector": _config(kv_transfer_config=ns(kv_connector="NixlConnector")),
         "method 'eagle'": _config(speculative_config=ns(method="eagle")),
     }
@@ -244,6 +245,11 @@ def test_features_the_platform_cannot_serve_are_refused_by_name():
         served = _config(speculative_config=ns(method="ngram"),
                          cache_config=CacheConfig(cache_dtype=dtype))
         TpuPlatform.check_and_update_config(served)
+    # KV offload to host memory is served (tests/test_vllm_offload.py), with the tpu copy worker
+    offload = _config(cache_config=CacheConfig(kv_offloading_size=1.0), kv_transfer_config=None)
+    TpuPlatform.check_and_update_config(offload)
+    extra = offload.kv_transfer_config.kv_connector_extra_config
+    assert extra["spec_module_path"] == "torchtpu.integrations.vllm.offload", extra
     # tensor parallelism on one host is served (tests/test_vllm_tp.py)
     TpuPlatform.check_and_update_config(
         _config(parallel_config=ParallelConfig(tensor_parallel_size=2)))

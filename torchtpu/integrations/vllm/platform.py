@@ -127,9 +127,10 @@ class TpuPlatform(Platform):
         from vllm.config import CUDAGraphMode
         from vllm.config.compilation import CompilationMode
 
-        from torchtpu.integrations.vllm.support import refuse_unsupported
+        from torchtpu.integrations.vllm.support import configure_kv_transfer, refuse_unsupported
 
         refuse_unsupported(vllm_config)
+        configure_kv_transfer(vllm_config)
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
         compilation.cudagraph_mode = CUDAGraphMode.NONE

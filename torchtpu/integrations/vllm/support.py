@@ -17,6 +17,11 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", 
 # weight quantization methods whose kernels run on tpu (quant.py): vLLM's online FP8 of a
 # bfloat16/float16 checkpoint ("fp8" there means "fp8_per_tensor") and its per-channel form
 QUANTIZATION_METHODS = ("fp8", "fp8_per_tensor", "fp8_per_channel")
+# KV connectors the tpu worker serves: vLLM's offloading to host memory, with the copy worker of
+# offload.py (kv_offloading_size asks for it)
+KV_CONNECTORS = ("OffloadingConnector",)
+OFFLOAD_SPEC = {"spec_name": "TpuHostOffloadingSpec",
+                "spec_module_path": "torchtpu.integrations.vllm.offload"}
 
 
 def _refuse(what: str, instead: str) -> None:
@@ -47,6 +52,46 @@ def _refuse_parallelism(parallel) -> None:
                 "leave it unset (vLLM's multiprocessing executor, 'mp')")
 
 
+def _refuse_kv_transfer(cache, transfer) -> None:
+    """KV offload to host memory (offload.py) and the connectors of KV_CONNECTORS only."""
+    import vllm.envs as envs
+
+    if getattr(cache, "kv_offloading_size", None) is not None:
+        backend = getattr(cache, "kv_offloading_backend", "native")
+        if backend != "native":
+            _refuse(f"kv_offloading_backend={backend!r}",
+                    "use kv_offloading_backend='native' (host memory of this process)")
+        if envs.VLLM_USE_SIMPLE_KV_OFFLOAD:
+            _refuse("KV offloading with VLLM_USE_SIMPLE_KV_OFFLOAD=1 (SimpleCPUOffloadConnector)",
+                    "unset it: vLLM's OffloadingConnector copies through the tpu worker")
+    if transfer is None or transfer.kv_connector is None:
+        return
+    if transfer.kv_connector not in KV_CONNECTORS:
+        _refuse(f"KV connector {transfer.kv_connector!r} (kv_transfer_config)",
+                f"use kv_connector={' or '.join(map(repr, KV_CONNECTORS))}, or serve whole "
+                "requests on each replica (python -m torchtpu.integrations.vllm.routing)")
+    spec = transfer.kv_connector_extra_config.get("spec_name", OFFLOAD_SPEC["spec_name"])
+    if transfer.kv_connector == "OffloadingConnector" and spec != OFFLOAD_SPEC["spec_name"]:
+        _refuse(f"KV offloading spec {spec!r} (a CUDA copy engine)",
+                "leave spec_name unset: the tpu spec copies blocks to host memory")
+
+
+def configure_kv_transfer(vllm_config) -> None:
+    """Name the tpu offloading spec (offload.py) in vLLM's OffloadingConnector config, asked for
+    by name or through ``kv_offloading_size``. The platform's check runs before vLLM turns
+    ``kv_offloading_size`` into a connector config, which keeps the extra config it finds."""
+    cache = vllm_config.cache_config
+    native = getattr(cache, "kv_offloading_size", None) is not None
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    if transfer is None and native:
+        from vllm.config import KVTransferConfig
+
+        transfer = vllm_config.kv_transfer_config = KVTransferConfig()
+    if transfer is not None and (native or transfer.kv_connector == "OffloadingConnector"):
+        for key, value in OFFLOAD_SPEC.items():
+            transfer.kv_connector_extra_config.setdefault(key, value)
+
+
 def refuse_unsupported(vllm_config) -> None:
     """Raise naming the first setting in ``vllm_config`` that device "tpu" cannot serve."""
     parallel = getattr(vllm_config, "parallel_config", None)
@@ -63,13 +108,7 @@ def refuse_unsupported(vllm_config) -> None:
     if dtype not in KV_CACHE_DTYPES:
         _refuse(f"kv_cache_dtype={dtype!r}",
                 f"use one of {', '.join(KV_CACHE_DTYPES)} (auto: the model's dtype)")
-    if getattr(cache, "kv_offloading_size", None):
-        _refuse("KV offloading (kv_offloading_size)",
-                "size the device KV cache with kv_cache_memory_bytes")
-    if getattr(vllm_config, "kv_transfer_config", None) is not None:
-        _refuse("KV connector (kv_transfer_config: disaggregated prefill, KV offloading)",
-                "serve whole requests on each replica (python -m "
-                "torchtpu.integrations.vllm.routing)")
+    _refuse_kv_transfer(cache, getattr(vllm_config, "kv_transfer_config", None))
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
     if method is not None and method not in SPECULATIVE_METHODS:

@@ -1,0 +1,98 @@
+"""KV offload to host memory on device "tpu" (``kv_offloading_size``: vLLM's OffloadingConnector
+with torchtpu's copy worker, ``integrations/vllm/offload.py``).
+
+A prompt is served, then prompts that need the whole small device KV cache push its blocks out
+of it, then the prompt comes again: with offload its blocks are read back from host memory
+(vLLM's external prefix-cache hits, the worker's loads), without they are computed again; the
+tokens are the same. vLLM venv only; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from tests.test_vllm_features import run_engine
+
+_ENGINE = r"""
+import json, sys
+import vllm
+from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+model, prompts, options = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# 16-token blocks of 16 KiB (2 layers): 24 of them, so the fillers evict the first prompt's
+llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=2,
+               max_num_batched_tokens=256, gpu_memory_utilization=0.01,
+               kv_cache_memory_bytes=24 * 16 * 1024, enable_prefix_caching=True,
+               disable_log_stats=False, **options)
+params = vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+names = ("vllm:prefix_cache_hits", "vllm:external_prefix_cache_hits",
+         "vllm:external_prefix_cache_queries")
+
+def counters():
+    m = {x.name: x.value for x in llm.get_metrics() if hasattr(x, "value")}
+    return {n: m.get(n, 0) for n in names}
+
+def transfers(worker):
+    if not has_kv_transfer_group():
+        return None
+    w = get_kv_transfer_group().connector_worker.worker
+    return [type(w).__name__, w.stores, w.loads]
+
+phases = []
+for prompt in prompts:
+    before = counters()
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    after = counters()
+    phases.append({"ids": list(out.outputs[0].token_ids),
+                   **{n: after[n] - before[n] for n in names}})
+print("RESULT " + json.dumps({"phases": phases, "blocks": llm.llm_engine.vllm_config
+                              .cache_config.num_gpu_blocks,
+                              "transfers": llm.collective_rpc(transfers)[0]}))
+"""
+
+_rng = np.random.default_rng(0)
+# printable bytes (one token each), no shared prefixes beyond chance
+_text = lambda n: "".join(map(chr, _rng.integers(97, 123, n)))  # noqa: E731
+FIRST = _text(120)
+PROMPTS = [FIRST, _text(200), _text(200), _text(200), FIRST]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    pytest.importorskip("vllm", reason="vLLM is not installed: "
+                        "python -m torchtpu.integrations.vllm.install")
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    return str(save_tiny_model(tmp_path_factory.mktemp("vllm") / "llama", "llama"))
+
+
+def _run(model: str, options: dict) -> dict:
+    proc, got = run_engine(_ENGINE, model, json.dumps(PROMPTS), json.dumps(options))
+    assert got, proc.stderr[-5000:]
+    return got
+
+
+@pytest.mark.full  # two engines of their own: minutes
+def test_a_prefix_evicted_from_device_memory_is_read_back_from_host(tiny_llama):
+    plain = _run(tiny_llama, {})
+    offload = _run(tiny_llama, {"kv_offloading_size": 0.01})
+    assert plain["blocks"] == offload["blocks"] <= 25, plain["blocks"]
+    assert plain["transfers"] is None
+    # the first prompt's 7 whole blocks left device memory: no device prefix hit either time
+    for run in (plain, offload):
+        assert run["phases"][-1]["vllm:prefix_cache_hits"] == 0, run["phases"][-1]
+    assert plain["phases"][-1]["vllm:external_prefix_cache_hits"] == 0
+    # with offload they came back from host memory: 7 blocks of 16 tokens
+    again = offload["phases"][-1]
+    assert again["vllm:external_prefix_cache_hits"] == 7 * 16, again
+    kind, stores, loads = offload["transfers"]
+    assert kind == "TpuHostOffloadingWorker" and stores >= 4 and loads == 1, offload["transfers"]
+    ids = [p["ids"] for p in offload["phases"]]
+    assert ids == [p["ids"] for p in plain["phases"]]
+    assert ids[-1] == ids[0]
+    print(f"KV offload: {stores} stores, {loads} load; the prompt's second time "
+          f"{again['vllm:external_prefix_cache_hits']:.0f} of "
+          f"{again['vllm:external_prefix_cache_queries']:.0f} tokens from host memory")
