@@ -72,6 +72,17 @@ def _tensors(module: nn.Module) -> list:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
+def _paths(module: nn.Module) -> tuple:
+    """Where each of module's parameters and buffers sits: its dotted name, split."""
+    return tuple(tuple(name.split(".")) for name, _ in _tensors(module))
+
+
+def _at(module: nn.Module, path: tuple) -> torch.Tensor:
+    for name in path:
+        module = getattr(module, name)
+    return module
+
+
 def _carry(out):
     """The block's output to feed the next block: a tensor, or the first of a 1-tuple."""
     if isinstance(out, torch.Tensor):
@@ -84,10 +95,12 @@ def _carry(out):
 
 def scan_layers(layers: Sequence[nn.Module], x: torch.Tensor, *args, **kwargs):
     """``x`` through each of ``layers`` in turn, as one scanned body under ``torch.compile``."""
-    return _scan(list(layers), x, args, kwargs, checked=False)
+    return _scan(list(layers), x, args, kwargs, paths=None)
 
 
-def _scan(layers: list, x: torch.Tensor, args: tuple, kwargs: dict, checked: bool):
+def _scan(layers: list, x: torch.Tensor, args: tuple, kwargs: dict, paths: tuple | None):
+    """paths: layer 0's tensor paths, taken when the blocks were checked (``patch``); None to
+    check the blocks and take them now."""
     if not layers:
         return x
     if not torch.compiler.is_compiling():
@@ -97,13 +110,15 @@ def _scan(layers: list, x: torch.Tensor, args: tuple, kwargs: dict, checked: boo
     from torch._higher_order_ops.scan import scan
     from torch.func import functional_call
 
-    if not checked:  # Dynamo traces the check's every attribute read: seconds per layer
+    if paths is None:  # Dynamo traces the check's every attribute read: seconds per layer
         _check_identical(layers)
+        paths = _paths(layers[0])
     first = layers[0]
-    names = [n for n, _ in _tensors(first)]
-    # Each layer's tensors listed once (Dynamo traces every lookup: per name per layer was
-    # quadratic in the tracing time), in the same order, as _check_identical made sure.
-    per_layer = [[t for _, t in _tensors(layer)] for layer in layers]
+    names = [".".join(p) for p in paths]
+    # Each layer's tensors read by attribute, in layer 0's order (_check_identical made sure
+    # every layer has them): Dynamo inlines a named_parameters() walk, generators and all, at a
+    # cost per layer that made the trace of 32 scanned layers 2.3x that of 2.
+    per_layer = [[_at(layer, p) for p in paths] for layer in layers]
     stacked = [torch.stack(ts) for ts in zip(*per_layer, strict=True)]
 
     def body(h, sliced):
@@ -121,9 +136,17 @@ class ScannedLayers(nn.ModuleList):
     runs as one scanned call: iterating it gives one callable over all the blocks. Indexing,
     ``len``, parameters and ``state_dict`` are a ``ModuleList``'s."""
 
+    def __init__(self, modules: list, paths: tuple) -> None:
+        super().__init__(modules)
+        self._paths = paths  # layer 0's tensor paths, from the check at the patch
+
     def __getitem__(self, idx):
         if isinstance(idx, slice):
-            return ScannedLayers(list(self._modules.values())[idx])
+            # A decoder slices its blocks at every call (``self.layers[:n]``); a new container
+            # would cost the trace an add_module per block.
+            if idx.indices(len(self)) == (0, len(self), 1):
+                return self
+            return ScannedLayers(list(self._modules.values())[idx], self._paths)
         return super().__getitem__(idx)
 
     def __iter__(self):
@@ -136,7 +159,7 @@ class ScannedLayers(nn.ModuleList):
                         "layer); call the model with use_cache=False, or undo the patch with "
                         "scan_layers.unpatch(model) for generation")
         # patch() checked the blocks (a check traced by Dynamo costs seconds per layer).
-        return _scan(list(self._modules.values()), hidden_states, args, kwargs, checked=True)
+        return _scan(list(self._modules.values()), hidden_states, args, kwargs, self._paths)
 
 
 def _owner(model: nn.Module) -> nn.Module:
@@ -154,7 +177,7 @@ def patch(model: nn.Module) -> nn.Module:
     layers = owner.layers
     if not isinstance(layers, ScannedLayers):
         _check_identical(list(layers))
-        owner.layers = ScannedLayers(list(layers))
+        owner.layers = ScannedLayers(list(layers), _paths(layers[0]) if len(layers) else ())
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = False
