@@ -1,4 +1,5 @@
-"""Matrix products and linear algebra: mm, bmm, addbmm and the ``_linalg_*`` factorizations.
+"""Matrix products and linear algebra: mm, bmm, addbmm, ``_grouped_mm`` and the ``_linalg_*``
+factorizations.
 
 ``addmm``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
 the products here. Products use JAX's default matmul precision, which ``torch.tpu.precision``
@@ -17,6 +18,7 @@ import jax.scipy.linalg as jsl
 import torch
 from jax import lax
 
+from torchtpu.device import dtypes
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
@@ -25,6 +27,33 @@ aten = torch.ops.aten
 @lowers(aten.mm.default, aten.bmm.default, promote="result")
 def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.matmul(x, y)
+
+
+def _group_sizes(offs: jax.Array, total: int) -> jax.Array:
+    # offs holds each group's end (int32, cumulative); rows past the last end belong to none
+    ends = jnp.clip(offs.astype(jnp.int32), 0, total)
+    return jnp.diff(ends, prepend=jnp.zeros((1,), jnp.int32))
+
+
+@lowers(aten._grouped_mm.default)
+def grouped_mm(a: jax.Array, b: jax.Array, offs: jax.Array | None = None, bias=None,
+               out_dtype: torch.dtype | None = None) -> jax.Array:
+    """One product per group, the groups' extents read from ``offs`` on the device (the MoE
+    experts of TorchTitan): no host read, one program whatever the token counts. PyTorch's own
+    kernel (CompositeExplicitAutograd) reads ``offs`` on the host and runs one mm per group.
+    Meta rejects a bias and a non-bfloat16 out_dtype before this runs. Rows (2D x 3D) or
+    columns (3D x 2D) past the last offset are zeros (CPU leaves them uninitialized)."""
+    if a.ndim == 3 and b.ndim == 3:  # a batch of products, no offsets
+        out = jnp.matmul(a, b)
+    elif a.ndim == 2 and b.ndim == 3:  # rows of a grouped, group g times b[g]
+        out = lax.ragged_dot(a, b, _group_sizes(offs, a.shape[0]))
+    elif a.ndim == 3:  # columns of b grouped, a[g] times them: the transposed 2D x 3D case
+        out = lax.ragged_dot(b.T, jnp.swapaxes(a, 1, 2), _group_sizes(offs, b.shape[1])).T
+    else:  # the contraction grouped (a weight gradient): one (M, N) product per group
+        numbers = lax.RaggedDotDimensionNumbers((([1], [0]), ([], [])),
+                                                lhs_ragged_dimensions=[1], rhs_group_dimensions=[])
+        out = lax.ragged_dot_general(a, b, _group_sizes(offs, a.shape[1]), numbers)
+    return out.astype(a.dtype if out_dtype is None else dtypes.to_jax(out_dtype))
 
 
 def _scaled_sum(x, product, beta, alpha):
