@@ -16,6 +16,7 @@ from torchtpu.lowering import (  # noqa: F401
     random,
     reduction,
     rnn,
+    sampling,
     shape,
     special,
     transformer,

@@ -3,7 +3,7 @@
 Backward lowerings are the ``jax.vjp`` of the forward lowering here, so each case (stride,
 padding, groups, transposition...) is derived once. PyTorch's decompositions cover
 ``max_pool2d_with_indices``, ``max_pool3d_with_indices``,
-``_adaptive_avg_pool2d`` and the upsampling forwards.
+``_adaptive_avg_pool2d`` and the upsampling forwards. Grid sampling is in ``sampling.py``.
 """
 
 from __future__ import annotations
@@ -373,95 +373,67 @@ def upsample_linear_backward(grad, output_size, input_size, align_corners, *scal
                               lambda n, o, s: _linear_matrix(n, o, s, align_corners))
 
 
-# ----------------------------------------------------------------------------- grid sampling
+# ----------------------------------------------------------------------------- fractional pooling
 
-def _reflect(coord, low: float, high: float):
-    """Reflect coord into [low, high] (PyTorch's reflect_coordinates, over twice the span)."""
-    if high <= low:
-        return jnp.zeros_like(coord)
-    span = high - low
-    dist = jnp.abs(coord - low)
-    flips = jnp.floor(dist / span)
-    extra = dist - flips * span
-    return jnp.where(flips % 2 == 0, extra + low, span - extra + low)
-
-
-def _source_coord(coord, size: int, padding_mode: int, align_corners: bool):
-    """Grid coordinate in [-1, 1] -> input pixel coordinate, padding applied."""
-    if align_corners:
-        coord = (coord + 1) / 2 * (size - 1)
-    else:
-        coord = ((coord + 1) * size - 1) / 2
-    return _pad_coord(coord, size, padding_mode, align_corners)
+def _fractional_starts(sample, size: int, out: int, k: int):
+    """Each output position's window start along one axis, from the plane's sample in [0, 1)
+    (CPU's generate_intervals, in the sample's dtype): (N, C) samples -> (N, C, out)."""
+    if out == 0:
+        return jnp.zeros(sample.shape + (0,), jnp.int32)
+    last = jnp.full(sample.shape + (1,), size - k, jnp.int32)
+    if out == 1:
+        return last
+    alpha = jnp.asarray(size - k, sample.dtype) / jnp.asarray(out - 1, sample.dtype)
+    i = jnp.arange(out - 1, dtype=sample.dtype)
+    # C++'s int cast truncates toward zero; every value here is >= 0, so floor is the same.
+    starts = (jnp.floor((i + sample[..., None]) * alpha).astype(jnp.int32)
+              - jnp.floor(sample * alpha).astype(jnp.int32)[..., None])
+    return jnp.concatenate([starts, last], -1)
 
 
-def _pad_coord(coord, size: int, padding_mode: int, align_corners: bool):
-    if padding_mode == 2:  # reflection
-        if align_corners:
-            coord = _reflect(coord, 0, size - 1)
-        else:
-            coord = _reflect(coord, -0.5, size - 0.5)
-    if padding_mode in (1, 2):  # border, and reflection's final clip
-        coord = jnp.clip(coord, 0, size - 1)
-    return coord
+def _fractional_max_pool(x, kernel_size, output_size, samples):
+    nd = len(kernel_size)
+    batched = x.ndim == nd + 2
+    if not batched:
+        x = x[None]
+    n, c, spatial = x.shape[0], x.shape[1], x.shape[2:]
+    # The samples' last axis runs (w, h) in 2-d and (t, h, w) in 3-d, as CPU reads them.
+    order = (1, 0) if nd == 2 else (0, 1, 2)
+    samples = samples[:n]
+    # Window positions per axis, as (N, C, o_1..o_nd, k_1..k_nd) flat offsets in a plane.
+    flat = 0
+    for axis in range(nd):
+        starts = _fractional_starts(samples[..., order[axis]], spatial[axis],
+                                    output_size[axis], kernel_size[axis])
+        shape = [n, c] + [1] * (2 * nd)
+        shape[2 + axis], shape[2 + nd + axis] = output_size[axis], kernel_size[axis]
+        pos = starts[..., :, None] + jnp.arange(kernel_size[axis], dtype=jnp.int32)
+        flat = flat * spatial[axis] + pos.reshape(shape)
+    flat = jnp.broadcast_to(flat, (n, c, *output_size, *kernel_size))
+    windows = flat.reshape(n, c, *output_size, -1)
+    patches = jnp.take_along_axis(x.reshape(n, c, -1), windows.reshape(n, c, -1), 2)
+    patches = patches.reshape(windows.shape)
+    # CPU keeps the first maximum, but a NaN replaces it, the last NaN of the window winning.
+    nan = jnp.isnan(patches)
+    last_nan = patches.shape[-1] - 1 - jnp.argmax(nan[..., ::-1], -1)
+    best = jnp.where(nan.any(-1), last_nan, jnp.argmax(patches, -1))
+    values = jnp.take_along_axis(patches, best[..., None], -1)[..., 0]
+    indices = jnp.take_along_axis(windows, best[..., None], -1)[..., 0].astype(jnp.int64)
+    return (values, indices) if batched else (values[0], indices[0])
 
 
-def _sample(x, iy, ix):
-    """x[n, :, iy, ix] for integer (N, Ho, Wo) positions, zero outside: (N, C, Ho, Wo)."""
-    h, w = x.shape[-2:]
-    inside = (iy >= 0) & (iy < h) & (ix >= 0) & (ix < w)
-    flat = jnp.clip(iy, 0, h - 1) * w + jnp.clip(ix, 0, w - 1)
-    n, c = x.shape[:2]
-    got = jnp.take_along_axis(x.reshape(n, c, h * w), flat.reshape(n, 1, -1), 2)
-    return jnp.where(inside[:, None], got.reshape((n, c) + iy.shape[1:]), 0)
+@lowers(aten.fractional_max_pool2d.default, aten.fractional_max_pool3d.default)
+def fractional_max_pool(x, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(x, kernel_size, output_size, random_samples)
 
 
-def _grid_sample(x, grid, mode: int, padding_mode: int, align_corners: bool):
-    h, w = x.shape[-2:]
-    gx, gy = grid[..., 0], grid[..., 1]
-    if mode == 2:  # bicubic: taps at unpadded coordinates, padding applied to each tap
-        fx = _source_coord(gx, w, 0, align_corners)
-        fy = _source_coord(gy, h, 0, align_corners)
-        x0, y0 = jnp.floor(fx), jnp.floor(fy)
-        wx = _cubic_weights(fx - x0)
-        wy = _cubic_weights(fy - y0)
-        out = 0
-        for i in range(4):
-            ty = _pad_coord(y0 - 1 + i, h, padding_mode, align_corners).astype(jnp.int32)
-            for j in range(4):
-                tx = _pad_coord(x0 - 1 + j, w, padding_mode, align_corners).astype(jnp.int32)
-                out = out + _sample(x, ty, tx) * (wy[i] * wx[j])[:, None]
-        return out
-    fx = _source_coord(gx, w, padding_mode, align_corners)
-    fy = _source_coord(gy, h, padding_mode, align_corners)
-    if mode == 1:  # nearest, ties to even as nearbyint
-        return _sample(x, jnp.round(fy).astype(jnp.int32), jnp.round(fx).astype(jnp.int32))
-    x0, y0 = jnp.floor(fx), jnp.floor(fy)
-    tx, ty = fx - x0, fy - y0
-    x0, y0 = x0.astype(jnp.int32), y0.astype(jnp.int32)
-    out = 0
-    for dy, wy in ((0, 1 - ty), (1, ty)):
-        for dx, wx in ((0, 1 - tx), (1, tx)):
-            out = out + _sample(x, y0 + dy, x0 + dx) * (wy * wx)[:, None]
-    return out
+@lowers(aten.fractional_max_pool2d_backward.default, aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool_backward(grad, x, kernel_size, output_size, indices):
+    return _scatter_to_planes(grad, x, len(kernel_size), indices)
 
 
-def _cubic_weights(t):
-    a = -0.75
-    near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1  # noqa: E731
-    far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a  # noqa: E731
-    return far(t + 1), near(t), near(1 - t), far(2 - t)
-
-
-@lowers(aten.grid_sampler_2d.default, promote="result")
-def grid_sampler_2d(x, grid, interpolation_mode, padding_mode, align_corners):
-    return _grid_sample(x, grid, interpolation_mode, padding_mode, align_corners)
-
-
-@lowers(aten.grid_sampler_2d_backward.default, promote="result")
-def grid_sampler_2d_backward(grad, x, grid, interpolation_mode, padding_mode, align_corners,
-                             output_mask):
-    _, vjp = jax.vjp(lambda a, g: _grid_sample(a, g, interpolation_mode, padding_mode,
-                                               align_corners), x, grid)
-    gx, ggrid = vjp(grad)
-    return gx if output_mask[0] else None, ggrid if output_mask[1] else None
+# PyTorch has no meta kernel for this backward, and result shapes come from meta kernels: the
+# gradient has the forward input's shape.
+_meta_lib = torch.library.Library("aten", "IMPL")
+_meta_lib.impl(aten.fractional_max_pool3d_backward.default,
+               lambda grad, x, *args: torch.empty_like(x), "Meta")

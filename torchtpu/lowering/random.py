@@ -1,5 +1,5 @@
 """Random ops drawn from the device generator: uniform, normal, bernoulli, random_, the other
-distributions, randperm, multinomial and dropout.
+distributions, randperm, multinomial, dropout and RReLU's noise.
 
 Every lowering here gets a JAX PRNG key: in the schema's ``Generator?`` slot, or, for ops without
 one (``native_dropout``), as its first argument (``random=True``). Values cannot match CPU's
@@ -157,3 +157,36 @@ def native_dropout(key, x, p: float, train: bool | None):
 @lowers(aten.native_dropout_backward.default, promote="result")
 def native_dropout_backward(grad, mask, scale: float):
     return grad * mask.astype(grad.dtype) * scale
+
+
+@lowers(aten.rrelu_with_noise_functional.default)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=False,
+                                generator=None):
+    """(result, noise): in training each element <= 0 is scaled by a slope drawn from
+    U(lower, upper), which noise records (1 elsewhere); in eval, leaky_relu at their mean."""
+    if not training:
+        return jnp.where(x > 0, x, x * ((lower + upper) / 2)).astype(x.dtype), noise
+    slope = jax.random.uniform(generator, x.shape, _draw_dtype(x.dtype), lower, upper)
+    negative = x <= 0
+    slope = jnp.where(negative, slope, 1).astype(x.dtype)
+    return jnp.where(negative, x * slope, x), slope.astype(noise.dtype)
+
+
+# rrelu_with_noise writes its noise argument but returns a new tensor, a shape the in-place /
+# out= machinery does not take: its device kernels are composed of the functional op and a
+# copy into noise (like a decomposition), so the noise that backward reads is the one drawn.
+def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    out, drawn = aten.rrelu_with_noise_functional(x, noise, lower, upper, training,
+                                                  generator=generator)
+    if training:
+        noise.copy_(drawn)
+    return out
+
+
+def _rrelu_with_noise_(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
+    return x.copy_(_rrelu_with_noise(x, noise, lower, upper, training, generator))
+
+
+_rrelu_lib = torch.library.Library("aten", "IMPL")
+_rrelu_lib.impl(aten.rrelu_with_noise.default, _rrelu_with_noise, "PrivateUse1")
+_rrelu_lib.impl(aten.rrelu_with_noise_.default, _rrelu_with_noise_, "PrivateUse1")
