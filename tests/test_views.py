@@ -189,3 +189,35 @@ def _expanded_writes(device):
 def test_writes_into_expanded_targets_allowed_or_refused_as_on_cpu():
     """PyTorch's test_deterministic_resize fills an empty_strided((10,), (0,)) tensor."""
     assert _expanded_writes("tpu") == _expanded_writes("cpu")
+
+
+def _copies(device):
+    """copy_ into targets that overlap themselves or their source: what each gives, or which
+    refusal CPU makes (the device computes the copy whole, so it must refuse by itself)."""
+    def arange(*shape):
+        return torch.arange(float(torch.Size(shape).numel()), device=device).view(shape)
+
+    cases = [("expanded", lambda: torch.zeros(1, 4, device=device).expand(3, 4)
+              .copy_(torch.ones(3, 4, device=device))),
+             ("expanded from cpu", lambda: torch.zeros(1, 4, device=device).expand(3, 4)
+              .copy_(torch.ones(3, 4))),
+             ("expanded empty", lambda: torch.zeros(1, 4, device=device).expand(0, 4)
+              .copy_(torch.ones(0, 4, device=device))),
+             ("shifted", lambda: (lambda x: x[1:].copy_(x[:-1]))(arange(6))),
+             ("transposed", lambda: (lambda x: x.t().copy_(x))(arange(2, 2))),
+             ("itself", lambda: (lambda x: x.copy_(x))(arange(6))),
+             ("same view", lambda: (lambda x: x[:].copy_(x))(arange(6))),
+             ("disjoint halves", lambda: (lambda x: x[:3].copy_(x[3:]))(arange(6)))]
+    outcomes = []
+    for name, copy in cases:
+        try:
+            outcomes.append((name, copy().cpu().tolist()))
+        except RuntimeError as error:
+            outcomes.append((name, str(error).split(":")[1][:40]))
+    return outcomes
+
+
+def test_copy_into_overlapping_targets_refused_as_on_cpu():
+    outcomes = _copies("tpu")
+    assert outcomes == _copies("cpu")
+    assert sum(isinstance(o, str) for _, o in outcomes) == 4  # the four CPU refuses

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import asserts, dtypes, tensors
+from torchtpu.device import asserts, dtypes, overlap, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
 from torchtpu.runtime import launch, platform, transfer, warm
@@ -160,7 +160,11 @@ def convert(array, t: torch.Tensor):
 
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "tpu":
+        # The copy is computed whole and then written, so an expand-ed target or one that
+        # partly overlaps src would get an answer where CPU refuses the copy: refuse as CPU.
+        overlap.check_internal([dst])
         if src.device.type == "tpu":
+            overlap.check_between(aten.copy_.default, [dst], [src])
             value = convert(tensors.read(src), dst)
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)

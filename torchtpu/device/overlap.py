@@ -1,0 +1,93 @@
+"""Memory-overlap refusals for written tensors, as PyTorch's CPU kernels make them (the
+executors check what ops write; ``copy_``, a device kernel, checks its target).
+
+The device computes every op functionally and then writes the results, so an output that
+aliases an input would give a well-defined answer here where CPU refuses the call. These checks
+refuse what CPU refuses: a written tensor whose elements share memory (an ``expand``-ed out=),
+an out= or in-place target that partially overlaps an input, and, for the ops that read their
+input while writing their output in any order, any overlap at all.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch._prims_common import is_non_overlapping_and_dense_or_false
+
+# Ops whose CPU kernels refuse any overlap between what they write and what they read (full
+# overlap included), where elementwise ops allow full overlap (``torch.add(x, y, out=x)``).
+NO_OVERLAP = frozenset({
+    "cat", "gather", "index_select", "take", "masked_select", "kthvalue", "bernoulli", "index",
+    "index_add", "index_copy", "index_fill", "masked_scatter", "put", "scatter", "scatter_add",
+})
+
+_INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
+             "single memory location. Please clone() the tensor before performing the operation.")
+_BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "
+            "refer to a single memory location. Please clone() the tensor before performing the "
+            "operation.")
+
+
+@functools.lru_cache(maxsize=4096)
+def _dense(size: tuple, stride: tuple) -> bool:
+    return is_non_overlapping_and_dense_or_false(torch.empty_strided(size, stride, device="meta"))
+
+
+def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    """"full", "partial" or None, decided only for dense tensors as PyTorch does."""
+    if a is b:
+        return "full"
+    # Different storages first: the cheap test; PyTorch's density test costs ~20 us a tensor.
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return None
+    if a.numel() == 0 or b.numel() == 0 or not (_dense(a.shape, a.stride())
+                                                    and _dense(b.shape, b.stride())):
+        return None
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    a1, b1 = a0 + a.numel() * a.element_size(), b0 + b.numel() * b.element_size()
+    if (a0, a1) == (b0, b1):
+        return "full" if a.stride() == b.stride() else "partial"
+    return "partial" if a0 < b1 and b0 < a1 else None
+
+
+# CPU's fill_ with a Scalar and zero_ skip the check: they write one value, so an expand-ed
+# target is well defined (fill_ with a Tensor value, and every other op, check).
+_WRITE_ONE_VALUE = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
+
+
+def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> None:
+    """Raise RuntimeError if a written tensor's elements share memory (before any resize of an
+    out= argument, as CPU checks)."""
+    if op in _WRITE_ONE_VALUE:
+        return
+    for w in written:
+        if isinstance(w, torch.Tensor) and torch._debug_has_internal_overlap(w) == 1:
+            raise RuntimeError(_INTERNAL)
+
+
+def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
+    """Raise RuntimeError if CPU would refuse to write the written tensors while reading inputs
+    (the written tensors themselves, for in-place ops, are not inputs here); after out=
+    arguments take their result shapes, as CPU checks."""
+    any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
+    # Only tensors of one storage can overlap: grouping by storage keeps a foreach call over n
+    # tensors at n lookups instead of n * n pairs (AdamW's lists: ~700 pairs a call).
+    by_storage: dict = {}
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            by_storage.setdefault(x.untyped_storage().data_ptr(), []).append(x)
+    for w in written:
+        if not isinstance(w, torch.Tensor):
+            continue
+        for x in by_storage.get(w.untyped_storage().data_ptr(), ()):
+            if x is not w:
+                status = _status(w, x)
+                if status == "partial" or (status == "full" and any_overlap):
+                    raise RuntimeError(_BETWEEN)
+
+
+def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
+    """Both checks, for calls that resize nothing."""
+    check_internal(written)
+    check_between(op, written, inputs)
