@@ -197,3 +197,40 @@ def test_hash_tensor():
     check_against_cpu(lambda x: torch.hash_tensor(x, dim=1, keepdim=True), x)
     check_against_cpu(torch.hash_tensor, torch.tensor([[1, 2, 3], [-4, 5, 6]], dtype=torch.int32))
     check_against_cpu(torch.hash_tensor, torch.tensor([True, False, True]))
+
+
+@pytest.mark.parametrize("weights", [None, torch.float32, torch.float64, torch.int64, torch.half])
+def test_bincount_counts_and_weighs_like_cpu(weights):
+    x = torch.tensor([3, 0, 3, 7, 1, 3])
+    w = None if weights is None else torch.tensor([0.5, 1, 2, 3, 4, 5]).to(weights)
+    for minlength in (0, 4, 12):
+        # Weighted sums keep float32, every other weight dtype sums in float64 (as on CPU).
+        check_against_cpu(lambda a, b, m=minlength: torch.bincount(a, b, minlength=m), x, w)
+    empty_weights = None if w is None else w[:0]
+    check_against_cpu(lambda a, b: torch.bincount(a, b, minlength=3), x[:0], empty_weights)
+
+
+def test_bincount_refuses_what_cpu_refuses():
+    for bad in (torch.tensor([1, -1]), torch.tensor([[1]]), torch.tensor([1.0])):
+        with pytest.raises((RuntimeError, NotImplementedError)) as cpu:
+            torch.bincount(bad)
+        with pytest.raises(type(cpu.value), match=str(cpu.value)[:20]):
+            torch.bincount(bad.to("tpu"))
+
+
+@pytest.mark.parametrize("warn_only", [False, True])
+def test_deterministic_mode_runs_median_dim_and_histc_as_cpu_does(warn_only):
+    """PyTorch's meta kernels raise CUDA's deterministic alerts for these; CPU raises none."""
+    x = torch.randn(4, 7)
+    torch.use_deterministic_algorithms(True, warn_only=warn_only)
+    try:
+        import warnings
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # warn_only must not warn either
+            check_against_cpu(lambda a: torch.median(a, 1), x)
+            check_against_cpu(lambda a: torch.histc(a, bins=5, min=-1, max=1), x)
+            check_against_cpu(lambda a: torch.histc(a, min=0, max=3), x[:0, 0])
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.is_deterministic_algorithms_warn_only_enabled() == warn_only
+    finally:
+        torch.use_deterministic_algorithms(False)

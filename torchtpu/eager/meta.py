@@ -166,10 +166,24 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
     for n, o in zip(oi.out_names, outs):
         kwargs[n] = to_meta(o)
-    result = describe(op(*pos, **kwargs))
+    result = describe(_run_meta(op, pos, kwargs))
     if key is not None:
         bounded_put(_meta_cache, key, result)
     return result
+
+
+def _run_meta(op: OpOverload, pos: list, kwargs: dict):
+    if not torch.are_deterministic_algorithms_enabled():
+        return op(*pos, **kwargs)
+    # PyTorch's Python meta kernels take a meta tensor for a CUDA one (``device_hint``) and
+    # raise CUDA's deterministic-mode alerts (``median(dim)``, float ``histc``), which CPU does
+    # not: shape inference runs with the mode off (device kernels make CPU's own alerts).
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        return op(*pos, **kwargs)
+    finally:
+        torch.use_deterministic_algorithms(True, warn_only=warn_only)
 
 
 def common_dtype(values):

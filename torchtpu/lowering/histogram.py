@@ -1,4 +1,4 @@
-"""Histograms: ``histc``, ``histogram`` and ``histogramdd``, with CPU's binning rules.
+"""Histograms: ``histc``, ``histogram``, ``histogramdd`` and ``bincount``, with CPU's rules.
 
 CPU semantics: a point counts if every coordinate lies in [first edge, last edge] (NaN never
 does); the last bin is closed on the right. histc and histogram with a bin count place points
@@ -131,6 +131,23 @@ def histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
 @lowers(aten._histogramdd_from_bin_tensors.default)
 def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
     return _histogramdd(_points(x), list(bins), weight, density, "search")
+
+
+@lowers(aten.bincount.default, data_dependent_shape=True)
+def bincount(x, weights=None, minlength=0):
+    # The length depends on the largest value: this runs on concrete arrays (a host read).
+    if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer) or (x.size and x.min() < 0):
+        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+    if weights is not None and (weights.ndim != 1 or weights.shape[0] != x.shape[0]):
+        raise RuntimeError("weights should be 1-d and have the same length as input")
+    if minlength < 0:
+        raise RuntimeError("minlength should be >= 0")
+    length = max(int(x.max()) + 1 if x.size else 0, minlength)
+    if weights is None or x.size == 0:  # CPU counts an empty input in int64, weighed or not
+        return jnp.zeros((length,), _INDEX).at[x].add(1)
+    # CPU sums float32 weights in float32 and every other dtype in float64.
+    dtype = jnp.float32 if weights.dtype == jnp.float32 else jnp.float64
+    return jnp.zeros((length,), dtype).at[x].add(weights.astype(dtype))
 
 
 # PyTorch has no meta kernels for these, and result shapes come from meta kernels.
