@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import json
 import signal
 import sys
 import time
@@ -53,12 +54,12 @@ class PrefixCache:
     hits: float
 
 
-def prefix_cache(url: str, timeout: float = 30.0) -> PrefixCache:
-    """Read ``vllm:prefix_cache_queries_total`` and ``..._hits_total`` from ``url``/metrics,
-    summed over the replica's engines."""
+def counters(url: str, names: tuple[str, ...], timeout: float = 30.0) -> dict[str, float]:
+    """The Prometheus counters ``names`` at ``url``/metrics, each summed over its labels (a
+    replica's engines); a name the server does not export raises."""
     with urllib.request.urlopen(url + "/metrics", timeout=timeout) as r:
         text = r.read().decode()
-    totals = {"vllm:prefix_cache_queries_total": 0.0, "vllm:prefix_cache_hits_total": 0.0}
+    totals = dict.fromkeys(names, 0.0)
     found = set()
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
@@ -68,19 +69,32 @@ def prefix_cache(url: str, timeout: float = 30.0) -> PrefixCache:
     if len(found) != len(totals):
         raise RuntimeError(f"torchtpu.tool: {url}/metrics has no {sorted(set(totals) - found)}: "
                            "is it a vLLM server?")
-    return PrefixCache(*totals.values())
+    return totals
+
+
+def prefix_cache(url: str, timeout: float = 30.0) -> PrefixCache:
+    """Read ``vllm:prefix_cache_queries_total`` and ``..._hits_total`` from ``url``/metrics,
+    summed over the replica's engines."""
+    return PrefixCache(*counters(url, ("vllm:prefix_cache_queries_total",
+                                       "vllm:prefix_cache_hits_total"), timeout).values())
 
 
 def router_command(port: int, replicas: list[str], policy: str, startup_timeout: float,
-                   metrics_port: int) -> list[str]:
-    """The vllm-router command line: ``policy`` over ``replicas``, serving on ``port``."""
+                   metrics_port: int, *, disaggregated: bool = False) -> list[str]:
+    """The vllm-router command line: ``policy`` over ``replicas``, serving on ``port``; with
+    ``disaggregated``, its prefill/decode mode over ``replicas`` = [prefill, decode]."""
     if policy not in POLICIES:
         raise ValueError(f"torchtpu.argument: policy={policy!r} is not one of {POLICIES}")
+    if disaggregated and len(replicas) != 2:
+        raise ValueError(f"torchtpu.argument: disaggregated serving takes a prefill and a "
+                         f"decode server, not {replicas}")
     if importlib.util.find_spec("vllm_router") is None:
         raise RuntimeError(f"torchtpu.tool: vllm-router is not installed: pip install "
                            f"{ROUTER_PIN} (in the vLLM venv)")
+    workers = (["--vllm-pd-disaggregation", "--prefill", replicas[0], "--decode", replicas[1]]
+               if disaggregated else ["--worker-urls", *replicas])
     return [sys.executable, "-m", "vllm_router.launch_router", "--host", "127.0.0.1",
-            "--port", str(port), "--worker-urls", *replicas, "--policy", policy,
+            "--port", str(port), *workers, "--policy", policy,
             # its metrics port defaults to 29000, where a second router would collide
             "--prometheus-port", str(metrics_port),
             "--worker-startup-timeout-secs", str(max(1, int(startup_timeout))),
@@ -97,6 +111,37 @@ def _ports(n: int) -> list[int]:
 
 
 @contextlib.contextmanager
+def _serving(model: str, replica_args: list[tuple[str, ...]], platform: str, policy: str,
+             port: int | None, start_timeout: float, disaggregated: bool) -> Iterator[Fleet]:
+    """Start one ``vllm serve model`` per entry of ``replica_args`` and the router in front."""
+    *replica_ports, router_port, metrics_port = _ports(len(replica_args) + 2)
+    if port is not None:
+        router_port = port
+    urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
+    router_url = f"http://127.0.0.1:{router_port}"
+    deadline = time.monotonic() + start_timeout
+    # bad input fails before anything starts
+    router_command(router_port, urls, policy, start_timeout, metrics_port,
+                   disaggregated=disaggregated)
+    with contextlib.ExitStack() as stack:
+        def start(cmd: list[str], env: dict[str, str] | None = None):
+            proc, log = server.spawn(cmd, env)
+            stack.callback(log.close)
+            stack.callback(server.stop, proc)
+            return proc, log
+
+        started = [start(*server.command(model, p, platform, args))
+                   for p, args in zip(replica_ports, replica_args)]
+        for i, ((proc, log), url) in enumerate(zip(started, urls)):
+            server.wait_healthy(proc, log, url + "/health", deadline, f"replica {i} (vllm serve)")
+        cmd = router_command(router_port, urls, policy, deadline - time.monotonic(), metrics_port,
+                             disaggregated=disaggregated)
+        proc, log = start(cmd)
+        server.wait_healthy(proc, log, router_url + "/health", deadline, "vllm-router")
+        yield Fleet(router_url, tuple(urls), f"http://127.0.0.1:{metrics_port}/metrics")
+
+
+@contextlib.contextmanager
 def fleet(model: str, replicas: int = 2, *, platform: str = "tpu",
           args: tuple[str, ...] = REPLICA_ARGS, policy: str = "cache_aware",
           port: int | None = None, start_timeout: float = 900.0) -> Iterator[Fleet]:
@@ -107,28 +152,37 @@ def fleet(model: str, replicas: int = 2, *, platform: str = "tpu",
     """
     if replicas < 1:
         raise ValueError(f"torchtpu.argument: replicas={replicas} must be at least 1")
-    *replica_ports, router_port, metrics_port = _ports(replicas + 2)
-    if port is not None:
-        router_port = port
-    urls = [f"http://127.0.0.1:{p}" for p in replica_ports]
-    router_url = f"http://127.0.0.1:{router_port}"
-    deadline = time.monotonic() + start_timeout
-    # bad input fails before anything starts
-    router_command(router_port, urls, policy, start_timeout, metrics_port)
-    with contextlib.ExitStack() as stack:
-        def start(cmd: list[str], env: dict[str, str] | None = None):
-            proc, log = server.spawn(cmd, env)
-            stack.callback(log.close)
-            stack.callback(server.stop, proc)
-            return proc, log
+    with _serving(model, [args] * replicas, platform, policy, port, start_timeout,
+                  disaggregated=False) as f:
+        yield f
 
-        started = [start(*server.command(model, p, platform, args)) for p in replica_ports]
-        for i, ((proc, log), url) in enumerate(zip(started, urls)):
-            server.wait_healthy(proc, log, url + "/health", deadline, f"replica {i} (vllm serve)")
-        cmd = router_command(router_port, urls, policy, deadline - time.monotonic(), metrics_port)
-        proc, log = start(cmd)
-        server.wait_healthy(proc, log, router_url + "/health", deadline, "vllm-router")
-        yield Fleet(router_url, tuple(urls), f"http://127.0.0.1:{metrics_port}/metrics")
+
+def kv_transfer_args(role: str, storage: str) -> tuple[str, ...]:
+    """``vllm serve`` arguments of a disaggregated instance: vLLM's ExampleConnector, which
+    writes each prompt's KV (its whole blocks but the last token's) to files in ``storage``
+    keyed by the prompt's tokens, and reads them back where the same prompt comes again."""
+    roles = {"prefill": "kv_producer", "decode": "kv_consumer"}
+    if role not in roles:
+        raise ValueError(f"torchtpu.argument: role={role!r} is not one of {sorted(roles)}")
+    config = {"kv_connector": "ExampleConnector", "kv_role": roles[role],
+              "kv_connector_extra_config": {"shared_storage_path": str(storage)}}
+    return ("--kv-transfer-config", json.dumps(config))
+
+
+@contextlib.contextmanager
+def disaggregated(model: str, storage: str, *, platform: str = "tpu",
+                  args: tuple[str, ...] = server.SERVE_ARGS, policy: str = "round_robin",
+                  port: int | None = None, start_timeout: float = 900.0) -> Iterator[Fleet]:
+    """A prefill and a decode ``vllm serve model`` behind vllm-router's prefill/decode mode.
+
+    The router sends each request to the prefill instance first (one token), then to the decode
+    instance; the prefill's KV goes from one to the other through files in ``storage`` (a local
+    directory: one host, no RDMA). ``Fleet.replicas`` is (prefill URL, decode URL).
+    """
+    with _serving(model, [(*args, *kv_transfer_args(role, storage))
+                          for role in ("prefill", "decode")],
+                  platform, policy, port, start_timeout, disaggregated=True) as f:
+        yield f
 
 
 def _raise_interrupt(signum: int, frame: object) -> None:

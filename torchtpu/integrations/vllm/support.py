@@ -18,8 +18,10 @@ KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", 
 # bfloat16/float16 checkpoint ("fp8" there means "fp8_per_tensor") and its per-channel form
 QUANTIZATION_METHODS = ("fp8", "fp8_per_tensor", "fp8_per_channel")
 # KV connectors the tpu worker serves: vLLM's offloading to host memory, with the copy worker of
-# offload.py (kv_offloading_size asks for it)
-KV_CONNECTORS = ("OffloadingConnector",)
+# offload.py (kv_offloading_size asks for it), and its ExampleConnector, which hands a prompt's KV
+# from a prefill instance to a decode instance through files (routing.disaggregated); the RDMA
+# ones (NIXL, Mooncake, ...) read raw device pointers
+KV_CONNECTORS = ("OffloadingConnector", "ExampleConnector")
 OFFLOAD_SPEC = {"spec_name": "TpuHostOffloadingSpec",
                 "spec_module_path": "torchtpu.integrations.vllm.offload"}
 
