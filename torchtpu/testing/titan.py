@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import random
+import sys
 import types
 
 _WORDS = ("the a model device tensor train step loss batch token layer attention weight "
@@ -108,7 +109,11 @@ def main() -> None:
     _as_training_device(torch.cpu)
     _sum_for_gloo()
     _load("testing/flash.py").install_cpu_kernels()
-    _load("integrations/titan.py").main()
+    launcher = _load("integrations/titan.py")
+    # ``--module torchtpu.titan`` names the tpu launcher's configs, which that file defines:
+    # found under the same name here without importing torchtpu (TorchTitan imports --module).
+    sys.modules["torchtpu.titan"] = launcher
+    launcher.main()
 
 
 REFERENCE = os.path.abspath(__file__)
