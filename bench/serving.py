@@ -1,28 +1,31 @@
-"""vLLM serving on torchtpu's platform against vLLM's own CPU platform, same model, same run.
+"""vLLM serving on torchtpu's platform against vLLM's own CPU platform, interleaved in one driver.
 
 A tiny Llama (``torchtpu.integrations.vllm.tiny``: 2 layers, width 128, head size 64, which
-vLLM's CPU attention takes) is served by ``vllm serve`` twice, one platform after the other, and
-each gets the same request mix: prompts of 128 random tokens, 64 greedy output tokens
-(``ignore_eos``), 1 and 8 concurrent streaming requests over plain HTTP. Every prompt is new, so
-the prefix cache never hits. A warm-up round per concurrency comes first (torchtpu compiles each
-new batch shape on first use; vLLM's CPU kernels need none), then ``--rounds`` measured rounds.
+vLLM's CPU attention takes) is served by three ``vllm serve`` processes at once: vLLM's CPU
+platform in its default mode (``cpu``: Inductor-compiled model, vLLM's default compilation
+config), the CPU platform with ``--enforce-eager`` (``cpu-eager``: its C++ kernels op by op) and
+torchtpu's platform (``tpu``: captured decode steps, ``torchtpu/integrations/vllm/graphs.py``);
+``--tpu-eager`` adds torchtpu with ``--enforce-eager``. All servers are up for the whole run and
+idle while another is measured, so a round of one platform and the next platform's round meet
+the same machine: at each concurrency (1, 8, 32 streaming requests over plain HTTP) the driver
+runs one warm-up round per server, then ``--rounds`` rounds of A, B, C, A, B, C, ... and reports
+the mean per platform and the median over rounds of each round's torchtpu / CPU ratio. On a
+shared machine only the ratios count (the absolute figures move with the load).
 
-torchtpu serves with its captured steps (each padded step shape's forward one program,
-``torchtpu/integrations/vllm/graphs.py``); vLLM's CPU platform runs ``--enforce-eager`` (its C++
-kernels op by op, no Inductor compile) unless ``--cpu-compiled``. ``--tpu-eager`` adds a third
-server, torchtpu with ``--enforce-eager``, for the account of where the time goes.
+Each request is a prompt of ``--prompt`` random tokens (new every round, so the prefix cache
+never hits) and ``--output`` greedy tokens (``ignore_eos``). Per round: output tokens/s over the
+round's wall time, time to first token (TTFT) and inter-token latency (ITL, the mean gap between
+a request's streamed tokens). Needs the vLLM venv
+(``python -m torchtpu.integrations.vllm.install``).
 
-Reported per platform and concurrency: output tokens/s over the round's wall time, time to first
-token (TTFT) and inter-token latency (ITL, the mean gap between a request's streamed tokens),
-then torchtpu / CPU ratios. Needs the vLLM venv (``python -m torchtpu.integrations.vllm.install``).
-
-    python bench/serving.py [--rounds 2] [--prompt 128] [--output 64] [--cpu-compiled]
-                            [--tpu-eager]
+    python bench/serving.py [--rounds 3] [--prompt 128] [--output 64] [--concurrency 1 8 32]
+                            [--platforms cpu cpu-eager tpu] [--tpu-eager]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import random
 import statistics
@@ -33,7 +36,18 @@ from concurrent.futures import ThreadPoolExecutor
 from torchtpu.integrations.vllm import server
 from torchtpu.integrations.vllm.tiny import save_tiny_model
 
-CONCURRENCY = (1, 8)
+CONCURRENCY = (1, 8, 32)
+# name -> (vLLM platform, extra serve flags); the first CPU ones are the baselines
+PLATFORMS = {
+    "cpu": ("cpu", ()),
+    "cpu-eager": ("cpu", ("--enforce-eager",)),
+    "tpu": ("tpu", ()),
+    "tpu-eager": ("tpu", ("--enforce-eager",)),
+}
+BASELINES = ("cpu", "cpu-eager")
+METRICS = ("tok_s", "ttft", "itl")
+# room for 32 requests of 128 + 64 tokens (1 KiB a token for this model) and more
+KV_BYTES = 16 << 20
 
 
 def _request(url: str, model: str, prompt: list[int], output: int) -> dict:
@@ -50,66 +64,92 @@ def _request(url: str, model: str, prompt: list[int], output: int) -> dict:
             "tokens": len(arrivals)}
 
 
-def _round(url: str, model: str, concurrency: int, args, rng: random.Random) -> dict:
-    prompts = [[rng.randrange(256) for _ in range(args.prompt)] for _ in range(concurrency)]
+def run_round(url: str, model: str, concurrency: int, prompt: int, output: int,
+              rng: random.Random) -> dict:
+    """One round: ``concurrency`` requests sent at once; tokens/s, mean TTFT and ITL (s)."""
+    prompts = [[rng.randrange(256) for _ in range(prompt)] for _ in range(concurrency)]
     start = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
-        done = list(pool.map(lambda p: _request(url, model, p, args.output), prompts))
+        done = list(pool.map(lambda p: _request(url, model, p, output), prompts))
     wall = time.perf_counter() - start
     return {"tok_s": sum(r["tokens"] for r in done) / wall,
             "ttft": statistics.mean(r["ttft"] for r in done),
             "itl": statistics.mean(r["itl"] for r in done)}
 
 
-def measure(platform: str, model: str, args, eager: bool = False) -> dict[int, dict]:
-    rng = random.Random(0)
-    results = {}
-    serve_args = (*server.SERVE_ARGS, "--enforce-eager") if eager else server.SERVE_ARGS
-    with server.serve(model, platform, args=serve_args) as url:
-        for concurrency in CONCURRENCY:
-            _round(url, model, concurrency, args, rng)  # warm-up: compiles on tpu
-            rounds = [_round(url, model, concurrency, args, rng) for _ in range(args.rounds)]
-            results[concurrency] = {k: statistics.mean(r[k] for r in rounds) for k in rounds[0]}
-            print(f"{platform}{' eager' if eager else ''} c={concurrency}: "
-                  f"{results[concurrency]}", flush=True)
+def interleave(urls: dict[str, str], model: str, concurrency: int, rounds: int, prompt: int,
+               output: int, seed: int = 0) -> dict[str, list[dict]]:
+    """Per platform, its measured rounds at this concurrency, run A, B, C, A, B, C, ...
+
+    Every platform gets the same prompts in the same round (one generator per platform, same
+    seed); a warm-up round each comes first (torchtpu compiles a new batch shape on first use).
+    """
+    rngs = {name: random.Random(seed) for name in urls}
+    for name, url in urls.items():
+        run_round(url, model, concurrency, prompt, output, rngs[name])
+    results: dict[str, list[dict]] = {name: [] for name in urls}
+    for _ in range(rounds):
+        for name, url in urls.items():
+            results[name].append(run_round(url, model, concurrency, prompt, output, rngs[name]))
     return results
 
 
-def _rows(name: str, r: dict, c: int) -> str:
-    return (f"| {c} | {name} | {r['tok_s']:.1f} | {r['ttft'] * 1e3:.0f} | "
-            f"{r['itl'] * 1e3:.1f} |")
+def ratios(a: list[dict], b: list[dict]) -> dict[str, float]:
+    """The median over rounds of each round's a / b, per metric."""
+    return {k: statistics.median(x[k] / y[k] for x, y in zip(a, b)) for k in METRICS}
 
 
-def _ratio(name: str, a: dict, b: dict, c: int) -> str:
-    return (f"| {c} | {name} | {a['tok_s'] / b['tok_s']:.2f}x | {a['ttft'] / b['ttft']:.2f}x | "
-            f"{a['itl'] / b['itl']:.2f}x |")
+def _row(c: int, name: str, r: dict) -> str:
+    return f"| {c} | {name} | {r['tok_s']:.1f} | {r['ttft'] * 1e3:.0f} | {r['itl'] * 1e3:.2f} |"
+
+
+def _ratio_row(c: int, name: str, r: dict) -> str:
+    return f"| {c} | {name} | {r['tok_s']:.2f}x | {r['ttft']:.2f}x | {r['itl']:.2f}x |"
+
+
+def table(results: dict[int, dict[str, list[dict]]]) -> str:
+    lines = ["| concurrency | platform | tokens/s | TTFT ms | ITL ms |", "|---|---|---|---|---|"]
+    for c, per in results.items():
+        for name, rounds in per.items():
+            lines.append(_row(c, name, {k: statistics.mean(r[k] for r in rounds)
+                                        for k in METRICS}))
+        for tpu in (n for n in per if n.startswith("tpu")):
+            for base in (n for n in BASELINES if n in per):
+                lines.append(_ratio_row(c, f"{tpu} / {base}", ratios(per[tpu], per[base])))
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--prompt", type=int, default=128)
     parser.add_argument("--output", type=int, default=64)
-    parser.add_argument("--cpu-compiled", action="store_true",
-                        help="vLLM's CPU platform in its default compiled mode, not eager")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=list(CONCURRENCY))
+    parser.add_argument("--platforms", nargs="+", default=["cpu", "cpu-eager", "tpu"],
+                        choices=list(PLATFORMS))
     parser.add_argument("--tpu-eager", action="store_true",
                         help="also measure torchtpu with --enforce-eager")
     args = parser.parse_args()
+    names = [*args.platforms, *(["tpu-eager"] if args.tpu_eager else [])]
     model = str(save_tiny_model(tempfile.mkdtemp(), "llama"))
-    print(f"load average {os.getloadavg()[0]:.1f}; prompt {args.prompt}, output {args.output}, "
-          f"{args.rounds} rounds after a warm-up", flush=True)
-    cpu = measure("cpu", model, args, eager=not args.cpu_compiled)
-    tpu = measure("tpu", model, args)
-    tpu_eager = measure("tpu", model, args, eager=True) if args.tpu_eager else None
-    cpu_name = "vLLM CPU" + ("" if args.cpu_compiled else " (eager)")
-    print("\n| concurrency | platform | tokens/s | TTFT ms | ITL ms |\n|---|---|---|---|---|")
-    for c in CONCURRENCY:
-        print(_rows(cpu_name, cpu[c], c))
-        print(_rows("torchtpu (captured steps)", tpu[c], c))
-        if tpu_eager:
-            print(_rows("torchtpu (--enforce-eager)", tpu_eager[c], c))
-        print(_ratio("torchtpu / CPU", tpu[c], cpu[c], c))
-    print(f"load average at the end {os.getloadavg()[0]:.1f}")
+    flags = (*server.SERVE_ARGS[:-1], str(KV_BYTES), "--max-num-seqs", str(max(args.concurrency)))
+    print(f"/proc/loadavg {open('/proc/loadavg').read().strip()}; prompt {args.prompt}, "
+          f"output {args.output}, {args.rounds} interleaved rounds after a warm-up", flush=True)
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        urls = {}
+        for name in names:  # one after the other: start-ups compete for the cores otherwise
+            platform, extra = PLATFORMS[name]
+            urls[name] = stack.enter_context(server.serve(model, platform,
+                                                          args=(*flags, *extra)))
+            print(f"{name} up after {time.perf_counter() - start:.0f} s", flush=True)
+        results = {}
+        for c in args.concurrency:
+            results[c] = interleave(urls, model, c, args.rounds, args.prompt, args.output)
+            print(table({c: results[c]}), flush=True)
+    print("\n" + table(results))
+    print(f"/proc/loadavg at the end {open('/proc/loadavg').read().strip()}; "
+          f"{os.cpu_count()} cores")
 
 
 if __name__ == "__main__":

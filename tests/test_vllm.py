@@ -108,9 +108,11 @@ def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
     monkeypatch.delenv("VLLM_WORKER_MULTIPROC_METHOD", raising=False)
     config = types.SimpleNamespace(
         compilation_config=CompilationConfig(), parallel_config=ParallelConfig(),
-        cache_config=CacheConfig(),
+        cache_config=CacheConfig(), scheduler_config=types.SimpleNamespace(async_scheduling=True),
     )
     TpuPlatform.check_and_update_config(config)
+    # decode steps are prepared on the host (worker.py): each step's last token must be there
+    assert config.scheduler_config.async_scheduling is False
     assert config.compilation_config.mode == CompilationMode.NONE
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert config.parallel_config.worker_cls == WORKER

@@ -207,14 +207,22 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         if not isinstance(m.causal, bool):
             raise NotImplementedError("torchtpu.unsupported: the tpu attention backend has no "
                                       "per-request (dynamic) causality yet")
-        table = m.block_table_tensor
-        num_blocks = min(table.shape[1], _pow2_at_least(-(-m.max_seq_len // self.block_size)))
+        return self.metadata(m.num_actual_tokens, m.num_reqs, m.max_query_len, m.max_seq_len,
+                             m.query_start_loc, m.seq_lens, m.block_table_tensor, m.causal)
+
+    def metadata(self, num_tokens: int, num_reqs: int, max_query_len: int, max_seq_len: int,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 block_table: torch.Tensor, causal: bool = True) -> TpuAttentionMetadata:
+        """A step's metadata from its sizes and vLLM's persistent buffers (the model runner's
+        decode steps prepared on the host call this directly)."""
+        num_blocks = min(block_table.shape[1],
+                         _pow2_at_least(-(-max_seq_len // self.block_size)))
         return TpuAttentionMetadata(
-            num_actual_tokens=m.num_actual_tokens, num_reqs=m.num_reqs,
-            max_query_len=min(_pow2_at_least(m.max_query_len), m.num_actual_tokens),
+            num_actual_tokens=num_tokens, num_reqs=num_reqs,
+            max_query_len=min(_pow2_at_least(max_query_len), num_tokens),
             context_len=num_blocks * self.block_size, block_size=self.block_size,
-            query_start_loc=m.query_start_loc, seq_lens=m.seq_lens, block_table=table,
-            causal=m.causal,
+            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+            causal=causal,
         )
 
 

@@ -17,6 +17,13 @@ sequence lengths, block table, slot mapping), which vLLM refills before every st
 attention metadata is built from those buffers inside the forward (``attention.py``), never
 from tensors made per step. A capture is keyed by its shapes and by the addresses of those
 buffers, so a buffer vLLM reallocates is captured again instead of being read stale.
+
+A decode step's inputs can also come from the host (:class:`HostFeeds`): the model runner then
+prepares the step in NumPy alone, as vLLM's CPU platform does, and the captured program reads
+vLLM's host buffers (token ids, positions, query start locations, sequence lengths, block table,
+slot mapping) as inputs of its own at each replay, where a CUDA graph would copy them from pinned
+memory. The device copies of those buffers are neither written nor read on such steps: no op
+runs outside the one program but the logits' and the sampler's.
 """
 
 from __future__ import annotations
@@ -25,7 +32,11 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable
 
+import numpy as np
 import torch
+
+from torchtpu.device import tensors
+from torchtpu.eager.capture import storage_of
 
 log = logging.getLogger(__name__)
 
@@ -48,13 +59,19 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
 
-    def __call__(self, key, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The forward's output for this step: replayed if key was captured, else captured."""
+    def __call__(self, key, forward: Callable[[], torch.Tensor | tuple],
+                 feeds: HostFeeds | None = None) -> torch.Tensor | tuple:
+        """The forward's output (a tensor, or a tuple of them) for this step: replayed if key
+        was captured, else captured.
+
+        With ``feeds``, a capture reads those device buffers' values from the host at each
+        replay (the key must then say so: a program either reads them fed or it does not).
+        """
         if key in self.uncapturable:
             return forward()
         entry = self._graphs.get(key)
         if entry is None:
-            entry = self._capture(key, forward)
+            entry = self._capture(key, forward, feeds)
             if entry is None:
                 return forward()
         else:
@@ -64,16 +81,20 @@ class StepGraphs:
         self.replays += 1
         return output
 
-    def _capture(self, key, forward: Callable[[], torch.Tensor]):
+    def _capture(self, key, forward: Callable[[], torch.Tensor | tuple],
+                 feeds: HostFeeds | None):
         graph = torch.tpu.TPUGraph()
         try:
             with torch.tpu.graph(graph):
+                if feeds is not None:
+                    feeds.install()
                 output = forward()
         except torch.tpu.CaptureError as e:
             log.warning("torchtpu.capture: a vLLM step of shape %s runs eagerly: %s", key, e)
             self.uncapturable.add(key)
             return None
-        if not isinstance(output, torch.Tensor):
+        if not (isinstance(output, torch.Tensor) or (isinstance(output, tuple) and all(
+                isinstance(t, torch.Tensor) for t in output))):
             # pipeline-parallel intermediates and auxiliary outputs stay eager
             self.uncapturable.add(key)
             return None
@@ -82,3 +103,50 @@ class StepGraphs:
         self._graphs[key] = (graph, output)
         self.captures += 1
         return graph, output
+
+
+def _host_value(host: np.ndarray, shape: tuple, dtype: np.dtype) -> np.ndarray:
+    """host (a whole buffer) as the array a device storage of ``shape``/``dtype`` holds; copied,
+    since vLLM rewrites its host buffers for the next step while this one may still run."""
+    flat = np.ascontiguousarray(host).reshape(-1)
+    if flat.dtype != dtype:
+        flat = flat.astype(dtype)
+    return flat.reshape(shape).copy()
+
+
+class HostFeeds:
+    """Device buffers whose values a captured step reads from host arrays at each replay.
+
+    ``add(device_buffer, host)`` pairs a persistent device tensor with a function returning
+    the host array of the same elements (the whole buffer) for the current step. Inside a
+    capture, :meth:`install` makes each pairing an input of the program.
+    """
+
+    def __init__(self) -> None:
+        self._pairs: list[tuple[torch.Tensor, Callable[[], np.ndarray]]] = []
+
+    def add(self, device: torch.Tensor, host: Callable[[], np.ndarray]) -> None:
+        if device.device.type != "tpu":
+            raise ValueError(f"torchtpu.argument: a fed buffer lives on 'tpu', not {device.device}")
+        self._pairs.append((device, host))
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [d for d, _ in self._pairs]
+
+    def install(self) -> None:
+        """Feed every pairing into the capture in progress (call inside ``torch.tpu.graph``)."""
+        capture = tensors.capture
+        if capture is None:
+            raise RuntimeError("torchtpu.capture: HostFeeds.install() outside a graph capture")
+        for device, host in self._pairs:
+            st = storage_of(device)
+            array = st._tpu_array
+            shape, dtype = tuple(array.shape), np.dtype(array.dtype)
+            capture.feed(st, lambda host=host, shape=shape, dtype=dtype:
+                         _host_value(host(), shape, dtype))
+
+    def materialize(self) -> None:
+        """Write the host values into the device buffers (a fed step that runs eagerly)."""
+        for device, host in self._pairs:
+            flat = torch.from_numpy(np.ascontiguousarray(host()).reshape(-1))
+            device.view(-1).copy_(flat.to(device.dtype)[: device.numel()])

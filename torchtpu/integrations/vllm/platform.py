@@ -137,6 +137,10 @@ class TpuPlatform(Platform):
         if compilation.compile_sizes is None:
             compilation.compile_sizes = []
         _size_host_kv_cache(vllm_config.cache_config)
+        # as on vLLM's CPU platform: a decode step is prepared on the host and its inputs are
+        # read by the captured program (worker.py), which needs each step's last token on the
+        # host; async scheduling would leave it on the device
+        vllm_config.scheduler_config.async_scheduling = False
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER

@@ -13,20 +13,28 @@ import functools
 import gc
 import os
 
+import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
+from vllm.distributed.kv_transfer import has_kv_transfer_group
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
+from torchtpu.eager.capture import storage_of
+from torchtpu.integrations.vllm.attention import (
+    TpuAttentionMetadata,
+    TpuAttentionMetadataBuilder,
+    allocate_kv_caches,
+)
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
-from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
+from torchtpu.integrations.vllm.graphs import HostFeeds, StepGraphs, bucket
 from torchtpu.runtime import platform
 
 # torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
@@ -91,6 +99,138 @@ class TpuModelRunner(GPUModelRunner):
         tensor_parallel = self.parallel_config.tensor_parallel_size > 1
         self.step_graphs = (None if self.model_config.enforce_eager or tensor_parallel
                             else StepGraphs())
+        # a decode step prepared on the host (_prepare_decode_on_host): its fed buffers
+        self._fed: HostFeeds | None = None
+        self._feeds: tuple | None = None  # (the block table they read, HostFeeds)
+        self._fed_reqs = 0
+        # (logits [n, V], the array the program left in their storage, tokens [n], padded n)
+        self._sampled: tuple | None = None
+        self._host_positions = np.zeros(self.max_num_tokens, dtype=np.int64)
+
+    def _decodes_on_host(self, num_scheduled_tokens: np.ndarray) -> bool:
+        """Whether this step is plain decodes that the captured program can read from the host:
+        one token a request, none of the features whose inputs live only on the device."""
+        batch = self.input_batch
+        return (self.step_graphs is not None and num_scheduled_tokens.size > 0
+                and bool((num_scheduled_tokens == 1).all())
+                and self.speculative_config is None and not self.lora_config
+                and not self.uses_mrope and not self.enable_prompt_embeds
+                and not self.supports_mm_inputs and not self.is_pooling_model
+                and self.dcp_world_size == 1 and self.lookback_token_ids is None
+                and batch.prev_sampled_token_ids is None
+                and self.num_accepted_tokens_event is None
+                and len(self.kv_cache_config.kv_cache_groups) == 1
+                and len(batch.block_table.block_tables) == 1
+                and not self.cache_config.kv_sharing_fast_prefill
+                and all(isinstance(g.get_metadata_builder(), TpuAttentionMetadataBuilder)
+                        and g.kernel_block_size is None
+                        and not isinstance(g.kv_cache_spec, EncoderOnlyAttentionSpec)
+                        for g in self.attn_groups[0])
+                and not has_kv_transfer_group())
+
+    def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
+        self._fed = self._sampled = None
+        if self._decodes_on_host(num_scheduled_tokens):
+            return self._prepare_decode_on_host()
+        return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
+
+    def _prepare_decode_on_host(self):
+        """vLLM's input preparation for a step of decodes, in NumPy on its host buffers only.
+
+        The same values vLLM's ``_prepare_inputs`` computes (its host half, and what its device
+        half derives: positions, sequence lengths, slot mapping), left in host arrays that the
+        captured forward reads at replay (:class:`HostFeeds`); no device op runs. Padded
+        requests query nothing, have length 0 and read block 0; padded tokens write slot -1.
+        """
+        batch = self.input_batch
+        n = batch.num_reqs
+        rows = self.arange_np[:n]
+        computed = batch.num_computed_tokens_cpu[:n]  # each request's one new token's position
+        self.input_ids.np[:n] = batch.token_ids_cpu[rows, computed]
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1:n + 1] = rows + 1
+        self.query_start_loc.np[n + 1:] = n
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+        seq_lens[:n] = computed + 1
+        seq_lens[n:] = 0
+        self._compute_prev_positions(n)
+        num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids],
+                              dtype=np.int64)
+        self.discard_request_mask.np[:n] = seq_lens[:n] < num_tokens
+        self.num_accepted_tokens.np.fill(1)
+        positions = self._host_positions
+        positions[:n] = computed
+        positions[n:] = 0
+        table = batch.block_table[0]
+        bs, blocks = table.block_size, table.block_table.np
+        slots = table.slot_mapping.np
+        slots[:n] = blocks[rows, computed // bs].astype(np.int64) * bs + computed % bs
+        slots[n:] = -1
+
+        self._fed_reqs = n
+        self._fed = self._host_feeds()
+        # a slice, not vLLM's index tensor: the decode rows are the first n, and a view of the
+        # hidden states costs no op (vLLM uses the indices for nothing else on these steps)
+        return slice(0, n), None, 1
+
+    def _host_feeds(self) -> HostFeeds:
+        """The buffers a host-prepared decode step feeds its program, made once per input
+        batch; each function reads the current step's values (a replay calls them)."""
+        table = self.input_batch.block_table[0]
+        if self._feeds is not None and self._feeds[0] is table:
+            return self._feeds[1]
+        blocks = table.block_table.np
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+
+        def padded_blocks() -> np.ndarray:  # rows past the step's requests: the null block
+            out = blocks.copy()
+            out[self._fed_reqs:] = 0
+            return out
+
+        fed = HostFeeds()
+        fed.add(self.input_ids.gpu, lambda: self.input_ids.np)
+        fed.add(self.positions, lambda: self._host_positions)
+        fed.add(self.query_start_loc.gpu, lambda: self.query_start_loc.np)
+        fed.add(self.seq_lens, lambda: seq_lens)
+        fed.add(table.block_table.gpu, padded_blocks)
+        fed.add(table.slot_mapping.gpu, lambda: table.slot_mapping.np)
+        fed.add(self.is_padding, lambda: np.arange(self.max_num_tokens) >= self._fed_reqs)
+        self._feeds = (table, fed)
+        return fed
+
+    def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int,
+                           num_tokens_unpadded: int, ubatch_slices=None):
+        if self._fed is None or ubatch_slices is not None:
+            return super()._get_slot_mappings(num_tokens_padded, num_reqs_padded,
+                                              num_tokens_unpadded, ubatch_slices)
+        # the host slot mapping pads with -1 already: no fill of the device rows
+        slots = self.input_batch.block_table[0].slot_mapping.gpu[:num_tokens_padded]
+        layers = self.kv_cache_config.kv_cache_groups[0].layer_names
+        return {0: slots}, dict.fromkeys(layers, slots)
+
+    def _build_attention_metadata(self, num_tokens: int, num_reqs: int, max_query_len: int,
+                                  num_tokens_padded: int | None = None,
+                                  num_reqs_padded: int | None = None,
+                                  ubatch_slices=None, **kwargs):
+        if self._fed is None or ubatch_slices is not None or kwargs.get("use_spec_decode"):
+            return super()._build_attention_metadata(
+                num_tokens, num_reqs, max_query_len, num_tokens_padded, num_reqs_padded,
+                ubatch_slices, **kwargs)
+        # one metadata for every layer, over the buffers the program is fed; the fed block
+        # table's padded rows are the null block already (no fill of the device rows)
+        tokens, reqs = num_tokens_padded or num_tokens, num_reqs_padded or num_reqs
+        builder = self.attn_groups[0][0].get_metadata_builder()
+        md = builder.metadata(
+            tokens, reqs, max_query_len, int(self.optimistic_seq_lens_cpu[:num_reqs].max()),
+            self.query_start_loc.gpu[:reqs + 1], self.seq_lens[:reqs],
+            self.input_batch.block_table[0].block_table.gpu[:reqs])
+        return {name: md for group in self.attn_groups[0] for name in group.layer_names}, None
+
+    def _prepare_padding_mask(self, num_tokens_unpadded: int,
+                              num_tokens_padded: int) -> torch.Tensor:
+        if self._fed is not None:  # fed: the host mask is the program's input
+            return self.is_padding[:num_tokens_padded]
+        return super()._prepare_padding_mask(num_tokens_unpadded, num_tokens_padded)
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args,
                                                force_eager: bool = False, **kwargs):
@@ -119,7 +259,53 @@ class TpuModelRunner(GPUModelRunner):
 
         key = self._step_key(input_ids, positions, intermediate_tensors, inputs_embeds,
                              model_kwargs)
-        return forward() if key is None else self.step_graphs(key, forward)
+        if key is None:
+            if self._fed is not None:  # prepared on the host, yet not captured: copy it in
+                self._fed.materialize()
+            return forward()
+        if self._fed is None:
+            return self.step_graphs((key, False), forward)
+        reqs = ctx_reqs = get_forward_context().batch_descriptor.num_reqs
+
+        def forward_and_sample():
+            # the decode rows are the step's first rows: logits and the greedy choice of each
+            # padded request, in the program too
+            hidden = forward()
+            logits = self._model_compute_logits(hidden[:ctx_reqs])
+            return hidden, logits, logits.argmax(dim=-1)
+
+        out = self.step_graphs((key, True), forward_and_sample, self._fed)
+        if not isinstance(out, tuple):  # ran eagerly (the capture failed)
+            return out
+        hidden, logits, tokens = out
+        n = self._fed_reqs
+        self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], reqs)
+        return hidden
+
+    def load_model(self, *args, **kwargs) -> None:
+        super().load_model(*args, **kwargs)
+        # a host-prepared decode step computes its logits and greedy tokens in its program:
+        # vLLM's calls after the forward get those (see _captured_logits, _greedy)
+        self._model_compute_logits = self.model.compute_logits
+        self.model.compute_logits = self._captured_logits
+        self._sampler_greedy = self.sampler.greedy_sample
+        self.sampler.greedy_sample = self._greedy
+
+    def _captured_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        sampled = self._sampled
+        if sampled is not None and not args and not kwargs \
+                and hidden_states.shape[0] == sampled[0].shape[0]:
+            return sampled[0]
+        return self._model_compute_logits(hidden_states, *args, **kwargs)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        """The program's argmax where ``logits`` is the program's, unchanged since (a logits
+        processor that wrote it in place rebinds its storage); else vLLM's own."""
+        sampled = self._sampled
+        if (sampled is not None and logits is sampled[0]
+                and storage_of(logits)._tpu_array is sampled[1]):
+            return sampled[2]
+        return self._sampler_greedy(logits)
 
     def _step_key(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                   model_kwargs):
