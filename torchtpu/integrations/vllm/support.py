@@ -114,6 +114,10 @@ def refuse_unsupported(vllm_config) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
     if method is not None and method not in SPECULATIVE_METHODS:
-        _refuse(f"speculative decoding method {method!r}",
+        # draft_model / EAGLE / MTP proposers prepare their inputs with Triton kernels of
+        # vllm.v1.spec_decode.utils (eagle_prepare_next_token_padded, eagle_prepare_inputs_padded,
+        # eagle_step_slot_mapping_metadata, copy_and_expand_eagle_inputs) that have no tpu
+        # versions yet: a draft model loads and runs its first forward, then the first stops
+        _refuse(f"speculative decoding method {method!r} (its proposer's Triton input kernels)",
                 "use speculative_config={'method': 'ngram', 'num_speculative_tokens': k, "
                 "'prompt_lookup_max': n}")
