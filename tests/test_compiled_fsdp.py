@@ -180,6 +180,22 @@ def test_hsdp_on_two_slices_equals_cpu_with_one_cross_slice_reduction_per_step()
         assert r["fully_shard"][1] == [1, 2], (rank, r["fully_shard"][1])
 
 
+@pytest.mark.full  # 150-290 s here (4 processes on 2 cores, loads 15-30)
+def test_hsdp_whole_step_is_one_program_over_the_2d_mesh_with_one_cross_slice_reduction():
+    results = run(_whole_step, 4, args=(True,), env=XLA, pg_timeout=240, timeout=900)
+    _check_whole_step(results)
+    # One program over the (replicate, shard) mesh, devices [[0, 1], [2, 3]]: its collectives
+    # on each dim, by the replica groups XLA sees. Merged (eager/spanning.py, looking through
+    # the collectives each gradient goes through): within a slice one all-gather (Linear 1's
+    # weight and bias), one reduce-scatter (their gradients), one all-reduce of Linear 2's
+    # replicated gradients and the clipping norm's; across slices ONE all-reduce, of every
+    # gradient (DTensor reduces across slices first).
+    within, across = "[[0, 1], [2, 3]]", "[[0, 2], [1, 3]]"
+    for rank, r in enumerate(results):
+        assert r[5] == {("all_gather", within): 1, ("reduce_scatter", within): 1,
+                        ("all_reduce", within): 2, ("all_reduce", across): 1}, (rank, r[5])
+
+
 def _adamw_reference(steps: int):
     """The CPU model trained on the full batch with the whole step's clipping and AdamW."""
     model, x = _model(), _data()
@@ -198,20 +214,38 @@ def _adamw_reference(steps: int):
 WHOLE_STEPS = 4  # the first two capture (the first creates AdamW's state), the rest replay
 
 
-def _whole_step(rank, world):
-    """simple_fsdp's whole step (forward, backward, clipping, AdamW) compiled: the losses, the
-    trained parameters, the warnings, and the last step's counts (deltas around it)."""
+def _hlo_collectives(hlo: str) -> dict:
+    """{(op, its replica groups): count} of a StableHLO program's collectives."""
+    import collections
+    import re
+
+    found = re.findall(r'"stablehlo\.(all_gather|reduce_scatter|all_reduce)"[^\n]*?'
+                       r"replica_groups = dense<([^>]*)>", hlo)
+    return dict(collections.Counter(found))
+
+
+def _whole_step(rank, world, hsdp=False):
+    """simple_fsdp's whole step (forward, backward, clipping, AdamW) compiled, on a 1-D mesh
+    or HSDP's (replicate, shard) mesh of 2 slices: the losses, the trained parameters, the
+    warnings, the last step's counts (deltas around it; eager collectives per mesh dim) and
+    the kept program's collectives by replica groups."""
     import warnings
 
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from torchtpu import metrics
     from torchtpu.distributed.simple_fsdp import simple_fsdp
+    from torchtpu.distributed.topology import topology_aware_mesh
     from torchtpu.runtime import launch
 
-    group = dist.group.WORLD
-    model = simple_fsdp(_model().to("tpu"), init_device_mesh("tpu", (world,)))
+    if hsdp:
+        ranks = topology_aware_mesh((1, 2), topology="multi_slice", dcn_mesh_shape=(2, 1))
+        mesh = DeviceMesh("tpu", ranks, mesh_dim_names=("replicate", "shard"))
+        groups = [mesh.get_group(d) for d in ("replicate", "shard")]
+    else:
+        mesh, groups = init_device_mesh("tpu", (world,)), [dist.group.WORLD]
+    model = simple_fsdp(_model().to("tpu"), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
 
     def train_step(x):
@@ -229,7 +263,7 @@ def _whole_step(rank, world):
         warnings.simplefilter("always")
         for _ in range(WHOLE_STEPS):
             launched.clear()
-            seq, before = group._seq, metrics.snapshot()
+            seqs, before = [g._seq for g in groups], metrics.snapshot()
             launch.observer = torch._dynamo.disable(
                 lambda label, fn, args: (launched.append(str(label)), fn(*args))[1])
             try:
@@ -240,14 +274,30 @@ def _whole_step(rank, world):
             losses.append(loss.cpu())
     counts = {k: after.get(k, 0) - before.get(k, 0)
               for k in ("executions", "collective_programs", "captures")}
-    counts["eager_collectives"] = group._seq - seq
+    counts["eager_collectives"] = [g._seq - s for g, s in zip(groups, seqs, strict=True)]
     params = [p.full_tensor().cpu() for p in model.parameters()]
     (kept,) = step._steps.values()
-    hlo = kept.captured.hlo()
-    collectives = {op: hlo.count(f"stablehlo.{op}")
-                   for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    collectives = _hlo_collectives(kept.captured.hlo())
+    dist.barrier()
     return (torch.stack(losses), params, [str(w.message) for w in caught], counts,
             [label.split("[")[0] for label in launched], collectives)
+
+
+def _check_whole_step(results: list) -> None:
+    """Each rank's whole step trained as CPU AdamW on the full batch, in one launch a step."""
+    ref_losses, ref_params = _adamw_reference(WHOLE_STEPS)
+    torch.testing.assert_close(torch.stack([r[0] for r in results]).mean(0), ref_losses,
+                               atol=1e-5, rtol=1e-5)
+    for rank, (_, params, caught, counts, launched, _) in enumerate(results):
+        for got, want in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert not [w for w in caught if "cannot run as one captured program" in w], caught
+        # A steady step: one launch, the captured SPMD program with every collective inside,
+        # no eager collective on any group, nothing captured again.
+        assert launched == ["captured_graph"], (rank, launched)
+        assert counts == {"executions": 1, "collective_programs": 1, "captures": 0,
+                          "eager_collectives": [0] * len(counts["eager_collectives"])}, (
+            rank, counts)
 
 
 def _captured_mpmd_and_mismatch(rank, world):
@@ -283,27 +333,16 @@ def _whole_step_scenarios(rank, world):
 
 @pytest.mark.full  # 92-148 s on this shared 2-core box (loads 16-30): over the default budget
 def test_sharded_whole_step_is_one_program_per_rank_and_equals_cpu():
-    ref_losses, ref_params = _adamw_reference(WHOLE_STEPS)
     results = run(_whole_step_scenarios, 2, env=XLA, pg_timeout=120, timeout=500)
-    torch.testing.assert_close(torch.stack([r[0][0] for r in results]).mean(0), ref_losses,
-                               atol=1e-5, rtol=1e-5)
+    _check_whole_step([r[0] for r in results])
     x = torch.arange(4.0)
     for rank, (whole, (agreed, mismatch)) in enumerate(results):
-        _, params, caught, counts, launched, collectives = whole
-        for got, want in zip(params, ref_params, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        assert not [w for w in caught if "cannot run as one captured program" in w], caught
-        # A steady step: one launch, the captured SPMD program with every collective inside
-        # (the forward's all-gathers, the backward's reduce-scatters and all-reduces, the
-        # clipping norm's all-reduce), no eager collective, nothing captured again.
-        assert launched == ["captured_graph"], (rank, launched)
-        assert counts == {"executions": 1, "collective_programs": 1, "captures": 0,
-                          "eager_collectives": 0}, (rank, counts)
         # Merged (eager/spanning.py): Linear 1's weight and bias gathered by one all-gather,
         # their gradients reduce-scattered by one, Linear 2's replicated gradients all-reduced
         # by one; the clipping norm's all-reduce waits for those, so it is its own.
-        assert collectives == {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 2}, (
-            rank, collectives)
+        g = "[[0, 1]]"
+        assert whole[5] == {("all_gather", g): 1, ("reduce_scatter", g): 1,
+                            ("all_reduce", g): 2}, (rank, whole[5])
         torch.testing.assert_close(agreed, x * 2 + x.sin() + 1)
         assert mismatch is not None, rank
         assert "mismatched compiled programs in process group" in mismatch

@@ -1,7 +1,8 @@
 """A compiled graph that holds collectives, run as one SPMD program over its group's devices.
 
 Each rank calls the graph with its own tensors. The program is a ``shard_map`` over the group's
-1-D mesh (axis ``lowering.collectives.AXIS``): every array argument becomes the global array
+1-D mesh (axis ``lowering.collectives.AXIS``; a capture spanning two groups: their 2-D mesh,
+each group's collectives along its axis, ``axis_of``): every array argument becomes the global array
 whose shard on each device is that rank's value (no copy; a scalar travels as one element), the
 graph runs per shard with the lowering table (the collectives become XLA collectives over the
 axis), and each rank keeps its own shard of every result. Python numbers stay replicated
@@ -50,16 +51,44 @@ _GATHER, _SCATTER, _REDUCE = (c10d.all_gather_into_tensor.default,
                               c10d.reduce_scatter_tensor.default, c10d.all_reduce.default)
 
 
+# While a program is traced: each group's key -> the mesh axis its collectives run along.
+_AXES: dict = {}
+
+
+def standins() -> bool:
+    """Whether the program being traced runs local stand-ins for its collectives (a
+    ``Spmd(local=True)``: what ``bench/sharded.py`` measures a sharded step against)."""
+    return _AXES.get("local", False)
+
+
+def axis_of(key: tuple) -> str:
+    """The mesh axis a group's collectives run along in the program being traced (its key:
+    its devices in group-rank order); ``AXIS`` in a 1-D program and outside any."""
+    return _AXES.get(key, AXIS)
+
+
 @dataclasses.dataclass(frozen=True)
 class Spmd:
-    """Where a graph's collectives run: the group's mesh and its first-run signature check."""
+    """Where a graph's collectives run: the mesh and the first-run signature check; ``axes``
+    pairs each group's key with its mesh axis. A group's own Spmd also carries its global
+    ``ranks`` and ``gather`` (each rank's int64 row, by group rank), from which
+    ``eager/spanning.py`` builds the 2-D mesh of a capture spanning two groups."""
 
     mesh: Mesh
     check: Callable[[bytes], None]
+    axes: tuple = ()
+    ranks: tuple = ()
+    gather: Callable | None = dataclasses.field(default=None, compare=False)
+    local: bool = False
 
     @property
     def size(self) -> int:
         return self.mesh.devices.size
+
+    @property
+    def _spec(self) -> P:
+        """Dim 0 split over every mesh axis: device mesh[i, j] holds block i * cols + j."""
+        return P(tuple(self.mesh.axis_names))
 
     def _global(self, leaf):
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
@@ -71,7 +100,7 @@ class Spmd:
             leaf = leaf.reshape(1)
         block = tuple(leaf.shape)
         return jax.make_array_from_single_device_arrays(
-            (self.size * block[0], *block[1:]), NamedSharding(self.mesh, P(AXIS)), [leaf])
+            (self.size * block[0], *block[1:]), NamedSharding(self.mesh, self._spec), [leaf])
 
     def _local_device(self):
         mine = [d for d in self.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -86,19 +115,23 @@ class Spmd:
         shard_map over the mesh; and the list that tracing fills with which outputs are
         scalars."""
         local = jax.tree.map(lambda a: tuple(np.shape(a)) if _is_array(a) else _KEEP, args)
-        specs = jax.tree.map(lambda a: P(AXIS) if _is_array(a) else P(), args)
+        specs = jax.tree.map(lambda a: self._spec if _is_array(a) else P(), args)
         scalars: list = []
 
         def per_shard(*shards):
             shards = jax.tree.map(lambda x, s: x if s is _KEEP else x.reshape(s), shards, local)
-            outs = list(fn(*shards))
+            _AXES.update(self.axes, local=self.local)
+            try:
+                outs = list(fn(*shards))
+            finally:
+                _AXES.clear()
             # Results that are no values (a DTensor's DeviceMesh) pass around the program.
             scalars[:] = [_Passed(o) if not _is_value(o) else jax.numpy.ndim(o) == 0
                           for o in outs]
             values = [jax.numpy.asarray(o) for o in outs if _is_value(o)]
             return [v.reshape(1) if v.ndim == 0 else v for v in values]
 
-        return jax.shard_map(per_shard, mesh=self.mesh, in_specs=specs, out_specs=P(AXIS),
+        return jax.shard_map(per_shard, mesh=self.mesh, in_specs=specs, out_specs=self._spec,
                              check_vma=False), scalars
 
     @staticmethod

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
-from torchtpu.compile.spmd import Spmd
+from torchtpu.compile.spmd import Spmd, axis_of, standins
 from torchtpu.device import tensors
 from torchtpu.distributed import host
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
@@ -66,7 +66,8 @@ def _block(shape: tuple) -> tuple:
     return shape if shape else (1,)
 
 
-# ---- the per-shard computations (b: this rank's block, n: the group size) ----
+# ---- the per-shard computations (b: this rank's block, n: the group size, axis: the mesh axis
+# the group's devices run along: "g" in its own programs, its axis of a 2-D captured program) ----
 
 def _fold(kind, factor, n: int, rows):
     """Every rank's value (rows[r]) reduced along axis 0, as the host transport reduces them."""
@@ -74,41 +75,41 @@ def _fold(kind, factor, n: int, rows):
     return host.finish(kind, _FOLD[kind](rows, axis=0).astype(rows.dtype), n)
 
 
-def _all_reduce(b, *, kind, factor, n):
+def _all_reduce(b, *, kind, factor, n, axis=_AXIS):
     if kind in _SUMS and b.dtype != jnp.bool_:
-        return host.finish(kind, lax.psum(host.premultiply(kind, factor, b), _AXIS), n)
+        return host.finish(kind, lax.psum(host.premultiply(kind, factor, b), axis), n)
     if kind in (RedOpType.MIN, RedOpType.MAX) and b.dtype != jnp.bool_:
-        return (lax.pmin if kind == RedOpType.MIN else lax.pmax)(b, _AXIS)
-    return _fold(kind, factor, n, lax.all_gather(b, _AXIS))
+        return (lax.pmin if kind == RedOpType.MIN else lax.pmax)(b, axis)
+    return _fold(kind, factor, n, lax.all_gather(b, axis))
 
 
-def _reduce_scatter(b, *, kind, factor, n, out):
+def _reduce_scatter(b, *, kind, factor, n, out, axis=_AXIS):
     rows = b.reshape(n, -1)
     if kind in _SUMS and b.dtype != jnp.bool_:
-        mine = lax.psum_scatter(host.premultiply(kind, factor, rows), _AXIS, scatter_dimension=0)
+        mine = lax.psum_scatter(host.premultiply(kind, factor, rows), axis, scatter_dimension=0)
         return host.finish(kind, mine, n).reshape(out)
     # Row r of what all_to_all returns is rank r's chunk for this rank.
-    return _fold(kind, factor, n, lax.all_to_all(rows, _AXIS, 0, 0)).reshape(out)
+    return _fold(kind, factor, n, lax.all_to_all(rows, axis, 0, 0)).reshape(out)
 
 
-def _broadcast(b, *, root, n):
+def _broadcast(b, *, root, n, axis=_AXIS):
     if jnp.iscomplexobj(b):
-        return lax.all_gather(b, _AXIS)[root]
+        return lax.all_gather(b, axis)[root]
     # A sum of the root's bits and zeros: exact for every value (-0.0, NaN payloads included).
     bits = lax.bitcast_convert_type(b, _BITS[b.dtype.itemsize]) if b.dtype != jnp.bool_ \
         else b.astype(jnp.uint8)
-    bits = lax.psum(jnp.where(lax.axis_index(_AXIS) == root, bits, 0), _AXIS)
+    bits = lax.psum(jnp.where(lax.axis_index(axis) == root, bits, 0), axis)
     return lax.bitcast_convert_type(bits, b.dtype) if b.dtype != jnp.bool_ \
         else bits.astype(jnp.bool_)
 
 
-def _all_gather(b, *, out=None):
-    rows = lax.all_gather(b, _AXIS)
+def _all_gather(b, *, out=None, axis=_AXIS):
+    rows = lax.all_gather(b, axis)
     return tuple(rows) if out is None else rows.reshape(out)
 
 
-def _all_to_all(b, *, n, out):
-    return lax.all_to_all(b.reshape(n, -1), _AXIS, 0, 0).reshape(out)
+def _all_to_all(b, *, n, out, axis=_AXIS):
+    return lax.all_to_all(b.reshape(n, -1), axis, 0, 0).reshape(out)
 
 
 _BODIES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
@@ -132,9 +133,9 @@ def _program(op: str, devices: tuple, outputs: int | None, **params):
                                  check_vma=False))
 
 
-def _axis_bound() -> bool:
+def _axis_bound(axis: str) -> bool:
     try:
-        lax.axis_size(_AXIS)
+        lax.axis_size(axis)
     except NameError:
         return False
     return True
@@ -142,28 +143,34 @@ def _axis_bound() -> bool:
 
 class _Recorded:
     """op's per-shard computation on one rank's value, as a call a capture records (the SPMD
-    program the capture becomes binds the mesh axis). Calls of one ``merge_key`` whose inputs
+    program the capture becomes binds the mesh axis: ``"g"``, or the group's axis of a 2-D
+    mesh when the capture spans two groups, asked of ``compile/spmd.axis_of`` by the group's
+    ``key`` when the program is traced). Calls of one ``merge_key`` (one group's) whose inputs
     are ready before any of their results is used may run as one collective over their
     concatenated values (``merge``, asked by ``eager/spanning.py``): each cross-process
     collective costs a fixed latency, as ``compile/spmd.combine`` explains for compiled graphs."""
 
-    def __init__(self, op: str, size: int, block: tuple, dtype, params: dict) -> None:
-        self.op, self.size, self.block, self.params = op, size, block, params
-        self._body = functools.partial(_BODIES[op], **params)
+    def __init__(self, op: str, size: int, block: tuple, dtype, key: tuple, params: dict
+                 ) -> None:
+        self.op, self.size, self.block, self.key, self.params = op, size, block, key, params
         self.nbytes = math.prod(block) * dtype.itemsize
         mergeable = op in ("all_reduce", "reduce_scatter") or (
             op == "all_gather" and params.get("out") is not None)
-        self.merge_key = (op, str(dtype), tuple(sorted(
+        self.merge_key = (op, str(dtype), key, tuple(sorted(
             (k, v) for k, v in params.items() if k != "out"))) if mergeable else None
 
     def __call__(self, value):
-        return self._bound(self._body, value.reshape(self.block))
+        return self._bound(self.params, value.reshape(self.block))
 
-    def _bound(self, body, value):
-        if _axis_bound():
+    def _bound(self, params: dict, value):
+        if standins():
+            return _standin(self.op, value, self.size, **params)
+        axis = axis_of(self.key)
+        body = functools.partial(_BODIES[self.op], **params, axis=axis)
+        if _axis_bound(axis):
             return body(value)
         # Recording asks for the result's shape, before any program binds the axis.
-        with jax_core.extend_axis_env_nd([(_AXIS, self.size)]):
+        with jax_core.extend_axis_env_nd([(axis, self.size)]):
             return body(value)
 
     def merge(self, calls: list[_Recorded], values: list) -> list:
@@ -172,21 +179,34 @@ class _Recorded:
         if self.op == "reduce_scatter":  # each rank's chunk of every value side by side
             rows = jnp.concatenate([b.reshape(n, -1) for b in blocks], axis=1)
             sizes = [r // n for r in (b.size for b in blocks)]
-            body = functools.partial(_BODIES[self.op], **{**self.params, "out": (sum(sizes),)})
-            done = self._bound(body, rows)
+            done = self._bound({**self.params, "out": (sum(sizes),)}, rows)
         else:
             flat = jnp.concatenate([b.reshape(-1) for b in blocks])
             sizes = [b.size for b in blocks]
-            done = self._bound(self._body if self.op == "all_reduce"
-                               else lambda x: lax.all_gather(x, _AXIS), flat)
+            done = self._bound(self.params if self.op == "all_reduce"
+                               else {"out": (n, flat.size)}, flat)
         axis = 1 if self.op == "all_gather" else 0  # gathered: [n, sum of sizes]
         parts = jnp.split(done, np.cumsum(sizes)[:-1], axis=axis)
         return [p.reshape(c.params.get("out") or c.block) for c, p in zip(calls, parts)]
 
 
+def _standin(op: str, b, n: int, *, out=None, **_):
+    """Local work in place of op's collective, reading and writing as many bytes on this
+    device (``bench/sharded.py`` measures a program against itself with these: what the
+    collectives cost, and so how much of it XLA overlaps)."""
+    if op == "all_reduce":
+        return b * n
+    if op == "reduce_scatter":
+        return b.reshape(n, -1).sum(0).reshape(out)
+    if op == "all_gather":
+        rows = jnp.broadcast_to(b, (n, *b.shape)) + 0
+        return tuple(rows) if out is None else rows.reshape(out)
+    return b.reshape(out) if out is not None else b  # all_to_all, broadcast
+
+
 @functools.lru_cache(maxsize=1024)
-def _recorded(op: str, size: int, block: tuple, dtype, **params) -> _Recorded:
-    return _Recorded(op, size, block, dtype, params)
+def _recorded(op: str, size: int, block: tuple, dtype, key: tuple, **params) -> _Recorded:
+    return _Recorded(op, size, block, dtype, key, params)
 
 
 @functools.lru_cache(maxsize=256)
@@ -212,7 +232,13 @@ class XlaProcessGroup(TpuProcessGroup):
     def spmd(self) -> Spmd:
         """Where a program holding this group's collectives runs: the group's mesh, and the
         ranks' comparison of its collective signature before its first run."""
-        return Spmd(mesh=_mesh(self._mesh_devices), check=self.check_program)
+        ranks = tuple(self._ranks or range(self.size()))
+        return Spmd(mesh=_mesh(self._mesh_devices), check=self.check_program,
+                    axes=((self._mesh_devices, _AXIS),), ranks=ranks, gather=self._gather)
+
+    def _gather(self, mine: np.ndarray) -> np.ndarray:
+        """Each rank's int64 row (mine on this rank), by group rank: one header exchange."""
+        return self._rows(self._exchange("program", None, mine), mine)
 
     def check_program(self, signature: bytes) -> None:
         """Raise on every rank unless every rank's program has this collective signature."""
@@ -236,9 +262,13 @@ class XlaProcessGroup(TpuProcessGroup):
             return self._run(op, inputs, [host.read_now(t) for t in inputs], outputs, **params)
         (t,) = inputs
         block = _block(tuple(t.shape))
-        described = f"{op}({sorted(params.items())}) {outputs} {t.dtype}{list(t.shape)}"
-        out = capture.record_spanning(self.spmd, described,
-                                      _recorded(op, self.size(), block, t.dtype, **params),
+        spmd = self.spmd
+        # Which group, as every group along one mesh dim names it: its ranks' offsets.
+        dim = tuple(r - min(spmd.ranks) for r in spmd.ranks)
+        described = f"{op}({sorted(params.items())}) {outputs} {t.dtype}{list(t.shape)} on {dim}"
+        out = capture.record_spanning(spmd, described,
+                                      _recorded(op, self.size(), block, t.dtype,
+                                                self._mesh_devices, **params),
                                       (tensors.read(t),))
         return [out] if outputs is None else list(out)
 

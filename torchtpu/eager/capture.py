@@ -171,10 +171,12 @@ class Capture:
         """Record fn(*args), a collective over spmd's mesh axis (``distributed/xla.py``): the
         replay becomes one SPMD program over that mesh, whose first run checks with the other
         ranks that theirs recorded the same collectives (each one's ``description``)."""
-        if self._spmd is not None and self._spmd.mesh != spmd.mesh:
-            raise _at("a collective on a second process group (one captured program spans "
-                      "one group's devices)")
-        self._spmd = self._spmd or spmd
+        joined = spanning.join(self._spmd, spmd)
+        if joined is None:
+            raise _at("a collective on a process group that is no dim of the 2-D mesh of the "
+                      "groups before it (one captured program spans one group's devices, or "
+                      "two groups of one DeviceMesh)")
+        self._spmd = joined
         self._collectives.append(description)
         return self.recording.record(fn, args)
 

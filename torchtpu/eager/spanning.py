@@ -9,13 +9,21 @@ of a single SPMD computation: ``Spanning`` runs it as a ``shard_map`` over the g
 the shards of the global arguments and each rank keeping its shard of every result, exactly as
 a compiled graph holding collectives runs.
 
+A capture may span two groups that are the dims of one DeviceMesh (HSDP's replicate x shard,
+FSDP x TP): ``join`` keeps them, outer dim first, and at the first run ``mesh_of`` builds the
+2-D mesh (each row the inner group of one rank of the outer group, gathered in one header
+exchange), each group's collectives running along its axis (``compile/spmd.axis_of``).
+
 Collectives are merged as ``compile/spmd.combine`` merges a compiled graph's: recorded calls
 that carry the same ``merge_key`` (the process group gives one to all-reduces, reduce-scatters
 and all-gathers of one dtype and reduction) and whose inputs are all ready before any of their
 results is used run as one collective over their concatenated values (the group's ``merge``),
 up to ``BUCKET_BYTES`` each, placed just before the first use: a simple_fsdp step's one
-all-gather per parameter becomes one, as do its reduce-scatters. Each cross-process collective
-costs a fixed latency (~2-3 ms on XLA:CPU), where one over the same bytes costs about one.
+all-gather per parameter becomes one, as do its reduce-scatters. A use by another mergeable
+collective is looked through (HSDP's gradients go through two each), and so are buffer copies
+(``_without_copies``), as long as the plan still runs every call after its inputs. Each
+cross-process collective costs a fixed latency (~2-3 ms on XLA:CPU), where one over the same
+bytes costs about one.
 
 Before its first run every rank compares the program's collective signature (each recorded
 collective's op, parameters, shape and dtype, in order) through ``Spmd.check``: ranks that
@@ -26,15 +34,86 @@ an executable spanning processes cannot be read back (``runtime/compile_cache.sp
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax
+import numpy as np
+from jax.sharding import Mesh
 
 from torchtpu import metrics
+from torchtpu.device import tensors
+
+if TYPE_CHECKING:
+    from torchtpu.compile.spmd import Spmd
 
 # The most bytes one merged collective moves (the figure compile/spmd.py uses).
 BUCKET_BYTES = 64 << 20
+
+
+# Set while a capture finishes: its program runs local stand-ins for its collectives
+# (``distributed/xla._standin``), the same program otherwise; ``bench/sharded.py`` measures a
+# sharded step against it, which tells what the collectives cost and whether XLA overlaps them.
+LOCAL_COLLECTIVES = False
+
+
+def _offsets(spmd: Spmd) -> tuple:
+    return tuple(r - min(spmd.ranks) for r in spmd.ranks)
+
+
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """A capture's collectives on two groups, each one dim of a 2-D mesh (HSDP's replicate x
+    shard, FSDP x TP), outer dim first: the group whose ranks lie farther apart (HSDP's
+    replicate group). Every rank orders them so: each group along a mesh dim has the same
+    offsets between its ranks. The mesh itself is built at the first run (``mesh_of``)."""
+
+    groups: tuple[Spmd, Spmd]
+
+    def check(self, sig: bytes) -> None:
+        """Within the outer group, then within the inner one: across the whole mesh."""
+        for g in self.groups:
+            g.check(sig)
+
+
+def join(current, spmd: Spmd):
+    """Where a capture whose collectives so far run where ``current`` says (None: none yet)
+    runs once it holds one on spmd's group: spmd, ``current``, a ``Joined`` of two groups, or
+    None when no 2-D mesh holds them (a third group; two that share more than this rank, or
+    whose ranks lie alike)."""
+    if current is None:
+        return spmd
+    known = current.groups if isinstance(current, Joined) else (current,)
+    if any(g.mesh == spmd.mesh for g in known):
+        return current
+    if len(known) > 1 or len(set(current.ranks) & set(spmd.ranks)) != 1 \
+            or _offsets(current) == _offsets(spmd):
+        return None
+    return Joined(tuple(sorted((current, spmd), key=_offsets, reverse=True)))
+
+
+def mesh_of(joined: Joined) -> Spmd:
+    """joined's 2-D Spmd, the same on every rank: row i is the inner group of the outer
+    group's rank i, gathered over the outer group (one header exchange)."""
+    from torchtpu.compile.spmd import AXIS, Spmd  # compile/ imports the capture
+
+    outer, inner = joined.groups
+    ids = [d.id for d in inner.mesh.devices.flat]
+    column = [d.id for d in outer.mesh.devices.flat]
+    (mine,) = set(ids) & set(column)
+    rows = outer.gather(np.array(ids, np.int64))
+    if rows[:, ids.index(mine)].tolist() != column or len(set(rows.flat)) != rows.size:
+        raise ValueError(
+            "torchtpu.capture: a captured program's collectives run on two groups that are not "
+            f"the dims of one mesh (the rows {rows.tolist()} gathered over the group of "
+            f"devices {column}): use the groups of one DeviceMesh")
+    by_id = {d.id: d for d in jax.devices()}
+    names = (f"{AXIS}0", f"{AXIS}1")
+    mesh = Mesh(np.vectorize(by_id.get, otypes=[object])(rows), names)
+    return Spmd(mesh=mesh, check=joined.check,
+                axes=((outer.axes[0][0], names[0]), (inner.axes[0][0], names[1])))
 
 
 def signature(collectives: list[str]) -> bytes:
@@ -42,25 +121,42 @@ def signature(collectives: list[str]) -> bytes:
     return hashlib.sha256("\n".join(collectives).encode()).digest()
 
 
-def _buckets(nodes: tuple, wanted: tuple) -> dict:
-    """{node position: the mergeable calls (lists of node positions, 2 or more) to run as one
-    just before it}; position len(nodes) is the end of the program."""
-    first_use: dict = {}
-    for i, (_, _, refs) in enumerate(nodes):
-        for r in refs:
+def _timing(nodes: tuple, wanted: tuple, through: bool) -> tuple[dict, dict]:
+    """({collective's position: when its result is first needed}, {...: when its inputs are
+    ready}). ``through``: a use by another mergeable collective does not count, that one's
+    uses do, and an input from one counts as that one's inputs. HSDP's gradients go through
+    two collectives each (across slices, then within one): without looking through, each
+    one's result is used at once, so none would merge."""
+    chained = {i for i, (fn, _, _) in enumerate(nodes)
+               if through and getattr(fn, "merge_key", None) is not None}
+    first: dict = {n: len(nodes) for n, _ in wanted}
+    for i in range(len(nodes) - 1, -1, -1):  # a node's uses come after it
+        at = first.get(i, len(nodes) + 1) if i in chained else i
+        for r in nodes[i][2]:
             if r.__class__ is not int:
-                first_use.setdefault(r[0], i)
-    for n, _ in wanted:
-        first_use.setdefault(n, len(nodes))
+                first[r[0]] = min(first.get(r[0], len(nodes) + 1), at)
+    ready: dict = {}
+    for i, (_, _, refs) in enumerate(nodes):
+        ready[i] = max((ready[r[0]] if r[0] in chained else r[0] for r in refs
+                        if r.__class__ is not int), default=-1)
+    return {i: f for i, f in first.items() if f <= len(nodes)}, ready
+
+
+def _buckets(nodes: tuple, wanted: tuple, through: bool = True) -> dict | None:
+    """{node position: the mergeable calls (lists of node positions, 2 or more) to run as one
+    just before it, in an order that runs each before the calls that read its results};
+    position len(nodes) is the end of the program. None when looking through chained
+    collectives gives no order that runs each call after its inputs (then the plan without
+    looking through is used, which always has one)."""
+    first_use, ready_at = _timing(nodes, wanted, through)
     open_: dict = {}   # merge key -> [members, bytes, position of the first use of any result]
     done = []
-    for i, (fn, _, refs) in enumerate(nodes):
+    for i, (fn, _, _) in enumerate(nodes):
         key = getattr(fn, "merge_key", None)
         if key is None or i not in first_use:
             continue
-        ready = max((r[0] for r in refs if r.__class__ is not int), default=-1)
         bucket = open_.get(key)
-        if bucket is None or ready >= bucket[2] or bucket[1] + fn.nbytes > BUCKET_BYTES:
+        if bucket is None or ready_at[i] >= bucket[2] or bucket[1] + fn.nbytes > BUCKET_BYTES:
             if bucket is not None:
                 done.append(bucket[0])
             bucket = open_[key] = [[], 0, first_use[i]]
@@ -72,14 +168,62 @@ def _buckets(nodes: tuple, wanted: tuple) -> dict:
     for members in done:
         if len(members) > 1:
             due.setdefault(min(first_use[m] for m in members), []).append(members)
-    return due
+    due = _ordered(nodes, due)
+    if due is None and not through:
+        raise AssertionError("spanning: no order for the collectives' buckets")
+    return due if due is not None else _buckets(nodes, wanted, through=False)
+
+
+def _ordered(nodes: tuple, due: dict) -> dict | None:
+    """due with each position's buckets in an order that runs after its inputs, checked by
+    walking the program as ``replay`` runs it; None where some call would run before them."""
+    merged = {m for buckets in due.values() for members in buckets for m in members}
+    have: set = set()
+
+    def runnable(i: int) -> bool:
+        return all(r.__class__ is int or r[0] in have for r in nodes[i][2])
+
+    out: dict = {}
+    for i in range(len(nodes) + 1):
+        waiting = list(due.get(i, ()))
+        while waiting:
+            ready = [b for b in waiting if all(runnable(m) for m in b)]
+            if not ready:
+                return None
+            for b in ready:
+                out.setdefault(i, []).append(b)
+                have.update(b)
+                waiting.remove(b)
+        if i < len(nodes) and i not in merged:
+            if not runnable(i):
+                return None
+            have.add(i)
+    return out
+
+
+def _without_copies(nodes: tuple, wanted: tuple) -> tuple[tuple, tuple, set]:
+    """nodes and wanted with every read of a recorded buffer copy reading what was copied, and
+    the copies' positions (not run: a copy of an immutable array is that array). A DTensor
+    redistribution copies each collective's result before the next collective reads it, which
+    would otherwise stand between the two and keep them apart."""
+    copies: dict = {}
+    out = []
+    for i, (fn, tree, refs) in enumerate(nodes):
+        refs = tuple(r if r.__class__ is int else copies.get(r, r) for r in refs)
+        if fn is tensors.copy_buffer and tree is None and len(refs) == 1:
+            copies[(i, 0)] = refs[0]
+            refs = ()  # read by no one now, and not run
+        out.append((fn, tree, refs))
+    wanted = tuple(copies.get(w, w) for w in wanted)
+    return tuple(out), wanted, {i for i, _ in copies}
 
 
 def replay(nodes: tuple, wanted: tuple) -> Callable:
     """The captured step's function (every recorded call in order, returning the wanted
     outputs, as ``eager/defer.py``'s replay), with mergeable collectives merged."""
+    nodes, wanted, copies = _without_copies(nodes, wanted)
     due = _buckets(nodes, wanted)
-    merged = {m for buckets in due.values() for members in buckets for m in members}
+    merged = {m for buckets in due.values() for members in buckets for m in members} | copies
 
     def captured_step(*inputs):
         values: list = [None] * len(nodes)
@@ -103,7 +247,7 @@ def replay(nodes: tuple, wanted: tuple) -> Callable:
                 args = tree.unflatten(args)
             values[i] = jax.tree_util.tree_leaves(fn(*args))
         run_due(len(nodes))
-        return [values[n][leaf] for n, leaf in wanted]
+        return [arg(w) for w in wanted]
 
     return captured_step
 
@@ -121,8 +265,13 @@ class Spanning:
         self._compiled = None
         self._scalars: list = []
         self._jitted = None
+        self._local = LOCAL_COLLECTIVES
 
     def _jit(self, args: tuple):
+        if isinstance(self.spmd, Joined):
+            self.spmd = mesh_of(self.spmd)
+        if self._local and not self.spmd.local:
+            self.spmd = dataclasses.replace(self.spmd, local=True)
         if self._jitted is None:
             body, self._scalars = self.spmd.body(self._replay, args)
             self._jitted = jax.jit(body, donate_argnums=self._donate)
@@ -134,7 +283,8 @@ class Spanning:
             self.spmd.check(self._signature)
             self._signature = None
         if self._compiled is None:
-            self._compiled = self.spmd.compile(self._jit(args).lower(*self.spmd.to_global(args)))
+            lowered = self._jit(args).lower(*self.spmd.to_global(args))
+            self._compiled = self.spmd.compile(lowered)
         metrics.count("collective_programs")
         return self.spmd.to_local(list(self._compiled(*self.spmd.to_global(args))),
                                   self._scalars)
