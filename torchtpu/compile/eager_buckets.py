@@ -38,6 +38,7 @@ runs what is pending first. Random ops, captures and views the host cannot read 
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -47,10 +48,13 @@ import torch
 import torch.fx as fx
 
 from torchtpu import metrics
-from torchtpu.compile import buckets, dynamic, padded_cat
+from torchtpu.compile import buckets, dynamic, one_node, padded_cat, padded_values
 from torchtpu.compile.graph_function import GraphFunction
+from torchtpu.compile.one_node import int_tuple as _int_tuple
+from torchtpu.compile.one_node import is_int as _is_int
+from torchtpu.compile.padded_values import WHOLE
 from torchtpu.device import dtypes, tensors
-from torchtpu.eager import dispatch, executor, meta, schema
+from torchtpu.eager import dispatch, executor, meta
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import platform, transfer
@@ -100,8 +104,10 @@ _abstract: dict = {}  # spec -> its entries with integer constants left out
 
 
 def set_enabled(on: bool) -> None:
-    """Route eager calls through ``run`` (and varying views through ``read_view``), or not."""
+    """Route eager calls through ``before`` and ``run`` (and varying views through
+    ``read_view``), or not."""
     dispatch.growing = run if on else None
+    dispatch.padded_inputs = before if on else None
     tensors.view_reader = read_view if on else None
 
 
@@ -109,8 +115,6 @@ def enabled() -> bool:
     return dispatch.growing is run
 
 
-def _is_int(v) -> bool:
-    return type(v) is int
 
 
 def _abstract_entries(spec: Spec) -> tuple:
@@ -163,13 +167,9 @@ class _Call:
                 self.ints.extend((i, j, x) for j, x in enumerate(payload))
 
 
-def _int_tuple(payload) -> bool:
-    return isinstance(payload, tuple) and bool(payload) and all(_is_int(x) for x in payload)
-
-
 def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     """The call's results, padded to buckets or with its views read on the host; None when it
-    should run as usual."""
+    should run as usual (``dispatch.growing``)."""
     # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
@@ -179,32 +179,67 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
             or _in_backward():
         return None  # a capture's replays could not repeat host padding; keys: random draws
+    out = _route(lowering, spec, values, dyn, tuple(g for _, _, g in views), bool(views))
+    if out is None:
+        meta.bounded_put(_exact, exact, spec)
+    return out
+
+
+def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
+    """The results of a call that reads a storage holding a ``Padded`` value, run on the padded
+    arrays; None to run it as usual, which cuts them (``dispatch.padded_inputs``)."""
+    _writes[0] = writes
+    if not padded_values.made[0] or not any(padded_values.held(t) is not None
+                                            for t in _tensors_of(values)):
+        return None
+    if writes or tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
+            or _in_backward():
+        return None
+    dyn = []
+    for (kind, _), v in zip(spec.entries, values):
+        if kind == TENSORS:
+            dyn.extend(None for x in v if x is not None)
+        elif kind in (TENSOR, SCALAR):
+            dyn.append(None if kind == TENSOR else v)
+    return _route(lowering, spec, values, tuple(dyn), ("padded",), True)
+
+
+def _tensors_of(values: list):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (x for x in v if isinstance(x, torch.Tensor))
+
+
+_writes = [False]  # whether the current call's results are written into tensors (in-place)
+
+
+def _route(lowering: Lowering, spec: Spec, values: list, dyn: tuple, geometries: tuple,
+           views: bool):
     call = _Call(lowering, spec, values, dyn)
     structure = (lowering, _abstract_entries(spec),
                  tuple((t.dtype, t.dim()) for t in call.tensors))
     sizes = tuple(n for t in call.tensors for n in t.shape) + tuple(x for _, _, x in call.ints)
     key = (structure, _call_site())
     family = _families.get(key)
-    geometries = tuple(g for _, _, g in views)
     if family is None:
         meta.bounded_put(_families, key, _Family(sizes, geometries))
-        meta.bounded_put(_exact, exact, spec)
         return None
     family.note(sizes, geometries)
-    out = None
-    if call.supported:
-        if any(family.varying):
-            if lowering.op is _CAT:
-                out = padded_cat.run(_programs, spec, values, call.tensors,
-                                     [call.dyn[k] for k in call.at], family.varying, _bucket,
-                                     _host_value)
-            else:
-                out = _padded(structure, family, lowering, spec, values, call, sizes)
-        elif family.views and views:
-            out = _host_views(lowering, spec, call)
-    if out is None:
-        meta.bounded_put(_exact, exact, spec)
-    return out
+    if not call.supported:
+        return None
+    # Debug checks each result at its real size; under DeferAndFuse the recordings between the
+    # cuts of padded values made a fused program per length (8 in 6 lengths): both cut at once.
+    keep = not _writes[0] and tensors.deferrer is None and executor.current().name != "debug"
+    if any(family.varying):
+        if lowering.op is _CAT:
+            return padded_cat.run(_programs, spec, values, call.tensors, family.varying,
+                                  _bucket, _prepare, keep)
+        return _padded(structure, family, lowering, spec, values, call, sizes, keep)
+    if family.views and views:
+        return _views(lowering, spec, call)
+    return None
 
 
 def _in_backward() -> bool:
@@ -281,16 +316,53 @@ def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
     return transfer.put(host, platform.local_device())
 
 
-def _host_views(lowering: Lowering, spec: Spec, call: _Call):
-    """The call run on its tensors read whole on the host: one program for every geometry."""
+def _views(lowering: Lowering, spec: Spec, call: _Call):
+    """The call run on its tensors read whole, so that one program serves every geometry: a
+    view of a padded value through its traced-start windows (a program per bucket), any other
+    view on the host."""
     dyn = list(call.dyn)
+    host = False
     for t, k in zip(call.tensors, call.at):
-        host = _host_value(t, dyn[k])
-        if host is None:
+        p = padded_values.held(t)
+        if p is not None:
+            got = padded_values.source(t, p)
+            if got is None or got[2] != tuple(t.shape):
+                return None
+            src, starts, _ = got
+            dyn[k] = p.array if src is WHOLE else padded_values.read_now(p.array, starts, src)
+            continue
+        array = dyn[k]
+        if array is None:  # called before the dynamic values were read
+            array, g = tensors.read_parts(t)
+            if g is None:
+                dyn[k] = array
+                continue
+        value = _host_value(t, array)
+        if value is None:
             return None
-        dyn[k] = transfer.put(host, platform.local_device())
-    metrics.count("eager_host_views")
+        dyn[k] = transfer.put(value, platform.local_device())
+        host = True
+    metrics.count("eager_host_views" if host else "eager_padded_reads")
     return executor.current().run(lowering, spec, tuple(dyn))
+
+
+def _prepare(t: torch.Tensor, want: tuple, pad_host):
+    """(array, Source, window starts) that give tensor t at the padded shape ``want`` inside a
+    program: a padded value read in place, a real one as it is (its view read in the program)
+    when nothing of it is padded, else padded on the host by ``pad_host``; None: not so."""
+    p = padded_values.held(t)
+    if p is not None:
+        got = padded_values.source(t, p)
+        if got is None or got[2] != want:
+            return None
+        return p.array, got[0], got[1]
+    array, g = tensors.read_parts(t)
+    if tuple(t.shape) == want:
+        return array, (WHOLE if g is None else padded_values.Source((), (), g)), ()
+    host = _host_value(t, array)
+    if host is None:
+        return None
+    return transfer.put(pad_host(host), platform.local_device()), WHOLE, ()
 
 
 def _symbols(varying: tuple, sizes: tuple):
@@ -309,8 +381,7 @@ def _symbols(varying: tuple, sizes: tuple):
 
 
 def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, values: list,
-            call: _Call,
-            sizes: tuple):
+            call: _Call, sizes: tuple, keep: bool):
     found = _symbols(family.varying, sizes)
     if found is None:
         return None
@@ -319,32 +390,42 @@ def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, v
     plan_key = (structure, pattern, tuple(n for s, n in zip(pattern, sizes) if s is None))
     built = _plans.get(plan_key)
     if built is None:
-        built = _build(lowering, spec, values, call, pattern, real, sizes)
+        built = one_node.build(lowering, spec, values, call, pattern, real, sizes)
         meta.bounded_put(_plans, plan_key, built)
     if isinstance(built, str):
         return None
     fn, plan, symbols, int_symbols = built
     values_at = dict(zip(symbols, real))
     to = {s: _bucket(n) for s, n in values_at.items()}
-    arrays = []
-    for t, k, node in zip(call.tensors, call.at, fn.placeholders):
-        host = _host_value(t, call.dyn[k])
-        if host is None:
+    arrays, sources, starts = [], [], []
+    for t, node in zip(call.tensors, fn.placeholders):
+        layout = plan.layouts[node]
+        want = tuple(math.prod(to.get(f, f) for f in dim) for dim in layout)
+        got = _prepare(t, want, lambda host, lay=layout: buckets.pad(host, lay, values_at, to))
+        if got is None:
             return None
-        padded = buckets.pad(host, plan.layouts[node], values_at, to)
-        arrays.append(transfer.put(padded, platform.local_device()))
-    arrays += [np.asarray(values_at[s], np.int32) for s in plan.order]
+        arrays.append(got[0])
+        sources.append(got[1])
+        starts.append(got[2])
+    sizes_in = tuple(np.asarray(values_at[s], np.int32) for s in plan.order)
     scalars = tuple(call.dyn[k] for k in call.scalars)
-    program_key = (plan_key, tuple(to[s] for s in symbols))
+    program_key = (plan_key, tuple(to[s] for s in symbols), tuple(sources))
     program = _programs.get(program_key)
     if program is None:
-        program = _program(fn, plan, spec, tuple(to[s] for s in int_symbols))
+        program = _program(fn, plan, spec, tuple(to[s] for s in int_symbols), tuple(sources))
         meta.bounded_put(_programs, program_key, program)
-    def run_and_cut(arrays, scalars):  # the executor's checks (Debug's NaNs) see real sizes
-        return _unpad(program(arrays, scalars), fn.output[0], plan, values_at, to)
-
+    args = (tuple(arrays), tuple(starts), sizes_in, scalars)
+    node = fn.output[0]
     try:
-        out = executor.current().run_program(lowering.op, run_and_cut, (tuple(arrays), scalars))
+        if keep:
+            out = padded_values.run(program, args, lowering.op, executor.current())
+            out = _kept(out, node, plan, values_at, to, arrays)
+        else:
+            def run_and_cut(*args):  # the executor's checks (Debug's NaNs) see real sizes
+                return _unpad(program(*args), node, plan, values_at, to)
+
+            args = (tuple(_computed(a) for a in arrays),) + args[1:]
+            out = executor.current().run_program(lowering.op, run_and_cut, args)
     except FloatingPointError:
         raise
     except Exception as e:  # a lowering that cannot run padded: the exact path serves it
@@ -352,6 +433,32 @@ def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, v
         return None
     metrics.count("eager_bucketed_calls")
     return out
+
+
+def _computed(array):
+    """array, or the computed array of a value DeferAndFuse holds pending (run now)."""
+    return array.materialize() if isinstance(array, tensors.Deferred) else array
+
+
+def _sizes(layout: tuple, values: dict) -> tuple:
+    return tuple(tuple(int(values.get(f, f)) for f in dim) for dim in layout)
+
+
+def _kept(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict, inputs: list):
+    """The program's results as storages hold them: padded values, real where nothing is."""
+    def keep(o, val, layout):
+        if isinstance(val, torch.SymInt):
+            return buckets.real_value(val, values_at)
+        if not isinstance(val, torch.Tensor):
+            return o
+        if any(o is a for a in inputs):  # a program may hand an input back
+            o = tensors.fresh_copy(o)
+        return padded_values.wrap_output(o, _sizes(layout, values_at), _sizes(layout, to))
+
+    val, layout = node.meta["val"], plan.layouts[node]
+    if isinstance(out, (tuple, list)):
+        return type(out)(keep(o, v, lay) for o, v, lay in zip(out, val, layout, strict=True))
+    return keep(out, val, layout)
 
 
 def _unpad(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict):
@@ -362,7 +469,10 @@ def _unpad(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict):
         if not isinstance(val, torch.Tensor):
             return o
         host = buckets.unpad(o, layout, values_at, to)
-        return o if host is o else transfer.put(host, platform.local_device())
+        if host is o:
+            return o
+        metrics.count("eager_host_cuts")
+        return transfer.put(host, platform.local_device())
 
     val, layout = node.meta["val"], plan.layouts[node]
     if isinstance(out, (tuple, list)):
@@ -370,107 +480,12 @@ def _unpad(out, node: fx.Node, plan: dynamic.Plan, values_at: dict, to: dict):
     return cut(out, val, layout)
 
 
-def _program(fn: GraphFunction, plan: dynamic.Plan, spec: Spec, int_symbols: tuple):
-    def padded(arrays, scalars):
-        (out,) = fn.run(list(arrays), (), list(scalars), (), int_symbols, plan)
+def _program(fn: GraphFunction, plan: dynamic.Plan, spec: Spec, int_symbols: tuple,
+             sources: tuple):
+    def padded(arrays, starts, sizes, scalars):
+        xs = [padded_values.read(a, s, src) for a, s, src in zip(arrays, starts, sources)]
+        (out,) = fn.run(xs + list(sizes), (), list(scalars), (), int_symbols, plan)
         return cast_outputs(out, spec.final)
 
     padded.__name__ = f"{str(fn.steps[0].node.target).replace('.', '_')}_bucketed"
     return jax.jit(padded)
-
-
-def _symint(env, k: int, hint: int):
-    from torch._dynamo.source import ConstantSource
-    from torch.fx.experimental.symbolic_shapes import DimDynamic
-
-    s = env.create_symbol(hint, ConstantSource(f"eager_size_{k}"), dynamic_dim=DimDynamic.DYNAMIC)
-    return env.create_symintnode(s, hint=hint)
-
-
-def _build(lowering: Lowering, spec: Spec, values: list, call: _Call, pattern: tuple,
-           real: tuple, sizes: tuple):
-    """(GraphFunction, Plan, its symbols, the symbols of its integer placeholders) of the call
-    as a one-node graph with symbolic sizes, or why it cannot run padded."""
-    # Imported here: importing torchtpu stays free of Dynamo's import cost.
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
-
-    op = lowering.op
-    try:
-        env = ShapeEnv()
-        syms = [_symint(env, k, n) for k, n in enumerate(real)]
-        slot = iter(zip(pattern, sizes))
-
-        def size():
-            s, n = next(slot)
-            return n if s is None else syms[s]
-
-        graph = fx.Graph()
-        with FakeTensorMode(shape_env=env):
-            fakes = [torch.empty([size() for _ in range(t.dim())], dtype=t.dtype)
-                     for t in call.tensors]
-            args, int_symbols = _node_values(graph, spec, values, fakes, call, size)
-            oi = schema.info(op)
-            pos = [a for a, name in zip(args, oi.names) if name not in oi.kwarg_only]
-            kw = {name: a for a, name in zip(args, oi.names) if name in oi.kwarg_only}
-            node = graph.call_function(op, tuple(pos), kw)
-            node.meta["val"] = op(*fx.node.map_arg(tuple(pos), _val),
-                                  **fx.node.map_arg(kw, _val))
-        graph.output((node,))
-        if env.replacements:
-            return f"{op} specializes a size"
-        gm = fx.GraphModule(torch.nn.Module(), graph)
-        traced = dispatch.traced_arguments(op, lowering)
-        plan = dynamic.plan(gm, lambda n: traced)
-        if isinstance(plan, str):
-            return plan
-        symbols = tuple(s.node.expr for s in syms)
-        return GraphFunction(gm), plan, symbols, int_symbols
-    except Exception as e:  # a meta kernel refusing symbolic sizes: the exact path serves it
-        return f"{op}: {type(e).__name__}: {e}"
-
-
-def _val(n: fx.Node):
-    return n.meta["val"]
-
-
-def _node_values(graph: fx.Graph, spec: Spec, values: list, fakes: list, call: _Call, size):
-    """The node's arguments: tensors and varying integers as placeholders, the rest as given;
-    and the symbols of the integer placeholders, in order."""
-    fake = iter(fakes)
-    count = [0]
-
-    def placeholder(val):
-        p = graph.placeholder(f"arg{count[0]}")
-        count[0] += 1
-        p.meta["val"] = val
-        return p
-
-    tensor_nodes = []
-    for (kind, _), v in zip(call.entries, values):
-        if kind == TENSOR:
-            tensor_nodes.append(placeholder(next(fake)))
-        elif kind == TENSORS:
-            tensor_nodes.extend(placeholder(next(fake)) for x in v if x is not None)
-    tensor_node = iter(tensor_nodes)
-    args, int_symbols = [], []
-
-    def integer(n):
-        s = size()
-        if isinstance(s, int):
-            return n
-        int_symbols.append(s.node.expr)
-        return placeholder(s)
-
-    for (kind, payload), v in zip(call.entries, values):
-        if kind == TENSOR:
-            args.append(next(tensor_node))
-        elif kind == TENSORS:
-            args.append([None if x is None else next(tensor_node) for x in v])
-        elif kind == CONST and _is_int(payload):
-            args.append(integer(payload))
-        elif kind == CONST and _int_tuple(payload):
-            args.append([integer(x) for x in payload])
-        else:
-            args.append(v)
-    return args, tuple(int_symbols)

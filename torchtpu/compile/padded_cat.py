@@ -1,12 +1,13 @@
 """``cat`` along a growing dim for eager calls served by size buckets (``eager_buckets``).
 
 ``dynamic.plan`` refuses a cat along a padded dim: where each input's real elements land
-depends on the real sizes before it. Here each input is padded on the host to its bucket (an
-input whose size never varied keeps it), and one program per bucket pattern writes them one
-after the other into a buffer at traced offsets, the real sizes before each
-(``lax.dynamic_update_slice``: each input's padding is overwritten by the next input, and the
-last one's lies past the real end). The buffer holds the sum of the buckets, so no write is ever
-clamped; the result is the output's bucket, cut to its real size on the host.
+depends on the real sizes before it. Here each input comes at its bucket (a padded value as its
+storage holds it, a real one padded on the host; an input whose size never varied keeps it),
+and one program per bucket pattern writes them one after the other into a buffer at traced
+offsets, the real sizes before each (``lax.dynamic_update_slice``: each input's padding is
+overwritten by the next input, and the last one's lies past the real end). The buffer holds the
+sum of the buckets, so no write is ever clamped; the result is the output's bucket, kept padded
+(``padded_values``) or cut to its real size on the host.
 """
 
 from __future__ import annotations
@@ -20,18 +21,19 @@ import torch
 from jax import lax
 
 from torchtpu import metrics
-from torchtpu.device import dtypes
+from torchtpu.compile import padded_values
+from torchtpu.device import dtypes, tensors
 from torchtpu.eager import executor
 from torchtpu.eager.program import Spec
 from torchtpu.runtime import platform, transfer
 
 
-def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varying: tuple,
-        bucket_of: Callable[[int], int], read: Callable) -> jax.Array | None:
-    """cat(values[0], dim=values[1]) at the real sizes, given its tensors, their arrays, which
-    size slots varied (each tensor's dims in turn), the bucket of a size and how a tensor is
-    read on the host; None when it is no cat along the one growing dim of inputs of the
-    result's dtype."""
+def run(programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
+        bucket_of: Callable[[int], int], prepare: Callable, keep: bool):
+    """cat(values[0], dim=values[1]) given its tensors, which size slots varied (each tensor's
+    dims in turn), the bucket of a size and how a tensor is given to a program at a padded
+    shape (``eager_buckets._prepare``); the result padded when ``keep``, else cut; None when
+    it is no cat along the one growing dim of inputs of the result's dtype."""
     rank = ts[0].dim()
     dim = values[1] % rank if rank else 0
     final = spec.final
@@ -47,33 +49,48 @@ def run(programs: dict, spec: Spec, values: list, ts: list, arrays: list, varyin
     sizes = tuple(bucket_of(n) if g else n for n, g in zip(lengths, growing))
     total = sum(lengths)
     out_size = bucket_of(total)
-    padded = []
-    for t, array, n in zip(ts, arrays, sizes):
-        host = read(t, array)
-        if host is None:
+    arrays, sources, starts = [], [], []
+    for t, n in zip(ts, sizes):
+        want = tuple(t.shape[:dim]) + (n,) + tuple(t.shape[dim + 1:])
+        got = prepare(t, want, lambda host, want=want: _pad(host, want))
+        if got is None:
             return None
-        if n != host.shape[dim]:
-            pad = [(0, 0)] * rank
-            pad[dim] = (0, n - host.shape[dim])
-            host = np.pad(host, pad)
-        padded.append(transfer.put(host, platform.local_device()))
+        arrays.append(got[0])
+        sources.append(got[1])
+        starts.append(got[2])
     key = ("cat", dim, tuple(t.shape[:dim] + t.shape[dim + 1:] for t in ts), final, sizes,
-           out_size)
+           out_size, tuple(sources))
     program = programs.get(key)
     if program is None:
-        program = programs[key] = _program(dim, out_size)
-    def run_and_cut(arrays, lengths):  # the executor's checks (Debug's NaNs) see real sizes
-        host = np.asarray(program(arrays, lengths))[(slice(None),) * dim + (slice(0, total),)]
+        program = programs[key] = _program(dim, out_size, tuple(sources))
+    args = (tuple(arrays), tuple(starts), np.asarray(lengths[:-1], np.int32))
+    metrics.count("eager_bucketed_calls")
+    if keep:
+        out = padded_values.run(program, args, torch.ops.aten.cat.default, executor.current())
+        shape = list(ts[0].shape)
+        real = tuple((total,) if d == dim else (n,) for d, n in enumerate(shape))
+        padded = tuple((out_size,) if d == dim else (n,) for d, n in enumerate(shape))
+        return padded_values.wrap_output(out, real, padded)
+
+    def run_and_cut(*args):  # the executor's checks (Debug's NaNs) see real sizes
+        metrics.count("eager_host_cuts")
+        host = np.asarray(program(*args))[(slice(None),) * dim + (slice(0, total),)]
         return transfer.put(np.ascontiguousarray(host), platform.local_device())
 
-    metrics.count("eager_bucketed_calls")
-    return executor.current().run_program(
-        torch.ops.aten.cat.default, run_and_cut,
-        (tuple(padded), np.asarray(lengths[:-1], np.int32)))
+    computed = tuple(a.materialize() if isinstance(a, tensors.Deferred) else a for a in arrays)
+    return executor.current().run_program(torch.ops.aten.cat.default, run_and_cut,
+                                          (computed,) + args[1:])
 
 
-def _program(dim: int, out_size: int):
-    def cat(arrays, lengths):
+def _pad(host: np.ndarray, want: tuple) -> np.ndarray:
+    out = np.zeros(want, host.dtype)
+    out[tuple(slice(0, n) for n in host.shape)] = host
+    return out
+
+
+def _program(dim: int, out_size: int, sources: tuple):
+    def cat(arrays, starts, lengths):
+        arrays = [padded_values.read(a, s, src) for a, s, src in zip(arrays, starts, sources)]
         shape = list(arrays[0].shape)
         shape[dim] = max(sum(a.shape[dim] for a in arrays), out_size)
         buf = jnp.zeros(shape, arrays[0].dtype)

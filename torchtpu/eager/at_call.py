@@ -36,7 +36,14 @@ def _host_values(t: torch.Tensor):
     # Inside a capture the values are the capture's, not a replay's, and a view of them would
     # be read through the recording (a host read there): the check goes to the device, which
     # skips it in a capture (see _check_on_device).
-    if tensors.capture is not None or not executor.is_materialized(t) or _host_reads_stall():
+    if tensors.capture is not None or _host_reads_stall():
+        return None
+    # A padded value (``compile/padded_values.py``) gives its real elements without being cut
+    # into its storage, which would undo its padding for the op this check guards.
+    array = t.untyped_storage()._tpu_array
+    if isinstance(array, tensors.Deferred) and hasattr(array, "host_view"):
+        return array.host_view(t)
+    if not executor.is_materialized(t):
         return None
     return np.asarray(tensors.read(t))
 

@@ -1,0 +1,231 @@
+"""Padded values held by storages: a bucketed eager call's result kept at its bucket sizes.
+
+A call ``eager_buckets`` runs padded gives arrays at bucket sizes. Cutting each one back to its
+real size at once would cost a host round trip and a wait per call (a device slice would be a
+program per real size). Instead the result's storage holds a ``Padded``: the padded array and,
+per dim, the real and padded sizes of its layout's factors (``dynamic.Plan.layouts``). The next
+bucketed call reads it padded, through ``source``: a view of the storage (a split's columns, a
+head-split ``view`` and ``transpose``) is mapped onto the padded array when every padded factor
+it touches is taken whole from its start (it stays padded), or as a window at an offset (the
+window's start is a traced input: ``x[:, -1]`` of a growing ``x`` reads one row, at one program
+per bucket). Anything else that reads the storage (``.cpu()``, an op that is not bucketed, a
+view write) resolves the ``Padded`` like any deferred value: the real elements are cut out on the
+host once, and the storage holds them from then on.
+
+Padding positions hold garbage (whatever the program computed there), as between the nodes of a
+padded graph: ``dynamic.plan`` masks every input of a call that mixes positions.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import torch
+from jax import lax
+
+from torchtpu import metrics
+from torchtpu.device import dtypes, tensors
+from torchtpu.device.views import Geometry, read_view
+from torchtpu.runtime import platform, transfer
+
+made = [0]  # 1 once a Padded was made: until then no call looks for one among its inputs
+
+
+class Padded(tensors.Deferred):
+    """A storage's value at bucket sizes: ``array`` (padded, or a value DeferAndFuse holds
+    pending), ``real`` and ``padded`` the sizes of each dim's factors; ``shape`` and ``dtype``
+    are the real value's, as a storage array's."""
+
+    __slots__ = ("array", "real", "padded", "shape", "dtype", "_cut")
+
+    def __init__(self, array, real: tuple, padded: tuple) -> None:
+        self.array = array
+        self.real = real
+        self.padded = padded
+        self.shape = tuple(math.prod(dim) for dim in real)
+        self.dtype = array.dtype
+        self._cut = None
+        made[0] = 1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def resolve(self):
+        """The real value, cut out of the padded array on the host (once)."""
+        if self._cut is None:
+            metrics.count("eager_padded_cuts")
+            self._cut = transfer.put(cut(np.asarray(self.array), self.real, self.padded),
+                                     platform.local_device())
+        return self._cut
+
+    materialize = resolve
+
+    def host_view(self, t) -> np.ndarray | None:
+        """Tensor t's values (a view of the storage holding self) on the host, without cutting
+        the storage's value; None while DeferAndFuse still holds the array pending."""
+        if isinstance(self.array, tensors.Deferred) and self.array.resolve() is self.array:
+            return None
+        if dtypes.to_jax(t.dtype) != self.dtype or t.dtype is torch.complex32:
+            return None
+        flat = cut(np.asarray(self.array), self.real, self.padded).reshape(-1)
+        view = np.lib.stride_tricks.as_strided(
+            flat[t.storage_offset():], tuple(t.shape),
+            tuple(s * flat.itemsize for s in t.stride()))
+        return np.array(view, order="C")
+
+    def __jax_array__(self):
+        return self.resolve()
+
+
+def cut(host: np.ndarray, real: tuple, padded: tuple) -> np.ndarray:
+    """The real elements of a padded host array (factor sizes per dim)."""
+    flat_real = [f for dim in real for f in dim]
+    split = host.reshape([f for dim in padded for f in dim])
+    split = split[tuple(slice(0, f) for f in flat_real)]
+    return np.ascontiguousarray(split.reshape([math.prod(dim) for dim in real]))
+
+
+def held(t) -> Padded | None:
+    """The Padded value t's storage holds, if any."""
+    array = t.untyped_storage()._tpu_array
+    return array if type(array) is Padded else None
+
+
+class Source(NamedTuple):
+    """How a program reads one input out of the array it is passed: reshaped to ``factors``,
+    a traced-start window of ``size`` taken along each ``(axis, size)`` of ``windows``, then
+    the view ``geometry`` (None: the array as it is)."""
+
+    factors: tuple
+    windows: tuple
+    geometry: Geometry | None
+
+
+WHOLE = Source((), (), None)
+
+
+def read(array, starts, source: Source):
+    """An input inside a program, from its array and its windows' starts (traced)."""
+    if source.windows:
+        array = array.reshape(source.factors)
+        for (axis, size), start in zip(source.windows, starts, strict=True):
+            array = lax.dynamic_slice_in_dim(array, start, size, axis)
+    return array if source.geometry is None else read_view(array, source.geometry)
+
+
+def _strides(shape) -> list:
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= max(n, 1)
+    return out[::-1]
+
+
+def _factor_of(s: int, rs: list, real: list) -> int | None:
+    """The factor a view stride s steps along (a multiple of its stride, inside its extent)."""
+    for k, (r, n) in enumerate(zip(rs, real)):
+        if r <= s < r * n and s % r == 0:
+            return k
+    return None
+
+
+def source(t, p: Padded) -> tuple[Source, tuple, tuple] | None:
+    """(Source, window starts, the shape the program sees) for tensor t on a storage holding p,
+    or None when t's view cannot be read out of the padded array without its real layout
+    (a dim that merges a padded factor with others, a step along one, a view that
+    reinterprets the dtype)."""
+    if dtypes.to_jax(t.dtype) != p.dtype or t.dtype is torch.complex32:
+        return None
+    real = [f for dim in p.real for f in dim]
+    padded = [f for dim in p.padded for f in dim]
+    if not real:
+        return None
+    rs = _strides(real)
+    coords, rest = [], t.storage_offset()
+    for s in rs:
+        coords.append(rest // s)
+        rest %= s
+    walked = [[] for _ in real]  # per factor: (view dim, size, step)
+    for d, (n, s) in enumerate(zip(t.shape, t.stride())):
+        if n == 1 or s == 0:
+            continue
+        k = _factor_of(s, rs, real)
+        if k is None:
+            return None
+        walked[k].append((d, n, s // rs[k]))
+    factors, windows, starts = list(padded), [], []
+    size = list(t.shape)
+    for k, (r, p_) in enumerate(zip(real, padded)):
+        reach = coords[k] + sum((n - 1) * step for _, n, step in walked[k])
+        if reach >= r:
+            return None  # the view runs across factors: it needs the real layout
+        if r == p_:
+            continue
+        if len(walked[k]) > 1 or any(step != 1 for _, _, step in walked[k]):
+            return None
+        n = walked[k][0][1] if walked[k] else 1
+        if n == r and coords[k] == 0:
+            (d, _, _), = walked[k]
+            size[d] = p_  # taken whole: still padded
+            continue
+        windows.append((k, n))
+        starts.append(np.asarray(coords[k], np.int32))
+        factors[k] = n
+        coords[k] = 0
+    fs = _strides(factors)
+    stride = list(t.stride())
+    for d, (n, s) in enumerate(zip(t.shape, t.stride())):
+        if n == 1 or s == 0:
+            stride[d] = 0 if s == 0 else 1
+            continue
+        k = _factor_of(s, rs, real)
+        stride[d] = (s // rs[k]) * fs[k]
+    offset = sum(c * s for c, s in zip(coords, fs))
+    g = Geometry(tuple(factors), p.dtype, tuple(size), tuple(stride), offset,
+                 dtypes.layout(t.dtype))
+    if windows:
+        return Source(tuple(padded), tuple(windows), g), tuple(starts), tuple(size)
+    if offset == 0 and tuple(size) == _flat_shape(p.padded) and \
+            tuple(stride) == tuple(_strides(size)):
+        return WHOLE, (), tuple(size)
+    return Source((), (), g._replace(array_shape=_flat_shape(p.padded))), (), tuple(size)
+
+
+def _flat_shape(layout_sizes: tuple) -> tuple:
+    return tuple(math.prod(dim) for dim in layout_sizes)
+
+
+def real_input(t, array, g) -> tuple:
+    """(array, Source) for tensor t whose storage holds a real array: read in the program."""
+    return array, (WHOLE if g is None else Source((), (), g))
+
+
+def wrap_output(array, real: tuple, padded: tuple):
+    """What a storage holds for a program output: array itself when nothing is padded."""
+    if real == padded:
+        return array
+    return Padded(array, real, padded)
+
+
+_readers: dict = {}
+
+
+def read_now(array, starts: tuple, src: Source):
+    """An input read out of a padded array by its own program (one per Source)."""
+    fn = _readers.get(src)
+    if fn is None:
+        fn = _readers[src] = jax.jit(lambda a, s: read(a, s, src))
+    return tensors.call(fn, array, starts)
+
+
+def run(jitted, args: tuple, label, executor):
+    """jitted(*args) now (Strict) or recorded (DeferAndFuse)."""
+    if tensors.deferrer is not None:
+        metrics.count("executions")
+        return tensors.deferrer.record(jitted, args)
+    return executor.run_program(label, jitted, args)
+
