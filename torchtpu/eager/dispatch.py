@@ -143,10 +143,18 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
 # installed by ``torchtpu.compile.install``): ``growing(lowering, spec, values, dyn, views)``
 # gives the call's arrays, or None to run it here as usual.
 growing = None
+# Its hook for calls that may read storages holding padded values, before their arrays are read
+# (which cuts them): ``padded_inputs(lowering, spec, values, writes)`` gives the call's arrays,
+# or None; ``writes``: its results are written into tensors, so they must be plain arrays.
+padded_inputs = None
 
 
-def compute(lowering: Lowering, spec: Spec, values: list):
+def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
     """Run lowering on bound values through the current executor; returns arrays."""
+    if padded_inputs is not None:
+        out = padded_inputs(lowering, spec, values, writes)
+        if out is not None:
+            return out
     dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
     if growing is not None:
         out = growing(lowering, spec, values, dyn, views)
@@ -296,7 +304,7 @@ def _lowered_functional(functional: OpOverload, lowering: Lowering):
     def run(foi, values, target_dtypes):
         final = tuple(dtypes.to_jax(d) for d in target_dtypes)
         _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0])
-        return compute(lowering, spec, values)
+        return compute(lowering, spec, values, writes=True)
 
     return run
 
