@@ -75,6 +75,46 @@ def _run(model: str, options: dict) -> dict:
     return got
 
 
+def test_worker_copies_blocks_to_host_chunks_and_back_as_cpu_indexing_does():
+    """Two KV-cache groups (two layer tensors each side of one group), 2 device blocks a host
+    chunk, the second group starting mid-chunk: the worker's host bytes and the blocks it
+    writes back equal plain CPU indexing of the same caches."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import torch
+    from vllm.v1.kv_offload.base import (
+        CanonicalKVCacheRef,
+        CanonicalKVCaches,
+        CanonicalKVCacheTensor,
+        GPULoadStoreSpec,
+    )
+    from vllm.v1.kv_offload.cpu.common import CPULoadStoreSpec
+
+    from torchtpu.integrations.vllm.offload import TpuHostOffloadingWorker
+
+    g = torch.Generator().manual_seed(0)
+    caches = [torch.randint(-128, 128, (10, 24), generator=g, dtype=torch.int8)
+              for _ in range(3)]
+    kv = CanonicalKVCaches([CanonicalKVCacheTensor(c.tpu(), 24) for c in caches],
+                           [[CanonicalKVCacheRef(0, 24), CanonicalKVCacheRef(1, 24)],
+                            [CanonicalKVCacheRef(2, 24)]])
+    worker = TpuHostOffloadingWorker(kv, blocks_per_chunk=2, num_chunks=4)
+    # group 0: device blocks 7, 2, 5 from its request's block 0 -> host chunks 3, 0 (sub-blocks
+    # 6, 7, 0); group 1: device blocks 4, 9 from block 3 -> chunks 1, 2 (sub-blocks 3, 4)
+    device = GPULoadStoreSpec([7, 2, 5, 4, 9], group_sizes=[3, 2], block_indices=[0, 3])
+    assert worker.submit_store(1, device, CPULoadStoreSpec([3, 0, 1, 2]))
+    for t, rows in ((0, {6: 7, 7: 2, 0: 5}), (1, {6: 7, 7: 2, 0: 5}), (2, {3: 4, 4: 9})):
+        for sub, block in rows.items():
+            assert torch.equal(worker.host_tensors[t][sub], caches[t][block]), (t, sub)
+    # back into other device blocks
+    back = GPULoadStoreSpec([1, 3, 0, 6, 8], group_sizes=[3, 2], block_indices=[0, 3])
+    assert worker.submit_load(2, CPULoadStoreSpec([3, 0, 1, 2]), back)
+    for t, pairs in ((0, [(1, 7), (3, 2), (0, 5)]), (2, [(6, 4), (8, 9)])):
+        got = kv.tensors[t].tensor.cpu()
+        for dst, src in pairs:
+            assert torch.equal(got[dst], caches[t][src]), (t, dst)
+    assert [r.job_id for r in worker.get_finished()] == [1, 2] and worker.get_finished() == []
+
+
 @pytest.mark.full  # two engines of their own: minutes
 def test_a_prefix_evicted_from_device_memory_is_read_back_from_host(tiny_llama):
     plain = _run(tiny_llama, {})
