@@ -22,7 +22,7 @@ from torch._decomp import decomposition_table
 
 from torchtpu.device import dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import at_call, executor, fallback, meta, overlap, schema
+from torchtpu.eager import at_call, executor, fallback, meta, overlap, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
 from torchtpu.runtime import platform
@@ -149,13 +149,17 @@ growing = None
 padded_inputs = None
 
 
-def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
-    """Run lowering on bound values through the current executor; returns arrays."""
+def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
+            dyn: tuple | None = None):
+    """Run lowering on bound values through the current executor; returns arrays. ``dyn``: the
+    call's arrays, when its caller read them already (``seen_calls``: whole tensors only)."""
     if padded_inputs is not None:
         out = padded_inputs(lowering, spec, values, writes)
         if out is not None:
             return out
-    dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    views = ()
+    if dyn is None:
+        dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
     if growing is not None:
         out = growing(lowering, spec, values, dyn, views)
         if out is not None:
@@ -196,12 +200,28 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
     oi = schema.info(op)
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
 
+    seen: dict = {}  # signature -> seen_calls.Seen
+    repeatable = not lowering.random  # a random call's key entry depends on its values
+
     def handle(args, kwargs):
         values, _ = schema.bind(oi, args, kwargs)
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
+        hit = None
+        if repeatable and tensors.capture is None:
+            try:
+                hit = seen.get(seen_calls.signature(values))
+            except TypeError:  # an unhashable constant: the full path
+                hit = False
+            if hit:
+                dyn = seen_calls.whole_arrays(values, hit.reads)
+                if dyn is not None:
+                    out = _wrap(compute(lowering, hit.spec, values, dyn=dyn), hit.result)
+                    return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
+        if hit is None and repeatable and tensors.capture is None:
+            seen_calls.remember(seen, values, result, spec)
         return list(out) if returns_list else out
 
     return handle

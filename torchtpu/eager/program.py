@@ -33,7 +33,7 @@ class Spec:
     Specs are hashed on every op call (to find the program), so the hash is computed once.
     """
 
-    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program")
+    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program", "_simple")
 
     def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
         self.entries = entries    # (kind, payload) per argument
@@ -43,6 +43,7 @@ class Spec:
         self._key = (entries, compute, final, promote)
         self._hash = hash(self._key)
         self._program = None  # (lowering, its jitted function): ``program``'s hit without a hash
+        self._simple = None   # whether ``seen_calls`` may repeat its calls (found at first use)
 
     def __hash__(self) -> int:
         return self._hash

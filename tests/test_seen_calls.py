@@ -1,0 +1,105 @@
+"""Strict's short path for repeated call signatures (``eager/seen_calls.py``): taken when it may
+be, and never for a call whose tensors or constants need the full path (results equal CPU's)."""
+
+import pytest
+import torch
+
+from torchtpu.eager import seen_calls
+
+
+@pytest.fixture
+def short_paths(monkeypatch):
+    """How many calls took the short path (``whole_arrays`` gave their arrays)."""
+    taken = [0]
+    whole = seen_calls.whole_arrays
+
+    def spy(values, reads):
+        arrays = whole(values, reads)
+        taken[0] += arrays is not None
+        return arrays
+
+    monkeypatch.setattr(seen_calls, "whole_arrays", spy)
+    return taken
+
+
+def test_repeated_call_takes_it(short_paths):
+    a, b = torch.randn(3, 5), torch.randn(3, 5)
+    x, y = a.to("tpu"), b.to("tpu")
+    for _ in range(3):
+        torch.testing.assert_close((x + y).cpu(), a + b)
+    assert short_paths[0] >= 2
+    z = torch.randn(2, 7)
+    torch.testing.assert_close((z.to("tpu") + z.to("tpu")).cpu(), z + z)  # a new signature
+
+
+@pytest.mark.parametrize("base, make", [
+    ((4, 4), lambda t: t.t()),       # not contiguous
+    ((8, 4), lambda t: t[4:]),       # an offset into a larger storage
+    ((4, 4), lambda t: t.view(16)),  # the storage array has another shape
+], ids=["transposed", "offset", "reshaped"])
+def test_views_take_the_full_path(base, make, short_paths):
+    a = torch.randn(base)
+    view_cpu = make(a)
+    b = torch.randn(view_cpu.shape)
+    y = b.to("tpu")
+    for _ in range(2):  # the view's signature runs first on whole tensors
+        torch.testing.assert_close((view_cpu.clone().to("tpu") + y).cpu(), view_cpu + b)
+    before = short_paths[0]
+    torch.testing.assert_close((make(a.to("tpu")) + y).cpu(), view_cpu + b)
+    assert short_paths[0] == before
+
+
+def test_reinterpreted_dtype_takes_the_full_path():
+    f = torch.randn(4, 4)
+    i, j = torch.randint(0, 100, (4, 4), dtype=torch.int32), torch.ones(4, 4, dtype=torch.int32)
+    di, dj = i.to("tpu"), j.to("tpu")
+    for _ in range(2):
+        torch.testing.assert_close((di + dj).cpu(), i + j)
+    bits = f.to("tpu").view(torch.int32)  # int32 tensor over a float32 array
+    torch.testing.assert_close((bits + dj).cpu(), f.view(torch.int32) + j)
+
+
+def test_lazy_conj_takes_the_full_path(short_paths):
+    # mm is one of the ops PyTorch hands a lazy conj bit instead of resolving it first.
+    lazy, op = torch.conj, torch.mm
+    a = torch.randn(3, 3, dtype=torch.complex64)
+    b = torch.randn(3, 3, dtype=torch.complex64)
+    x, y = a.to("tpu"), b.to("tpu")
+    for _ in range(2):
+        op(x, y)
+    before = short_paths[0]
+    torch.testing.assert_close(op(lazy(x), y).cpu(), op(lazy(a), b))
+    assert short_paths[0] == before
+
+
+def test_constants_of_other_types_or_signs_are_other_calls():
+    a = torch.tensor([-5.0, 3.0, -0.0, 2.0])
+    x = a.to("tpu")
+    for _ in range(2):
+        torch.clamp(x, min=0.0)
+    # -0.0 == 0.0 as a key: the baked-in +0.0 must not serve it.
+    got = torch.clamp(x, min=-0.0).cpu()
+    assert torch.equal(torch.signbit(got), torch.signbit(torch.clamp(a, min=-0.0)))
+    n = torch.tensor([1, 2, 3])
+    d = n.to("tpu")
+    for _ in range(2):
+        assert (d ** 2).dtype == torch.int64
+    # 2 == 2.0 as a key, but an int tensor to a float power is a float tensor.
+    got = (d ** 2.0).cpu()
+    assert got.dtype == (n ** 2.0).dtype
+    torch.testing.assert_close(got, n ** 2.0)
+
+
+def test_capture_keeps_the_full_path(short_paths):
+    x = torch.randn(4, 4, device="tpu")
+    y = torch.randn(4, 4, device="tpu")
+    for _ in range(2):
+        x + y
+    g = torch.tpu.TPUGraph()
+    before = short_paths[0]
+    with torch.tpu.graph(g):
+        out = x + y
+    assert short_paths[0] == before
+    x.copy_(torch.ones(4, 4))
+    g.replay()
+    torch.testing.assert_close(out.cpu(), 1 + y.cpu())
