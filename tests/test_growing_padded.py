@@ -98,3 +98,22 @@ def test_other_modes_cut_at_once_and_equal_cpu(mode):
             x, w, b = _inputs(n)
             torch.testing.assert_close(_chain(*(t.to("tpu") for t in (x, w, b))).cpu(),
                                        _chain(x, w, b), rtol=1e-5, atol=1e-6)
+
+
+def _heads(x, w):
+    # (1, n, 8) -> (1, 2, n, 4) heads -> back to (1, n, 8) through reshape's clone -> linear
+    h = torch.nn.functional.linear(x, w)
+    h = h.view(1, h.shape[1], 2, 4).transpose(1, 2).softmax(-1)
+    return torch.nn.functional.linear(h.transpose(1, 2).reshape(1, h.shape[2], 8), w)
+
+
+def test_a_transposed_padded_value_copied_by_reshape_stays_padded():
+    for n in range(3, 20):
+        x, w, _ = _inputs(n)
+        w = w[:8]
+        cuts = _count("eager_padded_cuts") + _count("eager_host_cuts")
+        copies = _count("eager_padded_copies")
+        got = _heads(x.to("tpu"), w.to("tpu")).cpu()
+        torch.testing.assert_close(got, _heads(x, w), rtol=1e-5, atol=1e-6)
+    assert _count("eager_padded_copies") == copies + 1
+    assert _count("eager_padded_cuts") + _count("eager_host_cuts") == cuts + 1  # .cpu()

@@ -29,6 +29,7 @@ from jax import lax
 from torchtpu import metrics
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.views import Geometry, read_view
+from torchtpu.eager import executor
 from torchtpu.runtime import platform, transfer
 
 made = [0]  # 1 once a Padded was made: until then no call looks for one among its inputs
@@ -63,6 +64,27 @@ class Padded(tensors.Deferred):
         return self._cut
 
     materialize = resolve
+
+    def copy_into(self, dst, src) -> bool:
+        """Write src (a view of the storage holding self) into dst padded, when dst is its
+        whole storage of src's shape and dtype and src's view keeps its padding whole (a
+        program per bucket reads it); False: copy it as usual (a cut)."""
+        if tensors.capture is not None or tensors.deferrer is not None \
+                or executor.current().name == "debug" or src.is_conj() \
+                or src.is_neg() or dst.dtype != src.dtype or dst.shape != src.shape \
+                or not tensors.covers_storage(dst) or dst.is_conj() or dst.is_neg():
+            return False
+        got = source(src, self)
+        if got is None or got[1] or got[2] == tuple(src.shape):
+            return False  # a window (real-sized) or nothing padded: the usual copy is as good
+        src_, starts, shape = got
+        # A storage never shares its array with another.
+        array = tensors.fresh_copy(self.array) if src_ is WHOLE else \
+            read_now(self.array, starts, src_)
+        dst.untyped_storage()._tpu_array = Padded(
+            array, tuple((n,) for n in src.shape), tuple((n,) for n in shape))
+        metrics.count("eager_padded_copies")
+        return True
 
     def host_view(self, t) -> np.ndarray | None:
         """Tensor t's values (a view of the storage holding self) on the host, without cutting
@@ -125,6 +147,20 @@ def _strides(shape) -> list:
     return out[::-1]
 
 
+def _merged(real: list, padded: list) -> tuple[list, list]:
+    """The factors with each run of unpadded ones merged into one (the storage is contiguous:
+    a view may walk across them, ``view(b, t, c)`` of ``(b, t, heads, head_dim)``)."""
+    r_out, p_out = [], []
+    for r, p in zip(real, padded):
+        if r == p and r_out and r_out[-1] == p_out[-1]:
+            r_out[-1] *= r
+            p_out[-1] *= p
+        else:
+            r_out.append(r)
+            p_out.append(p)
+    return r_out, p_out
+
+
 def _factor_of(s: int, rs: list, real: list) -> int | None:
     """The factor a view stride s steps along (a multiple of its stride, inside its extent)."""
     for k, (r, n) in enumerate(zip(rs, real)):
@@ -140,8 +176,8 @@ def source(t, p: Padded) -> tuple[Source, tuple, tuple] | None:
     reinterprets the dtype)."""
     if dtypes.to_jax(t.dtype) != p.dtype or t.dtype is torch.complex32:
         return None
-    real = [f for dim in p.real for f in dim]
-    padded = [f for dim in p.padded for f in dim]
+    real, padded = _merged([f for dim in p.real for f in dim],
+                           [f for dim in p.padded for f in dim])
     if not real:
         return None
     rs = _strides(real)

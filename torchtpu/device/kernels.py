@@ -165,6 +165,12 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
         overlap.check_internal([dst])
         if src.device.type == "tpu":
             overlap.check_between(aten.copy_.default, [dst], [src])
+            # A padded value (``compile/padded_values.py``) may copy itself padded into dst
+            # (reshape's clone of a transposed attention output), where a read would cut it.
+            held = src.untyped_storage()._tpu_array
+            if isinstance(held, tensors.Deferred) and hasattr(held, "copy_into") \
+                    and held.copy_into(dst, src):
+                return dst
             value = convert(tensors.read(src), dst)
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)
