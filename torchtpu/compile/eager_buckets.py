@@ -8,17 +8,18 @@ PyTorch and torchtpu's machinery) is a *family*, which remembers a few of the va
 (a tensor dim, an integer argument) took there; a size that took ``VARYING_VALUES`` distinct
 values is *varying*. A call with varying sizes becomes a one-node FX graph whose varying sizes
 are symbols (equal sizes, one symbol), and ``dynamic.plan`` decides, exactly as for
-``torch.compile(dynamic=True)``, whether it runs padded and what it masks. If so, its inputs
-are padded on the host up to their buckets (``buckets.pad``), one program per bucket runs it
-with the real sizes as traced inputs (``masking`` through ``GraphFunction``), and its results
-are cut back to their real sizes on the host (``buckets.unpad``): storages only ever hold
-arrays of their tensors' real shapes. ``cat`` along the growing dim, which the plan refuses,
-is ``padded_cat``'s. A call whose sizes never varied, or that the plan refuses, runs as
-before, exact-shape.
+``torch.compile(dynamic=True)``, whether it runs padded and what it masks. If so, one program
+per bucket runs it with the real sizes as traced inputs (``masking`` through ``GraphFunction``)
+and its results stay padded in their storages (``padded_values``): the next bucketed call reads
+them in its own program, so a chain of bucketed calls makes no host trip and waits for nothing;
+an input that arrives unpadded with a padded dim is padded on the host (``buckets.pad``); one
+with nothing padded (a weight) goes in as it is. ``cat`` along the growing dim, which the plan
+refuses, is ``padded_cat``'s. A call whose sizes never varied, or that the plan refuses, runs
+as before, exact-shape (its padded inputs cut on the host first).
 
 A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offset moves) would
-make a program per geometry even when the view's own shape does not change: such views are
-read on the host and passed whole.
+make a program per geometry even when the view's own shape does not change: a view of a padded
+value is read at a traced start (a program per bucket), any other such view on the host.
 
 Families are keyed by call site and, at a method's line, by the method's object: another model
 built from the same class starts families of its own, so the sizes one model took at a shared
@@ -29,11 +30,12 @@ On by default (``TORCHTPU_EAGER_BUCKETS=0``, or ``set_enabled(False)``, turns it
 calls keep the exact path: a backward's ops, every layer's, all come from the user's one
 ``backward()`` line, where their sizes would look varying. Still taken for growth: one line that
 serves 4 or more fixed shapes in one step (an ``nn.Sequential`` of 4 widths) runs padded at
-every step, exact in values but with host padding and a synchronous call each time.
+every step, exact in values but padded each time.
 
-Host padding waits for the inputs: a bucketed call is synchronous, which under DeferAndFuse
-runs what is pending first. Random ops, captures and views the host cannot read by strides
-(a reinterpreting dtype) keep the exact path.
+Debug (which checks each result at its real size) and DeferAndFuse cut every result at once,
+a synchronous call (under DeferAndFuse the recordings between cuts made a fused program per
+length). Random ops, captures and views the host cannot read by strides (a reinterpreting
+dtype) keep the exact path.
 """
 
 from __future__ import annotations
