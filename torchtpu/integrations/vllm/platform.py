@@ -92,6 +92,12 @@ class TpuPlatform(Platform):
         return COMMUNICATOR
 
     @classmethod
+    def check_runner_kv_caches_multi_layer(cls) -> None:
+        # a draft model's layers join the GPU runner's list of layer caches with the target's
+        # layer indices; the tpu runner reads caches by layer name only, as CUDA's does
+        return
+
+    @classmethod
     def support_static_graph_mode(cls) -> bool:
         return False
 
@@ -108,10 +114,11 @@ class TpuPlatform(Platform):
     def register_triton_kernel_overrides(cls) -> None:
         # vLLM calls this in each worker before it builds the model: the quantized linear
         # layers' kernels are chosen then
-        from torchtpu.integrations.vllm import kernels, quant
+        from torchtpu.integrations.vllm import draft, kernels, quant
 
         kernels.register()
         quant.register()
+        draft.register()
 
     @classmethod
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config,
