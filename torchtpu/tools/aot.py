@@ -231,11 +231,11 @@ def report(model: torch.nn.Module, inputs, *, topology: str | None = None,
 
 
 def measure(target: tpu_target.Target, model: torch.nn.Module, args: tuple, train: bool,
-            mode: str, warmup: int, foreach: bool | None = None) -> Measured:
+            mode: str, warmup: int) -> Measured:
     """Run model's step on the host in mode (its programs compiled for target by the hook,
     which must be on): the programs it built, the step's estimate on one chip, and the loss
-    of every step run (train; else empty). ``foreach``: AdamW's (None: PyTorch's choice)."""
-    optimizer = (torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=foreach,
+    of every step run (train; else empty)."""
+    optimizer = (torch.optim.AdamW(param_groups(model), lr=1e-3,
                                    capturable=mode == "captured") if train else None)
     losses: list = []
     seen = (lambda out: losses.append(float(out[1]))) if train else (lambda out: None)
@@ -254,6 +254,19 @@ def measure(target: tpu_target.Target, model: torch.nn.Module, args: tuple, trai
             raise ToolError(f"the step fails on the host in mode {mode}: {describe(e)}") from None
     programs = [r for r in tpu_hook.wait() if id(r) not in before]
     return Measured(programs, runs, _estimate(target, programs, runs, live_peak), losses)
+
+
+def param_groups(model: torch.nn.Module) -> list:
+    """model's parameters as one optimizer group per device mesh they are DTensors on (plain
+    tensors: one group). AdamW's foreach kernels refuse DTensors of different meshes in one
+    list (FSDP x TP: the TP weights on (dp, tp), norms and embeddings on dp); per group they
+    are one foreach update each, where foreach=False traced one update per parameter."""
+    groups: dict = {}
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        key = None if mesh is None else (mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()))
+        groups.setdefault(key, []).append(p)
+    return [{"params": ps} for ps in groups.values()]
 
 
 def _estimate(target, programs: list, runs: collections.Counter, live_peak: int) -> Step:

@@ -125,10 +125,7 @@ def _rank(rank: int, world: int, source: tuple, topology: str, step: str, mode: 
         model = model.to("tpu")
         index, layout = shard(model, world, tp)
         args = tuple(aot.to_tpu(_share(x, world // tp, index)) for x in inputs)
-        # AdamW's foreach kernels refuse a list of DTensors on different meshes (FSDP x TP: the
-        # TP weights on (dp, tp), the rest on dp), so it updates them one by one there.
-        m = aot.measure(target, model, args, step == "train", mode, warmup,
-                        foreach=False if 1 < tp < world else None)
+        m = aot.measure(target, model, args, step == "train", mode, warmup)
     except ToolError as e:  # the parent says it in one line
         return {"error": str(e).removeprefix("torchtpu.tool: ")}
     return {"programs": m.programs, "step": m.step, "losses": m.losses, "layout": layout,
