@@ -29,7 +29,7 @@ LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-\d.]+)")
 
 
 def _run(cwd, nproc: int, device: str, extra: list, timeout: float = 900,
-         env_extra: dict | None = None) -> str:
+         env_extra: dict | None = None, args: list = ARGS) -> str:
     """One torchrun launch; every process it started is killed if it overruns or fails."""
     program = (["-m", "torchtpu.titan"] if device == "tpu"
                else ["--no-python", sys.executable, REFERENCE])
@@ -37,7 +37,7 @@ def _run(cwd, nproc: int, device: str, extra: list, timeout: float = 900,
     if device == "cpu":
         env["TORCH_DEVICE_BACKEND_AUTOLOAD"] = "0"  # the reference runs without torchtpu
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           "--nproc-per-node", str(nproc), *program, *ARGS, *extra, "activation-checkpoint:none"]
+           "--nproc-per-node", str(nproc), *program, *args, *extra, "activation-checkpoint:none"]
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -59,11 +59,16 @@ def _losses(out: str) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
+def assets(tmp_path_factory):
     root = tmp_path_factory.mktemp("titan")
     make_assets(str(root))
-    _run(root, 1, "cpu", ["--checkpoint.create_seed_checkpoint", "--checkpoint.folder", "seed"])
     return root
+
+
+@pytest.fixture(scope="module")
+def workdir(assets):
+    _run(assets, 1, "cpu", ["--checkpoint.create_seed_checkpoint", "--checkpoint.folder", "seed"])
+    return assets
 
 
 # Process count and parallelism flags of each layout TorchTitan trains in.
@@ -106,3 +111,35 @@ def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, layout, compile
     # Attention runs in bfloat16 (TorchTitan casts q/k/v), so equal to ~1e-5 relative.
     assert tpu == pytest.approx(cpu_losses(layout), rel=1e-4), (tpu, cpu_losses(layout))
     assert tpu[-1] < tpu[0]
+
+
+# TorchTitan's deepseek_v3 debug model (MoE: 8 routed experts, 3 per token) with varlen
+# attention (torchtpu.titan's config); expert parallel over the two ranks' dp_shard mesh.
+MOE_ARGS = ["--module", "torchtpu.titan", "--config", "deepseek_v3_debugmodel_varlen_attn",
+            *ARGS[4:]]
+MOE_LAYOUTS = {"moe-1": (1, []), "moe-ep2": (2, ["--parallelism.expert_parallel_degree", "2"])}
+
+
+@pytest.mark.full  # minutes each at load (seed, CPU and tpu runs); test_titan_moe.py is the smoke
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_deepseek_v3_debug_model_with_expert_parallel_trains_like_cpu(assets, layout, tmp_path):
+    # Each MoE layer's dispatcher exchanges token counts, reads them on the host and sends
+    # the tokens with all_to_all_single's uneven splits (over tpu_dist; gloo on CPU).
+    seed = assets / "outputs" / "seed-moe" / "step-0"
+    if not seed.exists():
+        _run(assets, 1, "cpu", ["--checkpoint.create_seed_checkpoint", "--checkpoint.folder",
+                                "seed-moe"], args=MOE_ARGS)
+    nproc, flags = MOE_LAYOUTS[layout]
+    runs = {}
+    for device in ("cpu", "tpu"):
+        out = _run(assets, nproc, device, flags + [
+            "--checkpoint.initial_load_path", str(seed),
+            "--checkpoint.folder", f"{device}-{layout}"], args=MOE_ARGS)
+        if device == "tpu":
+            assert "torchtpu.fallback" not in out
+            assert nproc == 1 or "ep=2" in out  # TorchTitan built the expert-parallel mesh
+        runs[device] = _losses(out)
+    # Routing picks experts by top-k of float32 scores: equal on both devices here, so the
+    # losses differ only by the experts' and attention's bfloat16 rounding.
+    assert runs["tpu"] == pytest.approx(runs["cpu"], rel=1e-3), runs
+    assert runs["tpu"][-1] < runs["tpu"][0]
