@@ -12,12 +12,18 @@ import dataclasses
 import functools
 import gc
 import os
+import time
 
 import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
 from vllm.distributed.kv_transfer import has_kv_transfer_group
-from vllm.forward_context import get_forward_context, is_forward_context_available
+from vllm.forward_context import (
+    get_forward_context,
+    is_forward_context_available,
+    set_forward_context,
+)
+from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
@@ -36,6 +42,8 @@ from torchtpu.integrations.vllm.attention import (
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import HostFeeds, StepGraphs, bucket
 from torchtpu.runtime import platform
+
+log = init_logger(__name__)
 
 # torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
 # has not got; torch.tpu answers the same questions.
@@ -197,6 +205,53 @@ class TpuModelRunner(GPUModelRunner):
         fed.add(self.is_padding, lambda: np.arange(self.max_num_tokens) >= self._fed_reqs)
         self._feeds = (table, fed)
         return fed
+
+    def capture_decode_steps(self) -> int:
+        """Capture, compile and run once every padded decode shape a step can take: each
+        request count :func:`bucket` gives up to ``max_num_seqs``, with each context read
+        (powers of two of blocks up to ``max_model_len``), so that no request waits for a
+        decode program's compile. The dummy steps write only the null block 0. Returns how
+        many shapes were captured."""
+        if not self._decodes_on_host(np.ones(1, dtype=np.int32)):
+            return 0
+        table = self.input_batch.block_table[0]
+        bs, max_blocks = table.block_size, table.block_table.np.shape[1]
+        reqs = sorted({bucket(1 << i, self.max_num_reqs)
+                       for i in range(max(1, self.max_num_reqs).bit_length())})
+        contexts = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
+        before = self.step_graphs.captures
+        for r in reqs:
+            for blocks in contexts:
+                if len(self.step_graphs._graphs) >= self.step_graphs.max_captures:
+                    break
+                self._dummy_decode(r, blocks * bs)
+        self._fed = self._sampled = None
+        return self.step_graphs.captures - before
+
+    def _dummy_decode(self, n: int, seq_len: int) -> None:
+        """One decode step of n requests of seq_len tokens, through the host-fed path."""
+        self.input_ids.np[:n] = 0
+        self.query_start_loc.np[: n + 1] = np.arange(n + 1)
+        self.query_start_loc.np[n + 1:] = n
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+        seq_lens[:n], seq_lens[n:] = seq_len, 0
+        self._host_positions[:n], self._host_positions[n:] = seq_len - 1, 0
+        self.input_batch.block_table[0].slot_mapping.np[:] = -1  # the null block
+        self._fed_reqs = n
+        self._fed = self._host_feeds()
+        mode, desc, _, _, _ = self._determine_batch_execution_and_padding(
+            num_tokens=n, num_reqs=n, num_scheduled_tokens_np=np.ones(n, dtype=np.int32),
+            max_num_scheduled_tokens=1, allow_microbatching=False)
+        tokens = desc.num_tokens
+        by_gid, by_layer = self._get_slot_mappings(tokens, desc.num_reqs, n)
+        attn_metadata, _ = self._build_attention_metadata(
+            num_tokens=n, num_reqs=n, max_query_len=1, num_tokens_padded=tokens,
+            num_reqs_padded=desc.num_reqs, slot_mappings=by_gid)
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=tokens,
+                                 cudagraph_runtime_mode=mode, batch_descriptor=desc,
+                                 slot_mapping=by_layer):
+            self._model_forward(input_ids=self.input_ids.gpu[:tokens],
+                                positions=self.positions[:tokens])
 
     def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int,
                            num_tokens_unpadded: int, ubatch_slices=None):
@@ -392,8 +447,13 @@ class TpuWorker(Worker):
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         # the GPU worker's kernel warm-up imports every model's CUDA kernels; torchtpu compiles
-        # each program when it first runs
+        # each program when it first runs, and the decode steps' programs here (start-up)
         set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
+        start = time.perf_counter()
+        captured = self.model_runner.capture_decode_steps()
+        if captured:
+            log.info("torchtpu: %d decode step shapes captured and compiled in %.1f s",
+                     captured, time.perf_counter() - start)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
             encoder=self.compilation_config.encoder_compilation_time,

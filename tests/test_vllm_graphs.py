@@ -1,0 +1,123 @@
+"""Captured vLLM decode steps fed from the host (``integrations/vllm/graphs.py``, ``worker.py``).
+
+The first tests need torchtpu only: a captured program reads a fed buffer's host values at every
+replay, never the device copy. The last runs ``vllm.LLM`` on device "tpu" (vLLM venv): decode
+shapes are captured at start-up, each decode step is one program prepared on the host, and the
+greedy tokens equal Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from torchtpu.integrations.vllm.graphs import HostFeeds, StepGraphs
+
+
+def test_a_fed_buffer_is_read_from_the_host_at_every_replay():
+    table = torch.arange(10.0)
+    weights = table.to("tpu")
+    index = torch.zeros(8, dtype=torch.int64, device="tpu")  # the device copy stays zeros
+    host = np.zeros(8, dtype=np.int64)
+    feeds = HostFeeds()
+    feeds.add(index, lambda: host)
+    graphs = StepGraphs()
+
+    def step():
+        return weights[index[:4]] * 2, index.sum()
+
+    for values in ([1, 2, 3, 4], [9, 0, 5, 7], [3, 3, 8, 1]):
+        host[:4] = values
+        out, total = graphs("decode", step, feeds)
+        torch.testing.assert_close(out.cpu(), table[torch.tensor(values)] * 2)
+        assert total.item() == sum(values)
+    assert (graphs.captures, graphs.replays) == (1, 3)
+    assert index.cpu().tolist() == [0] * 8  # the program read the host, not this
+
+
+def test_materialize_writes_the_host_values_into_the_device_buffer():
+    buf = torch.zeros(2, 3, dtype=torch.int32, device="tpu")
+    host = np.arange(6, dtype=np.int32).reshape(2, 3)
+    feeds = HostFeeds()
+    feeds.add(buf, lambda: host)
+    feeds.materialize()
+    assert buf.cpu().tolist() == host.tolist()
+
+
+def test_feeds_refuse_a_host_tensor_and_installing_outside_a_capture():
+    feeds = HostFeeds()
+    with pytest.raises(ValueError, match="lives on 'tpu'"):
+        feeds.add(torch.zeros(2), lambda: np.zeros(2))
+    with pytest.raises(RuntimeError, match="outside a graph capture"):
+        feeds.install()
+
+
+# In a process of its own (vLLM picks its platform once per process). Prints one JSON line.
+_SERVE = r"""
+import json, sys
+import vllm
+from torchtpu.runtime import launch
+
+model, prompts = sys.argv[1], json.loads(sys.argv[2])
+llm = vllm.LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=8,
+               gpu_memory_utilization=0.01, kv_cache_memory_bytes=4 << 20)
+runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+at_start = runner.step_graphs.captures
+steps, launched = [], []  # per step: [prepared on the host, programs launched]
+run, execute = launch.run, runner.execute_model
+
+def counted_run(label, fn, args):
+    launched.append(str(label))
+    return run(label, fn, args)
+
+def counted_execute(*args, **kwargs):  # the step up to its logits (sampling follows)
+    launched.clear()
+    out = execute(*args, **kwargs)
+    steps.append([runner._fed is not None, len(launched)])
+    return out
+
+launch.run = counted_run
+runner.execute_model = counted_execute
+params = vllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+print("RESULT " + json.dumps({
+    "at_start": at_start, "after": runner.step_graphs.captures, "steps": steps,
+    "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+"""
+
+
+def test_decode_steps_are_captured_at_start_up_and_run_as_one_program(tmp_path):
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from transformers import AutoModelForCausalLM
+
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
+    # 5 requests (padded to 8), prompts of 3 to 40 tokens: contexts of 1 to 4 blocks
+    prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 17, 30, 40))]
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    proc = subprocess.run([sys.executable, "-c", _SERVE, model_dir, json.dumps(prompts)],
+                          env=env, capture_output=True, text=True, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    # start-up captured every decode shape: 4 request buckets (1, 2, 4, 8) x 4 contexts of
+    # 1, 2, 4, 8 blocks (128 tokens); generating captured none
+    assert got["at_start"] == 16 and got["after"] == got["at_start"], got
+    decodes = [n for fed, n in got["steps"] if fed]
+    assert len(decodes) >= 11, got["steps"]  # every step after the prefills was host-fed
+    # ...and launched one program up to its logits (inputs, forward, logits, greedy tokens)
+    # plus, where requests were padded (5 -> 8), the slices of its logits and tokens to the
+    # step's requests; the sampler then takes the program's argmax
+    assert set(decodes) <= {1, 3}, got["steps"]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    for ids, tokens in zip(prompts, got["tokens"]):
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
+                           do_sample=False)[0, len(ids):].tolist()
+        assert tokens == want
