@@ -15,9 +15,12 @@ builds every variant first, from the same initial weights:
 - ``unsharded compiled``: the plain model compiled on each rank with no communication (the
   per-rank cost the sharded steps are set against);
 - ``... whole step``: ``torch.compile(train_step, backend="tpu")`` of the whole step, AdamW
-  included: one captured program per call. With simple_fsdp the capture records the XLA
-  transport's collectives too (``distributed/xla.py``), so it is one SPMD program per rank
-  (``eager/spanning.py``): the all-gathers, reduce-scatters and all-reduces inside it with the
+  included: one captured program per call; ``simple_fsdp whole step (local collectives)`` is
+  that program with each collective replaced by local work on the same bytes (what the
+  collectives cost, so whether XLA overlaps them: their compiled schedule is printed too).
+  With simple_fsdp the capture records the XLA transport's collectives too
+  (``distributed/xla.py``), so it is one SPMD program per rank (``eager/spanning.py``): the
+  all-gathers, reduce-scatters and all-reduces inside it with the
   forward, backward and AdamW on the shards.
 
 A step is forward, backward, AdamW (eager in the non-whole-step variants) and a host read of
@@ -42,6 +45,9 @@ import torch
 from torchtpu.testing.distributed import run
 
 VOCAB, BLOCK = 128, 64
+# The sharded whole step's program with each collective replaced by local work on the same
+# bytes (``eager/spanning.LOCAL_COLLECTIVES``): the step without communication.
+LOCAL = "simple_fsdp whole step (local collectives)"
 
 
 def _model(args):
@@ -89,6 +95,7 @@ def _variants(args, world):
               "unsharded compiled": lambda: stepped(m := _model(args).to("tpu"),
                                                     torch.compile(m, backend="tpu")),
               "simple_fsdp whole step": lambda: whole(simple_fsdp(_model(args).to("tpu"), mesh)),
+              LOCAL: lambda: whole(simple_fsdp(_model(args).to("tpu"), mesh)),
               "unsharded whole step": lambda: whole(_model(args).to("tpu"))}
     only = [n.strip() for n in args.only.split(",")] if args.only else list(makers)
     unknown = [n for n in only if n not in makers]
@@ -101,6 +108,7 @@ def _variants(args, world):
 def _bench(rank, world, args):
     import torch.distributed as dist
 
+    from torchtpu.eager import spanning
     from torchtpu.runtime import launch
 
     group = dist.group.WORLD
@@ -113,12 +121,17 @@ def _bench(rank, world, args):
     def step(name):
         return variants[name](x, y).item()
 
-    counts = {}
+    counts, schedules = {}, {}
     for name in variants:
-        with warnings.catch_warnings():  # simple_fsdp's whole step says it uses Dynamo's graphs
-            warnings.simplefilter("ignore")
-            for _ in range(args.warmup):
-                step(name)
+        spanning.LOCAL_COLLECTIVES = name == LOCAL  # read when its capture finishes
+        try:
+            with warnings.catch_warnings():  # fully_shard's whole step uses Dynamo's graphs
+                warnings.simplefilter("ignore")
+                for _ in range(args.warmup):
+                    step(name)
+        finally:
+            spanning.LOCAL_COLLECTIVES = False
+        schedules[name] = _schedule(variants[name])
         launched.clear()
         seq = group._seq
         launch.observer = torch._dynamo.disable(
@@ -135,7 +148,28 @@ def _bench(rank, world, args):
             for _ in range(args.steps):
                 step(name)
             times[name].append((time.perf_counter() - start) / args.steps * 1e3)
-    return {name: (statistics.median(ts), *counts[name]) for name, ts in times.items()}
+    return ({name: (statistics.median(ts), *counts[name]) for name, ts in times.items()},
+            schedules)
+
+
+def _schedule(step) -> dict | None:
+    """A whole step's compiled SPMD program: its collectives as XLA scheduled them, synchronous
+    (``all-reduce(``) or split into start/done pairs that compute may run between."""
+    import re
+
+    from torchtpu.eager import spanning
+
+    kept = list(getattr(step, "_steps", {}).values())
+    fn = kept[0].captured._fn if kept else None
+    if not isinstance(fn, spanning.Spanning) or fn._compiled is None:
+        return None
+    hlo = fn._compiled.as_text()
+    ops = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|all-to-all)(-start|-done)?\(",
+                     hlo)
+    found: dict = {}
+    for op, phase in ops:
+        found[op + (phase or "")] = found.get(op + (phase or ""), 0) + 1
+    return found
 
 
 def main() -> None:
@@ -154,18 +188,24 @@ def main() -> None:
                   pg_timeout=300, timeout=3000)
     with open("/proc/loadavg") as f:
         print("loadavg after:", f.read().strip())
-    rows = results[0]
+    rows, schedules = results[0]
     nan = float("nan")
     eager, single, whole = (rows.get(name, (nan,))[0] for name in (
         "fsdp2 eager", "unsharded compiled", "unsharded whole step"))
     print(f"TinyGPT {args.layers} layers, n_embd {args.embd}, batch {args.batch} x {BLOCK} "
           f"per rank, 2 ranks, XLA transport; median of {args.rounds} rounds x {args.steps} "
           "steps (rank 0)")
-    print(f"{'variant':24} {'ms/step':>9} {'eager/x':>8} {'x/unsharded':>12} "
+    print(f"{'variant':42} {'ms/step':>9} {'eager/x':>8} {'x/unsharded':>12} "
           f"{'x/unsh. whole':>14} {'programs':>9} {'eager coll.':>12}")
     for name, (ms, programs, collectives) in rows.items():
-        print(f"{name:24} {ms:9.1f} {eager / ms:8.2f} {ms / single:12.2f} {ms / whole:14.2f} "
+        print(f"{name:42} {ms:9.1f} {eager / ms:8.2f} {ms / single:12.2f} {ms / whole:14.2f} "
               f"{programs:9d} {collectives:12d}")
+    if LOCAL in rows and "simple_fsdp whole step" in rows:
+        print(f"collectives' cost in the whole step: {rows['simple_fsdp whole step'][0]:.1f} - "
+              f"{rows[LOCAL][0]:.1f} ms (the same program, local work instead)")
+    for name, found in schedules.items():
+        if found is not None:
+            print(f"{name}: compiled program's collectives {found}")
 
 
 if __name__ == "__main__":

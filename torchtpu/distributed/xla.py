@@ -164,7 +164,7 @@ class _Recorded:
 
     def _bound(self, params: dict, value):
         if standins():
-            return _standin(self.op, value, self.size, **params)
+            return _standin(self.op, value, **{"n": self.size, **params})
         axis = axis_of(self.key)
         body = functools.partial(_BODIES[self.op], **params, axis=axis)
         if _axis_bound(axis):
@@ -190,7 +190,7 @@ class _Recorded:
         return [p.reshape(c.params.get("out") or c.block) for c, p in zip(calls, parts)]
 
 
-def _standin(op: str, b, n: int, *, out=None, **_):
+def _standin(op: str, b, *, n: int, out=None, **_):
     """Local work in place of op's collective, reading and writing as many bytes on this
     device (``bench/sharded.py`` measures a program against itself with these: what the
     collectives cost, and so how much of it XLA overlaps)."""
