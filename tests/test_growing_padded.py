@@ -117,3 +117,14 @@ def test_a_transposed_padded_value_copied_by_reshape_stays_padded():
         torch.testing.assert_close(got, _heads(x, w), rtol=1e-5, atol=1e-6)
     assert _count("eager_padded_copies") == copies + 1
     assert _count("eager_padded_cuts") + _count("eager_host_cuts") == cuts + 1  # .cpu()
+
+
+def test_a_padded_value_with_a_cpu_scalar_tensor_equals_cpu():
+    # TorchTitan scales its loss by a token count kept in a 0-d CPU tensor: a CPU operand of a
+    # tpu op holds no device value to look into.
+    for n in range(3, 20):
+        x, w, b = _inputs(n)
+        scale = torch.tensor(float(n))
+        h = torch.nn.functional.linear(x.to("tpu"), w.to("tpu"), b.to("tpu"))
+        got = (h * scale / torch.tensor(3.0)).cpu()
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b) * scale / 3.0)

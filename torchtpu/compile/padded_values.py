@@ -112,8 +112,9 @@ def cut(host: np.ndarray, real: tuple, padded: tuple) -> np.ndarray:
 
 
 def held(t) -> Padded | None:
-    """The Padded value t's storage holds, if any."""
-    array = t.untyped_storage()._tpu_array
+    """The Padded value t's storage holds, if any (a CPU operand of a tpu op, a 0-d CPU tensor,
+    holds no device value)."""
+    array = getattr(t.untyped_storage(), "_tpu_array", None)
     return array if type(array) is Padded else None
 
 
