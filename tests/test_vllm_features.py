@@ -209,7 +209,8 @@ def _config(**parts):
     from vllm.config import CacheConfig, CompilationConfig, ParallelConfig
 
     base = {"compilation_config": CompilationConfig(), "parallel_config": ParallelConfig(),
-            "cache_config": CacheConfig()}
+            "cache_config": CacheConfig(),
+            "scheduler_config": types.SimpleNamespace(async_scheduling=None)}
     return types.SimpleNamespace(**{**base, **parts})
 
 

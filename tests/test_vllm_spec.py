@@ -95,3 +95,26 @@ def test_draft_inputs_copied_and_expanded_match_vllms_cpu_kernel(shift):
     for name, a, b in zip(("ids", "positions", "rejected", "masked", "new", "hidden"), got, want):
         assert a.cpu().tolist() == b.tolist(), name
     assert want[2].any() and want[3].any()  # both the rejected and the parallel slots
+
+
+@pytest.mark.full  # an engine of its own: minutes
+def test_draft_model_speculation_keeps_the_greedy_tokens(tmp_path):
+    """A 1-layer draft cut from the 2-layer tiny Llama proposes 3 tokens a step: the target's
+    greedy tokens are HF's (= no speculation, tests/test_vllm.py), some drafts accepted."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from tests.test_vllm import _hf_greedy
+    from tests.test_vllm_features import SPEC_PROMPTS, _engine
+    from torchtpu.integrations.vllm.draft import save_draft_model
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    target = str(save_tiny_model(tmp_path / "target", "llama"))
+    drafter = str(save_draft_model(target, tmp_path / "draft", layers=1))
+    spec = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}
+    proc, got = _engine(target, SPEC_PROMPTS, {"speculative_config": spec}, 24)
+    assert got, proc.stderr[-4000:]
+    assert got["ids"] == _hf_greedy(target, SPEC_PROMPTS, 24)
+    m = got["metrics"]
+    drafted = m["vllm:spec_decode_num_draft_tokens"]
+    accepted = m["vllm:spec_decode_num_accepted_tokens"]
+    assert 0 < accepted < drafted, m
+    print(f"draft-model acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")

@@ -6,7 +6,8 @@ the token to sample from after rejections, the slots and positions of each autor
 step, and the draft's inputs copied and expanded from the target's. Triton cannot take "tpu"
 tensors; here each is a few batched torch ops over the requests (no loop, no host read), taking
 the kernel's arguments in its order (pointers become tensors) and writing its outputs in place.
-:func:`register` installs them. Not served yet: ``support.py`` still refuses these methods.
+:func:`register` installs them; ``speculative_config={"method": "draft_model", ...}`` runs on
+them (EAGLE and MTP are still refused: not tried).
 
 A draft proposes tokens that the target model then checks; it must share the target's
 tokenizer and vocabulary. :func:`save_draft_model` writes the first ``layers`` decoder layers

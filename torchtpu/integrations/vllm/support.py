@@ -9,8 +9,9 @@ setting and says what works instead.
 
 from __future__ import annotations
 
-# speculative-decoding methods whose kernels have tpu versions (spec_kernels.py)
-SPECULATIVE_METHODS = ("ngram",)
+# speculative-decoding methods whose kernels have tpu versions (spec_kernels.py: rejection
+# sampling; draft.py: the draft model's input kernels)
+SPECULATIVE_METHODS = ("ngram", "draft_model")
 # KV-cache dtypes the tpu attention backend stores (attention.py); the fp8 ones as float8 with
 # vLLM's per-tensor scales (``k_scale``/``v_scale``), per-token-head ones not
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -114,10 +115,9 @@ def refuse_unsupported(vllm_config) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     method = getattr(spec, "method", None)
     if method is not None and method not in SPECULATIVE_METHODS:
-        # draft_model / EAGLE / MTP proposers prepare their inputs with Triton kernels of
-        # vllm.v1.spec_decode.utils (eagle_prepare_next_token_padded, eagle_prepare_inputs_padded,
-        # eagle_step_slot_mapping_metadata, copy_and_expand_eagle_inputs) that have no tpu
-        # versions yet: a draft model loads and runs its first forward, then the first stops
-        _refuse(f"speculative decoding method {method!r} (its proposer's Triton input kernels)",
+        # EAGLE / MTP drafts read the target's hidden states and share its embeddings: not
+        # tried on tpu yet (their input kernels are draft.py's, as the draft model's)
+        _refuse(f"speculative decoding method {method!r}",
                 "use speculative_config={'method': 'ngram', 'num_speculative_tokens': k, "
-                "'prompt_lookup_max': n}")
+                "'prompt_lookup_max': n} or {'method': 'draft_model', 'model': DRAFT_DIR, "
+                "'num_speculative_tokens': k}")
