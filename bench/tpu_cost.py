@@ -20,10 +20,13 @@ bytes at its HBM bandwidth).
 ``--gpt2`` adds a GPT-2 small (124M) training step, bf16 under ``torch.autocast``, and its
 estimated MFU on one chip (flops / (cost-model seconds x the chip's bf16 peak));
 ``--gpt2-from 1,2`` scales the 12-block figures from 1- and 2-block steps, for a host too slow
-to run the whole model's step on XLA:CPU.
+to run the whole model's step on XLA:CPU; ``--gpt2-batch N`` takes N x 1024 tokens a step. Beside
+it the same step written in JAX with autocast's casts (``bench/tpu_gpt2.py``: all 12 blocks, it
+only compiles) at the same batch.
 
     python bench/tpu_cost.py [--chips v5e,v6e] [--models ...] [--kinds forward,train]
-                             [--modes compile,captured] [--gpt2 [--gpt2-from A,B]]
+                             [--modes compile,captured]
+                             [--gpt2 [--gpt2-from A,B] [--gpt2-batch N]]
                              [--json out.json]
 
 One target per process (``runtime/tpu_hook.py``), so each chip runs in a process of its own.
@@ -212,7 +215,20 @@ def table(rows: list) -> str:
     return "\n".join(lines)
 
 
-def run_chip(chip: str, models, kinds, modes, gpt2: bool, few: tuple | None = None) -> dict:
+def gpt2_jax(topology: str, batch: int) -> dict:
+    """The JAX GPT-2 step (``tpu_gpt2.py``, 12 blocks) at batch x 1024 tokens on one chip."""
+    import tpu_gpt2
+
+    r = tpu_gpt2.compile_step(topology, batch)
+    if not r.compiles:
+        raise RuntimeError(f"torchtpu.bench: the JAX GPT-2 step does not compile: {r.error}")
+    return {"seconds": r.seconds, "flops": r.flops, "bytes": r.bytes_accessed,
+            "hbm_peak": r.hbm.get("peak", 0), "twin": r.seconds_twin, "tokens": batch * 1024,
+            "mfu": r.flops / (r.seconds * r.peak_flops) if r.seconds else None}
+
+
+def run_chip(chip: str, models, kinds, modes, gpt2: bool, few: tuple | None = None,
+             batch: int = 1) -> dict:
     topology = f"{chip}:2x2"
     rows = []
     for name in models:
@@ -223,7 +239,8 @@ def run_chip(chip: str, models, kinds, modes, gpt2: bool, few: tuple | None = No
                              "torchtpu": torchtpu_row(name, kind, mode, topology), "jax": port})
     g = None
     if gpt2:
-        g = gpt2_scaled(topology, few) if few else gpt2_row(topology)
+        g = gpt2_scaled(topology, few, batch=batch) if few else gpt2_row(topology, batch)
+        g["jax"] = gpt2_jax(topology, batch)
     return {"rows": rows, "gpt2": g}
 
 
@@ -237,6 +254,7 @@ def main(argv: list | None = None) -> dict:
     parser.add_argument("--gpt2-from", default=None, metavar="A,B",
                         help="GPT-2's 12-block step scaled from A- and B-block steps (for a "
                              "host too slow for the whole model)")
+    parser.add_argument("--gpt2-batch", type=int, default=1, help="GPT-2's sequences a step")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
     chips = reg._names(args.chips, CHIPS)
@@ -247,7 +265,7 @@ def main(argv: list | None = None) -> dict:
         raise SystemExit("torchtpu.argument: --gpt2-from takes two block counts A,B with "
                          f"0 < A < B, not {args.gpt2_from!r}")
     if len(chips) == 1:
-        out = {chips[0]: run_chip(chips[0], *picked, args.gpt2, few)}
+        out = {chips[0]: run_chip(chips[0], *picked, args.gpt2, few, args.gpt2_batch)}
     else:  # one target per process
         out = {}
         for chip in chips:
@@ -255,7 +273,8 @@ def main(argv: list | None = None) -> dict:
                 subprocess.run([sys.executable, os.path.abspath(__file__), "--chips", chip,
                                 "--models", args.models, "--kinds", args.kinds, "--modes",
                                 args.modes, *(["--gpt2"] if args.gpt2 else []),
-                                *(["--gpt2-from", args.gpt2_from] if few else []), "--json",
+                                *(["--gpt2-from", args.gpt2_from] if few else []),
+                                "--gpt2-batch", str(args.gpt2_batch), "--json",
                                 f.name], check=True, stdout=subprocess.DEVNULL)
                 out.update(json.load(open(f.name)))
     rows = [r for chip in chips for r in out[chip]["rows"]]
@@ -273,6 +292,11 @@ def main(argv: list | None = None) -> dict:
                   f"{_fmt(g['flops'], 1e12, 3)} TFLOP, MFU {_fmt(g['mfu'], 0.01, 1)}% of "
                   f"{g['peak_flops'] / 1e12:.0f} TFLOP/s, HBM peak "
                   f"{_fmt(g['hbm_peak'], 2**30)} GiB")
+            j = g["jax"]
+            print(f"{chip}: the JAX GPT-2 step (bench/tpu_gpt2.py, 12 blocks, {j['tokens']} "
+                  f"tokens): {_fmt(j['seconds'], 1e-3)} ms, {_fmt(j['flops'], 1e12, 3)} TFLOP, "
+                  f"MFU {_fmt(j['mfu'], 0.01, 1)}%, HBM peak {_fmt(j['hbm_peak'], 2**30)} GiB"
+                  + (f" (time from its twin: {j['twin']})" if j["twin"] else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
