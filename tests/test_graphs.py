@@ -256,3 +256,15 @@ def test_reduce_overhead_replays_a_captured_graph(fresh_dynamo):
         np.testing.assert_allclose(wt.grad.cpu(), w.grad, rtol=1e-5, atol=1e-5)
     # The first call captures a forward and a backward; the others replay them.
     assert captures == [2, 0, 0], captures
+
+
+def test_a_copy_of_a_value_the_capture_has_not_computed_is_recorded():
+    # reshape of a transposed tensor is a clone, copy_ from a value the capture only recorded:
+    # asking that value anything but its type would run it (a host read inside the capture).
+    x_cpu = torch.randn(4, 6)
+    x = x_cpu.to("tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        out = (x * 2).transpose(0, 1).reshape(-1) + 1
+    g.replay()
+    torch.testing.assert_close(out.cpu(), (x_cpu * 2).transpose(0, 1).reshape(-1) + 1)

@@ -167,9 +167,11 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             overlap.check_between(aten.copy_.default, [dst], [src])
             # A padded value (``compile/padded_values.py``) may copy itself padded into dst
             # (reshape's clone of a transposed attention output), where a read would cut it.
+            # (Asked of its type: a pending value of a capture or of DeferAndFuse would run to
+            # answer an attribute read.)
             held = src.untyped_storage()._tpu_array
-            if isinstance(held, tensors.Deferred) and hasattr(held, "copy_into") \
-                    and held.copy_into(dst, src):
+            copy_into = getattr(type(held), "copy_into", None)
+            if copy_into is not None and copy_into(held, dst, src):
                 return dst
             value = convert(tensors.read(src), dst)
             if value is src.untyped_storage()._tpu_array:
