@@ -51,6 +51,7 @@ def test_prefill_and_decode_instances_behind_the_router_give_one_instances_token
     pytest.importorskip("vllm", reason="vLLM is not installed: "
                         "python -m torchtpu.integrations.vllm.install")
     pytest.importorskip("vllm_router", reason=f"pip install {routing.ROUTER_PIN}")
+    from tests.test_vllm_routing import _refused
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
     model = str(save_tiny_model(tmp_path / "llama", "llama"))
@@ -84,13 +85,3 @@ def test_prefill_and_decode_instances_behind_the_router_give_one_instances_token
         print(f"{name}: TTFT {ttft * 1e3:.0f} ms, ITL {itl * 1e3:.0f} ms (medians of "
               f"{len(runs)} requests, one at a time, after a warm-up)")
 
-
-def _refused(url):
-    import urllib.error
-    import urllib.request
-
-    try:
-        urllib.request.urlopen(url + "/health", timeout=5)
-    except urllib.error.URLError as e:
-        return isinstance(e.reason, ConnectionRefusedError)
-    return False

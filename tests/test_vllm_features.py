@@ -187,19 +187,24 @@ SPEC_PROMPTS = ["abcabcabcabcabc", "the quick brown fox jumps over the quick bro
 
 
 def test_ngram_speculation_keeps_the_greedy_tokens(tiny_llama):
-    from tests.test_vllm import _hf_greedy
-
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
             "prompt_lookup_min": 2}
-    proc, got = _engine(tiny_llama, SPEC_PROMPTS, {"speculative_config": spec}, 24)
+    check_speculation(tiny_llama, spec, "n-gram")
+
+
+def check_speculation(model: str, spec: dict, name: str) -> None:
+    """model's greedy tokens under speculative_config=spec equal HF's, and some drafts were
+    accepted and some rejected (both branches ran); the acceptance rate is printed."""
+    from tests.test_vllm import _hf_greedy
+
+    proc, got = _engine(model, SPEC_PROMPTS, {"speculative_config": spec}, 24)
     assert got, proc.stderr[-4000:]
-    assert got["ids"] == _hf_greedy(tiny_llama, SPEC_PROMPTS, 24)
+    assert got["ids"] == _hf_greedy(model, SPEC_PROMPTS, 24)
     m = got["metrics"]
     drafted = m["vllm:spec_decode_num_draft_tokens"]
     accepted = m["vllm:spec_decode_num_accepted_tokens"]
-    # drafts were proposed, some accepted and some rejected: both branches ran
     assert 0 < accepted < drafted, m
-    print(f"n-gram acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")
+    print(f"{name} acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")
 
 
 def _config(**parts):

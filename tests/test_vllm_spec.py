@@ -102,19 +102,11 @@ def test_draft_model_speculation_keeps_the_greedy_tokens(tmp_path):
     """A 1-layer draft cut from the 2-layer tiny Llama proposes 3 tokens a step: the target's
     greedy tokens are HF's (= no speculation, tests/test_vllm.py), some drafts accepted."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    from tests.test_vllm import _hf_greedy
-    from tests.test_vllm_features import SPEC_PROMPTS, _engine
+    from tests.test_vllm_features import check_speculation
     from torchtpu.integrations.vllm.draft import save_draft_model
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
     target = str(save_tiny_model(tmp_path / "target", "llama"))
     drafter = str(save_draft_model(target, tmp_path / "draft", layers=1))
-    spec = {"method": "draft_model", "model": drafter, "num_speculative_tokens": 3}
-    proc, got = _engine(target, SPEC_PROMPTS, {"speculative_config": spec}, 24)
-    assert got, proc.stderr[-4000:]
-    assert got["ids"] == _hf_greedy(target, SPEC_PROMPTS, 24)
-    m = got["metrics"]
-    drafted = m["vllm:spec_decode_num_draft_tokens"]
-    accepted = m["vllm:spec_decode_num_accepted_tokens"]
-    assert 0 < accepted < drafted, m
-    print(f"draft-model acceptance: {accepted:.0f}/{drafted:.0f} = {accepted / drafted:.2f}")
+    check_speculation(target, {"method": "draft_model", "model": drafter,
+                               "num_speculative_tokens": 3}, "draft-model")
