@@ -20,9 +20,9 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchtpu.device import dtypes, kernels, tensors
+from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import at_call, executor, fallback, meta, overlap, schema, seen_calls
+from torchtpu.eager import at_call, executor, fallback, meta, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
 from torchtpu.runtime import platform
