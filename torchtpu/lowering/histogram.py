@@ -14,6 +14,7 @@ import math
 import jax.numpy as jnp
 import torch
 
+from torchtpu import errors
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
@@ -137,11 +138,13 @@ def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
 def bincount(x, weights=None, minlength=0):
     # The length depends on the largest value: this runs on concrete arrays (a host read).
     if x.ndim != 1 or not jnp.issubdtype(x.dtype, jnp.integer) or (x.size and x.min() < 0):
-        raise RuntimeError("bincount only supports 1-d non-negative integral inputs.")
+        raise RuntimeError(errors.message(
+            "argument", "bincount only supports 1-d non-negative integral inputs."))
     if weights is not None and (weights.ndim != 1 or weights.shape[0] != x.shape[0]):
-        raise RuntimeError("weights should be 1-d and have the same length as input")
+        raise RuntimeError(errors.message(
+            "argument", "weights should be 1-d and have the same length as input"))
     if minlength < 0:
-        raise RuntimeError("minlength should be >= 0")
+        raise RuntimeError(errors.message("argument", "minlength should be >= 0"))
     length = max(int(x.max()) + 1 if x.size else 0, minlength)
     if weights is None or x.size == 0:  # CPU counts an empty input in int64, weighed or not
         return jnp.zeros((length,), _INDEX).at[x].add(1)

@@ -76,7 +76,7 @@ def _pairs(gpu: GPULoadStoreSpec, host: BlockIDsLoadStoreSpec,
         device_start += size
         host_start += chunks if size else 0
     if device_start != len(gpu.block_ids) or host_start != len(host.block_ids):
-        raise RuntimeError(f"torchtpu.internal: KV offload transfer of {len(gpu.block_ids)} "
+        raise RuntimeError(f"torchtpu.device: KV offload transfer of {len(gpu.block_ids)} "
                            f"device blocks to {len(host.block_ids)} host chunks does not match "
                            f"its groups {list(gpu.group_sizes)}")
     return out
