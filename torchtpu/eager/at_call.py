@@ -40,9 +40,11 @@ def _host_values(t: torch.Tensor):
         return None
     # A padded value (``compile/padded_values.py``) gives its real elements without being cut
     # into its storage, which would undo its padding for the op this check guards.
+    # (Asked of its type: DeferAndFuse's pending value would run to answer an attribute read.)
     array = t.untyped_storage()._tpu_array
-    if isinstance(array, tensors.Deferred) and hasattr(array, "host_view"):
-        return array.host_view(t)
+    host_view = getattr(type(array), "host_view", None)
+    if host_view is not None:
+        return host_view(array, t)
     if not executor.is_materialized(t):
         return None
     return np.asarray(tensors.read(t))
