@@ -207,10 +207,11 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         values, _ = schema.bind(oi, args, kwargs)
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
-        hit = None
+        hit = key = None
         if repeatable and tensors.capture is None:
             try:
-                hit = seen.get(seen_calls.signature(values))
+                key = seen_calls.signature(values)
+                hit = seen.get(key)
             except TypeError:  # an unhashable constant: the full path
                 hit = False
             if hit:
@@ -220,8 +221,8 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
-        if hit is None and repeatable and tensors.capture is None:
-            seen_calls.remember(seen, values, result, spec)
+        if hit is None and key is not None:
+            seen_calls.remember(seen, key, values, result, spec)
         return list(out) if returns_list else out
 
     return handle

@@ -71,16 +71,13 @@ def _simple(spec: Spec) -> bool:
     return True
 
 
-def remember(seen: dict, values: list, result, spec: Spec) -> None:
-    """Keep the full path's plan for this call's signature, if calls of it can repeat it."""
+def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
+    """Keep the full path's plan for this call's signature ``key``, if calls of it can repeat
+    it."""
     simple = spec._simple
     if simple is None:
         simple = spec._simple = _simple(spec)
     if not simple:
-        return
-    try:
-        key = signature(values)
-    except TypeError:  # an unhashable constant
         return
     reads = tuple((i, dtypes.to_jax(v.dtype)) for i, v in enumerate(values)
                   if isinstance(v, _Tensor))
