@@ -130,3 +130,17 @@ def test_moves_keep_tied_weights_and_other_conversions_keep_pytorchs_path():
         assert conv.weight is weight
         assert conv.weight.is_contiguous(memory_format=torch.channels_last)
         out.sum().backward()
+
+
+def test_lazy_module_moved_to_tpu_materializes_as_on_cpu():
+    # The move swaps parameters in place; an UninitializedParameter must stay one, else the
+    # lazy module's first forward sees a 0-element weight.
+    cpu = torch.nn.LazyConv2d(4, 2)
+    tpu = torch.nn.LazyConv2d(4, 2).to("tpu")
+    assert torch.nn.parameter.is_lazy(tpu.weight)
+    x = torch.randn(2, 3, 5, 5)
+    tpu(x.to("tpu"))  # materializes on the device
+    assert type(tpu.weight) is torch.nn.Parameter and tpu.weight.device.type == "tpu"
+    expected = cpu(x)
+    tpu.load_state_dict(cpu.state_dict())
+    assert_same(tpu(x.to("tpu")), expected)

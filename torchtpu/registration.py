@@ -128,11 +128,17 @@ def _swapping_when(moves):
                 swap = False
             if not swap:
                 return method(self, *args, **kwargs)
+            # A swap gives each parameter the class of a new Parameter; a lazy module's
+            # UninitializedParameter must stay one (CUDA's `.data =` path keeps it), or its
+            # first forward never materializes it.
+            lazy = [(p, type(p)) for p in self.parameters() if torch.nn.parameter.is_lazy(p)]
             future.set_swap_module_params_on_conversion(True)
             try:
                 return method(self, *args, **kwargs)
             finally:
                 future.set_swap_module_params_on_conversion(False)
+                for param, cls in lazy:
+                    param.__class__ = cls
 
         return run
 
