@@ -287,9 +287,12 @@ def _strided(t: torch.Tensor, array) -> np.ndarray | None:
     if tuple(host.shape) == tuple(t.shape) and t.is_contiguous() and t.storage_offset() == 0:
         return host
     flat = host.reshape(-1)
+    # as_strided goes through the array interface, whose type strings cannot name ml_dtypes'
+    # types (float8's '<f1' is refused): stride unsigned ints of the same width instead.
+    bits = flat.view(f"u{flat.itemsize}") if flat.dtype.isbuiltin != 1 else flat
     view = np.lib.stride_tricks.as_strided(
-        flat[t.storage_offset():], tuple(t.shape), tuple(s * flat.itemsize for s in t.stride()))
-    return np.array(view, order="C")  # np.ascontiguousarray would make a 0-d view 1-d
+        bits[t.storage_offset():], tuple(t.shape), tuple(s * flat.itemsize for s in t.stride()))
+    return np.array(view, order="C").view(flat.dtype)  # ascontiguousarray makes 0-d 1-d
 
 
 _view_families: dict = {}  # (kind of view, call site) -> [geometries, whether they vary]
