@@ -24,6 +24,8 @@ def test_registered_once_dynamo_loads(first):
         "from torch._dynamo.device_interface import get_interface_for_device\n"
         "print('tpu' in list_backends(), get_interface_for_device('tpu').__name__)\n"
         "m = torch.nn.Linear(3, 2).to('tpu'); x = torch.randn(4, 3, device='tpu')\n"
-        "print(torch.allclose(torch.compile(m)(x).cpu(), m(x).cpu()))\n"
+        # against CPU: a lowering wrong in eager and compiled alike must not pass
+        "ref = torch.nn.functional.linear(x.cpu(), m.weight.cpu(), m.bias.cpu())\n"
+        "print(torch.allclose(torch.compile(m)(x).cpu(), ref, atol=1e-6))\n"
     )
     assert out.splitlines() == ["True TpuInterface", "True"]
