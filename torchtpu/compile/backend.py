@@ -49,6 +49,7 @@ from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import asserts, dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
+from torchtpu.eager import capture as capture_mod
 from torchtpu.lowering.registry import lookup
 from torchtpu.runtime import launch, transfer
 
@@ -213,6 +214,7 @@ class CompiledGraph:
         ]
         self.size_outputs = [isinstance(_meta(n), torch.SymInt) for n in self.fn.output]
         self.programs: dict = {}
+        self._recordable: dict = {}  # symbol values -> the jitted graph a capture records
         traced = {step.node: getattr(step, "traced", frozenset()) for step in self.fn.steps}
         self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
         problem = self.plan if isinstance(self.plan, str) else None
@@ -247,7 +249,9 @@ class CompiledGraph:
             self.fn, mutated_inputs | set(self.forwarded.values()))
         self.output_kinds = donation.output_kinds(self.fn, self.forwarded)
 
-    def _read(self, args: list) -> tuple[list, list]:
+    def _read(self, args: list, capturing: bool = False) -> tuple[list, list]:
+        # Inside a capture an input may be a value the capture has not computed: kept as it is.
+        computed = _computed if not capturing else (lambda a: a)
         arrays, symbols = [], []
         for a, is_tensor in zip(args, self.fn.tensor_inputs, strict=True):
             if not is_tensor:
@@ -263,12 +267,35 @@ class CompiledGraph:
                 # read_parts first: its short path serves an input that is its storage's whole
                 # computed array (most inputs: parameters, activations), without read's steps.
                 array, geometry = tensors.read_parts(a)
-                arrays.append(_computed(array if geometry is None else tensors.read(a)))
+                arrays.append(computed(array if geometry is None else tensors.read(a)))
         return arrays, symbols
 
-    def _constants(self) -> tuple:
-        return tuple(_computed(tensors.read(getattr(self.gm, n.target)))
+    def _constants(self, capturing: bool = False) -> tuple:
+        computed = _computed if not capturing else (lambda a: a)
+        return tuple(computed(tensors.read(getattr(self.gm, n.target)))
                      for n in self.fn.constants)
+
+    def _recorded(self, call: tuple, symbols: list) -> list:
+        """The program's outputs as values of the graph capture in progress (``torch.tpu.graph``,
+        a whole-step ``torch.compile``): the graph's function is recorded into the capture like
+        an eager op, so the captured step's one program holds it (a TorchTitan model compiled
+        per block, whose blocks run inside a captured FSDP2 step). Its jitted form, one per
+        symbol values, is the recorded function: the same object at every capture, so that
+        recording it again infers no shapes again."""
+        if self.spmd is not None or self.padded:
+            raise capture_mod.CaptureError(
+                f"torchtpu.capture: a compiled {self.kind} graph "
+                f"{'holding collectives' if self.spmd is not None else 'with dynamic sizes'} "
+                f"inside a graph capture, {executor.user_location()}: a capture records a "
+                "compiled graph only when it has static sizes and no collectives (a compiled "
+                "FSDP2 block's are outside it); compile without dynamic=True, or run it outside "
+                "the capture")
+        fn = self._recordable.get(tuple(symbols))
+        if fn is None:
+            run = functools.partial(self.fn.run, symbols=tuple(symbols), plan=None)
+            fn = self._recordable[tuple(symbols)] = jax.jit(
+                _merging(run, (), frozenset(self.forwarded)))
+        return list(tensors.capture.recording.record(fn, call))
 
     def _program(self, arrays, call: tuple, symbols, donate: tuple):
         # Donating other inputs is another program: XLA aliases them to outputs.
@@ -355,30 +382,7 @@ class CompiledGraph:
                 asserts.add(flag, functools.partial(at_call.check_error, op, error), where)
         return outs
 
-    def __call__(self, args: list) -> list:
-        mutated = [args[i] for i, _ in self.fn.mutations]
-        forwarded = {k: args[i] for k, i in self.forwarded.items()}
-        on_host = {}
-        if self.host_cones:
-            env = {n: args[k] for k, n in self.cpu_placeholders}
-            on_host = {k: _host_value(node, env) for k, node in self.host_cones.items()}
-        arrays, symbols = self._read(args)
-        values = None
-        donate = ()
-        if self.padded:
-            # Padded inputs may be copies at bucket sizes: nothing is donated.
-            arrays, symbols, values = self._pad(args, arrays, symbols)
-        elif self.mutated_at and self.spmd is None:
-            donate = donation.mutated(arrays, self.mutated_at, args)
-        consumed = []
-        if self.donating and self.spmd is None:  # SPMD programs donate nothing (not yet)
-            taken, consumed = donation.taken(arrays, self.donating, args, self.output_kinds)
-            donate = tuple(sorted(set(donate) | set(taken)))
-        args.clear()
-        constants = self._constants()
-        scalars = tuple(self.fn.scalars)
-        keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
-        call = (*_split(arrays, donate), constants, scalars, keys)
+    def _launched(self, arrays: list, call: tuple, symbols: list, donate: tuple) -> list:
         program = self._program(arrays, call, symbols, donate)
         if donate:
             metrics.count("compiled_donated_inputs", len(donate))
@@ -387,6 +391,39 @@ class CompiledGraph:
         outs = launch.run(self.name, program, call)
         if self.spmd is not None:
             outs = self.spmd.to_local(outs, self.scalar_outputs)
+        return outs
+
+    def __call__(self, args: list) -> list:
+        mutated = [args[i] for i, _ in self.fn.mutations]
+        forwarded = {k: args[i] for k, i in self.forwarded.items()}
+        on_host = {}
+        if self.host_cones:
+            env = {n: args[k] for k, n in self.cpu_placeholders}
+            on_host = {k: _host_value(node, env) for k, node in self.host_cones.items()}
+        capturing = tensors.capture is not None
+        arrays, symbols = self._read(args, capturing)
+        values = None
+        donate = ()
+        if capturing:
+            pass  # nothing is donated: the capture's program donates what its storages hold
+        elif self.padded:
+            # Padded inputs may be copies at bucket sizes: nothing is donated.
+            arrays, symbols, values = self._pad(args, arrays, symbols)
+        elif self.mutated_at and self.spmd is None:
+            donate = donation.mutated(arrays, self.mutated_at, args)
+        consumed = []
+        if self.donating and self.spmd is None and not capturing:  # SPMD programs: not yet
+            taken, consumed = donation.taken(arrays, self.donating, args, self.output_kinds)
+            donate = tuple(sorted(set(donate) | set(taken)))
+        args.clear()
+        constants = self._constants(capturing)
+        scalars = tuple(self.fn.scalars)
+        keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
+        call = (*_split(arrays, donate), constants, scalars, keys)
+        if capturing:
+            outs = self._recorded(call, symbols)
+        else:
+            outs = self._launched(arrays, call, symbols, donate)
         for t, by in consumed:
             tensors.consume(t, by)
         if self.fn.check_errors:
