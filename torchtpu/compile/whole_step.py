@@ -64,7 +64,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torchtpu.device import tensors
 from torchtpu.eager.capture import Capture, CaptureError, storage_of
 from torchtpu.eager.graphed_callables import bind, binding, context, move_out
-from torchtpu.eager.tpu_graph import OptimizerWatch, StateCreated, mismatch
+from torchtpu.eager.tpu_graph import OptimizerWatch, StateCreated
 
 log = logging.getLogger("torchtpu.compile")
 
@@ -186,7 +186,7 @@ class _Step:
 
     def stale(self) -> str | None:
         """Why a replay would no longer match the capture, or None."""
-        why = mismatch(self.guards, grads=False)
+        why = self.guards.mismatch()
         if why is None and any(p.grad is not g for p, g in self.grads_in.items()):
             why = "a .grad the step accumulates into was replaced"
         return why
@@ -334,7 +334,8 @@ class WholeStep:
                  if isinstance(o, torch.Tensor) and id(o) not in grad_ids
                  and capture.created(storage_of(o))}
         steps = [(cpu, dev, stepped.get(id(opt), 0)) for opt, cpu, dev in device_steps.twins]
-        step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh, watch.guards(),
+        step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh,
+                     watch.guards(grads=False),
                      steps, grads_in, grads_out)
         self._captures += 1
         self._warmed = True

@@ -41,22 +41,12 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
 from torchtpu.device import random, storage, tensors
-from torchtpu.device.views import _bitcast_flat
 from torchtpu.eager import executor, facts, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
+from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch, warm
-
-# Input sources of a captured program.
-STORAGE = "storage"   # the array a storage holds at replay
-KEY = "key"           # key data drawn from a generator at replay
-FED = "fed"           # the value a function returns at replay
-CONST = "const"       # the value seen at capture
-
-
-class CaptureError(RuntimeError):
-    """Something inside a capture that a replay could not repeat."""
 
 
 def _at(what: str) -> CaptureError:
@@ -267,7 +257,7 @@ class Capture:
             fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
         facts.save()
         metrics.count("captures")
-        return Captured(fn, sources, targets, len(trace.nodes))
+        return Captured(fn, ReplayIO(sources, targets, avals), len(trace.nodes))
 
     def _sources(self, inputs: list, live: list) -> list:
         by_array = {id(start): st for st, start in live if isinstance(start, jax.Array)}
@@ -344,31 +334,17 @@ def _donations(sources: list, written: set, avals: list) -> tuple:
 class Captured:
     """A captured program bound to the storages it reads and writes."""
 
-    def __init__(self, fn, sources: list, targets: list, ops: int) -> None:
+    def __init__(self, fn, io: ReplayIO, ops: int) -> None:
         self._fn = fn
-        self._sources = sources
-        self._targets = targets
+        self._io = io
         self.ops = ops  # recorded calls in the program
+        self._label = f"captured_graph[{ops} ops]"
 
     def storages_read(self) -> list:
-        return [st for kind, st, _ in self._sources if kind is STORAGE]
+        return [st for kind, st, _ in self._io.sources if kind is STORAGE]
 
     def storages_written(self) -> list:
-        return [st for sts in self._targets for st in sts]
-
-    def _arguments(self, bind: dict | None) -> list:
-        args = []
-        for kind, x, sig in self._sources:
-            if kind is STORAGE:
-                a = bind.get(id(x)) if bind else None
-                args.append(_storage_input(x, sig) if a is None else a)
-            elif kind is KEY:
-                args.append(x.next_key_data())
-            elif kind is FED:
-                args.append(x())
-            else:
-                args.append(x)
-        return args
+        return list(self._io._flat_targets)
 
     def replay(self, bind: dict | None = None) -> None:
         """Run the program once: read the storages, rebind the written ones.
@@ -378,35 +354,13 @@ class Captured:
         if tensors.capture is not None:
             raise CaptureError("torchtpu.capture: replay() inside a graph capture; captures do "
                                "not nest")
-        args = self._arguments(bind)
+        args = self._io.arguments(bind)
         metrics.count("executions")
-        results = launch.run(f"captured_graph[{self.ops} ops]", self._fn, args)
-        seen = {id(a) for a in args}
-        for sts, r in zip(self._targets, results, strict=True):
-            for st in sts:
-                if id(r) in seen:  # a program may hand an input back; storages never share one
-                    r = tensors.copy_buffer(r)
-                seen.add(id(r))
-                st._tpu_array = r
+        self._io.store(args, launch.run(self._label, self._fn, args))
 
     def hlo(self) -> str:
         """The captured program as StableHLO text."""
+        args = self._io.arguments()
         if isinstance(self._fn, spanning.Spanning):
-            return self._fn.hlo(tuple(self._arguments(None)))
-        return self._fn.jitted.lower(*self._arguments(None)).as_text()
-
-
-def _storage_input(st, sig: tuple):
-    a = st._tpu_array
-    if isinstance(a, tensors.Deferred):
-        a = st._tpu_array = a.materialize()  # written by DeferAndFuse since: run it now
-    if a is None or a.shape != sig[0] or a.dtype != sig[1]:
-        if a is not None and a.nbytes == np.prod(sig[0], dtype=int) * np.dtype(sig[1]).itemsize:
-            # The same bytes, last written through another shape or dtype (a storage read
-            # through a view at capture holds its raw bytes).
-            return _bitcast_flat(a.reshape(-1), np.dtype(sig[1])).reshape(sig[0])
-        raise CaptureError(
-            "torchtpu.capture: a storage the captured program reads no longer holds a value of the "
-            f"captured shape and dtype ({sig[0]}, {sig[1]}; it holds "
-            f"{None if a is None else (a.shape, a.dtype)}); capture again")
-    return a
+            return self._fn.hlo(tuple(args))
+        return self._fn.jitted.lower(*args).as_text()
