@@ -44,8 +44,9 @@ def _hide_transport_from_dynamo() -> None:
 def register() -> None:
     """Register tpu_dist (and its alias tpu) with torch.distributed; idempotent."""
     from torchtpu.compile import eager_split
-    from torchtpu.distributed import dtensor_sdpa
+    from torchtpu.distributed import dtensor_sdpa, fsdp_capture
     from torchtpu.distributed.launch import create
+    from torchtpu.eager import capture
     from torchtpu.import_hooks import after_import
 
     # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: on the XLA
@@ -59,6 +60,9 @@ def register() -> None:
     # Tensor-parallel attention: DTensor's sharding rules for the tpu's fused SDPA op.
     after_import("torch.distributed.tensor", dtensor_sdpa.register)
     after_import("torch._dynamo", _hide_transport_from_dynamo)
+    # FSDP2's per-step state rolled back when a captured step aborts (fsdp_capture).
+    if fsdp_capture.reset_after_abort not in capture.ON_ABORT:
+        capture.ON_ABORT.append(fsdp_capture.reset_after_abort)
 
 
 __all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "register"]

@@ -48,6 +48,12 @@ from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, Rep
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch, warm
 
+# Called after an aborted capture gave every storage back what it held: Python state that the
+# aborted code advanced around those storages is rolled back by its owner (FSDP2's per-step
+# state, ``distributed/fsdp_capture.py``), or the step run after it would read the capture's
+# placeholder arrays as if they were gathered parameters.
+ON_ABORT: list[Callable[[], None]] = []
+
 
 def _at(what: str) -> CaptureError:
     return CaptureError(
@@ -217,6 +223,8 @@ class Capture:
         self._end()
         for st, start in self._live():
             st._tpu_array = start
+        for hook in ON_ABORT:
+            hook()
 
     def finish(self) -> Captured:
         """Leave the capture; the recording as one program over the storages it touched."""
