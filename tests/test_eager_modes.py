@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu.eager import defer
+from torchtpu.eager import at_call, defer
 from torchtpu.testing.compare import assert_same
 
 MODES = [torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
@@ -148,16 +148,27 @@ def _internal_frames(error: BaseException) -> list:
     return [f for f in traceback.extract_tb(error.__traceback__) if f.filename.startswith(package)]
 
 
+@pytest.mark.parametrize("stall", [False, True], ids=["host-readable", "as-on-a-tpu"])
 @pytest.mark.parametrize("mode", MODES[:2], ids=["strict", "debug"])
 @pytest.mark.parametrize("fn", [_bad_gather, _bad_index_select, _bad_embedding, _bad_index],
                          ids=["gather", "index_select", "embedding", "index"])
-def test_bad_index_raises_as_on_cpu_at_user_line(fn, mode):
+def test_bad_index_raises_as_on_cpu_at_user_line(fn, mode, stall, monkeypatch):
+    # as-on-a-tpu: index values cannot be read at the call without stalling the device, so
+    # the check runs there; Debug still raises at the call, Strict at the next host read.
+    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: stall)
     t = torch.randn(2, 3)
     with pytest.raises(Exception) as expected:
         fn(t)
     with torch.tpu.set_eager_mode(mode):
         with pytest.raises(type(expected.value)) as info:
-            fn(t.to("tpu"))
+            out = fn(t.to("tpu"))
+            if stall and mode is not DEBUG:
+                out.cpu()
+                raise AssertionError("the device's check did not raise at the host read")
+        if stall and mode is not DEBUG:  # the op in the message, the line in a note
+            assert str(info.value).startswith("torchtpu.check: aten.")
+            assert info.value.__notes__[0].startswith("Checked on the device")
+            return
         assert str(info.value) == str(expected.value)
         last = traceback.extract_tb(info.value.__traceback__)[-1]
         assert last.filename == os.path.abspath(__file__) and last.name == fn.__name__

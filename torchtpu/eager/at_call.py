@@ -66,13 +66,21 @@ def _device_check(find):
 
 def _check_on_device(op: OpOverload, on_device: list) -> None:
     """Give the device the data checks a check handed it (none inside a capture, whose replays
-    could not raise them)."""
+    could not raise them). Debug mode waits for every op anyway, so it reads the flags at once
+    and raises at the user's line, on a TPU as on the CPU platform; the other modes raise at the
+    next host read, as CUDA's device-side asserts do."""
     if tensors.capture is not None:
         return
+    at_once = isinstance(executor.current(), executor.Debug)
     where = executor.user_location()
     for t, find, error in on_device:
         flags = tensors.call(_device_check(find), tensors.read(t))
-        asserts.add(flags, functools.partial(check_error, op, error), where)
+        if at_once:
+            bad, value = (int(v) for v in np.asarray(flags))
+            if bad:
+                raise executor.at_user(check_error(op, error, value))
+        else:
+            asserts.add(flags, functools.partial(check_error, op, error), where)
 
 
 def check_error(op: OpOverload, error, value: int | None = None) -> Exception:

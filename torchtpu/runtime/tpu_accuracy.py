@@ -1,0 +1,65 @@
+"""Float32 transcendentals on a TPU as accurate as PyTorch's: what HIGHEST precision asks for.
+
+XLA:TPU computes ``exp``, ``log``, ``tanh``, ``logistic``, ``sin``, ``rsqrt``... with fast
+approximations unless a program asks otherwise. Measured on a v5e chip (bench/RESULTS.md,
+"torchtpu on a real TPU"): float32 ``log`` 6e-5 from CPU's, ``lgamma`` 2e-3, ``logaddexp`` 3e-4
+relative, where CPU and CUDA are within an ulp or two (1e-7); enough to turn every float32
+comparison against CPU in the test suite into a failure and to move a small GPT's loss by 1e-3
+in 5 steps. StableHLO's ``result_accuracy`` attribute (``lax.AccuracyMode.HIGHEST``) asks XLA
+for the accurate implementation.
+
+torchtpu ties it to the float32 precision users already set: ``torch.tpu.Precision.HIGHEST``
+(torchtpu's default, what ``torch.set_float32_matmul_precision("highest")`` means) makes the
+TPU lowering of these ops ask for it on float32 and float64 values; ``HIGH`` and ``DEFAULT``
+leave XLA's fast forms, as they leave its single-pass bf16 matmuls. The choice reads JAX's
+``default_matmul_precision`` at lowering time, which is part of every program's cache key, so
+programs built under one setting are never reused under the other. Other platforms keep
+JAX's own lowering: XLA:CPU and CUDA are accurate already. bf16 and f16 values keep the fast
+forms (their rounding is far coarser than the approximation).
+
+This is the TPU rule for JAX's primitives in this process, so a user's own JAX code lowered for a
+TPU here follows the same precision setting, as it follows ``jax_default_matmul_precision``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+from jax import lax
+from jax._src import config
+from jax._src.interpreters import mlir
+
+# The primitives whose lowering takes ``accuracy`` (JAX 0.10-0.11).
+_PRIMITIVES = ("exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin", "cos", "tan",
+               "sqrt", "rsqrt", "cbrt")
+_ACCURATE = ("highest", "float32")
+_WIDE = (np.dtype(np.float32), np.dtype(np.float64))
+
+_installed: list = []
+
+
+def wants_accuracy(dtype) -> bool:
+    """Whether a value of dtype lowered now asks the TPU for its accurate transcendentals."""
+    return (str(config.default_matmul_precision.value) in _ACCURATE
+            and np.dtype(dtype) in _WIDE)
+
+
+def _rule(default, ctx, *args, accuracy=None, **params):
+    if accuracy is None and wants_accuracy(ctx.avals_out[0].dtype):
+        accuracy = lax.AccuracyMode.HIGHEST
+    return default(ctx, *args, accuracy=accuracy, **params)
+
+
+def install() -> None:
+    """Register the TPU rules (once): each wraps JAX's own rule for the primitive."""
+    if _installed:
+        return
+    for name in _PRIMITIVES:
+        primitive = getattr(lax, f"{name}_p", None)
+        entry = mlir._lowerings.get(primitive)
+        if entry is None:  # a JAX without this primitive or its generic rule
+            continue
+        mlir.register_lowering(primitive, functools.partial(_rule, entry.rule),
+                               platform="tpu")
+        _installed.append(name)
