@@ -94,13 +94,28 @@ def _cases(rank, world, group):
     dist.all_to_all_single(recv, send.to(dev), group=group)
     out["all_to_all_single"] = (recv.cpu(), torch.cat(
         [torch.arange(2.0 * rank, 2.0 * rank + 2) + 100 * r for r in range(world)]))
-    # Uneven splits (rank r sends r + 1 elements to each rank): the host transport serves them.
+    # Uneven splits (rank r sends r + 1 elements to each rank): one padded XLA program.
     send = torch.full((world * (rank + 1),), float(rank))
     recv = torch.empty(sum(r + 1 for r in range(world)), device=dev)
     dist.all_to_all_single(recv, send.to(dev), [r + 1 for r in range(world)],
                            [rank + 1] * world, group=group)
     out["all_to_all_single uneven"] = (recv.cpu(), torch.cat(
         [torch.full((r + 1,), float(r)) for r in range(world)]))
+    # MoE dispatch's shape: rows of 3 values, a zero split, other input and output rows on
+    # each rank (2 ranks: rank 0 sends [0, 2] rows, rank 1 [3, 0]).
+
+    def split(r):
+        return [(3 * r + 2 * j) % 5 for j in range(world)]
+
+    def chunk(src, dst):
+        v = 100 * src + 10 * dst + torch.arange(float(split(src)[dst]))
+        return torch.stack([v, v + 0.5, -v], 1)
+
+    expect = torch.cat([chunk(j, rank) for j in range(world)])
+    recv = torch.empty(expect.shape, device=dev)
+    dist.all_to_all_single(recv, torch.cat([chunk(rank, j) for j in range(world)]).to(dev),
+                           [split(j)[rank] for j in range(world)], split(rank), group=group)
+    out["all_to_all_single uneven rows"] = (recv.cpu(), expect)
     x = (base + 3 * rank).to(dev)
     dist.reduce(x, dst=0, group=group)
     out["reduce"] = (x.cpu(), rows.sum(0) if rank == 0 else base + 3 * rank)
@@ -123,15 +138,19 @@ def _ddp_step(rank, world, group):
 
 def _count_xla_launches() -> list:
     """The XLA collective programs this process launches from now on, by body name."""
-    from torchtpu.distributed import xla
+    from torchtpu.distributed import uneven, xla
 
-    launched, program = [], xla._program
+    launched, program, padded = [], xla._program, uneven._program
 
     def counted(op, *args, **kwargs):
         launched.append(op)
         return program(op, *args, **kwargs)
 
-    xla._program = counted
+    def counted_uneven(*args):
+        launched.append("all_to_all_uneven")
+        return padded(*args)
+
+    xla._program, uneven._program = counted, counted_uneven
     return launched
 
 
@@ -177,6 +196,12 @@ def _both(rank, world):
         except CollectiveMismatchError as e:
             errors.append(str(e))
     result["errors"] = errors
+    try:  # splits that do not pair up: rank 0 sends [2, 0] rows, rank 1 expects 1 from it
+        dist.all_to_all_single(torch.empty(2, device="tpu"), torch.ones(2, device="tpu"),
+                               [1, 1], [2, 0] if rank == 0 else [1, 1])
+        result["split error"] = None
+    except CollectiveMismatchError as e:
+        result["split error"] = str(e)
     x = torch.ones(3, device="tpu")
     dist.all_reduce(x)  # the group still works after mismatches
     result["after"] = x.cpu()
@@ -191,9 +216,10 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
     for rank, out in enumerate(results):
         assert out["kinds"] == (True, False, True), out["kinds"]
         # The cases ran as XLA collective programs (reduce as an all_reduce; the uneven
-        # all_to_all_single is the host's), the host group's as none.
+        # all_to_all_singles as the padded program), the host group's as none.
         assert out["xla launches"] == {"all_reduce": 13, "all_gather": 2, "reduce_scatter": 3,
-                                       "broadcast": 2, "all_to_all": 1}, out["xla launches"]
+                                       "broadcast": 2, "all_to_all": 1,
+                                       "all_to_all_uneven": 2}, out["xla launches"]
         assert out["host launches"] == [], out["host launches"]
         assert out["xla"].keys() == out["host"].keys()
         for name, (got, expect) in out["xla"].items():
@@ -214,6 +240,8 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
         assert "float32[4]" in out["errors"][0] and "float32[5]" in out["errors"][0]
         assert "broadcast(src/dst 0)" in out["errors"][1]
         torch.testing.assert_close(out["after"], torch.full((3,), 2.0))
+        assert "the split sizes do not pair up" in out["split error"], out["split error"]
+        assert f"this is rank {rank}" in out["split error"]
     text, waited = results[0]["hang"]
     assert "timeout (2 s)" in text and waited < 2 + 3, (text, waited)
     for a, b in zip(results[0]["ddp"][0], results[1]["ddp"][0], strict=True):

@@ -13,9 +13,9 @@ runs the collective (later ops on the result queue behind it on the device).
 
 The header exchange (``protocol``, through the group's gloo group) still runs first, so ranks
 that called different collectives raise ``CollectiveMismatchError`` before any XLA collective
-starts, and a rank that is missing makes the others time out in Python. gather, scatter,
-point-to-point, all_to_all with lists, all_to_all_single with uneven splits and CPU tensors
-keep the host transport (``TpuProcessGroup``, which this extends).
+starts, and a rank that is missing makes the others time out in Python. all_to_all_single with
+uneven splits runs one padded program (``uneven``). gather, scatter, point-to-point, all_to_all
+with lists and CPU tensors keep the host transport (``TpuProcessGroup``, which this extends).
 
 Inside a graph capture (``torch.tpu.graph``, a whole-step ``torch.compile``) a collective runs
 nothing: after the same header exchange it is recorded into the capture as its per-shard
@@ -43,7 +43,7 @@ from torch._C._distributed_c10d import ReduceOptions
 
 from torchtpu.compile.spmd import Spmd, axis_of, standins
 from torchtpu.device import tensors
-from torchtpu.distributed import host
+from torchtpu.distributed import host, uneven
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
 from torchtpu.distributed.protocol import ANY_SHAPE, CollectiveMismatchError
 from torchtpu.distributed.work import Done
@@ -381,20 +381,26 @@ class XlaProcessGroup(TpuProcessGroup):
         if not _on_device([output, input]):
             return super().all_to_all_single(output, input, output_split_sizes,
                                              input_split_sizes, opts)
-        # One XLA all_to_all needs equal splits and one input shape on every rank; whether all
-        # ranks have them is agreed in the header exchange, so every rank takes the same path.
+        # Equal splits and shapes on every rank: one XLA all_to_all; uneven ones: the padded
+        # program of ``uneven``. Which, every rank learns from the header exchange, so every
+        # rank takes the same path.
         n = self.size()
-        even = all(not s or len(set(s)) == 1 for s in (output_split_sizes, input_split_sizes)) \
-            and input.dim() > 0 and input.shape[0] % n == 0 and output.numel() == input.numel() \
-            and input.dtype == output.dtype
-        shape = tuple(input.shape)
-        mine = np.array([even, len(shape), *shape, *[0] * (8 - len(shape))][:10], np.int64)
+        mine = uneven.row(output, input, output_split_sizes, input_split_sizes, n)
         rows = self._rows(self._exchange("all_to_all_single", input, mine,
                                          shape_rule=ANY_SHAPE), mine)
-        if not (rows == mine).all() or not even:
+        how = uneven.agree(rows, self.rank(), self._label())
+        if how == uneven.HOST or (how == uneven.UNEVEN and tensors.capture is not None):
             return super().all_to_all_single(output, input, output_split_sizes,
                                              input_split_sizes, opts)
-        (value,) = self._shards("all_to_all", [input], n=n, out=_block(tuple(output.shape)))
+        if how == uneven.EVEN:
+            (value,) = self._shards("all_to_all", [input], n=n,
+                                    out=_block(tuple(output.shape)))
+        else:
+            value = uneven.run(self._mesh_devices, rows, host.read_now(input),
+                               uneven.splits_of(output, input, output_split_sizes,
+                                                input_split_sizes, n))
+            if value.shape[0] != output.shape[0]:
+                value = value[: output.shape[0]]
         self._write_result(output, value)
         return Done([output])
 
