@@ -18,10 +18,12 @@ builds every variant first, from the same initial weights:
   included: one captured program per call; ``simple_fsdp whole step (local collectives)`` is
   that program with each collective replaced by local work on the same bytes (what the
   collectives cost, so whether XLA overlaps them: their compiled schedule is printed too).
-  With simple_fsdp the capture records the XLA transport's collectives too
+  With simple_fsdp or FSDP2 the capture records the XLA transport's collectives too
   (``distributed/xla.py``), so it is one SPMD program per rank (``eager/spanning.py``): the
   all-gathers, reduce-scatters and all-reduces inside it with the
-  forward, backward and AdamW on the shards.
+  forward, backward and AdamW on the shards. ``fsdp2 whole step`` is ``fully_shard`` (eager
+  blocks), ``fsdp2 compiled whole step`` the same over compiled blocks (TorchTitan's order,
+  their graphs recorded into the capture).
 
 A step is forward, backward, AdamW (eager in the non-whole-step variants) and a host read of
 the loss. After ``--warmup`` steps each, the variants run ``--steps`` steps in turn for ``--rounds``
@@ -94,6 +96,8 @@ def _variants(args, world):
                   m := simple_fsdp(_model(args).to("tpu"), mesh), torch.compile(m, backend="tpu")),
               "unsharded compiled": lambda: stepped(m := _model(args).to("tpu"),
                                                     torch.compile(m, backend="tpu")),
+              "fsdp2 whole step": lambda: whole(fsdp2(False)),
+              "fsdp2 compiled whole step": lambda: whole(fsdp2(True)),
               "simple_fsdp whole step": lambda: whole(simple_fsdp(_model(args).to("tpu"), mesh)),
               LOCAL: lambda: whole(simple_fsdp(_model(args).to("tpu"), mesh)),
               "unsharded whole step": lambda: whole(_model(args).to("tpu"))}
@@ -125,7 +129,7 @@ def _bench(rank, world, args):
     for name in variants:
         spanning.LOCAL_COLLECTIVES = name == LOCAL  # read when its capture finishes
         try:
-            with warnings.catch_warnings():  # fully_shard's whole step uses Dynamo's graphs
+            with warnings.catch_warnings():  # a refused whole step warns once
                 warnings.simplefilter("ignore")
                 for _ in range(args.warmup):
                     step(name)
