@@ -196,6 +196,23 @@ def test_hsdp_whole_step_is_one_program_over_the_2d_mesh_with_one_cross_slice_re
                         ("all_reduce", within): 2, ("all_reduce", across): 1}, (rank, r[5])
 
 
+def _fsdp2_hsdp(rank, world):
+    return _whole_step(rank, world, hsdp=True, fsdp2=True)
+
+
+@pytest.mark.full  # 4 processes on 2 cores
+def test_fsdp2_hsdp_whole_step_is_one_program_over_the_2d_mesh():
+    results = run(_fsdp2_hsdp, 4, env=XLA, pg_timeout=240, timeout=900)
+    _check_whole_step(results)
+    within, across = "[[0, 1], [2, 3]]", "[[0, 2], [1, 3]]"
+    for rank, r in enumerate(results):
+        # FSDP2's HSDP: within a slice its all-gathers (2, as on one slice) and one
+        # reduce-scatter of the gradients, which it then all-reduces across slices: ONE
+        # cross-slice all-reduce per step (merged); the clipping norm's all-reduce.
+        assert r[5] == {("all_gather", within): 2, ("reduce_scatter", within): 1,
+                        ("all_reduce", across): 1, ("all_reduce", within): 1}, (rank, r[5])
+
+
 def _adamw_reference(steps: int):
     """The CPU model trained on the full batch with the whole step's clipping and AdamW."""
     model, x = _model(), _data()
