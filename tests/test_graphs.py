@@ -268,3 +268,16 @@ def test_a_copy_of_a_value_the_capture_has_not_computed_is_recorded():
         out = (x * 2).transpose(0, 1).reshape(-1) + 1
     g.replay()
     torch.testing.assert_close(out.cpu(), (x_cpu * 2).transpose(0, 1).reshape(-1) + 1)
+
+
+def test_a_stream_context_is_entered_again_and_again_as_cudas_is():
+    """SGLang's scheduler keeps ``torch.get_device_module(dev).stream(s)`` and enters it every
+    step, and names ``StreamContext`` itself; CUDA's is reusable, so torch.tpu's must be."""
+    s = torch.tpu.Stream()
+    ctx = torch.tpu.stream(s)
+    x = torch.ones(3, device="tpu")
+    for _ in range(2):
+        with ctx, torch.tpu.StreamContext(s):
+            x = x + 1
+    assert ctx.stream is s
+    assert torch.equal(x.cpu(), torch.full((3,), 3.0))

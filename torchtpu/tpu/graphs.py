@@ -79,10 +79,18 @@ def current_stream(device=None) -> Stream:
 default_stream = current_stream
 
 
-@contextlib.contextmanager
-def stream(s: Stream | None):
+class StreamContext(contextlib.nullcontext):
+    """Run the block on a stream (the device's one queue): ``torch.cuda.StreamContext``'s twin.
+    Like CUDA's, one object can be entered again and again (SGLang's scheduler keeps one)."""
+
+    def __init__(self, stream: Stream | None) -> None:
+        super().__init__()
+        self.stream = stream
+
+
+def stream(s: Stream | None) -> StreamContext:
     """Run the block on stream s (the device's one queue)."""
-    yield
+    return StreamContext(s)
 
 
 def set_stream(s: Stream) -> None:
@@ -98,4 +106,4 @@ def is_current_stream_capturing() -> bool:
 
 __all__ = ["CaptureError", "Event", "Stream", "TPUGraph", "current_stream", "default_stream",
            "graph", "is_current_stream_capturing", "make_graphed_callables", "set_stream",
-           "stream"]
+           "stream", "StreamContext"]
