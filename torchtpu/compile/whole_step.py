@@ -61,6 +61,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchtpu.compile.module_trees import ModuleTrees
+from torchtpu.compile.step_counts import StepCounts
 from torchtpu.device import tensors
 from torchtpu.eager.capture import Capture, CaptureError, storage_of
 from torchtpu.eager.graphed_callables import bind, binding, context, move_out
@@ -150,12 +152,24 @@ def _env_key(objects: list) -> tuple:
     return tuple(key)
 
 
-def _modules(objects) -> list:
+def _modules(objects, trees: ModuleTrees) -> list:
     out = []
     for x in objects:
         if isinstance(x, torch.nn.Module):
-            out.extend(x.modules())
+            out.extend(trees.modules(x))
     return out
+
+
+def _leaves(args: tuple, kwargs: dict) -> list:
+    """pytree's leaves of (args, kwargs); the arguments themselves when each is a leaf (no
+    container type pytree knows, no tuple subclass: a namedtuple is a container), as a step's
+    tensors, modules and numbers are, without pytree's walk."""
+    if kwargs or any(type(a) in _NODES or isinstance(a, tuple) for a in args):
+        return pytree.tree_leaves((args, kwargs))
+    return list(args)
+
+
+_NODES = pytree.SUPPORTED_NODES  # (the live registry: a type registered later counts)
 
 
 class _Step:
@@ -168,14 +182,10 @@ class _Step:
         self.static = static              # the capture's own argument leaves
         self.outputs = outputs            # the capture's output leaves
         self.out_spec = out_spec
+        self.single = out_spec.is_leaf()  # one output (a loss): itself, without pytree
         self.fresh = fresh                # output positions handed back as new tensors
         # (CPU step count, its device twin the program advances, step() calls per replay).
-        self.counts = steps
-        by_calls: dict = {}
-        for cpu, _, n in steps:
-            by_calls.setdefault(n, []).append(cpu)
-        self.steps = [(n, ts) for n, ts in by_calls.items() if n]
-        self.expected = [cpu.item() for cpu, _, _ in steps]  # what the twins hold
+        self.counts = StepCounts(steps)
         # The .grad a call must find where the program reads it (backward accumulating into
         # it); any other .grad the step replaces, as its Python did at capture.
         read = {id(st) for st in captured.storages_read()}
@@ -193,20 +203,14 @@ class _Step:
 
     def run(self, leaves: list):
         bind(self.binding, self.static, leaves, "argument")
-        now = [cpu.item() for cpu, _, _ in self.counts]
-        if now != self.expected:  # stepped or loaded outside the compiled step
-            for (_, dev, _), v, e in zip(self.counts, now, self.expected):
-                if v != e:
-                    dev.fill_(v)
+        self.counts.before_replay()  # (refills twins stepped or loaded outside the step)
         self.captured.replay()
-        for n, counts in self.steps:
-            torch._foreach_add_(counts, n)
-        self.expected = [v + n for v, (_, _, n) in zip(now, self.counts)]
+        self.counts.after_replay()
         for p, g in self.grads_out:
             if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
                 p.grad = g
         out = [move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
-        return pytree.tree_unflatten(out, self.out_spec)
+        return out[0] if self.single else pytree.tree_unflatten(out, self.out_spec)
 
 
 class _DeviceSteps:
@@ -255,15 +259,16 @@ class WholeStep:
         self._captures = 0
         self._warmed = False           # a first step ran (captured once, not kept)
         self._reason: str | None = None  # why fn runs through Dynamo's graphs instead
+        self._trees = ModuleTrees()    # the modules of the arguments and environment
 
     def __call__(self, *args, **kwargs):
         if self._reason is not None:
             return self._through_dynamo(args, kwargs)
-        leaves = pytree.tree_leaves((args, kwargs))
+        leaves = _leaves(args, kwargs)
         env = _environment(self._fn)
         try:
             key = (tuple(_leaf_key(x) for x in leaves), _env_key(env),
-                   context(_modules([*leaves, *env])))
+                   context(_modules([*leaves, *env], self._trees)))
         except _CannotCapture as e:
             return self._give_up(str(e), args, kwargs)
         step = self._steps.get(key)
