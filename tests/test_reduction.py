@@ -218,6 +218,28 @@ def test_bincount_refuses_what_cpu_refuses():
             torch.bincount(bad.to("tpu"))
 
 
+def test_scan_outs_of_another_dtype_are_refused_as_on_cpu():
+    # logcumsumexp, cummax and cummin want out= of the input's dtype exactly (indices int64);
+    # their meta kernels cast, so tpu wrote float32 results into them (test_torch's
+    # test_logcumsumexp).
+    x = torch.randn(5, 2, dtype=torch.float64)
+    calls = [
+        lambda x, d: torch.logcumsumexp(x, 1, out=torch.zeros(5, 2, device=d)),
+        lambda x, d: torch.cummax(x, 1, out=(torch.zeros(5, 2, device=d),
+                                             torch.zeros(5, 2, dtype=torch.long, device=d))),
+        lambda x, d: torch.cummin(x, 1, out=(torch.zeros(5, 2, dtype=torch.float64, device=d),
+                                             torch.zeros(5, 2, dtype=torch.int32, device=d))),
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError) as cpu:
+            call(x, "cpu")
+        with pytest.raises(RuntimeError, match=str(cpu.value)):
+            call(x.to("tpu"), "tpu")
+    out = torch.zeros(5, 2, dtype=torch.float64, device="tpu")
+    torch.logcumsumexp(x.to("tpu"), 1, out=out)  # the same dtype is fine
+    assert_same(out, torch.logcumsumexp(x, 1))
+
+
 @pytest.mark.parametrize("warn_only", [False, True])
 def test_deterministic_mode_runs_median_dim_and_histc_as_cpu_does(warn_only):
     """PyTorch's meta kernels raise CUDA's deterministic alerts for these; CPU raises none."""

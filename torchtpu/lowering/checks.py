@@ -342,6 +342,24 @@ def _aminmax_out(self, dim=None, keepdim=False, min=None, max=None):
     return _aminmax(self, dim, keepdim)
 
 
+def _same_dtype(expected: torch.dtype, out) -> RuntimeError | None:
+    if out.dtype != expected:
+        return RuntimeError(f"expected scalar_type {expected} but found {out.dtype}")
+    return None
+
+
+# These out= kernels want their outputs' dtypes exactly (CPU's
+# check_scalar_type_device_layout_equal); their meta kernels cast.
+@check(aten.logcumsumexp.out)
+def _logcumsumexp_out(self, dim, out=None):
+    return _same_dtype(self.dtype, out)
+
+
+@check(aten.cummax.out, aten.cummin.out)
+def _cumulative_extreme_out(self, dim, values=None, indices=None):
+    return _same_dtype(self.dtype, values) or _same_dtype(torch.int64, indices)
+
+
 _COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64,
             torch.float64: torch.complex128}
 
