@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from torchtpu.testing.compare import assert_permutation, assert_same, check_against_cpu
 
@@ -238,6 +239,20 @@ def test_scan_outs_of_another_dtype_are_refused_as_on_cpu():
     out = torch.zeros(5, 2, dtype=torch.float64, device="tpu")
     torch.logcumsumexp(x.to("tpu"), 1, out=out)  # the same dtype is fine
     assert_same(out, torch.logcumsumexp(x, 1))
+
+
+@pytest.mark.parametrize("shape", [(0, 0), (3, 4), (2, 4, 3, 3)], ids=["empty", "1d", "2d"])
+def test_nll_loss_refuses_class_weights_of_another_dtype_as_cpu(shape):
+    # test_modules' NLLLoss error input: the meta kernel does not check the weight's dtype.
+    def call(device):
+        x = torch.randn(shape, device=device)
+        target = torch.zeros((shape[0], *shape[2:]), dtype=torch.long, device=device)
+        F.nll_loss(x, target, weight=torch.ones(shape[1], dtype=torch.float16, device=device))
+
+    with pytest.raises(RuntimeError) as cpu:
+        call("cpu")
+    with pytest.raises(RuntimeError, match=str(cpu.value)):
+        call("tpu")
 
 
 @pytest.mark.parametrize("warn_only", [False, True])

@@ -348,6 +348,14 @@ def _same_dtype(expected: torch.dtype, out) -> RuntimeError | None:
     return None
 
 
+@check(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss(self, target, weight, *rest):
+    # CPU's kernel wants the class weights in the input's dtype; the meta kernel does not check.
+    if weight is not None and weight.dtype != self.dtype:
+        return RuntimeError(f"expected scalar type {self.dtype} but found {weight.dtype}")
+    return None
+
+
 # These out= kernels want their outputs' dtypes exactly (CPU's
 # check_scalar_type_device_layout_equal); their meta kernels cast.
 @check(aten.logcumsumexp.out)
