@@ -98,7 +98,28 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
 
 
 def _is_leaf(d) -> bool:
-    return isinstance(d, tuple) and len(d) == 2 and isinstance(d[1], torch.dtype)
+    # (shape, dtype) or (shape, dtype, memory format): see meta.describe
+    return isinstance(d, tuple) and len(d) in (2, 3) and isinstance(d[1], torch.dtype)
+
+
+def _laid_out(d, fmt):
+    """Result description d with its results of fmt's rank in memory format fmt (all of them
+    contiguous for torch.contiguous_format)."""
+    if fmt is None or d is None or type(d) is int:
+        return d
+    if _is_leaf(d):
+        if fmt is torch.contiguous_format:
+            return d[:2]
+        rank = 4 if fmt is torch.channels_last else 5
+        return (d[0], d[1], fmt) if len(d[0]) == rank else d
+    return tuple(_laid_out(x, fmt) for x in d)
+
+
+def _formatted(d) -> bool:
+    """Whether a result description names a memory format anywhere (channels-last results)."""
+    if _is_leaf(d):
+        return len(d) == 3
+    return isinstance(d, tuple) and any(_formatted(x) for x in d)
 
 
 def _map(d, fn):
@@ -126,6 +147,8 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     hit = cache.get(key)
     if hit is None:
         result = meta.infer(op, values, traced=traced)
+        if lowering.layout is not None:
+            result = _laid_out(result, lowering.layout(*values))
         compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
         promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
@@ -192,7 +215,14 @@ def _wrap(arrays, result):
     if type(result) is int:
         return result
     if _is_leaf(result):
-        return tensors.wrap(arrays, result[1])
+        out = tensors.wrap(arrays, result[1])
+        if len(result) == 3:
+            # CPU's strides: the row-major array copied into a tensor of that format (a
+            # transposing write into its storage), as CUDA's kernels write channels-last.
+            laid = torch.empty(out.shape, dtype=out.dtype, device=out.device,
+                               memory_format=result[2])
+            return laid.copy_(out)
+        return out
     return tuple(_wrap(a, r) for a, r in zip(arrays, result))
 
 
@@ -221,7 +251,9 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
-        if hit is None and key is not None:
+        # A signature does not tell layouts apart: a contiguous call must not take a
+        # channels-last call's result format.
+        if hit is None and key is not None and not _formatted(result):
             seen_calls.remember(seen, key, values, result, spec)
         return list(out) if returns_list else out
 

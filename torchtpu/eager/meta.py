@@ -55,6 +55,9 @@ def to_meta(v):
 def leaf_key(v):
     if isinstance(v, torch.Tensor):
         if not v.is_cpu:
+            if v.dim() in (4, 5) and not v.is_contiguous():
+                # A channels-last operand gives channels-last results (see ``describe``).
+                return (v.shape, v.dtype, v.stride())
             return (v.shape, v.dtype)  # torch.Size is a tuple: it hashes and compares as one
         if v.dim() != 0:
             raise device_error(v)
@@ -114,8 +117,17 @@ def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -
     return tuple(parts)
 
 
+# The memory formats whose strides a result keeps, as PyTorch's kernels give them (a
+# channels-last input, or a convolution's channels-last weight, gives a channels-last result).
+# Results in any other layout are contiguous: a computed array is row-major.
+_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
+
+
 def describe(m):
     if isinstance(m, torch.Tensor):
+        fmt = _FORMATS.get(m.dim())
+        if fmt is not None and not m.is_contiguous() and m.is_contiguous(memory_format=fmt):
+            return (tuple(m.shape), m.dtype, fmt)
         return (tuple(m.shape), m.dtype)
     if isinstance(m, (list, tuple)):
         return tuple(describe(x) for x in m)
@@ -145,7 +157,7 @@ _MISSING = object()
 
 
 def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()):
-    """Shapes and dtypes of op's results: (shape, dtype) or a tuple of them."""
+    """Shapes and dtypes of op's results: (shape, dtype[, memory format]) or a tuple of them."""
     oi = schema.info(op)
     try:
         key = (op, call_key(oi, values, traced), tuple(leaf_key(o) for o in outs))

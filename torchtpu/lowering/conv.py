@@ -47,7 +47,36 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
         dimension_numbers=_dimension_numbers(nd), feature_group_count=groups)
 
 
-@lowers(aten.convolution.default, aten.convolution_overrideable.default, promote="result")
+def _channels_last(v) -> torch.memory_format | None:
+    """v's channels-last format, if it is a 4-d / 5-d tensor laid out so (metadata only)."""
+    if isinstance(v, torch.Tensor) and v.dim() in (4, 5):
+        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+        if not v.is_contiguous() and v.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
+
+
+# Result layouts as CPU's convolutions give them (the meta kernels say contiguous): oneDNN's
+# and the slow 2-d kernels write channels-last results, the input and weight gradients
+# included, when the input or the weight is channels-last; the slow 3-d kernel (float64)
+# writes contiguous ones (where the backward's meta kernel says channels-last).
+def _layout(x, w) -> torch.memory_format:
+    fmt = _channels_last(x) or _channels_last(w)
+    if fmt is None or (fmt is torch.channels_last_3d and x.dtype == torch.float64):
+        return torch.contiguous_format
+    return fmt
+
+
+def _forward_layout(x, w, *_) -> torch.memory_format:
+    return _layout(x, w)
+
+
+def _backward_layout(grad, x, w, *_) -> torch.memory_format:
+    return _layout(x, w)
+
+
+@lowers(aten.convolution.default, aten.convolution_overrideable.default, promote="result",
+        layout=_forward_layout)
 def convolution(x, w, bias, stride, padding, dilation, transposed, output_padding, groups):
     out = _conv(x, w, stride, padding, dilation, transposed, output_padding, groups)
     if bias is not None:
@@ -65,14 +94,15 @@ def _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_pad
     return gx if mask[0] else None, gw if mask[1] else None, gb
 
 
-@lowers(aten.convolution_backward.default, promote="result")
+@lowers(aten.convolution_backward.default, promote="result", layout=_backward_layout)
 def convolution_backward(grad, x, w, bias_sizes, stride, padding, dilation, transposed,
                          output_padding, groups, output_mask):
     return _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_padding,
                           groups, output_mask)
 
 
-@lowers(aten.convolution_backward_overrideable.default, promote="result")
+@lowers(aten.convolution_backward_overrideable.default, promote="result",
+        layout=_backward_layout)
 def convolution_backward_overrideable(grad, x, w, stride, padding, dilation, transposed,
                                       output_padding, groups, output_mask):
     return _conv_backward(grad, x, w, stride, padding, dilation, transposed, output_padding,

@@ -23,6 +23,10 @@ Policy that many ops share is declared here instead of repeated in each lowering
   accepts (SDPA draws one only with dropout); it gets the bound arguments like
   ``data_dependent_shape``, may look only at arguments that are not traced (a plan is cached per
   call signature), and for the other calls the lowering gets None as its key.
+- ``layout``: a function of the bound arguments (like ``data_dependent_shape``'s predicate)
+  giving the memory format of the call's 4-d / 5-d results where PyTorch's CPU kernel picks
+  one that its meta kernel does not (a convolution is channels-last when its input or weight
+  is; ``torch.contiguous_format``: all contiguous); None: the meta kernel's.
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ class Lowering:
     traced: tuple = ()
     donates: tuple = ()
     family: str = ""  # the lowering module that registered it ("elementwise", "linalg", ...)
+    layout: Callable | None = None
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -76,7 +81,7 @@ def _overloads(target) -> list[OpOverload]:
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
-           traced: tuple = (), donates: tuple = ()) -> Callable:
+           traced: tuple = (), donates: tuple = (), layout: Callable | None = None) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op."""
     if promote not in (None, "result", "common"):
         raise ValueError(f"torchtpu.argument: promote must be None, 'result' or 'common', not "
@@ -90,7 +95,7 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
-                                     tuple(traced), tuple(donates), family)
+                                     tuple(traced), tuple(donates), family, layout)
         return fn
 
     return register
