@@ -121,8 +121,9 @@ def test_engine_greedy_tokens_equal_hf_generate(tmp_path):
 
 def test_server_answers_generate_and_completions_concurrently(tmp_path):
     """SGLang's server on tpu over plain HTTP: four concurrent ``/generate`` requests
-    (continuous batching) and an OpenAI ``/v1/completions``, each HF ``generate()``'s tokens;
-    it listens on localhost only."""
+    (continuous batching) and an OpenAI ``/v1/completions``, each HF ``generate()``'s tokens.
+    The HTTP server listens on localhost only; its scheduler's torch.distributed store (PyTorch's
+    TCPStore) listens on every interface, and nothing else does."""
     _sglang()
     from concurrent.futures import ThreadPoolExecutor
     from urllib.parse import urlparse
@@ -130,13 +131,14 @@ def test_server_answers_generate_and_completions_concurrently(tmp_path):
     from transformers import AutoTokenizer
 
     from torchtpu.integrations.sglang import server
-    from torchtpu.integrations.vllm.server import post
+    from torchtpu.integrations.vllm.server import free_port, post
     from torchtpu.integrations.vllm.tiny import save_tiny_model
     from torchtpu.testing import network
 
     model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
     params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
-    with server.serve(model_dir) as url:
+    store = free_port()
+    with server.serve(model_dir, args=(*server.SERVE_ARGS, "--nccl-port", str(store))) as url:
         port = urlparse(url).port
         exposed = network.exposed(port)
         reachable = [a for a in network.other_addresses() if not network.refused(a, port)]
@@ -147,7 +149,7 @@ def test_server_answers_generate_and_completions_concurrently(tmp_path):
             "model": model_dir, "prompt": PROMPTS[1], "max_tokens": 8, "temperature": 0,
             "ignore_eos": True})
 
-    assert exposed == [] and reachable == [], (exposed, reachable)
+    assert {p for _, p in exposed} <= {store} and reachable == [], (exposed, store, reachable)
     want = _hf_greedy(model_dir, PROMPTS)
     assert [r["output_ids"] for r in native] == want
     tok = AutoTokenizer.from_pretrained(model_dir)

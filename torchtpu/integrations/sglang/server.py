@@ -22,7 +22,17 @@ SERVE_ARGS = ("--dtype", "float32", "--max-total-tokens", "4096", "--random-seed
 
 def command(model: str, port: int,
             args: tuple[str, ...] = SERVE_ARGS) -> tuple[list[str], dict[str, str]]:
-    """The command line and environment of SGLang's server for ``model`` on tpu at ``port``."""
+    """The command line and environment of SGLang's server for ``model`` on tpu at ``port``.
+
+    The scheduler's torch.distributed store gets a port of its own unless ``args`` names one
+    (``--nccl-port``): left to SGLang it is any port free at the scheduler's start, which can be
+    ``port`` itself, since the HTTP server binds it only later. That store listens on every
+    interface (PyTorch's TCPStore binds no single address), not only on loopback."""
+    if "--nccl-port" not in args:
+        store = free_port()
+        while store == port:
+            store = free_port()
+        args = (*args, "--nccl-port", str(store))
     env = {**os.environ, "TORCHTPU_SGLANG": "1"}
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "tpu",
            "--host", "127.0.0.1", "--port", str(port), *args]
