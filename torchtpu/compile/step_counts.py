@@ -43,6 +43,8 @@ class StepCounts:
 
     def before_replay(self) -> None:
         """Refill each twin whose CPU count moved outside the compiled step."""
+        if not self._buffers:
+            return
         now = self._read()
         if now != self._expected:
             for dev, v, e in zip(self._twins, now, self._expected, strict=True):
@@ -51,6 +53,8 @@ class StepCounts:
 
     def after_replay(self) -> None:
         """Advance the CPU counts as the replay advanced the twins."""
+        if not self._buffers:
+            return
         for buffer, n in self._buffers:
             if n:
                 buffer.add_(n)
