@@ -145,6 +145,29 @@ def test_a_step_without_an_optimizer_replays_one_program():
         assert p.grad is None
 
 
+def test_outputs_sharing_a_storage_each_come_back_with_their_values():
+    """A step returning its loss, its ``detach()`` and a view of it (aot's train step returns
+    ``(out, loss.detach())``, the same storage when the output is the loss): every replay's
+    outputs equal eager CPU's. Moving the first out used to empty the storage the others read:
+    they came back 0.0."""
+    cpu, dev = _nets()
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (cpu, dev)]
+
+    def aliased(model, opt, x, y):
+        loss = step(model, opt, x, y)
+        return loss, loss.detach(), loss.view(1), (loss * 2).detach()
+
+    compiled = torch.compile(aliased, backend="tpu")
+    for i, (x, y) in enumerate(_batches(4)):
+        before = _counts()
+        got = compiled(dev, opts[1], x.to("tpu"), y.to("tpu"))
+        assert _delta(before)["executions"] == 1
+        want = aliased(cpu, opts[0], x, y)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g.detach().cpu(), w.detach(), atol=2e-6, rtol=2e-6,
+                                       msg=lambda m, i=i: f"step {i}: {m}")
+
+
 def test_a_step_that_calls_backward_through_a_closures_function_is_a_whole_step():
     """zero_grad, then a ``train`` defined elsewhere (bench/registry.py's shape): one program."""
     cpu, dev = _nets()

@@ -209,7 +209,8 @@ class _Step:
         for p, g in self.grads_out:
             if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
                 p.grad = g
-        out = [move_out(o) if k in self.fresh else o for k, o in enumerate(self.outputs)]
+        moved = iter(move_out([o for k, o in enumerate(self.outputs) if k in self.fresh]))
+        out = [next(moved) if k in self.fresh else o for k, o in enumerate(self.outputs)]
         return out[0] if self.single else pytree.tree_unflatten(out, self.out_spec)
 
 

@@ -171,7 +171,7 @@ class GraphedCallable:
               [g if g is not None else torch.zeros_like(o)
                for g, o in zip(incoming, self._diff_outputs)], "incoming gradient")
         self._backward.replay()
-        fresh = iter([move_out(g) if g is not None else None for g in self._grads])
+        fresh = iter(move_out(self._grads))
         return tuple(next(fresh) if req else None for req in self._requires)
 
     def __call__(self, *args):
@@ -200,11 +200,15 @@ def context(modules: list = ()) -> tuple:
             tuple(m.training for m in modules))
 
 
-def move_out(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor owning t's array; t's storage, written at every replay, is left empty."""
-    st = t.untyped_storage()
-    array, st._tpu_array = tensors.read(t), None
-    return tensors.wrap(array, t.dtype)
+def move_out(ts: list) -> list:
+    """New tensors owning the values of ts (None stays None); their storages, written at every
+    replay, are left empty. Every value is read before any storage lets go of its array:
+    outputs may share a storage (a loss and its ``detach()``, a view of it)."""
+    arrays = [tensors.read(t) if t is not None else None for t in ts]
+    for t in ts:
+        if t is not None:
+            t.untyped_storage()._tpu_array = None
+    return [tensors.wrap(a, t.dtype) if t is not None else None for a, t in zip(arrays, ts)]
 
 
 def make_graphed_callables(callables, sample_args, num_warmup_iters: int = 3,
