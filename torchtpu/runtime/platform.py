@@ -34,11 +34,11 @@ def _skip_absent_tpu() -> None:
     if ("tpu" in asked.lower() or "tpu" not in xla_bridge._backend_factories
             or xla_bridge.backends_are_initialized()):
         return
-    from torchtpu.runtime import tpu_target
+    from torchtpu.runtime import libtpu
 
-    if tpu_target.tpu_attached():
+    if libtpu.tpu_attached():
         return
-    tpu_target.compile_only_env()
+    libtpu.compile_only_env()
     # Replaced, not removed: "tpu" must stay a platform JAX knows (Pallas, checkify and Tokamax
     # register TPU lowerings when imported); only its client must not start.
 

@@ -15,18 +15,15 @@ Each returns a ``Report``. Results are kept per (module bytes, target, device co
 in this process and, when the persistent cache is on, as a record of it, so a program compiles
 for the TPU once. ``tpu_hook.py`` compiles every program torchtpu builds this way.
 
-libtpu is set up here for compile-only use when no TPU is attached: its multi-process lock file
-is not taken (no chip is opened) and the TPU VM variables it asks for get neutral defaults, so it
-prints nothing.
+libtpu itself (the version JAX pins, whether a TPU is attached, its compile-only settings) is
+``libtpu.py``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import glob
 import hashlib
-import importlib.metadata
 import json
 import os
 import re
@@ -39,6 +36,7 @@ import jax
 import numpy as np
 
 from torchtpu.runtime import stablehlo_facts
+from torchtpu.runtime.libtpu import _error, check_libtpu, compile_only_env
 
 ENV = "TORCHTPU_TPU_TARGET"
 # A folder: each program compiled for the target also writes its optimized HLO there (to diff
@@ -82,75 +80,6 @@ KNOWN = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:
          "v5p:2x2x2", "v6e:1x1", "v4:2x2x1", "v3:2x2", "v2:2x2", "tpu7x:2x2x1")
 DEFAULT = "v5e:2x2"  # what the explicit compile functions use when neither a name nor ENV is given
 _NAME = re.compile(r"^([a-z0-9]+):(\d+(?:x\d+){1,2})$")
-
-
-class TargetError(RuntimeError):
-    """The target cannot be used: unknown name, libtpu missing or mismatched, too few chips."""
-
-
-def _error(text: str) -> TargetError:
-    return TargetError(f"torchtpu.tpu: {text}")
-
-
-# ---------------------------------------------------------------------------- libtpu
-
-
-def required_libtpu() -> str | None:
-    """The libtpu version this JAX pins in its ``tpu`` extra ("0.0.42"), if it says."""
-    for req in importlib.metadata.requires("jax") or ():
-        m = re.match(r"libtpu\s*==\s*([\w.]+?)(\.\*)?\s*;.*extra\s*==\s*['\"]tpu['\"]", req)
-        if m:
-            return m.group(1)
-    return None
-
-
-def check_libtpu() -> str:
-    """The installed libtpu version, or a ``TargetError`` naming the one to install."""
-    wanted = required_libtpu()
-    pin = f"libtpu=={wanted}" if wanted else "libtpu"
-    try:
-        have = importlib.metadata.version("libtpu")
-    except importlib.metadata.PackageNotFoundError:
-        raise _error(f"a TPU target needs libtpu, which is not installed: pip install "
-                     f"'{pin}' (the one JAX {jax.__version__} pins), or "
-                     "pip install -e '.[tpu-aot]'") from None
-    if wanted and not (have == wanted or have.startswith(wanted + ".")):
-        raise _error(f"libtpu {have} is installed, but JAX {jax.__version__} pins {wanted}: "
-                     f"pip install '{pin}'")
-    return have
-
-
-def tpu_attached() -> bool:
-    """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
-    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(_MARK)
-    if vm or os.environ.get("JAX_FORCE_TPU_INIT"):
-        return True
-    # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return True
-    from jax._src import hardware_utils  # a scan of the PCI ids in /sys, no libtpu
-
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-
-
-# Set with the variables below: they are then no sign of a TPU VM (here or in a child process).
-_MARK = "TORCHTPU_LIBTPU_COMPILE_ONLY"
-
-
-def compile_only_env() -> None:
-    """libtpu's settings for compiling without a TPU (set before it initializes; kept if set)."""
-    if tpu_attached():
-        return
-    # No chip is opened, so the lock that keeps two processes off one TPU does not apply (without
-    # this a second process on the machine fails on /tmp/libtpu_lockfile).
-    # Without the others libtpu prints warnings and a "Source Location Trace" error; they
-    # describe a one-host slice and are not what the topology name compiles for.
-    if "TPU_ACCELERATOR_TYPE" not in os.environ:
-        os.environ[_MARK] = "1"
-    for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                        ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
-                        ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
-        os.environ.setdefault(name, value)
 
 
 # ---------------------------------------------------------------------------- targets

@@ -1,0 +1,83 @@
+"""libtpu for TPU targets: the version JAX pins, whether a TPU is attached, and libtpu's settings
+for compiling without one.
+
+Kept apart from the target and its compiles (``tpu_target.py``) because the platform choice
+(``platform.py``) asks ``tpu_attached`` at import, before anything loads libtpu: with libtpu
+installed and no TPU here, JAX's TPU client is left out and libtpu, when a target loads it, gets
+neutral settings (no lock file taken, no TPU VM variables to miss), so it prints nothing.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.metadata
+import os
+import re
+
+import jax
+
+
+class TargetError(RuntimeError):
+    """The target cannot be used: unknown name, libtpu missing or mismatched, too few chips."""
+
+
+def _error(text: str) -> TargetError:
+    return TargetError(f"torchtpu.tpu: {text}")
+
+
+def required_libtpu() -> str | None:
+    """The libtpu version this JAX pins in its ``tpu`` extra ("0.0.42"), if it says."""
+    for req in importlib.metadata.requires("jax") or ():
+        m = re.match(r"libtpu\s*==\s*([\w.]+?)(\.\*)?\s*;.*extra\s*==\s*['\"]tpu['\"]", req)
+        if m:
+            return m.group(1)
+    return None
+
+
+def check_libtpu() -> str:
+    """The installed libtpu version, or a ``TargetError`` naming the one to install."""
+    wanted = required_libtpu()
+    pin = f"libtpu=={wanted}" if wanted else "libtpu"
+    try:
+        have = importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        raise _error(f"a TPU target needs libtpu, which is not installed: pip install "
+                     f"'{pin}' (the one JAX {jax.__version__} pins), or "
+                     "pip install -e '.[tpu-aot]'") from None
+    if wanted and not (have == wanted or have.startswith(wanted + ".")):
+        raise _error(f"libtpu {have} is installed, but JAX {jax.__version__} pins {wanted}: "
+                     f"pip install '{pin}'")
+    return have
+
+
+def tpu_attached() -> bool:
+    """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
+    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(_MARK)
+    if vm or os.environ.get("JAX_FORCE_TPU_INIT"):
+        return True
+    # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
+    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        return True
+    from jax._src import hardware_utils  # a scan of the PCI ids in /sys, no libtpu
+
+    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
+
+
+# Set with the variables below: they are then no sign of a TPU VM (here or in a child process).
+_MARK = "TORCHTPU_LIBTPU_COMPILE_ONLY"
+
+
+def compile_only_env() -> None:
+    """libtpu's settings for compiling without a TPU (set before it initializes; kept if set)."""
+    if tpu_attached():
+        return
+    # No chip is opened, so the lock that keeps two processes off one TPU does not apply (without
+    # this a second process on the machine fails on /tmp/libtpu_lockfile).
+    # Without the others libtpu prints warnings and a "Source Location Trace" error; they
+    # describe a one-host slice and are not what the topology name compiles for.
+    if "TPU_ACCELERATOR_TYPE" not in os.environ:
+        os.environ[_MARK] = "1"
+    for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
+                        ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
+                        ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+        os.environ.setdefault(name, value)
