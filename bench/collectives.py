@@ -7,7 +7,9 @@ gloo on CPU tensors, their calls interleaved so that load from other processes f
 Last, one DDP training step of a TinyGPT on tpu (its gradients in several 1 MB buckets, so their
 all-reduces can overlap the rest of backward): its time with DDP minus the same step without DDP
 is the communication overhead, set against the time of the same bucket all-reduces alone (what
-overlapping them with backward hides).
+overlapping them with backward hides). ``--ops all_to_all_uneven`` times ``all_to_all_single``
+with uneven splits instead (rank 0 sends 1/4 of its rows to itself, rank 1 1/3; the XLA
+transport's padded program against the host path and gloo); ``--no-ddp`` skips the DDP step.
 
 ``--transport`` picks tpu_dist's transport: ``host`` (gloo over host memory, XLA:CPU's default),
 ``xla`` (XLA collective programs; JAX's multi-process runtime starts at init_process_group), or
@@ -15,6 +17,7 @@ overlapping them with backward hides).
 in the same processes (the DDP row then runs once per transport too).
 
     python bench/collectives.py [--iters 10] [--big-iters 3] [--ddp-only] [--transport both]
+                                [--ops all_reduce,all_gather,all_to_all_uneven] [--no-ddp]
 """
 
 from __future__ import annotations
@@ -71,12 +74,19 @@ def _groups(transport: str) -> dict:
     return {"tpu_dist xla": None, "tpu_dist host": dist.new_group(pg_options=Transport("host"))}
 
 
-def _collectives(rank, world, iters, big_iters, groups):
+def _uneven(rank: int, n: int) -> tuple[list, list]:
+    """(input splits, output splits) of 2 ranks' n rows each, rank r keeping 1/(4 + r)."""
+    keep = [n // 4, n // 5]
+    ins = [[keep[0], n - keep[0]], [n - keep[1], keep[1]]]
+    return ins[rank], [ins[0][rank], ins[1][rank]]
+
+
+def _collectives(rank, world, iters, big_iters, groups, ops):
     gloo = dist.new_group(backend="gloo")
     rows = []
     for label, n in SIZES:
         k = big_iters if n >= 1 << 24 else iters
-        for op in ("all_reduce", "all_gather"):
+        for op in ops:
             names, fns = [], []
             timed = [(name, "tpu", group) for name, group in groups.items()]
             for name, device, group in (*timed, ("gloo", "cpu", gloo)):
@@ -85,6 +95,12 @@ def _collectives(rank, world, iters, big_iters, groups):
                 if op == "all_reduce":
                     def fn(x=x, group=group):
                         dist.all_reduce(x, group=group)
+                elif op == "all_to_all_uneven":
+                    ins, outs = _uneven(rank, n)
+                    out = torch.empty(sum(outs), device=device)
+
+                    def fn(x=x, out=out, group=group, ins=ins, outs=outs):
+                        dist.all_to_all_single(out, x, outs, ins, group=group)
                 else:
                     def fn(x=x, out=out, group=group):
                         dist.all_gather_into_tensor(out, x, group=group)
@@ -138,11 +154,11 @@ def _ddp_overhead(rank, world, iters, group):
     return with_ddp, without, alone, params, len(buckets)
 
 
-def _body(rank, world, iters, big_iters, ddp_only, transport):
+def _body(rank, world, iters, big_iters, ddp_only, transport, ops, ddp):
     groups = _groups(transport)
-    rows = [] if ddp_only else _collectives(rank, world, iters, big_iters, groups)
+    rows = [] if ddp_only else _collectives(rank, world, iters, big_iters, groups, ops)
     return rows, {name: _ddp_overhead(rank, world, iters, group)
-                  for name, group in groups.items()}
+                  for name, group in groups.items()} if ddp else {}
 
 
 def main() -> None:
@@ -150,11 +166,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--big-iters", type=int, default=3)
     p.add_argument("--ddp-only", action="store_true", help="only the DDP step")
+    p.add_argument("--no-ddp", action="store_true", help="no DDP step")
+    p.add_argument("--ops", default="all_reduce,all_gather",
+                   help="comma-separated: all_reduce, all_gather, all_to_all_uneven")
     p.add_argument("--transport", choices=("host", "xla", "both"), default="host",
                    help="tpu_dist's transport(s) to time (default: host, XLA:CPU's default)")
     a = p.parse_args()
     env = {"TORCHTPU_DIST_TRANSPORT": "host" if a.transport == "host" else "xla"}
-    rows, ddps = run(_body, 2, args=(a.iters, a.big_iters, a.ddp_only, a.transport),
+    ops = [o.strip() for o in a.ops.split(",")]
+    rows, ddps = run(_body, 2, args=(a.iters, a.big_iters, a.ddp_only, a.transport, ops,
+                                     not a.no_ddp),
                      timeout=1200, pg_timeout=300, env=env)[0]
     names = [name for name in (rows[0][2] if rows else {}) if name != "gloo"]
     print("| op | size | " + " | ".join(f"{n} (tpu)" for n in names) + " | gloo (CPU) | "

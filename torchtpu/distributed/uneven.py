@@ -7,10 +7,13 @@ agree in the header exchange on a padded layout: ``m`` rows per (sender, receive
 largest chunk any rank sends; every input padded to ``r_in`` rows and every output computed at
 ``r_out`` rows, the most any rank has. Each of the three is rounded up to a size bucket (at most
 1/8 more, ``bucket``), so that the varying counts of a training run reuse a few programs instead
-of compiling one per step. The program (one ``shard_map`` over the group's mesh) packs this
-rank's chunks into ``[n, m]`` rows by its input splits, runs one ``all_to_all``, and unpacks the
-received chunks by its output splits; the splits travel as a small int32 argument, so new
-splits in the same buckets run the same program.
+of compiling one per step. The program (one ``shard_map`` over the group's mesh) slices this
+rank's chunks into ``[n, m]`` rows by its input splits, runs one ``all_to_all``, and writes the
+received chunks in place by its output splits; the splits travel as a small int32 argument, so
+new splits in the same buckets run the same program. It moves n * m rows per rank where the
+host path moves the real ones, and copies the data a few times on the device: on XLA:CPU it is
+slower than the host path for large skewed exchanges (bench/RESULTS.md, session 16); on a TPU
+those copies are HBM's and the transfer ICI's, with no trip through host memory.
 
 The exchanged row (``row``) carries each rank's splits when they fit the header's inline
 payload (groups of up to 58 ranks): ranks whose splits do not pair up (rank i's output split j
@@ -106,20 +109,22 @@ def _program(devices: tuple, n: int, r_in: int, r_out: int, m: int):
 
     def body(b, splits):
         s_in, s_out = splits[:n], splits[n:]
-        k = jnp.arange(m)
-        # Pack: chunk j's k-th row is input row (start of chunk j) + k; past the chunk, a row
-        # out of range, which take fills (padding no one reads).
-        at = (jnp.cumsum(s_in) - s_in)[:, None] + k[None, :]
-        at = jnp.where(k[None, :] < s_in[:, None], at, r_in).reshape(-1)
-        packed = jnp.take(b, at, axis=0, mode="fill").reshape(n, m, *b.shape[1:])
+        rest = b.shape[1:]
+        # Pack: chunk j is the m rows from its start (rows past its split are whatever
+        # follows: padding no one reads), sliced, not gathered (a gather of every row costs
+        # ~7x the all_to_all itself on XLA:CPU). m rows of zeros after the input keep every
+        # slice inside it.
+        b = jnp.concatenate([b, jnp.zeros((m, *rest), b.dtype)])
+        starts = jnp.cumsum(s_in) - s_in
+        packed = jnp.stack([lax.dynamic_slice_in_dim(b, starts[j], m) for j in range(n)])
         got = lax.all_to_all(packed, AXIS, 0, 0)  # got[j]: rank j's chunk for this rank
-        # Unpack: output row o comes from chunk j (the one whose output range holds o), row
-        # o - (its start); rows past this rank's output are padding.
-        ends = jnp.cumsum(s_out)
-        o = jnp.arange(r_out)
-        j = jnp.minimum(jnp.searchsorted(ends, o, side="right"), n - 1)
-        src = jnp.where(o < ends[-1], j * m + o - (ends[j] - s_out[j]), n * m)
-        return jnp.take(got.reshape(n * m, *b.shape[1:]), src, axis=0, mode="fill")
+        # Unpack: chunk j written at its output start, in order, so that chunk j + 1
+        # overwrites chunk j's padding; the last one's lies past this rank's rows.
+        at = jnp.cumsum(s_out) - s_out
+        out = jnp.zeros((r_out + m, *rest), b.dtype)
+        for j in range(n):
+            out = lax.dynamic_update_slice_in_dim(out, got[j], at[j], 0)
+        return out[:r_out]
 
     spec = P(AXIS)
     return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(spec, spec), out_specs=spec,
