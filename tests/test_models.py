@@ -144,3 +144,17 @@ def test_lazy_module_moved_to_tpu_materializes_as_on_cpu():
     expected = cpu(x)
     tpu.load_state_dict(cpu.state_dict())
     assert_same(tpu(x.to("tpu")), expected)
+
+
+def test_lazy_module_converted_on_tpu_before_its_first_forward():
+    # .double() of a tpu lazy module copies its placeholders, whose Python shape refuses to
+    # answer: the device's copy read it and raised (test_modules' Lazy* float64 tests).
+    cpu = torch.nn.LazyLinear(3).double()
+    tpu = torch.nn.LazyLinear(3).to("tpu").double()
+    assert torch.nn.parameter.is_lazy(tpu.weight)
+    x = torch.randn(2, 4, dtype=torch.float64)
+    tpu(x.to("tpu"))
+    assert tpu.weight.dtype == torch.float64 and tpu.weight.shape == (3, 4)
+    expected = cpu(x)
+    tpu.load_state_dict(cpu.state_dict())
+    assert_same(tpu(x.to("tpu")), expected)

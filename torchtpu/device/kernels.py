@@ -196,6 +196,10 @@ def to_copy(t: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory
     if layout not in (None, torch.strided):
         raise RuntimeError(errors.message(
             "unsupported", f"tpu tensors are strided; .to(layout={layout}) is not supported"))
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        # A lazy module's placeholder (``module.double()`` before its first forward): its
+        # Python properties refuse to answer, so read it as the plain tensor it holds.
+        t = t.as_subclass(torch.Tensor)
     out = torch.empty_like(
         t, dtype=dtype or t.dtype, device=device or t.device,
         memory_format=memory_format or torch.preserve_format,
