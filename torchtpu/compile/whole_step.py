@@ -120,7 +120,12 @@ def _covers(x) -> bool:
 
 def _environment(fn) -> list:
     """The objects fn reads by name: its closure cells and the globals its code loads."""
-    out = [c.cell_contents for c in (fn.__closure__ or ()) if _filled(c)]
+    out = []
+    for c in fn.__closure__ or ():
+        try:
+            out.append(c.cell_contents)
+        except ValueError:  # an empty cell
+            pass
     g = fn.__globals__
     out.extend(g[n] for n in _globals_read(fn.__code__) if n in g)
     return out
@@ -133,13 +138,6 @@ def _globals_read(code: types.CodeType) -> tuple:
     return tuple(dict.fromkeys(i.argval for i in dis.get_instructions(code)
                                if i.opname == "LOAD_GLOBAL"))
 
-
-def _filled(cell) -> bool:
-    try:
-        cell.cell_contents  # noqa: B018 (an empty cell raises)
-    except ValueError:
-        return False
-    return True
 
 
 def _env_key(objects: list) -> tuple:
