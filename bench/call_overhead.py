@@ -18,15 +18,19 @@ the same arithmetic. Every call ends with its result ready (``block_until_ready`
 run in interleaved rounds in one process (each round times every path), and the median over
 rounds is reported: the ratios hold on a loaded machine. ``--clock thread`` times the calling
 thread's CPU time instead of the wall clock (XLA:CPU runs these small programs on the calling
-thread): on a loaded machine that leaves out the time other processes take.
+thread): on a loaded machine that leaves out the time other processes take. ``--count-calls``
+prints instead the Python function calls one call of each path makes (cProfile's count: the
+same on any load; C code such as a jitted call counts once).
 
     python bench/call_overhead.py [--rounds N] [--calls N] [--params N]
-        [--optimizer none|sgd|adamw] [--clock wall|thread]
+        [--optimizer none|sgd|adamw] [--clock wall|thread] [--count-calls]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 
@@ -164,7 +168,12 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=1, help="4x4 parameters of the step")
     parser.add_argument("--optimizer", choices=sorted(LR), default="none")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument("--count-calls", action="store_true",
+                        help="Python function calls per call of each path, not times")
     args = parser.parse_args()
+    if args.count_calls:
+        _count_calls(args)
+        return
     clock = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[0]
@@ -192,6 +201,25 @@ def main() -> None:
         kind = "step" if name in ("jax step", "whole step", "replay") else "forward"
         med = statistics.median(times)
         print(f"| {name} | {med:.1f} | {min(times):.1f} | {med / floor[kind]:.2f}x |")
+
+
+def _count_calls(args) -> None:
+    from torchtpu.device import memory
+
+    # synchronize's peak-memory walk on XLA:CPU runs every 50 ms, not per call: left out.
+    memory.SAMPLE_INTERVAL_S = float("inf")
+    paths = _paths(args.params, args.optimizer)
+    print(f"Python calls per call; step of {args.params} parameter(s), optimizer "
+          f"{args.optimizer}")
+    for name, fn in paths.items():
+        for _ in range(5):
+            fn()
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(args.calls):
+            fn()
+        profile.disable()
+        print(f"| {name} | {pstats.Stats(profile).total_calls / args.calls:.0f} |")
 
 
 if __name__ == "__main__":
