@@ -169,7 +169,7 @@ def test_host_kv_cache_is_sized_in_bytes_and_tokens(tmp_path):
     model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))  # 2 layers, 1 KV head of 64
     args = lambda dtype, kv="auto": SimpleNamespace(  # noqa: E731
         model_path=model_dir, trust_remote_code=False, dtype=dtype, kv_cache_dtype=kv,
-        max_total_tokens=None, attention_backend=None, sampling_backend=None)
+        max_total_tokens=None, attention_backend=None, sampling_backend=None, tp_size=1)
     per_token = 2 * 2 * 1 * 64 * 4
     assert platform.host_kv_tokens(args("float32"), available=2 * 1000 * per_token) == 1000
     assert platform.host_kv_tokens(args("auto", "bfloat16"), available=2000 * per_token) == 2000
@@ -180,3 +180,42 @@ def test_host_kv_cache_is_sized_in_bytes_and_tokens(tmp_path):
     picked = (server_args.attention_backend, server_args.sampling_backend)
     assert picked == ("torch_native", "pytorch")
     assert 0 < server_args.max_total_tokens <= most
+
+
+# (server argument, value, words of the refusal): each is refused before any process starts
+UNSERVABLE = [("attention_backend", "triton", "--attention-backend triton does not run on"),
+              ("decode_attention_backend", "flashinfer", "use torch_native"),
+              ("tp_size", 2, "--tp-size 2: SGLang on device tpu runs one process"),
+              ("speculative_algorithm", "EAGLE", "--speculative-algorithm EAGLE is not served"),
+              ("quantization", "fp8", "--quantization fp8 is not served"),
+              ("kv_cache_dtype", "fp8_e4m3", "--kv-cache-dtype fp8_e4m3 is not served")]
+
+
+@pytest.mark.parametrize(("field", "value", "words"), UNSERVABLE)
+def test_what_the_platform_cannot_serve_is_refused_by_name(field, value, words):
+    _sglang()
+    from types import SimpleNamespace
+
+    from torchtpu.integrations.sglang import platform
+
+    args = SimpleNamespace(attention_backend=None, kv_cache_dtype="auto", tp_size=1)
+    platform.refuse_unservable(args)  # the defaults are served
+    setattr(args, field, value)
+    with pytest.raises(ValueError, match=f"torchtpu.unsupported: .*{words}"):
+        platform.refuse_unservable(args)
+
+
+def test_sglang_refuses_an_unservable_backend_at_start_up(tmp_path):
+    """Through SGLang's own argument resolution, in the process that builds the arguments."""
+    _sglang()
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
+    code = ("from sglang.srt.server_args import ServerArgs; import sys; "
+            "ServerArgs(model_path=sys.argv[1], device='tpu', attention_backend='triton')"
+            ".resolve_once()")
+    run = subprocess.run([sys.executable, "-c", code, model_dir], env=_env("1"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "torchtpu.unsupported: --attention-backend triton does not run on device tpu" in (
+        run.stderr), run.stderr[-3000:]

@@ -35,6 +35,36 @@ def _host_memory() -> bool:
     return pjrt.platform() == "cpu"
 
 
+# what the platform serves: anything else is refused at start-up by name (refuse_unservable)
+ATTENTION_BACKENDS = ("torch_native",)
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def refuse_unservable(server_args) -> None:
+    """Raise, before any process starts, for a setting SGLang would otherwise take to a CUDA or
+    sgl-kernel path deep inside the scheduler (or serve wrongly), saying what works instead."""
+    for field in ("attention_backend", "prefill_attention_backend", "decode_attention_backend"):
+        backend = getattr(server_args, field, None)
+        if backend is not None and backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"torchtpu.unsupported: --{field.replace('_', '-')} {backend} does "
+                             f"not run on device tpu; use {' or '.join(ATTENTION_BACKENDS)}")
+    for field in ("tp_size", "pp_size", "dp_size"):
+        if (getattr(server_args, field, 1) or 1) > 1:
+            raise ValueError(f"torchtpu.unsupported: --{field.replace('_', '-')} "
+                             f"{getattr(server_args, field)}: SGLang on device tpu runs one "
+                             "process on one device; start one server per device instead")
+    if getattr(server_args, "speculative_algorithm", None):
+        raise ValueError(f"torchtpu.unsupported: --speculative-algorithm "
+                         f"{server_args.speculative_algorithm} is not served on device tpu; "
+                         "leave it unset")
+    if getattr(server_args, "quantization", None):
+        raise ValueError(f"torchtpu.unsupported: --quantization {server_args.quantization} is "
+                         "not served on device tpu; serve unquantized weights")
+    if getattr(server_args, "kv_cache_dtype", "auto") not in KV_CACHE_DTYPES:
+        raise ValueError(f"torchtpu.unsupported: --kv-cache-dtype {server_args.kv_cache_dtype} "
+                         f"is not served on device tpu; use one of {', '.join(KV_CACHE_DTYPES)}")
+
+
 def kv_bytes_per_token(config, dtype: str) -> int:
     """K and V of one token in every layer of the Hugging Face ``config`` (4-byte elements
     unless ``dtype`` names a 2-byte one: "auto" may resolve to float32)."""
@@ -115,6 +145,7 @@ class TpuSRTPlatform(TpuDeviceMixin, SRTPlatform):
         return "torch_native"
 
     def apply_server_args_defaults(self, server_args) -> None:
+        refuse_unservable(server_args)
         if server_args.attention_backend is None:
             server_args.attention_backend = "torch_native"
         if server_args.sampling_backend is None:
