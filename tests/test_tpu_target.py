@@ -204,6 +204,25 @@ def test_refused_module_and_64_bit_work_are_reported():
     assert wide.seconds > 0 and wide.seconds_narrowed
 
 
+@needs_libtpu
+def test_complex128_is_refused_before_libtpu_which_would_end_the_process(tmp_path):
+    """A complex64 tensor times a Python complex scalar (``2j * w``) used to end the process in
+    libtpu's compile ("Unsupported CVT X{64|128} expansion from c128[]"): the scalar enters the
+    program as complex128. The target refuses such a program with a message instead."""
+    code = """\
+        import torch
+        from torchtpu.runtime import tpu_hook
+        w = torch.randn(4, dtype=torch.complex64, device="tpu")
+        print((2j * w).abs().sum().item() > 0)
+        print([(r.compiles, r.error) for r in tpu_hook.wait() if not r.compiles])
+    """
+    run = _python(code, tmp_path, env={tpu_target.ENV: "v5e:2x2",
+                                       "TORCHTPU_TPU_TARGET_ON_ERROR": "keep"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    ran, refused = run.stdout.strip().splitlines()[-2:]
+    assert ran == "True" and "complex128" in refused and "use complex64" in refused
+
+
 def test_narrowed_programs_are_32_bit_or_none():
     import numpy as np
 

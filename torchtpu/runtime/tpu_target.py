@@ -265,6 +265,13 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
     from jax._src.lib import xla_client as xc
 
     facts = stablehlo_facts.facts(parsed)
+    if facts["complex128"]:
+        # libtpu 0.0.42 ends the process (a fatal check in its precision rewriter: "Unsupported
+        # CVT X{64|128} expansion from c128[]") instead of refusing: found as a Python complex
+        # scalar times a complex64 tensor, which enters the program as complex128.
+        return {"compiles": False, "wide_ops": facts["wide"], "compile_seconds": 0.0,
+                "error": "the program holds complex128 values, which a TPU cannot compute "
+                         "(libtpu aborts on them); use complex64"}
     options = _options(devs)
     start = time.perf_counter()
     try:
