@@ -1,7 +1,7 @@
 """The whole step's per-call short paths give way where what they skip changed: CPU step counts
-kept in one buffer still say each parameter's own count (and a count moved alone is refilled
-alone), a module tree changed under a cached walk is walked again, and a batch passed as a tuple
-is still bound tensor by tensor."""
+kept in one buffer still say each parameter's own count (a count moved alone is refilled alone;
+two signatures' steps hand the counts back and forth), a module tree changed under a cached walk
+is walked again, and a batch passed as a tuple is still bound tensor by tensor."""
 
 import collections
 import copy
@@ -116,3 +116,22 @@ def test_a_batch_in_a_tuple_or_namedtuple_is_bound_tensor_by_tensor():
     # The first step and the steady state are captured; each later batch, in either container,
     # is bound into the steady state's program (its signature is the tensors' shapes).
     assert [c - captures[0] for c in captures] == [0, 1, 1, 1, 1, 1]
+
+
+def test_counts_stay_right_when_two_signatures_alternate():
+    """Two captured steps (two batch sizes) share one optimizer's CPU counts: each step finds
+    the counts the other advanced (its device twins refilled) and advances them itself."""
+    cpu, dev = _nets()
+    cpu_opt = torch.optim.AdamW(cpu.parameters(), lr=0.02)
+    dev_opt = torch.optim.AdamW(dev.parameters(), lr=0.02)
+    compiled = torch.compile(step, backend="tpu")
+    gen = torch.Generator().manual_seed(9)
+    for i in range(8):
+        rows = 5 if i % 2 else 7
+        x, y = torch.randn(rows, 6, generator=gen), torch.randn(rows, 3, generator=gen)
+        loss = compiled(dev, dev_opt, x.to("tpu"), y.to("tpu"))
+        torch.testing.assert_close(loss.cpu(), step(cpu, cpu_opt, x, y).detach(),
+                                   atol=2e-6, rtol=2e-6)
+    for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+        assert dev_opt.state[p]["step"].item() == 8

@@ -11,12 +11,20 @@ So ``StepCounts`` makes the counts views of one CPU buffer per (step() calls per
 each count stays the same tensor object (``Tensor.set_`` re-points its storage; the optimizer's
 guards compare identities), with its value, and reading all of them is one ``tolist()``,
 advancing them one ``add_``. Writes to a single count (an eager step's ``step += 1``) land in
-its element of the buffer, where the next call reads them.
+its element of the buffer, where the next call reads them. Another captured step of the same
+optimizer (another signature) re-points the counts to its own buffer: each call first checks
+that its counts still view its buffer (one C-level pass over their storages) and else takes
+them back, with the values the other step left.
 """
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import torch
+
+_STORAGE = torch.Tensor.untyped_storage
 
 
 class StepCounts:
@@ -27,24 +35,37 @@ class StepCounts:
         by_kind: dict = {}
         for cpu, dev, n in counts:
             by_kind.setdefault((n, cpu.dtype), []).append((cpu, dev))
-        self._buffers: list = []   # (buffer, step() calls per replay)
-        self._twins: list = []     # the device twins, in buffer order
-        for (n, dtype), pairs in by_kind.items():
-            buffer = torch.tensor([cpu.item() for cpu, _ in pairs], dtype=dtype)
-            with torch.no_grad():
-                for k, (cpu, dev) in enumerate(pairs):
-                    cpu.set_(buffer.untyped_storage(), k, (), ())
-                    self._twins.append(dev)
-            self._buffers.append((buffer, n))
+        self._groups = [(n, dtype, [cpu for cpu, _ in pairs])
+                        for (n, dtype), pairs in by_kind.items()]
+        self._twins = [dev for pairs in by_kind.values() for _, dev in pairs]  # buffer order
+        self._buffers: list = []   # (buffer, its storage, step() calls per replay)
+        self._adopt()
         self._expected = self._read()  # what the twins hold
 
+    def _adopt(self) -> None:
+        """Make the counts views of buffers of this object's own, keeping their values."""
+        self._buffers = []
+        with torch.no_grad():
+            for n, dtype, cpus in self._groups:
+                buffer = torch.tensor([cpu.item() for cpu in cpus], dtype=dtype)
+                storage = buffer.untyped_storage()
+                for k, cpu in enumerate(cpus):
+                    cpu.set_(storage, k, (), ())
+                self._buffers.append((buffer, storage, n))
+
+    def _owned(self) -> bool:
+        return all(all(map(operator.is_, map(_STORAGE, cpus), itertools.repeat(storage)))
+                   for (_, _, cpus), (_, storage, _) in zip(self._groups, self._buffers))
+
     def _read(self) -> list:
-        return [v for buffer, _ in self._buffers for v in buffer.tolist()]
+        return [v for buffer, _, _ in self._buffers for v in buffer.tolist()]
 
     def before_replay(self) -> None:
         """Refill each twin whose CPU count moved outside the compiled step."""
         if not self._buffers:
             return
+        if not self._owned():  # another step of this optimizer took them
+            self._adopt()
         now = self._read()
         if now != self._expected:
             for dev, v, e in zip(self._twins, now, self._expected, strict=True):
@@ -55,7 +76,7 @@ class StepCounts:
         """Advance the CPU counts as the replay advanced the twins."""
         if not self._buffers:
             return
-        for buffer, n in self._buffers:
+        for buffer, _, n in self._buffers:
             if n:
                 buffer.add_(n)
         self._expected = self._read()
