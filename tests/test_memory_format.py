@@ -29,16 +29,35 @@ OPS = {
     "adaptive_avg_pool": lambda t: F.adaptive_avg_pool2d(t, 3),
     "max_pool": lambda t: F.max_pool2d(t, 2),
     "sum_over_channels": lambda t: t.sum(1, keepdim=True),
+    "reflection_pad": lambda t: F.pad(t, (1, 2, 2, 1), mode="reflect"),
+    "replication_pad": lambda t: F.pad(t, (1, 2, 2, 1), mode="replicate"),
 }
 
 
 @pytest.mark.parametrize("name", list(OPS))
-def test_ops_of_a_channels_last_input_keep_cpus_layout(name):
-    x = torch.randn(2, 3, 6, 6).to(memory_format=CL)
-    expected, got = OPS[name](x), OPS[name](x.to("tpu"))
-    assert _layout(got) == _layout(expected)
-    assert got.stride() == expected.stride()
-    assert_same(got, expected, atol=1e-5, rtol=1e-5)
+def test_ops_of_a_channels_last_input_and_their_gradients_keep_cpus_layout(name):
+    x0 = torch.randn(2, 3, 6, 6).to(memory_format=CL)
+    results = []
+    for device in ("cpu", "tpu"):
+        x = x0.detach().to(device).requires_grad_()
+        y = OPS[name](x)
+        # The output gradient in the output's layout, as autograd makes it (test_modules too)
+        grad = torch.empty_like(y).copy_(torch.linspace(-1, 1, y.numel()).reshape(y.shape))
+        results.append((y, *torch.autograd.grad(y, x, grad)))
+    for expected, got in zip(*results, strict=True):
+        assert _layout(got) == _layout(expected)
+        assert got.stride() == expected.stride()
+        assert_same(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("indices", [False, True])
+def test_a_decomposed_op_of_a_channels_last_3d_input_keeps_cpus_layout(indices):
+    # max_pool3d runs as PyTorch's decomposition, which computes in contiguous tensors.
+    x = torch.randn(2, 3, 4, 6, 6).to(memory_format=CL3)
+    expected, got = (F.max_pool3d(t, 2, return_indices=indices) for t in (x, x.to("tpu")))
+    for e, g in zip(*((r,) if not indices else r for r in (expected, got)), strict=True):
+        assert _layout(g) == _layout(e) == "channels_last"
+        assert_same(g, e)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -115,6 +115,32 @@ def _laid_out(d, fmt):
     return tuple(_laid_out(x, fmt) for x in d)
 
 
+def _lay_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """t in memory format fmt: CPU's strides, the row-major array copied into a tensor of that
+    format (a transposing write into its storage), as CUDA's kernels write channels-last."""
+    laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
+    return laid.copy_(t)
+
+
+def _relaid(out, d):
+    """A decomposition's results out in the layouts the description d names."""
+    if _is_leaf(d):
+        if len(d) == 3 and isinstance(out, torch.Tensor) \
+                and not out.is_contiguous(memory_format=d[2]):
+            return _lay_out(out, d[2])
+        return out
+    if isinstance(d, tuple) and isinstance(out, (tuple, list)):
+        laid = [_relaid(o, x) for o, x in zip(out, d)]
+        return laid if isinstance(out, list) else tuple(laid)
+    return out
+
+
+def _laid_operand(args) -> bool:
+    """Whether a 4-d / 5-d tensor among args is not contiguous (may be channels-last)."""
+    return any(isinstance(a, torch.Tensor) and a.dim() in (4, 5) and not a.is_contiguous()
+               for a in args)
+
+
 def _formatted(d) -> bool:
     """Whether a result description names a memory format anywhere (channels-last results)."""
     if _is_leaf(d):
@@ -216,13 +242,7 @@ def _wrap(arrays, result):
         return result
     if _is_leaf(result):
         out = tensors.wrap(arrays, result[1])
-        if len(result) == 3:
-            # CPU's strides: the row-major array copied into a tensor of that format (a
-            # transposing write into its storage), as CUDA's kernels write channels-last.
-            laid = torch.empty(out.shape, dtype=out.dtype, device=out.device,
-                               memory_format=result[2])
-            return laid.copy_(out)
-        return out
+        return _lay_out(out, result[2]) if len(result) == 3 else out
     return tuple(_wrap(a, r) for a, r in zip(arrays, result))
 
 
@@ -403,6 +423,10 @@ def _decomposition_handler(op: OpOverload, decomp):
             active.discard(op)
         if out is NotImplemented:
             return fallback.run_on_cpu(op, args, kwargs)
+        if oi is None and _laid_operand(args):
+            # A decomposition computes in contiguous tensors: its results take the layouts
+            # the meta kernel gives (max_pool3d's of a channels-last-3d input).
+            out = _relaid(out, meta.infer(op, schema.bind(schema.info(op), args, kwargs)[0]))
         return out
 
     return handle

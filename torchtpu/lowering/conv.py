@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import channels_last_of, lowers
 
 aten = torch.ops.aten
 
@@ -47,21 +47,12 @@ def _conv(x, w, stride, padding, dilation, transposed, output_padding, groups):
         dimension_numbers=_dimension_numbers(nd), feature_group_count=groups)
 
 
-def _channels_last(v) -> torch.memory_format | None:
-    """v's channels-last format, if it is a 4-d / 5-d tensor laid out so (metadata only)."""
-    if isinstance(v, torch.Tensor) and v.dim() in (4, 5):
-        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
-        if not v.is_contiguous() and v.is_contiguous(memory_format=fmt):
-            return fmt
-    return None
-
-
 # Result layouts as CPU's convolutions give them (the meta kernels say contiguous): oneDNN's
 # and the slow 2-d kernels write channels-last results, the input and weight gradients
 # included, when the input or the weight is channels-last; the slow 3-d kernel (float64)
 # writes contiguous ones (where the backward's meta kernel says channels-last).
 def _layout(x, w) -> torch.memory_format:
-    fmt = _channels_last(x) or _channels_last(w)
+    fmt = channels_last_of(x) or channels_last_of(w)
     if fmt is None or (fmt is torch.channels_last_3d and x.dtype == torch.float64):
         return torch.contiguous_format
     return fmt

@@ -66,6 +66,13 @@ class Lowering:
 
 
 TABLE: dict[OpOverload, Lowering] = {}
+def channels_last_of(v) -> torch.memory_format | None:
+    """v's channels-last format, if it is a 4-d / 5-d tensor laid out so (metadata only)."""
+    if isinstance(v, torch.Tensor) and v.dim() in (4, 5):
+        fmt = torch.channels_last if v.dim() == 4 else torch.channels_last_3d
+        if not v.is_contiguous() and v.is_contiguous(memory_format=fmt):
+            return fmt
+    return None
 
 
 def _overloads(target) -> list[OpOverload]:

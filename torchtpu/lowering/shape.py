@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import channels_last_of, lowers
 
 aten = torch.ops.aten
 
@@ -55,14 +55,24 @@ def _pad_last_dims(x, pad, mode: str):
     return x
 
 
+# CPU's padding kernels (and their backwards) keep the input's channels-last layout; the meta
+# kernels give contiguous results.
+def _input_layout(x, *_) -> torch.memory_format | None:
+    return channels_last_of(x)
+
+
+def _grad_input_layout(grad, x, *_) -> torch.memory_format | None:
+    return channels_last_of(x)
+
+
 @lowers(aten.reflection_pad1d.default, aten.reflection_pad2d.default,
-        aten.reflection_pad3d.default)
+        aten.reflection_pad3d.default, layout=_input_layout)
 def reflection_pad(x, padding):
     return _pad_last_dims(x, padding, "reflect")
 
 
 @lowers(aten.replication_pad1d.default, aten.replication_pad2d.default,
-        aten.replication_pad3d.default)
+        aten.replication_pad3d.default, layout=_input_layout)
 def replication_pad(x, padding):
     return _pad_last_dims(x, padding, "edge")
 
@@ -75,13 +85,13 @@ def _pad_backward(grad, x, padding, mode: str):
 # PyTorch's decomposition of the reflection backwards does not accept the out= form the autograd
 # kernels call, and the replication backwards have none.
 @lowers(aten.reflection_pad1d_backward.default, aten.reflection_pad2d_backward.default,
-        aten.reflection_pad3d_backward.default)
+        aten.reflection_pad3d_backward.default, layout=_grad_input_layout)
 def reflection_pad_backward(grad, x, padding):
     return _pad_backward(grad, x, padding, "reflect")
 
 
 @lowers(aten.replication_pad1d_backward.default, aten.replication_pad2d_backward.default,
-        aten.replication_pad3d_backward.default)
+        aten.replication_pad3d_backward.default, layout=_grad_input_layout)
 def replication_pad_backward(grad, x, padding):
     return _pad_backward(grad, x, padding, "edge")
 
