@@ -19,22 +19,6 @@ from torchtpu.integrations import sglang as plugin
 from torchtpu.integrations.sglang import install
 
 
-def test_activate_follows_the_setting_then_the_installers_marker(monkeypatch, tmp_path):
-    monkeypatch.setattr(plugin, "MARKER", tmp_path / "sglang-platform-tpu")
-    monkeypatch.delenv("TORCHTPU_SGLANG", raising=False)
-    assert plugin.activate() is None  # SGLang not installed by torchtpu's installer: its own
-    plugin.MARKER.write_text("")
-    assert plugin.activate() == plugin.PLATFORM
-    monkeypatch.setenv("TORCHTPU_SGLANG", "0")
-    assert plugin.activate() is None
-    plugin.MARKER.unlink()
-    monkeypatch.setenv("TORCHTPU_SGLANG", "1")
-    assert plugin.activate() == plugin.PLATFORM
-    monkeypatch.setenv("TORCHTPU_SGLANG", "yes")
-    with pytest.raises(ValueError, match="TORCHTPU_SGLANG='yes' is not 0 or 1"):
-        plugin.activate()
-
-
 def test_install_keeps_torch_and_guards_only_torchvisions_two_registrations(tmp_path):
     deps, wheel = install.commands("py", "c.txt")
     assert "torch==2.13.0" in deps and deps[deps.index("-c") + 1] == "c.txt"

