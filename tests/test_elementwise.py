@@ -198,6 +198,16 @@ def test_complex():
     check_against_cpu(lambda re, im: torch.complex(re, im) * 2, re, im)
 
 
+def test_python_complex_scalars_compute_in_the_tensors_precision():
+    # A Python complex enters a complex64 call's program as complex64 (a TPU has no
+    # complex128), and a complex128 call's at full precision.
+    c = 1 / 3 + 1j / 7
+    for dtype in (torch.complex64, torch.complex128):
+        z = torch.randn(6, dtype=dtype)
+        check_against_cpu(lambda z: (z * c, c - z, z.real * c), z, atol=0, rtol=2e-16
+                          if dtype is torch.complex128 else 1.2e-7)
+
+
 def test_half_precision():
     x = torch.randn(8)
     for dtype in (torch.float16, torch.bfloat16):

@@ -64,6 +64,20 @@ def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     return tuple(entries)
 
 
+_WIDE = (torch.float64, torch.complex128)
+
+
+def _number(v, values: list):
+    """A traced Python number as its program takes it. A complex one would enter as complex128
+    (x64 is on), which a TPU cannot compute (libtpu ends the process on it); where no device
+    tensor of the call is float64 or complex128, torch computes the number as complex64
+    anyway (``2j * w`` of a complex64 ``w``), so it enters as that."""
+    if isinstance(v, complex) and not any(
+            isinstance(x, torch.Tensor) and not x.is_cpu and x.dtype in _WIDE for x in values):
+        return np.complex64(v)
+    return v
+
+
 def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
     """The traced values of bound arguments, in the order the spec consumes them, and the views
     among them (``program.with_views``): a view's storage array goes to the program, which
@@ -76,7 +90,7 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
             if g is not None:
                 views.append((i, None, g))
         elif kind == SCALAR:
-            dyn.append(v.item() if isinstance(v, torch.Tensor) else v)
+            dyn.append(_number(v.item() if isinstance(v, torch.Tensor) else v, values))
         elif kind == TENSORS:
             for j, x in enumerate(v):
                 if x is None:
