@@ -54,7 +54,7 @@ GLOSSARY: dict[str, Entry] = {
         "CPU words it whenever CPU can say it (then without this prefix). Where the values "
         "are not on the host yet (DeferAndFuse, torch.compile graphs, a TPU or GPU), the device "
         "checks them and the error comes at the next host read, with a note naming the call's "
-        "line.",
+        "line (in Debug mode, at the call).",
         "Fix the argument at the line the error points to."),
     "numerics": Entry(
         "TORCHTPU_DEBUG_NANS=1 found a NaN or an infinity in an op's result.",

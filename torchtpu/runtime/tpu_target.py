@@ -36,7 +36,12 @@ import jax
 import numpy as np
 
 from torchtpu.runtime import stablehlo_facts
-from torchtpu.runtime.libtpu import _error, check_libtpu, compile_only_env
+from torchtpu.runtime.libtpu import (  # noqa: F401  (TargetError: the targets' error)
+    TargetError,
+    _error,
+    check_libtpu,
+    compile_only_env,
+)
 
 ENV = "TORCHTPU_TPU_TARGET"
 # A folder: each program compiled for the target also writes its optimized HLO there (to diff
