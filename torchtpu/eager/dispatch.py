@@ -22,7 +22,7 @@ from torch._decomp import decomposition_table
 
 from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import at_call, executor, fallback, meta, schema, seen_calls
+from torchtpu.eager import at_call, executor, fallback, meta, results, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
 from torchtpu.runtime import platform
@@ -111,65 +111,6 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
     return tuple(dyn), tuple(views)
 
 
-def _is_leaf(d) -> bool:
-    # (shape, dtype) or (shape, dtype, memory format): see meta.describe
-    return isinstance(d, tuple) and len(d) in (2, 3) and isinstance(d[1], torch.dtype)
-
-
-def _laid_out(d, fmt):
-    """Result description d with its results of fmt's rank in memory format fmt (all of them
-    contiguous for torch.contiguous_format)."""
-    if fmt is None or d is None or type(d) is int:
-        return d
-    if _is_leaf(d):
-        if fmt is torch.contiguous_format:
-            return d[:2]
-        rank = 4 if fmt is torch.channels_last else 5
-        return (d[0], d[1], fmt) if len(d[0]) == rank else d
-    return tuple(_laid_out(x, fmt) for x in d)
-
-
-def _lay_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
-    """t in memory format fmt: CPU's strides, the row-major array copied into a tensor of that
-    format (a transposing write into its storage), as CUDA's kernels write channels-last."""
-    laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
-    return laid.copy_(t)
-
-
-def _relaid(out, d):
-    """A decomposition's results out in the layouts the description d names."""
-    if _is_leaf(d):
-        if len(d) == 3 and isinstance(out, torch.Tensor) \
-                and not out.is_contiguous(memory_format=d[2]):
-            return _lay_out(out, d[2])
-        return out
-    if isinstance(d, tuple) and isinstance(out, (tuple, list)):
-        laid = [_relaid(o, x) for o, x in zip(out, d)]
-        return laid if isinstance(out, list) else tuple(laid)
-    return out
-
-
-def _laid_operand(args) -> bool:
-    """Whether a 4-d / 5-d tensor among args is not contiguous (may be channels-last)."""
-    return any(isinstance(a, torch.Tensor) and a.dim() in (4, 5) and not a.is_contiguous()
-               for a in args)
-
-
-def _formatted(d) -> bool:
-    """Whether a result description names a memory format anywhere (channels-last results)."""
-    if _is_leaf(d):
-        return len(d) == 3
-    return isinstance(d, tuple) and any(_formatted(x) for x in d)
-
-
-def _map(d, fn):
-    if d is None or type(d) is int:  # an int result has no dtype (see meta.describe)
-        return None
-    if _is_leaf(d):
-        return fn(d)
-    return tuple(_map(x, fn) for x in d)
-
-
 # Per-op state lives on the OpOverload itself: hashing one runs Python code (~1 us), an
 # attribute read does not. ``_PLANS``: (its plans by call key, its traced argument positions).
 _HANDLER, _PLANS = "_torchtpu_handler", "_torchtpu_plans"
@@ -188,8 +129,8 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     if hit is None:
         result = meta.infer(op, values, traced=traced)
         if lowering.layout is not None:
-            result = _laid_out(result, lowering.layout(*values))
-        compute_dtypes = _map(result, lambda d: dtypes.to_jax(d[1]))
+            result = results.laid_out(result, lowering.layout(*values))
+        compute_dtypes = results.map_described(result, lambda d: dtypes.to_jax(d[1]))
         promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
         if lowering.random:
@@ -254,9 +195,9 @@ def _wrap(arrays, result):
         return None
     if type(result) is int:
         return result
-    if _is_leaf(result):
+    if results.is_leaf(result):
         out = tensors.wrap(arrays, result[1])
-        return _lay_out(out, result[2]) if len(result) == 3 else out
+        return results.lay_out(out, result[2]) if len(result) == 3 else out
     return tuple(_wrap(a, r) for a, r in zip(arrays, result))
 
 
@@ -287,7 +228,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         out = _wrap(compute(lowering, spec, values), result)
         # A signature does not tell layouts apart: a contiguous call must not take a
         # channels-last call's result format.
-        if hit is None and key is not None and not _formatted(result):
+        if hit is None and key is not None and not results.formatted(result):
             seen_calls.remember(seen, key, values, result, spec)
         return list(out) if returns_list else out
 
@@ -379,7 +320,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
 def _leaves(d):
     if d is None:
         return []
-    if _is_leaf(d):
+    if results.is_leaf(d):
         return [d]
     out = []
     for x in d:
@@ -437,10 +378,10 @@ def _decomposition_handler(op: OpOverload, decomp):
             active.discard(op)
         if out is NotImplemented:
             return fallback.run_on_cpu(op, args, kwargs)
-        if oi is None and _laid_operand(args):
+        if oi is None and results.laid_operand(args):
             # A decomposition computes in contiguous tensors: its results take the layouts
             # the meta kernel gives (max_pool3d's of a channels-last-3d input).
-            out = _relaid(out, meta.infer(op, schema.bind(schema.info(op), args, kwargs)[0]))
+            out = results.relaid(out, meta.infer(op, schema.bind(schema.info(op), args, kwargs)[0]))
         return out
 
     return handle

@@ -1,0 +1,72 @@
+"""Result descriptions and their memory layouts: what ``meta.describe`` says of an op's results
+((shape, dtype) leaves, or (shape, dtype, memory format) where the result is laid out otherwise
+than row-major, in tuples as the op returns them), and tensors laid out as CPU lays them
+(channels-last results of elementwise ops, batch norm, pooling, convolutions).
+
+The device's arrays are row-major; a result CPU gives in channels-last becomes a tensor of that
+memory format by one transposing copy (``lay_out``), as CUDA's kernels write channels-last.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def is_leaf(d) -> bool:
+    """Whether d describes one result: (shape, dtype) or (shape, dtype, memory format)."""
+    return isinstance(d, tuple) and len(d) in (2, 3) and isinstance(d[1], torch.dtype)
+
+
+def laid_out(d, fmt):
+    """Result description d with its results of fmt's rank in memory format fmt (all of them
+    contiguous for torch.contiguous_format)."""
+    if fmt is None or d is None or type(d) is int:
+        return d
+    if is_leaf(d):
+        if fmt is torch.contiguous_format:
+            return d[:2]
+        rank = 4 if fmt is torch.channels_last else 5
+        return (d[0], d[1], fmt) if len(d[0]) == rank else d
+    return tuple(laid_out(x, fmt) for x in d)
+
+
+def lay_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
+    """t in memory format fmt: CPU's strides, the row-major array copied into a tensor of that
+    format (a transposing write into its storage), as CUDA's kernels write channels-last."""
+    laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
+    return laid.copy_(t)
+
+
+def relaid(out, d):
+    """A decomposition's results out in the layouts the description d names."""
+    if is_leaf(d):
+        if len(d) == 3 and isinstance(out, torch.Tensor) \
+                and not out.is_contiguous(memory_format=d[2]):
+            return lay_out(out, d[2])
+        return out
+    if isinstance(d, tuple) and isinstance(out, (tuple, list)):
+        laid = [relaid(o, x) for o, x in zip(out, d)]
+        return laid if isinstance(out, list) else tuple(laid)
+    return out
+
+
+def laid_operand(args) -> bool:
+    """Whether a 4-d / 5-d tensor among args is not contiguous (may be channels-last)."""
+    return any(isinstance(a, torch.Tensor) and a.dim() in (4, 5) and not a.is_contiguous()
+               for a in args)
+
+
+def formatted(d) -> bool:
+    """Whether a result description names a memory format anywhere (channels-last results)."""
+    if is_leaf(d):
+        return len(d) == 3
+    return isinstance(d, tuple) and any(formatted(x) for x in d)
+
+
+def map_described(d, fn):
+    """fn of every result d describes, in d's structure (None for untyped results)."""
+    if d is None or type(d) is int:  # an int result has no dtype (see meta.describe)
+        return None
+    if is_leaf(d):
+        return fn(d)
+    return tuple(map_described(x, fn) for x in d)
