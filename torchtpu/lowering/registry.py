@@ -66,6 +66,8 @@ class Lowering:
 
 
 TABLE: dict[OpOverload, Lowering] = {}
+
+
 def channels_last_of(v) -> torch.memory_format | None:
     """v's channels-last format, if it is a 4-d / 5-d tensor laid out so (metadata only)."""
     if isinstance(v, torch.Tensor) and v.dim() in (4, 5):
