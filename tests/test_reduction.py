@@ -2,6 +2,8 @@
 
 import math
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 import torch.nn.functional as F
@@ -196,6 +198,21 @@ def test_hash_tensor():
     # An xor of the values' 64-bit patterns (floats as float64, integers as int64).
     x = torch.tensor([[1.0, -0.0, math.nan], [2.0, 3.0, 4.0]])
     check_against_cpu(lambda x: torch.hash_tensor(x, dim=1, keepdim=True), x)
+    # Widened from float32 bits with 32-bit integer ops (a TPU's float64 is a pair of float32s):
+    # zeros, infinities, NaNs of both signs and subnormals, which become normal float64s.
+    edge = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-40, -1e-45,
+                         1.17549435e-38, 3.4e38, 0.1, -2.5])
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        check_against_cpu(lambda e: [torch.hash_tensor(v) for v in e.unbind()],
+                          edge.to(dtype))
+
+
+def test_float32_hash_needs_no_float64_on_a_tpu():
+    from torchtpu.lowering.reduction import hash_tensor
+
+    x = jax.ShapeDtypeStruct((4, 3), jnp.float32)
+    text = jax.export.export(jax.jit(lambda x: hash_tensor(x, [1])), platforms=["tpu"])(x)
+    assert "f64" not in text.mlir_module()
     check_against_cpu(torch.hash_tensor, torch.tensor([[1, 2, 3], [-4, 5, 6]], dtype=torch.int32))
     check_against_cpu(torch.hash_tensor, torch.tensor([True, False, True]))
 

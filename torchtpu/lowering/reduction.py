@@ -354,11 +354,35 @@ def mode(x, dim=-1, keepdim=False):
 
 # ----------------------------------------------------------------------------- hashing
 
+def _float64_words(x):
+    """The (high, low) 32-bit words of x's values widened to float64, for floats of at most 32
+    bits, from their float32 bits with 32-bit integer ops. A TPU keeps float64 as a pair of
+    float32s, whose bitcast is not IEEE's pattern (hash_tensor on a v5e chip was 1e-2 off)."""
+    u32 = jnp.uint32
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), u32)
+    exp, man = (b >> 23) & u32(0xFF), b & u32(0x7FFFFF)
+    # A subnormal float32 is a normal float64: its leading one becomes the implicit bit.
+    lead = u32(31) - lax.clz(man)                       # the leading one's position (man != 0)
+    sub_man = (man << (u32(23) - lead)) & u32(0x7FFFFF)
+    sub_exp = lead + u32(874)                            # (lead - 149) + 1023
+    subnormal = (exp == 0) & (man != 0)
+    m = jnp.where(subnormal, sub_man, man)
+    e = jnp.where(subnormal, sub_exp,
+                  jnp.where(exp == 0, u32(0), jnp.where(exp == 0xFF, u32(0x7FF), exp + u32(896))))
+    high = (b & u32(0x80000000)) | (e << 20) | (m >> 3)
+    return high, (m & u32(7)) << 29
+
+
 @lowers(aten.hash_tensor.default)
 def hash_tensor(x, dim=(), keepdim=False, mode=0):
     # mode 0 (the only one) xors the 64-bit patterns of the values widened to float64 / int64.
-    wide = x.astype(jnp.float64 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int64)
-    bits = lax.bitcast_convert_type(wide, jnp.uint64)
     axes = _axes(x, dim)
-    out = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype != jnp.float64:
+        high, low = (lax.reduce(w, jnp.uint32(0), lax.bitwise_xor, axes)
+                     for w in _float64_words(x))
+        out = (high.astype(jnp.uint64) << 32) | low.astype(jnp.uint64)
+    else:
+        wide = x.astype(jnp.float64 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int64)
+        bits = lax.bitcast_convert_type(wide, jnp.uint64)
+        out = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
     return jnp.expand_dims(out, axes) if keepdim else out
