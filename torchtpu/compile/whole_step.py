@@ -139,7 +139,6 @@ def _globals_read(code: types.CodeType) -> tuple:
                                if i.opname == "LOAD_GLOBAL"))
 
 
-
 def _env_key(objects: list) -> tuple:
     key = []
     for x in objects:
@@ -182,6 +181,7 @@ class _Step:
         self.out_spec = out_spec
         self.single = out_spec.is_leaf()  # one output (a loss): itself, without pytree
         self.fresh = fresh                # output positions handed back as new tensors
+        self.moved = [o for k, o in enumerate(outputs) if k in fresh]  # their capture tensors
         # (CPU step count, its device twin the program advances, step() calls per replay).
         self.counts = StepCounts(steps)
         # The .grad a call must find where the program reads it (backward accumulating into
@@ -207,7 +207,7 @@ class _Step:
         for p, g in self.grads_out:
             if p.grad is not g:  # the step's Python set it at capture: zero_grad, backward
                 p.grad = g
-        moved = iter(move_out([o for k, o in enumerate(self.outputs) if k in self.fresh]))
+        moved = iter(move_out(self.moved))
         out = [next(moved) if k in self.fresh else o for k, o in enumerate(self.outputs)]
         return out[0] if self.single else pytree.tree_unflatten(out, self.out_spec)
 

@@ -13,6 +13,7 @@ import torch
 
 from torchtpu.device import dtypes
 from torchtpu.eager import schema
+from torchtpu.lowering.registry import channels_last_of
 from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
@@ -117,16 +118,13 @@ def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -
     return tuple(parts)
 
 
-# The memory formats whose strides a result keeps, as PyTorch's kernels give them (a
-# channels-last input, or a convolution's channels-last weight, gives a channels-last result).
-# Results in any other layout are contiguous: a computed array is row-major.
-_FORMATS = {4: torch.channels_last, 5: torch.channels_last_3d}
-
-
 def describe(m):
     if isinstance(m, torch.Tensor):
-        fmt = _FORMATS.get(m.dim())
-        if fmt is not None and not m.is_contiguous() and m.is_contiguous(memory_format=fmt):
+        # A result keeps a channels-last layout, as PyTorch's kernels give it (a channels-last
+        # input, or a convolution's channels-last weight); any other layout is contiguous: a
+        # computed array is row-major.
+        fmt = channels_last_of(m)
+        if fmt is not None:
             return (tuple(m.shape), m.dtype, fmt)
         return (tuple(m.shape), m.dtype)
     if isinstance(m, (list, tuple)):
