@@ -1,10 +1,13 @@
 """Elementwise ops against CPU: unary math, arithmetic, comparisons, logic, bits, where, fill."""
 
 import math
+import types
 
 import pytest
 import torch
 
+from torchtpu.device import dtypes
+from torchtpu.runtime import platform
 from torchtpu.testing.compare import assert_same, check_against_cpu
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.5, math.inf, -math.inf, math.nan]
@@ -200,12 +203,41 @@ def test_complex():
 
 def test_python_complex_scalars_compute_in_the_tensors_precision():
     # A Python complex enters a complex64 call's program as complex64 (a TPU has no
-    # complex128), and a complex128 call's at full precision.
+    # complex128), and a complex128 call's at full precision where the platform has it.
     c = 1 / 3 + 1j / 7
-    for dtype in (torch.complex64, torch.complex128):
+    for dtype in (torch.complex64,) if platform.platform() == "tpu" else (
+            torch.complex64, torch.complex128):
         z = torch.randn(6, dtype=dtype)
         check_against_cpu(lambda z: (z * c, c - z, z.real * c), z, atol=0, rtol=2e-16
                           if dtype is torch.complex128 else 1.2e-7)
+
+
+_MAKES_COMPLEX128 = {
+    "to": lambda x, y: y.to("tpu", torch.complex128),
+    "zeros": lambda x, y: torch.zeros(2, dtype=torch.complex128, device="tpu"),
+    "times_1j": lambda x, y: x * 1j,
+    "view_as_complex": lambda x, y: torch.view_as_complex(x.view(2, 2)),
+    "view_dtype": lambda x, y: x.view(torch.complex128),
+    "complex": lambda x, y: torch.complex(x, x),
+    "fft": lambda x, y: torch.fft.fft(x),
+    "compiled": lambda x, y: torch.compile(lambda a: (a * 1j).abs(), backend="tpu")(x),
+}
+
+
+@pytest.mark.parametrize("make", list(_MAKES_COMPLEX128))
+def test_complex128_is_refused_on_a_tpu_before_a_program_holds_it(monkeypatch, make):
+    """libtpu ends the process (no Python error) on a program holding complex128; on a TPU every
+    way of making a complex128 device value raises first, naming the dtype (found on a v5e
+    chip). Elsewhere complex128 computes."""
+    x = torch.randn(4, dtype=torch.float64).to("tpu")
+    y = torch.randn(4, dtype=torch.complex128)
+    torch._dynamo.reset()
+    _MAKES_COMPLEX128[make](x, y)  # this platform computes complex128
+    torch._dynamo.reset()
+    monkeypatch.setattr(dtypes, "platform", types.SimpleNamespace(platform=lambda: "tpu"))
+    with pytest.raises(Exception, match="torchtpu.dtype: complex128 is not supported on a TPU"):
+        _MAKES_COMPLEX128[make](x, y)
+    torch._dynamo.reset()
 
 
 def test_half_precision():

@@ -41,7 +41,8 @@ GLOSSARY: dict[str, Entry] = {
     "dtype": Entry(
         "A dtype the device cannot hold or an op cannot take.",
         "Cast to a supported dtype (float32, bfloat16, float16, float64, the float8 types, the "
-        "integer and bool types, complex32/64/128)."),
+        "integer and bool types, complex32/64/128; on a TPU no complex128: its chips have no "
+        "64-bit complex arithmetic)."),
     "fallback": Entry(
         "An ATen op has no tpu lowering and no decomposition: eager mode ran it on CPU (a "
         "warning; copies both ways each call) or refused it (TORCHTPU_CPU_FALLBACK=error); a "

@@ -458,8 +458,21 @@ class CompiledGraph:
         return wrapped
 
 
+def _check_dtypes(gm: fx.GraphModule) -> None:
+    """A graph value of a dtype the platform cannot hold is refused here, naming its node: inputs
+    of such dtypes cannot exist on the device, but a graph can make one (``x * 1j`` of float64)."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dtype is torch.complex128:
+            try:
+                dtypes.check_platform(val.dtype)
+            except RuntimeError as e:
+                raise RuntimeError(f"{e} (graph node {n.name}: {n.format_node()})") from None
+
+
 def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:
     def compile_graph(gm: fx.GraphModule, example_inputs: list) -> Callable:
+        _check_dtypes(gm)
         if kind == "backward":  # activation checkpointing's regions, recomputed in time
             gm = checkpoint.schedule_recomputation(gm)
         pieces = eager_split.split(

@@ -12,6 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from torchtpu.runtime import platform
+
 _TORCH_TO_JAX = {
     torch.float32: jnp.float32,
     torch.float64: jnp.float64,
@@ -70,6 +72,18 @@ def _unsupported(dtype) -> TypeError:
     return TypeError(
         f"torchtpu.dtype: dtype {dtype} is not supported on the tpu device; supported: "
         + ", ".join(str(d).removeprefix("torch.") for d in _LAYOUT))
+
+
+def check_platform(dtype: torch.dtype) -> None:
+    """Refuse a dtype the platform's chips cannot hold, before any program sees it: a TPU has no
+    64-bit complex arithmetic, and libtpu ends the process (not a Python error) on a program that
+    holds complex128 ("Unsupported CVT X{64|128} expansion from c128[]"). float64 stays: XLA:TPU
+    emulates it as float32 pairs. A RuntimeError, as CUDA's "not implemented for" errors: a
+    TypeError inside ``tensor * 1j`` would become Python's own "unsupported operand type"."""
+    if dtype is torch.complex128 and platform.platform() == "tpu":
+        raise RuntimeError(
+            "torchtpu.dtype: complex128 is not supported on a TPU (the chip has no 64-bit complex "
+            "arithmetic); use complex64, or compute this on CPU")
 
 
 def to_torch(dtype) -> torch.dtype:

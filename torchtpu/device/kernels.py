@@ -282,9 +282,24 @@ def is_set_to(self: torch.Tensor, src: torch.Tensor) -> bool:
             and self.shape == src.shape and self.stride() == src.stride())
 
 
+def _dtype_checked(kernel):
+    # The views that reinterpret bytes as another dtype make tensors without ``tensors._create``.
+    def checked(*args, **kwargs):
+        out = kernel(*args, **kwargs)
+        if out.dtype is torch.complex128:
+            dtypes.check_platform(out.dtype)
+        return out
+
+    return checked
+
+
+_REINTERPRETING = (aten.view.dtype, aten.view_as_complex.default)
+
+
 def register(lib: torch.library.Library) -> None:
     for op in VIEW_OPS:
-        lib.impl(op, _redispatch_cpu(op), "PrivateUse1")
+        kernel = _redispatch_cpu(op)
+        lib.impl(op, _dtype_checked(kernel) if op in _REINTERPRETING else kernel, "PrivateUse1")
     lib.impl(aten.empty.memory_format, empty_memory_format, "PrivateUse1")
     lib.impl(aten.empty_strided.default, empty_strided, "PrivateUse1")
     lib.impl(aten.copy_.default, copy_, "PrivateUse1")

@@ -25,7 +25,14 @@ _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
 # and this runs for every tensor an op creates.
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
-_create = torch._C._acc.create_empty_tensor
+_create_empty = torch._C._acc.create_empty_tensor
+
+
+def _create(size: tuple, dtype: torch.dtype) -> torch.Tensor:
+    # Every device tensor an op makes (results, allocations, copies) is created here.
+    if dtype is torch.complex128:
+        dtypes.check_platform(dtype)
+    return _create_empty(size, dtype)
 
 
 @functools.lru_cache(maxsize=4096)
