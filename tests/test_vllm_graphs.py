@@ -1,9 +1,10 @@
 """Captured vLLM decode steps fed from the host (``integrations/vllm/graphs.py``, ``worker.py``).
 
 The first tests need torchtpu only: a captured program reads a fed buffer's host values at every
-replay, never the device copy. The last runs ``vllm.LLM`` on device "tpu" (vLLM venv): decode
-shapes are captured at start-up, each decode step is one program prepared on the host, and the
-greedy tokens equal Hugging Face's.
+replay, never the device copy. The last runs ``vllm.LLM`` on device "tpu" (vLLM venv): every step
+shape (decodes, chunked prefills mixed with decodes, prefix-cache hits) is captured and compiled
+at start-up, no program compiles while generating, each step is one program prepared on the
+host, and the greedy tokens equal Hugging Face's.
 """
 
 from __future__ import annotations
@@ -59,40 +60,58 @@ def test_feeds_refuse_a_host_tensor_and_installing_outside_a_capture():
 
 
 # In a process of its own (vLLM picks its platform once per process). Prints one JSON line.
+# max_num_batched_tokens=64 splits the prompts into chunks and mixes them with decodes; the
+# second generate() meets the first's prompts in the prefix cache (context read, fewer tokens).
 _SERVE = r"""
 import json, sys
+import jax
 import vllm
 from torchtpu.runtime import launch
 
 model, prompts = sys.argv[1], json.loads(sys.argv[2])
+compiles = [0]
+def on_compile(event, duration, **kwargs):
+    if event == "/jax/core/compile/backend_compile_duration":
+        compiles[0] += 1
+def on_event(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":  # a program loaded is compiled too
+        compiles[0] += 1
+jax.monitoring.register_event_duration_secs_listener(on_compile)
+jax.monitoring.register_event_listener(on_event)
 llm = vllm.LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=8,
-               gpu_memory_utilization=0.01, kv_cache_memory_bytes=4 << 20)
+               max_num_batched_tokens=64, gpu_memory_utilization=0.01,
+               kv_cache_memory_bytes=4 << 20)
 runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
-at_start = runner.step_graphs.captures
-steps, launched = [], []  # per step: [prepared on the host, programs launched]
-run, execute = launch.run, runner.execute_model
+at_start, compiled_at_start = runner.step_graphs.captures, compiles[0]
+steps, launched = [], []  # per step: [prepared on the host, a prefill, programs launched]
+run, execute, sample = launch.run, runner.execute_model, runner.sample_tokens
 
 def counted_run(label, fn, args):
     launched.append(str(label))
     return run(label, fn, args)
 
-def counted_execute(*args, **kwargs):  # the step up to its logits (sampling follows)
+def counted_execute(*args, **kwargs):
     launched.clear()
-    out = execute(*args, **kwargs)
-    steps.append([runner._fed is not None, len(launched)])
+    return execute(*args, **kwargs)
+
+def counted_sample(*args, **kwargs):  # the step's sampling and bookkeeping: its end
+    out = sample(*args, **kwargs)
+    steps.append([runner._fed is not None, not runner._fed_decode, len(launched)])
     return out
 
 launch.run = counted_run
-runner.execute_model = counted_execute
+runner.execute_model, runner.sample_tokens = counted_execute, counted_sample
 params = vllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+rounds = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+          for _ in range(2)]
 print("RESULT " + json.dumps({
     "at_start": at_start, "after": runner.step_graphs.captures, "steps": steps,
-    "tokens": [list(o.outputs[0].token_ids) for o in outs]}))
+    "compiles": compiles[0] - compiled_at_start,
+    "tokens": [[list(o.outputs[0].token_ids) for o in outs] for outs in rounds]}))
 """
 
 
-def test_decode_steps_are_captured_at_start_up_and_run_as_one_program(tmp_path):
+def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_path):
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from transformers import AutoModelForCausalLM
 
@@ -107,17 +126,20 @@ def test_decode_steps_are_captured_at_start_up_and_run_as_one_program(tmp_path):
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1][len("RESULT "):])
-    # start-up captured every decode shape: 4 request buckets (1, 2, 4, 8) x 4 contexts of
-    # 1, 2, 4, 8 blocks (128 tokens); generating captured none
-    assert got["at_start"] == 16 and got["after"] == got["at_start"], got
-    decodes = [n for fed, n in got["steps"] if fed]
-    assert len(decodes) >= 11, got["steps"]  # every step after the prefills was host-fed
-    # ...and launched one program up to its logits (inputs, forward, logits, greedy tokens)
-    # plus, where requests were padded (5 -> 8), the slices of its logits and tokens to the
-    # step's requests; the sampler then takes the program's argmax
-    assert set(decodes) <= {1, 3}, got["steps"]
+    # start-up captured every step shape: decodes, 4 request buckets (1, 2, 4, 8) x 4 contexts
+    # of 1, 2, 4, 8 blocks (128 tokens), and steps with prefills, 3 token buckets (16, 32, 64)
+    # x 4 request buckets; generating captured none and compiled no program at all
+    assert got["at_start"] == 16 + 12 and got["after"] == got["at_start"], got
+    assert got["compiles"] == 0, got
+    steps = got["steps"]
+    # every step was prepared on the host, chunks of prompts mixed with decodes among them
+    assert all(fed for fed, _, _ in steps), steps
+    assert sum(prefill for _, prefill, _ in steps) >= 3, steps
+    # ...and launched one program: inputs, forward, logits, greedy tokens (vLLM's int32
+    # column); the tokens' copy to the host is no program
+    assert [n for _, _, n in steps] == [1] * len(steps), steps
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    for ids, tokens in zip(prompts, got["tokens"]):
+    for ids, first, again in zip(prompts, *got["tokens"]):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                            do_sample=False)[0, len(ids):].tolist()
-        assert tokens == want
+        assert first == want and again == want

@@ -5,10 +5,11 @@ program call with its Python dispatch around it; vLLM's CUDA platform answers th
 with CUDA graphs. Here the model runner pads each step to a few sizes (:func:`bucket`: powers
 of two of tokens and of requests, as vLLM pads to its cudagraph capture sizes), so that steps
 repeat a handful of shapes, and :class:`StepGraphs` captures the forward of each shape with
-``torch.tpu.graph`` the first time it runs and replays that one program afterwards. Only
-decode steps are captured (vLLM's FULL_DECODE_ONLY): they are nearly every step and come in a
-few shapes, while steps holding prefills come in many, each of which would compile a program of
-its own (seconds, on the first request that meets it); those run op by op.
+``torch.tpu.graph`` the first time it runs and replays that one program afterwards. Steps the
+host prepares (``host_steps.py``) are bucketed coarsely enough, prefills included, that the
+worker captures every bucket at start-up; others capture their decode steps only (vLLM's
+FULL_DECODE_ONLY), since their steps holding prefills come in many shapes, each of which would
+compile a program of its own (seconds, on the first request that meets it).
 
 A replay reads the storages the capture read, so everything the forward reads must live in a
 storage that holds the new step's values: the weights, the KV caches (written in place by the
@@ -18,12 +19,12 @@ attention metadata is built from those buffers inside the forward (``attention.p
 from tensors made per step. A capture is keyed by its shapes and by the addresses of those
 buffers, so a buffer vLLM reallocates is captured again instead of being read stale.
 
-A decode step's inputs can also come from the host (:class:`HostFeeds`): the model runner then
+A step's inputs can also come from the host (:class:`HostFeeds`): the model runner then
 prepares the step in NumPy alone, as vLLM's CPU platform does, and the captured program reads
 vLLM's host buffers (token ids, positions, query start locations, sequence lengths, block table,
 slot mapping) as inputs of its own at each replay, where a CUDA graph would copy them from pinned
 memory. The device copies of those buffers are neither written nor read on such steps: no op
-runs outside the one program but the logits' and the sampler's.
+runs outside the one program but the copy of its tokens to the host.
 """
 
 from __future__ import annotations
@@ -68,18 +69,24 @@ class StepGraphs:
         replay (the key must then say so: a program either reads them fed or it does not).
         """
         if key in self.uncapturable:
-            return forward()
+            return self._eager(forward, feeds)
         entry = self._graphs.get(key)
         if entry is None:
             entry = self._capture(key, forward, feeds)
             if entry is None:
-                return forward()
+                return self._eager(forward, feeds)
         else:
             self._graphs.move_to_end(key)
         graph, output = entry
         graph.replay()
         self.replays += 1
         return output
+
+    @staticmethod
+    def _eager(forward: Callable[[], torch.Tensor | tuple], feeds: HostFeeds | None):
+        if feeds is not None:  # op by op, the forward reads the device buffers
+            feeds.materialize()
+        return forward()
 
     def _capture(self, key, forward: Callable[[], torch.Tensor | tuple],
                  feeds: HostFeeds | None):

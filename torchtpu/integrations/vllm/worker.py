@@ -17,30 +17,22 @@ import time
 import numpy as np
 import torch
 from vllm.config import CUDAGraphMode
-from vllm.distributed.kv_transfer import has_kv_transfer_group
-from vllm.forward_context import (
-    get_forward_context,
-    is_forward_context_available,
-    set_forward_context,
-)
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
-from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
 from torchtpu.eager.capture import storage_of
-from torchtpu.integrations.vllm.attention import (
-    TpuAttentionMetadata,
-    TpuAttentionMetadataBuilder,
-    allocate_kv_caches,
-)
+from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
-from torchtpu.integrations.vllm.graphs import HostFeeds, StepGraphs, bucket
+from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
+from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens
 from torchtpu.runtime import platform
 
 log = init_logger(__name__)
@@ -90,14 +82,15 @@ def _tpu_runner_hooks() -> None:
     gpu_model_runner.allocate_kv_cache = allocate_kv_caches
 
 
-class TpuModelRunner(GPUModelRunner):
-    """vLLM's GPU model runner, given a "tpu" device, running decode steps' forwards captured.
+class TpuModelRunner(HostSteps, GPUModelRunner):
+    """vLLM's GPU model runner, given a "tpu" device, running each step's forward captured.
 
     Steps are padded the way vLLM pads a step for a full CUDA graph (its FULL runtime mode:
     padded tokens and requests, padded rows of the block table on the null block), to the
-    sizes :func:`graphs.bucket` picks; the forward of each padded decode shape is one captured
-    program (``graphs.py``), steps with prefills run op by op. ``--enforce-eager`` turns both
-    off.
+    buckets ``host_steps.py`` picks, prepared on the host and fed to one captured program per
+    bucket (``graphs.py``), which also computes the logits and greedy tokens of the sampled
+    rows. Steps the host cannot prepare (speculation, LoRA, multimodal, ...) run decodes
+    captured and prefills op by op; ``--enforce-eager`` runs everything op by op.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -107,151 +100,24 @@ class TpuModelRunner(GPUModelRunner):
         tensor_parallel = self.parallel_config.tensor_parallel_size > 1
         self.step_graphs = (None if self.model_config.enforce_eager or tensor_parallel
                             else StepGraphs())
-        # a decode step prepared on the host (_prepare_decode_on_host): its fed buffers
-        self._fed: HostFeeds | None = None
-        self._feeds: tuple | None = None  # (the block table they read, HostFeeds)
-        self._fed_reqs = 0
-        # (logits [n, V], the array the program left in their storage, tokens [n], padded n)
+        self._init_host_steps()
+        # (logits [n, V], the array the program left in their storage, tokens [n, 1] int32,
+        # the program's padded tokens)
         self._sampled: tuple | None = None
-        self._host_positions = np.zeros(self.max_num_tokens, dtype=np.int64)
-
-    def _decodes_on_host(self, num_scheduled_tokens: np.ndarray) -> bool:
-        """Whether this step is plain decodes that the captured program can read from the host:
-        one token a request, none of the features whose inputs live only on the device."""
-        batch = self.input_batch
-        return (self.step_graphs is not None and num_scheduled_tokens.size > 0
-                and bool((num_scheduled_tokens == 1).all())
-                and self.speculative_config is None and not self.lora_config
-                and not self.uses_mrope and not self.enable_prompt_embeds
-                and not self.supports_mm_inputs and not self.is_pooling_model
-                and self.dcp_world_size == 1 and self.lookback_token_ids is None
-                and batch.prev_sampled_token_ids is None
-                and self.num_accepted_tokens_event is None
-                and len(self.kv_cache_config.kv_cache_groups) == 1
-                and len(batch.block_table.block_tables) == 1
-                and not self.cache_config.kv_sharing_fast_prefill
-                and all(isinstance(g.get_metadata_builder(), TpuAttentionMetadataBuilder)
-                        and g.kernel_block_size is None
-                        and not isinstance(g.kv_cache_spec, EncoderOnlyAttentionSpec)
-                        for g in self.attn_groups[0])
-                and not has_kv_transfer_group())
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         self._fed = self._sampled = None
-        if self._decodes_on_host(num_scheduled_tokens):
-            return self._prepare_decode_on_host()
+        if num_scheduled_tokens.size and self._steps_on_host():
+            return self._prepare_on_host(num_scheduled_tokens)
         return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
 
-    def _prepare_decode_on_host(self):
-        """vLLM's input preparation for a step of decodes, in NumPy on its host buffers only.
-
-        The same values vLLM's ``_prepare_inputs`` computes (its host half, and what its device
-        half derives: positions, sequence lengths, slot mapping), left in host arrays that the
-        captured forward reads at replay (:class:`HostFeeds`); no device op runs. Padded
-        requests query nothing, have length 0 and read block 0; padded tokens write slot -1.
-        """
-        batch = self.input_batch
-        n = batch.num_reqs
-        rows = self.arange_np[:n]
-        computed = batch.num_computed_tokens_cpu[:n]  # each request's one new token's position
-        self.input_ids.np[:n] = batch.token_ids_cpu[rows, computed]
-        self.query_start_loc.np[0] = 0
-        self.query_start_loc.np[1:n + 1] = rows + 1
-        self.query_start_loc.np[n + 1:] = n
-        seq_lens = self.optimistic_seq_lens_cpu.numpy()
-        seq_lens[:n] = computed + 1
-        seq_lens[n:] = 0
-        self._compute_prev_positions(n)
-        num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids],
-                              dtype=np.int64)
-        self.discard_request_mask.np[:n] = seq_lens[:n] < num_tokens
-        self.num_accepted_tokens.np.fill(1)
-        positions = self._host_positions
-        positions[:n] = computed
-        positions[n:] = 0
-        table = batch.block_table[0]
-        bs, blocks = table.block_size, table.block_table.np
-        slots = table.slot_mapping.np
-        slots[:n] = blocks[rows, computed // bs].astype(np.int64) * bs + computed % bs
-        slots[n:] = -1
-
-        self._fed_reqs = n
-        self._fed = self._host_feeds()
-        # a slice, not vLLM's index tensor: the decode rows are the first n, and a view of the
-        # hidden states costs no op (vLLM uses the indices for nothing else on these steps)
-        return slice(0, n), None, 1
-
-    def _host_feeds(self) -> HostFeeds:
-        """The buffers a host-prepared decode step feeds its program, made once per input
-        batch; each function reads the current step's values (a replay calls them)."""
-        table = self.input_batch.block_table[0]
-        if self._feeds is not None and self._feeds[0] is table:
-            return self._feeds[1]
-        blocks = table.block_table.np
-        seq_lens = self.optimistic_seq_lens_cpu.numpy()
-
-        def padded_blocks() -> np.ndarray:  # rows past the step's requests: the null block
-            out = blocks.copy()
-            out[self._fed_reqs:] = 0
-            return out
-
-        fed = HostFeeds()
-        fed.add(self.input_ids.gpu, lambda: self.input_ids.np)
-        fed.add(self.positions, lambda: self._host_positions)
-        fed.add(self.query_start_loc.gpu, lambda: self.query_start_loc.np)
-        fed.add(self.seq_lens, lambda: seq_lens)
-        fed.add(table.block_table.gpu, padded_blocks)
-        fed.add(table.slot_mapping.gpu, lambda: table.slot_mapping.np)
-        fed.add(self.is_padding, lambda: np.arange(self.max_num_tokens) >= self._fed_reqs)
-        self._feeds = (table, fed)
-        return fed
-
-    def capture_decode_steps(self) -> int:
-        """Capture, compile and run once every padded decode shape a step can take: each
-        request count :func:`bucket` gives up to ``max_num_seqs``, with each context read
-        (powers of two of blocks up to ``max_model_len``), so that no request waits for a
-        decode program's compile. The dummy steps write only the null block 0. Returns how
-        many shapes were captured."""
-        if not self._decodes_on_host(np.ones(1, dtype=np.int32)):
-            return 0
-        table = self.input_batch.block_table[0]
-        bs, max_blocks = table.block_size, table.block_table.np.shape[1]
-        reqs = sorted({bucket(1 << i, self.max_num_reqs)
-                       for i in range(max(1, self.max_num_reqs).bit_length())})
-        contexts = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
-        before = self.step_graphs.captures
-        for r in reqs:
-            for blocks in contexts:
-                if len(self.step_graphs._graphs) >= self.step_graphs.max_captures:
-                    break
-                self._dummy_decode(r, blocks * bs)
-        self._fed = self._sampled = None
-        return self.step_graphs.captures - before
-
-    def _dummy_decode(self, n: int, seq_len: int) -> None:
-        """One decode step of n requests of seq_len tokens, through the host-fed path."""
-        self.input_ids.np[:n] = 0
-        self.query_start_loc.np[: n + 1] = np.arange(n + 1)
-        self.query_start_loc.np[n + 1:] = n
-        seq_lens = self.optimistic_seq_lens_cpu.numpy()
-        seq_lens[:n], seq_lens[n:] = seq_len, 0
-        self._host_positions[:n], self._host_positions[n:] = seq_len - 1, 0
-        self.input_batch.block_table[0].slot_mapping.np[:] = -1  # the null block
-        self._fed_reqs = n
-        self._fed = self._host_feeds()
-        mode, desc, _, _, _ = self._determine_batch_execution_and_padding(
-            num_tokens=n, num_reqs=n, num_scheduled_tokens_np=np.ones(n, dtype=np.int32),
-            max_num_scheduled_tokens=1, allow_microbatching=False)
-        tokens = desc.num_tokens
-        by_gid, by_layer = self._get_slot_mappings(tokens, desc.num_reqs, n)
-        attn_metadata, _ = self._build_attention_metadata(
-            num_tokens=n, num_reqs=n, max_query_len=1, num_tokens_padded=tokens,
-            num_reqs_padded=desc.num_reqs, slot_mappings=by_gid)
-        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=tokens,
-                                 cudagraph_runtime_mode=mode, batch_descriptor=desc,
-                                 slot_mapping=by_layer):
-            self._model_forward(input_ids=self.input_ids.gpu[:tokens],
-                                positions=self.positions[:tokens])
+    def _preprocess(self, scheduler_output, num_input_tokens: int, intermediate_tensors=None):
+        if self._fed is None:
+            return super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
+        # vLLM's text-only first-rank answer, without its zeroing of the padded positions on
+        # the device: the fed host positions pad with 0 already
+        return (self.input_ids.gpu[:num_input_tokens], None, self.positions[:num_input_tokens],
+                None, self._init_model_kwargs(), None)
 
     def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int,
                            num_tokens_unpadded: int, ubatch_slices=None):
@@ -274,11 +140,15 @@ class TpuModelRunner(GPUModelRunner):
         # one metadata for every layer, over the buffers the program is fed; the fed block
         # table's padded rows are the null block already (no fill of the device rows)
         tokens, reqs = num_tokens_padded or num_tokens, num_reqs_padded or num_reqs
+        if self._fed_decode:  # bucketed by the context read
+            seq_len = int(self.optimistic_seq_lens_cpu[:num_reqs].max())
+        else:  # by tokens and requests only: queries as long as they can be, context whole
+            seq_len = self._context_tokens()
+            max_query_len = min(tokens, seq_len)
         builder = self.attn_groups[0][0].get_metadata_builder()
         md = builder.metadata(
-            tokens, reqs, max_query_len, int(self.optimistic_seq_lens_cpu[:num_reqs].max()),
-            self.query_start_loc.gpu[:reqs + 1], self.seq_lens[:reqs],
-            self.input_batch.block_table[0].block_table.gpu[:reqs])
+            tokens, reqs, max_query_len, seq_len, self.query_start_loc.gpu[:reqs + 1],
+            self.seq_lens[:reqs], self.input_batch.block_table[0].block_table.gpu[:reqs])
         return {name: md for group in self.attn_groups[0] for name in group.layer_names}, None
 
     def _prepare_padding_mask(self, num_tokens_unpadded: int,
@@ -294,8 +164,10 @@ class TpuModelRunner(GPUModelRunner):
         if (self.step_graphs is None or force_eager or ubatch or across_dp is not None
                 or mode != CUDAGraphMode.NONE):
             return mode, desc, ubatch, across_dp, stats
+        fed_prefill = self._fed is not None and not self._fed_decode
         desc = dataclasses.replace(
-            desc, num_tokens=bucket(num_tokens, self.max_num_tokens),
+            desc, num_tokens=(prefill_tokens(num_tokens, self.max_num_tokens) if fed_prefill
+                              else bucket(num_tokens, self.max_num_tokens)),
             num_reqs=bucket(num_reqs, self.max_num_reqs))
         return CUDAGraphMode.FULL, desc, ubatch, across_dp, stats
 
@@ -314,37 +186,34 @@ class TpuModelRunner(GPUModelRunner):
 
         key = self._step_key(input_ids, positions, intermediate_tensors, inputs_embeds,
                              model_kwargs)
-        if key is None:
-            if self._fed is not None:  # prepared on the host, yet not captured: copy it in
-                self._fed.materialize()
-            return forward()
-        if self._fed is None:
-            return self.step_graphs((key, False), forward)
-        reqs = ctx_reqs = get_forward_context().batch_descriptor.num_reqs
+        fed = self._fed
+        if fed is None:
+            return forward() if key is None else self.step_graphs((key, False), forward)
+        reqs = get_forward_context().batch_descriptor.num_reqs
 
         def forward_and_sample():
-            # the decode rows are the step's first rows: logits and the greedy choice of each
-            # padded request, in the program too
-            hidden = forward()
-            logits = self._model_compute_logits(hidden[:ctx_reqs])
-            return hidden, logits, logits.argmax(dim=-1)
+            # the sampled rows' hidden states, logits and greedy tokens (vLLM's sampler's
+            # int32 column), in the program too
+            hidden = forward()[self._sample_rows[:reqs]]
+            logits = self._model_compute_logits(hidden)
+            return hidden, logits, logits.argmax(dim=-1).to(torch.int32)[:, None]
 
-        out = self.step_graphs((key, True), forward_and_sample, self._fed)
-        if not isinstance(out, tuple):  # ran eagerly (the capture failed)
-            return out
+        if key is None:  # prepared on the host, yet not captured: copy it in
+            fed.materialize()
+            out = forward_and_sample()
+        else:
+            out = self.step_graphs((key, True), forward_and_sample, fed)
         hidden, logits, tokens = out
         n = self._fed_reqs
-        self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], reqs)
+        self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], tokens)
         return hidden
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
-        # a host-prepared decode step computes its logits and greedy tokens in its program:
-        # vLLM's calls after the forward get those (see _captured_logits, _greedy)
+        # a host-prepared step computes its logits and greedy tokens in its program: vLLM's
+        # calls after the forward get those (see _captured_logits, _sample)
         self._model_compute_logits = self.model.compute_logits
         self.model.compute_logits = self._captured_logits
-        self._sampler_greedy = self.sampler.greedy_sample
-        self.sampler.greedy_sample = self._greedy
 
     def _captured_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         sampled = self._sampled
@@ -353,14 +222,32 @@ class TpuModelRunner(GPUModelRunner):
             return sampled[0]
         return self._model_compute_logits(hidden_states, *args, **kwargs)
 
-    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
-        """The program's argmax where ``logits`` is the program's, unchanged since (a logits
-        processor that wrote it in place rebinds its storage); else vLLM's own."""
+    def _sample(self, logits, spec_decode_metadata):
+        """vLLM's sampler where every request samples greedily without logprobs, with the
+        program's greedy tokens (already vLLM's int32 column) where no logits processor changed
+        the program's logits (a processor that writes them in place rebinds their storage)."""
         sampled = self._sampled
-        if (sampled is not None and logits is sampled[0]
-                and storage_of(logits)._tpu_array is sampled[1]):
-            return sampled[2]
-        return self._sampler_greedy(logits)
+        meta = self.input_batch.sampling_metadata
+        if (sampled is None or spec_decode_metadata is not None or logits is not sampled[0]
+                or logits.dtype != torch.float32 or not meta.all_greedy
+                or meta.max_num_logprobs is not None or meta.logprob_token_ids):
+            return super()._sample(logits, spec_decode_metadata)
+        self.input_batch.update_async_output_token_ids()
+        processed = self.sampler.apply_logits_processors(logits, meta, False)
+        if processed is logits and storage_of(logits)._tpu_array is sampled[1]:
+            tokens = sampled[2]
+        else:  # the rest of Sampler.forward for greedy requests without logprobs
+            tokens = self.sampler.greedy_sample(processed).to(torch.int32)[:, None]
+        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+
+    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
+        # the program's tokens: its whole padded array read to the host, cut there
+        sampled = self._sampled
+        if sampled is not None and sampled_token_ids is sampled[2]:
+            n = sampled_token_ids.shape[0]
+            padded = np.asarray(storage_of(sampled[3])._tpu_array).reshape(-1)
+            return padded[:n, None].tolist()
+        return super()._to_list(sampled_token_ids)
 
     def _step_key(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                   model_kwargs):
@@ -375,10 +262,11 @@ class TpuModelRunner(GPUModelRunner):
             return None
         layouts = set()
         for md in ctx.attn_metadata.values():
-            # decode steps only, as vLLM's FULL_DECODE_ONLY: they repeat a few shapes all the
-            # time, while steps with prefills come in many and would each compile a program;
-            # those run op by op, their padded shapes reusing the per-op programs
-            if not isinstance(md, TpuAttentionMetadata) or md.max_query_len != 1:
+            # steps with prefills are captured only when prepared on the host (bucketed by
+            # tokens and requests alone); else they come in many shapes, each of which would
+            # compile a program: those run op by op, their padded shapes reusing per-op programs
+            if not isinstance(md, TpuAttentionMetadata) or (md.max_query_len != 1
+                                                            and self._fed is None):
                 return None
             layouts.add((md.num_actual_tokens, md.num_reqs, md.max_query_len, md.context_len,
                          md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
@@ -450,10 +338,10 @@ class TpuWorker(Worker):
         # each program when it first runs, and the decode steps' programs here (start-up)
         set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
         start = time.perf_counter()
-        captured = self.model_runner.capture_decode_steps()
-        if captured:
-            log.info("torchtpu: %d decode step shapes captured and compiled in %.1f s",
-                     captured, time.perf_counter() - start)
+        decodes, prefills = self.model_runner.capture_steps()
+        if decodes or prefills:
+            log.info("torchtpu: %d decode and %d prefill step shapes captured and compiled in "
+                     "%.1f s", decodes, prefills, time.perf_counter() - start)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
             encoder=self.compilation_config.encoder_compilation_time,

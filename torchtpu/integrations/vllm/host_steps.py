@@ -1,0 +1,228 @@
+"""vLLM steps prepared on the host and the shape buckets they are captured in.
+
+vLLM's GPU runner prepares a step half on the host and half on the device (positions, sequence
+lengths and the slot mapping are computed by device ops); on "tpu" each of those ops would be a
+program launch of its own outside the step's captured program. :class:`HostSteps` (a mixin of
+the tpu model runner) prepares every step vLLM schedules without speculation, LoRA, multimodal
+inputs, prompt logprobs or a KV connector in NumPy alone, on vLLM's host buffers, as vLLM's CPU
+platform does; the captured program reads those buffers as inputs of its own at replay
+(:class:`graphs.HostFeeds`).
+
+A step's program is keyed by its bucket: decode steps (one token a request) by padded requests
+and context blocks, steps with prefills (prompt chunks, prefix-cache hits, prefills mixed with
+decodes) by padded tokens and requests only, their queries padded to the shorter of the tokens
+and ``max_model_len`` and their context read whole (``max_model_len``). So the buckets are few
+and known from ``max_num_batched_tokens``, ``max_num_seqs`` and ``max_model_len``: the worker
+captures and compiles every one of them at start-up (:meth:`HostSteps.capture_steps`), and no
+request waits for a compile.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from vllm.distributed.kv_transfer import has_kv_transfer_group
+from vllm.forward_context import set_forward_context
+from vllm.v1.kv_cache_interface import EncoderOnlyAttentionSpec
+
+from torchtpu.integrations.vllm.attention import TpuAttentionMetadataBuilder
+from torchtpu.integrations.vllm.graphs import HostFeeds, bucket
+
+# the fewest tokens a step with prefills is padded to: short prompts share one program
+MIN_PREFILL_TOKENS = 16
+
+
+def prefill_tokens(n: int, limit: int) -> int:
+    """The padded token count of a step with prefills of n tokens (at most ``limit``)."""
+    return bucket(max(n, min(MIN_PREFILL_TOKENS, limit)), limit)
+
+
+def _powers(limit: int) -> list[int]:
+    """Every bucket :func:`bucket` gives for 1..limit."""
+    return sorted({bucket(1 << i, limit) for i in range(max(1, limit).bit_length())})
+
+
+def prefill_grid(max_tokens: int, max_reqs: int, max_len: int) -> list[tuple[int, int]]:
+    """Every (padded tokens, padded requests) a step with prefills can take: requests r of at
+    most ``max_len`` tokens each, r <= tokens <= ``max_tokens``."""
+    grid = []
+    for reqs in _powers(max_reqs):
+        for tokens in sorted({prefill_tokens(t, max_tokens) for t in _powers(max_tokens)}):
+            # reachable: some step of at most reqs requests pads to this many tokens
+            smallest = tokens // 2 + 1 if tokens > MIN_PREFILL_TOKENS else 1
+            if tokens >= reqs and smallest <= reqs * max_len:
+                grid.append((tokens, reqs))
+    return grid
+
+
+class HostSteps:
+    """The tpu model runner's steps prepared in NumPy and fed to their captured programs."""
+
+    def _init_host_steps(self) -> None:
+        self._fed: HostFeeds | None = None  # this step's feeds, if prepared on the host
+        self._fed_decode = False  # ...and whether it is decodes only
+        self._feeds: tuple | None = None  # (the block table they read, HostFeeds)
+        self._fed_reqs = self._fed_tokens = 0
+        self._req_rows = np.zeros(0, dtype=np.int64)  # each step token's request
+        self._host_positions = np.zeros(self.max_num_tokens, dtype=np.int64)
+        # the hidden-state row each request's next token is sampled from
+        self._host_sample_rows = np.zeros(self.max_num_reqs, dtype=np.int64)
+        self._sample_rows = torch.zeros(self.max_num_reqs, dtype=torch.int64,
+                                        device=self.device)
+
+    def _steps_on_host(self) -> bool:
+        """Whether this runner's steps can be prepared on the host: captured steps, none of the
+        features whose inputs live only on the device."""
+        batch = self.input_batch
+        return (self.step_graphs is not None
+                and self.speculative_config is None and not self.lora_config
+                and not self.uses_mrope and not self.enable_prompt_embeds
+                and not self.supports_mm_inputs and not self.is_pooling_model
+                and not self.model_config.is_encoder_decoder
+                and self.parallel_config.pipeline_parallel_size == 1
+                and self.dcp_world_size == 1 and self.lookback_token_ids is None
+                and batch.prev_sampled_token_ids is None
+                and self.num_accepted_tokens_event is None
+                and not self.num_prompt_logprobs
+                and len(self.kv_cache_config.kv_cache_groups) == 1
+                and len(batch.block_table.block_tables) == 1
+                and not self.cache_config.kv_sharing_fast_prefill
+                and all(isinstance(g.get_metadata_builder(), TpuAttentionMetadataBuilder)
+                        and g.kernel_block_size is None
+                        and not isinstance(g.kv_cache_spec, EncoderOnlyAttentionSpec)
+                        for g in self.attn_groups[0])
+                and not has_kv_transfer_group())
+
+    def _prepare_on_host(self, num_scheduled_tokens: np.ndarray):
+        """vLLM's input preparation of this step, in NumPy on its host buffers only.
+
+        The values vLLM's ``_prepare_inputs`` computes (its host half, and what its device half
+        derives: positions, sequence lengths, slot mapping, the rows to sample), left in host
+        arrays that the captured forward reads at replay (:class:`HostFeeds`); no device op
+        runs. Returns ``_prepare_inputs``'s answer: the program hands vLLM the hidden states of
+        the sampled rows, first, so the rows to sample are the first ``num_reqs``.
+        """
+        batch = self.input_batch
+        n = batch.num_reqs
+        computed = batch.num_computed_tokens_cpu[:n]
+        self._fill_host_step(num_scheduled_tokens, computed)
+        tokens = int(num_scheduled_tokens.sum())
+        rows, positions = self._req_rows[:tokens], self._host_positions[:tokens]
+        self.input_ids.np[:tokens] = batch.token_ids_cpu[rows, positions]
+        self._compute_prev_positions(n)
+        num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids],
+                              dtype=np.int64)
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+        self.discard_request_mask.np[:n] = seq_lens[:n] < num_tokens
+        self.num_accepted_tokens.np.fill(1)
+        return slice(0, n), None, 1
+
+    def _fill_host_step(self, counts: np.ndarray, computed: np.ndarray) -> None:
+        """Host buffers of a step whose requests get ``counts`` tokens after ``computed`` ones:
+        query starts, sequence lengths, positions, slot mapping, rows to sample. Padded
+        requests query nothing, have length 0 and read block 0; padded tokens write slot -1."""
+        n, tokens = len(counts), int(counts.sum())
+        ends = np.cumsum(counts)
+        rows = np.repeat(self.arange_np[:n], counts)
+        self._req_rows = rows
+        positions = self._host_positions
+        positions[:tokens] = computed[rows] + self.arange_np[:tokens] - (ends - counts)[rows]
+        positions[tokens:] = 0
+        self.input_ids.np[tokens:] = 0
+        self.query_start_loc.np[0] = 0
+        self.query_start_loc.np[1:n + 1] = ends
+        self.query_start_loc.np[n + 1:] = tokens
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+        seq_lens[:n] = computed + counts
+        seq_lens[n:] = 0
+        table = self.input_batch.block_table[0]
+        bs, blocks, slots = table.block_size, table.block_table.np, table.slot_mapping.np
+        pos = positions[:tokens]
+        slots[:tokens] = blocks[rows, pos // bs].astype(np.int64) * bs + pos % bs
+        slots[tokens:] = -1
+        self._host_sample_rows[:n] = ends - 1
+        self._host_sample_rows[n:] = 0
+        self._fed_reqs, self._fed_tokens = n, tokens
+        self._fed_decode = bool((counts == 1).all())
+        self._fed = self._host_feeds()
+
+    def _host_feeds(self) -> HostFeeds:
+        """The buffers a host-prepared step feeds its program, made once per input batch; each
+        function reads the current step's values (a replay calls them)."""
+        table = self.input_batch.block_table[0]
+        if self._feeds is not None and self._feeds[0] is table:
+            return self._feeds[1]
+        blocks = table.block_table.np
+        seq_lens = self.optimistic_seq_lens_cpu.numpy()
+
+        def padded_blocks() -> np.ndarray:  # rows past the step's requests: the null block
+            out = blocks.copy()
+            out[self._fed_reqs:] = 0
+            return out
+
+        fed = HostFeeds()
+        fed.add(self.input_ids.gpu, lambda: self.input_ids.np)
+        fed.add(self.positions, lambda: self._host_positions)
+        fed.add(self.query_start_loc.gpu, lambda: self.query_start_loc.np)
+        fed.add(self.seq_lens, lambda: seq_lens)
+        fed.add(table.block_table.gpu, padded_blocks)
+        fed.add(table.slot_mapping.gpu, lambda: table.slot_mapping.np)
+        fed.add(self.is_padding, lambda: self.arange_np[:self.max_num_tokens] >= self._fed_tokens)
+        fed.add(self._sample_rows, lambda: self._host_sample_rows)
+        self._feeds = (table, fed)
+        return fed
+
+    def _context_tokens(self) -> int:
+        """The longest context a request can read: the block table's width, in tokens."""
+        table = self.input_batch.block_table[0]
+        return table.block_table.np.shape[1] * table.block_size
+
+    def capture_steps(self) -> tuple[int, int]:
+        """Capture, compile and run once every padded step shape: decodes (each request
+        bucket up to ``max_num_seqs`` x each context read, powers of two of blocks up to
+        ``max_model_len``) and steps with prefills (:func:`prefill_grid`), so that no request
+        waits for a compile. The dummy steps write only the null block 0. Returns how many
+        decode and prefill shapes were captured."""
+        if not self._steps_on_host():
+            return 0, 0
+        table = self.input_batch.block_table[0]
+        bs, max_blocks = table.block_size, table.block_table.np.shape[1]
+        graphs, max_len = self.step_graphs, self._context_tokens()
+        contexts = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
+        grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len)
+        # room for every bucket: one dropped would compile again on a request's path
+        shapes = len(_powers(self.max_num_reqs)) * len(contexts) + len(grid)
+        graphs.max_captures = max(graphs.max_captures, 2 * shapes)
+        before = graphs.captures
+        for r in _powers(self.max_num_reqs):
+            for blocks in contexts:
+                self._dummy_step(np.ones(r, dtype=np.int64), blocks * bs)
+        decodes = graphs.captures - before
+        for tokens, reqs in grid:
+            tokens = min(tokens, reqs * max_len)  # a step this large pads to the bucket
+            counts = np.full(reqs, tokens // reqs, dtype=np.int64)
+            counts[: tokens % reqs] += 1
+            self._dummy_step(counts, max_len)
+        self._fed = self._sampled = None
+        return decodes, graphs.captures - before - decodes
+
+    def _dummy_step(self, counts: np.ndarray, seq_len: int) -> None:
+        """One step of ``counts`` new tokens a request ending at ``seq_len``, host-fed."""
+        n, tokens = len(counts), int(counts.sum())
+        table = self.input_batch.block_table[0]
+        self._fill_host_step(counts, np.full(n, seq_len, dtype=np.int64) - counts)
+        self.input_ids.np[:tokens] = 0
+        table.slot_mapping.np[:] = -1  # the null block
+        mode, desc, _, _, _ = self._determine_batch_execution_and_padding(
+            num_tokens=tokens, num_reqs=n, num_scheduled_tokens_np=counts.astype(np.int32),
+            max_num_scheduled_tokens=int(counts.max()), allow_microbatching=False)
+        by_gid, by_layer = self._get_slot_mappings(desc.num_tokens, desc.num_reqs, tokens)
+        attn_metadata, _ = self._build_attention_metadata(
+            num_tokens=tokens, num_reqs=n, max_query_len=int(counts.max()),
+            num_tokens_padded=desc.num_tokens, num_reqs_padded=desc.num_reqs,
+            slot_mappings=by_gid)
+        with set_forward_context(attn_metadata, self.vllm_config, num_tokens=desc.num_tokens,
+                                 cudagraph_runtime_mode=mode, batch_descriptor=desc,
+                                 slot_mapping=by_layer):
+            self._model_forward(input_ids=self.input_ids.gpu[:desc.num_tokens],
+                                positions=self.positions[:desc.num_tokens])
