@@ -5,6 +5,7 @@ StableHLO a TPU would compile."""
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
@@ -55,3 +56,51 @@ def test_an_explicit_accuracy_is_kept():
     f = jax.jit(lambda x: jax.lax.exp(x, accuracy=jax.lax.Tolerance(atol=1e-3, rtol=0, ulps=0)))
     text = jax.export.export(f, platforms=["tpu"])(jnp.ones(3, jnp.float32)).mlir_module()
     assert "atol = 1.000000e-03" in text and ACCURATE not in text
+
+
+_COMPOSED = ("asinh", "acosh", "atanh", "lgamma", "digamma")
+
+
+def _chlo_and_accurate(platform: str) -> tuple[bool, int]:
+    f = jax.jit(lambda x: [getattr(jax.lax, name)(x) for name in _COMPOSED])
+    text = jax.export.export(f, platforms=[platform])(jnp.ones(3, jnp.float32)).mlir_module()
+    return "chlo." in text, _accurate_ops(text)
+
+
+def test_inverse_hyperbolics_and_the_gamma_family_are_built_from_accurate_logs_on_a_tpu():
+    # XLA would expand CHLO's forms into its fast logs (lgamma 1e-4 off CPU on a v5e chip).
+    chlo, accurate = _chlo_and_accurate("tpu")
+    assert not chlo and accurate >= len(_COMPOSED)
+    with torch.tpu.precision(torch.tpu.Precision.DEFAULT):
+        assert _chlo_and_accurate("tpu") == (True, 0)
+    assert _chlo_and_accurate("cpu") == (True, 0)
+
+
+def _samples(name: str) -> np.ndarray:
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 3, 4000), rng.uniform(-40, 40, 2000),
+                        10 ** rng.uniform(-8, 30, 1000), -(10 ** rng.uniform(-8, 5, 1000)),
+                        [-0.0, 1.0, 2.0, -1.0, -2.0, -3.5, 0.5, 1e-30, 1e38, 3e38, np.inf,
+                         -np.inf, np.nan, 1.0000001, 0.9999999, -0.9999999]])
+    return (np.clip(x / 40, -1.5, 1.5) if name == "atanh" else x).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", _COMPOSED)
+def test_the_composed_forms_agree_with_cpu(name):
+    """The forms a TPU gets, run here: within a few float32 ulps of CPU's float64 values (relative,
+    absolute below 1), and NaN / infinity where CPU's float32 has them (digamma's poles at 0 are
+    the lowering table's: JAX's NaN)."""
+    from torchtpu.runtime import tpu_composites
+
+    x = _samples(name)
+    ours = np.asarray(jax.jit(tpu_composites.COMPOSITES[name])(jnp.asarray(x))).astype(np.float64)
+    exact = getattr(torch, name)(torch.from_numpy(x).double()).numpy()
+    cpu = getattr(torch, name)(torch.from_numpy(x)).numpy()
+    if name == "digamma":
+        cpu = np.where(x == 0, np.nan, cpu)
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(cpu))
+    np.testing.assert_array_equal(np.isposinf(ours), np.isposinf(cpu))
+    np.testing.assert_array_equal(np.isneginf(ours), np.isneginf(cpu))
+    finite = np.isfinite(cpu)
+    error = np.abs(ours - exact)[finite] / np.maximum(np.abs(exact[finite]), 1.0)
+    assert error.max() < 5e-6, (name, x[finite][error.argmax()], error.max())

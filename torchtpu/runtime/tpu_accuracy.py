@@ -6,7 +6,8 @@ approximations unless a program asks otherwise. Measured on a v5e chip (bench/RE
 relative, where CPU and CUDA are within an ulp or two (1e-7); enough to turn every float32
 comparison against CPU in the test suite into a failure and to move a small GPT's loss by 1e-3
 in 5 steps. StableHLO's ``result_accuracy`` attribute (``lax.AccuracyMode.HIGHEST``) asks XLA
-for the accurate implementation.
+for the accurate implementation. ``asinh``, ``acosh``, ``atanh``, ``lgamma`` and ``digamma``, which
+XLA expands into its fast logs whatever they ask for, are lowered from ``tpu_composites``' forms.
 
 torchtpu ties it to the float32 precision users already set: ``torch.tpu.Precision.HIGHEST``
 (torchtpu's default, what ``torch.set_float32_matmul_precision("highest")`` means) makes the
@@ -30,6 +31,8 @@ from jax import lax
 from jax._src import config
 from jax._src.interpreters import mlir
 
+from torchtpu.runtime import tpu_composites
+
 # The primitives whose lowering takes ``accuracy`` (JAX 0.10-0.11).
 _PRIMITIVES = ("exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin", "cos", "tan",
                "sqrt", "rsqrt", "cbrt")
@@ -51,10 +54,24 @@ def _rule(default, ctx, *args, accuracy=None, **params):
     return default(ctx, *args, accuracy=accuracy, **params)
 
 
+def _composite_rule(default, composite, ctx, *args, **params):
+    # XLA expands these into its fast logs whatever the op asks for; tpu_composites' forms are
+    # built from the primitives above, whose own rule then makes each log accurate.
+    if wants_accuracy(ctx.avals_out[0].dtype):
+        return mlir.lower_fun(composite, multiple_results=False)(ctx, *args)
+    return default(ctx, *args, **params)
+
+
 def install() -> None:
     """Register the TPU rules (once): each wraps JAX's own rule for the primitive."""
     if _installed:
         return
+    for name, composite in tpu_composites.COMPOSITES.items():
+        primitive = getattr(lax, f"{name}_p")
+        entry = mlir._lowerings[primitive]
+        mlir.register_lowering(
+            primitive, functools.partial(_composite_rule, entry.rule, composite), platform="tpu")
+        _installed.append(name)
     for name in _PRIMITIVES:
         primitive = getattr(lax, f"{name}_p", None)
         entry = mlir._lowerings.get(primitive)
