@@ -214,6 +214,7 @@ class CompiledGraph:
         ]
         self.size_outputs = [isinstance(_meta(n), torch.SymInt) for n in self.fn.output]
         self.programs: dict = {}
+        self.runners: dict = {}  # an SPMD program -> its call on this rank's arrays
         self._recordable: dict = {}  # symbol values -> the jitted graph a capture records
         traced = {step.node: getattr(step, "traced", frozenset()) for step in self.fn.steps}
         self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
@@ -387,11 +388,11 @@ class CompiledGraph:
         if donate:
             metrics.count("compiled_donated_inputs", len(donate))
         if self.spmd is not None:
-            call = self.spmd.to_global(call)
-        outs = launch.run(self.name, program, call)
-        if self.spmd is not None:
-            outs = self.spmd.to_local(outs, self.scalar_outputs)
-        return outs
+            run = self.runners.get(id(program))  # programs are kept in self.programs
+            if run is None:
+                run = self.runners[id(program)] = self.spmd.runner(program)
+            return launch.run(self.name, run, (call, self.scalar_outputs))
+        return launch.run(self.name, program, call)
 
     def __call__(self, args: list) -> list:
         mutated = [args[i] for i, _ in self.fn.mutations]

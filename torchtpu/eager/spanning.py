@@ -21,9 +21,15 @@ results is used run as one collective over their concatenated values (the group'
 up to ``BUCKET_BYTES`` each, placed just before the first use: a simple_fsdp step's one
 all-gather per parameter becomes one, as do its reduce-scatters. A use by another mergeable
 collective is looked through (HSDP's gradients go through two each), and so are buffer copies
-(``_without_copies``), as long as the plan still runs every call after its inputs. Each
-cross-process collective costs a fixed latency (~2-3 ms on XLA:CPU), where one over the same
-bytes costs about one.
+(``_without_copies``), as long as the plan still runs every call after its inputs. An input
+computed only from the step's arguments and earlier collectives counts as ready once those
+are: the replay computes it early (FSDP2 copies each group's shards into its all-gather's
+input right before that all-gather, after the previous group's result is used, so its 3
+forward and 2 backward all-gathers of a 2-block model become one, as simple_fsdp's). The
+program is pure, so only the order of tracing changes; XLA schedules by the data, and what a
+merged all-gather holds lives from the first use to the last (up to ``BUCKET_BYTES`` a bucket:
+within one bucket ``reshard_after_forward`` saves no memory). Each cross-process collective
+costs a fixed latency (~2-3 ms on XLA:CPU), where one over the same bytes costs about one.
 
 Before its first run every rank compares the program's collective signature (each recorded
 collective's op, parameters, shape and dtype, in order) through ``Spmd.check``: ranks that
@@ -121,12 +127,21 @@ def signature(collectives: list[str]) -> bytes:
     return hashlib.sha256("\n".join(collectives).encode()).digest()
 
 
-def _timing(nodes: tuple, wanted: tuple, through: bool) -> tuple[dict, dict]:
+def _collective(fn) -> bool:
+    """Whether a recorded call is a collective (the process group's ``_Recorded``)."""
+    return hasattr(fn, "merge_key")
+
+
+def _timing(nodes: tuple, wanted: tuple, through: bool, hoist: bool) -> tuple[dict, dict]:
     """({collective's position: when its result is first needed}, {...: when its inputs are
     ready}). ``through``: a use by another mergeable collective does not count, that one's
     uses do, and an input from one counts as that one's inputs. HSDP's gradients go through
     two collectives each (across slices, then within one): without looking through, each
-    one's result is used at once, so none would merge."""
+    one's result is used at once, so none would merge. ``hoist``: an input computed by calls
+    that are no collectives is ready when the last collective it depends on is (the replay
+    runs those calls early, when a merged collective needs them): FSDP2 copies each group's
+    parameters into its all-gather's input right before that all-gather, after the previous
+    group's result is used, though the copy reads only the sharded parameters."""
     chained = {i for i, (fn, _, _) in enumerate(nodes)
                if through and getattr(fn, "merge_key", None) is not None}
     first: dict = {n: len(nodes) for n, _ in wanted}
@@ -135,20 +150,32 @@ def _timing(nodes: tuple, wanted: tuple, through: bool) -> tuple[dict, dict]:
         for r in nodes[i][2]:
             if r.__class__ is not int:
                 first[r[0]] = min(first.get(r[0], len(nodes) + 1), at)
+    moved = chained | ({i for i, (fn, _, _) in enumerate(nodes) if not _collective(fn)}
+                       if hoist else set())
     ready: dict = {}
     for i, (_, _, refs) in enumerate(nodes):
-        ready[i] = max((ready[r[0]] if r[0] in chained else r[0] for r in refs
+        ready[i] = max((ready[r[0]] if r[0] in moved else r[0] for r in refs
                         if r.__class__ is not int), default=-1)
     return {i: f for i, f in first.items() if f <= len(nodes)}, ready
 
 
-def _buckets(nodes: tuple, wanted: tuple, through: bool = True) -> dict | None:
+def _buckets(nodes: tuple, wanted: tuple) -> dict:
     """{node position: the mergeable calls (lists of node positions, 2 or more) to run as one
     just before it, in an order that runs each before the calls that read its results};
-    position len(nodes) is the end of the program. None when looking through chained
-    collectives gives no order that runs each call after its inputs (then the plan without
-    looking through is used, which always has one)."""
-    first_use, ready_at = _timing(nodes, wanted, through)
+    position len(nodes) is the end of the program. Plans are tried from the one that merges
+    most (looking through chained collectives, hoisting inputs) to the one that merges least,
+    which always has an order."""
+    for through, hoist in ((True, True), (False, True), (True, False), (False, False)):
+        due = _plan(nodes, wanted, through, hoist)
+        if due is not None:
+            return due
+    raise AssertionError("spanning: no order for the collectives' buckets")
+
+
+def _plan(nodes: tuple, wanted: tuple, through: bool, hoist: bool) -> dict | None:
+    """One plan of ``_buckets``; None when it gives no order that runs each call after its
+    inputs."""
+    first_use, ready_at = _timing(nodes, wanted, through, hoist)
     open_: dict = {}   # merge key -> [members, bytes, position of the first use of any result]
     done = []
     for i, (fn, _, _) in enumerate(nodes):
@@ -168,34 +195,65 @@ def _buckets(nodes: tuple, wanted: tuple, through: bool = True) -> dict | None:
     for members in done:
         if len(members) > 1:
             due.setdefault(min(first_use[m] for m in members), []).append(members)
-    due = _ordered(nodes, due)
-    if due is None and not through:
-        raise AssertionError("spanning: no order for the collectives' buckets")
-    return due if due is not None else _buckets(nodes, wanted, through=False)
+    return _ordered(nodes, due)
+
+
+def _early(nodes: tuple, refs, have, blocked) -> list | None:
+    """The calls to run now, in order, so that every ref in refs has a value: those not run yet
+    (``have(j)`` false), each no collective (``blocked(j)`` false); None where a value needs
+    a blocked one. Iterative: a chain of thousands of calls is common."""
+    order: list = []
+    added: set = set()
+    stack = [r[0] for r in refs if r.__class__ is not int and not have(r[0])]
+    while stack:
+        j = stack[-1]
+        if j in added or have(j):
+            stack.pop()
+            continue
+        if blocked(j):
+            return None
+        missing = [r[0] for r in nodes[j][2] if r.__class__ is not int
+                   and not have(r[0]) and r[0] not in added]
+        if missing:
+            stack.extend(missing)
+        else:
+            stack.pop()
+            order.append(j)
+            added.add(j)
+    return order
 
 
 def _ordered(nodes: tuple, due: dict) -> dict | None:
     """due with each position's buckets in an order that runs after its inputs, checked by
-    walking the program as ``replay`` runs it; None where some call would run before them."""
+    walking the program as ``replay`` runs it (a merged call's inputs computed early where
+    they are no collectives); None where some call would run before them."""
     merged = {m for buckets in due.values() for members in buckets for m in members}
     have: set = set()
 
-    def runnable(i: int) -> bool:
-        return all(r.__class__ is int or r[0] in have for r in nodes[i][2])
+    def blocked(j: int) -> bool:
+        return j in merged or _collective(nodes[j][0])
+
+    def runnable(members: list) -> bool:
+        early = _early(nodes, [r for m in members for r in nodes[m][2]], have.__contains__,
+                       blocked)
+        if early is None:
+            return False
+        have.update(early)
+        return True
 
     out: dict = {}
     for i in range(len(nodes) + 1):
         waiting = list(due.get(i, ()))
         while waiting:
-            ready = [b for b in waiting if all(runnable(m) for m in b)]
+            ready = [b for b in waiting if runnable(b)]
             if not ready:
                 return None
             for b in ready:
                 out.setdefault(i, []).append(b)
                 have.update(b)
                 waiting.remove(b)
-        if i < len(nodes) and i not in merged:
-            if not runnable(i):
+        if i < len(nodes) and i not in merged and i not in have:
+            if not all(r.__class__ is int or r[0] in have for r in nodes[i][2]):
                 return None
             have.add(i)
     return out
@@ -220,10 +278,13 @@ def _without_copies(nodes: tuple, wanted: tuple) -> tuple[tuple, tuple, set]:
 
 def replay(nodes: tuple, wanted: tuple) -> Callable:
     """The captured step's function (every recorded call in order, returning the wanted
-    outputs, as ``eager/defer.py``'s replay), with mergeable collectives merged."""
+    outputs, as ``eager/defer.py``'s replay), with mergeable collectives merged. A merged
+    collective's input computed by later calls runs those calls first (the program is pure:
+    only the order of tracing changes; XLA schedules by the data)."""
     nodes, wanted, copies = _without_copies(nodes, wanted)
     due = _buckets(nodes, wanted)
-    merged = {m for buckets in due.values() for members in buckets for m in members} | copies
+    merged = {m for buckets in due.values() for members in buckets for m in members}
+    skipped = merged | copies
 
     def captured_step(*inputs):
         values: list = [None] * len(nodes)
@@ -231,21 +292,28 @@ def replay(nodes: tuple, wanted: tuple) -> Callable:
         def arg(r):
             return inputs[r] if r.__class__ is int else values[r[0]][r[1]]
 
+        def run(i: int) -> None:
+            fn, tree, refs = nodes[i]
+            args = [arg(r) for r in refs]
+            if tree is not None:
+                args = tree.unflatten(args)
+            values[i] = jax.tree_util.tree_leaves(fn(*args))
+
         def run_due(i: int) -> None:
             for members in due.get(i, ()):
+                early = _early(nodes, [r for m in members for r in nodes[m][2]],
+                               lambda j: values[j] is not None, merged.__contains__)
+                for j in early:  # _ordered checked that these are no collectives
+                    run(j)
                 calls = [nodes[m][0] for m in members]
                 outs = calls[0].merge(calls, [arg(nodes[m][2][0]) for m in members])
                 for m, out in zip(members, outs, strict=True):
                     values[m] = [out]
 
-        for i, (fn, tree, refs) in enumerate(nodes):
+        for i in range(len(nodes)):
             run_due(i)
-            if i in merged:
-                continue
-            args = [arg(r) for r in refs]
-            if tree is not None:
-                args = tree.unflatten(args)
-            values[i] = jax.tree_util.tree_leaves(fn(*args))
+            if i not in skipped and values[i] is None:
+                run(i)
         run_due(len(nodes))
         return [arg(w) for w in wanted]
 
@@ -263,6 +331,7 @@ class Spanning:
         self.collectives = len(collectives)
         self._signature: bytes | None = signature(collectives)
         self._compiled = None
+        self._run = None
         self._scalars: list = []
         self._jitted = None
         self._local = LOCAL_COLLECTIVES
@@ -285,9 +354,9 @@ class Spanning:
         if self._compiled is None:
             lowered = self._jit(args).lower(*self.spmd.to_global(args))
             self._compiled = self.spmd.compile(lowered)
+            self._run = self.spmd.runner(self._compiled)
         metrics.count("collective_programs")
-        return self.spmd.to_local(list(self._compiled(*self.spmd.to_global(args))),
-                                  self._scalars)
+        return self._run(args, self._scalars)
 
     def hlo(self, args: tuple) -> str:
         """The program as StableHLO text (the whole SPMD computation)."""
