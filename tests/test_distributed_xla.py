@@ -122,6 +122,45 @@ def _cases(rank, world, group):
     return out
 
 
+def _captured_uneven(rank, world):
+    """An uneven all_to_all_single inside torch.tpu.graph (MoE dispatch's shape: rows of 3
+    values, a zero split, other input and output rows on each rank), between device ops;
+    replayed on new input values: each replay's output and its counts (deltas around it)."""
+    from torchtpu import metrics
+
+    splits = [[0, 2], [3, 0]]  # splits[src][dst]: rows rank src sends rank dst
+    rows_in, rows_out = sum(splits[rank]), sum(s[rank] for s in splits)
+    static_in = torch.zeros(rows_in, 3, device="tpu")
+    recv = torch.empty(rows_out, 3, device="tpu")
+    g = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g):
+        dist.all_to_all_single(recv, static_in * 2, [s[rank] for s in splits], splits[rank])
+        static_out = recv.sin() + 1
+    got = []
+    for step in range(3):
+        value = torch.arange(rows_in * 3.0).reshape(rows_in, 3) + 100 * rank + 10 * step
+        static_in.copy_(value.to("tpu"))
+        seq, before = dist.group.WORLD._seq, metrics.snapshot()
+        g.replay()
+        after = metrics.snapshot()
+        counts = {k: after.get(k, 0) - before.get(k, 0)
+                  for k in ("executions", "collective_programs", "captures")}
+        counts["eager_collectives"] = dist.group.WORLD._seq - seq
+        got.append((static_out.cpu(), counts))
+    return got
+
+
+def _captured_uneven_expected(rank, world, step):
+    """The CPU values _captured_uneven's replay gives on rank, at step."""
+    splits = [[0, 2], [3, 0]]
+    parts = []
+    for src in range(world):
+        sent = (torch.arange(sum(splits[src]) * 3.0).reshape(-1, 3) + 100 * src + 10 * step) * 2
+        start = sum(splits[src][:rank])
+        parts.append(sent[start : start + splits[src][rank]])
+    return torch.cat(parts).sin() + 1
+
+
 def _ddp_step(rank, world, group):
     """One DDP step of a small MLP on group; its parameters afterwards."""
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -182,6 +221,7 @@ def _both(rank, world):
     dist.all_reduce(x, group=mine)
     result["one-rank sub-group"] = x.cpu()
     result["ddp"] = (_ddp_step(rank, world, None), _ddp_step(rank, world, host))
+    result["captured uneven"] = _captured_uneven(rank, world)
 
     errors = []
     for case in ("shape", "op"):
@@ -240,6 +280,13 @@ def test_xla_and_host_transports_match_cpu_and_each_other():
         assert "float32[4]" in out["errors"][0] and "float32[5]" in out["errors"][0]
         assert "broadcast(src/dst 0)" in out["errors"][1]
         torch.testing.assert_close(out["after"], torch.full((3,), 2.0))
+        # The uneven all_to_all_single captured: each replay is the one SPMD program with
+        # the exchange inside, on the new input values; after the first (which compares the
+        # program's collectives with the other rank's) no eager collective.
+        for step, (got, counts) in enumerate(out["captured uneven"]):
+            torch.testing.assert_close(got, _captured_uneven_expected(rank, 2, step))
+            assert counts == {"executions": 1, "collective_programs": 1, "captures": 0,
+                              "eager_collectives": int(step == 0)}, (rank, step, counts)
         assert "the split sizes do not pair up" in out["split error"], out["split error"]
         assert f"this is rank {rank}" in out["split error"]
     text, waited = results[0]["hang"]

@@ -19,8 +19,14 @@ The exchanged row (``row``) carries each rank's splits when they fit the header'
 payload (groups of up to 58 ranks): ranks whose splits do not pair up (rank i's output split j
 is not rank j's input split i) raise ``CollectiveMismatchError`` on every rank instead of
 moving garbage. What the layout cannot serve (splits that do not sum to the tensors' rows,
-other trailing dims or dtypes, a capture in progress, whose program would need per-rank
-shapes) keeps the host transport, which names the problem.
+other trailing dims or dtypes) keeps the host transport, which names the problem.
+
+Inside a graph capture the exchange is recorded as one call (``captured``), this rank's splits
+built into it as constants, as the capture takes every Python number: the replay repeats the
+captured splits. Each rank's program then has its own input and output rows (its own program:
+the ranks compare only the collectives' signature, ``m`` rows a chunk, not the splits, which
+the header exchange at capture already paired up); the chunks are sliced and padded by static
+bounds, the all_to_all runs over the capture's mesh axis.
 """
 
 from __future__ import annotations
@@ -150,6 +156,25 @@ def run(devices: tuple, rows: np.ndarray, value: jax.Array, mine: np.ndarray) ->
     args = [jax.make_array_from_single_device_arrays((n * a.shape[0], *a.shape[1:]), sharding,
                                                      [a]) for a in (value, splits)]
     return launch.run("all_to_all_uneven", fn, tuple(args)).addressable_data(0)
+
+
+def chunk(rows: np.ndarray) -> int:
+    """The rows of one padded chunk: the largest any rank sends, at least 1 (every rank's row
+    given)."""
+    return max(int(rows[:, _FIXED - 1].max()), 1)
+
+
+def captured(b, *, n: int, s_in: tuple, s_out: tuple, m: int, axis: str = AXIS,
+             exchange: bool = True):
+    """The exchange as a capture records it (``distributed/xla.py``): this rank's input rows
+    b, its splits static; ``exchange=False``: the same local work without the all_to_all
+    (``bench/sharded.py``'s stand-in)."""
+    rest = b.shape[1:]
+    starts = np.cumsum((0, *s_in))
+    packed = jnp.stack([jnp.pad(b[starts[j] : starts[j] + s_in[j]],
+                                ((0, m - s_in[j]),) + ((0, 0),) * len(rest)) for j in range(n)])
+    got = lax.all_to_all(packed, axis, 0, 0) if exchange else packed  # got[j]: rank j's chunk
+    return jnp.concatenate([got[j, : s_out[j]] for j in range(n)])
 
 
 def splits_of(output: torch.Tensor, input: torch.Tensor, output_splits: list[int],

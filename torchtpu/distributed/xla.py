@@ -113,7 +113,8 @@ def _all_to_all(b, *, n, out, axis=_AXIS):
 
 
 _BODIES = {"all_reduce": _all_reduce, "reduce_scatter": _reduce_scatter,
-           "broadcast": _broadcast, "all_gather": _all_gather, "all_to_all": _all_to_all}
+           "broadcast": _broadcast, "all_gather": _all_gather, "all_to_all": _all_to_all,
+           "all_to_all_uneven": uneven.captured}
 
 
 @functools.lru_cache(maxsize=256)
@@ -201,6 +202,8 @@ def _standin(op: str, b, *, n: int, out=None, **_):
     if op == "all_gather":
         rows = jnp.broadcast_to(b, (n, *b.shape)) + 0
         return tuple(rows) if out is None else rows.reshape(out)
+    if op == "all_to_all_uneven":
+        return uneven.captured(b, n=n, exchange=False, **_)
     return b.reshape(out) if out is not None else b  # all_to_all, broadcast
 
 
@@ -389,12 +392,15 @@ class XlaProcessGroup(TpuProcessGroup):
         rows = self._rows(self._exchange("all_to_all_single", input, mine,
                                          shape_rule=ANY_SHAPE), mine)
         how = uneven.agree(rows, self.rank(), self._label())
-        if how == uneven.HOST or (how == uneven.UNEVEN and tensors.capture is not None):
+        if how == uneven.HOST:
             return super().all_to_all_single(output, input, output_split_sizes,
                                              input_split_sizes, opts)
         if how == uneven.EVEN:
             (value,) = self._shards("all_to_all", [input], n=n,
                                     out=_block(tuple(output.shape)))
+        elif tensors.capture is not None:
+            splits = uneven.splits_of(output, input, output_split_sizes, input_split_sizes, n)
+            value = self._record_uneven(input, uneven.chunk(rows), splits)
         else:
             value = uneven.run(self._mesh_devices, rows, host.read_now(input),
                                uneven.splits_of(output, input, output_split_sizes,
@@ -405,6 +411,18 @@ class XlaProcessGroup(TpuProcessGroup):
         return Done([output])
 
     alltoall_base = all_to_all_single
+
+    def _record_uneven(self, input: torch.Tensor, m: int, splits: np.ndarray):
+        """An uneven all_to_all_single recorded into the capture in progress (``uneven``'s
+        doc): its description, which the ranks compare, names the chunk, not this rank's
+        splits or rows."""
+        n, spmd = self.size(), self.spmd
+        dim = tuple(r - min(spmd.ranks) for r in spmd.ranks)
+        fn = _recorded("all_to_all_uneven", n, tuple(input.shape), input.dtype,
+                       self._mesh_devices, n=n, s_in=tuple(int(s) for s in splits[:n]),
+                       s_out=tuple(int(s) for s in splits[n:]), m=m)
+        described = f"all_to_all_uneven(m={m}) {input.dtype}{list(input.shape[1:])} on {dim}"
+        return tensors.capture.record_spanning(spmd, described, fn, (tensors.read(input),))
 
 
 def _on_device(group: list[torch.Tensor]) -> bool:
