@@ -63,10 +63,60 @@ def test_a_chain_ending_in_a_lone_collective_keeps_a_runnable_order():
     a, b = _Collective("a"), _Collective("b")
     nodes = _nodes({0: (a, []), 1: (b, [0]), 3: (a, [2]), 4: (_op, [1]), 5: (_op, [3])}, 6)
     assert spanning._buckets(nodes, ((4, 0), (5, 0))) is not None
-    # a3 reads node 2, computed after b1's position: nothing merges across it.
+    # a3 reads node 2, computed from the step's arguments after b1's position: run early, so
+    # a0 and a3 merge before b1.
+    assert spanning._buckets(nodes, ((4, 0), (5, 0))) == {1: [[0, 3]]}
+    # node 2 reads b1's result: a3's input is not ready before b1 runs, nothing merges.
+    nodes = _nodes({0: (a, []), 1: (b, [0]), 2: (_op, [1]), 3: (a, [2]), 4: (_op, [1]),
+                    5: (_op, [3])}, 6)
     assert spanning._buckets(nodes, ((4, 0), (5, 0))) == {}
     nodes = _nodes({0: (a, []), 1: (b, [0]), 3: (a, []), 4: (_op, [1]), 5: (_op, [3])}, 6)
     assert spanning._buckets(nodes, ((4, 0), (5, 0))) == {1: [[0, 3]]}
+
+
+class _Doubling(_Collective):
+    """A collective whose result is twice its input, run merged or alone."""
+
+    def __init__(self) -> None:
+        super().__init__("ag")
+        self.merged: list = []
+
+    def __call__(self, x):
+        return x * 2
+
+    def merge(self, calls, values):
+        self.merged.append(len(values))
+        return [v * 2 for v in values]
+
+
+def _fsdp2_step(ag) -> tuple:
+    """FSDP2's forward and backward as recorded: each group's copy-in (a call on the sharded
+    parameters, inputs 0-2) right before its all-gather, after the previous group's result
+    is used; the backward gathers group 0 again."""
+    import operator
+
+    def plus(x):
+        return x + 1
+
+    recorded = [(plus, None, (0,)), (ag, None, ((0, 0),)),                # group 0
+                (operator.mul, None, ((1, 0), 1)),                        # its use
+                (plus, None, (2,)), (ag, None, ((3, 0),)),                # group 1
+                (operator.mul, None, ((4, 0), (2, 0))),
+                (plus, None, (0,)), (ag, None, ((6, 0),)),                # group 0 again
+                (operator.mul, None, ((7, 0), (5, 0)))]
+    return tuple(recorded), ((8, 0),)
+
+
+def test_fsdp2s_copy_ins_run_early_so_its_all_gathers_merge():
+    ag = _Doubling()
+    nodes, wanted = _fsdp2_step(ag)
+    # The three all-gathers as one, before the first use of group 0's result.
+    assert spanning._buckets(nodes, wanted) == {2: [[1, 4, 7]]}
+    x = [np.arange(3.0) + k for k in range(3)]
+    (got,) = spanning.replay(nodes, wanted)(*x)
+    assert ag.merged == [3]
+    g0, g1 = (x[0] + 1) * 2, (x[2] + 1) * 2  # each group gathered (doubled here)
+    np.testing.assert_array_equal(got, g0 * (g1 * (g0 * x[1])))
 
 
 def _group(ranks: tuple, name: str):
