@@ -83,10 +83,15 @@ def test_needs_an_initialized_process_group_and_warns_experimental(monkeypatch):
 
 def _gathered(rank, world):
     try:
-        return (topology_aware_mesh((world,)),
-                topology_aware_mesh((1,), topology="multi_slice", dcn_mesh_shape=(world,)))
+        meshes = (topology_aware_mesh((world,)),
+                  topology_aware_mesh((1,), topology="multi_slice", dcn_mesh_shape=(world,)))
     except ValueError as e:
         return str(e)
+    try:  # a mesh that is not the world: refused on every rank (issue 20's bad input)
+        topology_aware_mesh((1, world + 1), topology="multi_slice", dcn_mesh_shape=(2, 1))
+        return (*meshes, None)
+    except ValueError as e:
+        return (*meshes, str(e))
 
 
 @pytest.mark.parametrize("run", ALL)
@@ -97,6 +102,8 @@ def test_ranks_gather_their_devices(run):
             # say so.
             assert "ranks 0 and 1 share one device" in out
         else:  # processes, one device each, on CPU: the trivial layout
-            single, multi = out
+            single, multi, refused = out
             assert single.dtype == torch.int64 and single.tolist() == [0, 1]
             assert multi.tolist() == [0, 1]  # shape mesh_shape * dcn_mesh_shape
+            assert refused is not None and "torchtpu.argument: mesh_shape (1, 3) times " \
+                "dcn_mesh_shape (2, 1) holds 6 ranks but the process group has 2" in refused
