@@ -117,7 +117,11 @@ def test_llama3_debug_model_trains_like_cpu(workdir, cpu_losses, layout, compile
 # attention (torchtpu.titan's config); expert parallel over the two ranks' dp_shard mesh.
 MOE_ARGS = ["--module", "torchtpu.titan", "--config", "deepseek_v3_debugmodel_varlen_attn",
             *ARGS[4:]]
-MOE_LAYOUTS = {"moe-1": (1, []), "moe-ep2": (2, ["--parallelism.expert_parallel_degree", "2"])}
+EP2 = ["--parallelism.expert_parallel_degree", "2"]
+# The XLA transport runs the uneven token exchange as one padded XLA program per call
+# (distributed/uneven.py); the host transport through host memory.
+MOE_LAYOUTS = {"moe-1": (1, [], {}), "moe-ep2": (2, EP2, {}),
+               "moe-ep2-xla": (2, EP2, {"TORCHTPU_DIST_TRANSPORT": "xla"})}
 
 
 @pytest.mark.full  # minutes each at load (seed, CPU and tpu runs); test_titan_moe.py is the smoke
@@ -129,12 +133,13 @@ def test_deepseek_v3_debug_model_with_expert_parallel_trains_like_cpu(assets, la
     if not seed.exists():
         _run(assets, 1, "cpu", ["--checkpoint.create_seed_checkpoint", "--checkpoint.folder",
                                 "seed-moe"], args=MOE_ARGS)
-    nproc, flags = MOE_LAYOUTS[layout]
+    nproc, flags, env = MOE_LAYOUTS[layout]
     runs = {}
     for device in ("cpu", "tpu"):
         out = _run(assets, nproc, device, flags + [
             "--checkpoint.initial_load_path", str(seed),
-            "--checkpoint.folder", f"{device}-{layout}"], args=MOE_ARGS)
+            "--checkpoint.folder", f"{device}-{layout}"], args=MOE_ARGS,
+            env_extra=env if device == "tpu" else None)
         if device == "tpu":
             assert "torchtpu.fallback" not in out
             assert nproc == 1 or "ep=2" in out  # TorchTitan built the expert-parallel mesh
