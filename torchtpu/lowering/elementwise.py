@@ -73,7 +73,18 @@ def div(x, y, rounding_mode=None):
     if _is_int(x):
         # lax.div truncates integers; unlike jnp it does not broadcast.
         return lax.div(*jnp.broadcast_arrays(x, jnp.asarray(y, x.dtype)))
-    return jnp.trunc(x / y)
+    return _trunc_divide(x, y)
+
+
+def _trunc_divide(x, y):
+    # trunc(x / y) as CPU computes it, with a correctly rounded x / y. A TPU's float32 division
+    # is not, and a quotient just above an integer came out below it on a v5e chip; x - fmod(x,
+    # y) is an exact multiple of y, whose quotient only needs rounding to that integer.
+    quotient = x / y
+    mod = jnp.fmod(x, y)
+    exact = jnp.round((x - mod) / y)
+    exact = jnp.where(exact == 0, jnp.copysign(jnp.zeros_like(exact), quotient), exact)
+    return jnp.where(jnp.isfinite(x) & (y != 0), exact, jnp.trunc(quotient))
 
 
 @lowers(aten.square.default, promote="result")  # also from the tensorify pass, as above
