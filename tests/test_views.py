@@ -221,3 +221,33 @@ def test_copy_into_overlapping_targets_refused_as_on_cpu():
     outcomes = _copies("tpu")
     assert outcomes == _copies("cpu")
     assert sum(isinstance(o, str) for _, o in outcomes) == 4  # the four CPU refuses
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_element_by_element_writes_share_programs(dtype):
+    # PyTorch's reference loops write a result element by element (``out[i, j] = v``); with each
+    # view's offset static in its writer, every element compiled a program of its own (a test
+    # of nn.NLLLoss ran past 300 s in compiles). Values against CPU, and programs loaded counted
+    # (compiled or read from the persistent cache) around the writes.
+    from torchtpu import metrics
+
+    cpu = torch.zeros(5, 11, dtype=dtype)
+    src_cpu = torch.arange(1, 56, dtype=dtype).reshape(5, 11)
+    tpu, src = cpu.to("tpu"), src_cpu.to("tpu")
+    spots = [(i, j) for i in range(5) for j in (0, 3, 7)][:12]
+    values = [src[j % 5, (i * 3 + j) % 11].clone() for i, j in spots]  # 0-d tpu tensors
+    before = metrics.snapshot()
+    for (i, j), v in zip(spots, values, strict=True):
+        tpu[i, j] = v
+    after = metrics.snapshot()
+    loaded = sum(after[k] - before[k] for k in ("executable_compiles", "persistent_cache_hits"))
+    assert loaded <= 2, f"{loaded} programs for 12 element writes"
+    for (i, j), v in zip(spots, values, strict=True):
+        cpu[i, j] = v.cpu()
+    # Rows and stride-1 slices at several offsets (runs), and columns (not runs), against CPU.
+    for k in range(3):
+        for t, s in ((tpu, src), (cpu, src_cpu)):
+            t[k + 1] = s[k]
+            t[k, 2 + k:6 + k] = s[4 - k, :4]
+            t[:, k * 4] = s[:, 10 - k]
+    assert_same(tpu, cpu)

@@ -13,12 +13,21 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchtpu import errors
 from torchtpu.device import dtypes, memory_history
 from torchtpu.device import storage as storages
-from torchtpu.device.views import Geometry, check_in_bounds, complex32_pairs, read_view, write_view
+from torchtpu.device.views import (
+    Geometry,
+    check_in_bounds,
+    complex32_pairs,
+    read_view,
+    run_of,
+    write_run,
+    write_view,
+)
 from torchtpu.runtime import launch, warm
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -243,6 +252,10 @@ def _writer(g: Geometry, donate: bool = True):
     return jax.jit(functools.partial(write_view, g=g), donate_argnums=0 if donate else ())
 
 
+# One writer for every offset of a run (``views.run_of``); JAX's cache keys it by shapes.
+_run_writers = {True: jax.jit(write_run, donate_argnums=0), False: jax.jit(write_run)}
+
+
 @functools.lru_cache(maxsize=1024)
 def _zeros(shape: tuple, dtype):
     # Jitted: an eager jnp.zeros costs ~70 us, and every empty() that is then filled reads one.
@@ -351,4 +364,13 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
         st._tpu_array = value
         return
     array = storage_array(t)
-    st._tpu_array = call(_writer(_geometry(t, array), id(array) not in lent), array, value)
+    g = _geometry(t, array)
+    donate = id(array) not in lent
+    # A run's offset goes in as an argument, in plain eager only: a deferred or captured program
+    # keeps the static writer (its recording and replay take storage arrays as inputs).
+    run = run_of(g) if deferrer is None and capture is None else None
+    if run is not None:
+        check_in_bounds(g)
+        st._tpu_array = call(_run_writers[donate], array, value, np.int64(g.offset))
+    else:
+        st._tpu_array = call(_writer(g, donate), array, value)

@@ -187,6 +187,28 @@ def read_view(array, g: Geometry):
     return flat[_iota_index(g.size, g.stride, g.offset)]
 
 
+def run_of(g: Geometry) -> Geometry | None:
+    """g at offset 0 when its view is one run of consecutive elements along at most one dim (an
+    element, a row, a stride-1 slice) in the storage's own dtype, else None. Such a view is
+    written by ``write_run`` with the offset as an argument: a static offset made a loop that
+    writes element by element (``out[i] = v``, as PyTorch's reference loops do) compile one
+    program per element."""
+    if np.dtype(g.array_dtype) != np.dtype(g.dtype) or g.dtype == COMPLEX32 or 0 in g.size:
+        return None
+    long = [s for n, s in zip(g.size, g.stride) if n != 1]
+    if len(long) > 1 or (long and long[0] != 1):
+        return None
+    return g._replace(offset=0)
+
+
+def write_run(array, value, offset):
+    """The storage array with the run of ``value.size`` elements at offset (a ``run_of`` view,
+    checked in bounds by the caller) replaced by value."""
+    flat = lax.dynamic_update_slice(array.reshape(-1), value.reshape(-1).astype(array.dtype),
+                                    (offset,))
+    return flat.reshape(array.shape)
+
+
 def write_view(array, value, g: Geometry):
     """The storage array with the view g replaced by value (shape g.size, dtype g.dtype)."""
     if 0 in g.size:
