@@ -40,6 +40,7 @@ from torchtpu.compile import (
     dynamic,
     eager_split,
     graph_cache,
+    graph_constants,
     reduce_overhead,
 )
 from torchtpu.compile import options as options_mod
@@ -128,6 +129,8 @@ def _unshared(array, owned: set):
 
 def _split(arrays: list, donate: tuple) -> tuple[tuple, tuple]:
     """(the donated arrays, the others), each in input order."""
+    if not donate:
+        return (), tuple(arrays)
     chosen = set(donate)
     return (tuple(arrays[k] for k in donate),
             tuple(a for k, a in enumerate(arrays) if k not in chosen))
@@ -215,6 +218,7 @@ class CompiledGraph:
         self.size_outputs = [isinstance(_meta(n), torch.SymInt) for n in self.fn.output]
         self.programs: dict = {}
         self.runners: dict = {}  # an SPMD program -> its call on this rank's arrays
+        self.constants = graph_constants.Constants(gm, self.fn.constants)
         self._recordable: dict = {}  # symbol values -> the jitted graph a capture records
         traced = {step.node: getattr(step, "traced", frozenset()) for step in self.fn.steps}
         self.plan = dynamic.plan(gm, lambda n: traced.get(n, frozenset()))
@@ -251,8 +255,6 @@ class CompiledGraph:
         self.output_kinds = donation.output_kinds(self.fn, self.forwarded)
 
     def _read(self, args: list, capturing: bool = False) -> tuple[list, list]:
-        # Inside a capture an input may be a value the capture has not computed: kept as it is.
-        computed = _computed if not capturing else (lambda a: a)
         arrays, symbols = [], []
         for a, is_tensor in zip(args, self.fn.tensor_inputs, strict=True):
             if not is_tensor:
@@ -262,19 +264,25 @@ class CompiledGraph:
                     raise meta.device_error(a)
                 # A NumPy scalar: jit transfers it in its fast path (jnp.asarray is ~15x slower).
                 arrays.append(np.asarray(a.item(), dtypes.to_jax(a.dtype)))
-            elif a.device.type != "tpu":
-                raise meta.device_error(a)
             else:
                 # read_parts first: its short path serves an input that is its storage's whole
                 # computed array (most inputs: parameters, activations), without read's steps.
-                array, geometry = tensors.read_parts(a)
-                arrays.append(computed(array if geometry is None else tensors.read(a)))
+                # Only a storage of another device lacks the array attribute it reads (asking
+                # the device first costs a third of a read).
+                try:
+                    array, geometry = tensors.read_parts(a)
+                except AttributeError:
+                    if a.device.type != "tpu":
+                        raise meta.device_error(a) from None
+                    raise
+                if geometry is not None:
+                    array = tensors.read(a)
+                # Inside a capture an input may be a value the capture has not computed: kept
+                # as it is; else a value DeferAndFuse holds pending is computed now.
+                if not capturing and isinstance(array, tensors.Deferred):
+                    array = array.__jax_array__()
+                arrays.append(array)
         return arrays, symbols
-
-    def _constants(self, capturing: bool = False) -> tuple:
-        computed = _computed if not capturing else (lambda a: a)
-        return tuple(computed(tensors.read(getattr(self.gm, n.target)))
-                     for n in self.fn.constants)
 
     def _recorded(self, call: tuple, symbols: list) -> list:
         """The program's outputs as values of the graph capture in progress (``torch.tpu.graph``,
@@ -300,7 +308,9 @@ class CompiledGraph:
 
     def _program(self, arrays, call: tuple, symbols, donate: tuple):
         # Donating other inputs is another program: XLA aliases them to outputs.
-        sig = (tuple((a.shape, a.dtype) for a in arrays), tuple(symbols), donate)
+        # An array's aval holds its shape and dtype without the properties' Python steps.
+        sig = (tuple([(v.shape, v.dtype) for v in [getattr(a, "aval", a) for a in arrays]]),
+               tuple(symbols), donate)
         program = self.programs.get(sig)
         if program is None:
             program = self._compile(arrays, call, tuple(symbols), donate)
@@ -395,8 +405,10 @@ class CompiledGraph:
         return launch.run(self.name, program, call)
 
     def __call__(self, args: list) -> list:
-        mutated = [args[i] for i, _ in self.fn.mutations]
-        forwarded = {k: args[i] for k, i in self.forwarded.items()}
+        # Every call of every graph comes here: steps a graph does not need are skipped whole.
+        fn = self.fn
+        mutated = [args[i] for i, _ in fn.mutations] if fn.mutations else None
+        forwarded = {k: args[i] for k, i in self.forwarded.items()} if self.forwarded else None
         on_host = {}
         if self.host_cones:
             env = {n: args[k] for k, n in self.cpu_placeholders}
@@ -412,26 +424,26 @@ class CompiledGraph:
             arrays, symbols, values = self._pad(args, arrays, symbols)
         elif self.mutated_at and self.spmd is None:
             donate = donation.mutated(arrays, self.mutated_at, args)
-        consumed = []
+        consumed = ()
         if self.donating and self.spmd is None and not capturing:  # SPMD programs: not yet
             taken, consumed = donation.taken(arrays, self.donating, args, self.output_kinds)
             donate = tuple(sorted(set(donate) | set(taken)))
         args.clear()
-        constants = self._constants(capturing)
-        scalars = tuple(self.fn.scalars)
-        keys = tuple(key_data_for(None) for _ in self.fn.key_nodes)
-        call = (*_split(arrays, donate), constants, scalars, keys)
+        constants = self.constants.read(capturing) if fn.constants else ()
+        keys = tuple([key_data_for(None) for _ in fn.key_nodes]) if fn.key_nodes else ()
+        call = (*_split(arrays, donate), constants, tuple(fn.scalars), keys)
         if capturing:
             outs = self._recorded(call, symbols)
         else:
             outs = self._launched(arrays, call, symbols, donate)
         for t, by in consumed:
             tensors.consume(t, by)
-        if self.fn.check_errors:
+        if fn.check_errors:
             outs = self._hand_over_checks(outs)
         # Every array a storage holds or is about to hold: a program may hand an input back, or
-        # one array twice, and storages never share one.
-        owned = {id(a) for a in arrays}
+        # one array twice, and storages never share one. (A constant, never donated, comes
+        # back as a new buffer: ``graph_constants`` may keep what it read.)
+        owned = set(map(id, arrays))
         if mutated:
             split = len(outs) - len(mutated)
             outs, new_values = outs[:split], outs[split:]
@@ -446,16 +458,16 @@ class CompiledGraph:
         wrapped = []
         for k, (o, dtype, size) in enumerate(zip(outs, self.out_dtypes, self.size_outputs,
                                                  strict=True)):
-            if k in forwarded:  # the input tensor itself
+            if forwarded and k in forwarded:  # the input tensor itself
                 wrapped.append(o)
-                continue
-            if dtype is not None:
-                o = tensors.wrap(_unshared(o, owned), dtype)
+            elif dtype is not None:
+                wrapped.append(tensors.wrap(_unshared(o, owned), dtype))
             elif size and not isinstance(o, int):
                 # jax.jit returns a size output (a SymInt saved for backward) as an array;
                 # AOTAutograd wants a number.
-                o = int(o)
-            wrapped.append(o)
+                wrapped.append(int(o))
+            else:
+                wrapped.append(o)
         return wrapped
 
 

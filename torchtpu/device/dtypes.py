@@ -44,6 +44,8 @@ _TORCH_TO_NP = {**{k: np.dtype(v) for k, v in _TORCH_TO_JAX.items()},
 # the layout in view geometries, which read it as complex64 and write complex64 back as pairs.
 COMPLEX32 = np.dtype([("real", np.float16), ("imag", np.float16)])
 _LAYOUT = {**_TORCH_TO_NP, torch.complex32: COMPLEX32}
+# Each torch dtype's compute dtype, for lookups on hot paths (``to_jax`` without its error).
+TORCH_TO_NP = _TORCH_TO_NP
 
 
 def to_jax(dtype: torch.dtype) -> np.dtype:

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax._src.array import ArrayImpl
 
 from torchtpu import errors
 from torchtpu.device import dtypes, memory_history
@@ -35,6 +36,10 @@ _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # and this runs for every tensor an op creates.
 _set_storage = torch.ops.aten.set_.source_Storage_storage_offset._handle.redispatch_boxed
 _create_empty = torch._C._acc.create_empty_tensor
+# What a computed storage array is (a ``Deferred`` or a capture's value is not one); jax.Array
+# is its abstract base, which an exact type test cannot use.
+_ArrayImpl = ArrayImpl
+_TO_NP = dtypes.TORCH_TO_NP
 
 
 def _create(size: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -98,8 +103,11 @@ def stored_form(value, dtype: torch.dtype):
 def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A new contiguous device tensor owning array (which no other storage may hold)."""
     dtype = dtypes.to_torch(array.dtype) if dtype is None else dtype
-    size = tuple(array.shape)
-    array = stored_form(array, dtype)
+    # Every result of every op and graph comes here: an array's aval is read without the
+    # shape property's Python step, and complex32's stored form only where it applies.
+    size = tuple(array.aval.shape if type(array) is _ArrayImpl else array.shape)
+    if dtype is torch.complex32:
+        array = stored_form(array, dtype)
     t = _contiguous(size, dtype, math.prod(size) * dtype.itemsize)
     st = t.untyped_storage()
     if capture is not None:
@@ -340,11 +348,17 @@ def read_parts(t: torch.Tensor) -> tuple:
     """(array, geometry): t's value is ``read_view(array, geometry)``, or array itself when the
     geometry is None. A program that takes t can read the view itself, inside its own
     computation, instead of a separate program call reading it first."""
+    array = t.untyped_storage()._tpu_array
+    # Every op's and every compiled graph's every tensor argument comes here: the common case (a
+    # computed array that is t whole) is tested first, with the cheapest reads there are (the
+    # array's aval, not its shape and dtype properties: a third of the cost).
+    if (type(array) is _ArrayImpl and capture is None and t.storage_offset() == 0
+            and t.is_contiguous() and not t.is_neg() and not t.is_conj()):
+        aval = array.aval
+        if aval.shape == t.shape and aval.dtype == _TO_NP.get(t.dtype):
+            return array, None
     if t.is_conj() or t.is_neg():
         return read(t), None
-    array = t.untyped_storage()._tpu_array
-    # Every op's every tensor argument comes here: the common case (a computed array that is t
-    # whole) is tested first, without ``storage_array``'s materializing and capture steps.
     if (array is not None and not isinstance(array, Deferred) and capture is None
             and _is_whole(t, array)):
         return array, None
