@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchtpu.device import dtypes
-from torchtpu.runtime import platform
+from torchtpu.runtime import launch, platform
 from torchtpu.testing.compare import assert_same, check_against_cpu
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.5, math.inf, -math.inf, math.nan]
@@ -214,9 +214,9 @@ def test_python_complex_scalars_compute_in_the_tensors_precision():
 
 _MAKES_COMPLEX128 = {
     "to": lambda x, y: y.to("tpu", torch.complex128),
-    "zeros": lambda x, y: torch.zeros(2, dtype=torch.complex128, device="tpu"),
+    "zeros": lambda x, y: torch.zeros(len(x), dtype=torch.complex128, device="tpu"),
     "times_1j": lambda x, y: x * 1j,
-    "view_as_complex": lambda x, y: torch.view_as_complex(x.view(2, 2)),
+    "view_as_complex": lambda x, y: torch.view_as_complex(x.view(-1, 2)),
     "view_dtype": lambda x, y: x.view(torch.complex128),
     "complex": lambda x, y: torch.complex(x, x),
     "fft": lambda x, y: torch.fft.fft(x),
@@ -232,11 +232,20 @@ def test_complex128_is_refused_on_a_tpu_before_a_program_holds_it(monkeypatch, m
     x = torch.randn(4, dtype=torch.float64).to("tpu")
     y = torch.randn(4, dtype=torch.complex128)
     torch._dynamo.reset()
-    _MAKES_COMPLEX128[make](x, y)  # this platform computes complex128
-    torch._dynamo.reset()
-    monkeypatch.setattr(dtypes, "platform", types.SimpleNamespace(platform=lambda: "tpu"))
+    if platform.platform() != "tpu":
+        _MAKES_COMPLEX128[make](x, y)  # this platform computes complex128
+        torch._dynamo.reset()
+        monkeypatch.setattr(dtypes, "platform", types.SimpleNamespace(platform=lambda: "tpu"))
+
+    def launched(label, fn, args):  # the refusal must come before any program compiles
+        raise AssertionError(f"a program ran: {label}")
+
+    monkeypatch.setattr(launch, "observer", launched)
+    # A size no other test uses: no plan an earlier call left is reused.
+    x, y = torch.randn(38, dtype=torch.float64).to("tpu"), torch.randn(38, dtype=torch.complex128)
     with pytest.raises(Exception, match="torchtpu.dtype: complex128 is not supported on a TPU"):
         _MAKES_COMPLEX128[make](x, y)
+    monkeypatch.undo()
     torch._dynamo.reset()
 
 

@@ -202,9 +202,14 @@ def test_hash_tensor():
     # zeros, infinities, NaNs of both signs and subnormals, which become normal float64s.
     edge = torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, -math.nan, 1e-40, -1e-45,
                          1.17549435e-38, 3.4e38, 0.1, -2.5])
-    for dtype in (torch.float32, torch.bfloat16, torch.float16):
-        check_against_cpu(lambda e: [torch.hash_tensor(v) for v in e.unbind()],
-                          edge.to(dtype))
+    # NaNs of other payloads, quiet and signaling, keep sign and payload (a TPU's conversions
+    # would make each the canonical NaN, as they did on a v5e chip).
+    nans = {torch.float32: (torch.int32, [-4194303, 2139095041, -1]),  # 0xFFC00001 0x7F800001
+            torch.bfloat16: (torch.int16, [-63, 32641, -1]),            # 0xFFC1 0x7F81
+            torch.float16: (torch.int16, [-511, 31745, -1])}            # 0xFE01 0x7C01
+    for dtype, (as_int, patterns) in nans.items():
+        values = torch.cat([edge.to(dtype), torch.tensor(patterns, dtype=as_int).view(dtype)])
+        check_against_cpu(lambda e: [torch.hash_tensor(v) for v in e.unbind()], values)
 
 
 def test_float32_hash_needs_no_float64_on_a_tpu():

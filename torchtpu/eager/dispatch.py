@@ -116,6 +116,13 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
 _HANDLER, _PLANS = "_torchtpu_handler", "_torchtpu_plans"
 
 
+def _compute_dtype(described: tuple) -> np.dtype:
+    # Checked before the program compiles: libtpu ends the process on a complex128 one.
+    if described[1] is torch.complex128:
+        dtypes.check_platform(described[1])
+    return dtypes.to_jax(described[1])
+
+
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key."""
@@ -130,7 +137,7 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
         result = meta.infer(op, values, traced=traced)
         if lowering.layout is not None:
             result = results.laid_out(result, lowering.layout(*values))
-        compute_dtypes = results.map_described(result, lambda d: dtypes.to_jax(d[1]))
+        compute_dtypes = results.map_described(result, _compute_dtype)
         promote = meta.common_dtype(values) if lowering.promote == "common" else None
         entries = entries_of(oi, values, lowering)
         if lowering.random:

@@ -354,23 +354,39 @@ def mode(x, dim=-1, keepdim=False):
 
 # ----------------------------------------------------------------------------- hashing
 
+# (unsigned type of the same width, mantissa bits, exponent bias) of the floats widened from bits.
+_FORMATS = {jnp.dtype(jnp.float32): (jnp.uint32, 23, 127),
+            jnp.dtype(jnp.float16): (jnp.uint16, 10, 15),
+            jnp.dtype(jnp.bfloat16): (jnp.uint16, 7, 127)}
+
+
 def _float64_words(x):
     """The (high, low) 32-bit words of x's values widened to float64, for floats of at most 32
-    bits, from their float32 bits with 32-bit integer ops. A TPU keeps float64 as a pair of
-    float32s, whose bitcast is not IEEE's pattern (hash_tensor on a v5e chip was 1e-2 off)."""
+    bits, from their own bits with 32-bit integer ops. A TPU keeps float64 as a pair of float32s,
+    whose bitcast is not IEEE's pattern (hash_tensor on a v5e chip was 1e-2 off), and its float
+    conversions make every NaN the canonical one, where CPU keeps a NaN's sign and payload."""
     u32 = jnp.uint32
-    b = lax.bitcast_convert_type(x.astype(jnp.float32), u32)
-    exp, man = (b >> 23) & u32(0xFF), b & u32(0x7FFFFF)
-    # A subnormal float32 is a normal float64: its leading one becomes the implicit bit.
+    unsigned, bits, bias = _FORMATS[x.dtype]
+    width = 8 * jnp.dtype(unsigned).itemsize
+    b = lax.bitcast_convert_type(x, unsigned).astype(u32)
+    mask = u32((1 << bits) - 1)
+    top_exp = (1 << (width - 1 - bits)) - 1
+    exp, man = (b >> bits) & u32(top_exp), b & mask
+    # A subnormal is a normal float64: its leading one becomes the implicit bit.
     lead = u32(31) - lax.clz(man)                       # the leading one's position (man != 0)
-    sub_man = (man << (u32(23) - lead)) & u32(0x7FFFFF)
-    sub_exp = lead + u32(874)                            # (lead - 149) + 1023
+    sub_man = (man << (u32(bits) - lead)) & mask
+    sub_exp = lead + u32(1024 - bias - bits)            # (lead - (bias + bits - 1)) + 1023
     subnormal = (exp == 0) & (man != 0)
-    m = jnp.where(subnormal, sub_man, man)
-    e = jnp.where(subnormal, sub_exp,
-                  jnp.where(exp == 0, u32(0), jnp.where(exp == 0xFF, u32(0x7FF), exp + u32(896))))
-    high = (b & u32(0x80000000)) | (e << 20) | (m >> 3)
-    return high, (m & u32(7)) << 29
+    # A NaN keeps its sign and payload and comes out quiet, as CPU's conversion makes it.
+    nan = (exp == top_exp) & (man != 0)
+    m = jnp.where(subnormal, sub_man, jnp.where(nan, man | u32(1 << (bits - 1)), man))
+    e = jnp.where(subnormal, sub_exp, jnp.where(
+        exp == 0, u32(0), jnp.where(exp == top_exp, u32(0x7FF), exp + u32(1023 - bias))))
+    sign = (b >> (width - 1)) << 31
+    shift = 52 - bits                                   # the mantissa's place in float64's
+    if shift >= 32:
+        return sign | (e << 20) | (m << (shift - 32)), jnp.zeros_like(m)
+    return sign | (e << 20) | (m >> (32 - shift)), m << shift
 
 
 @lowers(aten.hash_tensor.default)
