@@ -136,6 +136,7 @@ class Capture:
         self._previous = None
         self._spmd = None           # the mesh and check of the collectives recorded, if any
         self._collectives: list = []  # their descriptions, in order (the ranks compare them)
+        self._outside: dict = {}    # id -> storage made while paused, read as made before
 
     # ---- called by the device layer while capturing
 
@@ -184,7 +185,13 @@ class Capture:
 
     def created(self, st) -> bool:
         """Whether storage st was made inside this capture (storage addresses only grow)."""
-        return st.data_ptr() >= self._first_address
+        return st.data_ptr() >= self._first_address and id(st) not in self._outside
+
+    def made_outside(self, st) -> None:
+        """Storage st, made while the capture was paused, holds a value from before the capture
+        (a buffer of values moved out of other storages): each replay reads it, as a storage
+        made before the capture, rather than baking in its value."""
+        self._outside[id(st)] = st
 
     @contextlib.contextmanager
     def paused(self):

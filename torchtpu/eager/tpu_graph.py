@@ -33,7 +33,7 @@ from torch.optim.optimizer import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from torchtpu.eager import executor
+from torchtpu.eager import executor, shared_steps
 from torchtpu.eager.capture import Capture, Captured, CaptureError, storage_of
 
 
@@ -54,9 +54,12 @@ def _hyperparameters(group: dict, fed_lr: bool) -> tuple:
 class OptimizerWatch:
     """The optimizers stepped during one capture: their learning rates fed, their guards."""
 
-    def __init__(self, capture: Capture, once: bool = False) -> None:
+    def __init__(self, capture: Capture, once: bool = False, share_steps: bool = False) -> None:
         self._capture = capture
         self._once = once           # a capture replayed once: its first step may create state
+        # A capturable optimizer's step counts made views of one buffer (``shared_steps``):
+        # for ``torch.tpu.graph``; a whole step keeps device twins of its own counts.
+        self._share_steps = share_steps
         self._seen: dict = {}       # id -> optimizer
         self._swapped: list = []    # (group, lr) while a step runs
         self._fed: set = set()      # id(group) whose lr is an input of the program
@@ -74,6 +77,8 @@ class OptimizerWatch:
 
     def _before(self, opt, args, kwargs) -> None:
         self._seen[id(opt)] = opt
+        if self._share_steps and any(group.get("capturable") for group in opt.param_groups):
+            shared_steps.share(opt, self._capture)
         for group in opt.param_groups:
             for p in group["params"]:
                 for _, t in _state_tensors(opt, p):
@@ -255,7 +260,7 @@ class TPUGraph:
                                "it or "
                                "use a new one")
         self._capture = Capture()
-        self._watch = OptimizerWatch(self._capture)
+        self._watch = OptimizerWatch(self._capture, share_steps=True)
         self._watch.install()
         try:
             self._capture.begin()
