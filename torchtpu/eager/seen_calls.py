@@ -92,8 +92,11 @@ def whole_arrays(values: list, reads: tuple) -> tuple | None:
     for i, dtype in reads:
         t = values[i]
         array = t.untyped_storage()._tpu_array
-        if (type(array) is not ArrayImpl or array.dtype != dtype or array.shape != t.shape
-                or not t.is_contiguous() or t.is_conj() or t.is_neg()):
+        if type(array) is not ArrayImpl:
+            return None
+        aval = array.aval  # its shape and dtype without the properties' Python steps
+        if (aval.dtype != dtype or aval.shape != t.shape or not t.is_contiguous()
+                or t.is_conj() or t.is_neg()):
             return None
         arrays.append(array)
     return tuple(arrays)
