@@ -11,10 +11,12 @@ platform does; the captured program reads those buffers as inputs of its own at 
 A step's program is keyed by its bucket: decode steps (one token a request) by padded requests
 and context blocks, steps with prefills (prompt chunks, prefix-cache hits, prefills mixed with
 decodes) by padded tokens and requests only, their queries padded to the shorter of the tokens
-and ``max_model_len`` and their context read whole (``max_model_len``). So the buckets are few
-and known from ``max_num_batched_tokens``, ``max_num_seqs`` and ``max_model_len``: the worker
-captures and compiles every one of them at start-up (:meth:`HostSteps.capture_steps`), and no
-request waits for a compile.
+and ``max_model_len`` and their context read whole (``max_model_len``), as long as that padded
+attention stays within :data:`SCORE_BUDGET`. So the buckets are few and known from
+``max_num_batched_tokens``, ``max_num_seqs`` and ``max_model_len``: the worker captures and
+compiles every one of them at start-up (:meth:`HostSteps.capture_steps`), and no request waits
+for a compile. (Buckets past the budget pad to the step's longest query and context instead,
+compiled when first met.)
 """
 
 from __future__ import annotations
@@ -42,15 +44,31 @@ def _powers(limit: int) -> list[int]:
     return sorted({bucket(1 << i, limit) for i in range(max(1, limit).bit_length())})
 
 
-def prefill_grid(max_tokens: int, max_reqs: int, max_len: int) -> list[tuple[int, int]]:
-    """Every (padded tokens, padded requests) a step with prefills can take: requests r of at
-    most ``max_len`` tokens each, r <= tokens <= ``max_tokens``."""
+# the most attention scores (requests x heads x queries x context) a step with prefills pads to
+# for its bucket of tokens and requests alone: 128 MiB of float32 scores a layer. Larger buckets
+# (many requests, long contexts) pad their queries and context to the step's own longest, each
+# such shape compiled when a step first meets it.
+SCORE_BUDGET = 1 << 25
+
+
+def whole_context(tokens: int, reqs: int, max_len: int, heads: int) -> bool:
+    """Whether a step with prefills of this bucket pads its queries to min(tokens, max_len) and
+    reads the whole context (``max_len``) within :data:`SCORE_BUDGET`."""
+    return reqs * heads * min(tokens, max_len) * max_len <= SCORE_BUDGET
+
+
+def prefill_grid(max_tokens: int, max_reqs: int, max_len: int,
+                 heads: int = 1) -> list[tuple[int, int]]:
+    """Every (padded tokens, padded requests) a step with prefills can take, requests r of at
+    most ``max_len`` tokens each, r <= tokens <= ``max_tokens``, that :func:`whole_context`
+    keeps to its bucket."""
     grid = []
     for reqs in _powers(max_reqs):
         for tokens in sorted({prefill_tokens(t, max_tokens) for t in _powers(max_tokens)}):
             # reachable: some step of at most reqs requests pads to this many tokens
             smallest = tokens // 2 + 1 if tokens > MIN_PREFILL_TOKENS else 1
-            if tokens >= reqs and smallest <= reqs * max_len:
+            if (tokens >= reqs and smallest <= reqs * max_len
+                    and whole_context(tokens, reqs, max_len, heads)):
                 grid.append((tokens, reqs))
     return grid
 
@@ -63,6 +81,8 @@ class HostSteps:
         self._fed_decode = False  # ...and whether it is decodes only
         self._feeds: tuple | None = None  # (the block table they read, HostFeeds)
         self._fed_reqs = self._fed_tokens = 0
+        # query heads of one attention layer on this worker (the padded attention's size)
+        self._attention_heads = self.model_config.get_num_attention_heads(self.parallel_config)
         self._req_rows = np.zeros(0, dtype=np.int64)  # each step token's request
         self._host_positions = np.zeros(self.max_num_tokens, dtype=np.int64)
         # the hidden-state row each request's next token is sampled from
@@ -189,7 +209,8 @@ class HostSteps:
         bs, max_blocks = table.block_size, table.block_table.np.shape[1]
         graphs, max_len = self.step_graphs, self._context_tokens()
         contexts = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
-        grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len)
+        grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len,
+                            self._attention_heads)
         # room for every bucket: one dropped would compile again on a request's path
         shapes = len(_powers(self.max_num_reqs)) * len(contexts) + len(grid)
         graphs.max_captures = max(graphs.max_captures, 2 * shapes)

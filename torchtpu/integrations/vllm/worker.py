@@ -32,7 +32,7 @@ from torchtpu.eager.capture import storage_of
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
-from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens
+from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens, whole_context
 from torchtpu.runtime import platform
 
 log = init_logger(__name__)
@@ -140,11 +140,12 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         # one metadata for every layer, over the buffers the program is fed; the fed block
         # table's padded rows are the null block already (no fill of the device rows)
         tokens, reqs = num_tokens_padded or num_tokens, num_reqs_padded or num_reqs
-        if self._fed_decode:  # bucketed by the context read
+        max_len = self._context_tokens()
+        if self._fed_decode or not whole_context(tokens, reqs, max_len, self._attention_heads):
+            # bucketed by the longest query and context read
             seq_len = int(self.optimistic_seq_lens_cpu[:num_reqs].max())
         else:  # by tokens and requests only: queries as long as they can be, context whole
-            seq_len = self._context_tokens()
-            max_query_len = min(tokens, seq_len)
+            seq_len, max_query_len = max_len, min(tokens, max_len)
         builder = self.attn_groups[0][0].get_metadata_builder()
         md = builder.metadata(
             tokens, reqs, max_query_len, seq_len, self.query_start_loc.gpu[:reqs + 1],
