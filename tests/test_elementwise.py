@@ -249,20 +249,28 @@ def test_complex128_is_refused_on_a_tpu_before_a_program_holds_it(monkeypatch, m
     torch._dynamo.reset()
 
 
+_ROUNDED = {
+    "trunc": lambda x, y: torch.div(x, y, rounding_mode="trunc"),
+    "floor": lambda x, y: torch.div(x, y, rounding_mode="floor"),
+    "fmod": torch.fmod,
+    "remainder": torch.remainder,
+}
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("mode", ["trunc", "floor"])
-def test_rounded_division_at_its_edges(dtype, mode):
+@pytest.mark.parametrize("op", list(_ROUNDED))
+def test_rounded_division_and_remainders_at_their_edges(dtype, op):
     # Rounded quotients are computed from x - fmod(x, y), not from a rounded x / y (a TPU's
-    # float32 division is not correctly rounded): signed zeros, infinities, NaNs, huge and
-    # near-integer quotients as CPU gives them. Subnormals are left out: XLA flushes them.
+    # float32 division is not correctly rounded), and fmod by an infinity is x (a TPU's is NaN):
+    # signed zeros, infinities, NaNs, huge and near-integer quotients as CPU gives them.
+    # Subnormals are left out: XLA flushes them.
     values = torch.tensor([-7.5, -3.0, -0.5, -0.0, 0.0, 0.5, 3.0, 7.5, 1e30, -1e30, math.inf,
                            -math.inf, math.nan, 6.0000005, 2.0**24 + 3])
     x, y = (t.reshape(-1).to(dtype) for t in torch.meshgrid(values, values, indexing="ij"))
-    quotient = check_against_cpu(lambda x, y: torch.div(x, y, rounding_mode=mode), x, y,
-                                 atol=0, rtol=0)
-    expected = torch.div(x, y, rounding_mode=mode)
+    got = check_against_cpu(_ROUNDED[op], x, y, atol=0, rtol=0)
+    expected = _ROUNDED[op](x, y)
     nan = expected.isnan()
-    assert torch.equal(quotient.cpu().signbit() | nan, expected.signbit() | nan)  # signed zeros
+    assert torch.equal(got.cpu().signbit() | nan, expected.signbit() | nan)  # signed zeros
 
 
 def test_half_precision():

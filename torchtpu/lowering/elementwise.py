@@ -48,11 +48,27 @@ def mul(x, y):
     return x * y
 
 
+def _fmod(x, y):
+    """C's fmod. A TPU's float remainder by an infinity is NaN (seen on a v5e chip), C's is x."""
+    mod = jnp.fmod(x, y)
+    if _is_int(mod):
+        return mod
+    return jnp.where(jnp.isinf(y) & jnp.isfinite(x), x, mod)
+
+
+def _remainder(x, y):
+    """Python's modulo (the divisor's sign), from ``_fmod`` as PyTorch's CPU kernel computes it."""
+    if _is_int(jnp.result_type(x, y)):
+        return jnp.remainder(x, y)
+    mod = _fmod(x, y)
+    return jnp.where((mod != 0) & ((mod < 0) != (y < 0)), mod + y, mod)
+
+
 def _floor_divide(x, y):
     if _is_int(x):
         return jnp.floor_divide(x, y)
     # PyTorch's div_floor: exact for representable quotients, x/0 gives +-inf rather than NaN.
-    mod = jnp.fmod(x, y)
+    mod = _fmod(x, y)
     div = (x - mod) / y
     div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
@@ -81,7 +97,7 @@ def _trunc_divide(x, y):
     # is not, and a quotient just above an integer came out below it on a v5e chip; x - fmod(x,
     # y) is an exact multiple of y, whose quotient only needs rounding to that integer.
     quotient = x / y
-    mod = jnp.fmod(x, y)
+    mod = _fmod(x, y)
     exact = jnp.round((x - mod) / y)
     exact = jnp.where(exact == 0, jnp.copysign(jnp.zeros_like(exact), quotient), exact)
     return jnp.where(jnp.isfinite(x) & (y != 0), exact, jnp.trunc(quotient))
@@ -112,11 +128,11 @@ def floor_divide(x, y):
 
 lowers_each({
     # Python-style modulo (sign of the divisor) and C-style (sign of the dividend).
-    aten.remainder.Tensor: jnp.remainder,
-    aten.remainder.Scalar: jnp.remainder,
-    aten.remainder.Scalar_Tensor: jnp.remainder,
-    aten.fmod.Tensor: jnp.fmod,
-    aten.fmod.Scalar: jnp.fmod,
+    aten.remainder.Tensor: _remainder,
+    aten.remainder.Scalar: _remainder,
+    aten.remainder.Scalar_Tensor: _remainder,
+    aten.fmod.Tensor: _fmod,
+    aten.fmod.Scalar: _fmod,
     aten.pow.Tensor_Tensor: jnp.power,
     aten.pow.Tensor_Scalar: pow_scalar_exponent,
     aten.pow.Scalar: jnp.power,
