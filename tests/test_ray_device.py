@@ -27,12 +27,16 @@ def _worker(rank, world, root):
     before = torch_utils.get_devices()
     dist.init_process_group("cpu:gloo,tpu:tpu_dist")
     during = torch_utils.get_devices()
+    # No rank tears its group down while another still connects its gloo mesh ("Connection
+    # closed by peer" in connectFullMesh, one run in three under load).
+    dist.barrier()
     dist.destroy_process_group()
     # A store of its own: on MASTER_PORT again, a rank could reach rank 0's first store before
     # its teardown and rendezvous on the first group's stale gloo address (connection refused).
     store = dist.FileStore(os.path.join(root, "second_group"), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     gloo = torch_utils.get_devices()
+    dist.barrier()
     dist.destroy_process_group()
     return [str(d) for d in before + during + gloo]
 
