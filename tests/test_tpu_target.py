@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import pytest
 import torch
 
@@ -229,6 +230,41 @@ def test_complex128_is_refused_before_libtpu_which_would_end_the_process(tmp_pat
     assert ran == "True" and errors
     assert all(e.startswith("the program holds complex128 values") and "use complex64" in e
                for e in errors), errors
+
+
+@needs_libtpu
+def test_svd_with_vectors_compiles_for_a_tpu(tmp_path):
+    """libtpu ends the process compiling JAX's TPU SVD traced under x64 (a v5e chip aborted in
+    ``svdvals``' backward and ``pinv``); 32-bit SVDs are traced without it
+    (``runtime/tpu_x64.py``). Eager calls here lower for the host (LAPACK), so the functions are
+    lowered for the TPU themselves, in a process of their own: a regression is an abort."""
+    code = """\
+        import jax, jax.numpy as jnp
+        import torchtpu
+        from torchtpu.runtime import tpu_target
+        a = jax.ShapeDtypeStruct((5, 3), jnp.float32)
+        svd = lambda a: jnp.linalg.svd(a, full_matrices=False)
+        print([tpu_target.compile_function(f, a).compiles for f in (svd, jnp.linalg.pinv)])
+    """
+    run = _python(code, tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "[True, True]"
+
+
+def _svd_for_a_tpu(dtype) -> str:
+    import jax.numpy as jnp
+
+    f = jax.jit(lambda a: jnp.linalg.svd(a, full_matrices=False))  # a new function: no cache
+    return jax.export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((4, 3), dtype)) \
+        .mlir_module()
+
+
+def test_32_bit_svd_is_lowered_for_a_tpu_without_64_bit_values():
+    import jax.numpy as jnp
+
+    narrow = _svd_for_a_tpu(jnp.float32)
+    assert "tensor<i64>" not in narrow and "tensor<f64>" not in narrow
+    assert "tensor<i64>" in _svd_for_a_tpu(jnp.float64)  # JAX's own: float64 cannot narrow
 
 
 def test_narrowed_programs_are_32_bit_or_none():

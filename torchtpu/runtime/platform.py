@@ -58,9 +58,17 @@ def _configure_jax() -> None:
     # PyTorch's float32 matmuls are exact float32 by default ("highest");
     # torch.tpu.precision and torch.set_float32_matmul_precision change it.
     jax.config.update("jax_default_matmul_precision", "highest")
-    from torchtpu.runtime import compile_cache, compiler_options, dump, tpu_accuracy, tpu_hook
+    from torchtpu.runtime import (
+        compile_cache,
+        compiler_options,
+        dump,
+        tpu_accuracy,
+        tpu_hook,
+        tpu_x64,
+    )
 
     tpu_accuracy.install()
+    tpu_x64.install()
     compile_cache.enable()
     compiler_options.install()
     tpu_hook.install()
