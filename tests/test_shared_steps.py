@@ -67,3 +67,30 @@ def test_replays_equal_cpu_and_each_count_keeps_its_own_value():
             torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
     assert [c.item() for c in counts] == [cpu_opt.state[w]["step"].item() for w in cpu]
     assert [c.item() for c in counts] == [6.0, 11.0, 6.0, 6.0]
+
+
+def test_a_second_capture_leaves_the_counts_in_their_buffer():
+    """A second capture of the same optimizer (another batch shape) finds the counts in the
+    first one's buffer and leaves them there (a program captured earlier reads that buffer);
+    its replays equal CPU."""
+    cpu, cpu_opt, x, tpu, tpu_opt, g, loss = _captured(N_SMALL)
+    counts = [tpu_opt.state[w]["step"] for w in tpu]
+    buffer = counts[0].untyped_storage().data_ptr()
+    g.replay()
+    cpu_opt.zero_grad(set_to_none=True)
+    _step(cpu, cpu_opt, x)
+    x2 = torch.randn(5, 3, generator=torch.Generator().manual_seed(6))
+    static_x2 = x2.to("tpu")
+    tpu_opt.zero_grad(set_to_none=True)
+    g2 = torch.tpu.TPUGraph()
+    with torch.tpu.graph(g2):
+        loss2 = _step(tpu, tpu_opt, static_x2)
+    assert {c.untyped_storage().data_ptr() for c in counts} == {buffer}
+    for _ in range(3):
+        cpu_opt.zero_grad(set_to_none=True)
+        expected = _step(cpu, cpu_opt, x2)
+        g2.replay()
+        torch.testing.assert_close(loss2.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for p, q in zip(tpu, cpu, strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+    assert [c.item() for c in counts] == [cpu_opt.state[w]["step"].item() for w in cpu]

@@ -32,8 +32,10 @@ def share(opt: torch.optim.Optimizer, capture: Capture) -> None:
                 by_kind.setdefault((count.dtype, count.device), {})[id(count)] = count
     for counts in by_kind.values():
         counts = list(counts.values())
-        if len(counts) < 2 or len({id(storage_of(c)) for c in counts}) == 1:
-            continue  # one count, or shared already
+        # One count, or some in a buffer already (an earlier capture's, whose program reads
+        # that buffer): none is moved again.
+        if len(counts) < 2 or any(storage_of(c).nbytes() != c.element_size() for c in counts):
+            continue
         with capture.paused(), torch.no_grad():
             buffer = torch.stack(counts)
             st = buffer.untyped_storage()
