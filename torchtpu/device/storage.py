@@ -32,14 +32,21 @@ def _device(index: int) -> torch.device:
 
 def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     """A fresh device storage of nbytes with no array yet."""
+    storage = bare_storage(nbytes, index)
+    storage._tpu_array = None
+    return storage
+
+
+def bare_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
+    """A fresh device storage of nbytes, its Python object without the array attribute: for a
+    caller that swaps its data pointer into another storage and drops it (an attribute would
+    give the dropped object a ``__dict__`` for nothing)."""
     # Addresses are never dereferenced, but PyTorch's overlap checks compare address ranges,
     # so each storage gets its own range, never reused.
     with _lock:
         address = _next_address[0]
         _next_address[0] += (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
-    storage = torch._C._construct_storage_from_data_pointer(address, _device(index), nbytes)
-    storage._tpu_array = None
-    return storage
+    return torch._C._construct_storage_from_data_pointer(address, _device(index), nbytes)
 
 
 def next_address() -> int:

@@ -43,7 +43,7 @@ _TO_NP = dtypes.TORCH_TO_NP
 
 
 def _create(size: tuple, dtype: torch.dtype) -> torch.Tensor:
-    # Every device tensor an op makes (results, allocations, copies) is created here.
+    # Every device tensor made here (results, allocations, copies; ``_contiguous`` inlines it).
     if dtype is torch.complex128:
         dtypes.check_platform(dtype)
     return _create_empty(size, dtype)
@@ -79,13 +79,16 @@ def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None)
     return t
 
 
-def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int) -> torch.Tensor:
+def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int, array=None) -> torch.Tensor:
     # A new tensor's storage is empty; swapping a fresh storage's data pointer into it is a third
-    # of the cost of ``set_`` through the dispatcher, on every op's every result.
-    t = _create(size, dtype)
+    # of the cost of ``set_`` through the dispatcher, on every op's every result (and so is
+    # ``_create``'s check inlined, and the array stored here, once).
+    if dtype is torch.complex128:
+        dtypes.check_platform(dtype)
+    t = _create_empty(size, dtype)
     st = t.untyped_storage()
-    st._swap_data_ptr_(storages.new_storage(nbytes))
-    st._tpu_array = None
+    st._swap_data_ptr_(storages.bare_storage(nbytes))
+    st._tpu_array = array
     if memory_history.recording:
         memory_history.track(st)
     return t
@@ -108,12 +111,12 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     size = tuple(array.aval.shape if type(array) is _ArrayImpl else array.shape)
     if dtype is torch.complex32:
         array = stored_form(array, dtype)
+    if capture is None:
+        return _contiguous(size, dtype, math.prod(size) * dtype.itemsize, array)
     t = _contiguous(size, dtype, math.prod(size) * dtype.itemsize)
     st = t.untyped_storage()
-    if capture is not None:
-        capture.seen(st)
-        array = capture.recorded(array)
-    st._tpu_array = array
+    capture.seen(st)
+    st._tpu_array = capture.recorded(array)
     return t
 
 
