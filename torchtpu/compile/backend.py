@@ -477,10 +477,7 @@ def _check_dtypes(gm: fx.GraphModule) -> None:
     for n in gm.graph.nodes:
         val = n.meta.get("val")
         if isinstance(val, torch.Tensor) and val.dtype is torch.complex128:
-            try:
-                dtypes.check_platform(val.dtype)
-            except RuntimeError as e:
-                raise RuntimeError(f"{e} (graph node {n.name}: {n.format_node()})") from None
+            dtypes.check_platform(val.dtype, f" (graph node {n.name}: {n.format_node()})")
 
 
 def _graph_compiler(kind: str, opts: options_mod.Options) -> Callable:

@@ -76,7 +76,7 @@ def _unsupported(dtype) -> TypeError:
         + ", ".join(str(d).removeprefix("torch.") for d in _LAYOUT))
 
 
-def check_platform(dtype: torch.dtype) -> None:
+def check_platform(dtype: torch.dtype, where: str = "") -> None:
     """Refuse a dtype the platform's chips cannot hold, before any program sees it: a TPU has no
     64-bit complex arithmetic, and libtpu ends the process (not a Python error) on a program that
     holds complex128 ("Unsupported CVT X{64|128} expansion from c128[]"). float64 stays: XLA:TPU
@@ -85,7 +85,7 @@ def check_platform(dtype: torch.dtype) -> None:
     if dtype is torch.complex128 and platform.platform() == "tpu":
         raise RuntimeError(
             "torchtpu.dtype: complex128 is not supported on a TPU (the chip has no 64-bit complex "
-            "arithmetic); use complex64, or compute this on CPU")
+            f"arithmetic); use complex64, or compute this on CPU{where}")
 
 
 def to_torch(dtype) -> torch.dtype:
