@@ -45,6 +45,16 @@ def _program_inputs(n: int) -> int:
     return len(g._captured._io.sources)
 
 
+
+def _replay_equals_cpu(g, loss, tpu, cpu, cpu_opt, x) -> None:
+    """One replay of g beside the same step on CPU: the loss and every parameter equal."""
+    cpu_opt.zero_grad(set_to_none=True)
+    expected = _step(cpu, cpu_opt, x)
+    g.replay()
+    torch.testing.assert_close(loss.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
+    for p, q in zip(tpu, cpu, strict=True):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+
 def test_the_counts_are_one_input_of_the_program():
     per_parameter = (_program_inputs(N_LARGE) - _program_inputs(N_SMALL)) / (N_LARGE - N_SMALL)
     assert per_parameter == 3  # the weight and two moments; 4 with a count each
@@ -59,12 +69,7 @@ def test_replays_equal_cpu_and_each_count_keeps_its_own_value():
             with torch.no_grad():
                 cpu_opt.state[cpu[1]]["step"] += 5
                 tpu_opt.state[tpu[1]]["step"] += 5
-        cpu_opt.zero_grad(set_to_none=True)
-        expected = _step(cpu, cpu_opt, x)
-        g.replay()
-        torch.testing.assert_close(loss.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
-        for p, q in zip(tpu, cpu, strict=True):
-            torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+        _replay_equals_cpu(g, loss, tpu, cpu, cpu_opt, x)
     assert [c.item() for c in counts] == [cpu_opt.state[w]["step"].item() for w in cpu]
     assert [c.item() for c in counts] == [6.0, 11.0, 6.0, 6.0]
 
@@ -87,10 +92,5 @@ def test_a_second_capture_leaves_the_counts_in_their_buffer():
         loss2 = _step(tpu, tpu_opt, static_x2)
     assert {c.untyped_storage().data_ptr() for c in counts} == {buffer}
     for _ in range(3):
-        cpu_opt.zero_grad(set_to_none=True)
-        expected = _step(cpu, cpu_opt, x2)
-        g2.replay()
-        torch.testing.assert_close(loss2.cpu(), expected.detach(), atol=1e-5, rtol=1e-5)
-    for p, q in zip(tpu, cpu, strict=True):
-        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
+        _replay_equals_cpu(g2, loss2, tpu, cpu, cpu_opt, x2)
     assert [c.item() for c in counts] == [cpu_opt.state[w]["step"].item() for w in cpu]
