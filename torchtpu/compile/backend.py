@@ -21,7 +21,6 @@ import contextlib
 import functools
 import itertools
 import logging
-import operator
 import time
 from collections.abc import Callable
 
@@ -41,6 +40,7 @@ from torchtpu.compile import (
     eager_split,
     graph_cache,
     graph_constants,
+    host_cones,
     reduce_overhead,
 )
 from torchtpu.compile import options as options_mod
@@ -153,46 +153,12 @@ def _merging(run: Callable, donate: tuple, forwarded: frozenset) -> Callable:
 def _write_back(mutated: list, new_values: list) -> None:
     """Each mutated input takes its new value (an optimizer's parameters and state)."""
     for t, value in zip(mutated, new_values, strict=True):
-        if isinstance(value, torch.Tensor):  # computed on the host (see _host_cones)
+        if isinstance(value, torch.Tensor):  # computed on the host (see compile/host_cones.py)
             t.copy_(value)
         elif t.is_cpu:  # a CPU scalar input the program computed: reading it waits for it
             t.copy_(kernels.numpy_to_torch(np.array(value), t.dtype))
         else:
             tensors.write(t, value)
-
-
-def _on_cpu(n) -> bool:
-    """Whether node n's value is a CPU tensor, or a list of them (a foreach op's)."""
-    v = _meta(n)
-    values = v if isinstance(v, (list, tuple)) and v else [v]
-    return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in values)
-
-
-def _host_cones(fn: GraphFunction) -> dict:
-    """{mutation index: its new value's node} for the mutated CPU inputs (an optimizer's step
-    counts) whose new value comes from CPU tensors alone: PyTorch computes those on the host,
-    so writing them back does not wait for the program to finish."""
-    def host_only(n) -> bool:
-        if n.op == "placeholder":
-            return _on_cpu(n)
-        target = n.target
-        deterministic = target is operator.getitem or (
-            isinstance(target, torch._ops.OpOverload)
-            and torch.Tag.nondeterministic_seeded not in target.tags)
-        return (n.op == "call_function" and deterministic and _on_cpu(n)
-                and all(host_only(a) for a in n.all_input_nodes))
-
-    return {k: node.args[1] for k, (i, node) in enumerate(fn.mutations)
-            if _on_cpu(fn.placeholders[i]) and host_only(node.args[1])}
-
-
-def _host_value(n, env: dict):
-    """Node n evaluated with PyTorch on the CPU tensors env gives its placeholders."""
-    if n not in env:
-        args = fx.node.map_arg(n.args, lambda a: _host_value(a, env))
-        kwargs = fx.node.map_arg(n.kwargs, lambda a: _host_value(a, env))
-        env[n] = n.target(*args, **kwargs)
-    return env[n]
 
 
 class CompiledGraph:
@@ -244,9 +210,9 @@ class CompiledGraph:
             and (_opaque(_meta(n)) or isinstance(_meta(n), torch.Tensor)
                  and _meta(n).device.type == "tpu"
                  and self.fn.placeholders.index(n) not in mutated_inputs)}
-        self.host_cones = _host_cones(self.fn)
+        self.host_cones = host_cones.of(self.fn)
         self.cpu_placeholders = [(k, n) for k, n in enumerate(self.fn.placeholders)
-                                 if self.host_cones and _on_cpu(n)]
+                                 if self.host_cones and host_cones.on_cpu(n)]
         # (position among the tensor inputs, position among all inputs) of each mutated input.
         self.mutated_at = [(sum(self.fn.tensor_inputs[:i]), i) for i, _ in self.fn.mutations
                            if self.fn.tensor_inputs[i]]
@@ -412,7 +378,7 @@ class CompiledGraph:
         on_host = {}
         if self.host_cones:
             env = {n: args[k] for k, n in self.cpu_placeholders}
-            on_host = {k: _host_value(node, env) for k, node in self.host_cones.items()}
+            on_host = {k: host_cones.value(node, env) for k, node in self.host_cones.items()}
         capturing = tensors.capture is not None
         arrays, symbols = self._read(args, capturing)
         values = None
