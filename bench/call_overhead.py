@@ -161,6 +161,22 @@ def _paths(n: int = 1, kind: str = "none") -> dict:
     }
 
 
+def interleaved(fns: dict, rounds: int, calls: int, clock, warmup: int) -> dict:
+    """{name: µs per call of each round}: every function called ``warmup`` times untimed
+    (compiles, captures, first runs), then rounds of ``calls`` calls of each in turn."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per_call = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = clock()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((clock() - t0) / calls / 1e3)
+    return per_call
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15)
@@ -177,17 +193,8 @@ def main() -> None:
     clock = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[0]
-    paths = _paths(args.params, args.optimizer)
-    for fn in paths.values():  # compiles, captures and first runs are not timed
-        for _ in range(5):
-            fn()
-    per_call = {name: [] for name in paths}
-    for _ in range(args.rounds):
-        for name, fn in paths.items():
-            t0 = clock()
-            for _ in range(args.calls):
-                fn()
-            per_call[name].append((clock() - t0) / args.calls / 1e3)
+    per_call = interleaved(_paths(args.params, args.optimizer), args.rounds, args.calls, clock,
+                           warmup=5)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[0]
     floor = {"forward": statistics.median(per_call["jax.jit"]),

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
+import sys
 import time
 
 import jax
@@ -38,6 +40,9 @@ from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 import torchtpu  # noqa: F401
 from torchtpu.compile.backend import CompiledGraph
 from torchtpu.device import tensors
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from call_overhead import interleaved  # noqa: E402  (bench/ is no package)
 
 
 def _f(a):
@@ -80,17 +85,7 @@ def main() -> None:
     clock = time.thread_time_ns if args.clock == "thread" else time.perf_counter_ns
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[0]
-    layers = _layers()
-    for fn in layers.values():
-        for _ in range(20):
-            fn()
-    times = {name: [] for name in layers}
-    for _ in range(args.rounds):
-        for name, fn in layers.items():
-            t0 = clock()
-            for _ in range(args.calls):
-                fn()
-            times[name].append((clock() - t0) / args.calls / 1e3)
+    times = interleaved(_layers(), args.rounds, args.calls, clock, warmup=20)
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[0]
     print(f"{args.rounds} interleaved rounds x {args.calls} calls, {args.clock} clock; load "
