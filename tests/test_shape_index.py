@@ -462,3 +462,16 @@ def test_bool_accumulations_are_a_logical_or_as_on_cpu():
     check_against_cpu(lambda x, v, i: x.clone().index_add_(0, i, v), x, v, i)
     check_against_cpu(lambda x, v, i: x.clone().scatter_add_(0, i[:, None].expand(2, 2), v),
                       x, v, i)
+
+
+def test_masked_scatter_counts_the_mask_broadcast_with_self():
+    # A (5, 1, 5) mask over an empty (5, 0, 5) target has no true position: an empty source fits.
+    check_against_cpu(lambda d, m, s: d.clone().masked_scatter_(m, s), torch.empty(5, 0, 5),
+                      torch.ones(5, 1, 5, dtype=torch.bool), torch.empty(0))
+    # A (4,) mask with 2 ones over (3, 4) needs 6 source elements: 4 are too few, as on CPU.
+    mask, source = torch.tensor([True, False, True, False]), torch.arange(4.0)
+    check_against_cpu(lambda d, m, s: d.masked_scatter(m, s), torch.zeros(3, 4), mask,
+                      torch.arange(6.0))
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match="source"):
+            torch.zeros(3, 4, device=device).masked_scatter(mask.to(device), source.to(device))

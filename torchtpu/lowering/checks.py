@@ -234,12 +234,14 @@ def _masked_scatter(self, mask, source):
         return RuntimeError(f"masked_scatter_ only supports boolean masks, but got mask with "
                             f"dtype {mask.dtype}")
     available = int(np.prod(source.shape))
+    # the mask counts as broadcast with self: a (5, 1, 5) mask over a (5, 0, 5) self has no ones
+    shape = tuple(np.broadcast_shapes(self.shape, mask.shape))
     ones = mask.values()
     if ones is None:
-        mask.check_on_device(_more_ones_than(available),
+        mask.check_on_device(_more_ones_than(available, shape),
                              functools.partial(_source_too_small, available=available))
-    elif int(ones.sum()) > available:
-        return _source_too_small(int(ones.sum()), available)
+    elif int(np.broadcast_to(ones, shape).sum()) > available:
+        return _source_too_small(int(np.broadcast_to(ones, shape).sum()), available)
     return None
 
 
@@ -249,9 +251,9 @@ def _source_too_small(needed: int, available: int) -> RuntimeError:
 
 
 @functools.lru_cache(maxsize=512)
-def _more_ones_than(available: int) -> Callable:
+def _more_ones_than(available: int, shape: tuple) -> Callable:
     def find(mask):
-        ones = mask.sum(dtype=jnp.int64)
+        ones = jnp.broadcast_to(mask, shape).sum(dtype=jnp.int64)
         return jnp.stack([ones > available, ones]).astype(jnp.int64)
 
     return find
