@@ -475,3 +475,18 @@ def test_masked_scatter_counts_the_mask_broadcast_with_self():
     for device in ("cpu", "tpu"):
         with pytest.raises(RuntimeError, match="source"):
             torch.zeros(3, 4, device=device).masked_scatter(mask.to(device), source.to(device))
+
+
+def test_masked_select_out_takes_the_computed_shape():
+    values, mask = torch.rand(10, 10), torch.zeros(10, 10, dtype=torch.bool)
+    mask[:, ::2] = True
+
+    def selects(v, m):
+        # out= of a result whose shape depends on values: resized from empty, and written
+        # through a strided view that already has the size.
+        out, strided = torch.empty(0, device=v.device), torch.zeros(100, device=v.device)
+        torch.masked_select(v, m, out=out)
+        torch.masked_select(v.t(), m, out=strided[::2])
+        return out, strided
+
+    check_against_cpu(selects, values, mask)

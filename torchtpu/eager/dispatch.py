@@ -284,26 +284,21 @@ def _resize_out(t: torch.Tensor, shape) -> None:
         t.resize_(shape)
 
 
-def _returns(op, targets):
-    rets = op._schema.returns
-    if not rets:
-        return None
-    if len(rets) == 1:
-        return targets[0]
-    return tuple(targets)
-
-
 def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional,
-                      traced: frozenset = frozenset()):
+                      traced: frozenset = frozenset(), lowering: Lowering | None = None):
     """In-place and out= overloads: compute the functional twin, write into the targets.
 
     ``traced``: the twin's traced number arguments (same positions: the signatures match).
+    ``lowering``: the twin's, where its result shape may depend on values (no meta kernel then).
     """
     oi = schema.info(op)
     foi = schema.info(functional)
 
     def handle(args, kwargs):
         values, outs = schema.bind(oi, args, kwargs)
+        if outs and lowering is not None and lowering.shape_depends_on_values(values):
+            return _write_computed(op, oi, values, outs,
+                                   compute_unknown_shape(lowering, foi, values))
         # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
         # and says what shape each out= argument must take.
         validated = meta.infer(op, values, outs, traced)
@@ -319,9 +314,22 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
         for t, a in zip(flat, _flatten(arrays)):
             tensors.write(t, kernels.convert(a, t))
-        return _returns(op, targets)
+        return schema.returns(op, targets)
 
     return handle
+
+
+def _write_computed(op: OpOverload, oi: schema.OpInfo, values: list, outs: list, computed):
+    """out= of a call whose result shape depends on values (``masked_select``): the targets take
+    the computed results' shapes, as CPU resizes them."""
+    targets, flat = _flat_targets(values, oi, outs)
+    overlap.check_between(op, flat, _flatten(values))
+    for t, r in zip(flat, _flatten(computed)):
+        if not meta.is_device(t):
+            raise meta.device_error(t)
+        _resize_out(t, r.shape)
+        tensors.write(t, kernels.convert(tensors.read(r), t))
+    return schema.returns(op, targets)
 
 
 def _leaves(d):
@@ -346,20 +354,10 @@ def _lowered_functional(functional: OpOverload, lowering: Lowering):
 
 def _decomposed_functional(functional: OpOverload, decomp):
     def run(foi, values, target_dtypes):
-        args, kwargs = _unbind(foi, values)
+        args, kwargs = schema.unbind(foi, values)
         return [tensors.read(t) for t in _flatten(decomp(*args, **kwargs))]
 
     return run
-
-
-def _unbind(oi: schema.OpInfo, values: list):
-    args, kwargs = [], {}
-    for n, v in zip(oi.names, values):
-        if n in oi.kwarg_only:
-            kwargs[n] = v
-        else:
-            args.append(v)
-    return args, kwargs
 
 
 _decomposing = threading.local()
@@ -422,7 +420,8 @@ def _choose(op: OpOverload):
         lowering = lookup(functional)
         if lowering is not None:
             return _mutating_handler(op, functional, _lowered_functional(functional, lowering),
-                                     traced_arguments(functional, lowering))
+                                     traced_arguments(functional, lowering),
+                                     lowering if lowering.data_dependent_shape else None)
     decomp = decomposition_table.get(op)
     if decomp is not None:
         return _decomposition_handler(op, decomp)

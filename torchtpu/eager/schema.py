@@ -106,3 +106,24 @@ def functional_of(op: OpOverload) -> OpOverload | None:
         if not cand._schema.is_mutable and _signature(cand, skip_out=False) == want:
             return cand
     return None
+
+
+def unbind(oi: OpInfo, values: list) -> tuple[list, dict]:
+    """Bound values back to positional and keyword arguments."""
+    args, kwargs = [], {}
+    for n, v in zip(oi.names, values):
+        if n in oi.kwarg_only:
+            kwargs[n] = v
+        else:
+            args.append(v)
+    return args, kwargs
+
+
+def returns(op: OpOverload, targets: list):
+    """What a mutating overload returns: None, its one target, or a tuple of them."""
+    rets = op._schema.returns
+    if not rets:
+        return None
+    if len(rets) == 1:
+        return targets[0]
+    return tuple(targets)
