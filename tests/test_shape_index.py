@@ -490,3 +490,10 @@ def test_masked_select_out_takes_the_computed_shape():
         return out, strided
 
     check_against_cpu(selects, values, mask)
+
+
+def test_masked_select_refuses_a_non_bool_mask():
+    for device in ("cpu", "tpu"):
+        with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
+            torch.rand(3, device=device).masked_select(torch.ones(3, dtype=torch.uint8,
+                                                                  device=device))

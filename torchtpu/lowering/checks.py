@@ -245,6 +245,13 @@ def _masked_scatter(self, mask, source):
     return None
 
 
+@check(aten.masked_select.default)
+def _masked_select(self, mask):
+    if mask.dtype != torch.bool:
+        return RuntimeError("masked_select: expected BoolTensor for mask")
+    return None
+
+
 def _source_too_small(needed: int, available: int) -> RuntimeError:
     return RuntimeError("masked_scatter: expected source to have at least as many elements as "
                         f"ones in mask ({needed}), got {available}")
