@@ -358,3 +358,38 @@ def test_bessel_and_airy(name):
     x = torch.cat([torch.linspace(-40, 40, 2001), torch.logspace(-6, 4, 200),
                    torch.tensor([0.0, -0.0, math.inf, -math.inf, math.nan, 1e-30, -1e4])])
     check_against_cpu(getattr(torch.special, name), x)
+
+
+class _SignsOfFloat64(torch.nn.Module):
+    def forward(self, x, y):
+        return (torch.div(x, y, rounding_mode="trunc"), torch.div(x, y, rounding_mode="floor"),
+                torch.copysign(x, y), torch.signbit(y))
+
+
+def test_float64_signs_are_not_read_from_bits_on_a_tpu():
+    # libtpu 0.0.42 refuses a float64 bitcast followed by jnp.signbit's shift (a TPU emulates
+    # float64; seen on a v5e chip): lowered for a TPU, float64 signs come from values instead.
+    import jax
+
+    from torchtpu.jax import to_jax
+
+    fn, params = to_jax(_SignsOfFloat64())
+    spec = jax.ShapeDtypeStruct((15,), dtypes.to_jax(torch.float64))
+
+    def bitcasts(platform):
+        text = jax.export.export(jax.jit(fn), platforms=[platform])(params, spec, spec)
+        return sum("bitcast_convert" in line and "f64" in line
+                   for line in text.mlir_module().splitlines())
+
+    assert bitcasts("cpu") >= 1 and bitcasts("tpu") == 0
+
+
+def test_the_tpus_float64_sign_from_values_agrees_with_cpu():
+    import numpy as np
+
+    from torchtpu.lowering import elementwise
+
+    x = torch.tensor([-0.0, 0.0, -1e-300, 1e-300, -1e308, 1e308, -math.inf, math.inf, -2.5, 3.0],
+                     dtype=torch.float64)
+    got = np.asarray(elementwise._signbit_from_value(x.numpy()))
+    assert torch.equal(torch.from_numpy(got), torch.signbit(x))

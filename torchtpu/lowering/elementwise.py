@@ -48,6 +48,30 @@ def mul(x, y):
     return x * y
 
 
+def _signbit_from_value(x):
+    # -0.0 is told from 0.0 by its reciprocal; a NaN's sign is lost (reads as positive).
+    return (x < 0) | ((x == 0) & (1 / x < 0))
+
+
+def signbit(x):
+    """jnp.signbit, but not from float64's bits on a TPU: libtpu 0.0.42 refuses a float64
+    bitcast followed by the shift jnp.signbit makes ("shift-right-arithmetic with different
+    element types: s32 and u32", seen on a v5e chip and compile-only), since a TPU emulates
+    float64; every rounded float64 division and copysign went through it."""
+    if jnp.result_type(x) != jnp.float64:
+        return jnp.signbit(x)
+    return lax.platform_dependent(x, tpu=_signbit_from_value, default=jnp.signbit)
+
+
+def copysign(x, y):
+    """jnp.copysign through ``signbit``."""
+    dtype = jnp.result_type(x, y)
+    if dtype != jnp.float64:
+        return jnp.copysign(x, y)
+    x = jnp.abs(jnp.asarray(x, dtype))
+    return jnp.where(signbit(jnp.asarray(y, dtype)), -x, x)
+
+
 def _fmod(x, y):
     """C's fmod. A TPU's float remainder by an infinity is NaN (seen on a v5e chip), C's is x."""
     mod = jnp.fmod(x, y)
@@ -73,7 +97,7 @@ def _floor_divide(x, y):
     div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
     floor = jnp.where(div - floor > 0.5, floor + 1, floor)
-    floor = jnp.where(div == 0, jnp.copysign(jnp.zeros_like(div), x / y), floor)
+    floor = jnp.where(div == 0, copysign(jnp.zeros_like(div), x / y), floor)
     return jnp.where(y == 0, x / y, floor)
 
 
@@ -99,7 +123,7 @@ def _trunc_divide(x, y):
     quotient = x / y
     mod = _fmod(x, y)
     exact = jnp.round((x - mod) / y)
-    exact = jnp.where(exact == 0, jnp.copysign(jnp.zeros_like(exact), quotient), exact)
+    exact = jnp.where(exact == 0, copysign(jnp.zeros_like(exact), quotient), exact)
     return jnp.where(jnp.isfinite(x) & (y != 0), exact, jnp.trunc(quotient))
 
 
@@ -140,8 +164,8 @@ lowers_each({
     aten.hypot.default: jnp.hypot,
     aten.logaddexp.default: jnp.logaddexp,
     aten.logaddexp2.default: jnp.logaddexp2,
-    aten.copysign.Tensor: jnp.copysign,
-    aten.copysign.Scalar: jnp.copysign,
+    aten.copysign.Tensor: copysign,
+    aten.copysign.Scalar: copysign,
     aten.nextafter.default: jnp.nextafter,
     aten.maximum.default: jnp.maximum,
     aten.minimum.default: jnp.minimum,
@@ -323,7 +347,7 @@ lowers_each({
     aten.isinf.default: jnp.isinf,
     aten.isposinf.default: jnp.isposinf,
     aten.isneginf.default: jnp.isneginf,
-    aten.signbit.default: jnp.signbit,
+    aten.signbit.default: signbit,
     aten._conj_physical.default: jnp.conj,
     # Its in-place variant has no composite kernel a Python backend can reach (a DispatchStub).
     aten.conj_physical.default: jnp.conj,

@@ -15,6 +15,7 @@ import jax.scipy.special as jsp
 import torch
 from jax import lax
 
+from torchtpu.lowering.elementwise import copysign
 from torchtpu.lowering.registry import lowers, lowers_each
 
 aten = torch.ops.aten
@@ -22,7 +23,7 @@ aten = torch.ops.aten
 
 def _digamma(x):
     # PyTorch: digamma(+-0) is -+inf (lax gives NaN).
-    return jnp.where(x == 0, jnp.copysign(jnp.full_like(x, jnp.inf), -x), lax.digamma(x))
+    return jnp.where(x == 0, copysign(jnp.full_like(x, jnp.inf), -x), lax.digamma(x))
 
 
 lowers_each({aten.digamma.default: _digamma}, promote="result")

@@ -2,14 +2,14 @@
 takes, and what it refuses.
 
 ``python -m torchtpu.testing.tpu_opinfo [--topology v5e:2x2] [--ops REGEX] [--max-samples N]
-[--json FILE]`` runs PyTorch's OpInfo samples on tpu against CPU (``testing/opinfo.py``, forward
-mode) in Strict mode, one program per op, with the TPU target on (``runtime/tpu_hook.py``,
-refusals kept, not raised): every program the samples build is also compiled for one chip of the
-target with libtpu (compile-only; nothing runs on a TPU). Each program is put in the family of
-the lowering it runs (the ``torchtpu.lowering`` module that registered its aten op:
-elementwise, reduction, linalg, ...); programs that run no lowering (view reads and writes,
-copies, factories of the executor) are family ``executor``. Per family: programs, how many
-compile, and the refusals with the compiler's words.
+[--dtype float64] [--json FILE]`` runs PyTorch's OpInfo samples on tpu against CPU
+(``testing/opinfo.py``, forward mode) in Strict mode, one program per op, with the TPU target on
+(``runtime/tpu_hook.py``, refusals kept, not raised): every program the samples build is also
+compiled for one chip of the target with libtpu (compile-only; nothing runs on a TPU). Each
+program is put in the family of the lowering it runs (the ``torchtpu.lowering`` module that
+registered its aten op: elementwise, reduction, linalg, ...); programs that run no lowering (view
+reads and writes, copies, factories of the executor) are family ``executor``. Per family:
+programs, how many compile, and the refusals with the compiler's words.
 
 A refusal of a program lowered for the host with a host-only call (LAPACK, DUCC FFT, CPU custom
 calls) is counted apart as ``host-lowered``: the host's StableHLO is what the target compiles, and
@@ -70,7 +70,7 @@ def classify(reports: list, families: dict) -> dict:
 
 
 def run(ops: str | None = None, *, topology: str | None = None, max_samples: int = 1,
-        progress=None) -> dict:
+        dtype: torch.dtype = torch.float32, progress=None) -> dict:
     """OpInfos matching ops (all when None) through the target; see the module doc."""
     from torchtpu.runtime import tpu_hook, tpu_target
     from torchtpu.testing import opinfo
@@ -79,12 +79,14 @@ def run(ops: str | None = None, *, topology: str | None = None, max_samples: int
     tpu_hook.install(name, on_error="keep")
     before = {id(r) for r in tpu_hook.reports()}
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER):
-        host = opinfo.run(ops, mode="forward", max_samples=max_samples, progress=progress)
+        host = opinfo.run(ops, mode="forward", max_samples=max_samples, dtype=dtype,
+                          progress=progress)
     reports = [r for r in tpu_hook.wait() if id(r) not in before]
     fams = classify(reports, program_families())
     counted = sum(f.programs - f.host_lowered for f in fams.values())
     compiles = sum(f.compiles for f in fams.values())
-    return {"topology": name, "opinfos": len(host.results), "host_passed": host.passed,
+    return {"topology": name, "dtype": str(dtype).removeprefix("torch."),
+            "opinfos": len(host.results), "host_passed": host.passed,
             "programs": sum(f.programs for f in fams.values()), "compiles": compiles,
             "host_lowered": sum(f.host_lowered for f in fams.values()),
             "rate": compiles / counted if counted else 1.0,
@@ -92,7 +94,8 @@ def run(ops: str | None = None, *, topology: str | None = None, max_samples: int
 
 
 def format_result(out: dict) -> str:
-    lines = [f"{out['opinfos']} OpInfos on {out['topology']}: {out['compiles']} of "
+    lines = [f"{out['opinfos']} OpInfos in {out['dtype']} on {out['topology']}: "
+             f"{out['compiles']} of "
              f"{out['programs'] - out['host_lowered']} programs compile for TPU "
              f"({out['rate'] * 100:.1f}%); {out['host_lowered']} host-lowered (host-only calls, "
              "not a TPU verdict)",
@@ -113,10 +116,15 @@ def main(argv: list | None = None) -> int:
     p.add_argument("--ops", help="regex matched fully against the OpInfos' names")
     p.add_argument("--topology", default=None)
     p.add_argument("--max-samples", type=int, default=1)
+    p.add_argument("--dtype", default="float32",
+                   help="the samples' dtype (float64: a TPU emulates it, libtpu lowers it apart)")
     p.add_argument("--json", help="also write the figures to this file")
     p.add_argument("--progress", action="store_const", const=sys.stderr, default=None)
     args = p.parse_args(argv)
-    out = run(args.ops, topology=args.topology, max_samples=args.max_samples,
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        p.error(f"torchtpu.argument: --dtype {args.dtype!r} is not a torch dtype")
+    out = run(args.ops, topology=args.topology, max_samples=args.max_samples, dtype=dtype,
               progress=args.progress)
     print(format_result(out))
     if args.json:
