@@ -20,4 +20,5 @@ from torchtpu.lowering import (  # noqa: F401
     shape,
     special,
     transformer,
+    upsample,
 )

@@ -1,0 +1,126 @@
+"""Upsampling (nearest, nearest-exact, linear, cubic and the antialiased filters), forward where
+PyTorch has no decomposition and backward: each a separable linear map, one constant matrix per
+spatial dim, applied with conv.py's ``_apply_per_dim``. PyTorch's decompositions cover the other
+forwards.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from torchtpu.lowering.conv import _apply_per_dim, _transpose_per_dim
+from torchtpu.lowering.registry import lowers
+
+aten = torch.ops.aten
+
+def _scale(size: int, out: int, scale, align_corners: bool) -> np.float32:
+    """PyTorch's source-index scale (area_pixel_compute_scale), in float32 like the CPU."""
+    if align_corners:
+        return np.float32((size - 1) / (out - 1)) if out > 1 else np.float32(0)
+    return np.float32(1.0 / scale) if scale else np.float32(size / out)
+
+
+def _nearest_matrix(size: int, out: int, scale, exact: bool = False) -> np.ndarray:
+    # nearest-exact samples at pixel centers: floor((dst + 0.5) * scale).
+    dst = np.arange(out, dtype=np.float32) + np.float32(0.5 if exact else 0)
+    src = np.floor(dst * _scale(size, out, scale, False))
+    m = np.zeros((out, size), np.float32)
+    m[np.arange(out), np.minimum(src.astype(np.int64), size - 1)] = 1.0
+    return m
+
+
+def _linear_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray:
+    s = _scale(size, out, scale, align_corners)
+    dst = np.arange(out, dtype=np.float32)
+    src = s * dst if align_corners else np.maximum(s * (dst + np.float32(0.5)) - 0.5, 0)
+    i0 = src.astype(np.int64)
+    i1 = np.minimum(i0 + 1, size - 1)
+    frac = (src - i0).astype(np.float32)
+    m = np.zeros((out, size), np.float32)
+    np.add.at(m, (np.arange(out), i0), 1 - frac)
+    np.add.at(m, (np.arange(out), i1), frac)
+    return m
+
+
+def _cubic_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray:
+    # Keys' cubic convolution with A = -0.75 on the 4 nearest inputs, clamped at the borders.
+    a = -0.75
+    s = _scale(size, out, scale, align_corners)
+    dst = np.arange(out, dtype=np.float32)
+    src = s * dst if align_corners else s * (dst + np.float32(0.5)) - np.float32(0.5)
+    base = np.floor(src)
+    t = (src - base).astype(np.float64)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + 1
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    m = np.zeros((out, size), np.float64)
+    for k, w in enumerate((far(t + 1), near(t), near(1 - t), far(2 - t))):
+        np.add.at(m, (np.arange(out), np.clip(base.astype(np.int64) - 1 + k, 0, size - 1)), w)
+    return m
+
+
+def _antialias_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray:
+    # Bilinear (triangle) filter widened by the downscaling factor, weights normalized per
+    # output, as PyTorch's separable antialiased kernels compute them.
+    s = float(_scale(size, out, scale, align_corners))
+    support, stretch = (s, 1 / s) if s >= 1 else (1.0, 1.0)
+    m = np.zeros((out, size), np.float64)
+    for i in range(out):
+        center = s * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), size)
+        w = np.maximum(0, 1 - np.abs((np.arange(lo, hi) - center + 0.5) * stretch))
+        if w.sum():
+            m[i, lo:hi] = w / w.sum()
+    return m
+
+
+@lowers(aten._upsample_bilinear2d_aa.default)
+def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    sizes = zip(x.shape[-2:], output_size, (scales_h, scales_w), strict=True)
+    return _apply_per_dim(x, [_antialias_matrix(n, o, s, align_corners) for n, o, s in sizes])
+
+
+@lowers(aten._upsample_bilinear2d_aa_backward.default)
+def upsample_bilinear2d_aa_backward(grad, output_size, input_size, align_corners, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _antialias_matrix(n, o, s, align_corners))
+
+
+@lowers(aten.upsample_bicubic2d_backward.default)
+def upsample_bicubic2d_backward(grad, output_size, input_size, align_corners, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _cubic_matrix(n, o, s, align_corners))
+
+
+def _upsample_backward(grad, output_size, input_size, scales, make_matrix):
+    nd = len(output_size)
+    scales = list(scales) + [None] * (nd - len(scales))
+    sizes = zip(input_size[-nd:], output_size, scales, strict=True)
+    return _transpose_per_dim(grad, [make_matrix(n, o, s) for n, o, s in sizes])
+
+
+@lowers(aten.upsample_nearest1d_backward.default, aten.upsample_nearest2d_backward.default,
+        aten.upsample_nearest3d_backward.default)
+def upsample_nearest_backward(grad, output_size, input_size, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales, _nearest_matrix)
+
+
+@lowers(aten._upsample_nearest_exact1d_backward.default,
+        aten._upsample_nearest_exact2d_backward.default,
+        aten._upsample_nearest_exact3d_backward.default)
+def upsample_nearest_exact_backward(grad, output_size, input_size, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _nearest_matrix(n, o, s, exact=True))
+
+
+@lowers(aten.upsample_linear1d_backward.default, aten.upsample_bilinear2d_backward.default,
+        aten.upsample_trilinear3d_backward.default)
+def upsample_linear_backward(grad, output_size, input_size, align_corners, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _linear_matrix(n, o, s, align_corners))
