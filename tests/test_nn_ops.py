@@ -296,6 +296,18 @@ def test_adaptive_max_pool_and_upsampling_backwards():
                                                       antialias=True, align_corners=a), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_antialiased_upsampling(mode, dtype):
+    # Down- and upscaling, both corner modes; float64 to float64's precision (CPU computes a
+    # float64 input's filter weights in float64).
+    tol = {"atol": 1e-12, "rtol": 1e-12} if dtype == torch.float64 else TOL
+    x = torch.randn(1, 2, 9, 7, dtype=dtype, requires_grad=True)
+    for size, align in ((4, 3), False), ((4, 3), True), ((13, 10), False), ((13, 10), True):
+        check_fwd_bwd(lambda t, s=size, a=align: F.interpolate(
+            t, size=s, mode=mode, antialias=True, align_corners=a), x, **tol)
+
+
 @pytest.mark.parametrize("mode", ["bilinear", "nearest", "bicubic"])
 def test_grid_sample(mode):
     grid = (torch.rand(2, 4, 3, 2) * 2.4 - 1.2).requires_grad_()

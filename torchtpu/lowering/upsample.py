@@ -14,11 +14,12 @@ from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
 
-def _scale(size: int, out: int, scale, align_corners: bool) -> np.float32:
-    """PyTorch's source-index scale (area_pixel_compute_scale), in float32 like the CPU."""
+def _scale(size: int, out: int, scale, align_corners: bool, kind=np.float32) -> np.floating:
+    """PyTorch's source-index scale (area_pixel_compute_scale), in float32 like the CPU (kind
+    float64 for the kernels that compute a float64 input in float64)."""
     if align_corners:
-        return np.float32((size - 1) / (out - 1)) if out > 1 else np.float32(0)
-    return np.float32(1.0 / scale) if scale else np.float32(size / out)
+        return kind((size - 1) / (out - 1)) if out > 1 else kind(0)
+    return kind(1.0 / scale) if scale else kind(size / out)
 
 
 def _nearest_matrix(size: int, out: int, scale, exact: bool = False) -> np.ndarray:
@@ -64,32 +65,71 @@ def _cubic_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray
     return m
 
 
-def _antialias_matrix(size: int, out: int, scale, align_corners: bool) -> np.ndarray:
-    # Bilinear (triangle) filter widened by the downscaling factor, weights normalized per
-    # output, as PyTorch's separable antialiased kernels compute them.
-    s = float(_scale(size, out, scale, align_corners))
-    support, stretch = (s, 1 / s) if s >= 1 else (1.0, 1.0)
+def _aa_triangle(x):
+    return np.maximum(0, 1 - np.abs(x))
+
+
+def _aa_cubic(x):
+    # Keys' cubic convolution with A = -0.5 (PIL's, which PyTorch's antialias follows; the
+    # plain bicubic upsampling uses -0.75).
+    a, x = -0.5, np.abs(x)
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+    return np.where(x < 1, near, np.where(x < 2, far, 0.0))
+
+
+# interpolation size (taps at scale 1) and filter of each antialiased mode
+_AA_FILTERS = {"bilinear": (2, _aa_triangle), "bicubic": (4, _aa_cubic)}
+
+
+def _antialias_matrix(size: int, out: int, scale, align_corners: bool, mode: str,
+                      dtype) -> np.ndarray:
+    # The mode's filter widened by the downscaling factor, weights normalized per output, as
+    # PyTorch's separable antialiased kernels compute them (_compute_indices_min_size_weights_aa,
+    # in float64 for a float64 input).
+    taps, filt = _AA_FILTERS[mode]
+    kind = np.float64 if dtype == np.float64 else np.float32
+    s = float(_scale(size, out, scale, align_corners, kind))
+    support, stretch = (taps / 2 * s, 1 / s) if s >= 1 else (taps / 2, 1.0)
     m = np.zeros((out, size), np.float64)
     for i in range(out):
         center = s * (i + 0.5)
         lo = max(int(center - support + 0.5), 0)
         hi = min(int(center + support + 0.5), size)
-        w = np.maximum(0, 1 - np.abs((np.arange(lo, hi) - center + 0.5) * stretch))
+        w = filt((np.arange(lo, hi) - center + 0.5) * stretch)
         if w.sum():
             m[i, lo:hi] = w / w.sum()
     return m
 
 
+def _upsample_aa(x, output_size, align_corners, scales, mode):
+    sizes = zip(x.shape[-2:], output_size, scales, strict=True)
+    return _apply_per_dim(x, [_antialias_matrix(n, o, s, align_corners, mode, x.dtype)
+                              for n, o, s in sizes])
+
+
 @lowers(aten._upsample_bilinear2d_aa.default)
 def upsample_bilinear2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
-    sizes = zip(x.shape[-2:], output_size, (scales_h, scales_w), strict=True)
-    return _apply_per_dim(x, [_antialias_matrix(n, o, s, align_corners) for n, o, s in sizes])
+    return _upsample_aa(x, output_size, align_corners, (scales_h, scales_w), "bilinear")
+
+
+@lowers(aten._upsample_bicubic2d_aa.default)
+def upsample_bicubic2d_aa(x, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_aa(x, output_size, align_corners, (scales_h, scales_w), "bicubic")
 
 
 @lowers(aten._upsample_bilinear2d_aa_backward.default)
 def upsample_bilinear2d_aa_backward(grad, output_size, input_size, align_corners, *scales):
     return _upsample_backward(grad, output_size, input_size, scales,
-                              lambda n, o, s: _antialias_matrix(n, o, s, align_corners))
+                              lambda n, o, s: _antialias_matrix(n, o, s, align_corners, "bilinear",
+                                                                grad.dtype))
+
+
+@lowers(aten._upsample_bicubic2d_aa_backward.default)
+def upsample_bicubic2d_aa_backward(grad, output_size, input_size, align_corners, *scales):
+    return _upsample_backward(grad, output_size, input_size, scales,
+                              lambda n, o, s: _antialias_matrix(n, o, s, align_corners, "bicubic",
+                                                                grad.dtype))
 
 
 @lowers(aten.upsample_bicubic2d_backward.default)
