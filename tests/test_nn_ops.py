@@ -296,6 +296,27 @@ def test_adaptive_max_pool_and_upsampling_backwards():
                                                       antialias=True, align_corners=a), x)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8])
+@pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic", "linear"])
+def test_upsampling_integer_inputs(mode, dtype):
+    # CPU refuses integer inputs, but uint8 in 2-d and nearest modes: tpu refuses the same
+    # calls with CPU's error, and computes the others as CPU does.
+    x = torch.arange(32).reshape((1, 2, 16) if mode == "linear" else (1, 2, 4, 4)).to(dtype)
+
+    def outcome(t):
+        try:
+            return F.interpolate(t, scale_factor=1.5, mode=mode), None
+        except Exception as e:
+            return None, e
+
+    (expected, cpu_error), (actual, tpu_error) = outcome(x), outcome(x.to("tpu"))
+    if cpu_error is not None:
+        assert (type(tpu_error), str(tpu_error)) == (type(cpu_error), str(cpu_error))
+    else:
+        assert tpu_error is None, tpu_error
+        assert_same(actual, expected, atol=1, rtol=0)  # uint8 rounding may differ by one
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
 def test_antialiased_upsampling(mode, dtype):

@@ -390,6 +390,32 @@ def _complex_out(real, imag, out=None):
     return None
 
 
+# CPU's upsampling kernels take floating inputs, and uint8 but in linear 1-d and trilinear 3-d;
+# the meta kernels and the decompositions take any dtype.
+_UPSAMPLE_UINT8 = (aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+                   aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d,
+                   aten._upsample_nearest_exact3d, aten.upsample_bilinear2d,
+                   aten.upsample_bicubic2d, aten._upsample_bilinear2d_aa,
+                   aten._upsample_bicubic2d_aa)
+
+
+def _upsample_refused(x, uint8: bool) -> NotImplementedError | None:
+    if x.dtype.is_floating_point or x.dtype.is_complex or (uint8 and x.dtype == torch.uint8):
+        return None
+    return NotImplementedError(f"torchtpu.lowering: upsampling is not implemented for {x.dtype} "
+                               f"inputs (as on CPU): use a floating dtype")
+
+
+@check(*_UPSAMPLE_UINT8)
+def _upsample(x, *rest):
+    return _upsample_refused(x, uint8=True)
+
+
+@check(aten.upsample_linear1d, aten.upsample_trilinear3d)
+def _upsample_no_uint8(x, *rest):
+    return _upsample_refused(x, uint8=False)
+
+
 @lowers(aten._assert_async.default, aten._assert_async.msg)
 def _assert_async_lowering(self, assert_msg=None):
     return ()
