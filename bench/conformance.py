@@ -39,6 +39,10 @@ EXPECTED = (
     ("test", r"^test_tensor_storage_type(_|$)",
      "the test expects CPU's torch.<X>Storage on every device but CUDA; PyTorch's storage_type() "
      "gives torch.tpu.<X>Storage for a PrivateUse1 device"),
+    ("test", r"^test_upsamplingBiMode2d_nonsupported_dtypes_.*_mode_(bilinear|bicubic)_uint8",
+     "the test expects every device but CPU to refuse uint8 bilinear/bicubic upsampling (CUDA's "
+     "rule), while test_upsamplingBiMode2d_consistency expects uint8 to work on every device but "
+     "CUDA; tpu computes uint8 as CPU does"),
     ("cause", r"sparse tensors \(.*\) are not supported on tpu",
      "sparse layouts are refused on tpu by design (torchtpu/device/sparse.py)"),
     ("cause", r"quantized tensors \(.*\) are not supported on tpu",
