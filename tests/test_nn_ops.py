@@ -379,6 +379,10 @@ def test_ctc_loss():
     # No alignment fits: infinite loss, zeroed with zero_infinity.
     check_fwd_bwd(lambda lp, t: F.ctc_loss(lp, t, [3], [3], zero_infinity=True),
                   log_probs[:3, :1].detach().requires_grad_(), torch.tensor([[1, 1, 1]]))
+    # Every target empty (l' one blank wide), concatenated and padded: -sum of blank log-probs.
+    for targets in (torch.zeros(0, dtype=torch.long), torch.zeros(3, 0, dtype=torch.long)):
+        check_fwd_bwd(lambda lp, t: F.ctc_loss(lp, t, [7, 6, 5], [0, 0, 0], reduction="none"),
+                      log_probs, targets)
 
 
 def test_lstsq_drivers():

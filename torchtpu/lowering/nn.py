@@ -222,13 +222,14 @@ def _ctc_tables(log_probs, targets, input_lengths, target_lengths, blank: int):
                                                                           positions)), 2)
     s = jnp.arange(positions)
     valid = s[None, :] <= 2 * jnp.asarray(target_lengths, jnp.int64)[:, None]
-    shifted = jnp.concatenate([jnp.full((n, 2), blank, jnp.int64), labels[:, :-2]], 1)
+    # Shifts keep the width: with every target empty, l' is one blank wide.
+    shifted = jnp.concatenate([jnp.full((n, 2), blank, jnp.int64), labels], 1)[:, :positions]
     skip = (labels != blank) & (labels != shifted)  # may come from s - 2
     neg = jnp.asarray(-jnp.inf, log_probs.dtype)
     t_len = jnp.asarray(input_lengths, jnp.int64)[:, None]
 
     def shift(a, k):
-        return jnp.concatenate([jnp.full((n, k), neg), a[:, :-k]], 1)
+        return jnp.concatenate([jnp.full((n, k), neg), a], 1)[:, :positions]
 
     def forward(alpha, t):
         new = _logsumexp(alpha, shift(alpha, 1), jnp.where(skip, shift(alpha, 2), neg))
@@ -245,10 +246,10 @@ def _ctc_tables(log_probs, targets, input_lengths, target_lengths, blank: int):
                            last, jnp.maximum(end - 1, 0)[:, None], 1)[:, 0], neg))
     nll = -final
 
-    skip_back = jnp.concatenate([skip[:, 2:], jnp.zeros((n, 2), bool)], 1)  # s + 2 -> s
+    skip_back = jnp.concatenate([skip, jnp.zeros((n, 2), bool)], 1)[:, 2:]  # s + 2 -> s
 
     def unshift(b, k):
-        return jnp.concatenate([b[:, k:], jnp.full((n, k), neg)], 1)
+        return jnp.concatenate([b, jnp.full((n, k), neg)], 1)[:, k:]
 
     def backward(beta, t):
         rec = _logsumexp(beta, unshift(beta, 1), jnp.where(skip_back, unshift(beta, 2), neg))
