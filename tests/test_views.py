@@ -4,6 +4,8 @@ Each test runs the same steps on a CPU tensor and on a tpu copy and compares eve
 steps touched, so a write that misses the base, or lands in the wrong place, shows as a mismatch.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -221,6 +223,45 @@ def test_copy_into_overlapping_targets_refused_as_on_cpu():
     outcomes = _copies("tpu")
     assert outcomes == _copies("cpu")
     assert sum(isinstance(o, str) for _, o in outcomes) == 4  # the four CPU refuses
+
+
+def _index_writes(device):
+    """In-place index ops whose index or source is the written tensor itself (CPU refuses any
+    overlap there), and the ones that only warn on an expand-ed target: outcome and warning."""
+    def ind():
+        return torch.tensor([2, 1, 0], device=device)
+
+    def expanded():
+        return torch.zeros(1, device=device).expand(6)
+
+    mask = torch.tensor([True, False, True, True, False, False], device=device)
+    cases = [("index_add_", lambda i: i.index_add_(0, i, i.clone())),
+             ("index_copy_", lambda i: i.index_copy_(0, i.clone(), i)),
+             ("index_fill_", lambda i: i.index_fill_(0, i, 0)),
+             ("put_", lambda i: i.put_(i, i.clone())),
+             ("index_put_", lambda i: i.index_put_((i,), i.clone())),
+             ("scatter_", lambda i: i.scatter_(0, i, i.clone())),
+             ("expanded index_put_", lambda i: expanded().index_put_((i,), i.float())),
+             ("expanded masked_fill_", lambda i: expanded().masked_fill_(mask, 1.0)),
+             ("expanded index_fill_", lambda i: expanded().index_fill_(0, i, 1.0)),
+             ("expanded index_add_", lambda i: expanded().index_add_(0, i, i.float()))]
+    outcomes = []
+    for name, write in cases:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                outcome = write(ind()).shape
+            except RuntimeError as error:
+                outcome = str(error).split(":")[1][:40]
+        outcomes.append((name, outcome, [str(w.message)[:40] for w in caught]))
+    return outcomes
+
+
+def test_index_writes_overlapping_their_index_refused_as_on_cpu():
+    outcomes = _index_writes("tpu")
+    assert outcomes == _index_writes("cpu")
+    assert sum(isinstance(o, str) for _, o, _ in outcomes) == 7  # CPU's refusals
+    assert sum(len(w) for _, _, w in outcomes) == 3  # and its warnings
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int64])

@@ -11,6 +11,7 @@ input while writing their output in any order, any overlap at all.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
@@ -20,6 +21,7 @@ from torch._prims_common import is_non_overlapping_and_dense_or_false
 NO_OVERLAP = frozenset({
     "cat", "gather", "index_select", "take", "masked_select", "kthvalue", "bernoulli", "index",
     "index_add", "index_copy", "index_fill", "masked_scatter", "put", "scatter", "scatter_add",
+    "index_put", "_index_put_impl",
 })
 
 _INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
@@ -54,6 +56,11 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
 # CPU's fill_ with a Scalar and zero_ skip the check: they write one value, so an expand-ed
 # target is well defined (fill_ with a Tensor value, and every other op, check).
 _WRITE_ONE_VALUE = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
+# These only warn on an expand-ed target, in CPU's words, and write it.
+_WARN_EXPANDED = {"aten::index_put_": ("index_put_", "tensor[indices] = tensor"),
+                  "aten::_index_put_impl_": ("index_put_", "tensor[indices] = tensor"),
+                  "aten::masked_fill_": ("masked_fill_", "tensor[mask] = scalar"),
+                  "aten::index_fill_": ("index_fill_", "tensor[mask] = scalar")}
 
 
 def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> None:
@@ -61,15 +68,20 @@ def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> No
     out= argument, as CPU checks)."""
     if op in _WRITE_ONE_VALUE:
         return
+    warn = _WARN_EXPANDED.get(op._schema.name) if op is not None else None
     for w in written:
         if isinstance(w, torch.Tensor) and torch._debug_has_internal_overlap(w) == 1:
-            raise RuntimeError(_INTERNAL)
+            if warn is None:
+                raise RuntimeError(_INTERNAL)
+            warnings.warn(f"Use of {warn[0]} on expanded tensors is deprecated. Please clone() "
+                          "the tensor before performing this operation. This also applies to "
+                          f"advanced indexing e.g. {warn[1]}", UserWarning, stacklevel=2)
 
 
 def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
     """Raise RuntimeError if CPU would refuse to write the written tensors while reading inputs
-    (the written tensors themselves, for in-place ops, are not inputs here); after out=
-    arguments take their result shapes, as CPU checks."""
+    (an in-place op's written arguments are not among its inputs; the same tensor passed again
+    in another argument is); after out= arguments take their result shapes, as CPU checks."""
     any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
     # Only tensors of one storage can overlap: grouping by storage keeps a foreach call over n
     # tensors at n lookups instead of n * n pairs (AdamW's lists: ~700 pairs a call).
@@ -81,10 +93,9 @@ def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> Non
         if not isinstance(w, torch.Tensor):
             continue
         for x in by_storage.get(w.untyped_storage().data_ptr(), ()):
-            if x is not w:
-                status = _status(w, x)
-                if status == "partial" or (status == "full" and any_overlap):
-                    raise RuntimeError(_BETWEEN)
+            status = _status(w, x)
+            if status == "partial" or (status == "full" and any_overlap):
+                raise RuntimeError(_BETWEEN)
 
 
 def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:

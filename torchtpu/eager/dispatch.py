@@ -269,16 +269,6 @@ def _flat_targets(values, oi, outs):
     return targets, flat
 
 
-def _flatten(out) -> list:
-    """The leaves of nested lists and tuples (a single value is one leaf)."""
-    if isinstance(out, (tuple, list)):
-        flat = []
-        for o in out:
-            flat.extend(_flatten(o))
-        return flat
-    return [out]
-
-
 def _resize_out(t: torch.Tensor, shape) -> None:
     if tuple(t.shape) != tuple(shape):
         t.resize_(shape)
@@ -310,9 +300,9 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
                 if not meta.is_device(t):
                     raise meta.device_error(t)
                 _resize_out(t, s)
-        overlap.check_between(op, flat, _flatten(values))
+        overlap.check_between(op, flat, schema.read(oi, values))
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
-        for t, a in zip(flat, _flatten(arrays)):
+        for t, a in zip(flat, schema.flatten(arrays)):
             tensors.write(t, kernels.convert(a, t))
         return schema.returns(op, targets)
 
@@ -323,8 +313,8 @@ def _write_computed(op: OpOverload, oi: schema.OpInfo, values: list, outs: list,
     """out= of a call whose result shape depends on values (``masked_select``): the targets take
     the computed results' shapes, as CPU resizes them."""
     targets, flat = _flat_targets(values, oi, outs)
-    overlap.check_between(op, flat, _flatten(values))
-    for t, r in zip(flat, _flatten(computed)):
+    overlap.check_between(op, flat, schema.read(oi, values))
+    for t, r in zip(flat, schema.flatten(computed)):
         if not meta.is_device(t):
             raise meta.device_error(t)
         _resize_out(t, r.shape)
@@ -355,7 +345,7 @@ def _lowered_functional(functional: OpOverload, lowering: Lowering):
 def _decomposed_functional(functional: OpOverload, decomp):
     def run(foi, values, target_dtypes):
         args, kwargs = schema.unbind(foi, values)
-        return [tensors.read(t) for t in _flatten(decomp(*args, **kwargs))]
+        return [tensors.read(t) for t in schema.flatten(decomp(*args, **kwargs))]
 
     return run
 
@@ -369,7 +359,7 @@ def _decomposition_handler(op: OpOverload, decomp):
     def handle(args, kwargs):
         if oi is not None:  # what the decomposition writes must not overlap what it reads
             values, outs = schema.bind(oi, args, kwargs)
-            overlap.check(op, _flat_targets(values, oi, outs)[1], _flatten(values))
+            overlap.check(op, _flat_targets(values, oi, outs)[1], schema.read(oi, values))
         active = getattr(_decomposing, "ops", None)
         if active is None:
             active = _decomposing.ops = set()

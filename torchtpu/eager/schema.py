@@ -127,3 +127,19 @@ def returns(op: OpOverload, targets: list):
     if len(rets) == 1:
         return targets[0]
     return tuple(targets)
+
+
+def flatten(out) -> list:
+    """The leaves of nested lists and tuples (a single value is one leaf)."""
+    if isinstance(out, (tuple, list)):
+        flat = []
+        for o in out:
+            flat.extend(flatten(o))
+        return flat
+    return [out]
+
+
+def read(oi: OpInfo, values: list) -> list:
+    """The tensors a call reads: its arguments but those written in place (``ind.index_add_(0,
+    ind, src)`` reads ind as its index, and overlaps itself)."""
+    return flatten([v for i, v in enumerate(values) if i not in oi.written])
