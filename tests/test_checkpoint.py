@@ -100,13 +100,17 @@ def test_a_checkpointed_llama_step_keeps_less_with_cpus_gradients(llama_bench, p
     kept, diff = llama_bench.measure(path, form, 2, llama_bench.grads)
     assert metrics.snapshot()["cpu_fallbacks"] == before
     assert max(plain_diff, diff) < 1e-5, (plain_diff, diff)
-    assert kept <= LLAMA_SHARE[path] * plain, (kept, plain)
+    share = SELECTIVE_SHARE if form == "selective" else LLAMA_SHARE[path]
+    assert kept <= share * plain, (kept, plain)
 
 
 # What 2 of the row's layers keep checkpointed, at most, of what they keep without (the
 # embedding, the tied head's logits and the loss are not checkpointed; 8 layers save more:
 # bench/RESULTS.md).
 LLAMA_SHARE = {"captured": 0.6, "whole_step": 0.6, "dynamo": 0.6}
+# A selective policy keeps every mm output: under Dynamo's graphs 2 layers keep 65% (8: 40%).
+# Without the recomputation's scheduling they keep 85% (XLA recomputes at the backward's start).
+SELECTIVE_SHARE = 0.7
 
 
 def test_a_recomputed_random_region_draws_what_the_forward_drew(fresh_dynamo):
