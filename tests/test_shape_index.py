@@ -497,3 +497,11 @@ def test_masked_select_refuses_a_non_bool_mask():
         with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
             torch.rand(3, device=device).masked_select(torch.ones(3, dtype=torch.uint8,
                                                                   device=device))
+
+
+def test_zero_size_tensors_take_cpu_strides():
+    makers = (lambda d: torch.empty(0, 1, 2, 0, device=d),
+              lambda d: torch.randn(0, 1, 2, 0, device=d),
+              lambda d: torch.zeros(0, 3, device=d) + 1, lambda d: torch.ones(2, 0, 4, device=d))
+    for make in makers:
+        assert make("tpu").stride() == make("cpu").stride()

@@ -89,6 +89,8 @@ def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int, array=None) -> tor
     st = t.untyped_storage()
     st._swap_data_ptr_(storages.bare_storage(nbytes))
     st._tpu_array = array
+    if not all(size):  # made with zero strides there; PyTorch's are (2, 2, 1, 1) for (0, 1, 2, 0)
+        _set_storage(_CPU, t, st, 0, list(size), list(contiguous_strides(size)))
     if memory_history.recording:
         memory_history.track(st)
     return t
