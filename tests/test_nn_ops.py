@@ -296,6 +296,20 @@ def test_adaptive_max_pool_and_upsampling_backwards():
                                                       antialias=True, align_corners=a), x)
 
 
+@pytest.mark.parametrize("mode", ["bilinear", "bicubic"])
+def test_antialiased_upsampling_uint8(mode):
+    # CPU filters uint8 images width then height, rounding and clamping after each pass; its
+    # fixed-point weights may still differ by one in a few pixels.
+    x = torch.randint(0, 256, (1, 3, 40, 30), dtype=torch.uint8)
+    for size, align in ((9, 7), False), ((57, 45), True):
+        expected = F.interpolate(x, size=size, mode=mode, antialias=True, align_corners=align)
+        actual = F.interpolate(x.to("tpu"), size=size, mode=mode, antialias=True,
+                               align_corners=align).cpu()
+        assert actual.dtype == torch.uint8
+        diff = (actual.int() - expected.int()).abs()
+        assert diff.max() <= 1 and diff.float().mean() < 0.02, (diff.max(), diff.float().mean())
+
+
 @pytest.mark.parametrize("dtype", [torch.int32, torch.bool, torch.uint8])
 @pytest.mark.parametrize("mode", ["nearest", "bilinear", "bicubic", "linear"])
 def test_upsampling_integer_inputs(mode, dtype):

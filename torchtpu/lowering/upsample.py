@@ -6,6 +6,7 @@ forwards.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import torch
 
@@ -104,8 +105,18 @@ def _antialias_matrix(size: int, out: int, scale, align_corners: bool, mode: str
 
 def _upsample_aa(x, output_size, align_corners, scales, mode):
     sizes = zip(x.shape[-2:], output_size, scales, strict=True)
-    return _apply_per_dim(x, [_antialias_matrix(n, o, s, align_corners, mode, x.dtype)
-                              for n, o, s in sizes])
+    matrices = [_antialias_matrix(n, o, s, align_corners, mode, x.dtype) for n, o, s in sizes]
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+        return _apply_per_dim(x, matrices)
+    # uint8 as CPU computes it (PIL's way): the width pass, then the height pass, each rounded
+    # half up and clamped to the dtype's range (a bicubic pass overshoots it).
+    bounds = jnp.iinfo(x.dtype)
+    y = x.astype(jnp.float32)
+    for axis in (-1, -2):
+        y = jnp.moveaxis(jnp.tensordot(y, jnp.asarray(matrices[axis], jnp.float32),
+                                       ((axis,), (1,))), -1, axis)
+        y = jnp.clip(jnp.floor(y + 0.5), bounds.min, bounds.max)
+    return y.astype(x.dtype)
 
 
 @lowers(aten._upsample_bilinear2d_aa.default)
