@@ -253,7 +253,8 @@ def _index_writes(device):
                 outcome = write(ind()).shape
             except RuntimeError as error:
                 outcome = str(error).split(":")[1][:40]
-        outcomes.append((name, outcome, [str(w.message)[:40] for w in caught]))
+        outcomes.append((name, outcome, [str(w.message).removeprefix("torchtpu.check: ")[:40]
+                                         for w in caught]))
     return outcomes
 
 

@@ -56,7 +56,7 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
 # CPU's fill_ with a Scalar and zero_ skip the check: they write one value, so an expand-ed
 # target is well defined (fill_ with a Tensor value, and every other op, check).
 _WRITE_ONE_VALUE = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
-# These only warn on an expand-ed target, in CPU's words, and write it.
+# These only warn on an expand-ed target, in CPU's words (after the category), and write it.
 _WARN_EXPANDED = {"aten::index_put_": ("index_put_", "tensor[indices] = tensor"),
                   "aten::_index_put_impl_": ("index_put_", "tensor[indices] = tensor"),
                   "aten::masked_fill_": ("masked_fill_", "tensor[mask] = scalar"),
@@ -73,7 +73,8 @@ def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> No
         if isinstance(w, torch.Tensor) and torch._debug_has_internal_overlap(w) == 1:
             if warn is None:
                 raise RuntimeError(_INTERNAL)
-            warnings.warn(f"Use of {warn[0]} on expanded tensors is deprecated. Please clone() "
+            warnings.warn(f"torchtpu.check: Use of {warn[0]} on expanded tensors is deprecated. "
+                          "Please clone() "
                           "the tensor before performing this operation. This also applies to "
                           f"advanced indexing e.g. {warn[1]}", UserWarning, stacklevel=2)
 
