@@ -505,3 +505,15 @@ def test_zero_size_tensors_take_cpu_strides():
               lambda d: torch.zeros(0, 3, device=d) + 1, lambda d: torch.ones(2, 0, 4, device=d))
     for make in makers:
         assert make("tpu").stride() == make("cpu").stride()
+
+
+def test_tpu_indices_into_a_cpu_tensor_refused_as_cuda_refuses_them():
+    # CUDA's AdvancedIndex rule (PyTorch's TestDevicePrecision): indices may be on CPU or on the
+    # indexed tensor's device, not on another one.
+    x, index = torch.randn(3, 4), torch.tensor([0, 2], device="tpu")
+    expected = (r"indices should be either on cpu or on the same device as the indexed tensor "
+                r"\(cpu\)")
+    with pytest.raises(RuntimeError, match=expected):
+        x[index]
+    with pytest.raises(RuntimeError, match=expected):
+        x[:, index] = 1.0

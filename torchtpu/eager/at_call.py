@@ -135,6 +135,10 @@ def moving_cpu_indices(op: OpOverload, handle):
         return i
 
     def run(args, kwargs):
+        indexed = args[0] if args else kwargs.get("self")
+        if isinstance(indexed, torch.Tensor) and indexed.is_cpu:  # tpu indices into a CPU tensor
+            raise RuntimeError("torchtpu.placement: indices should be either on cpu or on the "
+                               f"same device as the indexed tensor ({indexed.device})")
         if len(args) > 1:
             args = (args[0], [move(i) for i in args[1]], *args[2:])
         elif "indices" in kwargs:
