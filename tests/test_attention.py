@@ -73,6 +73,19 @@ def test_fused_matches_cpu(case):
     _check(fn, _qkv(**shape))
 
 
+def test_large_scores_keep_full_precision():
+    # Scores in the thousands: probabilities from exp(s - max) / sum, as CPU's softmax; from
+    # exp(s - logsumexp) the logsumexp's rounding (5e-4 at 5000) scaled even a lone key's 1.
+    q, k, v = (x.detach() * 30 for x in _qkv(L=2, S=3))
+    assert_same(sdpa(*to_device([q, k, v])), sdpa(q, k, v), atol=1e-6, rtol=1e-6)
+    # One key: its probability is exactly 1, gradients included (with more keys CPU's float32
+    # q and k gradients of near one-hot rows are themselves 1e-2 off float64's).
+    q, k, v = _qkv(L=2, S=1)
+    with torch.no_grad():
+        q.mul_(30), k.mul_(30), v.mul_(30)
+    _check(lambda q, k, v: sdpa(q, k, v), [q, k, v], atol=1e-6, rtol=1e-6)
+
+
 def test_float_mask_and_its_gradient():
     mask = torch.randn(2, 1, 4, 6, requires_grad=True)  # broadcast over heads
     _check(lambda q, k, v, m: sdpa(q, k, v, attn_mask=m), [*_qkv(), mask])

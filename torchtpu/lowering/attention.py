@@ -68,9 +68,17 @@ def _scores(q, k, attn_bias, is_causal: bool, scale: float | None):
     return s, scale
 
 
-def _probabilities(s, lse):
-    # A fully masked row has lse = -inf; its probabilities are 0 (exp(-inf - 0)).
-    return jnp.exp(s - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None])
+def _softmax(s):
+    """Row probabilities of scores and their logsumexp; a row with nothing to attend to has
+    probabilities 0 and logsumexp -inf. The probabilities are exp(s - max) / sum, as CPU's
+    softmax computes them, not exp(s - logsumexp): with large scores the logsumexp's rounding
+    (its ulp at 5000 is 5e-4) would scale every probability, a lone one included."""
+    m = s.max(-1, keepdims=True)
+    m = jnp.where(jnp.isneginf(m), 0.0, m)
+    e = jnp.exp(s - m)
+    total = e.sum(-1, keepdims=True)
+    p = e / jnp.where(total == 0, 1.0, total)
+    return p, (m + jnp.log(total))[..., 0]
 
 
 def _pack_key(key):
@@ -101,19 +109,11 @@ def _has_dropout(q, k, v, attn_bias=None, dropout_p=0.0, *_, **__) -> bool:
 
 # Only a call with dropout draws a key: without it the device generator does not advance, as
 # with PyTorch's own fused kernels.
-def _logsumexp(s):
-    """Row logsumexp of scores; -inf for a row with nothing to attend to."""
-    m = s.max(-1)
-    m = jnp.where(jnp.isneginf(m), 0.0, m)
-    return m + jnp.log(jnp.exp(s - m[..., None]).sum(-1))
-
-
 @lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout)
 def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
     s, _ = _scores(q, k, attn_bias, is_causal, scale)
-    lse = _logsumexp(s)
-    p = _probabilities(s, lse)
+    p, lse = _softmax(s)
     # The key travels to backward as philox_seed (the offset stays 0): backward rebuilds it and
     # draws the same mask, so no mask is stored and the op stays a pure function of its inputs.
     seed = _pack_key(key) if dropout_p > 0.0 else jnp.zeros((), jnp.int64)
@@ -154,7 +154,7 @@ def _sum_to(x, shape: tuple):
 def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_seq_q, cum_seq_k,
                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
     s, scale = _scores(q, k, attn_bias, is_causal, scale)
-    p = _probabilities(s, lse)
+    p, _ = _softmax(s)  # recomputed as the forward computed them (lse is its by-product)
     drop = None
     if dropout_p > 0.0:
         drop = _dropout_scale(_unpack_key(philox_seed), p.shape, dropout_p)
@@ -260,8 +260,8 @@ def flash_forward(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_cau
     qp, kp, vp, keep = _flash_inputs(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
                                      window_size_left, window_size_right)
     s, _ = _scores(qp, kp, keep, False, scale)
-    lse = _logsumexp(s)
-    out = _mm("nhls,nhsv->nhlv", _low(_probabilities(s, lse), vp), _low(vp, vp))
+    p, lse = _softmax(s)
+    out = _mm("nhls,nhsv->nhlv", _low(p, vp), _low(vp, vp))
     out = _unpadded(out, cum_seq_q, q.shape[0]).astype(q.dtype)
     if cum_seq_q is not None:
         lse = _unpadded(lse[..., None], cum_seq_q, q.shape[0])[..., 0].T
@@ -278,9 +278,7 @@ def flash_backward(grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, max_q, max
     qp, kp, vp, keep = _flash_inputs(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, is_causal,
                                      window_size_left, window_size_right)
     s, scale = _scores(qp, kp, keep, False, scale)
-    if cum_seq_q is not None:
-        lse = _padded(lse.T[..., None], cum_seq_q, qp.shape[2])[..., 0]
-    p = _probabilities(s, lse)
+    p, _ = _softmax(s)  # recomputed as the forward computed them (lse is its by-product)
     dq, dk, dv, _ = _gradients(p, _padded(grad_out, cum_seq_q, qp.shape[2]), qp, kp, vp, scale)
     kv_heads = k.shape[-2]
     dk, dv = _grouped(dk, kv_heads), _grouped(dv, kv_heads)
