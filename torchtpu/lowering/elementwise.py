@@ -48,19 +48,15 @@ def mul(x, y):
     return x * y
 
 
-def _signbit_from_value(x):
-    # -0.0 is told from 0.0 by its reciprocal; a NaN's sign is lost (reads as positive).
-    return (x < 0) | ((x == 0) & (1 / x < 0))
-
-
 def signbit(x):
-    """jnp.signbit, but not from float64's bits on a TPU: libtpu 0.0.42 refuses a float64
-    bitcast followed by the shift jnp.signbit makes ("shift-right-arithmetic with different
-    element types: s32 and u32", seen on a v5e chip and compile-only), since a TPU emulates
-    float64; every rounded float64 division and copysign went through it."""
+    """jnp.signbit, but float64's read as its bits' sign (a compare, not jnp.signbit's shift):
+    libtpu 0.0.42 refuses a float64 bitcast followed by a shift ("shift-right-arithmetic with
+    different element types: s32 and u32"; a TPU emulates float64), which every rounded
+    float64 division and copysign made. On a v5e chip the compare gives numpy's signbit, -0.0
+    and -NaN included."""
     if jnp.result_type(x) != jnp.float64:
         return jnp.signbit(x)
-    return lax.platform_dependent(x, tpu=_signbit_from_value, default=jnp.signbit)
+    return lax.bitcast_convert_type(x, jnp.int64) < 0
 
 
 def copysign(x, y):
