@@ -383,6 +383,21 @@ def test_margin_losses_and_shrink():
     check_fwd_bwd(lambda t, y: F.multilabel_margin_loss(t, y), scalar, torch.tensor(0))
 
 
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+def test_nll_loss_uint8_target(reduction):
+    # CPU takes uint8 class indices (PyTorch's meta kernels want int64), forward and backward;
+    # per pixel (nll_loss2d) it refuses them, and so must tpu, in CPU's words.
+    x = torch.randn(6, 4).log_softmax(1).requires_grad_()
+    target = torch.randint(0, 4, (6,), dtype=torch.uint8)
+    check_fwd_bwd(lambda t, y: F.nll_loss(t, y, reduction=reduction), x, target)
+    x, target = torch.randn(2, 3, 4, 5), torch.zeros(2, 4, 5, dtype=torch.uint8)
+    with pytest.raises(RuntimeError) as cpu_error:
+        F.nll_loss(x, target, reduction=reduction)
+    with pytest.raises(RuntimeError) as tpu_error:
+        F.nll_loss(x.to("tpu"), target.to("tpu"), reduction=reduction)
+    assert str(tpu_error.value) == str(cpu_error.value)
+
+
 def test_ctc_loss():
     log_probs = torch.randn(7, 3, 5).log_softmax(2).detach().requires_grad_()
     padded = torch.tensor([[1, 2, 2], [3, 1, 0], [4, 0, 0]])

@@ -4,6 +4,7 @@
   the user's line; a check of data whose values the host cannot read without stalling the
   device runs on the device instead (``device/asserts.py``).
 - CUDA's rule for advanced indexing: CPU index tensors move to the device, counted.
+- NLL loss's uint8 targets, which CPU takes, widen to int64 for PyTorch's meta kernels.
 """
 
 from __future__ import annotations
@@ -143,6 +144,30 @@ def moving_cpu_indices(op: OpOverload, handle):
             args = (args[0], [move(i) for i in args[1]], *args[2:])
         elif "indices" in kwargs:
             kwargs = {**kwargs, "indices": [move(i) for i in kwargs["indices"]]}
+        return handle(args, kwargs)
+
+    return run
+
+
+# CPU's NLL loss kernels take a uint8 target (its 2-d ones do not); PyTorch's meta kernels for
+# them (decompositions that gather and scatter with it) want int64, so shape inference would
+# refuse the call. The target is widened at the call (its values, class indices, are the same).
+_BYTE_TARGETS = frozenset({"nll_loss_forward", "nll_loss_backward"})
+
+
+def widening_byte_targets(op: OpOverload, handle):
+    if op._schema.name.split("::")[-1] not in _BYTE_TARGETS:
+        return handle
+    at = schema.info(op).names.index("target")
+
+    def widen(t):
+        return t.long() if isinstance(t, torch.Tensor) and t.dtype == torch.uint8 else t
+
+    def run(args, kwargs):
+        if len(args) > at:
+            args = (*args[:at], widen(args[at]), *args[at + 1:])
+        elif "target" in kwargs:
+            kwargs = {**kwargs, "target": widen(kwargs["target"])}
         return handle(args, kwargs)
 
     return run

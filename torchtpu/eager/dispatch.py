@@ -396,7 +396,8 @@ def handler(op: OpOverload):
         # The first op starts JAX's backend on this process's device (import does not, so that
         # torchtpu.distributed can start JAX's multi-process runtime before it).
         platform.local_device()
-        handle = at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op)))
+        handle = at_call.widening_byte_targets(
+            op, at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op))))
         setattr(op, _HANDLER, handle)
     return handle
 
