@@ -398,6 +398,21 @@ def test_nll_loss_uint8_target(reduction):
     assert str(tpu_error.value) == str(cpu_error.value)
 
 
+def test_threshold():
+    # Its scalars are cast to the input's dtype before comparing (-1.5 -> -1 for integers,
+    # 2.001 -> 2 in bfloat16); NaN stays NaN.
+    for x, th, value in ((torch.tensor([1.0, float("nan"), -2.0, 0.5]), 0.5, -1.0),
+                         (torch.tensor([-1, -2, 0, 3]), -1.5, 9),
+                         (torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16), 2.001, 0.1)):
+        check_against_cpu(lambda t, a=th, b=value: torch.threshold(t, a, b), x)
+    # In place into an expand-ed tensor, which CPU writes (threshold is idempotent).
+    base = torch.randn(1, 6)
+    expected, actual = base.clone().expand(6, 6), base.to("tpu").expand(6, 6)
+    F.threshold(expected, 0.2, 0.5, inplace=True)
+    F.threshold_(actual, 0.2, 0.5)
+    assert_same(actual, expected)
+
+
 def test_ctc_loss():
     log_probs = torch.randn(7, 3, 5).log_softmax(2).detach().requires_grad_()
     padded = torch.tensor([[1, 2, 2], [3, 1, 0], [4, 0, 0]])

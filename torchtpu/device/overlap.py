@@ -56,6 +56,9 @@ def _status(a: torch.Tensor, b: torch.Tensor) -> str | None:
 # CPU's fill_ with a Scalar and zero_ skip the check: they write one value, so an expand-ed
 # target is well defined (fill_ with a Tensor value, and every other op, check).
 _WRITE_ONE_VALUE = frozenset({torch.ops.aten.fill_.Scalar, torch.ops.aten.zero_.default})
+# CPU's threshold builds its iterator with no overlap checks at all (threshold is idempotent):
+# an expand-ed or overlapping target is written, in place or as out=.
+_UNCHECKED = frozenset({"aten::threshold", "aten::threshold_"})
 # These only warn on an expand-ed target, in CPU's words (after the category), and write it.
 _WARN_EXPANDED = {"aten::index_put_": ("index_put_", "tensor[indices] = tensor"),
                   "aten::_index_put_impl_": ("index_put_", "tensor[indices] = tensor"),
@@ -66,7 +69,7 @@ _WARN_EXPANDED = {"aten::index_put_": ("index_put_", "tensor[indices] = tensor")
 def check_internal(written: list, op: torch._ops.OpOverload | None = None) -> None:
     """Raise RuntimeError if a written tensor's elements share memory (before any resize of an
     out= argument, as CPU checks)."""
-    if op in _WRITE_ONE_VALUE:
+    if op in _WRITE_ONE_VALUE or (op is not None and op._schema.name in _UNCHECKED):
         return
     warn = _WARN_EXPANDED.get(op._schema.name) if op is not None else None
     for w in written:
@@ -83,6 +86,8 @@ def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> Non
     """Raise RuntimeError if CPU would refuse to write the written tensors while reading inputs
     (an in-place op's written arguments are not among its inputs; the same tensor passed again
     in another argument is); after out= arguments take their result shapes, as CPU checks."""
+    if op._schema.name in _UNCHECKED:
+        return
     any_overlap = op._schema.name.split("::")[-1].rstrip("_") in NO_OVERLAP
     # Only tensors of one storage can overlap: grouping by storage keeps a foreach call over n
     # tensors at n lookups instead of n * n pairs (AdamW's lists: ~700 pairs a call).
@@ -101,5 +106,5 @@ def check_between(op: torch._ops.OpOverload, written: list, inputs: list) -> Non
 
 def check(op: torch._ops.OpOverload, written: list, inputs: list) -> None:
     """Both checks, for calls that resize nothing."""
-    check_internal(written)
+    check_internal(written, op)
     check_between(op, written, inputs)

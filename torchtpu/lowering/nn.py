@@ -304,6 +304,15 @@ def shrink_backward(grad, x, lambd):
     return jnp.where((x > lambd) | (x < -lambd), grad, 0)
 
 
+@lowers(aten.threshold.default)
+def threshold(x, threshold, value):
+    # Lowered rather than decomposed: the decomposition's in-place form ends in a copy_ into the
+    # target, which refuses an expand-ed one, where CPU's threshold_ writes it (no overlap
+    # checks: threshold is idempotent). Both scalars are cast to x's dtype first, and NaN stays
+    # NaN (NaN <= threshold is false), as on CPU.
+    return jnp.where(x <= jnp.asarray(threshold, x.dtype), jnp.asarray(value, x.dtype), x)
+
+
 # ----------------------------------------------------------------------------- margin losses
 
 def _per_sample(grad, reduction: int, n: int, ndim: int):
