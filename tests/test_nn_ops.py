@@ -468,3 +468,16 @@ def test_transformer_inference_fast_paths(monkeypatch, norm_first):
             actual = module.to("tpu")(*to_device(args), **to_device(kwargs))
             module.cpu()
             assert_same(actual, expected, **TOL)
+
+
+def test_eig_on_a_tpu_takes_the_counted_cpu_fallback(monkeypatch):
+    # JAX has no TPU rule for a nonsymmetric eig (NotImplementedError on a v5e chip): there
+    # the op has no lowering, so it runs on CPU, counted; on CPU it is LAPACK through XLA.
+    from torchtpu.lowering import registry
+    from torchtpu.runtime import platform
+
+    eig, eigvals = torch.ops.aten.linalg_eig.default, torch.ops.aten._linalg_eigvals.default
+    assert registry.lookup(eig) is not None and registry.lookup(eigvals) is not None
+    monkeypatch.setattr(platform, "platform", lambda: "tpu")
+    assert registry.lookup(eig) is None and registry.lookup(eigvals) is None
+    assert registry.lookup(torch.ops.aten.mm.default) is not None

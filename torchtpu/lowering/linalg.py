@@ -298,14 +298,16 @@ def ormqr(a, tau, c, left=True, transpose=False):
     return lax.linalg.ormqr(a, tau, c, left=left, transpose=transpose)
 
 
-@lowers(aten.linalg_eig.default)
+# XLA computes a nonsymmetric eig only on CPU (LAPACK geev, so vectors are normalized as
+# PyTorch's are); JAX has no TPU or GPU rule ("MLIR translation rule for primitive 'eig' not
+# found for platform tpu" on a v5e chip), so there they take the counted CPU fallback.
+@lowers(aten.linalg_eig.default, platforms=("cpu",))
 def eig(a):
-    # XLA computes eig only on CPU (LAPACK geev, so vectors are normalized as PyTorch's are).
     w, v = lax.linalg.eig(a, compute_left_eigenvectors=False)
     return w, v
 
 
-@lowers(aten._linalg_eigvals.default)
+@lowers(aten._linalg_eigvals.default, platforms=("cpu",))
 def eigvals(a):
     return lax.linalg.eig(a, compute_left_eigenvectors=False, compute_right_eigenvectors=False)[0]
 

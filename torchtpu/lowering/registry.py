@@ -37,6 +37,8 @@ from collections.abc import Callable
 
 import torch
 
+from torchtpu.runtime import platform
+
 OpOverload = torch._ops.OpOverload
 
 
@@ -53,6 +55,7 @@ class Lowering:
     donates: tuple = ()
     family: str = ""  # the lowering module that registered it ("elementwise", "linalg", ...)
     layout: Callable | None = None
+    platforms: tuple = ()  # the JAX platforms it lowers on; () for every one
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -90,8 +93,11 @@ def _overloads(target) -> list[OpOverload]:
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
-           traced: tuple = (), donates: tuple = (), layout: Callable | None = None) -> Callable:
-    """Register the decorated pure JAX function as the lowering of each target op."""
+           traced: tuple = (), donates: tuple = (), layout: Callable | None = None,
+           platforms: tuple = ()) -> Callable:
+    """Register the decorated pure JAX function as the lowering of each target op; with
+    platforms, only there (elsewhere the op runs as if it had none: decomposed or on CPU,
+    counted)."""
     if promote not in (None, "result", "common"):
         raise ValueError(f"torchtpu.argument: promote must be None, 'result' or 'common', not "
                          f"{promote!r}")
@@ -104,7 +110,8 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
-                                     tuple(traced), tuple(donates), family, layout)
+                                     tuple(traced), tuple(donates), family, layout,
+                                     tuple(platforms))
         return fn
 
     return register
@@ -127,4 +134,7 @@ def lowers_each(table: dict, **policy) -> None:
 
 
 def lookup(op: OpOverload) -> Lowering | None:
-    return TABLE.get(op)
+    low = TABLE.get(op)
+    if low is not None and low.platforms and platform.platform() not in low.platforms:
+        return None
+    return low
