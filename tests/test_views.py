@@ -244,7 +244,15 @@ def _index_writes(device):
              ("expanded index_put_", lambda i: expanded().index_put_((i,), i.float())),
              ("expanded masked_fill_", lambda i: expanded().masked_fill_(mask, 1.0)),
              ("expanded index_fill_", lambda i: expanded().index_fill_(0, i, 1.0)),
-             ("expanded index_add_", lambda i: expanded().index_add_(0, i, i.float()))]
+             ("expanded index_add_", lambda i: expanded().index_add_(0, i, i.float())),
+             # CPU never checks these against the target: masked_scatter_'s source, and a
+             # Tensor value the fill ops read as a number.
+             ("masked_scatter_ itself", lambda i: (lambda t: t.masked_scatter_(mask, t))(
+                 torch.arange(6.0, device=device))),
+             ("masked_fill_ own element", lambda i: (lambda t: t.masked_fill_(mask, t[0]))(
+                 torch.arange(6.0, device=device))),
+             ("index_fill_ own element", lambda i: (lambda t: t.index_fill_(0, i, t[0]))(
+                 torch.arange(6.0, device=device)))]
     outcomes = []
     for name, write in cases:
         with warnings.catch_warnings(record=True) as caught:

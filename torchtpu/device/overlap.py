@@ -24,6 +24,17 @@ NO_OVERLAP = frozenset({
     "index_put", "_index_put_impl",
 })
 
+# Arguments CPU's kernels never check against the target: masked_scatter_'s source (any
+# overlap), and a Tensor value the fill ops read as a number.
+_READ_FIRST = {"masked_scatter": "source", "masked_fill": "value", "index_fill": "value",
+              "fill": "value"}
+
+
+def read_first(op: torch._ops.OpOverload) -> str | None:
+    """The name of op's argument that may overlap what op writes, as on CPU, or None."""
+    return _READ_FIRST.get(op._schema.name.split("::")[-1].rstrip("_"))
+
+
 _INTERNAL = ("unsupported operation: more than one element of the written-to tensor refers to a "
              "single memory location. Please clone() the tensor before performing the operation.")
 _BETWEEN = ("unsupported operation: some elements of the input tensor and the written-to tensor "

@@ -300,7 +300,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
                 if not meta.is_device(t):
                     raise meta.device_error(t)
                 _resize_out(t, s)
-        overlap.check_between(op, flat, schema.read(oi, values))
+        overlap.check_between(op, flat, schema.read(oi, values, overlap.read_first(op)))
         arrays = compute_functional(foi, values, [t.dtype for t in flat])
         for t, a in zip(flat, schema.flatten(arrays)):
             tensors.write(t, kernels.convert(a, t))
@@ -313,7 +313,7 @@ def _write_computed(op: OpOverload, oi: schema.OpInfo, values: list, outs: list,
     """out= of a call whose result shape depends on values (``masked_select``): the targets take
     the computed results' shapes, as CPU resizes them."""
     targets, flat = _flat_targets(values, oi, outs)
-    overlap.check_between(op, flat, schema.read(oi, values))
+    overlap.check_between(op, flat, schema.read(oi, values, overlap.read_first(op)))
     for t, r in zip(flat, schema.flatten(computed)):
         if not meta.is_device(t):
             raise meta.device_error(t)
@@ -359,7 +359,8 @@ def _decomposition_handler(op: OpOverload, decomp):
     def handle(args, kwargs):
         if oi is not None:  # what the decomposition writes must not overlap what it reads
             values, outs = schema.bind(oi, args, kwargs)
-            overlap.check(op, _flat_targets(values, oi, outs)[1], schema.read(oi, values))
+            overlap.check(op, _flat_targets(values, oi, outs)[1],
+                          schema.read(oi, values, overlap.read_first(op)))
         active = getattr(_decomposing, "ops", None)
         if active is None:
             active = _decomposing.ops = set()

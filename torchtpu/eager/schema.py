@@ -139,7 +139,8 @@ def flatten(out) -> list:
     return [out]
 
 
-def read(oi: OpInfo, values: list) -> list:
+def read(oi: OpInfo, values: list, skip: str | None = None) -> list:
     """The tensors a call reads: its arguments but those written in place (``ind.index_add_(0,
-    ind, src)`` reads ind as its index, and overlaps itself)."""
-    return flatten([v for i, v in enumerate(values) if i not in oi.written])
+    ind, src)`` reads ind as its index, and overlaps itself) and the one named skip."""
+    return flatten([v for i, v in enumerate(values)
+                    if i not in oi.written and oi.names[i] != skip])
