@@ -384,3 +384,15 @@ def test_float64_signbit_from_bits_keeps_signed_zeros_and_nans():
                       -math.nan], dtype=torch.float64)
     check_against_cpu(torch.signbit, x)
     check_against_cpu(torch.copysign, torch.ones_like(x), x)
+
+
+@pytest.mark.parametrize("op", list(_ROUNDED))
+def test_rounded_division_of_near_integer_quotients(op):
+    # Quotients a few ulps from an integer, by a Python number (cast to float32 first, as CPU
+    # does): trunc is of the correctly rounded quotient (2.1 / -0.7 is -3), floor and the
+    # remainders of the exact one (on a v5e chip fmod(3.5, -0.7) came out 0.0).
+    k = torch.arange(-40, 41, dtype=torch.float32) * torch.tensor(0.7)
+    x = torch.cat([k, k.nextafter(k + 1), k.nextafter(k - 1), torch.tensor([2.1, -2.1, 3.5])])
+    x = x[(x == 0) | (x.abs() > 1e-30)]  # no subnormals (0's neighbours): XLA flushes them
+    check_against_cpu(lambda x: _ROUNDED[op](x, -0.7), x, atol=0, rtol=0)
+    check_against_cpu(lambda x: _ROUNDED[op](x, torch.full_like(x, 0.7)), x, atol=0, rtol=0)

@@ -68,9 +68,29 @@ def copysign(x, y):
     return jnp.where(signbit(jnp.asarray(y, dtype)), -x, x)
 
 
+def _wide(x, y):
+    """float32 operands as float64, else as they are. A TPU's float32 division is not correctly
+    rounded, and its remainder comes from that division (fmod(3.5, -0.7) was 0.0 on a v5e chip,
+    CPU's 5.96e-8): float64's division rounded back to float32 is float32's correctly rounded one
+    (53 >= 2 * 24 + 2 bits), and float64's fmod of float32 values is exact."""
+    dtype = jnp.result_type(x, y)
+    if dtype != jnp.float32:
+        return x, y
+    # Python numbers as the float32 values CPU computes with, then widened.
+    return jnp.asarray(x, dtype).astype(jnp.float64), jnp.asarray(y, dtype).astype(jnp.float64)
+
+
+def _divide(x, y):
+    """x / y correctly rounded (see ``_wide``)."""
+    wide_x, wide_y = _wide(x, y)
+    return (wide_x / wide_y).astype(jnp.result_type(x, y))
+
+
 def _fmod(x, y):
-    """C's fmod. A TPU's float remainder by an infinity is NaN (seen on a v5e chip), C's is x."""
-    mod = jnp.fmod(x, y)
+    """C's fmod, exact (see ``_wide``). A TPU's float remainder by an infinity is NaN (seen on
+    a v5e chip), C's is x."""
+    dtype = jnp.result_type(x, y)
+    mod = jnp.fmod(*_wide(x, y)).astype(dtype)
     if _is_int(mod):
         return mod
     return jnp.where(jnp.isinf(y) & jnp.isfinite(x), x, mod)
@@ -89,7 +109,7 @@ def _floor_divide(x, y):
         return jnp.floor_divide(x, y)
     # PyTorch's div_floor: exact for representable quotients, x/0 gives +-inf rather than NaN.
     mod = _fmod(x, y)
-    div = (x - mod) / y
+    div = _divide(x - mod, y)
     div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
     floor = jnp.where(div - floor > 0.5, floor + 1, floor)
@@ -113,14 +133,9 @@ def div(x, y, rounding_mode=None):
 
 
 def _trunc_divide(x, y):
-    # trunc(x / y) as CPU computes it, with a correctly rounded x / y. A TPU's float32 division
-    # is not, and a quotient just above an integer came out below it on a v5e chip; x - fmod(x,
-    # y) is an exact multiple of y, whose quotient only needs rounding to that integer.
-    quotient = x / y
-    mod = _fmod(x, y)
-    exact = jnp.round((x - mod) / y)
-    exact = jnp.where(exact == 0, copysign(jnp.zeros_like(exact), quotient), exact)
-    return jnp.where(jnp.isfinite(x) & (y != 0), exact, jnp.trunc(quotient))
+    # trunc(x / y) as CPU computes it: of the correctly rounded quotient (a quotient just below
+    # an integer may round up to it: 2.1 / -0.7 is -3).
+    return jnp.trunc(_divide(x, y))
 
 
 @lowers(aten.square.default, promote="result")  # also from the tensorify pass, as above
