@@ -83,7 +83,18 @@ def _wide(x, y):
 def _divide(x, y):
     """x / y correctly rounded (see ``_wide``)."""
     wide_x, wide_y = _wide(x, y)
-    return (wide_x / wide_y).astype(jnp.result_type(x, y))
+    return _divide_float64(wide_x, wide_y).astype(jnp.result_type(x, y))
+
+
+def _divide_float64(x, y):
+    """x / y, by zero as IEEE says where the divisor is an array: a TPU's emulated float64
+    division gives NaN there (-7.5 / -0.0 on a v5e chip), its inf only for a constant zero."""
+    if jnp.result_type(x, y) != jnp.float64:
+        return x / y
+    x, y = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
+    inf = jnp.where(signbit(x) != signbit(y), -jnp.inf, jnp.inf)
+    by_zero = jnp.where((x == 0) | jnp.isnan(x), jnp.nan, inf)
+    return jnp.where(y == 0, by_zero, x / y)
 
 
 def _fmod(x, y):
@@ -113,8 +124,9 @@ def _floor_divide(x, y):
     div = jnp.where((mod != 0) & ((y < 0) != (mod < 0)), div - 1, div)
     floor = jnp.floor(div)
     floor = jnp.where(div - floor > 0.5, floor + 1, floor)
-    floor = jnp.where(div == 0, copysign(jnp.zeros_like(div), x / y), floor)
-    return jnp.where(y == 0, x / y, floor)
+    quotient = _divide_float64(x, y)
+    floor = jnp.where(div == 0, copysign(jnp.zeros_like(div), quotient), floor)
+    return jnp.where(y == 0, quotient, floor)
 
 
 # true_divide is CompositeImplicit, so eager never sees it; a compiled graph does when Dynamo
@@ -123,7 +135,7 @@ def _floor_divide(x, y):
         aten.true_divide.Tensor, aten.true_divide.Scalar, promote="result")
 def div(x, y, rounding_mode=None):
     if rounding_mode is None:
-        return x / y
+        return _divide_float64(x, y)
     if rounding_mode == "floor":
         return _floor_divide(x, y)
     if _is_int(x):
