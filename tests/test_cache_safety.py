@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from torchtpu.runtime import cache_entry, compile_cache
+from torchtpu.runtime import cache_check, cache_entry, compile_cache
 from torchtpu.runtime.cache_entry import OTHER, READ_BACK, CompileCacheWarning, pack, parts
 from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
 
@@ -104,11 +104,11 @@ def test_entries_of_another_cpu_are_skipped_and_recompiled(filled):
     here = cache_entry.host()
     avx512 = here.rsplit("; cpu ", 1)[0] + "; cpu x86_64 0123456789abcdef (avx avx2 avx512f)"
     entries = _rewrite(cache, written_on=avx512)
-    assert compile_cache.verify(cache)["damaged"].keys() == {p.name for p in entries}
+    assert cache_check.verify(cache)["damaged"].keys() == {p.name for p in entries}
     again, err = _run(cache)
     assert err.count("written for another host") == len(entries), err
     assert "avx512f" in err and again["executable_compiles"] == first["executable_compiles"]
-    assert compile_cache.verify(cache)["damaged"] == {}  # replaced by this host's entries
+    assert cache_check.verify(cache)["damaged"] == {}  # replaced by this host's entries
     assert all(parts(p.read_bytes())[1:3] == (READ_BACK, here) for p in _entries(cache))
 
 
@@ -122,13 +122,13 @@ def test_truncated_corrupted_and_unread_entries_are_refused(filled):
     flipped.write_bytes(bytes(data))
     seconds, _, host, payload = parts(unread.read_bytes())
     unread.write_bytes(pack(payload, seconds, OTHER, host))  # as if never read back
-    found = compile_cache.verify(cache)["damaged"]
+    found = cache_check.verify(cache)["damaged"]
     assert set(found) == {truncated.name, flipped.name}  # a record-kind entry reads fine
     again, err = _run(cache)
     assert "truncated" in err and "checksum does not match" in err, err
     assert "was not read back by the process that wrote it" in err
     assert again["executable_compiles"] == 3
-    assert compile_cache.verify(cache)["damaged"] == {} and len(_entries(cache)) == len(entries)
+    assert cache_check.verify(cache)["damaged"] == {} and len(_entries(cache)) == len(entries)
 
 
 def test_a_program_that_does_not_read_back_is_not_cached(tmp_path):
@@ -158,7 +158,7 @@ def test_prune_deletes_what_verify_refuses(tmp_path):
     store.put("whole", b"payload")
     store.entry("short").write_bytes(compile_cache.MAGIC + b"\x01")
     store.entry("foreign").write_bytes(pack(b"payload", 1.0, READ_BACK, "tpu v9; jaxlib 0"))
-    found = compile_cache.prune(tmp_path)
+    found = cache_check.prune(tmp_path)
     assert set(found["damaged"]) == {f"short{SUFFIX}", f"foreign{SUFFIX}"}
     assert [p.name for p in _entries(tmp_path)] == [f"whole{SUFFIX}"]
 

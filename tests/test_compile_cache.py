@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from torchtpu.runtime import compile_cache
+from torchtpu.runtime import cache_check, compile_cache
 from torchtpu.runtime.compile_cache import MAGIC, SUFFIX, CompileCacheWarning, EntryStore
 
 # One process's work: a compiled forward and backward of a small model, and two eager ops.
@@ -146,15 +146,15 @@ def test_verify_names_the_entries_that_fail_their_checks(tmp_path, monkeypatch):
     store.entry("flipped").write_bytes(bytes(damaged))
     store.entry("short").write_bytes(MAGIC + b"\x01")
     store.entry("old").write_bytes(b"TTPU1" + bytes(64))  # replaced quietly on use
-    found = compile_cache.verify(tmp_path)
+    found = cache_check.verify(tmp_path)
     assert found["entries"] == 4
     assert found["bytes"] == sum(p.stat().st_size for p in tmp_path.glob(f"*{SUFFIX}"))
     assert found["damaged"] == {f"flipped{SUFFIX}": "its checksum does not match (truncated or "
                                 "damaged)", f"short{SUFFIX}": "it is truncated (6 bytes)"}
     assert store.entry("flipped").exists()  # reported, not deleted
     monkeypatch.setenv("TORCHTPU_CACHE_DIR", str(tmp_path))
-    assert compile_cache.verify() == found
-    assert compile_cache.verify(tmp_path / "absent") == {"entries": 0, "bytes": 0, "damaged": {}}
+    assert cache_check.verify() == found
+    assert cache_check.verify(tmp_path / "absent") == {"entries": 0, "bytes": 0, "damaged": {}}
 
 
 def _fill(store: EntryStore, keys, size: int = 1000) -> None:

@@ -28,7 +28,7 @@ import jax
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.runtime import compile_cache, platform
+from torchtpu.runtime import cache_check, compile_cache, platform
 from torchtpu.tools import render
 from torchtpu.tools.target import describe
 from torchtpu.tools.target import main as tool_main
@@ -111,7 +111,7 @@ def cache_state(prune: bool = False) -> dict:
     path = compile_cache.cache_dir()
     if path is None:
         return {"enabled": False}
-    found = (compile_cache.prune if prune else compile_cache.verify)(path)
+    found = (cache_check.prune if prune else cache_check.verify)(path)
     state = {"enabled": True, "path": str(path), "exists": path.is_dir(),
              "entries": found["entries"], "bytes": found["bytes"],
              "damaged": sorted(found["damaged"]), "why": found["damaged"],
