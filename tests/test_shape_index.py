@@ -464,41 +464,6 @@ def test_bool_accumulations_are_a_logical_or_as_on_cpu():
                       x, v, i)
 
 
-def test_masked_scatter_counts_the_mask_broadcast_with_self():
-    # A (5, 1, 5) mask over an empty (5, 0, 5) target has no true position: an empty source fits.
-    check_against_cpu(lambda d, m, s: d.clone().masked_scatter_(m, s), torch.empty(5, 0, 5),
-                      torch.ones(5, 1, 5, dtype=torch.bool), torch.empty(0))
-    # A (4,) mask with 2 ones over (3, 4) needs 6 source elements: 4 are too few, as on CPU.
-    mask, source = torch.tensor([True, False, True, False]), torch.arange(4.0)
-    check_against_cpu(lambda d, m, s: d.masked_scatter(m, s), torch.zeros(3, 4), mask,
-                      torch.arange(6.0))
-    for device in ("cpu", "tpu"):
-        with pytest.raises(RuntimeError, match="source"):
-            torch.zeros(3, 4, device=device).masked_scatter(mask.to(device), source.to(device))
-
-
-def test_masked_select_out_takes_the_computed_shape():
-    values, mask = torch.rand(10, 10), torch.zeros(10, 10, dtype=torch.bool)
-    mask[:, ::2] = True
-
-    def selects(v, m):
-        # out= of a result whose shape depends on values: resized from empty, and written
-        # through a strided view that already has the size.
-        out, strided = torch.empty(0, device=v.device), torch.zeros(100, device=v.device)
-        torch.masked_select(v, m, out=out)
-        torch.masked_select(v.t(), m, out=strided[::2])
-        return out, strided
-
-    check_against_cpu(selects, values, mask)
-
-
-def test_masked_select_refuses_a_non_bool_mask():
-    for device in ("cpu", "tpu"):
-        with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
-            torch.rand(3, device=device).masked_select(torch.ones(3, dtype=torch.uint8,
-                                                                  device=device))
-
-
 def test_zero_size_tensors_take_cpu_strides():
     makers = (lambda d: torch.empty(0, 1, 2, 0, device=d),
               lambda d: torch.randn(0, 1, 2, 0, device=d),
