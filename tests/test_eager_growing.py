@@ -39,6 +39,10 @@ def buckets_on():
     # of executables, runtime/map_room clears JAX's caches when the maps run short, and the
     # programs read back during the counted window would count as new ones.
     jax.clear_caches()
+    # Sites are keyed by their module object's id() (and plain calls by a spec's id()): after
+    # earlier tests of the worker, a new model can reuse a dead one's id and inherit its sizes.
+    eager_buckets._families.clear()
+    eager_buckets._exact.clear()
     was = eager_buckets.enabled()
     eager_buckets.set_enabled(True)  # also where TORCHTPU_EAGER_BUCKETS=0
     yield
