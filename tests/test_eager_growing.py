@@ -5,7 +5,6 @@ size), in each eager mode: its tokens equal CPU's, and once a bucket has been en
 lengths after it in the same bucket load no program (``compile/eager_buckets.py``).
 """
 
-import jax
 import pytest
 import torch
 
@@ -35,10 +34,6 @@ def _programs() -> int:
 
 @pytest.fixture(scope="module", autouse=True)
 def buckets_on():
-    # Room in the process's memory maps first: where earlier tests of a worker left thousands
-    # of executables, runtime/map_room clears JAX's caches when the maps run short, and the
-    # programs read back during the counted window would count as new ones.
-    jax.clear_caches()
     # Sites are keyed by their module object's id() (and plain calls by a spec's id()): after
     # earlier tests of the worker, a new model can reuse a dead one's id and inherit its sizes.
     eager_buckets._families.clear()
