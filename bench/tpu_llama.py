@@ -7,19 +7,29 @@ bfloat16 result; rotary tables cast to bfloat16; attention naive (scores with fl
 accumulation, a float32 softmax, bfloat16 probabilities) or through JAX's Pallas splash kernel;
 the loss's log-softmax in float32. The step is ``jax_models``' AdamW with ``clip_grad_norm_(1.0)``
 (one ``jax.jit``, parameters and moments donated), as ``train_step`` in the torch model.
+
+Imports no torch (the chip machine may have none): ``c`` is any object with ``LlamaConfig``'s
+fields, ``config()`` gives the benchmark's.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
-
-from torchtpu.testing.llama import LlamaConfig
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
 
-def shapes(c: LlamaConfig) -> dict:
+def config(**changes) -> SimpleNamespace:
+    """``torchtpu.testing.llama.LlamaConfig()``'s fields (issue 35's model), with changes."""
+    c = dict(vocab=32768, dim=1024, layers=12, heads=8, hidden=2816, seq=1024, eps=1e-5,
+             rope_theta=10000.0) | changes
+    return SimpleNamespace(**c, head_dim=c["dim"] // c["heads"])
+
+
+def shapes(c) -> dict:
     block = {"attn_norm": (c.dim,), "q": (c.dim, c.dim), "k": (c.dim, c.dim),
              "v": (c.dim, c.dim), "o": (c.dim, c.dim), "mlp_norm": (c.dim,),
              "gate": (c.hidden, c.dim), "up": (c.hidden, c.dim), "down": (c.dim, c.hidden)}
@@ -27,7 +37,7 @@ def shapes(c: LlamaConfig) -> dict:
             "blocks": [dict(block) for _ in range(c.layers)]}
 
 
-def init(c: LlamaConfig, key) -> dict:
+def init(c, key) -> dict:
     """Normal(0.02) weights and unit norms, as the torch model initializes them."""
     keys = iter(jax.random.split(key, 16 * c.layers + 8))
     return jax.tree.map(lambda s: jnp.ones(s, F32) if len(s) == 1
@@ -57,8 +67,10 @@ def naive_attention(q, k, v):
     return jnp.einsum("bhqk,bhkd->bhqd", p, v, preferred_element_type=F32).astype(BF16)
 
 
-def splash_attention(block: int | None = None):
-    """JAX's Pallas splash attention (causal), at its default blocks or ``block`` everywhere."""
+def splash_attention(block_q: int | None = None, block_kv: int | None = None,
+                     fused_backward: bool = False):
+    """JAX's Pallas splash attention (causal): its default blocks (128), or ``block_q`` query
+    rows and ``block_kv`` keys per block in the forward and backward kernels alike."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as sk,
     )
@@ -69,17 +81,19 @@ def splash_attention(block: int | None = None):
     def attend(q, k, v):
         b, h, t, d = q.shape
         mask = sm.MultiHeadMask([sm.CausalMask((t, t)) for _ in range(h)])
-        sizes = {} if block is None else {
-            n: min(block, t) for n in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv",
-                                       "block_kv_dkv", "block_kv_dkv_compute", "block_q_dq",
-                                       "block_kv_dq")}
-        kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1,
-                                    block_sizes=sk.BlockSizes(**sizes) if sizes else None)
+        blocks = None
+        if block_q is not None:
+            bq, bkv = min(block_q, t), min(block_kv, t)
+            dq = {} if fused_backward else {"block_q_dq": bq, "block_kv_dq": bkv}
+            blocks = sk.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
+                                   block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                                   use_fused_bwd_kernel=fused_backward, **dq)
+        kernel = sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=blocks)
         return jax.vmap(kernel)(q * d ** -0.5, k, v).astype(BF16)
     return attend
 
 
-def loss_fn(c: LlamaConfig, attention=naive_attention):
+def loss_fn(c, attention=naive_attention):
     def loss(p: dict, ids, targets):
         b, t = ids.shape
         inv = 1.0 / c.rope_theta ** (jnp.arange(0, c.head_dim, 2, dtype=F32) / c.head_dim)
