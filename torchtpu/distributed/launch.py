@@ -12,6 +12,12 @@ torchrun keeps one store for all the attempts of a job it restarts (``--max-rest
 every key the attempts before it wrote: a restarted rank would read a dead rank's gloo address
 and fail to connect, or connect to a stale one. So every group's keys live under the attempt's
 number (``TORCHELASTIC_RESTART_COUNT``).
+
+On a TPU host run by several processes, the default group's creation gives each its own chips
+(``runtime/chips.py``) before JAX's runtime starts: from the processes' host slots, and, for
+several hosts, every host's address and place in the slice, exchanged through the store (a
+host's place: GKE's ``TPU_WORKER_ID``, else torchrun's ``GROUP_RANK``, Ray Train's
+``NODE_RANK``, else the order of the hosts' first ranks).
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import socket
 import torch.distributed as dist
 
 from torchtpu.distributed import jax_runtime
-from torchtpu.runtime import platform
+from torchtpu.runtime import chips, libtpu, platform
 
 
 def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
@@ -32,6 +38,42 @@ def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
     mine = names[rank]
     local = [r for r, name in enumerate(names) if name == mine]
     return local.index(rank), len(local)
+
+
+def _host_key() -> str:
+    """What names this process's host in the slice (see the module doc)."""
+    # Without a TPU, torchtpu set TPU_WORKER_ID=0 itself for compile-only libtpu (libtpu.py).
+    names = ("GROUP_RANK", "NODE_RANK")
+    if not os.environ.get(libtpu.COMPILE_ONLY):
+        names = ("TPU_WORKER_ID", *names)
+    for name in names:
+        value = os.environ.get(name, "").strip()
+        if value.isdigit():
+            return str(int(value))
+    return f"host:{socket.gethostname()}"
+
+
+def _address() -> str:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return socket.gethostname()
+
+
+def _bind_chips(store: dist.Store, rank: int, size: int, slot: tuple[int, int]) -> None:
+    """Give this process its chips on a multi-chip TPU host (``runtime/chips.py``)."""
+    host_chips = chips.wanted(slot[1])
+    if host_chips is None:
+        return
+    store.set(f"tpu_dist/chip_host/{rank}", f"{_host_key()}|{_address()}")
+    posts = [store.get(f"tpu_dist/chip_host/{r}").decode().split("|", 1) for r in range(size)]
+    first: dict[str, tuple[int, str]] = {}
+    for r, (key, address) in enumerate(posts):
+        first.setdefault(key, (r, address))
+    # Numbered hosts in their order, named ones in the order of their first ranks.
+    keys = sorted(first, key=lambda k: (0, int(k)) if k.isdigit() else (1, first[k][0]))
+    addresses = [first[k][1] for k in keys] if len(keys) > 1 else ["localhost"]
+    chips.bind(slot[0], slot[1], keys.index(posts[rank][0]), addresses, host_chips)
 
 
 def _this_attempt(store: dist.Store) -> dist.Store:
@@ -64,6 +106,7 @@ def create(options, backend_options=None) -> dist.ProcessGroup:
         else:
             slot = _host_slot(store, rank, size)
         # Before anything starts JAX's backend (the device check does).
+        _bind_chips(store, rank, size, slot)
         jax_runtime.start(store, rank, size, options.timeout, slot[0], backend_options)
     _check_device()
     if default:

@@ -52,7 +52,7 @@ def check_libtpu() -> str:
 
 def tpu_attached() -> bool:
     """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
-    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(_MARK)
+    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(COMPILE_ONLY)
     if vm or os.environ.get("JAX_FORCE_TPU_INIT"):
         return True
     # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
@@ -64,7 +64,7 @@ def tpu_attached() -> bool:
 
 
 # Set with the variables below: they are then no sign of a TPU VM (here or in a child process).
-_MARK = "TORCHTPU_LIBTPU_COMPILE_ONLY"
+COMPILE_ONLY = "TORCHTPU_LIBTPU_COMPILE_ONLY"
 
 
 def compile_only_env() -> None:
@@ -76,7 +76,7 @@ def compile_only_env() -> None:
     # Without the others libtpu prints warnings and a "Source Location Trace" error; they
     # describe a one-host slice and are not what the topology name compiles for.
     if "TPU_ACCELERATOR_TYPE" not in os.environ:
-        os.environ[_MARK] = "1"
+        os.environ[COMPILE_ONLY] = "1"
     for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
                         ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
                         ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):

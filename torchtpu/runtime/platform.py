@@ -52,6 +52,9 @@ def _skip_absent_tpu() -> None:
 
 
 def _configure_jax() -> None:
+    from torchtpu.runtime import chips
+
+    chips.bind_from_environment()  # before anything can start JAX's TPU client
     _skip_absent_tpu()
     # PyTorch semantics need real int64/float64; JAX's default truncates them to 32 bits.
     jax.config.update("jax_enable_x64", True)
@@ -81,6 +84,9 @@ _configure_jax()
 @functools.cache
 def platform() -> str:
     """The JAX platform name this process uses ("tpu", "gpu" or "cpu")."""
+    from torchtpu.runtime import chips
+
+    chips.check()  # a chip binding refused at import stops the first device use
     wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
     if wanted:
         if wanted not in _PLATFORMS:
