@@ -14,6 +14,8 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -141,3 +143,74 @@ def test_directory_deleted_while_running_is_recreated(faults):
     assert gone["ok"]
     _one_warning(gone, "was deleted while this process used it")
     assert gone["entries"] >= 3  # the three new programs, cached in the new directory
+
+
+# ---------------------------------------------------------------- torch.compile's own caches
+
+_COMPILE = r"""
+import json, warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import torch, torchtpu
+    f = torch.compile(lambda x: torch.sin(x) * 2 + 1, backend="tpu")
+    x = torch.linspace(-1, 1, 8)
+    ok = bool(torch.allclose(f(x.to("tpu")).cpu(), torch.sin(x) * 2 + 1))
+print("RESULT " + json.dumps({"ok": ok, "cache": [str(w.message) for w in caught
+                                                 if str(w.message).startswith("torchtpu.cache")]}))
+"""
+
+_NOBODY = 65534
+
+
+def _nobody_runs(prefix: list[str]) -> bool:
+    """Whether nobody can start this Python and read this checkout (not under a private home)."""
+    probe = [*prefix, sys.executable, "-S", "-c", f"open({__file__!r}).read()"]
+    return subprocess.run(probe, capture_output=True, timeout=60).returncode == 0
+
+
+def _unusable(kind: str, root: Path) -> tuple[Path, list[str], dict]:
+    """A cache directory of that kind under root, the command prefix and the environment that
+    run a child that cannot use it: permissions bind root only through another user, so root
+    runs it as nobody."""
+    target = root / "cache"
+    if kind == "a file":
+        target.write_text("not a directory")
+        return target, [], {}
+    target.mkdir()
+    prefix, env = [], {}
+    if os.getuid() == 0:
+        prefix = ["setpriv", f"--reuid={_NOBODY}", f"--regid={_NOBODY}", "--clear-groups"]
+        if shutil.which("setpriv") is None or not _nobody_runs(prefix):
+            pytest.skip("as root, needs setpriv, and a Python and checkout others can read")
+        home = root / "home"
+        home.mkdir()
+        for path in (target, home):
+            os.chown(path, _NOBODY, _NOBODY)
+        root.chmod(0o755)
+        env["HOME"] = str(home)
+    target.chmod(0o000 if kind == "mode 000" else 0o555)
+    return target, prefix, env
+
+
+@pytest.mark.parametrize("kind", ["a file", "mode 000", "read-only and empty"])
+def test_compile_goes_on_when_the_cache_directory_is_unusable(kind):
+    """torch.compile runs, and the directory's failure is the store's warning, once per kind of
+    failure (Inductor, pointed at an unusable directory, raises while it sets up)."""
+    with tempfile.TemporaryDirectory() as name:
+        target, prefix, env = _unusable(kind, Path(name))
+        env = {**os.environ, **env, "TORCHTPU_CACHE_DIR": str(target)}
+        env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+        try:
+            proc = subprocess.run([*prefix, sys.executable, "-c", _COMPILE], env=env,
+                                  capture_output=True, text=True, timeout=300,
+                                  cwd=Path(__file__).resolve().parent.parent)
+        finally:
+            target.chmod(0o700)  # for the clean-up
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.split("RESULT ")[-1])
+    assert found["ok"]
+    said = found["cache"]
+    assert any(f"cannot write the compile cache directory {target}" in t for t in said), said
+    assert all(t.startswith("torchtpu.cache: cannot ") for t in said), said
+    assert len(said) == len({t.split(" the compile cache")[0] for t in said}), said

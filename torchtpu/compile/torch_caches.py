@@ -9,8 +9,9 @@ key a hash of torch's and JAX's versions and torchtpu's source (a graph's AOTAut
 depends on which ops have lowerings, which PyTorch's key does not see). ``place`` points
 ``TORCHINDUCTOR_CACHE_DIR`` there when Dynamo is imported, so Inductor's caches of the same
 process go there too. When the cache is off, the directory is shared, or the user chose a
-``TORCHINDUCTOR_CACHE_DIR`` of their own, tpu graphs are not cached this way (a
-``torchtpu.cache:`` warning says why for the last two) and everything is traced as before.
+``TORCHINDUCTOR_CACHE_DIR`` of their own, or the directory cannot be made or written, tpu graphs
+are not cached this way (a ``torchtpu.cache:`` warning says why for the last three: for the
+last, the store's own warning of a failing directory) and everything is traced as before.
 A process that makes a new key's directory deletes all but the ``KEEP`` most recently made
 ones (an upgrade or an edit of torchtpu leaves the old one unused); they are not counted in
 ``TORCHTPU_CACHE_MAX_BYTES``.
@@ -18,6 +19,7 @@ ones (an upgrade or an edit of torchtpu leaves the old one unused); they are not
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -82,19 +84,26 @@ def place() -> bool:
                   f"caches only from its own private directory ({ours}): unset "
                   "TORCHINDUCTOR_CACHE_DIR for warm starts of compiled graphs")
         return False
-    if not os.path.isdir(ours):
+    try:
         _make(Path(ours))
+    except OSError as error:
+        # Inductor makes its cache's subdirectories as it sets up and raises when it cannot:
+        # left at its default it compiles as without torchtpu's cache, and the directory's
+        # failure is the store's one warning (``cache_faults``), as for eager programs.
+        compile_cache.store().faults.failed("write", error)
+        return False
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_PLACED] = ours
     return True
 
 
 def _make(path: Path) -> None:
-    """path made, and its parent's key directories but the KEEP newest deleted."""
-    try:
+    """path made (an OSError when it cannot be made or written), and its parent's key
+    directories but the KEEP newest deleted."""
+    if not path.is_dir():
         path.mkdir(parents=True, exist_ok=True)
-        keys = sorted(path.parent.iterdir(), key=lambda p: p.stat().st_mtime, reverse=True)
-    except OSError:
-        return  # PyTorch's own write reports a directory it cannot use
-    for old in keys[KEEP:]:
-        if old != path:
-            shutil.rmtree(old, ignore_errors=True)
+        for old in sorted(path.parent.iterdir(), key=lambda p: p.stat().st_mtime,
+                          reverse=True)[KEEP:]:
+            if old != path:
+                shutil.rmtree(old, ignore_errors=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
