@@ -18,14 +18,29 @@ def _line_of(code: str) -> int:
         return next(i for i, line in enumerate(f, 1) if line.strip().startswith(code))
 
 
-def test_sizes_parse():
-    assert memory_limit.parse_size("512M") == 512 * MB
-    assert memory_limit.parse_size("2GiB") == 2 << 30
-    assert memory_limit.parse_size(" 1048576 ") == MB
-    assert memory_limit.parse_size("0.25") == 0.25
-    assert memory_limit.parse_size("off") is None and memory_limit.parse_size("") is None
-    with pytest.raises(ValueError, match=r"torchtpu\.config: TORCHTPU_MEMORY_LIMIT='lots'"):
-        memory_limit.parse_size("lots")
+@pytest.mark.parametrize("text, size", [
+    ("512M", 512 * MB), ("512m", 512 * MB), ("512MB", 512 * MB), ("512MiB", 512 * MB),
+    ("512 Mi", 512 * MB), ("64K", 64 << 10), ("2GiB", 2 << 30), ("2gb", 2 << 30),
+    ("1.5G", 3 << 29), ("1T", 1 << 40), (" 1048576 ", MB), ("4096B", 4096), ("1", 1),
+    ("0.25", 0.25), (".5", 0.5), ("0", None), ("0.0", None), ("0M", None), ("off", None),
+    ("", None), ("none", None)])
+def test_sizes_parse(text, size):
+    """Every form the README names (bytes, K/M/G/T suffixes, a fraction below 1, off)."""
+    assert memory_limit.parse_size(text) == size
+
+
+@pytest.mark.parametrize("text, says", [
+    ("1.5", "is neither a whole number of bytes nor a fraction below 1"), ("1.0", "is neither"),
+    ("0.5B", "is neither"), ("1.5b", "is neither"), ("lots", "is not a size"),
+    ("-1", "is not a size"), ("1e6", "is not a size"), ("2X", "is not a size"),
+    ("512i", "is not a size")])
+def test_sizes_that_are_not_sizes_are_refused_by_name(text, says):
+    with pytest.raises(ValueError, match=rf"torchtpu\.config: TORCHTPU_MEMORY_LIMIT='{text}'"
+                                         rf" {says}"):
+        memory_limit.parse_size(text)
+
+
+def test_memory_fraction():
     with pytest.raises(ValueError, match=r"torchtpu\.argument: set_per_process_memory_fraction"):
         torch.tpu.set_per_process_memory_fraction(1.5)
     torch.tpu.set_per_process_memory_fraction(0.5)
@@ -34,6 +49,58 @@ def test_sizes_parse():
     finally:
         torch.tpu.set_per_process_memory_fraction(1.0)
     assert memory_limit.limit() is None
+
+
+_doubled = torch.compile(lambda a: a * 2, backend="tpu")
+_sorted_sum = torch.compile(lambda a: torch.sort(a).values.sum(), backend="tpu")
+
+
+@torch.compile(backend="tpu")
+def _scaled_in_place(a):
+    a.mul_(3)
+
+
+def test_compiled_graphs_ask_for_outputs_and_temporaries_less_donations():
+    """A compiled graph's program is counted too (it comes compiled: no lowering to analyse)."""
+    x = torch.ones(MB, device="tpu")  # 4 MiB
+    for f in (_doubled, _sorted_sum, _scaled_in_place):  # compiled without a limit
+        f(x)
+    x = torch.ones(MB, device="tpu")
+    base = memory_limit._in_use()
+    memory_limit.set_limit(base + 2 * MB)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            _doubled(x)  # an output of 4 MiB
+        text = str(caught.value)
+        assert text.startswith("torchtpu.memory: out of device memory running compiled_"), text
+        assert f"asks for {4 * MB:,} bytes" in text and f"(at {__file__}:" in text, text
+        del caught
+        with pytest.raises(torch.OutOfMemoryError, match=r"running compiled_.* asks for (\d|,)+"):
+            _sorted_sum(x)  # an output of 4 bytes, a sort's temporaries of 8 MiB
+        _scaled_in_place(x)  # an output of 4 MiB, where x was: donated, it asks for nothing
+        assert memory_limit._in_use() == base
+    finally:
+        memory_limit.set_limit(None)
+    assert torch.equal(x.cpu(), torch.full((MB,), 3.0))
+
+
+def test_copies_from_the_host_are_counted():
+    base = memory_limit._in_use()
+    memory_limit.set_limit(base + 2 * MB)
+    try:
+        with pytest.raises(torch.OutOfMemoryError) as caught:
+            torch.ones(MB).to("tpu")  # 4 MiB
+        text = str(caught.value)
+        assert text.startswith("torchtpu.memory: out of device memory copying a tensor from the "
+                               f"host (at {__file__}:{_line_of('torch.ones(MB).to(')})"), text
+        assert f"asks for {4 * MB:,} bytes with {base:,} in use" in text, text
+        del caught
+        small = torch.ones(1000).to("tpu")  # within the limit: copied
+        with pytest.raises(torch.OutOfMemoryError, match="copying a storage from the host"):
+            torch.UntypedStorage(bytes(4 * MB), device="tpu")  # torch.load's way to the device
+    finally:
+        memory_limit.set_limit(None)
+    assert torch.equal(small.cpu(), torch.ones(1000))
 
 
 def test_out_of_memory_names_program_bytes_and_tensors_and_the_process_goes_on():

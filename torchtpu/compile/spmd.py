@@ -206,6 +206,10 @@ class _Runner:
                      or call.has_host_callbacks or call.mut)
         self._call = call if direct else None
 
+    def memory_analysis(self):
+        """XLA's analysis of one device's memory for the program (the memory limit's)."""
+        return self._compiled.memory_analysis()
+
     def __call__(self, args: tuple, scalars: list) -> list:
         leaves = jax.tree.leaves(args)
         call = self._call

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import asserts, dtypes, overlap, tensors
+from torchtpu.device import asserts, dtypes, memory_limit, overlap, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.views import _bitcast_flat
 from torchtpu.runtime import launch, platform, transfer, warm
@@ -180,6 +180,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             # A copy: on the CPU platform device_put may alias the NumPy buffer, and the CPU
             # tensor's later in-place writes would then show through on the device.
             host = np.array(torch_to_numpy(src), copy=True)
+            memory_limit.admit(host.nbytes, "copying a tensor from the host")
             metrics.count("host_to_device_bytes", host.nbytes)
             value = convert(transfer.put(host, platform.jax_device(dst.device.index)), dst)
         tensors.write(dst, value)

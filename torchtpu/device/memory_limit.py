@@ -1,7 +1,8 @@
 """A device-memory limit, and the out-of-memory error: ``torchtpu.memory: ...``.
 
 A user sets the limit with ``TORCHTPU_MEMORY_LIMIT`` (bytes, or with a K/M/G/T suffix: ``512M``,
-``2GiB``; a value below 1 is a fraction of the device's memory) or with
+``1.5G``, ``2GiB``; a number below 1 without a suffix is a fraction of the device's memory, and
+one such as ``1.5``, neither whole bytes nor a fraction, is an error) or with
 ``torch.tpu.set_per_process_memory_fraction(f)`` (CUDA's call: a fraction of
 ``torch.tpu.get_device_properties().total_memory``), and lifts it with ``set_limit(None)`` or a
 fraction of 1. XLA:CPU has no limit of its own (its buffers are host memory), so a limit is how a
@@ -11,10 +12,12 @@ While a limit is set, every device program launch (the one hook every executor, 
 compiled graphs, captures and collectives call, ``runtime/launch.py``) first adds the bytes the
 program asks for (its outputs and temporaries less what donation lets it reuse, from XLA's memory
 analysis of the compiled program, once per program and argument signature) to the bytes live on
-the device; over the limit, nothing runs and nothing is donated: a ``torch.OutOfMemoryError``
-(``torch.cuda.OutOfMemoryError`` is the same class) names the program, the user's line that ran
-it, the bytes it asked for, the bytes in use, and the largest live tensors, with the Python stack
-that made each while memory history records (``torch.tpu.memory._record_memory_history()``).
+the device (a compiled graph's program is analysed as it is, compiled already); a copy from
+the host (``admit``) adds its bytes. Over the limit, nothing runs and nothing is donated: a
+``torch.OutOfMemoryError`` (``torch.cuda.OutOfMemoryError`` is the same class) names the program
+or the copy, the user's line that ran it, the bytes it asked for, the bytes in use, and the
+largest live tensors, with the Python stack that made each while memory history records
+(``torch.tpu.memory._record_memory_history()``).
 The process can free them (``del``) and go on.
 
 With or without a limit, a launch the runtime itself refuses for want of memory (XLA's
@@ -39,7 +42,7 @@ import torch
 from torchtpu.runtime import launch, platform
 
 ENV = "TORCHTPU_MEMORY_LIMIT"
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]?)(i?b?)\s*$", re.I)
+_SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b))?$")
 _SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
 _state: dict = {"limit": None, "previous": None}
@@ -47,19 +50,30 @@ _asked: dict = {}  # (program, argument signature) -> bytes it allocates
 
 
 def parse_size(text: str, source: str = ENV) -> int | float | None:
-    """``"512M"`` / ``"2GiB"`` / ``"1048576"`` as bytes (an int); a number below 1 as that
-    fraction of the device's memory (a float); ``""`` / ``"0"`` / ``"off"`` as no limit."""
+    """``"512M"`` / ``"1.5G"`` / ``"2GiB"`` / ``"1048576"`` / ``"4096B"`` as bytes (an int); a
+    number below 1 without a unit as that fraction of the device's memory (a float); ``""``,
+    zero and ``"off"`` as no limit. Anything else (``"1.5"``: neither whole bytes nor a fraction
+    below 1) is a ``torchtpu.config`` error."""
     raw = text.strip().lower()
-    if raw in ("", "0", "off", "none"):
+    if raw in ("", "off", "none"):
         return None
     found = _SIZE.match(raw)
     if found is None:
         raise ValueError(f"torchtpu.config: {source}={text!r} is not a size (bytes, or with a "
                          "K/M/G/T suffix such as 512M or 2GiB, or a fraction below 1)")
-    number, unit = float(found.group(1)), found.group(2).lower()
-    if not unit and number < 1:
+    digits, unit, in_bytes = found.groups()
+    number = float(digits)
+    if number == 0:
+        return None
+    if unit:
+        return max(1, int(number * (1 << _SHIFT[unit])))
+    if number < 1 and not in_bytes:
         return number
-    return max(1, int(number * (1 << _SHIFT[unit])))
+    if "." in digits:
+        raise ValueError(f"torchtpu.config: {source}={text!r} is neither a whole number of bytes "
+                         "nor a fraction below 1 of the device's memory (such as 0.5); for "
+                         f"{digits} GiB write {digits}G")
+    return int(digits)
 
 
 def limit() -> int | None:
@@ -101,6 +115,16 @@ def set_per_process_memory_fraction(fraction: float, device=None) -> None:
     set_limit(None if fraction == 1 else max(1, int(fraction * memory.total_memory())))
 
 
+def admit(nbytes: int, what: str) -> None:
+    """Refuse a copy of nbytes onto the device (``what``) that would take it over the limit, as
+    a launch over it is refused. Costs one read when no limit is set."""
+    if _state["limit"] is None:
+        return
+    cap, in_use = limit(), _in_use()
+    if in_use + nbytes > cap:
+        raise torch.OutOfMemoryError(_message(what, nbytes, in_use, cap))
+
+
 def install() -> None:
     """Turn the runtime's refusals for memory into ``torch.OutOfMemoryError`` and set the limit
     ``TORCHTPU_MEMORY_LIMIT`` names, if any. (A fraction is resolved at the first launch: asking
@@ -125,15 +149,22 @@ def _asks(fn, args) -> int:
     key = (fn, _signature(args))
     found = _asked.get(key)
     if found is None:
-        jitted = getattr(fn, "jitted", fn)  # a warm.Program's function
         try:
-            stats = jitted.lower(*args).compile().memory_analysis()
+            stats = _analysis(fn, args)
             found = max(0, stats.output_size_in_bytes - stats.alias_size_in_bytes
                         + stats.temp_size_in_bytes)
         except Exception:  # noqa: BLE001 (not a jitted function, or no analysis on this runtime)
             found = 0
         _asked[key] = found
     return found
+
+
+def _analysis(fn, args):
+    """XLA's memory analysis of the program fn runs on args."""
+    if hasattr(fn, "memory_analysis"):  # compiled already: a compiled graph's, an SPMD runner
+        return fn.memory_analysis()
+    jitted = getattr(fn, "jitted", fn)  # a warm.Program's function
+    return jitted.lower(*args).compile().memory_analysis()
 
 
 def _in_use() -> int:
@@ -147,7 +178,7 @@ def _guard(label, fn, args: tuple):
         asked = _asks(fn, args)
         in_use = _in_use()
         if asked and in_use + asked > cap:
-            raise torch.OutOfMemoryError(_message(label, fn, asked, in_use, cap))
+            raise torch.OutOfMemoryError(_message(_running(label, fn), asked, in_use, cap))
     previous = _state["previous"]
     return fn(*args) if previous is None else previous(label, fn, args)
 
@@ -160,16 +191,21 @@ def refusal(label, fn, args: tuple, error: Exception) -> torch.OutOfMemoryError:
     found = _ASKED.search(str(error))
     asked = int(found.group(1)) if found else _asks(fn, args) or None
     runtime = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-    return torch.OutOfMemoryError(_message(label, fn, asked, _in_use(), limit(), runtime))
+    return torch.OutOfMemoryError(_message(_running(label, fn), asked, _in_use(), limit(),
+                                           runtime))
 
 
-def _message(label, fn, asked: int | None, in_use: int, cap: int | None,
+def _running(label, fn) -> str:
+    name = str(label) if label is not None else getattr(fn, "__name__", type(fn).__name__)
+    return f"running {name}"
+
+
+def _message(what: str, asked: int | None, in_use: int, cap: int | None,
              runtime: str | None = None) -> str:
     from torchtpu.runtime.tpu_hook import user_line
 
-    name = str(label) if label is not None else getattr(fn, "__name__", type(fn).__name__)
     line = user_line()
-    head = f"torchtpu.memory: out of device memory running {name}"
+    head = f"torchtpu.memory: out of device memory {what}"
     head += f" (at {line})" if line else ""
     if runtime is None:
         head += (f": it asks for {asked:,} bytes with {in_use:,} in use, over the limit of "

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from torchtpu.device import memory_history
+from torchtpu.device import memory_history, memory_limit
 from torchtpu.runtime.platform import jax_device
 
 _ALIGN = 64
@@ -127,6 +127,7 @@ def install_constructor() -> None:
                 host = base_new(klass, *args)
                 storage = new_storage(host.nbytes(), index)
                 if host.nbytes():
+                    memory_limit.admit(host.nbytes(), "copying a storage from the host")
                     host_bytes = torch.empty(0, dtype=torch.uint8).set_(host).numpy()
                     set_array(storage, jax.device_put(host_bytes, jax_device(index)))
             if memory_history.recording:
