@@ -1,0 +1,210 @@
+"""The chip suite's Llama row (issue 35): ``torchtpu.testing.llama``'s training step in every mode
+torchtpu has, beside the same step written in JAX, on one chip in one process.
+
+    TORCHTPU_PLATFORM=tpu python bench/on_tpu_llama.py [--lengths 1024,2048]
+        [--modes jax,whole,model,strict,defer] [--layers 12] [--json out.json]
+    python bench/on_tpu_llama.py --tiny --tokens 256 --lengths 64   # a smoke run on CPU
+
+Modes, each on a fresh model (the previous one's memory given back first):
+- ``jax``: ``bench/tpu_llama.py``'s step, one ``jax.jit`` with donated parameters and moments;
+- ``whole``: ``torch.compile(step, backend="tpu")``, the whole step as one captured program;
+- ``model``: ``torch.compile(model, backend="tpu")`` with backward, clipping and AdamW eager;
+- ``strict``: eager, one op at a time (the default mode);
+- ``defer``: eager under DeferAndFuse (a flush at each step's ``loss.item()``).
+
+Each prints ms/step (median of rounds, each ended by a host read of the loss), MFU against the
+chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model made to the end
+of the first three steps, compiles included), peak device memory
+(``torch.tpu.max_memory_allocated``, PJRT's peak on a TPU; JAX: the device's
+``peak_bytes_in_use`` and XLA's memory analysis of the step), and per timed step the executable
+compiles, persistent-cache hits and program executions (``torchtpu.metrics`` deltas). Batch x
+length is 8,192 tokens at every length (``--tokens``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import torch
+
+import torchtpu
+from torchtpu.testing.llama import Llama, LlamaConfig, model_flops, train_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax_models  # noqa: E402  (bench/ is no package)
+import tpu_llama  # noqa: E402
+
+PEAKS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v6 lite": 918e12, "TPU v5p": 459e12,
+         "TPU v4": 275e12}
+TOKENS = 8192
+COUNTERS = ("executable_compiles", "persistent_cache_hits", "executions")
+
+
+def _counters() -> dict:
+    snap = torchtpu.metrics.snapshot()
+    return {k: snap.get(k, 0) for k in COUNTERS}
+
+
+def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> tuple:
+    """(ms per step of each round, counters per step over all rounds); stops early past
+    budget_s, keeping at least one round."""
+    times, before = [], _counters()
+    t_all = time.perf_counter()
+    done = 0
+    for _ in range(rounds):
+        t = time.perf_counter()
+        for _ in range(steps):
+            out = run_step()
+        read(out)
+        times.append((time.perf_counter() - t) / steps * 1e3)
+        done += steps
+        if time.perf_counter() - t_all > budget_s:
+            break
+    after = _counters()
+    return times, {k: (after[k] - before[k]) / done for k in COUNTERS}
+
+
+def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float) -> dict:
+    t0 = time.perf_counter()
+    fn = jax.jit(jax_models.train_step(tpu_llama.loss_fn(c), 3e-4, (0.9, 0.999), 1e-8, 0.1, 1.0),
+                 donate_argnums=(0, 1, 2))
+    params = tpu_llama.init(c, jax.random.key(0))
+    state = [params, jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
+             jnp.zeros((), jnp.float32)]
+    ids = jax.random.randint(jax.random.key(1), (batch, c.seq + 1), 0, c.vocab)
+    x, y = ids[:, :-1], ids[:, 1:]
+    compiled = fn.lower(*state, x, y).compile()
+    mem = compiled.memory_analysis()
+
+    def run_step():
+        *state[:4], loss = compiled(*state, x, y)
+        return loss
+
+    first = [float(run_step()) for _ in range(3)]
+    warm = time.perf_counter() - t0
+    times, per_step = _timed_rounds(run_step, float, steps, rounds, budget_s)
+    stats = jax.devices()[0].memory_stats() or {}
+    row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
+           "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+           "xla_argument_gib": mem.argument_size_in_bytes / 2**30,
+           "xla_temp_gib": mem.temp_size_in_bytes / 2**30}
+    return row
+
+
+def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
+               budget_s: float) -> dict:
+    torch.tpu.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    torch.manual_seed(0)
+    with torch.device("tpu"):
+        model = Llama(c)
+    if mode == "model":
+        model = torch.compile(model, backend="tpu")
+    step, opt = train_step(model)
+    if mode == "whole":
+        step = torch.compile(step, backend="tpu")
+    ids = torch.randint(c.vocab, (batch, c.seq + 1), generator=torch.Generator().manual_seed(1))
+    x, y = ids[:, :-1].contiguous().to("tpu"), ids[:, 1:].contiguous().to("tpu")
+    eager = torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "defer" else \
+        torch.tpu.EagerMode.DEFER_NEVER
+    with torch.tpu.set_eager_mode(eager):
+        first = [step(x, y).item() for _ in range(3)]
+        warm = time.perf_counter() - t0
+        times, per_step = _timed_rounds(lambda: step(x, y), lambda t: t.item(), steps, rounds,
+                                        budget_s)
+    row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
+           "peak_gib": torch.tpu.max_memory_allocated() / 2**30}
+    return row
+
+
+def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: float,
+        tokens: int = TOKENS) -> dict:
+    c = LlamaConfig(**dims, seq=length)
+    batch = tokens // length
+    if mode == "jax":
+        out = _jax_row(tpu_llama.config(**dims, seq=length), batch, steps, rounds, budget_s)
+    else:
+        out = _torch_row(mode, c, batch, steps, rounds, budget_s)
+    gc.collect()  # the mode's model, optimizer state and programs, before the next mode's
+    torch.tpu.synchronize()
+    torch.tpu.empty_cache()
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Llama(c).parameters())
+    ms = statistics.median(out["rounds_ms"])
+    peak = PEAKS.get(jax.devices()[0].device_kind)
+    flops = model_flops(c, n, tokens)
+    out.update(mode=mode, length=length, batch=batch, dims=dims, ms_per_step=ms,
+               model_tflop=flops / 1e12, mfu=flops / (ms / 1e3 * peak) if peak else None)
+    return out
+
+
+def table(results: list[dict]) -> str:
+    """Markdown rows: mode, length, ms/step, MFU, vs JAX, warm-up, peak GiB, compiles/step."""
+    jax_ms = {r["length"]: r["ms_per_step"] for r in results if r.get("mode") == "jax"
+              and "ms_per_step" in r}
+    lines = ["| mode | tokens | ms/step | MFU | vs JAX | warm-up s | peak GiB | compiles, "
+             "cache hits, executions per step |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in results:
+        if "ms_per_step" not in r:
+            lines.append(f"| {r['mode']} | {r['length']} | error: "
+                         f"{r.get('error', '?').splitlines()[-1][:120]} |")
+            continue
+        ref = jax_ms.get(r["length"])
+        ps = r["per_step"]
+        lines.append(
+            f"| {r['mode']} | {r['batch']}x{r['length']} | {r['ms_per_step']:.1f} | "
+            f"{(r['mfu'] or 0) * 100:.1f}% | {ref / r['ms_per_step'] if ref else 0:.3f}x | "
+            f"{r['warmup_s']:.0f} | {r['peak_gib']:.2f} | "
+            f"{ps['executable_compiles']:.2f}, {ps['persistent_cache_hits']:.2f}, "
+            f"{ps['executions']:.1f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list | None = None) -> list:
+    p = argparse.ArgumentParser(prog="bench/on_tpu_llama.py",
+                                description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1024,2048")
+    p.add_argument("--modes", default="jax,whole,model,strict,defer")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--tokens", type=int, default=TOKENS, help="batch x length")
+    p.add_argument("--tiny", action="store_true",
+                   help="vocab 512, width 128, 2 heads, MLP 256: a smoke run on CPU")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--budget-s", type=float, default=60.0,
+                   help="stop a mode's timed rounds past this many seconds (one round at least)")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    print(f"jax {jax.__version__}, torch {torch.__version__}, {jax.devices()}", flush=True)
+    results = []
+    for length in (int(x) for x in args.lengths.split(",")):
+        for mode in args.modes.split(","):
+            t = time.perf_counter()
+            try:
+                dims = {"layers": args.layers}
+                if args.tiny:
+                    dims.update(vocab=512, dim=128, heads=2, hidden=256)
+                r = row(mode, length, dims, args.steps, args.rounds, args.budget_s, args.tokens)
+            except Exception as e:  # one mode failing (out of memory, say) leaves the others
+                r = {"mode": mode, "length": length, "error": f"{type(e).__name__}: {e}"}
+                gc.collect()
+            r["wall_s"] = time.perf_counter() - t
+            results.append(r)
+            print(json.dumps(r, default=str), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(results, f, indent=1, default=str)
+    print(table(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
