@@ -465,6 +465,10 @@ def enable() -> None:
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # JAX would point XLA's GPU autotuning cache into the directory, by its path, in every
+    # program's compile options, which are part of each key: a copied or moved cache would
+    # then miss everything. The executables themselves are cached here whatever the platform.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     # JAX builds its file store lazily on first use; installing ours first keeps it from doing so.
     with jax_cache._cache_initialized_mutex:
         jax_cache._cache = store
