@@ -15,24 +15,32 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 from torchtpu.device import tensors
+from torchtpu.runtime import launch
 
 # A program that never reads to the host would let flags pile up: past this many, those already
-# computed are read (their ops ran long ago, so that waits for little). Flags still pending in a
-# DeferAndFuse recording stay: reading them would run the recording early.
+# computed are merged into one on the device (``_merged``), which reads nothing back: reading
+# them would stall the host until the device caught up with the newest (a Strict loop of
+# checked ops ran in lockstep every 64 of them). Flags still pending in a DeferAndFuse recording
+# stay as they are: merging them would add to the recording.
 MAX_PENDING = 64
 
-_pending: list = []  # (flags: [bad, value] array or pending value, error(value), where)
+# (flags, parts): flags an int array ``[bad, value]`` (or a pending value of one), or a merged
+# ``[bad, value, which, count]``; parts the (error(value), where) of each check it stands for,
+# ``which`` the failed one's index among them.
+_pending: list = []
 
 
 def add(flags, error: Callable[[int], Exception], where: str) -> None:
     """Raise ``error(value)`` at the next host read if flags (an int array ``[bad, value]``,
     computed or pending) says bad; where says which call it came from."""
-    _pending.append((flags, error, where))
+    _pending.append((flags, [(error, where)]))
     if len(_pending) > MAX_PENDING:
-        _raise(computed_only=True)
+        _merge()
 
 
 def raise_pending() -> None:
@@ -48,17 +56,42 @@ def _computed(flags) -> bool:
     return not (isinstance(flags, tensors.Deferred) and flags.resolve() is flags)
 
 
+def _merged(*flags):
+    """One ``[bad, value, which, count]`` for many flags: the first failed check's value and
+    index among all the checks they stand for, and how many those are."""
+    rows = jnp.stack([f if f.shape[0] == 4 else jnp.concatenate([f, jnp.array([0, 1], f.dtype)])
+                      for f in flags])
+    bad = rows[:, 0] != 0
+    first = jnp.argmax(bad)
+    before = jnp.cumsum(rows[:, 3]) - rows[:, 3]
+    return jnp.stack([bad.any().astype(rows.dtype), rows[first, 1],
+                      before[first] + rows[first, 2], rows[:, 3].sum()])
+
+
+_merge_program = jax.jit(_merged)
+
+
+def _merge() -> None:
+    done = [p for p in _pending if _computed(p[0])]
+    if len(done) < 2:
+        return
+    flags = launch.run(None, _merge_program, tuple(p[0] for p in done))
+    parts = [part for p in done for part in p[1]]
+    _pending[:] = [(flags, parts), *(p for p in _pending if not _computed(p[0]))]
+
+
 def _raise(computed_only: bool) -> None:
     checked = [p for p in _pending if not computed_only or _computed(p[0])]
     _pending[:] = [p for p in _pending if computed_only and not _computed(p[0])]
-    for flags, error, where in checked:
+    for flags, parts in checked:
         try:
-            bad, value = (int(v) for v in np.asarray(flags))
+            values = [int(v) for v in np.asarray(flags)]
         except RuntimeError:  # a DeferAndFuse flush that failed lost it, and said so then
             continue
-        if bad:
+        if values[0]:
             del _pending[:]  # the process goes on: later checks are about a broken state
-            exc = error(value)
+            error, where = parts[values[2] if len(values) == 4 else 0]
+            exc = error(values[1])
             exc.add_note(f"Checked on the device and raised at the first host read after the "
                          f"call {where}; the op's result is not valid.")
             raise exc

@@ -18,6 +18,7 @@ import torch
 
 from torchtpu import metrics
 from torchtpu.device import tensors
+from torchtpu.eager import numbers
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch
@@ -30,7 +31,13 @@ class Strict:
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
-        return launch.run(lowering.op, program(lowering, spec), dyn)
+        if not numbers.scalar_slots(spec):
+            return launch.run(lowering.op, program(lowering, spec), dyn)
+        # Its traced numbers as device arrays, kept for the next call: a program handing one
+        # back as a result (JAX forwards an input it returns) gives a copy, which a storage
+        # may own.
+        spec, dyn = numbers.on_device(spec, dyn)
+        return numbers.not_kept(launch.run(lowering.op, program(lowering, spec), dyn))
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""

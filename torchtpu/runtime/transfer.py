@@ -16,7 +16,8 @@ import functools
 
 import jax
 import numpy as np
-from jax._src import core, dtypes
+from jax._src import config, core, dtypes
+from jax._src.lax import lax as lax_internal
 from jax._src.lib import xla_client
 
 _fast = [getattr(xla_client, "batched_device_put", None)]
@@ -39,3 +40,20 @@ def put(host, device) -> jax.Array:
         except TypeError:  # another jaxlib's form of the call: JAX's own path from now on
             _fast[0] = None
     return jax.device_put(host, device)
+
+
+def put_uncommitted(host: np.ndarray, device, weak: bool = False) -> jax.Array:
+    """host (a NumPy array) on device, uncommitted: a program whose other arguments are on
+    another device takes it there, as it takes a Python number. ``weak``: weakly typed, as JAX
+    types a Python number (``x * 0.5`` of a float32 x stays float32). An explicit transfer, as
+    ``jax.device_put``'s: ``jax.transfer_guard("disallow")`` lets it through."""
+    fast = _fast[0]
+    if fast is not None:
+        aval = core.ShapedArray(host.shape, host.dtype, weak_type=weak)
+        try:
+            with config.explicit_device_put_scope():
+                return fast(aval, _sharding(device), [host], [device], False)
+        except TypeError:
+            _fast[0] = None
+    array = jax.device_put(host)
+    return lax_internal._convert_element_type(array, weak_type=True) if weak else array

@@ -1,0 +1,127 @@
+"""A Strict training step as the chip sees it, counted on CPU (``testing/step_census.py``): no
+host waits but the user's ``.item()``, no number copied to the device per op, bfloat16 products
+under autocast, and the numbers Strict keeps on the device computing as CPU does."""
+
+import jax
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu
+from torchtpu.device import asserts
+from torchtpu.eager import numbers
+from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+from torchtpu.testing.step_census import census
+
+CONFIG = LlamaConfig(vocab=256, dim=64, layers=1, heads=2, hidden=128, seq=32)
+
+
+def _llama(dtype):
+    torch.manual_seed(0)
+    model = Llama(CONFIG).to("tpu")
+    step, _ = train_step(model, dtype=dtype)
+    ids = torch.randint(CONFIG.vocab, (2, CONFIG.seq + 1))
+    x, y = ids[:, :-1].contiguous().to("tpu"), ids[:, 1:].contiguous().to("tpu")
+    step(x, y)
+    step(x, y)  # AdamW's state exists from the first step on: the second is the steady one
+    return model, step, x, y
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return _llama(torch.bfloat16)
+
+
+def test_a_strict_step_waits_for_nothing_but_the_users_item(llama):
+    _, step, x, y = llama
+    with census(dots=False) as c:
+        loss = step(x, y)
+    assert c.host_waits == [] and c.launch_count > 100
+    with census(dots=False) as c:
+        loss.item()
+    assert c.host_waits  # the census sees a wait where there is one
+
+
+def test_a_strict_step_copies_no_number_to_the_device_per_op(llama):
+    model, step, x, y = llama
+    before = torchtpu.metrics.snapshot()["host_to_device_bytes"]
+    with census(dots=False) as c:
+        step(x, y)
+    assert not c.scalar_transfers
+    # What still crosses: AdamW's two per-parameter lists that change every step (its step
+    # sizes and bias corrections), one array each, float64.
+    params = sum(1 for _ in model.parameters())
+    assert torchtpu.metrics.snapshot()["host_to_device_bytes"] - before == 2 * 8 * params
+    with jax.transfer_guard_host_to_device("disallow"):  # nothing implicit either
+        step(x, y)
+
+
+def test_under_autocast_every_product_takes_bfloat16_operands(llama):
+    _, step, x, y = llama
+    with census() as c:
+        step(x, y)
+    assert c.dots and {operands for _, operands, _, _ in c.dots} == {("bf16", "bf16")}
+    assert {p for p, *_ in c.dots} >= {"aten.mm.default",
+                                      "aten._scaled_dot_product_fused_attention_overrideable"
+                                      ".default"}
+
+
+@pytest.mark.full
+def test_without_autocast_products_keep_float32_at_highest():
+    _, step, x, y = _llama(None)
+    with census() as c:
+        step(x, y)
+    assert {(operands, precision) for _, operands, _, precision in c.dots} == {
+        (("f32", "f32"), "HIGHEST,HIGHEST")}
+
+
+def test_many_device_checks_are_merged_on_the_device_not_read():
+    cpu_w = torch.randn(10, 4)
+    w = cpu_w.to("tpu")
+    good = torch.tensor([0, 9], device="tpu")
+    with census(dots=False) as c:
+        outs = [F.embedding(good, w) for _ in range(3 * asserts.MAX_PENDING)]
+        bad = F.embedding(torch.tensor([2, 12], device="tpu"), w)
+        outs += [F.embedding(good, w) for _ in range(2 * asserts.MAX_PENDING)]
+    assert c.host_waits == [] and len(asserts._pending) <= asserts.MAX_PENDING
+    with pytest.raises(IndexError, match="index 12 is out of bounds") as raised:
+        bad.cpu()
+    assert "test_strict_step.py" in str(raised.value.__notes__)  # the failed call's line
+    assert not asserts._pending
+    torch.testing.assert_close(outs[-1].cpu(), F.embedding(torch.tensor([0, 9]), cpu_w))
+
+
+@pytest.mark.parametrize("number", [1e-5, -0.0, float("nan"), float("inf"), 7, -3, True,
+                                    2 ** 40, 0.1 + 0.2j])
+def test_numbers_kept_on_the_device_compute_as_cpu(number):
+    x = torch.linspace(-2, 2, 12).reshape(3, 4)
+    if isinstance(number, complex):
+        x = x.to(torch.complex64)
+    for _ in range(2):  # the second call finds the number kept
+        got = (x.to("tpu") * number + number).cpu()
+    want = x * number + number
+    assert got.dtype == want.dtype
+    torch.testing.assert_close(got, want, equal_nan=True)
+    if isinstance(number, float) and number == 0:  # -0.0 is kept apart from 0.0
+        assert torch.equal(torch.signbit(got), torch.signbit(want))
+
+
+@pytest.mark.parametrize("scalars", [[0.5, 1e-3, -2.0], [3, -1, 2], [0.5, 2, -1.5]])
+def test_a_list_of_numbers_crosses_as_one_array_and_computes_as_cpu(scalars):
+    ts = [torch.randn(5) for _ in scalars]
+    devs = [t.to("tpu") for t in ts]
+    with census(dots=False) as c:
+        got = torch._foreach_mul(devs, scalars)
+    assert not c.scalar_transfers
+    for g, t, s in zip(got, ts, scalars):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g.cpu(), t * s)
+
+
+def test_a_kept_number_handed_back_as_a_result_is_copied():
+    kept = numbers.cached(0.625)
+    assert numbers.cached(0.625) is kept
+    out = numbers.not_kept((kept, 1))
+    assert out[0] is not kept and out[1] == 1
+    np.testing.assert_array_equal(np.asarray(out[0]), 0.625)
