@@ -44,15 +44,14 @@ def test_a_strict_step_waits_for_nothing_but_the_users_item(llama):
 
 
 def test_a_strict_step_copies_no_number_to_the_device_per_op(llama):
-    model, step, x, y = llama
-    before = torchtpu.metrics.snapshot()["host_to_device_bytes"]
+    _, step, x, y = llama
+    before = torchtpu.metrics.snapshot().get("number_transfers", 0)
     with census(dots=False) as c:
         step(x, y)
     assert not c.scalar_transfers
-    # What still crosses: AdamW's two per-parameter lists that change every step (its step
-    # sizes and bias corrections), one array each, float64.
-    params = sum(1 for _ in model.parameters())
-    assert torchtpu.metrics.snapshot()["host_to_device_bytes"] - before == 2 * 8 * params
+    # What may still cross: AdamW's step size and bias correction, which change every step (one
+    # value for all parameters), unless an earlier run had their values.
+    assert torchtpu.metrics.snapshot().get("number_transfers", 0) - before <= 2
     with jax.transfer_guard_host_to_device("disallow"):  # nothing implicit either
         step(x, y)
 
@@ -107,13 +106,18 @@ def test_numbers_kept_on_the_device_compute_as_cpu(number):
         assert torch.equal(torch.signbit(got), torch.signbit(want))
 
 
-@pytest.mark.parametrize("scalars", [[0.5, 1e-3, -2.0], [3, -1, 2], [0.5, 2, -1.5]])
-def test_a_list_of_numbers_crosses_as_one_array_and_computes_as_cpu(scalars):
+@pytest.mark.parametrize("scalars", [[0.5, 1e-3, -2.0], [3, -1, 2], [0.5, 2, -1.5, 0.5],
+                                     [0.0, -0.0]])
+def test_a_list_of_numbers_crosses_each_value_once_and_computes_as_cpu(scalars):
     ts = [torch.randn(5) for _ in scalars]
     devs = [t.to("tpu") for t in ts]
+    torch._foreach_mul(devs, scalars)
+    before = torchtpu.metrics.snapshot().get("number_transfers", 0)
     with census(dots=False) as c:
         got = torch._foreach_mul(devs, scalars)
     assert not c.scalar_transfers
+    zeros = sum(1 for s in scalars if s == 0)  # a float zero's sign is no key: it crosses
+    assert torchtpu.metrics.snapshot().get("number_transfers", 0) - before == zeros
     for g, t, s in zip(got, ts, scalars):
         assert g.dtype == torch.float32
         torch.testing.assert_close(g.cpu(), t * s)

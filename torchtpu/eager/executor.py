@@ -36,7 +36,7 @@ class Strict:
         # Its traced numbers as device arrays, kept for the next call: a program handing one
         # back as a result (JAX forwards an input it returns) gives a copy, which a storage
         # may own.
-        spec, dyn = numbers.on_device(spec, dyn)
+        dyn = numbers.on_device(spec, dyn)
         return numbers.not_kept(launch.run(lowering.op, program(lowering, spec), dyn))
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):

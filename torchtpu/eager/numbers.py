@@ -1,16 +1,14 @@
-"""Python numbers a Strict program takes, as device arrays: cached by value, lists packed.
+"""Python numbers a Strict program takes, as device arrays copied once and kept by value.
 
 A traced number (``x + 1e-5``, a mean's divisor, the foreach ops' per-tensor scalars) enters a
 jitted program as a Python number, which JAX copies to the device on every call: on a TPU each
-is a host-to-device transfer of a few bytes, with its latency, per op. Strict hands the program
-a device array instead:
-
-- a number is copied once and kept (``cached``: by type and value, bounded), so the same
-  constant in every layer and every step crosses once; its array has the abstract value the
-  number would have had (weakly typed), so the program is the same one;
-- a list of numbers of one type (AdamW's ``step_size`` per parameter, which changes every step)
-  crosses as one array and the program takes its elements apart again (``PACKED`` in its spec's
-  entry): one transfer where there were as many as parameters.
+is a host-to-device transfer of a few bytes, with its latency, per op (a Strict Llama step made
+58 at one layer, most of them AdamW's per-parameter lists). Strict hands the program a device
+array instead, copied once and kept (by type and value, bounded): the same constant in every
+layer and every step crosses once, and a list whose values are all one (AdamW's step size for
+each parameter) crosses once per new value. The array has the abstract value the number would
+have had (weakly typed: ``x * 0.5`` of a float32 ``x`` stays float32), so the program is the
+same one.
 
 Only Strict does this (``executor.Strict.run``): DeferAndFuse keeps numbers as inputs of its
 recording and graphs as inputs of theirs.
@@ -24,25 +22,13 @@ import numpy as np
 
 from torchtpu import metrics
 from torchtpu.device import tensors
-from torchtpu.eager.meta import bounded_put
-from torchtpu.eager.program import CONST, PACKED, SCALAR, TENSORS, Spec
+from torchtpu.eager.program import CONST, SCALAR, TENSORS, Spec
 from torchtpu.runtime import platform, transfer
 
 _LIMIT = 4096
 _cache: dict = {}
 _kept_ids: set = set()  # ids of the arrays in _cache
-_packed_specs: dict = {}
 _WEAK = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
-
-
-def _put(host: np.ndarray, weak: bool):
-    metrics.count("host_to_device_bytes", host.nbytes)
-    return transfer.put_uncommitted(host, platform.local_device(), weak)
-
-
-def _kept(v) -> bool:
-    # -0.0 equals 0.0 as a key (its sign survives a multiply) and NaN equals nothing.
-    return not (type(v) is float and (v == 0 or math.isnan(v)))
 
 
 def _keep(key, array) -> None:
@@ -54,7 +40,8 @@ def _keep(key, array) -> None:
 
 
 def cached(v):
-    """v (a Python number, or a NumPy scalar ``dispatch`` made of one) as a device array."""
+    """v (a Python number, or the NumPy scalar ``dispatch`` makes of a complex one) as a device
+    array; anything else as it is."""
     key = (type(v), v)
     try:
         hit = _cache.get(key)
@@ -65,46 +52,30 @@ def cached(v):
     t = type(v)
     try:
         if t is bool or isinstance(v, np.generic):
-            array = _put(np.asarray(v), False)
+            host, weak = np.asarray(v), False
         elif t in _WEAK:
-            array = _put(np.asarray(v, _WEAK[t]), True)
+            host, weak = np.asarray(v, _WEAK[t]), True
         else:
             return v
     except OverflowError:  # an int past int64: JAX says what it says of it
         return v
-    if _kept(v):
+    metrics.count("host_to_device_bytes", host.nbytes)
+    metrics.count("number_transfers")
+    array = transfer.put_uncommitted(host, platform.local_device(), weak)
+    # -0.0 equals 0.0 as a key (its sign survives a multiply) and NaN equals nothing.
+    if not (t is float and (v == 0 or math.isnan(v))):
         _keep(key, array)
     return array
 
 
-def _uniform(v) -> type | None:
-    t = type(v[0]) if v else None
-    if t not in _WEAK or any(type(x) is not t for x in v):
-        return None
-    return t
-
-
-def packed(v, t: type):
-    key = (t, tuple(v))
-    hit = _cache.get(key)
-    if hit is None:
-        try:
-            hit = _put(np.asarray(v, _WEAK[t]), False)
-        except OverflowError:
-            return None
-        if all(_kept(x) for x in v):
-            _keep(key, hit)
-    return hit
-
-
 def scalar_slots(spec: Spec) -> tuple:
-    """(entry index, position among the dynamic values) of spec's SCALAR entries."""
+    """The positions among the dynamic values of spec's SCALAR entries."""
     slots = spec._scalars
     if slots is None:
         found, at = [], 0
-        for i, (kind, payload) in enumerate(spec.entries):
+        for kind, payload in spec.entries:
             if kind == SCALAR:
-                found.append((i, at))
+                found.append(at)
             if kind == TENSORS:
                 at += sum(element is not True for element in payload)
             elif kind != CONST:
@@ -113,43 +84,20 @@ def scalar_slots(spec: Spec) -> tuple:
     return slots
 
 
-def on_device(spec: Spec, dyn: tuple) -> tuple[Spec, tuple]:
-    """(spec, dyn) with each traced Python number a device array (see the module doc)."""
+def on_device(spec: Spec, dyn: tuple) -> tuple:
+    """dyn with each traced Python number (alone, or in a list) a kept device array."""
     dyn = list(dyn)
-    packs = []
-    for i, at in scalar_slots(spec):
+    for at in scalar_slots(spec):
         v = dyn[at]
-        if type(v) in (list, tuple):
-            t = _uniform(v)
-            array = None if t is None else packed(v, t)
-            if array is not None:
-                dyn[at] = array
-                packs.append(i)
-            else:
-                dyn[at] = type(v)(cached(x) for x in v)
-        else:
-            dyn[at] = cached(v)
-    if packs:
-        spec = _packed(spec, tuple(packs))
-    return spec, tuple(dyn)
+        dyn[at] = type(v)(cached(x) for x in v) if type(v) in (list, tuple) else cached(v)
+    return tuple(dyn)
 
 
 def not_kept(out):
-    """out, with any array of the cache among its leaves replaced by a copy."""
+    """out, with any kept array among its leaves replaced by a copy: JAX hands back an input a
+    program returns as it is, and a storage owning a kept array could give its buffer away."""
     if isinstance(out, (tuple, list)):
         return type(out)(not_kept(o) for o in out)
     if out is not None and id(out) in _kept_ids:
         return tensors.fresh_copy(out)
     return out
-
-
-def _packed(spec: Spec, packs: tuple) -> Spec:
-    key = (spec, packs)
-    derived = _packed_specs.get(key)
-    if derived is None:
-        entries = list(spec.entries)
-        for i in packs:
-            entries[i] = (SCALAR, PACKED)
-        derived = Spec(tuple(entries), spec.compute, spec.final, spec.promote)
-        bounded_put(_packed_specs, key, derived)
-    return derived

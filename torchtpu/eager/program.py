@@ -11,7 +11,6 @@ import functools
 from typing import Any
 
 import jax
-from jax._src.lax import lax as lax_internal
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import check_in_bounds, read_view
@@ -26,7 +25,6 @@ TENSORS = "l"      # a list of arrays/None: payload, per element: True (None), F
 SCALAR = "s"       # a traced Python number
 KEY = "k"          # PRNG key data -> a JAX key
 CONST = "c"        # baked-in constant: payload is the value
-PACKED = "packed"  # a SCALAR entry's payload: its list of numbers arrives as one 1-d array
 
 
 class Spec:
@@ -60,13 +58,6 @@ def prng_key(data):
     """A JAX key from (seed lo, seed hi, offset lo, offset hi) uint32 words."""
     key = jax.random.wrap_key_data(data[:2], impl="threefry2x32")
     return jax.random.fold_in(jax.random.fold_in(key, data[2]), data[3])
-
-
-def _unpacked(array) -> list:
-    """A packed list's numbers again (``eager/numbers.py``), each as weakly typed as the Python
-    number was: a float64 element times a float32 tensor stays a float32 product."""
-    return [lax_internal._convert_element_type(array[k], weak_type=True)
-            for k in range(array.shape[0])]
 
 
 def cast_outputs(x, dtype):
@@ -112,8 +103,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
                     items.append(v if element is False else read_view(v, element))
             args.append(items)
         elif kind == SCALAR:
-            v = next(it)
-            args.append(v if payload is None else _unpacked(v))
+            args.append(next(it))
         elif kind == KEY:
             args.append(prng_key(next(it)))
         else:
