@@ -107,7 +107,7 @@ def test_defer_flushes_at_host_reads_and_size_limit(monkeypatch):
         assert not torch.tpu.is_materialized(s)
         assert bool((s + 1)[0] == 4)  # bool() is a host read
         assert torch.tpu.is_materialized(s)
-        monkeypatch.setattr(defer, "MAX_OPS", 5)
+        monkeypatch.setattr(defer.RECORDER, "max_ops", 5)
         x = t
         for _ in range(7):
             x = x + 1

@@ -109,6 +109,8 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer)."""
     if tensors.capture is not None:
         tensors.capture.host_read()
+    if tensors.deferrer is not None:
+        tensors.deferrer.host_read()
     watcher = host_read_watcher
     start = time.perf_counter() if watcher is not None else 0.0
     # A copy: a donated buffer must never back a CPU tensor.

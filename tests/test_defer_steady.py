@@ -1,0 +1,111 @@
+"""DeferAndFuse reaches a steady state: a training loop that changes nothing between steps loads
+no program after its first steps (neither compiled nor read from the persistent cache), also when
+its steps are longer than the recording's size bound, with or without a host read each step."""
+
+import pytest
+import torch
+
+import torchtpu
+from torchtpu.eager import defer
+from torchtpu.testing.compare import assert_same
+from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+
+DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
+SMALL = LlamaConfig(vocab=64, dim=32, layers=2, heads=2, hidden=64, seq=16)
+
+
+def _loaded(before: dict, after: dict) -> int:
+    """Programs a call needed that were not already in memory: compiled or read from disk."""
+    return sum(after[k] - before[k] for k in ("executable_compiles", "persistent_cache_hits"))
+
+
+def _model(c: LlamaConfig, device: str) -> Llama:
+    torch.manual_seed(0)
+    return Llama(c).to(device)
+
+
+def _batch(c: LlamaConfig, device: str) -> tuple:
+    g = torch.Generator().manual_seed(1)
+    ids, targets = (torch.randint(0, c.vocab, (1, c.seq), generator=g) for _ in range(2))
+    return ids.to(device), targets.to(device)
+
+
+def _run(step, steps: int) -> tuple[list, list]:
+    """Per step: (programs loaded, programs run)."""
+    loads, runs = [], []
+    for _ in range(steps):
+        before = torchtpu.metrics.snapshot()
+        step()
+        after = torchtpu.metrics.snapshot()
+        loads.append(_loaded(before, after))
+        runs.append(after["executions"] - before["executions"])
+    return loads, runs
+
+
+def _sgd_step(model: Llama, ids, targets) -> float:
+    loss = model(ids, targets)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(p.grad, alpha=0.1)
+            p.grad = None
+    return loss.item()
+
+
+def test_a_loop_cut_by_the_size_bound_is_steady_when_it_reads_a_value_already_run(monkeypatch):
+    # The bound (200 of the step's ~290 ops) cuts each step after its loss: the read at the
+    # step's end finds the loss run, and must still end the recording there. Otherwise the rest
+    # of the step opens the next one's recording and the cut falls elsewhere every step.
+    monkeypatch.setattr(defer.RECORDER, "max_ops", 200)
+    model, cpu = _model(SMALL, "tpu"), _model(SMALL, "cpu")
+    batch, cpu_batch = _batch(SMALL, "tpu"), _batch(SMALL, "cpu")
+    losses = []
+    with torch.tpu.set_eager_mode(DEFER):
+        loads, runs = _run(lambda: losses.append(_sgd_step(model, *batch)), 6)
+    assert loads[3:] == [0, 0, 0], loads
+    assert runs[3:] == [2, 2, 2], runs  # the bound's cut, and the read
+    expected = [_sgd_step(cpu, *cpu_batch) for _ in range(6)]
+    assert_same(torch.tensor(losses), torch.tensor(expected), atol=1e-5, rtol=1e-5)
+
+
+def test_a_loop_that_never_reads_is_steady_at_its_optimizer_steps(monkeypatch):
+    # No host read until the end: each optimizer step ends a recording (before the next op, so
+    # that the gradients zero_grad drops are not written out).
+    monkeypatch.setattr(defer.RECORDER, "max_ops", 200)
+    model = _model(SMALL, "tpu")
+    step, _ = train_step(model)
+    batch = _batch(SMALL, "tpu")
+    losses = []
+    with torch.tpu.set_eager_mode(DEFER):
+        loads, runs = _run(lambda: losses.append(step(*batch)), 6)
+        values = [loss.item() for loss in losses]
+    assert loads[3:] == [0, 0, 0], loads
+    assert runs[3:] == [2, 2, 2], runs  # the bound's cut, and the optimizer step's end
+    cpu = _model(SMALL, "cpu")
+    cpu_step, _ = train_step(cpu)
+    expected = [cpu_step(*_batch(SMALL, "cpu")).item() for _ in range(6)]
+    assert_same(torch.tensor(values), torch.tensor(expected), atol=2e-3, rtol=2e-3)
+
+
+def _llama_loop(c: LlamaConfig, steps: int) -> tuple[list, list]:
+    model = _model(c, "tpu")
+    step, _ = train_step(model)
+    batch = _batch(c, "tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        return _run(lambda: step(*batch).item(), steps)
+
+
+def test_an_uncut_llama_step_is_one_program_and_steady():
+    loads, runs = _llama_loop(SMALL, 5)
+    assert loads[2:] == [0, 0, 0], loads
+    assert runs == [1] * 5, runs
+
+
+@pytest.mark.full
+def test_a_12_layer_llama_step_is_steady():
+    # The chip benchmark's depth: its first step (optimizer state created) passes MAX_OPS and is
+    # cut; every later step is one program, the same one from the third step on.
+    c = LlamaConfig(vocab=256, dim=64, layers=12, heads=4, hidden=128, seq=64)
+    loads, runs = _llama_loop(c, 5)
+    assert loads[3:] == [0, 0], loads
+    assert runs == [2, 1, 1, 1, 1], runs
