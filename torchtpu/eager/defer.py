@@ -8,9 +8,10 @@ inline into it), runs it, and hands each pending value that is still referenced 
 
 Flushes happen at host reads (any device value converted to NumPy on the thread that entered the
 mode: ``.item()``, ``.cpu()``, printing, ``bool()``, also of a value already run), before the
-first op recorded after an optimizer step (``torch.optim``'s global step hook), before a call whose output shape depends on values
-(``x[mask]``, not ``x[idx]``: see ``data_dependent_shape`` in ``lowering/registry.py``), at
-``torch.tpu.synchronize()``, when the recording reaches ``MAX_OPS`` ops and when the mode is left.
+first op recorded after an optimizer step (``torch.optim``'s global step hook), before a call
+whose output shape depends on values (``x[mask]``, not ``x[idx]``: see ``data_dependent_shape``
+in ``lowering/registry.py``), at ``torch.tpu.synchronize()``, when the recording reaches
+``MAX_OPS`` ops and when the mode is left.
 The fused program is cached by the recording's structure (programs called and how their values
 connect), which outputs are still alive and which inputs are donated; JAX adds the input shapes.
 A training loop therefore records the same structure each step and reuses one program: provided
