@@ -18,6 +18,7 @@ from torchtpu.kernels import pallas_mode  # noqa: E402
 from torchtpu.kernels.flash_attention import flash_attention_jax  # noqa: E402
 from torchtpu.kernels.ragged_paged_attention import _ragged_paged_attention  # noqa: E402
 from torchtpu.kernels.rms_norm import rms_norm_jax  # noqa: E402
+from torchtpu.lowering import attention  # noqa: E402
 from torchtpu.runtime import tpu_target  # noqa: E402
 
 _TARGET = "v5e:2x2"
@@ -70,6 +71,27 @@ def test_flash_attention_forward_and_backward_compile_through_mosaic(device):
     assert _mosaic_kernels(text) == 3  # forward (residuals), dq, dk/dv
     assert backward.compiles, backward.error
     assert backward.flops > 2 * forward.flops and backward.seconds > forward.seconds
+
+
+def test_sdpa_lowering_takes_the_splash_kernel_for_the_target(device):
+    """SDPA's fused op as the lowering table has it: causal bf16 self-attention at 1024 positions
+    lowers to JAX's splash kernel for a TPU (lowering/attention_tpu.py), forward and backward,
+    and the TPU compiler takes both."""
+    key = jax.random.key(0)
+
+    def forward(q, k, v):
+        return attention.sdpa_forward(key, q, k, v, is_causal=True)[:2]
+
+    def backward(g, q, k, v, out, lse):
+        return attention.sdpa_backward(g, q, k, v, None, [True, True, True, False], out, lse,
+                                       None, None, 1024, 1024, 0.0, True, None, None)[:3]
+
+    qkv = [_bf16(2, 8, 1024, 128)] * 3
+    text, report = _compile(device, forward, *qkv)
+    assert _mosaic_kernels(text) == 1 and report.compiles, report.error
+    lse = jax.ShapeDtypeStruct((2, 8, 1024), jnp.float32)
+    text, report = _compile(device, backward, qkv[0], *qkv, qkv[0], lse)
+    assert _mosaic_kernels(text) == 1 and report.compiles, report.error  # the fused dq/dk/dv
 
 
 def test_flash_attention_as_a_jax_op_traces_native_for_the_target(device):

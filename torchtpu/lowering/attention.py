@@ -28,6 +28,7 @@ backward like any saved tensor.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -35,6 +36,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
+from torchtpu.lowering import attention_tpu
 from torchtpu.lowering.registry import lowers
 
 aten = torch.ops.aten
@@ -53,9 +55,13 @@ def _low(x, like):
     return x.astype(like.dtype if like.dtype in (jnp.bfloat16, jnp.float16) else jnp.float32)
 
 
+def _scale(q, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+
+
 def _scores(q, k, attn_bias, is_causal: bool, scale: float | None):
     """Masked, scaled float32 scores (N, H, L, S) and the scale used."""
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scale = _scale(q, scale)
     s = _mm("nhle,nhse->nhls", _low(q, q), _low(k, q)) * scale
     if is_causal:
         L, S = s.shape[-2:]
@@ -112,14 +118,21 @@ def _has_dropout(q, k, v, attn_bias=None, dropout_p=0.0, *_, **__) -> bool:
 @lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout)
 def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
-    s, _ = _scores(q, k, attn_bias, is_causal, scale)
-    p, lse = _softmax(s)
+    def dense(q, k, v):
+        s, _ = _scores(q, k, attn_bias, is_causal, scale)
+        p, lse = _softmax(s)
+        if dropout_p > 0.0:
+            p = p * _dropout_scale(key, p.shape, dropout_p)
+        return _mm("nhls,nhsv->nhlv", _low(p, v), _low(v, v)).astype(q.dtype), lse
+
+    if attention_tpu.applies(q, k, v, attn_bias, dropout_p, is_causal):
+        tpu = functools.partial(attention_tpu.forward, scale=_scale(q, scale))
+        out, lse = lax.platform_dependent(q, k, v, tpu=tpu, default=dense)
+    else:
+        out, lse = dense(q, k, v)
     # The key travels to backward as philox_seed (the offset stays 0): backward rebuilds it and
     # draws the same mask, so no mask is stored and the op stays a pure function of its inputs.
     seed = _pack_key(key) if dropout_p > 0.0 else jnp.zeros((), jnp.int64)
-    if dropout_p > 0.0:
-        p = p * _dropout_scale(key, p.shape, dropout_p)
-    out = _mm("nhls,nhsv->nhlv", _low(p, v), _low(v, v))
     # cum_seq_q/k and the debug mask are undefined (no nested tensors, no debug mask); max_q and
     # max_k are the sequence lengths.
     return out, lse, None, None, q.shape[-2], k.shape[-2], seed, jnp.zeros((), jnp.int64), None
@@ -153,6 +166,18 @@ def _sum_to(x, shape: tuple):
 @lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
 def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_seq_q, cum_seq_k,
                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
+    if attention_tpu.applies(q, k, v, attn_bias, dropout_p, is_causal):
+        def dense(grad_out, q, k, v, out, lse):
+            s, scale_ = _scores(q, k, None, True, scale)
+            p, _ = _softmax(s)
+            grads = _gradients(p, grad_out, q, k, v, scale_)[:3]
+            return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v)))
+
+        tpu = functools.partial(attention_tpu.backward, scale=_scale(q, scale))
+        grads = lax.platform_dependent(grad_out, q, k, v, out, lse,
+                                       tpu=lambda g, q, k, v, o, lse: tpu(q, k, v, o, lse, g),
+                                       default=dense)
+        return tuple(g if want else None for g, want in zip(grads, grad_input_mask[:3])) + (None,)
     s, scale = _scores(q, k, attn_bias, is_causal, scale)
     p, _ = _softmax(s)  # recomputed as the forward computed them (lse is its by-product)
     drop = None
