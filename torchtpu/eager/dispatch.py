@@ -22,7 +22,7 @@ from torch._decomp import decomposition_table
 
 from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.random import key_data_for
-from torchtpu.eager import at_call, executor, fallback, meta, results, schema, seen_calls
+from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import Lowering, lookup
 from torchtpu.runtime import platform
@@ -244,6 +244,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 
 def compute_unknown_shape(lowering: Lowering, oi: schema.OpInfo, values: list):
     """Run a call whose result shape depends on values, on concrete arrays."""
+    refusals.check(oi.op, values)
     spec = Spec(entries_of(oi, values, lowering), None, None, None)
     dyn, views = dynamic_values(values, spec.entries)
     if views:
@@ -357,8 +358,9 @@ def _decomposition_handler(op: OpOverload, decomp):
     oi = schema.info(op) if op._schema.is_mutable else None
 
     def handle(args, kwargs):
+        values, outs = schema.bind(schema.info(op), args, kwargs)
+        refusals.check(op, values, outs)
         if oi is not None:  # what the decomposition writes must not overlap what it reads
-            values, outs = schema.bind(oi, args, kwargs)
             overlap.check(op, _flat_targets(values, oi, outs)[1],
                           schema.read(oi, values, overlap.read_first(op)))
         active = getattr(_decomposing, "ops", None)
@@ -377,7 +379,7 @@ def _decomposition_handler(op: OpOverload, decomp):
         if oi is None and results.laid_operand(args):
             # A decomposition computes in contiguous tensors: its results take the layouts
             # the meta kernel gives (max_pool3d's of a channels-last-3d input).
-            out = results.relaid(out, meta.infer(op, schema.bind(schema.info(op), args, kwargs)[0]))
+            out = results.relaid(out, meta.infer(op, values))
         return out
 
     return handle

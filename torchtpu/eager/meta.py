@@ -12,7 +12,7 @@ import math
 import torch
 
 from torchtpu.device import dtypes
-from torchtpu.eager import schema
+from torchtpu.eager import refusals, schema
 from torchtpu.lowering.registry import channels_last_of
 from torchtpu.runtime import platform
 
@@ -177,6 +177,8 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     for n, o in zip(oi.out_names, outs):
         kwargs[n] = to_meta(o)
     result = describe(_run_meta(op, pos, kwargs))
+    # What the meta kernel does not check: the dtypes CPU's kernel implements.
+    refusals.check(op, values, outs, traced)
     if key is not None:
         bounded_put(_meta_cache, key, result)
     return result

@@ -358,11 +358,34 @@ def _same_dtype(expected: torch.dtype, out) -> RuntimeError | None:
 
 
 @check(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
-def _nll_loss(self, target, weight, *rest):
+def _nll_loss(self, target, weight, reduction=1, ignore_index=-100):
     # CPU's kernel wants the class weights in the input's dtype; the meta kernel does not check.
     if weight is not None and weight.dtype != self.dtype:
         return RuntimeError(f"expected scalar type {self.dtype} but found {weight.dtype}")
-    return None
+    # Its class indices must name a class (but ignore_index); a device would gather a clamped or
+    # undefined value (cross_entropy would return nan).
+    classes = self.shape[0] if self.ndim == 1 else self.shape[1]
+    if 0 in target.shape:
+        return None
+    values = target.values()
+    if values is None:
+        target.check_on_device(_target_outside(classes, ignore_index), _target_out_of_bounds)
+        return None
+    bad = ((values < 0) | (values >= classes)) & (values != ignore_index)
+    return _target_out_of_bounds(int(values[bad].flat[0])) if bad.any() else None
+
+
+def _target_out_of_bounds(value: int) -> IndexError:
+    return IndexError(f"Target {value} is out of bounds.")
+
+
+@functools.lru_cache(maxsize=512)
+def _target_outside(classes: int, ignore_index: int) -> Callable:
+    def find(values):
+        bad = (((values < 0) | (values >= classes)) & (values != ignore_index)).ravel()
+        return jnp.stack([bad.any(), values.ravel()[jnp.argmax(bad)]]).astype(jnp.int64)
+
+    return find
 
 
 # These out= kernels want their outputs' dtypes exactly (CPU's

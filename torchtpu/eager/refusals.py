@@ -1,0 +1,157 @@
+"""What CPU's kernels refuse by dtype, asked of CPU once per op and dtype signature.
+
+A lowering computes in any dtype, and a meta kernel checks shapes and type promotion but not
+which dtypes the device kernel implements: ``gelu`` of an int64 tensor ("GeluKernelImpl" not
+implemented for 'Long'), ``mm(float, long)`` ("expected m1 and m2 to have the same dtype") or
+``softmax`` of an integer tensor would return a wrong answer where CPU raises. So where a call
+is planned (a miss of ``meta.infer``'s cache, each call of a decomposed op, each node of a
+compiled graph), the op runs on CPU on stand-ins: ones of each tensor's dtype, of its shape
+where that is small, else of a shape shrunk to at most one element per dimension. No value is
+read from the device. A signature CPU takes (dtypes, ranks and the other arguments:
+``signature``) is remembered, so every later call of it costs a set lookup at most.
+
+A stand-in CPU refuses is refused for its dtypes, its (shrunk) shape or its values. The dtypes
+are to blame when the refusal is the dtype dispatch's (``NotImplementedError``: "... not
+implemented for 'Long'"), or when the same stand-ins in the one dtype the call's tensors promote
+to (float32 for integers and bools) are taken: then the call is refused with CPU's error.
+Otherwise the call proceeds (what CPU checks of values is ``lowering/checks.py``'s business).
+The eager dispatcher then words the error as CPU does for the real inputs (``dispatch.kernel``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from torchtpu.eager import schema
+
+OpOverload = torch._ops.OpOverload
+
+# Tensors with at most this many elements are stood in for at their own shape.
+SMALL = 4096
+
+# (op, signature) of every call CPU accepted.
+_accepted: set = set()
+
+
+def _leaf(v, index: int, traced: frozenset):
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.dim(), v.is_cpu)
+    if isinstance(v, (list, tuple)):
+        return tuple(_leaf(x, index, traced) for x in v)
+    if isinstance(v, torch.Generator):
+        return "gen"
+    if isinstance(v, (int, float, complex)) and not isinstance(v, bool) and index in traced:
+        # A traced number changes from call to call (a learning rate): its type and sign count.
+        return (type(v), v.real < 0 if isinstance(v, complex) else v < 0)
+    return v
+
+
+def signature(op: OpOverload, values: list, outs: list, traced: frozenset) -> tuple:
+    """What decides whether CPU takes op's call: every argument but tensor shapes and values
+    (and, for numbers the program traces, their values but their signs)."""
+    return (op, tuple(_leaf(v, i, traced) for i, v in enumerate(values)),
+            tuple(_leaf(o, -1, traced) for o in outs))
+
+
+def _big(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return not x.is_cpu and x.numel() > SMALL
+    return isinstance(x, (list, tuple)) and any(_big(y) for y in x)
+
+
+def _stand_in(x, shrink: bool, dtype: torch.dtype | None):
+    if isinstance(x, torch.Tensor):
+        if x.is_cpu:
+            return x
+        shape = tuple(min(n, 1) for n in x.shape) if shrink else x.shape
+        return torch.ones(shape, dtype=dtype or x.dtype)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_stand_in(y, shrink, dtype) for y in x)
+    if isinstance(x, torch.Generator):
+        return None
+    if isinstance(x, torch.device) and x.type == "tpu":
+        return torch.device("cpu")
+    if isinstance(x, str) and x.startswith("tpu"):
+        return "cpu"
+    return x
+
+
+def _device_tensors(values) -> list:
+    found = []
+    for v in values:
+        if isinstance(v, torch.Tensor) and not v.is_cpu:
+            found.append(v)
+        elif isinstance(v, (list, tuple)):
+            found.extend(_device_tensors(v))
+    return found
+
+
+def _control_dtype(tensors: list) -> torch.dtype | None:
+    """The one dtype the call's tensors promote to, floating for integers and bools; None when
+    they all have it already (the control would be the same call)."""
+    common = tensors[0].dtype
+    for t in tensors[1:]:
+        common = torch.promote_types(common, t.dtype)
+    if not (common.is_floating_point or common.is_complex):
+        common = torch.float32
+    return None if all(t.dtype == common for t in tensors) else common
+
+
+def _on_stand_ins(op: OpOverload, values: list, outs: list, shrink: bool,
+                  dtype: torch.dtype | None = None) -> Exception | None:
+    oi = schema.info(op)
+    values = [_stand_in(v, shrink, dtype) for v in values]
+    for i in oi.scalar_indices:
+        if isinstance(values[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
+            # A composite kernel's wrapped number (see ``meta.infer``), as the tensor it stands
+            # for: an overload called with a bare number there refuses the number.
+            values[i] = torch.tensor(values[i])
+    args, kwargs = schema.unbind(oi, values)
+    for name, o in zip(oi.out_names, outs):
+        kwargs[name] = _stand_in(o, shrink, dtype)
+    # CPU's own warnings about stand-ins (a resized out=) are not the user's.
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
+        warnings.simplefilter("ignore")
+        try:
+            op(*args, **kwargs)
+        except Exception as exc:
+            return exc
+    return None
+
+
+def _dtype_dispatch(error: Exception) -> bool:
+    return isinstance(error, NotImplementedError) and " not implemented for '" in str(error)
+
+
+def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
+            ) -> Exception | None:
+    """CPU's error for a call it refuses for its dtypes, or None if it takes them."""
+    try:
+        key = signature(op, values, outs, traced)
+        if key in _accepted:
+            return None
+    except TypeError:  # an unhashable argument: asked every time
+        key = None
+    error = None
+    tensors = _device_tensors((*values, *outs))
+    if tensors and torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
+        # (No CPU kernel, as for the fused attention kernels: nothing to ask.)
+        shrink = any(_big(t) for t in tensors)
+        error = _on_stand_ins(op, values, outs, shrink)
+        if error is not None and not _dtype_dispatch(error):
+            control = _control_dtype(tensors)
+            if control is None or _on_stand_ins(op, values, outs, shrink, control) is not None:
+                error = None  # not the dtypes': its stand-ins' shapes or values
+    if error is None and key is not None:
+        _accepted.add(key)
+    return error
+
+
+def check(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
+          ) -> None:
+    """Raise CPU's error for a call CPU refuses for its dtypes."""
+    error = refusal(op, values, outs, traced)
+    if error is not None:
+        raise error
