@@ -15,8 +15,11 @@ exception or warning without a known category.
 
 from __future__ import annotations
 
+import functools
+import os
 import re
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 
@@ -167,3 +170,53 @@ def glossary_markdown() -> str:
     rows = ["| prefix | cause | fix |", "| --- | --- | --- |"]
     rows += [f"| `torchtpu.{name}` | {e.cause} | {e.fix} |" for name, e in GLOSSARY.items()]
     return "\n".join(rows)
+
+
+_HIDDEN = "torchtpu: the frames inside torchtpu are hidden; TORCHTPU_DEBUG=1 shows them"
+
+
+def show_internals() -> bool:
+    """TORCHTPU_DEBUG=1: errors keep torchtpu's frames and the errors they came from; otherwise
+    an error raised at an op's call shows the user's line and one message, as on CPU."""
+    return os.environ.get("TORCHTPU_DEBUG") == "1"
+
+
+_CPU_WORDS = "_torchtpu_cpu_words"
+
+
+def from_cpu(error: BaseException) -> BaseException:
+    """Mark error as PyTorch's CPU kernels' own (raised on stand-ins of a call's inputs)."""
+    setattr(error, _CPU_WORDS, True)
+    return error
+
+
+def note_hidden_frames(error: BaseException) -> None:
+    """Say, under an error that is neither CPU's nor one of torchtpu's own, how to see its
+    frames."""
+    if (category_of(error) is None and not getattr(error, _CPU_WORDS, False)
+            and _HIDDEN not in getattr(error, "__notes__", ())):
+        error.add_note(_HIDDEN)
+
+
+def trim(error: BaseException) -> BaseException:
+    """error, made to show as CPU's errors do once re-raised with a bare ``raise``: only the
+    frames it passes from then on (the user's), and no "During handling of the above exception"
+    chain; unchanged under TORCHTPU_DEBUG=1."""
+    if not show_internals():
+        error.__traceback__ = None
+        error.__suppress_context__ = True
+    return error
+
+
+def at_user(kernel: Callable) -> Callable:
+    """kernel (a device kernel the dispatcher calls for the user's op) with its errors trimmed."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        try:
+            return kernel(*args, **kwargs)
+        except Exception as error:
+            trim(error)
+            raise  # bare: adds no frame of this one
+
+    return run

@@ -305,9 +305,10 @@ def register(lib: torch.library.Library) -> None:
         lib.impl(op, _dtype_checked(kernel) if op in _REINTERPRETING else kernel, "PrivateUse1")
     lib.impl(aten.empty.memory_format, empty_memory_format, "PrivateUse1")
     lib.impl(aten.empty_strided.default, empty_strided, "PrivateUse1")
-    lib.impl(aten.copy_.default, copy_, "PrivateUse1")
-    lib.impl(aten._local_scalar_dense.default, local_scalar_dense, "PrivateUse1")
-    lib.impl(aten._to_copy.default, to_copy, "PrivateUse1")
+    # Host reads: where the device's checks and DeferAndFuse's failed programs raise.
+    lib.impl(aten.copy_.default, errors.at_user(copy_), "PrivateUse1")
+    lib.impl(aten._local_scalar_dense.default, errors.at_user(local_scalar_dense), "PrivateUse1")
+    lib.impl(aten._to_copy.default, errors.at_user(to_copy), "PrivateUse1")
     lib.impl(aten.resize_.default, resize_, "PrivateUse1")
     lib.impl(aten.is_set_to.default, is_set_to, "PrivateUse1")
     # One stream per device, and JAX orders work on it: nothing to record (DDP's input copies).

@@ -79,7 +79,7 @@ def _check_on_device(op: OpOverload, on_device: list) -> None:
         if at_once:
             bad, value = (int(v) for v in np.asarray(flags))
             if bad:
-                raise executor.at_user(check_error(op, error, value))
+                raise check_error(op, error, value)
         else:
             asserts.add(flags, functools.partial(check_error, op, error), where)
 
@@ -109,8 +109,7 @@ def checked(op: OpOverload, handle):
         error = check(*(_arg(v, on_device)
                         for v in (values[:n] if own is None else [*values, *outs])))
         if error is not None:
-            # At the user's line: the check runs at the call, in every mode.
-            raise executor.at_user(check_error(op, error))
+            raise check_error(op, error)
         if on_device:
             _check_on_device(op, on_device)
         return handle(args, kwargs)

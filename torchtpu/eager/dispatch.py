@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
+from torchtpu import errors
 from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
@@ -431,27 +432,31 @@ def kernel(op: OpOverload, *args, **kwargs):
 
     A call that fails (a check, a meta kernel, a decomposition or JAX refused it) is run on CPU
     copies of its inputs: if CPU refuses it too, CPU's error (type and words) is raised, as the
-    user's call would raise it there; if CPU accepts it, the failure is ours and stands.
+    user's call would raise it there; if CPU accepts it, the failure is ours and stands. Either
+    way it ends at the user's line, one error with no chain, as on CPU; TORCHTPU_DEBUG=1 keeps
+    torchtpu's frames and, for CPU's error, ours as its cause.
     """
     try:
         return handler(op)(args, kwargs)
     except Exception as e:
-        at_user = executor.reported_at_user(e)
         # Debug's NaN report is about values, which CPU would not refuse; a device out of
         # memory is no error of the call's (and a CPU copy would take as much host memory).
         expected = None if isinstance(e, (FloatingPointError, torch.OutOfMemoryError)) else \
             fallback.cpu_error(op, args, kwargs)
         if expected is None:
-            if at_user:
-                # Debug's errors end at the user's line; a bare raise adds no frame of this one.
-                e.__traceback__ = executor.user_traceback()
-            raise
-    if not at_user:
-        raise expected
+            if not errors.show_internals():
+                errors.note_hidden_frames(e)
+            error = e
+        elif errors.show_internals():
+            raise expected from e
+        else:
+            error = expected
+    # Raised outside the handler: CPU's error does not chain to ours (a bare raise then adds no
+    # frame of this one).
     try:
-        raise executor.at_user(expected)
-    except Exception as error:
-        error.__traceback__ = executor.user_traceback()
+        raise error
+    except Exception:
+        errors.trim(error)
         raise
 
 

@@ -64,13 +64,12 @@ class Strict:
         """Called when another executor replaces this one."""
 
 
-# Frames of these packages are internals; an error Debug finds is reported at the first frame
-# outside them, the user's line.
+# Frames of these packages are internals: a check the device runs names the first frame outside
+# them, the user's line.
 _INTERNAL = (
     os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
     os.path.dirname(torch.__file__) + os.sep,
 )
-_AT_USER = "_torchtpu_reported_at_user"
 
 
 def _internal(frame: types.FrameType) -> bool:
@@ -85,36 +84,6 @@ def user_location() -> str:
     if frame is None:
         return "on PyTorch's autograd thread (in backward)"
     return f"at {frame.f_code.co_filename}:{frame.f_lineno}"
-
-
-def reported_at_user(error: BaseException) -> bool:
-    """Whether error is one of Debug's, whose traceback should end at the user's line."""
-    return getattr(error, _AT_USER, False)
-
-
-def user_traceback() -> types.TracebackType | None:
-    """The traceback tail for a Debug error leaving the device kernel that calls this.
-
-    Every frame below the kernel is torchtpu's. The kernel's Python caller adds its own frame as
-    the error passes it: when that caller is the user's code, the tail is empty; when it is a
-    library (``torch.nn.functional``), the tail is one entry at the innermost user frame, so the
-    traceback still ends at the user's line. On the autograd thread there is no user frame.
-    """
-    caller = sys._getframe(1).f_back  # 0: here, 1: the kernel
-    if caller is None or not _internal(caller):
-        return None
-    frame = caller
-    while frame is not None and _internal(frame):
-        frame = frame.f_back
-    if frame is None:
-        return None
-    return types.TracebackType(None, frame, frame.f_lasti, frame.f_lineno)
-
-
-def at_user(error: BaseException) -> BaseException:
-    """Mark error to be reported at the user's line (see ``dispatch.kernel``)."""
-    setattr(error, _AT_USER, True)
-    return error
 
 
 def _nonfinite(out) -> bool:
@@ -146,8 +115,8 @@ class Debug(Strict):
     def _checked(label, out):
         out = jax.block_until_ready(out)
         if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
-            raise at_user(FloatingPointError(
-                f"torchtpu.numerics: {label} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)"))
+            raise FloatingPointError(
+                f"torchtpu.numerics: {label} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)")
         return out
 
 

@@ -24,6 +24,7 @@ import warnings
 
 import torch
 
+from torchtpu import errors
 from torchtpu.eager import schema
 
 OpOverload = torch._ops.OpOverload
@@ -154,4 +155,4 @@ def check(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     """Raise CPU's error for a call CPU refuses for its dtypes."""
     error = refusal(op, values, outs, traced)
     if error is not None:
-        raise error
+        raise errors.from_cpu(error)
