@@ -6,8 +6,9 @@ implemented for 'Long'), ``mm(float, long)`` ("expected m1 and m2 to have the sa
 ``softmax`` of an integer tensor would return a wrong answer where CPU raises. So where a call
 is planned (a miss of ``meta.infer``'s cache, each call of a decomposed op, each node of a
 compiled graph), the op runs on CPU on stand-ins: ones of each tensor's dtype, of its shape
-where that is small, else of a shape shrunk to at most one element per dimension. No value is
-read from the device. A signature CPU takes (dtypes, ranks and the other arguments:
+where that is small, else of a shape shrunk to at most one element per dimension (and, where
+the shrunk shapes fail and the call is not too large, again at its shapes). No value is read
+from the device. A signature CPU takes (dtypes, ranks and the other arguments:
 ``signature``) is remembered, so every later call of it costs a set lookup at most.
 
 A stand-in CPU refuses is refused for its dtypes, its (shrunk) shape or its values. The dtypes
@@ -29,8 +30,10 @@ from torchtpu.eager import schema
 
 OpOverload = torch._ops.OpOverload
 
-# Tensors with at most this many elements are stood in for at their own shape.
+# Tensors with at most this many elements are stood in for at their own shape; calls with at
+# most LARGE elements in all are asked again at their shapes when shrunk stand-ins fail.
 SMALL = 4096
+LARGE = 1 << 22
 
 # (op, signature) of every call CPU accepted.
 _accepted: set = set()
@@ -126,6 +129,18 @@ def _dtype_dispatch(error: Exception) -> bool:
     return isinstance(error, NotImplementedError) and " not implemented for '" in str(error)
 
 
+def _dtypes_refused(op: OpOverload, values: list, outs: list, tensors: list, shrink: bool):
+    """CPU's error when the stand-ins' dtypes are to blame; None when CPU takes them; False
+    when CPU refuses them and in the one dtype they promote to as well (shapes or values)."""
+    error = _on_stand_ins(op, values, outs, shrink)
+    if error is None or _dtype_dispatch(error):
+        return error
+    control = _control_dtype(tensors)
+    if control is None or _on_stand_ins(op, values, outs, shrink, control) is not None:
+        return False
+    return error
+
+
 def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
             ) -> Exception | None:
     """CPU's error for a call it refuses for its dtypes, or None if it takes them."""
@@ -140,11 +155,13 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
     if tensors and torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
         # (No CPU kernel, as for the fused attention kernels: nothing to ask.)
         shrink = any(_big(t) for t in tensors)
-        error = _on_stand_ins(op, values, outs, shrink)
-        if error is not None and not _dtype_dispatch(error):
-            control = _control_dtype(tensors)
-            if control is None or _on_stand_ins(op, values, outs, shrink, control) is not None:
-                error = None  # not the dtypes': its stand-ins' shapes or values
+        error = _dtypes_refused(op, values, outs, tensors, shrink)
+        if error is False and shrink and sum(t.numel() for t in tensors) <= LARGE:
+            # Shrunk stand-ins broke the shapes (a pooling window, groups of channels): asked
+            # again at the call's shapes, once per signature.
+            error = _dtypes_refused(op, values, outs, tensors, False)
+    if not error:
+        error = None
     if error is None and key is not None:
         _accepted.add(key)
     return error

@@ -1,0 +1,142 @@
+"""Calls CPU refuses are refused on tpu, with CPU's exception and words, in every eager mode:
+dtypes CPU's kernels do not implement (``eager/refusals.py``), and class targets out of range
+(``lowering/checks.py``: Debug raises at the call; Strict on a TPU at the next host read, as
+CUDA's device asserts do). The whole OpInfo sweep is ``python -m torchtpu.testing.refusals``
+(``bench/RESULTS.md``); a few OpInfos of it run here, and all of them under TORCHTPU_TESTS=full.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchtpu  # noqa: F401  (registers the device)
+from torchtpu.eager import at_call, refusals
+from torchtpu.testing import refusals as sweep
+
+MODES = list(torch.tpu.EagerMode)
+
+BAD = {
+    "mm_float_long": lambda d: torch.mm(torch.ones(3, 3, device=d),
+                                        torch.ones(3, 3, dtype=torch.long, device=d)),
+    "gelu_long": lambda d: F.gelu(torch.arange(-1, 3, device=d)),
+    "softmax_long": lambda d: torch.softmax(torch.arange(4, device=d), 0),
+    "log_softmax_bool": lambda d: torch.log_softmax(torch.ones(4, dtype=torch.bool, device=d), 0),
+    "inv_long": lambda d: torch.linalg.inv(torch.eye(3, dtype=torch.long, device=d)),
+    "addmm_out_of_place_half_float": lambda d: torch.addmm(
+        torch.ones(3, device=d), torch.ones(3, 3, device=d, dtype=torch.float16),
+        torch.ones(3, 3, device=d)),
+    # Large enough that the stand-ins are shrunk (refusals.SMALL).
+    "mm_large_float_long": lambda d: torch.mm(torch.ones(100, 100, device=d),
+                                              torch.ones(100, 100, dtype=torch.long, device=d)),
+    "cross_entropy_target_3_of_3": lambda d: F.cross_entropy(
+        torch.ones(2, 3, device=d), torch.tensor([0, 3], device=d)),
+    "nll_loss2d_negative_target": lambda d: F.nll_loss(
+        torch.ones(1, 3, 2, 2, device=d), torch.tensor([[[0, 1], [-2, 0]]], device=d)),
+}
+
+
+def _cpu_error(case) -> Exception:
+    with pytest.raises(Exception) as info:
+        BAD[case]("cpu")
+    return info.value
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_refused_as_on_cpu(case, mode):
+    expected = _cpu_error(case)
+    with torch.tpu.set_eager_mode(mode):
+        with pytest.raises(type(expected)) as info:
+            BAD[case]("tpu").cpu()
+    assert str(info.value) == str(expected)
+
+
+def test_what_cpu_takes_is_taken_and_asked_once_per_signature(monkeypatch):
+    calls = []
+    ask = refusals._on_stand_ins
+    monkeypatch.setattr(refusals, "_on_stand_ins", lambda *a: calls.append(a[0]) or ask(*a))
+    a = torch.randn(3, 5, device="tpu")
+    out = [torch.mm(a, torch.randn(5, n, device="tpu")) for n in (2, 7, 11)]
+    assert sum(op is torch.ops.aten.mm.default for op in calls) <= 1  # new shapes: no new ask
+    assert out[-1].shape == (3, 11)
+    # Integer matmul, where CPU has the kernel; ignore_index outside the classes.
+    i = torch.arange(6, device="tpu").reshape(2, 3)
+    assert torch.equal(torch.mm(i, i.T).cpu(), torch.mm(i.cpu(), i.cpu().T))
+    x = torch.randn(2, 3)
+    t = torch.tensor([2, -100])
+    assert torch.allclose(F.cross_entropy(x.to("tpu"), t.to("tpu")).cpu(), F.cross_entropy(x, t))
+
+
+def test_stand_ins_refused_for_their_shapes_do_not_refuse_the_call():
+    # Shrunk stand-ins of a large grouped convolution have one channel for 4 groups, which CPU
+    # refuses; in float32 alike, so the dtypes are not to blame.
+    x, w = torch.randn(1, 4, 64, 64, dtype=torch.float64), torch.randn(4, 1, 3, 3)
+    out = F.conv2d(x.to("tpu"), w.double().to("tpu"), groups=4)
+    assert torch.allclose(out.cpu(), F.conv2d(x, w.double(), groups=4))
+    with pytest.raises(RuntimeError) as expected:
+        F.conv2d(x, w, groups=4)  # float64 and float32: CPU refuses the mix
+    with pytest.raises(RuntimeError) as info:
+        F.conv2d(x.to("tpu"), w.to("tpu"), groups=4)
+    assert str(info.value) == str(expected.value)
+
+
+def test_target_out_of_bounds_at_the_next_host_read_on_a_tpu(monkeypatch):
+    # Strict as on a TPU: the targets are not read at the call; the device checks them.
+    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: True)
+    x, t = torch.ones(2, 3, device="tpu"), torch.tensor([0, 3], device="tpu")
+    loss = F.cross_entropy(x, t)
+    with pytest.raises(IndexError, match="Target 3 is out of bounds.") as info:
+        loss.item()
+    assert info.value.__notes__[0].startswith("Checked on the device")
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        with pytest.raises(IndexError, match="Target 3 is out of bounds."):
+            F.cross_entropy(x, t)  # Debug: at the call
+
+
+FAST = "mm|nn.functional.gelu|softmax|nn.functional.cross_entropy"
+
+
+def test_sweep_of_a_few_opinfos():
+    report = sweep.run(FAST)
+    table = report.format() + "\n" + sweep.summary(report, over=True)
+    assert {"mm", "nn.functional.gelu", "softmax", "nn.functional.cross_entropy"} <= {
+        r.name for r in report.results}, table
+    assert report.failed == 0 and report.passed > 20, table
+    assert sum(r.over for r in report.results) == 0, table
+
+
+@pytest.mark.full
+@pytest.mark.parametrize("mode", sorted(sweep.MODES))
+def test_sweep_of_every_opinfo(mode):
+    report = sweep.run(mode=mode, over=False)
+    assert report.rate >= 0.99, report.format() + "\n" + sweep.summary(report, over=False)
+
+
+def test_runner_counts_refusals_acceptances_and_words():
+    from torch.testing._internal.opinfo.core import OpInfo, SampleInput
+
+    def samples(op, device, dtype, requires_grad, **kwargs):
+        yield SampleInput(torch.ones(2, 2, device=device, dtype=dtype),
+                          args=(torch.ones(2, 2, device=device, dtype=dtype),))
+
+    def lenient(a, b):  # accepts on tpu what CPU refuses
+        if a.device.type == "tpu":
+            return a
+        return torch.mm(a, b)
+
+    def reworded(a, b):
+        if a.device.type == "tpu" and a.dtype != b.dtype:
+            raise RuntimeError("other words")
+        return torch.mm(a, b)
+
+    def make(name, fn):
+        return OpInfo(name, op=fn, dtypes=(torch.float32,), sample_inputs_func=samples)
+
+    plain = sweep.check_op(make("plain", torch.mm))
+    assert plain.passed > 0 and plain.failed == plain.errored == plain.over == 0
+    loose = sweep.check_op(make("lenient", lenient))
+    assert loose.failed == plain.passed and "accepted; CPU raises" in loose.first_error
+    words = sweep.check_op(make("reworded", reworded))
+    assert words.errored > 0 and "other words" in words.first_error
+    strict = sweep.check_op(make("strict", lambda a, b: torch.mm(a, b) if a.is_cpu else 1 / 0))
+    assert strict.over > 0
