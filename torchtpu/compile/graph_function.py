@@ -24,7 +24,7 @@ import torch.fx as fx
 from torchtpu.compile import buckets, control_flow, dynamic, masking
 from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
-from torchtpu.eager import at_call, dispatch, meta, schema
+from torchtpu.eager import at_call, dispatch, meta, refusals, schema
 from torchtpu.eager.program import (
     CONST,
     KEY,
@@ -114,6 +114,9 @@ class _Step:
             self.key_slots.append(len(key_slots))
             key_slots.append(node)
         self.check = checks.find(op) if _static(self.values) else None
+        if _static(self.values):
+            # What CPU's kernel refuses for these dtypes, as eager refuses it (eager/refusals.py).
+            refusals.check(op, fx.node.map_arg(self.values, _val), [], self.traced)
 
     def device_checks(self, env: dict) -> list:
         """(flag, error) for each check of data the op's check hands the device, on the graph's

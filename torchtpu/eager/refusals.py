@@ -24,6 +24,7 @@ from __future__ import annotations
 import warnings
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu import errors
 from torchtpu.eager import schema
@@ -155,11 +156,14 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
     if tensors and torch._C._dispatch_has_computed_kernel_for_dispatch_key(op.name(), "CPU"):
         # (No CPU kernel, as for the fused attention kernels: nothing to ask.)
         shrink = any(_big(t) for t in tensors)
-        error = _dtypes_refused(op, values, outs, tensors, shrink)
-        if error is False and shrink and sum(t.numel() for t in tensors) <= LARGE:
-            # Shrunk stand-ins broke the shapes (a pooling window, groups of channels): asked
-            # again at the call's shapes, once per signature.
-            error = _dtypes_refused(op, values, outs, tensors, False)
+        # A dispatch mode (a compiled graph's fake tensors, a user's FlopCounterMode) is not
+        # the stand-ins' to meet.
+        with _disable_current_modes():
+            error = _dtypes_refused(op, values, outs, tensors, shrink)
+            if error is False and shrink and sum(t.numel() for t in tensors) <= LARGE:
+                # Shrunk stand-ins broke the shapes (a pooling window, groups of channels):
+                # asked again at the call's shapes, once per signature.
+                error = _dtypes_refused(op, values, outs, tensors, False)
     if not error:
         error = None
     if error is None and key is not None:
