@@ -1,8 +1,10 @@
 """Calls CPU refuses are refused on tpu, with CPU's exception and words, in every eager mode:
-dtypes CPU's kernels do not implement (``eager/refusals.py``), and class targets out of range
-(``lowering/checks.py``: Debug raises at the call; Strict on a TPU at the next host read, as
-CUDA's device asserts do). The whole OpInfo sweep is ``python -m torchtpu.testing.refusals``
-(``bench/RESULTS.md``); a few OpInfos of it run here, and all of them under TORCHTPU_TESTS=full.
+dtypes CPU's kernels do not implement (``eager/refusals.py``), and values its kernels check
+(class targets out of range, probabilities outside [0, 1], ...: ``lowering/checks.py`` and
+``lowering/data_checks.py``; Debug raises at the call; Strict and DeferAndFuse on a TPU at the
+next host read, as CUDA's device asserts do). The whole OpInfo sweep is
+``python -m torchtpu.testing.refusals`` (``bench/RESULTS.md``); a few OpInfos of it run here,
+and all of them under TORCHTPU_TESTS=full.
 """
 
 import pytest
@@ -33,6 +35,39 @@ BAD = {
     "nll_loss2d_negative_target": lambda d: F.nll_loss(
         torch.ones(1, 3, 2, 2, device=d), torch.tensor([[[0, 1], [-2, 0]]], device=d)),
 }
+
+
+# Values CPU's kernels check (``lowering/data_checks.py``).
+VALUES = {
+    "bce_input_above_1": lambda d: F.binary_cross_entropy(
+        torch.tensor([0.5, 1.5], device=d), torch.tensor([0.0, 1.0], device=d)),
+    "bernoulli_p_above_1": lambda d: torch.bernoulli(torch.tensor([0.5, 1.5], device=d)),
+    "bernoulli__tensor_p": lambda d: torch.ones(2, device=d).bernoulli_(
+        torch.tensor([0.5, -0.5], device=d)),
+    "normal_negative_std": lambda d: torch.normal(torch.zeros(2, device=d),
+                                                  torch.tensor([1.0, -1.0], device=d)),
+    "multilabel_margin_target": lambda d: F.multilabel_margin_loss(
+        torch.ones(2, 3, device=d), torch.tensor([[0, 3, -1], [0, 1, -1]], device=d)),
+    "repeat_interleave_negative": lambda d: torch.repeat_interleave(
+        torch.ones(2, device=d), torch.tensor([1, -1], device=d)),
+    "index_copy_bounds": lambda d: torch.zeros(2, 3, device=d).index_copy(
+        -1, torch.tensor([5], device=d), torch.ones(2, 1, device=d)),
+    "index_fill_bounds": lambda d: torch.zeros(3, device=d).index_fill(
+        0, torch.tensor([-4], device=d), 1.0),
+    "max_unpool_index": lambda d: F.max_unpool1d(
+        torch.ones(1, 1, 2, device=d), torch.tensor([[[0, 9]]], device=d), 2),
+    "searchsorted_sorter": lambda d: torch.searchsorted(
+        torch.tensor([1.0, 2.0], device=d), torch.tensor([1.5], device=d),
+        sorter=torch.tensor([0, 5], device=d)),
+    "embedding_bag_last_offset": lambda d: F.embedding_bag(
+        torch.tensor([0, 1], device=d), torch.ones(3, 2, device=d), torch.tensor([0, 5], device=d)),
+    "embedding_bag_first_offset": lambda d: F.embedding_bag(
+        torch.tensor([0, 1], device=d), torch.ones(3, 2, device=d), torch.tensor([1, 1], device=d)),
+    "embedding_bag_index": lambda d: F.embedding_bag(
+        torch.tensor([[0, 7]], device=d), torch.ones(3, 2, device=d)),
+}
+BAD.update(VALUES)
+BAD["bernoulli__scalar_p"] = lambda d: torch.ones(3, device=d).bernoulli_(1.5)
 
 
 def _cpu_error(case) -> Exception:
@@ -91,6 +126,23 @@ def test_target_out_of_bounds_at_the_next_host_read_on_a_tpu(monkeypatch):
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
         with pytest.raises(IndexError, match="Target 3 is out of bounds."):
             F.cross_entropy(x, t)  # Debug: at the call
+
+
+@pytest.mark.parametrize("mode", MODES[::2], ids=[m.value for m in MODES[::2]])
+@pytest.mark.parametrize("case", sorted(VALUES))
+def test_values_checked_on_the_device_raise_at_the_next_host_read(case, mode, monkeypatch):
+    # As on a TPU: Strict and DeferAndFuse leave the values to the device; the error comes at
+    # the next host read, of CPU's type, with the op and (in a note) the call's line.
+    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: True)
+    expected = _cpu_error(case)
+    with torch.tpu.set_eager_mode(mode):
+        with pytest.raises(type(expected)) as info:
+            BAD[case]("tpu")
+            torch.ones(1, device="tpu").cpu()
+    assert str(info.value).startswith("torchtpu.check: aten."), info.value
+    if case != "embedding_bag_index":  # CPU's words for it name the index's position
+        assert str(expected).split("\n")[0].split(" but got offsets")[0] in str(info.value)
+    assert info.value.__notes__[0].startswith("Checked on the device")
 
 
 FAST = "mm|nn.functional.gelu|softmax|nn.functional.cross_entropy"

@@ -3,6 +3,7 @@
 from torchtpu.lowering import (  # noqa: F401
     attention,
     conv,
+    data_checks,
     elementwise,
     factory,
     fft,

@@ -212,15 +212,6 @@ def _kthvalue(self, k, dim=-1, keepdim=False):
     return None
 
 
-@check(aten.index_fill.int_Scalar)
-def _index_fill(self, dim, index, value):
-    # The device would cast a complex fill value to a real dtype and drop its imaginary part.
-    if isinstance(value, complex) and not self.dtype.is_complex:
-        return RuntimeError("torchtpu.check: index_fill_(): Converting complex Scalar to "
-                            "non-complex type is not supported")
-    return None
-
-
 @check(aten.aminmax.default)
 def _aminmax(self, dim=None, keepdim=False):
     if dim is not None and self.ndim and self.shape[_dim(self, dim)] == 0:
