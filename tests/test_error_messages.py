@@ -7,7 +7,7 @@ Those built by ``errors.message`` / ``errors.warn`` have one by construction, an
 ``AttributeError`` (Python's attribute protocol reads it), ``ArgumentTypeError`` (argparse
 prints it after the option's name), ``AssertionError`` (the conformance
 runners' test assertions), and the reasons other sites put into messages of their own
-(``lowering/checks.py``'s, which Debug prefixes; ``compile/dynamic.py``'s ``_Refused``).
+(``lowering/checks.py``'s and ``data_checks.py``'s, which the dispatcher prefixes; ``compile/dynamic.py``'s ``_Refused``).
 """
 
 import ast
@@ -18,7 +18,7 @@ from torchtpu import errors
 ROOT = Path(__file__).resolve().parents[1]
 EXEMPT_TYPES = {"AttributeError", "ArgumentTypeError", "AssertionError", "_Refused",
                 "ToolError"}
-EXEMPT_FILES = {"torchtpu/lowering/checks.py"}
+EXEMPT_FILES = {"torchtpu/lowering/checks.py", "torchtpu/lowering/data_checks.py"}
 
 
 def _literal_start(node) -> str | None:
