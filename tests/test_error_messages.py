@@ -7,7 +7,8 @@ Those built by ``errors.message`` / ``errors.warn`` have one by construction, an
 ``AttributeError`` (Python's attribute protocol reads it), ``ArgumentTypeError`` (argparse
 prints it after the option's name), ``AssertionError`` (the conformance
 runners' test assertions), and the reasons other sites put into messages of their own
-(``lowering/checks.py``'s and ``data_checks.py``'s, which the dispatcher prefixes; ``compile/dynamic.py``'s ``_Refused``).
+(``lowering/checks.py``'s and ``data_checks.py``'s, which the dispatcher prefixes;
+``compile/dynamic.py``'s ``_Refused``).
 """
 
 import ast
