@@ -469,6 +469,7 @@ def test_dead_rank_makes_every_other_rank_raise():
         assert ok
         assert "belongs to another process" in other
         assert "tpu_dist: all_reduce" in error and "failed" in error
+        assert "rank 3 (process" in error and "exited" in error, error
 
 
 _TORCHRUN_SCRIPT = """

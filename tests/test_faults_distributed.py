@@ -73,8 +73,46 @@ def test_rank_killed_inside_xla_all_reduce_leaves_a_python_error():
     assert ok, value
     (kind, text, seconds), after = value
     assert "by peer" in text, (kind, text)  # the connection to the dead rank
+    assert kind == "DistBackendError" and "rank 1 (process" in text, (kind, text)
     assert seconds < _PG_TIMEOUT, (seconds, text)
     assert after == [0.0, 2.0, 4.0]
+
+
+def _rank_dies_before_ddp_backward(rank, world):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    # 1 MB of gradients: the bulk all_reduce, which runs on the group's communication thread
+    # and finishes the Work's future there, the future DDP's reducer reads.
+    model = DDP(torch.nn.Linear(512, 512).to("tpu"))
+    model(torch.randn(4, 512, device="tpu")).sum().backward()
+    loss = model(torch.randn(4, 512, device="tpu")).sum()
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    start = time.monotonic()
+    try:
+        loss.backward()
+        model.module.weight.grad.cpu()
+    except Exception as e:  # noqa: BLE001 (whatever it is, it must be Python's)
+        return type(e).__name__, str(e), time.monotonic() - start
+    raise AssertionError("the backward returned with its peer dead")
+
+
+@pytest.mark.parametrize("transport", [
+    "host", pytest.param("xla", marks=pytest.mark.full)])
+def test_rank_killed_before_ddp_backward_leaves_a_python_error_naming_it(transport):
+    # The host transport's survivor segfaulted in DDP's reducer (issue 37): the future it
+    # reads held the exception object as its value.
+    outcomes = run(_rank_dies_before_ddp_backward, 2, pg_timeout=_PG_TIMEOUT, timeout=300,
+                   env={"TORCHTPU_DIST_TRANSPORT": transport}, expect_failure=True)
+    assert outcomes[1] is None  # it died
+    assert outcomes[0] is not None, "rank 0 died too (a crash, not a Python error)"
+    ok, value = outcomes[0]
+    assert ok, value
+    kind, text, seconds = value
+    assert "DistBackendError" in f"{kind}: {text}", (kind, text)
+    assert "rank 1 (process" in text and "exited" in text, text
+    assert seconds < _PG_TIMEOUT, (seconds, text)
 
 
 def test_each_torchrun_attempt_has_its_own_store_keys(monkeypatch):

@@ -33,7 +33,7 @@ from torch._C._distributed_c10d import (
     ScatterOptions,
 )
 
-from torchtpu.distributed import device_binding, host, protocol
+from torchtpu.distributed import device_binding, host, peers, protocol
 from torchtpu.distributed.p2p import PointToPoint
 from torchtpu.distributed.protocol import ANY_SHAPE, INLINE
 from torchtpu.distributed.work import CommThread, Done, Joined, Pending
@@ -151,10 +151,9 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
             work.wait()
         except RuntimeError as e:
             raise dist.DistBackendError(
-                f"torchtpu.distributed: tpu_dist: {op} in process group {self._label()!r} failed: "
-                "a rank exited, "
-                f"hung past the timeout ({self._timeout.total_seconds():g} s) or called another "
-                f"collective: {e}"
+                f"torchtpu.distributed: tpu_dist: {op} in process group {self._label()!r} failed "
+                f"({peers.describe(self._ranks)}); a rank that exits, hangs past the timeout "
+                f"({self._timeout.total_seconds():g} s) or calls another collective fails it: {e}"
             ) from e
 
     def _exchange(self, op: str, tensor: torch.Tensor | None, payload: np.ndarray | None = None,

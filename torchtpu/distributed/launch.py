@@ -27,7 +27,7 @@ import socket
 
 import torch.distributed as dist
 
-from torchtpu.distributed import jax_runtime
+from torchtpu.distributed import jax_runtime, peers
 from torchtpu.runtime import chips, libtpu, platform
 
 
@@ -108,6 +108,7 @@ def create(options, backend_options=None) -> dist.ProcessGroup:
         # Before anything starts JAX's backend (the device check does).
         _bind_chips(store, rank, size, slot)
         jax_runtime.start(store, rank, size, options.timeout, slot[0], backend_options)
+        peers.publish(store, rank)
     _check_device()
     if default:
         platform.set_process_slot(*slot)

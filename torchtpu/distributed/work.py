@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import threading
 from collections.abc import Callable
 
@@ -46,23 +47,41 @@ class Done(dist._Work):
         return self._future
 
 
+def _result_or_raise(settled: torch.futures.Future) -> list:
+    result, error = settled.value()
+    if error is not None:
+        raise error
+    return result
+
+
+def _wait_all(works: list, result: list, _collected: torch.futures.Future) -> list:
+    for w in works:
+        w.wait()  # all finished: raises the first failure as it was raised
+    return result
+
+
 class _Outcome(dist._Work):
     """What Pending and Later share: a result, an error once finished, and a future that
-    completes or fails with them."""
+    completes or fails with them.
+
+    The future fails the way C++ sees: DDP's reducer reads a finished future's value as its
+    tensors, and ``Future.set_exception`` stores the exception as that value (Python alone
+    raises it), so the reducer read an exception object as tensors and crashed the process
+    when a peer died. A callback that raises fails its future for C++ too (its error then reads
+    "Got the following error when running the callback: DistBackendError: ..."). The callback
+    holds no reference to the Work: C++ holds it, out of Python's cycle collector's sight."""
 
     def __init__(self, result: list, op: str) -> None:
         super().__init__()
         self._result = result
         self._op = op
         self._error: BaseException | None = None
-        self._future = torch.futures.Future()
+        self._settled = torch.futures.Future()
+        self._future = self._settled.then(_result_or_raise)
 
     def _settle(self, error: BaseException | None) -> None:
         self._error = error
-        if error is None:
-            self._future.set_result(self._result)
-        else:
-            self._future.set_exception(error)
+        self._settled.set_result((self._result, error))
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -152,12 +171,7 @@ class Joined(dist._Work):
         self._works = works
         self._result = result
         self._future = torch.futures.collect_all([w.get_future() for w in works]).then(
-            self._value)
-
-    def _value(self, collected: torch.futures.Future) -> list:
-        for fut in collected.value():
-            fut.value()  # raises a failure
-        return self._result
+            functools.partial(_wait_all, works, result))
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         for w in self._works:

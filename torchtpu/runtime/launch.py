@@ -16,6 +16,9 @@ own name). Upper layers set the hooks:
   asked only on that error path: a launch that runs pays nothing for it. Host waits on results
   go through ``wait``, which turns a refusal reported late (XLA:CPU allocates a program's
   temporaries as it runs) into the same error.
+- ``lost``: on any failure of a launch or a host wait, ``lost(error)`` returns the exception
+  raised in its place when a dead peer process caused it (an XLA collective whose peer died:
+  ``distributed/peers.py`` names the lost rank), else None.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch
 
 observer: Callable[[Any, Callable, tuple], Any] | None = None
 refused: Callable[[Any, Callable, tuple, Exception], Exception] | None = None
+lost: Callable[[Exception], Exception | None] | None = None
 
 
 def run(label: Any, fn: Callable, args: tuple) -> Any:
@@ -36,10 +40,10 @@ def run(label: Any, fn: Callable, args: tuple) -> Any:
     try:
         return fn(*args) if observe is None else observe(label, fn, args)
     except Exception as e:
-        handler = refused
-        if handler is None or not out_of_memory(e):
+        replacement = _replacement(label, fn, args, e)
+        if replacement is None:
             raise
-        raise handler(label, fn, args, e) from e
+        raise replacement from e
 
 
 def wait(fn: Callable, *args) -> Any:
@@ -49,10 +53,19 @@ def wait(fn: Callable, *args) -> Any:
     try:
         return fn(*args)
     except Exception as e:
-        handler = refused
-        if handler is None or not out_of_memory(e):
+        replacement = _replacement("an earlier program (its results waited for here)", fn,
+                                   args, e)
+        if replacement is None:
             raise
-        raise handler("an earlier program (its results waited for here)", fn, args, e) from e
+        raise replacement from e
+
+
+def _replacement(label: Any, fn: Callable, args: tuple, e: Exception) -> Exception | None:
+    """What the hooks make of a failed launch or wait: None to raise e itself."""
+    handler, peer = refused, lost
+    if handler is not None and out_of_memory(e):
+        return handler(label, fn, args, e)
+    return None if peer is None else peer(e)
 
 
 def out_of_memory(e: BaseException) -> bool:
