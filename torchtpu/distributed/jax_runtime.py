@@ -15,26 +15,36 @@ with an ``init_method`` alike). A tpu tensor made before ``init_process_group`` 
 transport unavailable: on a TPU or GPU that is an error saying to call ``init_process_group``
 first; on CPU the group falls back to the host transport with a one-time warning.
 
+The runtime starts only where the XLA transport may be used: the platform asked for, or a TPU
+or GPU attached (an installed libtpu alone is not one: the tpu-aot extra installs it to compile
+for TPUs on CPU machines, where the groups use the host transport).
+
 A rank that dies (SIGKILL, a crash) inside an XLA collective makes the others' collective fail
-with a Python error by their next read of its result (JAX's runtime error, naming the closed
-connection to the dead peer); the runtime is started recoverable, so the survivors go on and
-exit cleanly instead of being aborted by JAX's coordination service.
+with a Python error by their next read of its result (naming the lost rank: ``peers``); the
+runtime is started recoverable, so the survivors go on and exit cleanly instead of being
+aborted by JAX's coordination service. Recoverable, it no longer orders the ranks' exits, so
+this module does (``_shut_down_in_order``): rank 0, whose process hosts the service, stops it
+last. (Rank 0's own death still ends the others through JAX's service.)
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
 import os
 import socket
+import time
 import warnings
 
 import jax
 import torch.distributed as dist
-from jax._src import xla_bridge
+from jax._src import hardware_utils, xla_bridge
 
-from torchtpu.runtime import platform
+from torchtpu.distributed import peers
+from torchtpu.runtime import libtpu, platform
 
 TRANSPORTS = ("xla", "host")
 ENV = "TORCHTPU_DIST_TRANSPORT"
@@ -42,6 +52,8 @@ _ACCELERATORS = ("tpu", "gpu")
 # Why the XLA transport could not start in this process (None: it did start, or was not asked).
 _unavailable: list[str | None] = [None]
 _warned = [False]
+# What the ordered shutdown at exit needs, once this process started JAX's runtime.
+_at_exit: dict = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,21 +81,34 @@ def forced(backend_options=None) -> str | None:
     return _check(wanted, ENV) if wanted else None
 
 
-def _accelerator_expected() -> bool:
-    """Whether this process will likely run on a TPU or GPU, judged without starting JAX's
-    backend: TORCHTPU_PLATFORM, else an installed TPU or GPU PJRT plugin."""
-    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
-    if wanted:
-        return wanted in _ACCELERATORS
-    plugins = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
-               "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
-    for name in plugins:
+def _installed(names: tuple[str, ...]) -> bool:
+    for name in names:
         try:
             if importlib.util.find_spec(name) is not None:
                 return True
         except (ImportError, ValueError):
             continue
     return False
+
+
+def _accelerator_expected() -> bool:
+    """Whether this process will likely run on a TPU or GPU, judged without starting JAX's
+    backend: TORCHTPU_PLATFORM, else JAX_PLATFORMS, else a TPU or GPU attached whose PJRT plugin
+    is installed. An installed plugin alone is no sign: the tpu-aot extra installs libtpu on
+    machines without a TPU, to compile for one (issue 37: starting JAX's runtime there for the
+    host transport's groups, which never use it, aborted a rank at exit)."""
+    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    if wanted:
+        return wanted in _ACCELERATORS
+    jax_platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
+    if jax_platforms:
+        return any(name in jax_platforms for name in ("tpu", "cuda", "rocm", "gpu"))
+    if _installed(("libtpu",)) and libtpu.tpu_attached():
+        return True
+    gpu = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
+           "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+    return _installed(gpu) and (hardware_utils.has_visible_nvidia_gpu()
+                                or hardware_utils.num_available_amd_gpus(stop_at=1) > 0)
 
 
 def _coordinator_host(store: dist.Store) -> str:
@@ -134,6 +159,42 @@ def start(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
     jax.distributed.initialize(
         address, size, rank, local_device_ids=[local_index],
         initialization_timeout=seconds, shutdown_timeout_seconds=seconds)
+    _at_exit.update(store=store, rank=rank, size=size, seconds=seconds)
+    atexit.register(_shut_down_in_order)  # after JAX's own atexit: runs before it
+
+
+def _shut_down_in_order() -> None:
+    """At exit: JAX's runtime shut down on every rank, rank 0 (which hosts its coordination
+    service) last.
+
+    Started recoverable, JAX's shutdown no longer waits at a barrier for the other ranks, so
+    rank 0 could stop the service while another rank still ran; that rank's client then found
+    the service gone and JAX aborted it ("Terminating process because the JAX distributed
+    service detected fatal errors", issue 37). So every other rank disconnects first and says
+    so in the c10d store, and rank 0 waits for them (a rank whose process exited, or the
+    group's timeout, ends the wait) before it stops the service."""
+    state = dict(_at_exit)
+    _at_exit.clear()
+    if not state or not jax.distributed.is_initialized():
+        return
+    store, rank = state["store"], state["rank"]
+    key = "tpu_dist/jax_runtime_down/{}"
+    if rank != 0:
+        jax.distributed.shutdown()
+        with contextlib.suppress(RuntimeError):  # the store's host is gone: nobody waits
+            store.set(key.format(rank), "")
+        return
+    waiting = list(range(1, state["size"]))
+    deadline = time.monotonic() + state["seconds"]
+    while waiting and time.monotonic() < deadline:
+        try:
+            gone = set(peers.exited(waiting))
+            waiting = [r for r in waiting if r not in gone and not store.check([key.format(r)])]
+        except RuntimeError:
+            break
+        if waiting:
+            time.sleep(0.05)
+    jax.distributed.shutdown()
 
 
 def choose(size: int, backend_options=None) -> str:

@@ -17,6 +17,7 @@ runtime's ``launch.lost`` hook (set by ``publish``) turns such a failure into th
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import time
@@ -37,6 +38,7 @@ _PEER_FAILURE = ("by peer", "Connection closed", "Connection refused", "Socket c
                  "heartbeat")
 
 
+@functools.cache
 def _machine() -> str:
     """This machine and process-id namespace: processes that share it can look at each other."""
     parts = [socket.gethostname()]
@@ -72,26 +74,44 @@ def _gone(pid: int) -> bool:
         return False
 
 
+def _locate(ranks: list[int]) -> tuple[dict[int, int], list[int]]:
+    """({rank: process id} of the ranks on this machine, the ranks elsewhere), from the store
+    (which raises RuntimeError when it does not answer)."""
+    store = _job["store"]
+    here, elsewhere = {}, []
+    previous = store.timeout
+    store.set_timeout(datetime.timedelta(seconds=2))
+    try:
+        for r in ranks:
+            pid, machine = store.get(_KEY.format(r)).decode().split(" ", 1)
+            if machine == _machine():
+                here[r] = int(pid)
+            else:
+                elsewhere.append(r)
+    finally:
+        store.set_timeout(previous)
+    return here, elsewhere
+
+
+def exited(ranks: list[int]) -> list[int]:
+    """Those of ranks whose process is known to have exited (on this machine), at once."""
+    if "store" not in _job:
+        return []
+    try:
+        here, _ = _locate(ranks)
+    except (RuntimeError, ValueError):
+        return []
+    return [r for r, pid in here.items() if _gone(pid)]
+
+
 def describe(ranks: list[int] | None = None) -> str:
     """What this process can tell about the other ranks (global numbers; None: the whole job):
     which have exited, or why it cannot tell."""
-    store, me = _job.get("store"), _job.get("rank")
-    if store is None:
+    if "store" not in _job:
         return "which rank failed is unknown (no tpu_dist default group in this process)"
-    others = [r for r in (ranks if ranks is not None else _world()) if r != me]
-    here, elsewhere = {}, []
+    others = [r for r in (ranks if ranks is not None else _world()) if r != _job["rank"]]
     try:
-        previous = store.timeout
-        store.set_timeout(datetime.timedelta(seconds=2))
-        try:
-            for r in others:
-                pid, machine = store.get(_KEY.format(r)).decode().split(" ", 1)
-                if machine == _machine():
-                    here[r] = int(pid)
-                else:
-                    elsewhere.append(r)
-        finally:
-            store.set_timeout(previous)
+        here, elsewhere = _locate(others)
     except (RuntimeError, ValueError) as e:
         return f"which rank failed is unknown: the job's store did not answer ({e})"
     deadline = time.monotonic() + _EXIT_GRACE_S

@@ -3,7 +3,8 @@
 Each rank is a fresh spawned process on a free local port with torchrun's environment
 (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``...), unless ``torchrun_env=False``.
 ``run`` returns every rank's result, and raises with every failing rank's traceback; past the
-deadline, or as soon as one rank fails, it kills every process it started.
+deadline, or as soon as one rank fails, it kills every process it started. A rank that exits
+with a non-zero code after reporting (a crash at exit) fails the run too.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import time
 import traceback
 from collections.abc import Callable
 from typing import Any
+
+_EXIT_S = 30.0  # seconds a rank that reported may take to exit
 
 
 def free_port() -> int:
@@ -107,7 +110,7 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
                     break
     finally:
         for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            p.join(timeout=max(0.0, min(_EXIT_S, deadline - time.monotonic())))
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -123,4 +126,10 @@ def run(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = (),
             f"{len(failed)} rank(s) failed, {len(missing)} never reported {missing} "
             f"(timeout {timeout:g} s):\n{detail}"
         )
+    # A rank that reported and then crashed on its way out (JAX's runtime aborting it at exit,
+    # issue 37) fails the run as a script's launcher would.
+    exits = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode != 0}
+    if exits:
+        raise AssertionError(f"every rank reported, but then exited with {exits} (rank: exit "
+                             f"code, negative: killed by that signal; {_EXIT_S:g} s allowed)")
     return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
