@@ -59,36 +59,6 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
         return torch._C.Generator(device)
 
 
-def _install_accelerator_synchronize() -> None:
-    """``torch.accelerator.synchronize()`` waits through ``torch.tpu.synchronize``, and
-    ``set_device_index`` checks through ``torch.tpu.set_device``.
-
-    PyTorch's versions ask the device guard, which a Python backend cannot implement.
-    """
-    import torch.accelerator
-
-    from torchtpu import tpu
-
-    original = torch.accelerator.synchronize
-
-    def synchronize(device=None, /) -> None:
-        if torch.accelerator.current_accelerator().type == "tpu":
-            return tpu.synchronize(device)
-        return original(device)
-
-    torch.accelerator.synchronize = synchronize
-    original_set = torch.accelerator.set_device_index
-
-    # PyTorch's version is a no-op for a Python backend; this one checks the index (CUDA scripts
-    # call set_device_index(LOCAL_RANK), which names this process's device).
-    def set_device_index(device, /) -> None:
-        if torch.accelerator.current_accelerator().type == "tpu":
-            return tpu.set_device(device)
-        return original_set(device)
-
-    torch.accelerator.set_device_index = set_device_index
-
-
 # torch.set_float32_matmul_precision's names, as torch.tpu.Precision.
 _TORCH_PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "medium": "DEFAULT"}
 
@@ -199,7 +169,9 @@ def register() -> None:
         from torchtpu.device import memory_limit
 
         memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
-        _install_accelerator_synchronize()
+        from torchtpu.tpu import accelerator
+
+        accelerator.install()  # torch.accelerator's entry points, for tpu
         _install_matmul_precision()
         from torchtpu import profiler
 

@@ -25,6 +25,8 @@ from torchtpu.runtime import platform
 _lock = threading.Lock()
 _peak = {"allocated": 0, "reserved": 0}
 _runtime_peak_at_reset = {"allocated": 0, "reserved": 0}
+# The runtime's counters cannot be reset either: their values at reset_accumulated_memory_stats.
+_counts_at_reset = {"num_allocs": 0, "num_ooms": 0}
 
 
 def _runtime_stats() -> dict:
@@ -55,8 +57,8 @@ def _current(stats: dict | None = None) -> dict:
                 sampled = max(sampled, runtime_peak[key])
             _peak[key] = sampled
         peak = dict(_peak)
-    return {"current": current, "peak": peak, "limit": stats.get("bytes_limit", 0),
-            "num_allocs": stats.get("num_allocs", 0), "num_ooms": stats.get("num_ooms", 0)}
+    counts = {key: stats.get(key, 0) - _counts_at_reset[key] for key in _counts_at_reset}
+    return {"current": current, "peak": peak, "limit": stats.get("bytes_limit", 0), **counts}
 
 
 # Where the runtime keeps no statistics (XLA:CPU) a sample walks every live array (~3 µs each:
@@ -102,6 +104,14 @@ def reset_peak_memory_stats() -> None:
         _runtime_peak_at_reset["allocated"] = stats.get("peak_bytes_in_use", 0)
         _runtime_peak_at_reset["reserved"] = stats.get(
             "peak_bytes_reserved", stats.get("peak_bytes_in_use", 0))
+
+
+def reset_accumulated_memory_stats() -> None:
+    """The counters of :func:`memory_stats` (allocations, out-of-memory refusals) from zero."""
+    stats = _runtime_stats()
+    with _lock:
+        for key in _counts_at_reset:
+            _counts_at_reset[key] = stats.get(key, 0)
 
 
 def total_memory() -> int:

@@ -113,6 +113,11 @@ def reset_peak_memory_stats(device=None) -> None:
 reset_max_memory_allocated = reset_peak_memory_stats
 
 
+def reset_accumulated_memory_stats(device=None) -> None:
+    _check(device)
+    _memory.reset_accumulated_memory_stats()
+
+
 def empty_cache() -> None:
     """Nothing to release: XLA frees each buffer when its last array dies (no caching pool)."""
 
@@ -172,7 +177,8 @@ __all__ = [
     "initial_seed", "is_available", "is_bf16_supported", "is_initialized", "is_materialized",
     "manual_seed", "manual_seed_all", "max_memory_allocated", "max_memory_reserved",
     "mem_get_info", "memory_allocated", "memory_reserved", "memory_stats", "memory_summary",
-    "pending_hlo", "precision", "reset_max_memory_allocated", "reset_peak_memory_stats",
+    "pending_hlo", "precision", "reset_accumulated_memory_stats", "reset_max_memory_allocated",
+    "reset_peak_memory_stats",
     "scan_layers", "seed", "custom_compiler_options", "set_per_process_memory_fraction",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
     "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
