@@ -79,9 +79,10 @@ class _Outcome(dist._Work):
         self._settled = torch.futures.Future()
         self._future = self._settled.then(_result_or_raise)
 
-    def _settle(self, error: BaseException | None) -> None:
-        self._error = error
-        self._settled.set_result((self._result, error))
+    def _complete_future(self) -> None:
+        """Complete the future with the outcome; once the Work reads as finished (its error
+        set), and holding no lock: callbacks run here, and may wait for this Work (Joined's)."""
+        self._settled.set_result((self._result, self._error))
 
     def is_success(self) -> bool:
         return self.is_completed() and self._error is None
@@ -105,8 +106,9 @@ class Pending(_Outcome):
         self._done = threading.Event()
 
     def finish(self, error: BaseException | None) -> None:
-        self._settle(error)
+        self._error = error
         self._done.set()
+        self._complete_future()
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
         # c10d passes timedelta(0) for "no timeout": the group's own timeout bounds the transfer.
@@ -136,15 +138,16 @@ class Later(_Outcome):
         self._source = -1
 
     def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        finished_here = False
         with self._lock:
             if not self._ran:
-                self._ran = True
+                self._ran = finished_here = True
                 try:
                     self._source = self._finish()
                 except BaseException as e:  # noqa: BLE001 (raised below, and by every wait)
-                    self._settle(e)
-                else:
-                    self._settle(None)
+                    self._error = e
+        if finished_here:
+            self._complete_future()
         if self._error is not None:
             raise self._error
         return True
