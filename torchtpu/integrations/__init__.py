@@ -9,10 +9,13 @@ from torchtpu.import_hooks import after_import
 
 
 def install() -> None:
-    from torchtpu.integrations import accelerate, fbgemm, ray
+    from torchtpu.integrations import accelerate, fbgemm, ray, trl
     from torchtpu.lowering import attention
 
     after_import("accelerate.state", accelerate.patch)
     after_import("fbgemm_gpu", fbgemm.patch)
     after_import("ray.air._internal.torch_utils", ray.patch)
     after_import("torch.nn.attention.varlen", attention.register_varlen)
+    for name in trl.MODULES:
+        module = f"trl.trainer.{name}_config"
+        after_import(module, trl.patcher(module))

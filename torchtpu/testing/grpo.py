@@ -1,0 +1,124 @@
+"""TRL's GRPO on a tiny Llama made from a config, for tests and benchmarks (no hub).
+
+``run(device, steps, folder)`` trains ``trl.GRPOTrainer`` for ``steps`` steps on "tpu" or "cpu"
+with a deterministic reward (the number of distinct characters of a completion, plus its first
+character's code over 1000) and greedy generation whose first token is forced per row of the
+batch (``FirstTokenByRow``: the completions of one prompt would otherwise be equal, and so
+would their rewards, leaving zero advantages and no gradient), SGD (AdamW's first step turns
+rounding noise in near-zero gradients into full-size steps of its sign, which no comparison
+survives), and prompts of lengths that change from step to step. It returns each step's logged
+reward, loss and gradient norm, its wall time and how many programs it built or loaded
+(``torchtpu.metrics``), and the trained weights. ``python -m torchtpu.testing.grpo DEVICE STEPS
+FOLDER [vllm] [nopad]`` prints that as JSON from a fresh process (Accelerate keeps one device per
+process).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+PROMPTS = ["a", "bcd", "hello", "xyz12345", "tpu!", "grpo runs", "qq", "abcdefghij"]
+
+
+def reward(completions: list, **_) -> list[float]:
+    """Distinct characters of each completion, plus its first character's code over 1000."""
+    return [len(set(c)) + (ord(c[0]) / 1000 if c else 0.0) for c in completions]
+
+
+class FirstTokenByRow:
+    """A logits processor: the first generated token of batch row r is token (7 r + 70) mod V."""
+
+    def __init__(self) -> None:
+        self.first = True
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if not self.first:
+            return scores
+        self.first = False
+        rows = torch.arange(scores.shape[0], device=scores.device)
+        bias = torch.zeros_like(scores)
+        bias[rows, (rows * 7 + 70) % scores.shape[1]] = 1000.0
+        return scores + bias
+
+
+def _row_forced(model) -> None:
+    """model.generate with a fresh ``FirstTokenByRow`` per call (TRL calls it without one)."""
+    from transformers import LogitsProcessorList
+
+    original = model.generate
+
+    def generate(*args, **kwargs):
+        kwargs.setdefault("logits_processor", LogitsProcessorList([FirstTokenByRow()]))
+        return original(*args, **kwargs)
+
+    model.generate = generate
+
+
+def _programs() -> int:
+    from torchtpu import metrics
+
+    snap = metrics.snapshot()
+    return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + snap.get(
+        "programs_loaded_by_key", 0)
+
+
+def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
+        vllm_options: dict | None = None, pad: int | str | None = "auto") -> dict:
+    """Train and report (see the module doc)."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    folder = Path(folder)
+    model_dir = folder / "model"
+    if not (model_dir / "config.json").exists():
+        save_tiny_model(model_dir, hidden=64, layers=2, heads=2, kv_heads=1)
+    timings: list[dict] = []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, *args, **kwargs) -> None:
+            self.start, self.programs = time.perf_counter(), _programs()
+
+        def on_step_end(self, args, state, *rest, **kwargs) -> None:
+            timings.append({"seconds": time.perf_counter() - self.start,
+                            "programs": _programs() - self.programs})
+
+    config = GRPOConfig(
+        output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
+        max_completion_length=8, max_steps=steps, learning_rate=0.05, optim="sgd",
+        logging_steps=1, report_to="none", save_strategy="no", seed=0, shuffle_dataset=False,
+        use_cpu=device == "cpu", bf16=False, generation_kwargs={"do_sample": False},
+        dataloader_num_workers=0, use_vllm=use_vllm, pad_to_multiple_of=pad, **(vllm_options or {}))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if not use_vllm:
+        _row_forced(model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
+                          train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
+                          processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    return {
+        "device": str(next(trainer.model.parameters()).device),
+        "pad_to_multiple_of": config.pad_to_multiple_of,
+        "steps": [{"reward": h["reward"], "loss": h["loss"], "grad_norm": h.get("grad_norm")}
+                  for h in logs],
+        "timings": timings,
+        "weights": {k: v.detach().cpu().flatten()[:64].tolist()
+                    for k, v in trainer.model.state_dict().items()},
+    }
+
+
+if __name__ == "__main__":
+    device, steps, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    out = run(device, steps, folder, use_vllm="vllm" in sys.argv[4:],
+              pad=None if "nopad" in sys.argv[4:] else "auto")
+    print("GRPO_RESULT " + json.dumps(out))
