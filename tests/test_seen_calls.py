@@ -103,3 +103,21 @@ def test_capture_keeps_the_full_path(short_paths):
     x.copy_(torch.ones(4, 4))
     g.replay()
     torch.testing.assert_close(out.cpu(), 1 + y.cpu())
+
+
+def test_calls_with_traced_numbers_take_it_and_compute_as_cpu(short_paths):
+    a = torch.randn(3, 5)
+    x = a.to("tpu")
+    for number in (0.3, 0.3, 0.3, torch.tensor(0.7), torch.tensor(-1.5), 7, 7):
+        torch.testing.assert_close((x * number).cpu(), a * number)
+    assert short_paths[0] >= 4  # 0.3 twice, the second CPU scalar tensor's value, 7 once
+
+
+def test_a_float_zero_takes_the_full_path_whichever_sign_came_first(short_paths):
+    a = torch.randn(3, 5)
+    x = a.to("tpu")
+    for number in (-0.0, -0.0, 0.0, -0.0, 0.0):
+        before = short_paths[0]
+        got = (x * number).cpu()
+        assert torch.equal(torch.signbit(got), torch.signbit(a * number))
+        assert short_paths[0] == before

@@ -129,3 +129,37 @@ def test_a_kept_number_handed_back_as_a_result_is_copied():
     out = numbers.not_kept((kept, 1))
     assert out[0] is not kept and out[1] == 1
     np.testing.assert_array_equal(np.asarray(out[0]), 0.625)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_runs_as_one_program_and_matches_cpu(dtype):
+    x = torch.randn(16, 33, dtype=dtype) * 4
+    F.silu(x.to("tpu"))
+    with census(dots=False) as c:
+        got = F.silu(x.to("tpu"))
+    assert c.launch_count == 1
+    exact = dtype != torch.float32  # float32: CPU divides by 1 + exp(-x), an ulp apart
+    torch.testing.assert_close(got.cpu(), F.silu(x), atol=0 if exact else 1e-6,
+                               rtol=0 if exact else 1e-6)
+
+
+VIEW_CASTS = {
+    "slice to float64": lambda t: t[1:4].to(torch.float64),
+    "strided columns to bf16": lambda t: t[:, ::2].to(torch.bfloat16),
+    "a row to int32": lambda t: t[2].to(torch.int32),
+    "expanded to bf16": lambda t: t.expand(2, 6, 8).to(torch.bfloat16),
+    "reshaped then cast": lambda t: t.view(48)[5:29].float().double(),
+}
+
+
+@pytest.mark.parametrize("name", VIEW_CASTS)
+def test_a_views_cast_reads_and_casts_in_one_program(name):
+    fn, x = VIEW_CASTS[name], torch.randn(6, 8)
+    fn(x.to("tpu"))
+    d = x.to("tpu")
+    with census(dots=False) as c:
+        got = fn(d)
+    want = fn(x)
+    assert c.launch_count == 1
+    assert got.dtype == want.dtype and got.stride() == want.stride()
+    assert torch.equal(got.cpu(), want)

@@ -20,7 +20,7 @@ import torch
 from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, memory_limit, overlap, tensors
 from torchtpu.device import storage as storages
-from torchtpu.device.views import _bitcast_flat
+from torchtpu.device.views import _bitcast_flat, read_view
 from torchtpu.runtime import launch, platform, transfer, warm
 
 aten = torch.ops.aten
@@ -160,6 +160,30 @@ def convert(array, t: torch.Tensor):
     return tensors.call(_converter(dtype, shape), array)
 
 
+@functools.lru_cache(maxsize=1024)
+def _view_converter(g, dtype, shape):
+    tensors.check_in_bounds(g)
+    return warm.named(
+        jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(read_view(a, g), dtype), shape)),
+        "convert_view", g, dtype, shape)
+
+
+def read_converted(src: torch.Tensor, t: torch.Tensor):
+    """src's value (any view) cast to t's dtype and broadcast to t's shape: one program where
+    src is a view that needs both a read and a cast (``x.t().float()``, a slice's ``.to()``),
+    which were a program each."""
+    array, g = tensors.read_parts(src)
+    if g is not None:
+        value = None if tensors.view_reader is None else tensors.view_reader(src, array, g)
+        if value is not None:
+            return convert(value, t)
+        dtype, shape = dtypes.to_jax(t.dtype), tuple(t.shape)
+        if np.dtype(g.dtype) == dtype and g.size == shape:  # a read alone
+            return tensors.read(src)
+        return tensors.call(_view_converter(g, dtype, shape), array)
+    return convert(array, t)
+
+
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
     if dst.device.type == "tpu":
         # The copy is computed whole and then written, so an expand-ed target or one that
@@ -175,7 +199,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             copy_into = getattr(type(held), "copy_into", None)
             if copy_into is not None and copy_into(held, dst, src):
                 return dst
-            value = convert(tensors.read(src), dst)
+            value = read_converted(src, dst)
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)
         else:

@@ -9,11 +9,13 @@ sit and the dtype each array must have), keyed by ``signature``: the bound value
 each tensor as (shape, dtype, is_cpu), with every value's type (1, 1.0 and True are equal keys
 that compute differently).
 
-Only signatures whose spec takes nothing but whole device tensors and baked-in constants are
-kept (no traced numbers, whose values vary, no tensor lists, no random keys), and only outside a
-capture. A call takes the short path only when each tensor's storage holds a computed array that
-is the tensor whole (``whole_arrays``); anything else (a view, a pending or padded value, a lazy
-conj/neg bit) takes the full path, which handles it. The short path then runs as the full path
+Only signatures whose spec takes nothing but whole device tensors, traced real numbers (``x *
+0.3``: a Python number's value is in the signature, a CPU scalar tensor's is read at each call)
+and baked-in constants are kept (no tensor lists, no random keys), and only outside a capture. A
+call takes the short path only when each tensor's storage holds a computed array that is the
+tensor whole (``whole_arrays``) and no traced number is a float zero (0.0 and -0.0 are one
+key); anything else (a view, a pending or padded value, a lazy conj/neg bit) takes the full
+path, which handles it. The short path then runs as the full path
 does from the read arrays on (``dispatch.compute`` with them): the upper layers' hooks, the
 current executor, the launch observer all see the same call.
 """
@@ -25,7 +27,7 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import dtypes
 from torchtpu.eager import meta
-from torchtpu.eager.program import CONST, TENSOR, Spec
+from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
 
 _Tensor = torch.Tensor
 
@@ -43,7 +45,8 @@ def signature(values: list):
 
 class Seen:
     """What the full path found for one signature: ``reads`` holds (position, array dtype) of
-    each tensor argument, in the order the program takes their arrays."""
+    each tensor argument and (position, None) of each traced number, in the order the program
+    takes them."""
 
     __slots__ = ("result", "spec", "reads")
 
@@ -58,10 +61,11 @@ def _zero(x) -> bool:
 
 
 def _simple(spec: Spec) -> bool:
-    """Whether a call of spec can be repeated from whole tensors alone: every entry a tensor or
-    a constant, no constant a float zero (whose sign a signature does not tell)."""
+    """Whether a call of spec can be repeated from whole tensors and numbers alone: every entry
+    a tensor, a traced number or a constant, no constant a float zero (whose sign a signature
+    does not tell)."""
     for kind, payload in spec.entries:
-        if kind == TENSOR:
+        if kind in (TENSOR, SCALAR):
             if payload is not None:
                 return False
         elif kind != CONST:
@@ -79,18 +83,29 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
         simple = spec._simple = _simple(spec)
     if not simple:
         return
-    reads = tuple((i, dtypes.to_jax(v.dtype)) for i, v in enumerate(values)
-                  if isinstance(v, _Tensor))
+    reads = tuple((i, None if kind == SCALAR else dtypes.to_jax(values[i].dtype))
+                  for i, (kind, _) in enumerate(spec.entries) if kind != CONST)
     meta.bounded_put(seen, key, Seen(result, spec, reads))
+
+
+_REAL = (float, int, bool)
 
 
 def whole_arrays(values: list, reads: tuple) -> tuple | None:
     """The arrays of the call's tensors when each is its storage's computed array whole (the
-    array's shape and dtype, contiguous, no lazy bits); else None. (The storage's bytes are its
-    array's: a contiguous tensor of the array's shape and itemsize cannot start past 0.)"""
+    array's shape and dtype, contiguous, no lazy bits), with its traced numbers; else None.
+    (The storage's bytes are its array's: a contiguous tensor of the array's shape and itemsize
+    cannot start past 0.)"""
     arrays = []
     for i, dtype in reads:
         t = values[i]
+        if dtype is None:  # a traced number, or a CPU scalar tensor's value
+            if type(t) is _Tensor:
+                t = t.item()
+            if type(t) not in _REAL or (type(t) is float and t == 0):
+                return None
+            arrays.append(t)
+            continue
         array = t.untyped_storage()._tpu_array
         if type(array) is not ArrayImpl:
             return None

@@ -75,6 +75,15 @@ def gelu_backward(grad, x, approximate="none"):
     return pullback(_wide(grad))[0]
 
 
+# SiLU (SwiGLU's gate in every Llama MLP), whole: its decomposition ran as five programs (casts
+# to and from float32 around sigmoid and mul, a copy out). Its backward, ``silu_backward``, is
+# CompositeImplicitAutograd: it reaches the device as its pieces.
+@lowers(aten.silu.default)
+def silu(x):
+    x = _wide(x)
+    return x * jax.lax.logistic(x)
+
+
 def _layer_norm_axes(x, normalized_shape) -> tuple:
     return tuple(range(x.ndim - len(normalized_shape), x.ndim))
 
