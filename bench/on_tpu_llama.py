@@ -2,11 +2,14 @@
 torchtpu has, beside the same step written in JAX, on one chip in one process.
 
     TORCHTPU_PLATFORM=tpu python bench/on_tpu_llama.py [--lengths 1024,2048]
-        [--modes jax,whole,model,strict,defer] [--layers 12] [--json out.json]
+        [--modes jax,jax-splash,whole,model,strict,defer] [--layers 12] [--profile whole,jax]
+        [--json out.json]
     python bench/on_tpu_llama.py --tiny --tokens 256 --lengths 64   # a smoke run on CPU
 
 Modes, each on a fresh model (the previous one's memory given back first):
-- ``jax``: ``bench/tpu_llama.py``'s step, one ``jax.jit`` with donated parameters and moments;
+- ``jax``: ``bench/tpu_llama.py``'s step, one ``jax.jit`` with donated parameters and moments,
+  naive attention; ``jax-splash``: the same with JAX's splash kernel at the blocks
+  ``bench/tpu_attention.py`` found fastest on v5e (512 x 512, fused backward);
 - ``whole``: ``torch.compile(step, backend="tpu")``, the whole step as one captured program;
 - ``model``: ``torch.compile(model, backend="tpu")`` with backward, clipping and AdamW eager;
 - ``strict``: eager, one op at a time (the default mode);
@@ -24,11 +27,15 @@ length is 8,192 tokens at every length (``--tokens``).
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
+import glob
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -72,10 +79,12 @@ def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> t
     return times, {k: (after[k] - before[k]) / done for k in COUNTERS}
 
 
-def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float) -> dict:
+def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bool,
+             profile: bool) -> dict:
     t0 = time.perf_counter()
-    fn = jax.jit(jax_models.train_step(tpu_llama.loss_fn(c), 3e-4, (0.9, 0.999), 1e-8, 0.1, 1.0),
-                 donate_argnums=(0, 1, 2))
+    attend = tpu_llama.splash_attention(512, 512, True) if splash else tpu_llama.naive_attention
+    fn = jax.jit(jax_models.train_step(tpu_llama.loss_fn(c, attend), 3e-4, (0.9, 0.999), 1e-8,
+                                       0.1, 1.0), donate_argnums=(0, 1, 2))
     params = tpu_llama.init(c, jax.random.key(0))
     state = [params, jax.tree.map(jnp.zeros_like, params), jax.tree.map(jnp.zeros_like, params),
              jnp.zeros((), jnp.float32)]
@@ -91,16 +100,49 @@ def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float) -> dict:
     first = [float(run_step()) for _ in range(3)]
     warm = time.perf_counter() - t0
     times, per_step = _timed_rounds(run_step, float, steps, rounds, budget_s)
+    top = _profile(run_step, float) if profile else None
     stats = jax.devices()[0].memory_stats() or {}
     row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
            "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
            "xla_argument_gib": mem.argument_size_in_bytes / 2**30,
-           "xla_temp_gib": mem.temp_size_in_bytes / 2**30}
+           "xla_temp_gib": mem.temp_size_in_bytes / 2**30, "top_ops": top}
     return row
 
 
+def _profile(run_step, read) -> list:
+    """The device's ops of one step, summed by HLO op (name, category): the 30 longest."""
+    directory = tempfile.mkdtemp(prefix="on_tpu_llama_")
+    try:
+        jax.profiler.start_trace(directory)
+        try:
+            read(run_step())
+        finally:
+            jax.profiler.stop_trace()
+        files = glob.glob(f"{directory}/plugins/profile/*/*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(files[0])
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    by = collections.defaultdict(lambda: [0, 0.0, ""])
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            if line.name != "XLA Ops":
+                continue
+            for e in line.events:
+                stats = dict(e.stats)
+                what = stats.get("hlo_category") or stats.get("category") or ""
+                entry = by[(e.name, str(what))]
+                entry[0] += 1
+                entry[1] += e.end_ns - e.start_ns
+                entry[2] = entry[2] or str(stats.get("long_name", ""))[:200]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:30]
+    return [{"op": name, "category": cat, "runs": n, "ms": ns / 1e6, "hlo": text}
+            for (name, cat), (n, ns, text) in top]
+
+
 def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
-               budget_s: float) -> dict:
+               budget_s: float, profile: bool) -> dict:
     torch.tpu.reset_peak_memory_stats()
     t0 = time.perf_counter()
     torch.manual_seed(0)
@@ -120,19 +162,21 @@ def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
         warm = time.perf_counter() - t0
         times, per_step = _timed_rounds(lambda: step(x, y), lambda t: t.item(), steps, rounds,
                                         budget_s)
+        top = _profile(lambda: step(x, y), lambda t: t.item()) if profile else None
     row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
-           "peak_gib": torch.tpu.max_memory_allocated() / 2**30}
+           "peak_gib": torch.tpu.max_memory_allocated() / 2**30, "top_ops": top}
     return row
 
 
 def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: float,
-        tokens: int = TOKENS) -> dict:
+        tokens: int = TOKENS, profile: bool = False) -> dict:
     c = LlamaConfig(**dims, seq=length)
     batch = tokens // length
-    if mode == "jax":
-        out = _jax_row(tpu_llama.config(**dims, seq=length), batch, steps, rounds, budget_s)
+    if mode.startswith("jax"):
+        out = _jax_row(tpu_llama.config(**dims, seq=length), batch, steps, rounds, budget_s,
+                       splash=mode == "jax-splash", profile=profile)
     else:
-        out = _torch_row(mode, c, batch, steps, rounds, budget_s)
+        out = _torch_row(mode, c, batch, steps, rounds, budget_s, profile)
     gc.collect()  # the mode's model, optimizer state and programs, before the next mode's
     torch.tpu.synchronize()
     torch.tpu.empty_cache()
@@ -147,9 +191,12 @@ def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: f
 
 
 def table(results: list[dict]) -> str:
-    """Markdown rows: mode, length, ms/step, MFU, vs JAX, warm-up, peak GiB, compiles/step."""
-    jax_ms = {r["length"]: r["ms_per_step"] for r in results if r.get("mode") == "jax"
-              and "ms_per_step" in r}
+    """Markdown rows: mode, length, ms/step, MFU, against the faster JAX twin, warm-up, peak
+    GiB, compiles/step."""
+    jax_ms = {}  # the faster JAX twin's, per length
+    for r in results:
+        if r.get("mode", "").startswith("jax") and "ms_per_step" in r:
+            jax_ms[r["length"]] = min(jax_ms.get(r["length"], 1e30), r["ms_per_step"])
     lines = ["| mode | tokens | ms/step | MFU | vs JAX | warm-up s | peak GiB | compiles, "
              "cache hits, executions per step |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for r in results:
@@ -172,7 +219,7 @@ def main(argv: list | None = None) -> list:
     p = argparse.ArgumentParser(prog="bench/on_tpu_llama.py",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--lengths", default="1024,2048")
-    p.add_argument("--modes", default="jax,whole,model,strict,defer")
+    p.add_argument("--modes", default="jax,jax-splash,whole,model,strict,defer")
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--tokens", type=int, default=TOKENS, help="batch x length")
     p.add_argument("--tiny", action="store_true",
@@ -181,6 +228,8 @@ def main(argv: list | None = None) -> list:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--budget-s", type=float, default=60.0,
                    help="stop a mode's timed rounds past this many seconds (one round at least)")
+    p.add_argument("--profile", default="",
+                   help="modes whose one step is profiled: its 30 longest device ops")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, torch {torch.__version__}, {jax.devices()}", flush=True)
@@ -192,7 +241,8 @@ def main(argv: list | None = None) -> list:
                 dims = {"layers": args.layers}
                 if args.tiny:
                     dims.update(vocab=512, dim=128, heads=2, hidden=256)
-                r = row(mode, length, dims, args.steps, args.rounds, args.budget_s, args.tokens)
+                r = row(mode, length, dims, args.steps, args.rounds, args.budget_s, args.tokens,
+                        profile=mode in args.profile.split(","))
             except Exception as e:  # one mode failing (out of memory, say) leaves the others
                 r = {"mode": mode, "length": length, "error": f"{type(e).__name__}: {e}"}
                 gc.collect()
@@ -203,6 +253,10 @@ def main(argv: list | None = None) -> list:
                 with open(args.json, "w") as f:
                     json.dump(results, f, indent=1, default=str)
     print(table(results), flush=True)
+    for r in results:
+        for op in r.get("top_ops") or []:
+            print(f"{r['mode']} {r['length']}: {op['ms']:8.2f} ms {op['runs']:4d}x {op['op']} "
+                  f"[{op['category']}] {op['hlo'][:110]}")
     return results
 
 
