@@ -97,3 +97,58 @@ def test_tensor_parallel_attention_on_dtensors(backends, fused):
         torch.testing.assert_close(out, ref.detach(), atol=2e-5, rtol=1e-5)
         for g, r in zip(grads, (q.grad, k.grad, v.grad, mask.grad)):
             torch.testing.assert_close(g, r, atol=5e-5, rtol=1e-5)
+
+
+def _heads_first(x):
+    return x.transpose(1, 2)  # (batch, seq, heads, dim) -> (batch, heads, seq, dim), a view
+
+
+def test_result_strides_are_cpus_for_transposed_inputs():
+    # As CPU's kernel and PyTorch's meta kernel: the output is laid out as the query (here
+    # seq-major), the gradients as q, k, v. A contiguous output made the usual
+    # `out.transpose(1, 2).contiguous().view(b, s, -1)` wrong under DTensor (issue 37).
+    xs = [torch.randn(2, 8, 4, 16, requires_grad=True) for _ in range(3)]
+
+    def run(device):
+        leaves = [x.detach().to(device).requires_grad_() for x in xs]
+        out = F.scaled_dot_product_attention(*map(_heads_first, leaves), is_causal=True)
+        grads = torch.autograd.grad(out.square().sum(), leaves)
+        return out, grads
+
+    (out, grads), (ref, ref_grads) = run("tpu"), run("cpu")
+    assert FUSED in type(out.grad_fn).__name__
+    assert out.stride() == ref.stride() == (512, 16, 64, 1)
+    assert [g.stride() for g in grads] == [g.stride() for g in ref_grads]
+    assert out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(out.transpose(1, 2).contiguous().view(2, 8, -1).cpu(),
+                               ref.transpose(1, 2).contiguous().view(2, 8, -1),
+                               atol=2e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g.cpu(), r, atol=5e-5, rtol=1e-5)
+
+
+def _tensor_parallel_attention_block(rank, world, x):
+    # pytorch/examples' Llama attention under ColwiseParallel(use_local_output=False): heads
+    # sharded, views and transposes of DTensors, then the view that failed on ranks 2 and 3 of
+    # fsdp_tp_example.py.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("tpu", (world,))
+    b, s, h, d = x.shape
+    heads = distribute_tensor(x.detach().reshape(b, s, h * d).to("tpu"), mesh, [Shard(2)])
+    q = heads.view(b, s, h, d).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, q * 0.5, q * 2, is_causal=True)
+    out = out.transpose(1, 2).contiguous()
+    assert out.to_local().is_contiguous() == out.is_contiguous(), (
+        out.stride(), out.to_local().stride())
+    return out.view(b, s, -1).full_tensor().cpu()
+
+
+def test_tensor_parallel_attention_block_views_as_on_cpu():
+    x = torch.randn(2, 8, 4, 16)
+    q = _heads_first(x)
+    ref = F.scaled_dot_product_attention(q, q * 0.5, q * 2, is_causal=True)
+    ref = ref.transpose(1, 2).contiguous().view(2, 8, -1)
+    for out in run_threads(_tensor_parallel_attention_block, 2, args=(x,)):
+        torch.testing.assert_close(out, ref, atol=2e-5, rtol=1e-5)

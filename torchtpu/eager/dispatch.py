@@ -25,7 +25,7 @@ from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
-from torchtpu.lowering.registry import Lowering, lookup
+from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
@@ -135,8 +135,9 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     key = (meta.call_key(oi, values, traced), final)
     hit = cache.get(key)
     if hit is None:
-        result = meta.infer(op, values, traced=traced)
-        if lowering.layout is not None:
+        result = meta.infer(op, values, traced=traced,
+                            strides=lowering.layout is META_STRIDES)
+        if callable(lowering.layout):
             result = results.laid_out(result, lowering.layout(*values))
         compute_dtypes = results.map_described(result, _compute_dtype)
         promote = meta.common_dtype(values) if lowering.promote == "common" else None

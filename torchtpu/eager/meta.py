@@ -118,7 +118,19 @@ def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -
     return tuple(parts)
 
 
-def describe(m):
+def _dense(m: torch.Tensor) -> bool:
+    """Whether m's elements fill its storage span exactly, in some order of its dims."""
+    expected = 1
+    for size, stride in sorted(zip(m.shape, m.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def describe(m, strides: bool = False):
+    """m's description (``results``); with strides, a dense result laid out in another order
+    than row-major keeps its strides (``lowers(layout=META_STRIDES)``)."""
     if isinstance(m, torch.Tensor):
         # A result keeps a channels-last layout, as PyTorch's kernels give it (a channels-last
         # input, or a convolution's channels-last weight); any other layout is contiguous: a
@@ -126,9 +138,11 @@ def describe(m):
         fmt = channels_last_of(m)
         if fmt is not None:
             return (tuple(m.shape), m.dtype, fmt)
+        if strides and not m.is_contiguous() and _dense(m):
+            return (tuple(m.shape), m.dtype, tuple(m.stride()))
         return (tuple(m.shape), m.dtype)
     if isinstance(m, (list, tuple)):
-        return tuple(describe(x) for x in m)
+        return tuple(describe(x, strides) for x in m)
     # An int result (a SymInt return, e.g. SDPA's max_q) is its value, known from the meta call.
     return m if type(m) is int else None
 
@@ -154,8 +168,10 @@ def _holds_tensor(v) -> bool:
 _MISSING = object()
 
 
-def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()):
-    """Shapes and dtypes of op's results: (shape, dtype[, memory format]) or a tuple of them."""
+def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset(),
+          strides: bool = False):
+    """Shapes and dtypes of op's results: (shape, dtype[, memory format or strides]) or a tuple
+    of them (strides: see ``describe``; the same for every call of op, as the cache assumes)."""
     oi = schema.info(op)
     try:
         key = (op, call_key(oi, values, traced), tuple(leaf_key(o) for o in outs))
@@ -176,7 +192,7 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
     for n, o in zip(oi.out_names, outs):
         kwargs[n] = to_meta(o)
-    result = describe(_run_meta(op, pos, kwargs))
+    result = describe(_run_meta(op, pos, kwargs), strides)
     # What the meta kernel does not check: the dtypes CPU's kernel implements.
     refusals.check(op, values, outs, traced)
     if key is not None:

@@ -1,7 +1,8 @@
 """Result descriptions and their memory layouts: what ``meta.describe`` says of an op's results
-((shape, dtype) leaves, or (shape, dtype, memory format) where the result is laid out otherwise
-than row-major, in tuples as the op returns them), and tensors laid out as CPU lays them
-(channels-last results of elementwise ops, batch norm, pooling, convolutions).
+((shape, dtype) leaves, or (shape, dtype, layout) where the result is laid out otherwise than
+row-major: a memory format, or the strides of a dense layout in another order; in tuples as the
+op returns them), and tensors laid out as CPU lays them (channels-last results of elementwise
+ops, batch norm, pooling, convolutions; SDPA's output in its query's order).
 
 The device's arrays are row-major; a result CPU gives in channels-last becomes a tensor of that
 memory format by one transposing copy (``lay_out``), as CUDA's kernels write channels-last.
@@ -30,18 +31,25 @@ def laid_out(d, fmt):
     return tuple(laid_out(x, fmt) for x in d)
 
 
-def lay_out(t: torch.Tensor, fmt: torch.memory_format) -> torch.Tensor:
-    """t in memory format fmt: CPU's strides, the row-major array copied into a tensor of that
-    format (a transposing write into its storage), as CUDA's kernels write channels-last."""
-    laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
+def lay_out(t: torch.Tensor, fmt: torch.memory_format | tuple) -> torch.Tensor:
+    """t in layout fmt (a memory format, or strides): CPU's strides, the row-major array copied
+    into a tensor of that layout (a transposing write into its storage), as CUDA's kernels
+    write channels-last."""
+    if isinstance(fmt, tuple):
+        laid = torch.empty_strided(t.shape, fmt, dtype=t.dtype, device=t.device)
+    else:
+        laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
     return laid.copy_(t)
+
+
+def _in_layout(t: torch.Tensor, fmt: torch.memory_format | tuple) -> bool:
+    return t.stride() == fmt if isinstance(fmt, tuple) else t.is_contiguous(memory_format=fmt)
 
 
 def relaid(out, d):
     """A decomposition's results out in the layouts the description d names."""
     if is_leaf(d):
-        if len(d) == 3 and isinstance(out, torch.Tensor) \
-                and not out.is_contiguous(memory_format=d[2]):
+        if len(d) == 3 and isinstance(out, torch.Tensor) and not _in_layout(out, d[2]):
             return lay_out(out, d[2])
         return out
     if isinstance(d, tuple) and isinstance(out, (tuple, list)):

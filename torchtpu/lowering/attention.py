@@ -37,7 +37,7 @@ import torch
 from jax import lax
 
 from torchtpu.lowering import attention_tpu
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import META_STRIDES, lowers
 
 aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
@@ -115,7 +115,8 @@ def _has_dropout(q, k, v, attn_bias=None, dropout_p=0.0, *_, **__) -> bool:
 
 # Only a call with dropout draws a key: without it the device generator does not advance, as
 # with PyTorch's own fused kernels.
-@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout)
+@lowers(aten._scaled_dot_product_fused_attention_overrideable.default, random=_has_dropout,
+        layout=META_STRIDES)
 def sdpa_forward(key, q, k, v, attn_bias=None, dropout_p=0.0, is_causal=False,
                  return_debug_mask=False, scale=None):
     def dense(q, k, v):
@@ -163,7 +164,8 @@ def _sum_to(x, shape: tuple):
     return x.sum(axes, keepdims=True) if axes else x
 
 
-@lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default)
+@lowers(aten._scaled_dot_product_fused_attention_overrideable_backward.default,
+        layout=META_STRIDES)
 def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_seq_q, cum_seq_k,
                   max_q, max_k, dropout_p, is_causal, philox_seed, philox_offset, scale=None):
     if attention_tpu.applies(q, k, v, attn_bias, dropout_p, is_causal):

@@ -26,7 +26,11 @@ Policy that many ops share is declared here instead of repeated in each lowering
 - ``layout``: a function of the bound arguments (like ``data_dependent_shape``'s predicate)
   giving the memory format of the call's 4-d / 5-d results where PyTorch's CPU kernel picks
   one that its meta kernel does not (a convolution is channels-last when its input or weight
-  is; ``torch.contiguous_format``: all contiguous); None: the meta kernel's.
+  is; ``torch.contiguous_format``: all contiguous); None: the meta kernel's channels-last or
+  contiguous; ``META_STRIDES``: the meta kernel's strides whatever dense order they have (SDPA's
+  output is laid out as its query, its gradients as q, k and v: a DTensor's strides come from
+  the meta kernel, and a local tensor laid out otherwise broke the ``.transpose(1, 2)
+  .contiguous().view(...)`` after attention, issue 37).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import torch
 from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
+# ``lowers(layout=META_STRIDES)``: results keep the strides PyTorch's meta kernel gives them.
+META_STRIDES = "meta strides"
 
 
 # eq=False: a lowering is hashed on every op call, so identity hashing keeps that cheap.
@@ -54,7 +60,7 @@ class Lowering:
     traced: tuple = ()
     donates: tuple = ()
     family: str = ""  # the lowering module that registered it ("elementwise", "linalg", ...)
-    layout: Callable | None = None
+    layout: Callable | str | None = None
     platforms: tuple = ()  # the JAX platforms it lowers on; () for every one
 
     def shape_depends_on_values(self, values) -> bool:
@@ -93,7 +99,7 @@ def _overloads(target) -> list[OpOverload]:
 
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
-           traced: tuple = (), donates: tuple = (), layout: Callable | None = None,
+           traced: tuple = (), donates: tuple = (), layout: Callable | str | None = None,
            platforms: tuple = ()) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op; with
     platforms, only there (elsewhere the op runs as if it had none: decomposed or on CPU,
