@@ -38,10 +38,12 @@ import collections
 import math
 import sys
 import threading
+import warnings
 import weakref
 
 import jax
 import numpy as np
+import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import metrics
@@ -284,6 +286,21 @@ class Recorder:
         self._spares: list = []  # the last flush's results, whose buffers a next flush may reuse
         self._step_over = False  # an optimizer step ended since the last flush
         self.owner: int | None = None  # the thread that entered the mode (its loop reads)
+        self._warned_threads = False
+
+    def _warn_other_thread(self) -> None:
+        """Once: ops of a thread other than the owner (outside backward, which PyTorch's
+        autograd thread runs for every thread) interleave in the owner's recording, whose
+        structure then differs at every flush (issue 37: 4 threads compiled 144 programs)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        self._warned_threads = True
+        warnings.warn(
+            f"torchtpu.unsupported: DeferAndFuse records thread "
+            f"{threading.current_thread().name!r}'s ops into the one recording of the process, "
+            "with the other threads' ops: each flush holds another mix, so programs compile "
+            "again and again. Run DeferAndFuse on one thread (the other threads in processes of "
+            "their own), or use Strict (the default) with threads", stacklevel=4)
 
     def record(self, fn, args: tuple):
         """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
@@ -292,6 +309,8 @@ class Recorder:
             if isinstance(a, (list, tuple)):
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
+        if threading.get_ident() != self.owner and not self._warned_threads:
+            self._warn_other_thread()
         with self._lock:
             if self._step_over:
                 self.flush()
