@@ -64,8 +64,9 @@ def _scores(q, k, attn_bias, is_causal: bool, scale: float | None):
     scale = _scale(q, scale)
     s = _mm("nhle,nhse->nhls", _low(q, q), _low(k, q)) * scale
     if is_causal:
-        L, S = s.shape[-2:]
-        s = jnp.where(jnp.tril(jnp.ones((L, S), bool)), s, -jnp.inf)
+        # tril's positions in int32 (under x64 jnp.tril compares int64 ones, emulated on a TPU)
+        rows = lax.broadcasted_iota(jnp.int32, s.shape[-2:], 0)
+        s = jnp.where(rows >= lax.broadcasted_iota(jnp.int32, s.shape[-2:], 1), s, -jnp.inf)
     if attn_bias is not None:
         if attn_bias.dtype == jnp.bool_:
             s = jnp.where(attn_bias, s, -jnp.inf)

@@ -176,5 +176,8 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     if reduction == 1:
         scale = scale / total_weight
     class_dim = 0 if x.ndim == 1 else 1
-    onehot = jax.nn.one_hot(safe, x.shape[class_dim], dtype=x.dtype, axis=class_dim)
+    # int32 class ids: the one-hot's compare spans (samples x classes), and a TPU emulates int64
+    # (a [8192, 32768] compare in pairs of 32-bit ops for a Llama step's loss).
+    onehot = jax.nn.one_hot(safe.astype(jnp.int32), x.shape[class_dim], dtype=x.dtype,
+                            axis=class_dim)
     return onehot * jnp.expand_dims(scale, class_dim)
