@@ -145,6 +145,15 @@ def test_values_checked_on_the_device_raise_at_the_next_host_read(case, mode, mo
     assert info.value.__notes__[0].startswith("Checked on the device")
 
 
+def test_compiled_graphs_refuse_what_cpu_kernels_refuse():
+    # Dynamo wraps a backend's error in BackendCompilerFailed; CPU's words are in it.
+    a, b = torch.ones(3, 3, device="tpu"), torch.ones(3, 3, dtype=torch.long, device="tpu")
+    with pytest.raises(Exception, match="expected m1 and m2 to have the same dtype"):
+        torch.compile(lambda x, y: torch.mm(x, y) * 2, backend="tpu")(a, b)
+    f = torch.compile(lambda x, y: torch.mm(x, y.float()) * 2, backend="tpu")
+    assert torch.equal(f(a, b).cpu(), torch.full((3, 3), 6.0))
+
+
 FAST = "mm|nn.functional.gelu|softmax|nn.functional.cross_entropy"
 
 
