@@ -89,7 +89,8 @@ def test_refused_as_on_cpu(case, mode):
 def test_what_cpu_takes_is_taken_and_asked_once_per_signature(monkeypatch):
     calls = []
     ask = refusals._on_stand_ins
-    monkeypatch.setattr(refusals, "_on_stand_ins", lambda *a: calls.append(a[0]) or ask(*a))
+    monkeypatch.setattr(refusals, "_on_stand_ins",
+                        lambda *a, **k: calls.append(a[0]) or ask(*a, **k))
     a = torch.randn(3, 5, device="tpu")
     out = [torch.mm(a, torch.randn(5, n, device="tpu")) for n in (2, 7, 11)]
     assert sum(op is torch.ops.aten.mm.default for op in calls) <= 1  # new shapes: no new ask
