@@ -309,7 +309,8 @@ class Recorder:
             if isinstance(a, (list, tuple)):
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
-        if threading.get_ident() != self.owner and not self._warned_threads:
+        if self.owner is not None and threading.get_ident() != self.owner \
+                and not self._warned_threads:
             self._warn_other_thread()
         with self._lock:
             if self._step_over:
