@@ -6,14 +6,21 @@ dispatch entry, the lowering table, ``torchtpu.tpu`` as ``torch.tpu``, the Dynam
 module registers anything with PyTorch as a side effect of being imported.
 
 ``register()`` is idempotent and is what both ``import torchtpu`` and the ``torch.backends``
-entry point (plain ``import torch``) call.
+entry point (plain ``import torch``) call. It imports no JAX (``import torch`` pays ~0.05 s for
+it): it names the device, installs what must answer before the device's first op (torch.tpu as
+a stand-in module, a PrivateUse1 fallback that loads the device, the storage constructor's and
+the profiler's guards, the Dynamo, distributed and integration hooks) and leaves the rest to
+``ensure_loaded()``, which the first tpu op, the first attribute of ``torch.tpu`` or the first
+tpu storage calls: the kernels, the lowering table, the executors, the real ``torch.tpu``.
 """
 
 from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import threading
+import types
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -63,15 +70,22 @@ class Generator(torch._C.Generator, metaclass=_GeneratorMeta):
 _TORCH_PRECISIONS = {"highest": "HIGHEST", "high": "HIGH", "medium": "DEFAULT"}
 
 
-def _install_matmul_precision() -> None:
-    """``torch.set_float32_matmul_precision`` also sets ``torch.tpu``'s precision."""
+def _apply_matmul_precision() -> None:
     from torchtpu.device import control
 
+    control.set_precision(control.Precision[_TORCH_PRECISIONS[
+        torch.get_float32_matmul_precision()]])
+
+
+def _install_matmul_precision() -> None:
+    """``torch.set_float32_matmul_precision`` also sets ``torch.tpu``'s precision (at once when
+    the device is loaded, else when it loads: a script's first line must not load JAX)."""
     original = torch.set_float32_matmul_precision
 
     def set_float32_matmul_precision(precision: str) -> None:
         original(precision)
-        control.set_precision(control.Precision[_TORCH_PRECISIONS[precision]])
+        if _state["loaded"]:
+            _apply_matmul_precision()
 
     torch.set_float32_matmul_precision = set_float32_matmul_precision
 
@@ -131,65 +145,191 @@ def _install_parameter_swap() -> None:
         lambda m, *, device, recurse=True: _moves_tpu(m, device))(module.to_empty)
 
 
+def _load_first(cls, name: str, wants_tpu) -> None:
+    """Make ``cls.name`` load the device first when a call of it is about the tpu (a storage
+    built on it, a profile of it) and the device is not loaded yet: loading installs the real
+    method, which then answers the call."""
+    original = getattr(cls, name)
+
+    def method(*args, **kwargs):
+        if not _state["loaded"] and wants_tpu(*args, **kwargs):
+            ensure_loaded()
+            return getattr(cls, name)(*args, **kwargs)
+        return original(*args, **kwargs)
+
+    setattr(cls, name, method)
+
+
+def _accelerator_is_tpu(*args, **kwargs) -> bool:
+    current = torch._C._accelerator_getAccelerator()
+    return current is not None and current.type == "tpu"
+
+
+def _guard_accelerator() -> None:
+    """torch.accelerator's bindings (``torch._C._accelerator_*``, which its module functions
+    call) and its ``synchronize`` load the device first while tpu is the accelerator; then
+    ``tpu/accelerator.py``'s replacements answer them."""
+    for name in dir(torch._C):
+        if name.startswith("_accelerator_") and name != "_accelerator_getAccelerator":
+            _load_first(torch._C, name, _accelerator_is_tpu)
+    _load_first(torch.accelerator, "synchronize", _accelerator_is_tpu)
+
+
+def _names_tpu(klass, *args, device=None, **kwargs) -> bool:
+    return device is not None and torch.device(device).type == "tpu"
+
+
+def _profiles_tpu(prof) -> bool:
+    return getattr(prof, "use_device", None) == "tpu"
+
+
+class _Face(types.ModuleType):
+    """``torch.tpu`` until the device loads: the first attribute asked of it loads the device and
+    the real module (``torchtpu.tpu``), which answers it and from then on is ``torch.tpu``."""
+
+    def __getattr__(self, name: str):
+        # Module probes (inspect.getmodule reads every module's __file__) must not load JAX.
+        if name.startswith("__") and name != "__all__":
+            raise AttributeError(name)
+        return getattr(_real_face(), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        setattr(_real_face(), name, value)
+
+    def __dir__(self):
+        return dir(_real_face())
+
+    # torch.manual_seed and torch.seed seed every registered device: a script's first line must
+    # not load JAX, so the seed waits for the device (as CUDA seeds lazily).
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed_all(self, seed: int) -> None:
+        if _state["loaded"]:
+            _real_face().manual_seed_all(seed)
+        else:
+            _state["seed"] = int(seed)
+
+
+def _real_face() -> types.ModuleType:
+    ensure_loaded()
+    return sys.modules["torchtpu.tpu"]
+
+
+def _first_op(keys, op, *args, **kwargs):
+    """The PrivateUse1 fallback until the device loads: the first tpu op loads it, then runs
+    on the kernels just registered."""
+    ensure_loaded()
+    return op.redispatch(keys, *args, **kwargs)
+
+
+# "light": register() ran; "loaded": ensure_loaded() finished; "loading": it is running.
+# "seed": torch.manual_seed's before the device loaded.
+_state = {"light": False, "loaded": False, "loading": False, "seed": None}
+_load_lock = threading.RLock()
+
+
 def register() -> None:
+    """Name the device and install what must answer before its first op, without JAX: this is
+    what ``import torch`` pays. The kernels, the lowering table and the executors load at the
+    first tpu op (``ensure_loaded``)."""
     with _lock:
-        if _libraries:
+        if _state["light"]:
             return
-        from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
-        from torchtpu.device import (
-            autocast,
-            kernels,
-            loader,
-            pinned,
-            quantized,
-            set_data,
-            sparse,
-            storage,
-        )
-        from torchtpu.eager import dispatch, sdpa_routing
+        from torchtpu import compile as tpu_compile
+        from torchtpu import distributed, integrations
+        from torchtpu.device import loader, pinned
+        from torchtpu.runtime import environment
+
+        environment.remember()  # what JAX's import sets is put back (no child inherits it)
+        from torchtpu.runtime import chips
+
+        # Under torchrun with several processes on a TPU host each takes its chips before
+        # anything (a user's own JAX) can start the TPU client; elsewhere this reads a variable.
+        chips.bind_from_environment()
 
         _setup_privateuseone_for_python_backend(
-            "tpu", backend_module=tpu, hook=_Hooks(), device_guard=_DeviceGuard()
-        )
+            "tpu", backend_module=_Face("torch.tpu", "torchtpu.tpu, loaded at its first use"),
+            hook=_Hooks(), device_guard=_DeviceGuard())
+        first = torch.library.Library("_", "IMPL")
+        first.fallback(_first_op, "PrivateUse1", with_keyset=True)
+        _libraries.append(first)
         pinned.install()  # pin_memory() and DDP's find_unused_parameters need it
-        aten = torch.library.Library("aten", "IMPL")
-        kernels.register(aten)
-        dispatch.register_lowered_ops(aten)
-        sdpa_routing.register(aten)
-        fallback = torch.library.Library("_", "IMPL")
-        fallback.fallback(dispatch.kernel, "PrivateUse1")
-        autocast.register(aten, fallback)
-        sparse_fallbacks = sparse.register(aten)
-        quantized_fallback = quantized.register()
-        storage.install_constructor()
-        storage.install_pickling()
-        storage.install_slicing()
         loader.install_pin_memory()
-        set_data.install()  # tensor.data = ... onto or off the tpu, as for CUDA (FSDP2 needs it)
-        from torchtpu.device import memory_limit
+        _load_first(torch.UntypedStorage, "__new__", _names_tpu)
+        import torch.autograd.profiler as autograd_profiler
 
-        memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
-        from torchtpu.tpu import accelerator
-
-        accelerator.install()  # torch.accelerator's entry points, for tpu
+        _load_first(autograd_profiler.profile, "_start_trace", _profiles_tpu)
+        _guard_accelerator()
         _install_matmul_precision()
-        from torchtpu import profiler
-
-        profiler.install()  # torch.profiler's ProfilerActivity.TPU records the device
-        from torchtpu import integrations
-
         integrations.install()
-        from torchtpu import compile as tpu_compile
-        from torchtpu import distributed
-
         tpu_compile.install()  # the "tpu" torch.compile backend, registered when Dynamo loads
         distributed.register()
-        # JAX's backend starts at the first tpu op, not here (eager/dispatch.handler), so that
-        # torchtpu.distributed can start JAX's multi-process runtime first.
-        _libraries.extend([aten, fallback, *sparse_fallbacks, quantized_fallback])
         torch.Generator = Generator
         _install_parameter_swap()
+        _state["light"] = True
 
-        from torchtpu.eager import modes
 
-        modes.from_environment()
+def ensure_loaded() -> None:
+    """Load the device (once, at its first use): kernels, lowering table, executors, the real
+    ``torch.tpu``. JAX is imported here."""
+    if _state["loaded"]:
+        return
+    with _load_lock:
+        if _state["loaded"] or _state["loading"]:
+            return
+        _state["loading"] = True
+        try:
+            _load()
+            _state["loaded"] = True
+        finally:
+            _state["loading"] = False
+
+
+def _load() -> None:
+    from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
+    from torchtpu.device import (
+        autocast,
+        kernels,
+        memory_limit,
+        quantized,
+        set_data,
+        sparse,
+        storage,
+    )
+    from torchtpu.eager import dispatch, modes, sdpa_routing
+
+    aten = torch.library.Library("aten", "IMPL")
+    kernels.register(aten)
+    dispatch.register_lowered_ops(aten)
+    sdpa_routing.register(aten)
+    # The real fallback replaces the first op's, before anything here can make a tpu tensor.
+    _libraries.pop(0)._destroy()
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(dispatch.kernel, "PrivateUse1")
+    autocast.register(aten, fallback)
+    sparse_fallbacks = sparse.register(aten)
+    quantized_fallback = quantized.register()
+    storage.install_constructor()
+    storage.install_pickling()
+    storage.install_slicing()
+    set_data.install()  # tensor.data = ... onto or off the tpu, as for CUDA (FSDP2 needs it)
+    memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
+    from torchtpu.tpu import accelerator
+
+    accelerator.install()  # torch.accelerator's entry points, for tpu
+    from torchtpu import compile as tpu_compile
+    from torchtpu import distributed, profiler
+
+    profiler.install()  # torch.profiler's ProfilerActivity.TPU records the device
+    tpu_compile.load()
+    distributed.load()
+    # JAX's backend starts at the first op's launch, not here (eager/dispatch.handler), so that
+    # torchtpu.distributed can start JAX's multi-process runtime first.
+    _libraries.extend([aten, fallback, *sparse_fallbacks, quantized_fallback])
+    torch.tpu = sys.modules["torch.tpu"] = tpu
+    modes.from_environment()
+    if _state["seed"] is not None:
+        tpu.manual_seed_all(_state["seed"])
+    if torch.get_float32_matmul_precision() != "highest":
+        _apply_matmul_precision()

@@ -12,19 +12,66 @@ user passed; ``whole_step`` runs a compiled training-step function as one captur
 call.
 """
 
+import functools
 import os
 
-from torchtpu.compile import checkpoint, eager_buckets, registration, whole_step
+import torch
+
 from torchtpu.import_hooks import after_import
-from torchtpu.lowering import elementwise
+
+
+def _register_with_dynamo() -> None:
+    from torchtpu.compile import registration
+
+    registration.register()
+
+
+def _register_inductor_prims() -> None:
+    from torchtpu.lowering import elementwise
+
+    elementwise.register_inductor_prims()
+
+
+def _route_whole_steps() -> None:
+    """``torch.compile(fn, backend="tpu")`` of a step function is a ``whole_step.WholeStep``
+    (decided in ``whole_step``, imported at the first such compile)."""
+    original = torch.compile
+    if getattr(original, "_torchtpu_whole_step", False):
+        return
+
+    @functools.wraps(original)
+    def compile_(model=None, **kwargs):
+        if model is None:
+            return lambda fn: compile_(fn, **kwargs)
+        if kwargs.get("backend") == "tpu":
+            from torchtpu.compile import torch_caches, whole_step
+
+            # Before Dynamo looks for a precompiled function (graph_cache places it for other
+            # compiles of tpu graphs); not at Dynamo's import, which PyTorch's meta kernels
+            # cause at the first eager op: the user's environment stays as it was till then.
+            torch_caches.place()
+            return whole_step.compile_step(original, model, kwargs)
+        return original(model, **kwargs)
+
+    compile_._torchtpu_whole_step = True
+    torch.compile = compile_
 
 
 def install() -> None:
     """Register "tpu" with Dynamo once it is imported, route whole-step compiles, and keep
-    activation checkpointing's recomputation from being merged back (``checkpoint``)."""
-    after_import("torch._dynamo", registration.register)
-    after_import("torch._inductor.inductor_prims", elementwise.register_inductor_prims)
-    whole_step.install()
+    activation checkpointing's recomputation from being merged back (``checkpoint``). Nothing
+    here imports JAX: ``import torch`` runs it."""
+    from torchtpu.compile import checkpoint
+
+    after_import("torch._dynamo", _register_with_dynamo)
+    after_import("torch._inductor.inductor_prims", _register_inductor_prims)
+    _route_whole_steps()
     checkpoint.install()
-    # Eager calls over growing sizes run in size buckets (TORCHTPU_EAGER_BUCKETS=0: never).
+
+
+def load() -> None:
+    """What waits for the device to load: eager calls over growing sizes run in size buckets
+    (``TORCHTPU_EAGER_BUCKETS=0``: never)."""
+    from torchtpu.compile import eager_buckets
+
     eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS", "1") != "0")

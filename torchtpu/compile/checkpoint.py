@@ -39,7 +39,9 @@ import torch
 import torch.fx as fx
 import torch.utils.checkpoint as torch_checkpoint
 
-from torchtpu.compile.control_flow import RUN_WITH_RNG
+# control_flow's name for it too (not imported from there: that module loads JAX, and this one
+# is installed at ``import torch``).
+RUN_WITH_RNG = torch.ops.higher_order.run_with_rng_state
 
 _installed = False
 # Gradients of checkpointed regions' outputs that arrived in the backward and whose region has

@@ -62,9 +62,8 @@ def register() -> None:
     from torch._dynamo import trace_rules
     from torch._dynamo.backends import registry
 
-    from torchtpu.compile import device_interface, torch_caches
+    from torchtpu.compile import device_interface
 
-    torch_caches.place()  # before Dynamo looks for a precompiled function
     for name in _RUNTIME_PACKAGES:
         trace_rules.add(name)
     registry.register_backend(tpu, name="tpu")

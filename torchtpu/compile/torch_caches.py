@@ -72,8 +72,8 @@ def _user_chose(chosen: str | None, ours: str) -> bool:
 @functools.cache
 def place() -> bool:
     """Point PyTorch's cache directory (AOTAutogradCache, Dynamo's precompile entries) into
-    torchtpu's private one; whether tpu graphs may be cached. Runs when Dynamo is imported
-    (``registration.py``), before Dynamo looks for a precompiled function, and warns once
+    torchtpu's private one; whether tpu graphs may be cached. Runs at a torch.compile for
+    "tpu" (``compile/__init__.py``), before Dynamo looks for a precompiled function, and warns once
     when they may not."""
     ours = torch_dir()
     if ours is None:

@@ -364,22 +364,12 @@ class _NewState(Exception):
     """An optimizer's state was created inside a steady-state capture: capture a first step."""
 
 
-def install() -> None:
-    """Route ``torch.compile(fn, backend="tpu")`` of a step function to ``WholeStep``."""
-    original = torch.compile
-    if getattr(original, "_torchtpu_whole_step", False):
-        return
-
-    @functools.wraps(original)
-    def compile_(model=None, **kwargs):
-        if model is None:
-            return lambda fn: compile_(fn, **kwargs)
-        if _wants_whole_step(model, kwargs):
-            return WholeStep(model, functools.partial(original, model, **kwargs))
-        return original(model, **kwargs)
-
-    compile_._torchtpu_whole_step = True
-    torch.compile = compile_
+def compile_step(original: Callable, model, kwargs: dict):
+    """``torch.compile(model, backend="tpu", **kwargs)``: a ``WholeStep`` for a step function,
+    else ``original`` (PyTorch's torch.compile) of it."""
+    if _wants_whole_step(model, kwargs):
+        return WholeStep(model, functools.partial(original, model, **kwargs))
+    return original(model, **kwargs)
 
 
 def _wants_whole_step(model, kwargs: dict) -> bool:

@@ -53,8 +53,10 @@ def main() -> None:
     with torch.device(device):
         model = TinyGPT(len(vocab), BLOCK, n_layer=LAYERS, n_head=HEADS, n_embd=WIDTH)
     n_params = sum(p.numel() for p in model.parameters())
+    # Where "tpu" is: XLA's CPU here, a TPU chip on a TPU VM (torchtpu also logs it once).
+    where = f" = {torch.tpu.get_device_name()}" if device.type == "tpu" else ""
     print(f"TinyGPT: {n_params:,} parameters, {len(vocab)} characters, {len(data):,} tokens of "
-          f"text; device {device}, {args.steps} steps of batch {BATCH}x{BLOCK}")
+          f"text; device {device}{where}, {args.steps} steps of batch {BATCH}x{BLOCK}")
 
     bar = tqdm(total=args.steps, unit="step")
     start = [time.perf_counter()]

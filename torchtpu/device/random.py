@@ -18,7 +18,8 @@ from torchtpu.runtime import platform
 _DEFAULT_SEED = 67280421310721  # PyTorch's default_generator seed
 
 
-class TpuGenerator(torch.Generator):
+# torch._C.Generator, not torch.Generator: that is registration's factory by the time this loads.
+class TpuGenerator(torch._C.Generator):
     """A ``torch.Generator`` for the tpu device.
 
     PyTorch's C++ generator registry has no slot a Python backend can fill, so this subclass keeps

@@ -11,11 +11,9 @@ creator and start-up).
 
 from __future__ import annotations
 
-import torch.distributed as dist
+import importlib
 
-from torchtpu.distributed.jax_runtime import Transport
-from torchtpu.distributed.protocol import CollectiveMismatchError
-from torchtpu.lowering import collectives
+import torch.distributed as dist
 
 BACKENDS = ("tpu_dist", "tpu")
 
@@ -41,22 +39,34 @@ def _hide_transport_from_dynamo() -> None:
         trace_rules.add(f"{__name__}.{name}")
 
 
+def _create(*args, **kwargs):
+    """The backend creator (``launch.create``), imported when a group is made."""
+    from torchtpu.distributed.launch import create
+
+    return create(*args, **kwargs)
+
+
 def register() -> None:
-    """Register tpu_dist (and its alias tpu) with torch.distributed; idempotent."""
+    """Register tpu_dist (and its alias tpu) with torch.distributed, without importing JAX (at
+    ``import torch``); idempotent."""
+    for name in BACKENDS:
+        if name.upper() not in dist.Backend._plugins:
+            dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
+
+
+def load() -> None:
+    """What waits for the device to load: collectives in compiled graphs, DTensor's rules."""
     from torchtpu.compile import eager_split
     from torchtpu.distributed import dtensor_sdpa, fsdp_capture
-    from torchtpu.distributed.launch import create
     from torchtpu.eager import capture
     from torchtpu.import_hooks import after_import
+    from torchtpu.lowering import collectives
 
     # Under torch.compile, Dynamo turns collectives into _c10d_functional ops: on the XLA
     # transport they stay inside the graph's program, else they run eagerly between compiled
     # pieces (compile/eager_split, distributed/programs).
     collectives.register()
     eager_split.run_eagerly("_c10d_functional", _in_program)
-    for name in BACKENDS:
-        if name.upper() not in dist.Backend._plugins:
-            dist.Backend.register_backend(name, create, extended_api=True, devices=["tpu"])
     # Tensor-parallel attention: DTensor's sharding rules for the tpu's fused SDPA op.
     after_import("torch.distributed.tensor", dtensor_sdpa.register)
     after_import("torch._dynamo", _hide_transport_from_dynamo)
@@ -65,4 +75,15 @@ def register() -> None:
         capture.ON_ABORT.append(fsdp_capture.reset_after_abort)
 
 
-__all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "register"]
+# Names whose modules import JAX: they load on first access.
+_LAZY = {"Transport": "torchtpu.distributed.jax_runtime",
+         "CollectiveMismatchError": "torchtpu.distributed.protocol"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["BACKENDS", "CollectiveMismatchError", "Transport", "load", "register"]

@@ -28,7 +28,7 @@ import socket
 import torch.distributed as dist
 
 from torchtpu.distributed import jax_runtime, peers
-from torchtpu.runtime import chips, libtpu, platform
+from torchtpu.runtime import chips, platform
 
 
 def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
@@ -42,11 +42,8 @@ def _host_slot(store: dist.Store, rank: int, size: int) -> tuple[int, int]:
 
 def _host_key() -> str:
     """What names this process's host in the slice (see the module doc)."""
-    # Without a TPU, torchtpu set TPU_WORKER_ID=0 itself for compile-only libtpu (libtpu.py).
-    names = ("GROUP_RANK", "NODE_RANK")
-    if not os.environ.get(libtpu.COMPILE_ONLY):
-        names = ("TPU_WORKER_ID", *names)
-    for name in names:
+    # (compile-only libtpu's TPU_WORKER_ID=0 exists only while it starts: libtpu.py)
+    for name in ("TPU_WORKER_ID", "GROUP_RANK", "NODE_RANK"):
         value = os.environ.get(name, "").strip()
         if value.isdigit():
             return str(int(value))

@@ -497,5 +497,7 @@ def register_lowered_ops(lib: torch.library.Library) -> None:
 
     for op in list(TABLE):
         for target in [op, *_mutating_variants(op)]:
-            if _needs_device_kernel(target):
+            # Other namespaces' lowered ops (prims.fma, once Inductor is imported) keep the
+            # fallback: lib can register only its own.
+            if target.namespace == lib.ns and _needs_device_kernel(target):
                 lib.impl(target, functools.partial(kernel, target), "PrivateUse1")

@@ -5,17 +5,29 @@ a post-import hook when that library is first imported, so ``import torch`` pays
 libraries a program never uses.
 """
 
+import importlib
+
 from torchtpu.import_hooks import after_import
+
+# {library module: "adapter module:function"}; the adapter loads when its library does.
+_ADAPTERS = {
+    "accelerate.state": "torchtpu.integrations.accelerate:patch",
+    "fbgemm_gpu": "torchtpu.integrations.fbgemm:patch",
+    "ray.air._internal.torch_utils": "torchtpu.integrations.ray:patch",
+    "torch.nn.attention.varlen": "torchtpu.lowering.attention:register_varlen",
+}
+
+
+def _adapter(target: str):
+    module, function = target.split(":")
+    return lambda: getattr(importlib.import_module(module), function)()
 
 
 def install() -> None:
-    from torchtpu.integrations import accelerate, fbgemm, ray, trl
-    from torchtpu.lowering import attention
+    for library, target in _ADAPTERS.items():
+        after_import(library, _adapter(target))
+    from torchtpu.integrations import trl  # light: its patches import what they need
 
-    after_import("accelerate.state", accelerate.patch)
-    after_import("fbgemm_gpu", fbgemm.patch)
-    after_import("ray.air._internal.torch_utils", ray.patch)
-    after_import("torch.nn.attention.varlen", attention.register_varlen)
     for name in trl.MODULES:
         module = f"trl.trainer.{name}_config"
         after_import(module, trl.patcher(module))

@@ -4,15 +4,19 @@ for compiling without one.
 Kept apart from the target and its compiles (``tpu_target.py``) because the platform choice
 (``platform.py``) asks ``tpu_attached`` at import, before anything loads libtpu: with libtpu
 installed and no TPU here, JAX's TPU client is left out and libtpu, when a target loads it, gets
-neutral settings (no lock file taken, no TPU VM variables to miss), so it prints nothing.
+neutral settings (no lock file taken, no TPU VM variables to miss), so it prints nothing. Those
+settings are environment variables that libtpu reads as it starts; they are set only while it
+starts, so no child process inherits them (a child JAX program would think it runs on a pod).
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.metadata
 import os
 import re
+from collections.abc import Iterator
 
 import jax
 
@@ -52,8 +56,7 @@ def check_libtpu() -> str:
 
 def tpu_attached() -> bool:
     """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
-    vm = os.environ.get("TPU_ACCELERATOR_TYPE") and not os.environ.get(COMPILE_ONLY)
-    if vm or os.environ.get("JAX_FORCE_TPU_INIT"):
+    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("JAX_FORCE_TPU_INIT"):
         return True
     # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
     if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
@@ -63,21 +66,26 @@ def tpu_attached() -> bool:
     return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
 
 
-# Set with the variables below: they are then no sign of a TPU VM (here or in a child process).
-COMPILE_ONLY = "TORCHTPU_LIBTPU_COMPILE_ONLY"
-
-
-def compile_only_env() -> None:
-    """libtpu's settings for compiling without a TPU (set before it initializes; kept if set)."""
+@contextlib.contextmanager
+def compile_only_env() -> Iterator[None]:
+    """libtpu's settings for compiling without a TPU, in ``os.environ`` only while the block runs
+    (libtpu starts inside it); a value the user set is kept. Nothing is set where a TPU is."""
     if tpu_attached():
+        yield
         return
     # No chip is opened, so the lock that keeps two processes off one TPU does not apply (without
     # this a second process on the machine fails on /tmp/libtpu_lockfile).
     # Without the others libtpu prints warnings and a "Source Location Trace" error; they
     # describe a one-host slice and are not what the topology name compiles for.
-    if "TPU_ACCELERATOR_TYPE" not in os.environ:
-        os.environ[COMPILE_ONLY] = "1"
-    for name, value in (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
-                        ("TPU_ACCELERATOR_TYPE", "v5litepod-4"),
-                        ("TPU_WORKER_HOSTNAMES", "localhost"), ("TPU_WORKER_ID", "0")):
+    settings = (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
+                ("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
+                ("TPU_WORKER_ID", "0"))
+    from torchtpu.runtime import environment
+
+    before = {name: os.environ.get(name) for name, _ in settings}
+    for name, value in settings:
         os.environ.setdefault(name, value)
+    try:
+        yield
+    finally:
+        environment.put_back(before)

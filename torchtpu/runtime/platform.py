@@ -25,8 +25,7 @@ def _skip_absent_tpu() -> None:
     measured at load ~8) before JAX falls back to CPU. So when nothing asks for a TPU (no
     ``JAX_PLATFORMS``, no ``TORCHTPU_PLATFORM=tpu``) and none is attached (checked from the
     device files and PCI ids, without libtpu), JAX's TPU backend is left out; compile-only TPU
-    targets (``tpu_target.py``) do not need it. libtpu's variables get their compile-only values
-    before anything loads it.
+    targets (``tpu_target.py``) do not need it: they start libtpu with compile-only settings.
     """
     from jax._src import xla_bridge
 
@@ -38,7 +37,6 @@ def _skip_absent_tpu() -> None:
 
     if libtpu.tpu_attached():
         return
-    libtpu.compile_only_env()
     # Replaced, not removed: "tpu" must stay a platform JAX knows (Pallas, checkify and Tokamax
     # register TPU lowerings when imported); only its client must not start.
 
@@ -65,6 +63,7 @@ def _configure_jax() -> None:
         compile_cache,
         compiler_options,
         dump,
+        notices,
         tpu_accuracy,
         tpu_hook,
         tpu_x64,
@@ -76,6 +75,7 @@ def _configure_jax() -> None:
     compiler_options.install()
     tpu_hook.install()
     dump.install()
+    notices.install()
 
 
 _configure_jax()
@@ -189,6 +189,9 @@ def local_device():
             )
         device = local[index]
     jax.config.update("jax_default_device", device)
+    from torchtpu.runtime import notices
+
+    notices.device_started(device, platform())
     return device
 
 

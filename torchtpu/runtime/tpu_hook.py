@@ -185,15 +185,16 @@ _SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (
     sys.modules["jax"], sys.modules["torchtpu"])) + (str(Path(threading.__file__).parent),)
 
 
-def user_line() -> str | None:
-    """The innermost line outside torchtpu, JAX, torch and the standard library."""
+def user_line(frame=None) -> str | None:
+    """The innermost line outside torchtpu, JAX, torch and the standard library (of the stack
+    at frame, another thread's; default: here)."""
     import torch
 
     skip = (*_SKIP, str(Path(torch.__file__).resolve().parent))
-    for frame in reversed(traceback.extract_stack()):
-        path = str(Path(frame.filename).resolve()) if frame.filename[:1] != "<" else ""
+    for entry in reversed(traceback.extract_stack(frame or sys._getframe(1))):
+        path = str(Path(entry.filename).resolve()) if entry.filename[:1] != "<" else ""
         if path and not path.startswith(skip):
-            return f"{frame.filename}:{frame.lineno}"
+            return f"{entry.filename}:{entry.lineno}"
     return None
 
 

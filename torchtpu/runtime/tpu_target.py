@@ -128,10 +128,9 @@ def target(name: str | None = None) -> Target:
     ``DEFAULT``)."""
     name = check_name(name) if name is not None else (target_name() or DEFAULT)
     check_libtpu()
-    compile_only_env()
     from jax.experimental import topologies
 
-    with _lock:
+    with _lock, compile_only_env():
         try:
             # JAX's default host bounds (2x2x1) refuse a single chip; one chip is its own host.
             one = {"chips_per_host_bounds": (1, 1, 1)} if _chips_named(name) == 1 else {}
