@@ -103,6 +103,30 @@ def device(index):
         set_device(previous)
 
 
+@contextlib.contextmanager
+def device_of(obj):
+    """torch.cuda's ``device_of``: obj's device is the current one inside the block (nothing
+    changes for anything but a tpu tensor)."""
+    if isinstance(obj, torch.Tensor) and obj.device.type == "tpu":
+        with device(obj.device):
+            yield
+    else:
+        yield
+
+
+def exchange_device(index: int) -> int:
+    """Make index the current device and return the previous one (-1: nothing changes, -1
+    returned), as torch.cuda's; one device per process, so the index is only checked."""
+    if index < 0:
+        return -1
+    previous = current_device()
+    set_device(index)
+    return previous
+
+
+maybe_exchange_device = exchange_device  # torch.cuda's variant that need not initialize
+
+
 def torchtpu_synchronize():
     """The trivial program ``wait`` launches (profilers leave it out of the device's work)."""
     return jnp.zeros((), jnp.int32)
@@ -140,6 +164,32 @@ def wait(device=None, wait: bool = True) -> None:
 def get_device_name(device=None) -> str:
     d = platform.jax_device(_index(device))
     return f"{platform.platform().upper()} ({getattr(d, 'device_kind', 'unknown')})"
+
+
+def get_compute_capability(device=None) -> str:
+    """"" (the reference's answer): a TPU has no CUDA compute capability."""
+    _index(device)
+    return ""
+
+
+def get_local_device_attributes() -> dict:
+    """What PJRT says of this process's device: id, platform, kind, process index and, on a
+    TPU, its coordinates and core."""
+    d = platform.jax_device(platform.current_index())
+    names = ("id", "platform", "device_kind", "process_index", "coords", "core_on_chip",
+             "num_cores", "slice_index")
+    return {n: getattr(d, n) for n in names if getattr(d, n, None) is not None}
+
+
+def is_triton_capable(device=None) -> bool:
+    """False: Triton kernels do not run on XLA devices (Pallas kernels do: torch.tpu.pallas)."""
+    _index(device)
+    return False
+
+
+def is_gpu() -> bool:
+    """Whether "tpu" runs on XLA:GPU here (``TORCHTPU_PLATFORM``, or a GPU and no TPU)."""
+    return platform.platform() == "gpu"
 
 
 def get_device_properties(device=None) -> DeviceProperties:

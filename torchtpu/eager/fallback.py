@@ -2,7 +2,9 @@
 
 Each op it serves is counted in ``torchtpu.metrics`` and warned about once. With
 ``TORCHTPU_CPU_FALLBACK=error`` it raises ``NotImplementedError`` naming the op instead, which is
-how coverage is measured rather than guessed.
+how coverage is measured rather than guessed. ``allowed(enabled)`` sets it for a block of code
+and ``allow(enabled)`` for the process (the reference's ``execution_mode.cpu_fallback_mode`` and
+``enable_cpu_fallback``), over the variable.
 
 It also says what CPU says about a call that failed on tpu (``cpu_error``): the error then comes
 from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
@@ -10,6 +12,7 @@ from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 
@@ -20,14 +23,34 @@ from torchtpu import metrics
 from torchtpu.eager import schema
 
 _warned: set = set()
+_forced: list = []  # allowed()'s settings, innermost last
+_process: list = [None]  # allow()'s setting
 
 
 def policy() -> str:
+    if _forced or _process[0]:
+        return (_forced or _process)[-1]
     value = os.environ.get("TORCHTPU_CPU_FALLBACK", "warn").strip().lower()
     if value not in ("warn", "error", "silent"):
         raise ValueError(f"torchtpu.config: TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or "
                          "silent")
     return value
+
+
+def allow(enabled: bool) -> None:
+    """``allowed(enabled)`` for the rest of the process."""
+    _process[0] = "warn" if enabled else "error"
+
+
+@contextlib.contextmanager
+def allowed(enabled: bool):
+    """Inside the block the fallback runs ops on CPU (with its warning), or, ``enabled=False``,
+    refuses them as ``TORCHTPU_CPU_FALLBACK=error`` does."""
+    _forced.append("warn" if enabled else "error")
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def _to_cpu(x):

@@ -1,7 +1,14 @@
 """The eager modes of ``torch.tpu.EagerMode`` and how the process picks one.
 
-``TORCH_TPU_LAUNCH_BLOCKING=1`` starts in Debug, ``TORCH_TPU_DEFER_AND_FUSE=1`` in DeferAndFuse.
-Leaving a mode flushes what it holds, so pending values never cross a mode change unrun.
+``TORCH_TPU_LAUNCH_BLOCKING=1`` (or the reference's ``TPU_LAUNCH_BLOCKING=1``) starts in Debug,
+``TORCH_TPU_DEFER_AND_FUSE=1`` (``TPU_DEFER_AND_FUSE=1``) in DeferAndFuse. Leaving a mode flushes
+what it holds, so pending values never cross a mode change unrun.
+
+Two more names come from the reference's scripts. ``INTERNAL_DEFER_ALL`` holds every op pending
+until a value is read: that is DeferAndFuse (factories included; a host-to-device copy is no
+program and runs at once), so the name is an alias of ``DEFER_AND_FUSE``.
+``DEFER_AND_FUSE_WITH_O1`` (deprecated there) is DeferAndFuse with programs compiled at
+``xla_optimization_level=O1`` while the mode is on (``runtime/compiler_options``).
 
 The mode is the process's, not a thread's: one executor serves every thread, and PyTorch's
 autograd thread runs every thread's backward. Threads that entered different modes at once ran
@@ -18,6 +25,7 @@ import enum
 import os
 import threading
 
+from torchtpu import errors
 from torchtpu.eager import defer, executor
 
 
@@ -25,14 +33,20 @@ class EagerMode(enum.Enum):
     DEFER_NEVER = "strict"
     DEFER_NEVER_AND_LAUNCH_BLOCKING = "debug"
     DEFER_AND_FUSE = "defer_and_fuse"
+    INTERNAL_DEFER_ALL = "defer_and_fuse"  # the same mode (an alias: `is DEFER_AND_FUSE`)
+    DEFER_AND_FUSE_WITH_O1 = "defer_and_fuse_o1"  # deprecated
 
 
 _EXECUTORS = {
     EagerMode.DEFER_NEVER: executor.Strict,
     EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING: executor.Debug,
     EagerMode.DEFER_AND_FUSE: defer.DeferAndFuse,
+    EagerMode.DEFER_AND_FUSE_WITH_O1: defer.DeferAndFuse,
 }
+# Compiler options a mode holds while it is on.
+_OPTIONS = {EagerMode.DEFER_AND_FUSE_WITH_O1: {"xla_optimization_level": "O1"}}
 _mode = [EagerMode.DEFER_NEVER]
+_options = contextlib.ExitStack()  # the current mode's compiler options
 
 
 def get_eager_mode() -> EagerMode:
@@ -64,7 +78,18 @@ def _switch(mode: EagerMode) -> None:
                         f"{mode!r}")
     if mode is _mode[0]:
         return
+    if mode is EagerMode.DEFER_AND_FUSE_WITH_O1:
+        errors.warn("config", "EagerMode.DEFER_AND_FUSE_WITH_O1 is deprecated (as in the "
+                    "reference): it runs DEFER_AND_FUSE with programs compiled at "
+                    "xla_optimization_level=O1; use DEFER_AND_FUSE, and "
+                    "torch.tpu.custom_compiler_options for the level", DeprecationWarning,
+                    stacklevel=4)
     executor.set_current(_EXECUTORS[mode]())
+    _options.close()
+    if mode in _OPTIONS:
+        from torchtpu.runtime import compiler_options
+
+        _options.enter_context(compiler_options.custom_compiler_options(_OPTIONS[mode]))
     _mode[0] = mode
 
 
@@ -99,7 +124,9 @@ def set_eager_mode(mode: EagerMode):
 
 
 def from_environment() -> None:
-    if os.environ.get("TORCH_TPU_DEFER_AND_FUSE") == "1":
-        switch(EagerMode.DEFER_AND_FUSE)
-    elif os.environ.get("TORCH_TPU_LAUNCH_BLOCKING") == "1":
-        switch(EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)
+    """The starting mode: ``TORCH_TPU_*`` names first, then the reference's ``TPU_*`` ones."""
+    for prefix in ("TORCH_TPU_", "TPU_"):
+        if os.environ.get(prefix + "DEFER_AND_FUSE") == "1":
+            return switch(EagerMode.DEFER_AND_FUSE)
+        if os.environ.get(prefix + "LAUNCH_BLOCKING") == "1":
+            return switch(EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING)

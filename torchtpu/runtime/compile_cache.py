@@ -85,7 +85,7 @@ import jax
 from jax._src import compilation_cache as jax_cache
 from jax._src.compilation_cache_interface import CacheInterface
 
-from torchtpu.runtime import map_room
+from torchtpu.runtime import cache_policy, map_room
 from torchtpu.runtime.cache_entry import MAGIC as MAGIC  # (re-exported: the format's)
 from torchtpu.runtime.cache_entry import (
     OTHER,
@@ -133,6 +133,8 @@ class EntryStore(CacheInterface):
         return self._path / f"{key}{SUFFIX}"
 
     def get(self, key: str) -> bytes | None:
+        if not cache_policy.reads():
+            return None
         path = self.entry(key)
         asked = getattr(_asked, "keys", None)
         if asked is not None:
@@ -184,7 +186,7 @@ class EntryStore(CacheInterface):
         path = self.entry(key)
         with self._lock:
             missed = self._missed.pop(key, None)
-        if os.path.exists(path) or not self.faults.writable():
+        if os.path.exists(path) or not self.faults.writable() or not cache_policy.writes():
             return
         kind = OTHER
         writing = getattr(_writing, "executable", None)
@@ -398,9 +400,12 @@ def _guard_writes() -> None:
             _writing.executable = None
             WRITES.end()
 
-    def guarded_get(*args, **kwargs):
+    def guarded_get(cache_key, *args, **kwargs):
         with _executable_reads():
-            return get(*args, **kwargs)
+            found = get(cache_key, *args, **kwargs)
+        if found[0] is None:
+            cache_policy.missed(cache_key)  # JAX compiles it next (unless refused there)
+        return found
 
     guarded_put.guarded_by_torchtpu = True
     # JAX's compiler looks the functions up on their module at every write and read.

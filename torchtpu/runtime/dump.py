@@ -9,7 +9,8 @@ for captured steps, ``jit__replay_...`` for a DeferAndFuse run); ``<n>`` numbers
 the order this process built them, and each file's first line names the user line that built
 it. Every program reaches XLA through JAX's ``compile_or_get_cached``, so wrapping it once here
 covers every executor, the compiled path, captures, kernels and collectives. Unset, nothing is
-wrapped.
+wrapped. ``torch.tpu._set_dump_on_cache_miss`` writes the same files for the programs the
+compile cache did not have (``cache_policy``).
 
 XLA's own switches pass through ``XLA_FLAGS`` as with any JAX program (for example
 ``--xla_dump_to=dir --xla_dump_hlo_pass_re=.*`` for every pass, ``--xla_cpu_enable_fast_math``,
@@ -27,12 +28,13 @@ ENV = "TORCHTPU_DUMP"
 _lock = threading.Lock()
 _count = itertools.count()
 _installed: list = []
+_every: list = []  # TORCHTPU_DUMP's directory
 
 
 def install() -> None:
     """Wrap JAX's compile once if ``TORCHTPU_DUMP`` names a directory (made if missing)."""
     raw = os.environ.get(ENV, "").strip()
-    if not raw or _installed:
+    if not raw or _every:
         return
     out = Path(raw).expanduser()
     try:
@@ -40,27 +42,50 @@ def install() -> None:
     except OSError as e:
         raise RuntimeError(f"torchtpu.config: {ENV}={raw!r} cannot be made a directory: "
                            f"{e.strerror}") from None
+    _every.append(out)
+    install_wrapper()
+
+
+def install_wrapper() -> None:
+    """Wrap JAX's compile once: every program goes to ``TORCHTPU_DUMP``'s directory, and those
+    the compile cache missed to ``cache_policy.dump_misses()``'s (when set)."""
+    with _lock:
+        if _installed:
+            return
+        _installed.append(True)
     from jax._src import compiler
     from jax._src.interpreters import mlir
+
+    from torchtpu.runtime import cache_policy
 
     original = compiler.compile_or_get_cached
 
     def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
-        from torchtpu.runtime.tpu_hook import user_line
-
+        every, misses = (_every or [None])[0], cache_policy.dump_misses()
+        if every is None and misses is None:
+            return original(backend, computation, devices, *args, **kwargs)
         name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
         stablehlo = mlir.module_to_string(computation)
+        cache_policy.take_miss()
         executable = original(backend, computation, devices, *args, **kwargs)
-        with _lock:
-            stem = out / f"{next(_count):05d}-{name}"
-        header = f"// built at {user_line() or '?'} on {backend.platform}\n"
-        stem.with_suffix(".stablehlo.mlir").write_text(header + stablehlo)
-        try:
-            hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
-        except Exception as e:  # noqa: BLE001 (a runtime that cannot give its HLO back)
-            hlo = f"// the executable gave no HLO: {e}"
-        stem.with_suffix(".hlo.txt").write_text(header + hlo)
+        missed = cache_policy.take_miss() is not None
+        for out in (every, misses if missed else None):
+            if out is not None:
+                _write(out, name, backend, stablehlo, executable)
         return executable
 
     compiler.compile_or_get_cached = compile_or_get_cached
-    _installed.append(out)
+
+
+def _write(out: Path, name: str, backend, stablehlo: str, executable) -> None:
+    from torchtpu.runtime.tpu_hook import user_line
+
+    with _lock:
+        stem = out / f"{next(_count):05d}-{name}"
+    header = f"// built at {user_line() or '?'} on {backend.platform}\n"
+    stem.with_suffix(".stablehlo.mlir").write_text(header + stablehlo)
+    try:
+        hlo = "\n".join(m.to_string() for m in executable.hlo_modules())
+    except Exception as e:  # noqa: BLE001 (a runtime that cannot give its HLO back)
+        hlo = f"// the executable gave no HLO: {e}"
+    stem.with_suffix(".hlo.txt").write_text(header + hlo)

@@ -25,18 +25,25 @@ from torchtpu.device.control import (
     default_generators,
     device,
     device_count,
+    device_of,
+    exchange_device,
     get_amp_supported_dtype,
+    get_compute_capability,
     get_device_name,
     get_device_properties,
+    get_local_device_attributes,
     get_precision,
     get_rng_state,
     get_rng_state_all,
     initial_seed,
     is_available,
     is_bf16_supported,
+    is_gpu,
     is_initialized,
+    is_triton_capable,
     manual_seed,
     manual_seed_all,
+    maybe_exchange_device,
     precision,
     seed,
     seed_all,
@@ -51,6 +58,7 @@ from torchtpu.eager import executor as _executor
 from torchtpu.eager import modes as _modes
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.layers import scan_layers
+from torchtpu.runtime import cache_policy as _cache_policy
 from torchtpu.runtime import compile_cache as _compile_cache
 from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_callables, streams)
 from torchtpu.tpu.graphs import __all__ as _graphs_all
@@ -139,15 +147,73 @@ def custom_compiler_options(options: dict):
     return compiler_options.custom_compiler_options(options)
 
 
+class _Stats(dict):
+    """A dict whose keys also read as attributes (the reference's scripts read
+    ``stats.num_cache_reqs``)."""
+
+    def __getattr__(self, name: str):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
 def _get_cache_stats() -> dict:
     """The persistent compile cache's statistics in this process (the reference's names):
     ``num_cache_reqs``, ``num_cache_hits`` and, per entry read, ``read_count``, ``last_read`` and
-    ``compilation_duration`` (seconds); empty figures when the cache is off."""
+    ``compilation_duration`` (seconds); empty figures when the cache is off. Keys read as
+    attributes too."""
     store = _compile_cache.store()
     if store is None:
-        return {"num_cache_reqs": 0, "num_cache_hits": 0, "entries": {}, "cache_dir": None,
-                "max_bytes": 0}
-    return store.stats()
+        return _Stats(num_cache_reqs=0, num_cache_hits=0, entries={}, cache_dir=None,
+                      max_bytes=0)
+    return _Stats(store.stats())
+
+
+def _set_allow_cache(allow: bool = True) -> None:
+    """Read and write the persistent compile cache (False: every program compiles here)."""
+    _cache_policy.set_allow(allow)
+
+
+def _set_cache_only(cache_only: bool = True) -> None:
+    """Run only programs the compile cache has: a miss is a ``torchtpu.cache:`` error instead
+    of a compile."""
+    if cache_only and _compile_cache.store() is None:
+        raise RuntimeError("torchtpu.cache: _set_cache_only(True) needs the compile cache, "
+                           "which is off (TORCHTPU_CACHE_DIR=off)")
+    _cache_policy.set_only(cache_only)
+
+
+def _set_dump_on_cache_miss(enable: bool = True, directory: str | None = None) -> None:
+    """Write each program the compile cache misses (StableHLO and optimized HLO, headed by the
+    user line that built it) to directory (default ``TORCHTPU_DUMP``, else
+    ``<tmp>/torchtpu-cache-misses``)."""
+    if not enable:
+        return _cache_policy.set_dump_misses(None)
+    import os
+    import tempfile
+
+    directory = directory or os.environ.get("TORCHTPU_DUMP") or \
+        os.path.join(tempfile.gettempdir(), "torchtpu-cache-misses")
+    _cache_policy.set_dump_misses(directory)
+
+
+def _get_dump_on_cache_miss() -> bool:
+    return _cache_policy.dump_misses() is not None
+
+
+def _clear_cache() -> None:
+    """Drop the compiled programs this process holds (the next call of each reads it back from
+    the persistent cache, or compiles it)."""
+    import jax
+
+    _executor.flush()
+    jax.clear_caches()
+
+
+def _hbm_usage_summary() -> str:
+    """Device memory in use by this process (``memory_summary``'s figures; on a TPU its HBM)."""
+    return f"device memory of {get_device_name()}:\n{_memory.memory_summary()}"
 
 
 class _TpuModule(types.ModuleType):
@@ -181,6 +247,10 @@ __all__ = [
     "reset_peak_memory_stats",
     "scan_layers", "seed", "custom_compiler_options", "set_per_process_memory_fraction",
     "seed_all", "set_device", "set_eager_mode", "set_precision", "set_rng_state",
-    "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", *_graphs_all,
+    "set_rng_state_all", "synchronize", "_get_cache_stats", "_is_in_bad_fork", "device_of",
+    "exchange_device", "maybe_exchange_device", "get_compute_capability",
+    "get_local_device_attributes", "is_triton_capable", "is_gpu", "_hbm_usage_summary",
+    "_set_allow_cache", "_set_cache_only", "_set_dump_on_cache_miss", "_get_dump_on_cache_miss",
+    "_clear_cache", *_graphs_all,
     *_storages_all,
 ]

@@ -1,0 +1,1 @@
+"""``torch_tpu._internal.distributed``: the reference's launcher (``launchers``)."""
