@@ -26,18 +26,6 @@ COMMUNICATOR = "torchtpu.integrations.vllm.communicator.TpuCommunicator"
 register_backend("TORCHTPU_ATTN", ATTENTION)
 
 
-def _no_caches_to_empty() -> None:
-    """PJRT frees buffers when their arrays die; there is no cache to empty, and the C++ hooks
-    torch.accelerator's would reach do not exist for a Python backend (empty_cache asserts,
-    empty_host_cache segfaults). vLLM empties them in every process it runs on the platform:
-    its workers, and at shutdown the engine's, which holds no worker under tensor parallel."""
-    torch.accelerator.empty_cache = lambda: None
-    torch.accelerator.empty_host_cache = lambda: None
-
-
-_no_caches_to_empty()
-
-
 class TpuPlatform(Platform):
     _enum = PlatformEnum.OOT
     device_name: str = "tpu"

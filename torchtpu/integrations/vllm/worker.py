@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import os
 import time
@@ -37,24 +36,13 @@ from torchtpu.runtime import platform
 
 log = init_logger(__name__)
 
-# torch.accelerator's memory functions assert on a C++ DeviceAllocator, which a Python backend
-# has not got; torch.tpu answers the same questions.
-_MEMORY = {
-    "memory_stats": "memory_stats",
-    "memory_reserved": "memory_reserved",
-    "memory_allocated": "memory_allocated",
-    "max_memory_allocated": "max_memory_allocated",
-    "reset_peak_memory_stats": "reset_peak_memory_stats",
-    "get_memory_info": "mem_get_info",
-}
 # the GPU runner makes its streams and events through torch.cuda
 _STREAMS = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 
 
 def _route_cuda_names_to_tpu() -> None:
-    """Point the accelerator and CUDA names vLLM's GPU code calls at torch.tpu (worker only)."""
-    for name, tpu_name in _MEMORY.items():
-        setattr(torch.accelerator, name, functools.partial(getattr(torch.tpu, tpu_name)))
+    """Point the CUDA names vLLM's GPU code calls at torch.tpu (worker only); torch.accelerator
+    answers for tpu already (``torchtpu/tpu/accelerator.py``)."""
     for name in _STREAMS:
         setattr(torch.cuda, name, getattr(torch.tpu, name))
 
