@@ -1,6 +1,11 @@
 """DeferAndFuse reaches a steady state: a training loop that changes nothing between steps loads
 no program after its first steps (neither compiled nor read from the persistent cache), also when
-its steps are longer than the recording's size bound, with or without a host read each step."""
+its steps are longer than the recording's size bound, with or without a host read each step. The
+Llama step's one program is fit for a TPU: bfloat16 products under autocast, 64-bit types only
+on the token ids."""
+
+import math
+import re
 
 import pytest
 import torch
@@ -102,10 +107,30 @@ def test_an_uncut_llama_step_is_one_program_and_steady():
 
 
 @pytest.mark.full
-def test_a_12_layer_llama_step_is_steady():
-    # The chip benchmark's depth: its first step (optimizer state created) passes MAX_OPS and is
-    # cut; every later step is one program, the same one from the third step on.
+def test_a_12_layer_llama_step_is_steady(monkeypatch):
+    # The chip benchmark's depth, under the bound its run had (2000 ops): the first step (AdamW
+    # creating its moments, ~2,400 ops) is cut, every later one (~1,900) is one program, the
+    # same one from the third step on. (It used to load one new program every step.)
+    monkeypatch.setattr(defer.RECORDER, "max_ops", 2000)
     c = LlamaConfig(vocab=256, dim=64, layers=12, heads=4, hidden=128, seq=64)
     loads, runs = _llama_loop(c, 5)
     assert loads[3:] == [0, 0], loads
     assert runs == [2, 1, 1, 1, 1], runs
+
+
+def test_the_llama_steps_program_multiplies_in_bf16_and_keeps_64_bits_to_the_ids():
+    # A TPU emulates int64 and float64 with 32-bit ops: the (tokens, vocab) one-hot of the loss's
+    # gradient and the (seq, seq) causal mask compare int32, and no product reads float32.
+    model = _model(SMALL, "tpu")
+    step, _ = train_step(model)
+    batch = _batch(SMALL, "tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        step(*batch).item()
+        loss = step(*batch)  # pending until the read below
+        text = torch.tpu.pending_hlo()
+        loss.item()
+    dots = re.findall(r"stablehlo\.dot_general .*: \((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+    assert len(dots) >= 7 * SMALL.layers and all("bf16" in a and "bf16" in b for a, b in dots)
+    wide = {m for m in re.findall(r"tensor<([0-9x]+)x[if]64>", text)
+            if math.prod(map(int, m.split("x"))) > SMALL.seq}
+    assert not wide, wide

@@ -1,5 +1,6 @@
 """Strict's short path for repeated call signatures (``eager/seen_calls.py``): taken when it may
-be, and never for a call whose tensors or constants need the full path (results equal CPU's)."""
+be (also on DeferAndFuse's recorded values), and never for a call whose tensors or constants
+need the full path (results equal CPU's)."""
 
 import pytest
 import torch
@@ -88,6 +89,30 @@ def test_constants_of_other_types_or_signs_are_other_calls():
     got = (d ** 2.0).cpu()
     assert got.dtype == (n ** 2.0).dtype
     torch.testing.assert_close(got, n ** 2.0)
+
+
+def test_defer_and_fuses_recorded_values_take_it(short_paths):
+    # A recorded (pending) result is its storage whole, as a computed one: a loop under
+    # DeferAndFuse, where nearly every input is pending, repeats its calls the short way. A
+    # pending value under a view still takes the full path.
+    a, b = torch.randn(4, 6), torch.randn(4, 6)
+    x, y = a.to("tpu"), b.to("tpu")
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        for _ in range(2):
+            s = x * y
+            s = s + y
+        before = short_paths[0]
+        s = x * y
+        assert not torch.tpu.is_materialized(s)
+        out = s + y
+        assert short_paths[0] == before + 2
+        t = (x * y).t()
+        torch.mul(t, 2.0), torch.mul(t, 2.0)
+        before = short_paths[0]
+        view = torch.mul(t, 2.0)
+        assert short_paths[0] == before
+    torch.testing.assert_close(out.cpu(), a * b + b)
+    torch.testing.assert_close(view.cpu(), (a * b).t() * 2)
 
 
 def test_capture_keeps_the_full_path(short_paths):

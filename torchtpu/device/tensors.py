@@ -328,6 +328,13 @@ def _is_whole(t: torch.Tensor, array) -> bool:
             and array.dtype == dtypes.to_jax(t.dtype))
 
 
+def reads_whole(t: torch.Tensor) -> bool:
+    """Whether t's value is its storage's computed array itself (reading it runs no program)."""
+    array = t.untyped_storage()._tpu_array
+    return (array is not None and not isinstance(array, Deferred) and not t.is_conj()
+            and not t.is_neg() and _is_whole(t, array))
+
+
 def _parts(t: torch.Tensor) -> tuple:
     array = storage_array(t)
     return (array, None) if _is_whole(t, array) else (array, _geometry(t, array))

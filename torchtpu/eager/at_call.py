@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import asserts, tensors
+from torchtpu.device import asserts, dtypes, tensors
 from torchtpu.eager import executor, schema
 from torchtpu.lowering import checks
 from torchtpu.runtime import platform
@@ -48,7 +48,23 @@ def _host_values(t: torch.Tensor):
         return host_view(array, t)
     if not executor.is_materialized(t):
         return None
+    if tensors.deferrer is not None and not tensors.reads_whole(t):
+        # DeferAndFuse records a view's read: reading it would run the recording here, in the
+        # middle of a step (nll_loss's flattened targets). The view is taken on the host.
+        return _view_on_host(t)
     return np.asarray(tensors.read(t))
+
+
+def _view_on_host(t: torch.Tensor):
+    """View t's elements in the host values of its storage's computed array (None for a view
+    of other dtype or with lazy bits: the device checks those)."""
+    array = tensors.stored_array(t.untyped_storage())
+    if t.is_conj() or t.is_neg() or array.dtype != dtypes.to_jax(t.dtype):
+        return None
+    flat = np.asarray(array).reshape(-1)
+    return np.lib.stride_tricks.as_strided(flat[t.storage_offset():], tuple(t.shape),
+                                           [s * flat.itemsize for s in t.stride()],
+                                           writeable=False)
 
 
 def _arg(v, on_device: list):

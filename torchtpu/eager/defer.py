@@ -20,7 +20,9 @@ whose flushes are not at its step's ends would be cut at a different op every st
 each step, for ever); host reads and optimizer steps end the recording, so a loop that reads its
 loss, or steps an optimizer, starts each step afresh. ``MAX_OPS`` bounds compile time (XLA's
 grows faster than linearly with a program's length: a chain of 4000 elementwise ops took 24 s
-to compile on XLA:CPU, 2000 took 6 s); a 12-layer Llama training step is ~1,900 ops.
+to compile on XLA:CPU, 2000 took 6 s); a 12-layer Llama training step is ~1,900 ops, its first
+(AdamW creating its moments) ~2,400: one program each, two loaded in all, where a bound of 2000
+cut the first step and loaded four.
 
 Inputs that no storage or pending value holds any more (a parameter's old value once the optimizer
 has written a new one) are donated to the program, so in-place updates reuse their buffers. So are
@@ -54,7 +56,7 @@ from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch, warm
 
-MAX_OPS = 2000
+MAX_OPS = 4000
 
 
 @jax.jit
@@ -309,7 +311,8 @@ class Recorder:
             if isinstance(a, (list, tuple)):
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
-        if threading.get_ident() != self.owner and not self._warned_threads:
+        if self.owner is not None and threading.get_ident() != self.owner \
+                and not self._warned_threads:
             self._warn_other_thread()
         with self._lock:
             if self._step_over:

@@ -12,9 +12,10 @@ that compute differently).
 Only signatures whose spec takes nothing but whole device tensors, traced real numbers (``x *
 0.3``: a Python number's value is in the signature, a CPU scalar tensor's is read at each call)
 and baked-in constants are kept (no tensor lists, no random keys), and only outside a capture. A
-call takes the short path only when each tensor's storage holds a computed array that is the
-tensor whole (``whole_arrays``) and no traced number is a float zero (0.0 and -0.0 are one
-key); anything else (a view, a pending or padded value, a lazy conj/neg bit) takes the full
+call takes the short path only when each tensor's storage holds a computed array, or a value
+DeferAndFuse recorded (which knows its shape and dtype), that is the tensor whole
+(``whole_arrays``) and no traced number is a float zero (0.0 and -0.0 are one key); anything
+else (a view, a padded value, a lazy conj/neg bit) takes the full
 path, which handles it. The short path then runs as the full path
 does from the read arrays on (``dispatch.compute`` with them): the upper layers' hooks, the
 current executor, the launch observer all see the same call.
@@ -27,6 +28,7 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import dtypes
 from torchtpu.eager import meta
+from torchtpu.eager.defer import Pending
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
 
 _Tensor = torch.Tensor
@@ -92,8 +94,9 @@ _REAL = (float, int, bool)
 
 
 def whole_arrays(values: list, reads: tuple) -> tuple | None:
-    """The arrays of the call's tensors when each is its storage's computed array whole (the
-    array's shape and dtype, contiguous, no lazy bits), with its traced numbers; else None.
+    """The arrays of the call's tensors when each is its storage's computed (or DeferAndFuse's
+    recorded) array whole (the array's shape and dtype, contiguous, no lazy bits), with its
+    traced numbers; else None.
     (The storage's bytes are its array's: a contiguous tensor of the array's shape and itemsize
     cannot start past 0.)"""
     arrays = []
@@ -107,9 +110,16 @@ def whole_arrays(values: list, reads: tuple) -> tuple | None:
             arrays.append(t)
             continue
         array = t.untyped_storage()._tpu_array
-        if type(array) is not ArrayImpl:
+        kind = type(array)
+        if kind is Pending:  # DeferAndFuse's value: its array once run, else itself
+            array = array.resolve()
+            kind = type(array)
+        if kind is ArrayImpl:
+            aval = array.aval  # its shape and dtype without the properties' Python steps
+        elif kind is Pending:
+            aval = array  # a recorded value knows its shape and dtype
+        else:
             return None
-        aval = array.aval  # its shape and dtype without the properties' Python steps
         if (aval.dtype != dtype or aval.shape != t.shape or not t.is_contiguous()
                 or t.is_conj() or t.is_neg()):
             return None
