@@ -89,7 +89,8 @@ def test_refused_as_on_cpu(case, mode):
 def test_what_cpu_takes_is_taken_and_asked_once_per_signature(monkeypatch):
     calls = []
     ask = refusals._on_stand_ins
-    monkeypatch.setattr(refusals, "_on_stand_ins", lambda *a: calls.append(a[0]) or ask(*a))
+    monkeypatch.setattr(refusals, "_on_stand_ins",
+                        lambda *a, **k: calls.append(a[0]) or ask(*a, **k))
     a = torch.randn(3, 5, device="tpu")
     out = [torch.mm(a, torch.randn(5, n, device="tpu")) for n in (2, 7, 11)]
     assert sum(op is torch.ops.aten.mm.default for op in calls) <= 1  # new shapes: no new ask
@@ -160,6 +161,15 @@ def test_values_checked_on_the_device_raise_at_the_next_host_read(case, mode, mo
     if case != "embedding_bag_index":  # CPU's words for it name the index's position
         assert str(expected).split("\n")[0].split(" but got offsets")[0] in str(info.value)
     assert info.value.__notes__[0].startswith("Checked on the device")
+
+
+def test_compiled_graphs_refuse_what_cpu_kernels_refuse():
+    # Dynamo wraps a backend's error in BackendCompilerFailed; CPU's words are in it.
+    a, b = torch.ones(3, 3, device="tpu"), torch.ones(3, 3, dtype=torch.long, device="tpu")
+    with pytest.raises(Exception, match="expected m1 and m2 to have the same dtype"):
+        torch.compile(lambda x, y: torch.mm(x, y) * 2, backend="tpu")(a, b)
+    f = torch.compile(lambda x, y: torch.mm(x, y.float()) * 2, backend="tpu")
+    assert torch.equal(f(a, b).cpu(), torch.full((3, 3), 6.0))
 
 
 FAST = "mm|nn.functional.gelu|softmax|nn.functional.cross_entropy"

@@ -5,7 +5,8 @@ which dtypes the device kernel implements: ``gelu`` of an int64 tensor ("GeluKer
 implemented for 'Long'), ``mm(float, long)`` ("expected m1 and m2 to have the same dtype") or
 ``softmax`` of an integer tensor would return a wrong answer where CPU raises. So where a call
 is planned (a miss of ``meta.infer``'s cache, each call of a decomposed op, each node of a
-compiled graph), the op runs on CPU on stand-ins: ones of each tensor's dtype, of its shape
+compiled graph), the op runs on CPU on stand-ins: ones of each tensor's dtype (then zeros in
+integer tensors, where ones fail: an index of 1 in a dimension of one), of its shape
 where that is small, else of a shape shrunk to at most one element per dimension (and, where
 the shrunk shapes fail and the call is not too large, again at its shapes). No value is read
 from the device. A signature CPU takes (dtypes, ranks and the other arguments:
@@ -13,15 +14,18 @@ from the device. A signature CPU takes (dtypes, ranks and the other arguments:
 
 A stand-in CPU refuses is refused for its dtypes, its (shrunk) shape or its values. The dtypes
 are to blame when the refusal is the dtype dispatch's (``NotImplementedError``: "... not
-implemented for 'Long'"), or when the same stand-ins in the one dtype the call's tensors promote
-to (float32 for integers and bools) are taken: then the call is refused with CPU's error.
+implemented for 'Long'"), or when CPU takes the same stand-ins recast to dtypes almost every
+kernel takes (``_controls``: float32, keeping integer indices; one tensor in the first one's
+dtype): then the call is refused with CPU's error.
 Otherwise the call proceeds (what CPU checks of values is ``lowering/checks.py``'s business).
 The eager dispatcher then words the error as CPU does for the real inputs (``dispatch.kernel``).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
@@ -66,14 +70,15 @@ def _big(x) -> bool:
     return isinstance(x, (list, tuple)) and any(_big(y) for y in x)
 
 
-def _stand_in(x, shrink: bool, dtype: torch.dtype | None):
+def _stand_in(x, shrink: bool, recast: Callable | None, zeros: bool):
     if isinstance(x, torch.Tensor):
         if x.is_cpu:
             return x
         shape = tuple(min(n, 1) for n in x.shape) if shrink else x.shape
-        return torch.ones(shape, dtype=dtype or x.dtype)
+        dtype = x.dtype if recast is None else recast(x)
+        return (torch.zeros if zeros and _integer(dtype) else torch.ones)(shape, dtype=dtype)
     if isinstance(x, (list, tuple)):
-        return type(x)(_stand_in(y, shrink, dtype) for y in x)
+        return type(x)(_stand_in(y, shrink, recast, zeros) for y in x)
     if isinstance(x, torch.Generator):
         return None
     if isinstance(x, torch.device) and x.type == "tpu":
@@ -93,21 +98,40 @@ def _device_tensors(values) -> list:
     return found
 
 
-def _control_dtype(tensors: list) -> torch.dtype | None:
-    """The one dtype the call's tensors promote to, floating for integers and bools; None when
-    they all have it already (the control would be the same call)."""
-    common = tensors[0].dtype
-    for t in tensors[1:]:
-        common = torch.promote_types(common, t.dtype)
-    if not (common.is_floating_point or common.is_complex):
-        common = torch.float32
-    return None if all(t.dtype == common for t in tensors) else common
+def _integer(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+# The controls: the same stand-ins recast to dtypes almost every kernel takes (float32 for all,
+# or for all but the integers, or all but int64: the indices), or with one tensor given the
+# first one's dtype (``mm(float, long)``; ``index_add``'s int64 source beside its index).
+_CONTROLS = (lambda t: torch.float32,
+             lambda t: t.dtype if _integer(t.dtype) else torch.float32,
+             lambda t: t.dtype if t.dtype == torch.int64 else torch.float32)
+_ONE_AT_A_TIME = 4
+
+
+def _controls(tensors: list) -> list:
+    """The recasts (tensor -> dtype) that change the call's dtypes, each once."""
+    first = tensors[0].dtype
+    one = [functools.partial(_one_recast, t, first) for t in tensors[1:_ONE_AT_A_TIME + 1]]
+    seen, found = {tuple(t.dtype for t in tensors)}, []
+    for recast in (*_CONTROLS, *one):
+        dtypes = tuple(recast(t) for t in tensors)
+        if dtypes not in seen:
+            seen.add(dtypes)
+            found.append(recast)
+    return found
+
+
+def _one_recast(target: torch.Tensor, dtype: torch.dtype, t: torch.Tensor) -> torch.dtype:
+    return dtype if t is target else t.dtype
 
 
 def _on_stand_ins(op: OpOverload, values: list, outs: list, shrink: bool,
-                  dtype: torch.dtype | None = None) -> Exception | None:
+                  recast: Callable | None = None, zeros: bool = False) -> Exception | None:
     oi = schema.info(op)
-    values = [_stand_in(v, shrink, dtype) for v in values]
+    values = [_stand_in(v, shrink, recast, zeros) for v in values]
     for i in oi.scalar_indices:
         if isinstance(values[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
             # A composite kernel's wrapped number (see ``meta.infer``), as the tensor it stands
@@ -115,7 +139,7 @@ def _on_stand_ins(op: OpOverload, values: list, outs: list, shrink: bool,
             values[i] = torch.tensor(values[i])
     args, kwargs = schema.unbind(oi, values)
     for name, o in zip(oi.out_names, outs):
-        kwargs[name] = _stand_in(o, shrink, dtype)
+        kwargs[name] = _stand_in(o, shrink, recast, zeros)
     # CPU's own warnings about stand-ins (a resized out=) are not the user's.
     with warnings.catch_warnings(), torch.random.fork_rng(devices=[]), torch.no_grad():
         warnings.simplefilter("ignore")
@@ -132,14 +156,19 @@ def _dtype_dispatch(error: Exception) -> bool:
 
 def _dtypes_refused(op: OpOverload, values: list, outs: list, tensors: list, shrink: bool):
     """CPU's error when the stand-ins' dtypes are to blame; None when CPU takes them; False
-    when CPU refuses them and in the one dtype they promote to as well (shapes or values)."""
-    error = _on_stand_ins(op, values, outs, shrink)
-    if error is None or _dtype_dispatch(error):
-        return error
-    control = _control_dtype(tensors)
-    if control is None or _on_stand_ins(op, values, outs, shrink, control) is not None:
-        return False
-    return error
+    when CPU refuses them recast to the controls' dtypes too (for their shapes or values)."""
+    # Ones, then zeros in integer tensors: an index of 1 is out of range in a dimension of one,
+    # and a divisor of 0 is refused in integer division.
+    for zeros in (False, True):
+        error = _on_stand_ins(op, values, outs, shrink, zeros=zeros)
+        if error is None:
+            return None
+        if _dtype_dispatch(error):
+            return error
+        for recast in _controls(tensors):
+            if _on_stand_ins(op, values, outs, shrink, recast, zeros) is None:
+                return error
+    return False
 
 
 def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
