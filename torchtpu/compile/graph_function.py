@@ -116,7 +116,8 @@ class _Step:
         self.check = checks.find(op) if _static(self.values) else None
         if _static(self.values):
             # What CPU's kernel refuses for these dtypes, as eager refuses it (eager/refusals.py).
-            refusals.check(op, fx.node.map_arg(self.values, _val), [], self.traced)
+            refusals.check(op, fx.node.map_arg(self.values, _val), [], self.traced,
+                           read_values=False)
 
     def device_checks(self, env: dict) -> list:
         """(flag, error) for each check of data the op's check hands the device, on the graph's

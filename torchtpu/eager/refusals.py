@@ -17,6 +17,9 @@ are to blame when the refusal is the dtype dispatch's (``NotImplementedError``: 
 implemented for 'Long'"), or when CPU takes the same stand-ins recast to dtypes almost every
 kernel takes (``_controls``: float32, keeping integer indices; one tensor in the first one's
 dtype): then the call is refused with CPU's error.
+Where every stand-in fails for its shapes or values alike (``segment_reduce``'s lengths must
+add up to the data's length), CPU is asked on copies of the call's inputs (once per signature,
+in eager mode, where they are on the device and not too large; ``fallback.cpu_error``).
 Otherwise the call proceeds (what CPU checks of values is ``lowering/checks.py``'s business).
 The eager dispatcher then words the error as CPU does for the real inputs (``dispatch.kernel``).
 """
@@ -31,7 +34,8 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu import errors
-from torchtpu.eager import schema
+from torchtpu.device import tensors as tensors_module
+from torchtpu.eager import executor, fallback, schema
 
 OpOverload = torch._ops.OpOverload
 
@@ -171,9 +175,10 @@ def _dtypes_refused(op: OpOverload, values: list, outs: list, tensors: list, shr
     return False
 
 
-def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
-            ) -> Exception | None:
-    """CPU's error for a call it refuses for its dtypes, or None if it takes them."""
+def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset(),
+            read_values: bool = True) -> Exception | None:
+    """CPU's error for a call it refuses for its dtypes, or None if it takes them.
+    ``read_values``: where no stand-in decides, the call's own values may be read (eager)."""
     try:
         key = signature(op, values, outs, traced)
         if key in _accepted:
@@ -193,16 +198,30 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
                 # Shrunk stand-ins broke the shapes (a pooling window, groups of channels):
                 # asked again at the call's shapes, once per signature.
                 error = _dtypes_refused(op, values, outs, tensors, False)
-    if not error:
-        error = None
+        if error is False and read_values:
+            error = _on_its_values(op, values, outs, tensors)
+    if error is False:
+        return None  # asked again next time: nothing known
     if error is None and key is not None:
         _accepted.add(key)
     return error
 
 
-def check(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset()
-          ) -> None:
+def _on_its_values(op: OpOverload, values: list, outs: list, tensors: list):
+    """CPU's error for the call on copies of its inputs, None when it takes it; False when they
+    cannot be read now (a capture, pending in a recording, too large)."""
+    if (tensors_module.capture is not None or sum(t.numel() for t in tensors) > LARGE
+            or not all(executor.is_materialized(t) for t in tensors)):
+        return False
+    oi = schema.info(op)
+    args, kwargs = schema.unbind(oi, list(values))
+    kwargs.update(zip(oi.out_names, outs))
+    return fallback.cpu_error(op, tuple(args), kwargs)
+
+
+def check(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset(),
+          read_values: bool = True) -> None:
     """Raise CPU's error for a call CPU refuses for its dtypes."""
-    error = refusal(op, values, outs, traced)
+    error = refusal(op, values, outs, traced, read_values)
     if error is not None:
         raise errors.from_cpu(error)
