@@ -43,6 +43,11 @@ def add(flags, error: Callable[[int], Exception], where: str) -> None:
         _merge()
 
 
+def pending() -> bool:
+    """Whether a device check waits to be read (a host read now would raise its error)."""
+    return bool(_pending)
+
+
 def raise_pending() -> None:
     """Read every pending flag; raise the first failed check's error (all are cleared). On a
     thread other than the main one (a torch_xla step closure's worker) only the flags already

@@ -31,6 +31,11 @@ def _host_reads_stall() -> bool:
     return platform.platform() != "cpu"
 
 
+def host_reads_stall() -> bool:
+    """Whether reading a computed value to the host waits for the device (not on XLA:CPU)."""
+    return _host_reads_stall()
+
+
 def _host_values(t: torch.Tensor):
     if t.is_cpu:  # a CPU scalar, or an operand the op refuses for its device afterwards
         return t.detach().numpy()

@@ -19,7 +19,8 @@ kernel takes (``_controls``: float32, keeping integer indices; one tensor in the
 dtype): then the call is refused with CPU's error.
 Where every stand-in fails for its shapes or values alike (``segment_reduce``'s lengths must
 add up to the data's length), CPU is asked on copies of the call's inputs (once per signature,
-in eager mode, where they are on the device and not too large; ``fallback.cpu_error``).
+in eager mode, where reading them is free: the CPU platform, computed, not too large;
+``fallback.cpu_error``); on a TPU such a call proceeds.
 Otherwise the call proceeds (what CPU checks of values is ``lowering/checks.py``'s business).
 The eager dispatcher then words the error as CPU does for the real inputs (``dispatch.kernel``).
 """
@@ -34,8 +35,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu import errors
+from torchtpu.device import asserts
 from torchtpu.device import tensors as tensors_module
-from torchtpu.eager import executor, fallback, schema
+from torchtpu.eager import at_call, executor, fallback, schema
 
 OpOverload = torch._ops.OpOverload
 
@@ -209,8 +211,10 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
 
 def _on_its_values(op: OpOverload, values: list, outs: list, tensors: list):
     """CPU's error for the call on copies of its inputs, None when it takes it; False when they
-    cannot be read now (a capture, pending in a recording, too large)."""
-    if (tensors_module.capture is not None or sum(t.numel() for t in tensors) > LARGE
+    cannot be read now: not for free (a capture, pending in a recording, on a TPU, too large),
+    or not without raising a device check still pending (which would be lost)."""
+    if (tensors_module.capture is not None or at_call.host_reads_stall() or asserts.pending()
+            or sum(t.numel() for t in tensors) > LARGE
             or not all(executor.is_materialized(t) for t in tensors)):
         return False
     oi = schema.info(op)
