@@ -7,14 +7,15 @@ lengths after it in the same bucket load no program (``compile/eager_buckets.py`
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from torchtpu import metrics
-from torchtpu.compile import eager_buckets
+from torchtpu.compile import call_sites, eager_buckets
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.testing.models import TinyGPT
 
-# A block of 24: lengths 2..16 run in the first bucket, 17..24 and the cropped windows in the
-# second; one layer keeps the programs few.
+# A block of 24: every length and the cropped windows run in the first bucket (64); one layer
+# keeps the programs few.
 BLOCK = 24
 
 
@@ -36,7 +37,7 @@ def _programs() -> int:
 def buckets_on():
     # Sites are keyed by their module object's id() (and plain calls by a spec's id()): after
     # earlier tests of the worker, a new model can reuse a dead one's id and inherit its sizes.
-    eager_buckets._families.clear()
+    call_sites.clear()
     eager_buckets._exact.clear()
     was = eager_buckets.enabled()
     eager_buckets.set_enabled(True)  # also where TORCHTPU_EAGER_BUCKETS=0
@@ -71,8 +72,51 @@ def test_growing_loop_compiles_per_bucket_not_per_length(models, mode):
 
 
 def test_buckets_are_the_compiled_paths():
-    assert [eager_buckets._bucket(n) for n in (2, 16, 17, 33, 512, 513)] == \
-        [16, 16, 32, 64, 512, 1024]
+    assert [eager_buckets._bucket(n) for n in (2, 64, 65, 129, 512, 513)] == \
+        [64, 64, 128, 256, 512, 1024]
+
+
+@pytest.mark.parametrize("after_another", [False, True])
+def test_every_block_of_a_deeper_model_grows_with_the_first(after_another):
+    """Blocks of one class run at the same lines, each with its own sizes: the first block to
+    run a length must not take it for the others, and a block that first runs once the first
+    one's sizes vary grows with it; also when another model of those shapes ran the same
+    lengths before. (Before: the later blocks ran exact, a program per length, for lengths
+    after the first block went padded.)"""
+    torch.manual_seed(2)
+    cpu = TinyGPT(13, 40, n_layer=3, n_head=2, n_embd=16).eval()
+    tpu = TinyGPT(13, 40, n_layer=3, n_head=2, n_embd=16).eval()
+    tpu.load_state_dict(cpu.state_dict())
+    prompt = torch.tensor([[5]])
+    if after_another:  # its calls at lengths 1..8, exact until they varied
+        _greedy(TinyGPT(13, 40, n_layer=1, n_head=2, n_embd=16).eval().to("tpu"),
+                prompt.to("tpu"), 8)
+    tpu = tpu.to("tpu")
+    # Lengths 1..4 show the growth, 5 reads the first padded context: then nothing is new.
+    idx = _greedy(tpu, prompt.to("tpu"), call_sites.VARYING_VALUES + 1)
+    before = _programs()
+    idx = _greedy(tpu, idx, 12)
+    assert _programs() - before == 0
+    assert torch.equal(idx.cpu(), _greedy(cpu, prompt, call_sites.VARYING_VALUES + 13))
+
+
+def test_ranges_of_a_growing_length_are_bucketed():
+    """arange(0, n) and arange(0, n, 1) (nanoGPT's positions) of a growing n: padded like
+    arange(n), one program per bucket; arange(2, n) and a step of 2 have no padded layout."""
+    weight = torch.randn(70, 3)
+    table = weight.to("tpu")
+    for k, n in enumerate(range(2, 40)):
+        if k == call_sites.VARYING_VALUES + 1:
+            before = _programs()
+        got = [F.embedding(torch.arange(0, n, device="tpu"), table),
+               F.embedding(torch.arange(0, n, 1, device="tpu"), table),
+               torch.arange(2, n, device="tpu"), torch.arange(0, n, 2, device="tpu")]
+        want = [F.embedding(torch.arange(0, n), weight), F.embedding(torch.arange(0, n, 1), weight),
+                torch.arange(2, n), torch.arange(0, n, 2)]
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g.cpu(), w)
+    new = _programs() - before
+    assert new <= 2 * (40 - 2 - call_sites.VARYING_VALUES - 1) + 1, new  # the last two
 
 
 def test_negative_indices_into_a_growing_dim_count_from_its_real_end():

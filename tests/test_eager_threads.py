@@ -150,3 +150,24 @@ def test_assigning_the_mode_while_another_thread_holds_one_is_refused():
     finally:
         done.set()
         holder.join(60)
+
+
+def test_a_captured_step_on_one_thread_is_not_warned_about():
+    """A capture records into a recording of its own, which no thread entered as DeferAndFuse:
+    the other-thread warning is not for it (it fired for every whole step, issue 35's model)."""
+    lin = torch.nn.Linear(4, 4).to("tpu")
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+
+    def step(x):
+        loss = lin(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    step = torch.compile(step, backend="tpu")
+    x = torch.randn(2, 4, device="tpu")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            step(x).item()

@@ -163,3 +163,37 @@ def test_a_views_cast_reads_and_casts_in_one_program(name):
     assert c.launch_count == 1
     assert got.dtype == want.dtype and got.stride() == want.stride()
     assert torch.equal(got.cpu(), want)
+
+
+def test_a_contiguous_cast_wraps_its_value_without_an_empty_tensor(monkeypatch):
+    from torchtpu.device import tensors
+
+    x = torch.randn(6, 8)
+    d = x.to("tpu").requires_grad_()
+    made, new_tensor = [], tensors.new_tensor
+    monkeypatch.setattr(tensors, "new_tensor", lambda *a, **k: made.append(a) or new_tensor(*a,
+                                                                                           **k))
+    got = d.to(torch.bfloat16)  # every autocast cast of a weight or an activation
+    assert made == []
+    assert torch.equal(got.cpu(), x.to(torch.bfloat16)) and got.stride() == (8, 1)
+    got.float().sum().backward()
+    assert torch.equal(d.grad.cpu(), torch.ones(6, 8))
+    same = d.detach().to(torch.float32, copy=True)  # a copy of its own, never the same buffer
+    same.add_(1)
+    assert torch.equal(d.detach().cpu(), x)
+
+
+@pytest.mark.parametrize("where", [(slice(None), slice(4, 8)), (slice(1, 6, 2),),
+                                   (slice(None), slice(-3, None)), (slice(2, 2),),
+                                   (Ellipsis, slice(1, 7, 3))])
+def test_a_slices_gradient_is_one_program(where):
+    x = torch.randn(6, 8, requires_grad=True)
+    g = torch.randn(x[where].shape)
+    x[where].backward(g)
+    d = x.detach().to("tpu").requires_grad_()
+    d[where].backward(g.to("tpu"))  # the rotary halves' backward in every attention layer
+    d.grad = None
+    with census(dots=False) as c:
+        d[where].backward(g.to("tpu"))
+    assert c.launch_count == 1
+    assert torch.equal(d.grad.cpu(), x.grad)

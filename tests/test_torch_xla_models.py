@@ -130,22 +130,24 @@ def test_marks_that_change_no_value_and_names_that_refuse_when_called():
             call()
 
 
-def test_a_compiled_step_past_defer_and_fuses_op_bound_is_still_one_program():
+def test_a_compiled_step_past_defer_and_fuses_op_bound_is_still_one_program(monkeypatch):
     """A training step of a few thousand ops (easy-torch-tpu's) under full_graph=True: one
-    program, not a refusal (DeferAndFuse splits recordings at MAX_OPS outside the region)."""
+    program, not a refusal (DeferAndFuse splits recordings at its bound outside the region; a
+    bound of 50 here, for a short program)."""
+    monkeypatch.setattr(defer.RECORDER, "max_ops", 50)
     x = torch.ones(4, device="tpu")
 
     @torch_xla.compile(full_graph=True)
     def many(t):
-        for _ in range(defer.MAX_OPS + 10):
+        for _ in range(60):
             t = t + 1
         return t
 
     before = metrics.snapshot()
     out = many(x)
     assert metrics.snapshot()["executions"] - before["executions"] == 1
-    assert torch.equal(out.cpu(), torch.full((4,), defer.MAX_OPS + 11.0))
-    assert defer.RECORDER.max_ops == defer.MAX_OPS  # restored after the region
+    assert torch.equal(out.cpu(), torch.full((4,), 61.0))
+    assert defer.RECORDER.max_ops == 50  # restored after the region
 
 
 def test_a_step_closures_read_on_its_worker_does_not_run_the_next_steps_recording():

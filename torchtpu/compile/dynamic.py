@@ -66,13 +66,16 @@ _POSITIONWISE = {
     aten.squeeze.dim, aten.expand.default, aten.embedding.default, aten.full.default,
     aten.ones.default, aten.zeros.default, aten.empty.memory_format, aten.full_like.default,
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.scalar_tensor.default, aten.copy.default, aten.arange.default, aten.sym_size.int,
-    operator.getitem,
+    aten.scalar_tensor.default, aten.copy.default, aten.arange.default, aten.arange.start,
+    aten.arange.start_step, aten.sym_size.int, operator.getitem,
 }
 _INDEXED = {aten.tril.default, aten.triu.default}  # position-wise for leading-block layouts
 _SYM_ARITHMETIC = set(SIZE_ARITHMETIC)
-# Symbolic-size arguments that only set a size (a slice end, arange length): buckets are right.
-_SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0),
+# Symbolic-size arguments that only set a size (a slice end, arange's end): buckets are right.
+# (A range's end padded gives the real range and then padding: ``arange(0, s0)``'s dim is s0, a
+# plain symbol; one whose length is not, ``arange(2, s0)`` or a step of 2, has no layout.)
+_SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0), (aten.arange.start, 1),
+                   (aten.arange.start_step, 1),
                    (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 10),
                    (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 11)}
 _RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}

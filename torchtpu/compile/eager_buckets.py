@@ -2,11 +2,10 @@
 
 An eager loop whose tensors grow (an autoregressive sampler fed its whole context each step)
 would compile every op at every new length. A call at sizes that never ran before is looked
-at here (a call that did takes one dict lookup and runs as usual): its structure (the op, its
-static spec, its tensors' dtypes and ranks) at its call site (the innermost Python frame outside
-PyTorch and torchtpu's machinery) is a *family*, which remembers a few of the values each size
-(a tensor dim, an integer argument) took there; a size that took ``VARYING_VALUES`` distinct
-values is *varying*. A call with varying sizes becomes a one-node FX graph whose varying sizes
+at here (a call that did takes one dict lookup and runs as usual, unless its structure varies
+at some site): ``call_sites`` finds its *family* (its structure at its call site) and which of
+its sizes (tensor dims, integer arguments) vary there, having taken ``VARYING_VALUES`` distinct
+values. A call with varying sizes becomes a one-node FX graph whose varying sizes
 are symbols (equal sizes, one symbol), and ``dynamic.plan`` decides, exactly as for
 ``torch.compile(dynamic=True)``, whether it runs padded and what it masks. If so, one program
 per bucket runs it with the real sizes as traced inputs (``masking`` through ``GraphFunction``)
@@ -20,11 +19,6 @@ as before, exact-shape (its padded inputs cut on the host first).
 A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offset moves) would
 make a program per geometry even when the view's own shape does not change: a view of a padded
 value is read at a traced start (a program per bucket), any other such view on the host.
-
-Families are keyed by call site and, at a method's line, by the method's object: another model
-built from the same class starts families of its own, so the sizes one model took at a shared
-line do not make another's fixed sizes look varying (a plan is exact whichever sizes reach it;
-this saves the compiles of the padded path).
 
 On by default (``TORCHTPU_EAGER_BUCKETS=0``, or ``set_enabled(False)``, turns it off). Autograd's
 calls keep the exact path: a backward's ops, every layer's, all come from the user's one
@@ -41,8 +35,6 @@ dtype) keep the exact path.
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import jax
 import numpy as np
@@ -50,7 +42,7 @@ import torch
 import torch.fx as fx
 
 from torchtpu import metrics
-from torchtpu.compile import buckets, dynamic, one_node, padded_cat, padded_values
+from torchtpu.compile import buckets, call_sites, dynamic, one_node, padded_cat, padded_values
 from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.compile.one_node import int_tuple as _int_tuple
 from torchtpu.compile.one_node import is_int as _is_int
@@ -61,46 +53,16 @@ from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, ca
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import platform, transfer
 
-# Buckets: 16, 32, ..., 512, then multiples of 512 (``buckets.bucket``).
-BUCKET_SIZE = 16
-NUM_BUCKETS = 6
+# Buckets: 64, 128, 256, 512, then multiples of 512 (``buckets.bucket``). Not smaller: a program
+# per bucket costs more than the padding (a TPU pads below 128 lanes or 8 rows anyway).
+BUCKET_SIZE = 64
+NUM_BUCKETS = 4
 
 
-class _Family:
-    """One call structure at one call site: the values each size took there (a few), and the
-    view geometries it was called with. A size is *varying* once it took ``VARYING_VALUES``
-    distinct values: a growing length takes a new one at every step, where the sizes of a
-    site that serves several fixed shapes (an ``nn.Sequential``'s layers, on one line) repeat."""
-
-    __slots__ = ("seen", "varying", "geometries", "views")
-
-    def __init__(self, sizes: tuple, geometries: tuple) -> None:
-        self.seen = [{n} for n in sizes]
-        self.varying = (False,) * len(sizes)
-        self.geometries = {geometries}
-        self.views = False  # whether its views' geometries vary
-
-    def note(self, sizes: tuple, geometries: tuple) -> None:
-        for seen, n in zip(self.seen, sizes):
-            if len(seen) < VARYING_VALUES:
-                seen.add(n)
-        self.varying = tuple(len(seen) >= VARYING_VALUES for seen in self.seen)
-        if not self.views and geometries not in self.geometries:
-            self.geometries.add(geometries)
-            self.views = len(self.geometries) >= VARYING_VALUES
-
-
-VARYING_VALUES = 4
-_families: dict = {}  # (call structure, call site) -> _Family
-_exact: dict = {}     # (id of a spec, views) of calls that ran as usual -> the spec
+_exact: dict = {}     # (id of a spec, views) of calls that ran as usual -> (spec, structure)
 # (call structure, symbol pattern, fixed sizes) -> (GraphFunction, Plan, ...) or why not
 _plans: dict = {}
 _programs: dict = {}  # (that key, bucket sizes) -> jitted program
-SITE_FRAMES = 1
-_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_MACHINERY = tuple(os.path.join(_PACKAGE, d) + os.sep
-                   for d in ("eager", "device", "compile", "lowering", "runtime")) + (
-    os.path.dirname(torch.__file__) + os.sep,)
 _CAT = torch.ops.aten.cat.default
 _abstract: dict = {}  # spec -> its entries with integer constants left out
 
@@ -175,15 +137,22 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
+    # Unless its structure grows somewhere: a site must see its own calls to find that it grows
+    # too, which it would not if another site (an earlier model's, another block's) had run the
+    # same spec exact first.
     exact = (id(spec), views)
-    if exact in _exact:
+    ran = _exact.get(exact)
+    if ran is not None and not call_sites.grows(ran[1]):
         return None
     if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
             or _in_backward():
         return None  # a capture's replays could not repeat host padding; keys: random draws
-    out = _route(lowering, spec, values, dyn, tuple(g for _, _, g in views), bool(views))
+    call = _Call(lowering, spec, values, dyn)
+    structure = _structure(lowering, spec, call)
+    out = _route(lowering, spec, values, call, structure, tuple(g for _, _, g in views),
+                 bool(views))
     if out is None:
-        meta.bounded_put(_exact, exact, spec)
+        meta.bounded_put(_exact, exact, (spec, structure))
     return out
 
 
@@ -203,7 +172,9 @@ def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
             dyn.extend(None for x in v if x is not None)
         elif kind in (TENSOR, SCALAR):
             dyn.append(None if kind == TENSOR else v)
-    return _route(lowering, spec, values, tuple(dyn), ("padded",), True)
+    call = _Call(lowering, spec, values, tuple(dyn))
+    return _route(lowering, spec, values, call, _structure(lowering, spec, call), ("padded",),
+                  True)
 
 
 def _tensors_of(values: list):
@@ -217,19 +188,15 @@ def _tensors_of(values: list):
 _writes = [False]  # whether the current call's results are written into tensors (in-place)
 
 
-def _route(lowering: Lowering, spec: Spec, values: list, dyn: tuple, geometries: tuple,
-           views: bool):
-    call = _Call(lowering, spec, values, dyn)
-    structure = (lowering, _abstract_entries(spec),
-                 tuple((t.dtype, t.dim()) for t in call.tensors))
+def _structure(lowering: Lowering, spec: Spec, call: _Call) -> tuple:
+    return (lowering, _abstract_entries(spec), tuple((t.dtype, t.dim()) for t in call.tensors))
+
+
+def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure: tuple,
+           geometries: tuple, views: bool):
     sizes = tuple(n for t in call.tensors for n in t.shape) + tuple(x for _, _, x in call.ints)
-    key = (structure, _call_site())
-    family = _families.get(key)
-    if family is None:
-        meta.bounded_put(_families, key, _Family(sizes, geometries))
-        return None
-    family.note(sizes, geometries)
-    if not call.supported:
+    family = call_sites.family(structure, sizes, geometries)
+    if family is None or not call.supported:
         return None
     # Debug checks each result at its real size; under DeferAndFuse the recordings between the
     # cuts of padded values made a fused program per length (8 in 6 lengths): both cut at once.
@@ -248,23 +215,6 @@ def _in_backward() -> bool:
     """Whether autograd's engine runs the call: a backward's calls, every layer's, all come from
     the one user line that called ``backward()``, so their sizes would look varying there."""
     return torch._C._current_graph_task_id() != -1
-
-
-def _call_site() -> tuple:
-    """The innermost ``SITE_FRAMES`` frames outside PyTorch and torchtpu's machinery, as (code,
-    line, the id of the method's ``self``) triples: sizes vary *at a call site* in a growing
-    loop, where a fixed-shape model's differ between sites (its layers' lines). A module's line
-    is shared by every model built from its class, whose sizes need not be related: each
-    instance has its own families. Built only for calls at sizes not run before."""
-    site, frame = [], sys._getframe(2)
-    while frame is not None and len(site) < SITE_FRAMES:
-        code = frame.f_code
-        if not code.co_filename.startswith(_MACHINERY):
-            owner = frame.f_locals.get("self") if code.co_argcount and \
-                code.co_varnames[0] == "self" else None
-            site.append((code, frame.f_lineno, id(owner)))
-        frame = frame.f_back
-    return tuple(site)
 
 
 def _bucket(n: int) -> int:
@@ -306,13 +256,13 @@ def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
         return None
     if g in _exact_views:
         return None
-    key = (len(g.array_shape), g.array_dtype, len(g.size), g.dtype, _call_site())
+    key = (len(g.array_shape), g.array_dtype, len(g.size), g.dtype, call_sites.site())
     family = _view_families.get(key)
     if family is None:
         meta.bounded_put(_view_families, key, [{g}, False])
     elif not family[1]:
         family[0].add(g)
-        family[1] = len(family[0]) >= VARYING_VALUES
+        family[1] = len(family[0]) >= call_sites.VARYING_VALUES
     host = _strided(t, array) if family is not None and family[1] else None
     if host is None:
         meta.bounded_put(_exact_views, g, None)
@@ -385,8 +335,8 @@ def _symbols(varying: tuple, sizes: tuple):
     return tuple(pattern), tuple(of_size)
 
 
-def _padded(structure: tuple, family: _Family, lowering: Lowering, spec: Spec, values: list,
-            call: _Call, sizes: tuple, keep: bool):
+def _padded(structure: tuple, family: call_sites.Family, lowering: Lowering, spec: Spec,
+            values: list, call: _Call, sizes: tuple, keep: bool):
     found = _symbols(family.varying, sizes)
     if found is None:
         return None

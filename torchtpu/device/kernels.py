@@ -168,20 +168,22 @@ def _view_converter(g, dtype, shape):
         "convert_view", g, dtype, shape)
 
 
-def read_converted(src: torch.Tensor, t: torch.Tensor):
-    """src's value (any view) cast to t's dtype and broadcast to t's shape: one program where
-    src is a view that needs both a read and a cast (``x.t().float()``, a slice's ``.to()``),
-    which were a program each."""
+def read_converted(src: torch.Tensor, dtype: torch.dtype, shape: tuple):
+    """src's value (any view) cast to dtype and broadcast to shape: one program where src is a
+    view that needs both a read and a cast (``x.t().float()``, a slice's ``.to()``), which were
+    a program each."""
     array, g = tensors.read_parts(src)
+    jax_dtype = dtypes.to_jax(dtype)
     if g is not None:
         value = None if tensors.view_reader is None else tensors.view_reader(src, array, g)
-        if value is not None:
-            return convert(value, t)
-        dtype, shape = dtypes.to_jax(t.dtype), tuple(t.shape)
-        if np.dtype(g.dtype) == dtype and g.size == shape:  # a read alone
-            return tensors.read(src)
-        return tensors.call(_view_converter(g, dtype, shape), array)
-    return convert(array, t)
+        if value is None:
+            if np.dtype(g.dtype) == jax_dtype and g.size == shape:  # a read alone
+                return tensors.read(src)
+            return tensors.call(_view_converter(g, jax_dtype, shape), array)
+        array = value
+    if array.dtype == jax_dtype and array.shape == shape:
+        return array
+    return tensors.call(_converter(jax_dtype, shape), array)
 
 
 def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
@@ -199,7 +201,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             copy_into = getattr(type(held), "copy_into", None)
             if copy_into is not None and copy_into(held, dst, src):
                 return dst
-            value = read_converted(src, dst)
+            value = read_converted(src, dst.dtype, tuple(dst.shape))
             if value is src.untyped_storage()._tpu_array:
                 value = tensors.fresh_copy(value)
         else:
@@ -227,11 +229,21 @@ def to_copy(t: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory
         # A lazy module's placeholder (``module.double()`` before its first forward): its
         # Python properties refuse to answer, so read it as the plain tensor it holds.
         t = t.as_subclass(torch.Tensor)
-    out = torch.empty_like(
-        t, dtype=dtype or t.dtype, device=device or t.device,
-        memory_format=memory_format or torch.preserve_format,
-    )
+    dtype = dtype or t.dtype
+    held = t.untyped_storage()._tpu_array if t.device.type == "tpu" else None
+    if (held is not None and t.is_contiguous() and memory_format in _KEEPS_CONTIGUOUS
+            and (device is None or torch.device(device) == t.device)
+            and getattr(type(held), "copy_into", None) is None):
+        # A contiguous result on the same device: its value, wrapped; not an empty tensor made
+        # through the dispatcher and then written (every autocast cast comes here).
+        value = read_converted(t, dtype, tuple(t.shape))
+        return tensors.wrap(tensors.fresh_copy(value) if value is held else value, dtype)
+    out = torch.empty_like(t, dtype=dtype, device=device or t.device,
+                           memory_format=memory_format or torch.preserve_format)
     return out.copy_(t)
+
+
+_KEEPS_CONTIGUOUS = (None, torch.preserve_format, torch.contiguous_format)
 
 
 def local_scalar_dense(t: torch.Tensor):

@@ -152,7 +152,7 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
         except RuntimeError as e:
             raise dist.DistBackendError(
                 f"torchtpu.distributed: tpu_dist: {op} in process group {self._label()!r} failed "
-                f"({peers.describe(self._ranks)}); a rank that exits, hangs past the timeout "
+                f"({peers.describe(self._ranks, e)}); a rank that exits, hangs past the timeout "
                 f"({self._timeout.total_seconds():g} s) or calls another collective fails it: {e}"
             ) from e
 

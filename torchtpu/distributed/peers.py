@@ -104,9 +104,10 @@ def exited(ranks: list[int]) -> list[int]:
     return [r for r, pid in here.items() if _gone(pid)]
 
 
-def describe(ranks: list[int] | None = None) -> str:
+def describe(ranks: list[int] | None = None, error: BaseException | None = None) -> str:
     """What this process can tell about the other ranks (global numbers; None: the whole job):
-    which have exited, or why it cannot tell."""
+    which have exited, or why it cannot tell. When error (the transport's) says a peer closed
+    its connection, a process still exiting is waited for a moment; else (a timeout) not."""
     if "store" not in _job:
         return "which rank failed is unknown (no tpu_dist default group in this process)"
     others = [r for r in (ranks if ranks is not None else _world()) if r != _job["rank"]]
@@ -114,7 +115,7 @@ def describe(ranks: list[int] | None = None) -> str:
         here, elsewhere = _locate(others)
     except (RuntimeError, ValueError) as e:
         return f"which rank failed is unknown: the job's store did not answer ({e})"
-    deadline = time.monotonic() + _EXIT_GRACE_S
+    deadline = time.monotonic() + (_EXIT_GRACE_S if _closed_by_peer(error) else 0.0)
     while True:
         lost = [r for r, pid in here.items() if _gone(pid)]
         if lost or time.monotonic() >= deadline:
@@ -135,12 +136,15 @@ def _world() -> list[int]:
     return list(range(dist.get_world_size())) if dist.is_initialized() else []
 
 
+def _closed_by_peer(error: BaseException | None) -> bool:
+    return error is not None and any(words in str(error) for words in _PEER_FAILURE)
+
+
 def _runtime_failure(error: Exception) -> Exception | None:
     """``launch.lost``: for a device program's failure that a dead peer causes (an XLA
     collective's), the error naming the lost rank; None for any other failure."""
-    text = str(error)
-    if not any(words in text for words in _PEER_FAILURE):
+    if not _closed_by_peer(error):
         return None
     return dist.DistBackendError(
         f"torchtpu.distributed: tpu_dist: a collective program failed because a peer closed "
-        f"its connection: {describe()}: {text}")
+        f"its connection: {describe(None, error)}: {error}")

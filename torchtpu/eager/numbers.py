@@ -17,6 +17,7 @@ recording and graphs as inputs of theirs.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -28,15 +29,19 @@ from torchtpu.runtime import platform, transfer
 _LIMIT = 4096
 _cache: dict = {}
 _kept_ids: set = set()  # ids of the arrays in _cache
+_lock = threading.Lock()
 _WEAK = {float: np.dtype(np.float64), int: np.dtype(np.int64)}
 
 
 def _keep(key, array) -> None:
-    if len(_cache) >= _LIMIT:
-        _cache.clear()
-        _kept_ids.clear()
-    _cache[key] = array
-    _kept_ids.add(id(array))
+    # Locked (misses only): backward's thread keeps numbers too, and an array in the cache whose
+    # id a concurrent clear dropped from _kept_ids could be handed to a storage uncopied.
+    with _lock:
+        if len(_cache) >= _LIMIT:
+            _cache.clear()
+            _kept_ids.clear()
+        _cache[key] = array
+        _kept_ids.add(id(array))
 
 
 def cached(v):

@@ -31,3 +31,4 @@ def install() -> None:
     for name in trl.MODULES:
         module = f"trl.trainer.{name}_config"
         after_import(module, trl.patcher(module))
+    after_import("trl.generation.vllm_generation", trl.patch_vllm_generation)

@@ -1,4 +1,5 @@
-"""TRL: its trainers' ``pad_to_multiple_of="auto"`` pads to a multiple of 16 on device "tpu".
+"""TRL on device "tpu": its trainers' ``pad_to_multiple_of="auto"`` pads to a multiple of 16, and
+its colocated vLLM engine is checked against the policy before training starts.
 
 TRL's configs resolve ``"auto"`` to 128 on Neuron ("which compiles once per input shape") and to
 no padding elsewhere, so on tpu every GRPO step met new lengths (each batch's longest prompt,
@@ -9,11 +10,27 @@ the steps after the first reuse their programs (bench/RESULTS.md, "rl"). Left pa
 prompts is masked, and Llama-style rotary positions depend on distance only; right padding of
 completions is masked out of the loss. An explicit ``pad_to_multiple_of`` (an int, or None) is
 left alone.
+
+With ``use_vllm=True, vllm_mode="colocate"`` TRL starts vLLM in the trainer's process (on tpu
+through torchtpu's vLLM platform) and pushes the policy's weights into it before each step's
+rollouts, parameter by parameter through the engine model's ``load_weights``, which copies each
+tpu tensor into the engine's on the device (no host round trip: both are tpu tensors of this
+process). Two mistakes would otherwise surface late or obscurely, and are refused when
+``VLLMGeneration`` is built, before any step: an engine share that does not fit beside the
+policy on the device (``vllm_gpu_memory_utilization`` of the device's memory, plus the policy's
+weights, gradients and two optimizer states: ``torchtpu.memory``), checked before the engine
+starts; and a policy whose parameter names or shapes are not those of the engine's model (read
+from the headers of the checkpoint the engine is given to load; the first such parameter is
+named with both shapes: ``torchtpu.argument``).
 """
 
 from __future__ import annotations
 
+from torchtpu import errors
+
 PAD_TO = 16
+# What training holds per policy weight beside it: its gradient and AdamW's two moments.
+TRAINING_COPIES = 4
 MODULES = ("grpo", "rloo", "dpo", "sft", "kto", "reward", "distillation")
 
 
@@ -47,3 +64,83 @@ def patcher(module_name: str):
                     and any(f.name == "pad_to_multiple_of" for f in dataclasses.fields(value))):
                 patch_config(value)
     return patch
+
+
+def policy_bytes(model) -> int:
+    """Bytes of the policy's parameters on tpu."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == "tpu")
+
+
+def check_share(model, utilization: float) -> None:
+    """Refuse an engine share that does not fit beside the policy (see the module doc)."""
+    from torchtpu.device import memory, memory_limit
+
+    held = policy_bytes(model)
+    if not held:
+        return
+    total = memory_limit.limit() or memory.total_memory()
+    need = TRAINING_COPIES * held
+    share = utilization * total
+    if share + need > total:
+        fits = max(total - need, 0) / total
+        raise ValueError(errors.message(
+            "memory", f"vllm_gpu_memory_utilization={utilization:g} gives the colocated vLLM "
+            f"engine {_mb(share)} of the device's {_mb(total)}, but the policy needs "
+            f"{_mb(need)} beside it (its {_mb(held)} of weights, their gradients and two "
+            f"optimizer states): lower vllm_gpu_memory_utilization to at most {fits:.3f}"))
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def engine_shapes(folder: str) -> dict[str, tuple]:
+    """Every tensor of the checkpoint in ``folder``: name -> shape (safetensors headers; empty
+    where ``folder`` is no local directory)."""
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple] = {}
+    for path in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                shapes[name] = tuple(f.get_slice(name).get_shape())
+    return shapes
+
+
+def check_names(pushed, shapes: dict[str, tuple], folder: str) -> None:
+    """Refuse the first pushed (name, tensor) whose name or shape is not the engine's."""
+    for name, tensor in pushed:
+        want = shapes.get(name)
+        if want is None:
+            raise ValueError(errors.message(
+                "argument", f"weight push into vLLM: the policy's parameter {name!r} "
+                f"(shape {tuple(tensor.shape)}) is not in the engine's model ({folder}): the "
+                "policy and the engine must be the same model"))
+        if tuple(tensor.shape) != want:
+            raise ValueError(errors.message(
+                "argument", f"weight push into vLLM: the policy's parameter {name!r} has shape "
+                f"{tuple(tensor.shape)} but the engine's model ({folder}) has {want}"))
+
+
+def patch_vllm_generation() -> None:
+    """Wrap ``VLLMGeneration._init_vllm`` with the checks of the module doc (colocate only)."""
+    from trl.generation import vllm_generation
+
+    cls = vllm_generation.VLLMGeneration
+    original = cls._init_vllm
+    if getattr(original, "_torchtpu", False):
+        return
+
+    def _init_vllm(self) -> None:
+        if self.mode == "colocate":
+            check_share(self.model, self.gpu_memory_utilization)
+            folder = self.model.name_or_path  # what TRL has the engine load
+            shapes = engine_shapes(folder)
+            if shapes:  # (a hub name, not a folder here: nothing to read before vLLM)
+                check_names(self._iter_named_params(), shapes, folder)
+        original(self)
+
+    _init_vllm._torchtpu = True
+    cls._init_vllm = _init_vllm

@@ -149,6 +149,21 @@ def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     return x.at[tuple(where)].set(src.astype(x.dtype))
 
 
+@lowers(aten.slice_backward.default)
+def slice_backward(grad, input_sizes, dim: int, start: int, end: int, step: int):
+    """The gradient of a slice: grad in place in zeros of the input's shape, one pad (its
+    composite kernel made the zeros and then wrote the slice into them: two programs, which the
+    rotary halves of every attention layer's backward ran four times)."""
+    dim %= len(input_sizes)
+    size, n = input_sizes[dim], grad.shape[dim]
+    start = min(max(start + size if start < 0 else start, 0), size)
+    if n == 0:
+        return jnp.zeros(tuple(input_sizes), grad.dtype)
+    config = [(0, 0, 0)] * grad.ndim
+    config[dim] = (start, size - start - (n - 1) * step - 1, step - 1)
+    return lax.pad(grad, jnp.zeros((), grad.dtype), config)
+
+
 @lowers(aten.select_scatter.default)
 def select_scatter(x, src, dim, index):
     return x.at[(slice(None),) * (dim % x.ndim) + (index,)].set(src.astype(x.dtype))

@@ -22,6 +22,10 @@ from pathlib import Path
 
 import torch
 
+# Colocated vLLM, one prompt (two completions) a step, contexts of at most 32 tokens: the engine
+# captures 9 step shapes at start-up (at 64 tokens and 4 requests, 21).
+VLLM_OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32,
+                "per_device_train_batch_size": 2}
 PROMPTS = ["a", "bcd", "hello", "xyz12345", "tpu!", "grpo runs", "qq", "abcdefghij"]
 
 
@@ -68,7 +72,7 @@ def _programs() -> int:
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
-        vllm_options: dict | None = None, pad: int | str | None = "auto") -> dict:
+        options: dict | None = None, pad: int | str | None = "auto") -> dict:
     """Train and report (see the module doc)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -90,12 +94,15 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
             timings.append({"seconds": time.perf_counter() - self.start,
                             "programs": _programs() - self.programs})
 
-    config = GRPOConfig(
+    settings = dict(
         output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
         max_completion_length=8, max_steps=steps, learning_rate=0.05, optim="sgd",
         logging_steps=1, report_to="none", save_strategy="no", seed=0, shuffle_dataset=False,
-        use_cpu=device == "cpu", bf16=False, generation_kwargs={"do_sample": False},
-        dataloader_num_workers=0, use_vllm=use_vllm, pad_to_multiple_of=pad, **(vllm_options or {}))
+        use_cpu=device == "cpu", bf16=False,
+        # vLLM samples (its engine's seeded generator), so that a group's completions differ
+        generation_kwargs={} if use_vllm else {"do_sample": False},
+        dataloader_num_workers=0, use_vllm=use_vllm, pad_to_multiple_of=pad)
+    config = GRPOConfig(**{**settings, **(options or {})})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if not use_vllm:
@@ -104,6 +111,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
                           processing_class=tokenizer, callbacks=[Clock()])
+    pushes = _watch_pushes(trainer, tokenizer) if use_vllm else []
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
@@ -112,13 +120,64 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         "steps": [{"reward": h["reward"], "loss": h["loss"], "grad_norm": h.get("grad_norm")}
                   for h in logs],
         "timings": timings,
+        "pushes": pushes,
         "weights": {k: v.detach().cpu().flatten()[:64].tolist()
                     for k, v in trainer.model.state_dict().items()},
     }
 
 
+def _watch_pushes(trainer, tokenizer) -> list[dict]:
+    """After each weight push into the colocated vLLM engine: its greedy tokens on fixed prompts,
+    those of Hugging Face ``generate`` on CPU with the policy's weights as pushed (``hf``) and on
+    tpu with the policy itself (``hf_tpu``), and the bytes the push moved through the host
+    (``torchtpu.metrics``, counted before the CPU copy is made)."""
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from torchtpu import metrics
+
+    reference = AutoModelForCausalLM.from_pretrained(trainer.model.name_or_path).eval()
+
+    generation = trainer.vllm_generation
+    push = generation.sync_weights
+    prompts = [tokenizer(p)["input_ids"] for p in ("hello", "grpo")]
+    seen: list[dict] = []
+
+    def sync_weights() -> None:
+        before = metrics.snapshot()
+        push()
+        after = metrics.snapshot()
+        host = sum(after.get(k, 0) - before.get(k, 0)
+                   for k in ("host_to_device_bytes", "device_to_host_bytes"))
+        outs = generation.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                       SamplingParams(temperature=0, max_tokens=8),
+                                       use_tqdm=False)
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        seen.append({"step": trainer.state.global_step, "host_bytes": host,
+                     "vllm": [list(o.outputs[0].token_ids) for o in outs],
+                     "hf": _greedy(reference, prompts, tokenizer),
+                     "hf_tpu": _greedy(model, prompts, tokenizer)})
+
+    generation.sync_weights = sync_weights
+    return seen
+
+
+def _greedy(model, prompts: list, tokenizer) -> list[list[int]]:
+    device = next(model.parameters()).device
+    out = []
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids], device=device)
+            y = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=8,
+                               do_sample=False, pad_token_id=tokenizer.eos_token_id)
+            out.append(y[0, len(ids):].tolist())
+    return out
+
+
 if __name__ == "__main__":
     device, steps, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    out = run(device, steps, folder, use_vllm="vllm" in sys.argv[4:],
+    vllm = "vllm" in sys.argv[4:]
+    out = run(device, steps, folder, use_vllm=vllm, options=VLLM_OPTIONS if vllm else None,
               pad=None if "nopad" in sys.argv[4:] else "auto")
     print("GRPO_RESULT " + json.dumps(out))

@@ -1,0 +1,92 @@
+"""TRL 1.16's GRPO with vLLM colocated on tpu (``use_vllm=True, vllm_mode="colocate"``).
+
+TRL starts vLLM in the trainer's process, on device "tpu" through torchtpu's platform, and pushes
+the policy's weights into it before each step's rollouts. Checked on the tiny Llama of
+``torchtpu/testing/grpo.py``: two steps train (finite losses, nonzero gradients); after each
+push vLLM's greedy tokens equal the updated policy's own ``generate``, and the push moved no byte
+through the host (tpu tensor to tpu tensor). Refused when the trainer is built, before the
+engine starts (``integrations/trl.py``): an engine share that does not fit beside the policy, and
+a policy whose parameters are not the engine's model's (a resized embedding), naming the
+parameter and both shapes. vLLM venv with the rl extra only; skipped elsewhere.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[rl]'")
+pytest.importorskip("vllm", reason="vLLM is not installed (README, Serving (vLLM))")
+
+VLLM_ENV = {"TORCHTPU_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32}
+
+
+def test_colocated_grpo_pushes_weights_device_to_device(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **VLLM_ENV)
+    proc = subprocess.run([sys.executable, "-m", "torchtpu.testing.grpo", "tpu", "2",
+                           str(tmp_path), "vllm"], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("GRPO_RESULT "):])
+    assert out["device"].startswith("tpu") and len(out["steps"]) == 2
+    for step in out["steps"]:
+        assert abs(step["loss"]) < 1e3 and step["grad_norm"] > 0
+    assert out["pushes"], "TRL pushed no weights into vLLM"
+    for push in out["pushes"]:
+        assert push["vllm"] == push["hf"], push
+        assert push["host_bytes"] == 0, push
+
+
+def _trainer(tmp_path, **config):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+    from torchtpu.testing.grpo import PROMPTS, reward
+
+    folder = save_tiny_model(tmp_path / "model", hidden=64, layers=2)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    resize = config.pop("resize", None)
+    if resize:
+        model.resize_token_embeddings(resize)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                      num_generations=2, max_completion_length=8, max_steps=1,
+                      report_to="none", use_vllm=True, **OPTIONS, **config)
+    return GRPOTrainer(model=model, reward_funcs=reward, args=args,
+                       train_dataset=Dataset.from_dict({"prompt": PROMPTS}),
+                       processing_class=AutoTokenizer.from_pretrained(folder))
+
+
+@pytest.fixture
+def vllm_env(monkeypatch):
+    for name, value in VLLM_ENV.items():
+        monkeypatch.setenv(name, value)
+
+
+def test_an_engine_share_that_does_not_fit_is_refused(tmp_path, vllm_env):
+    from torchtpu.device import memory_limit
+
+    memory_limit.set_limit(4 << 20)
+    try:
+        with pytest.raises(ValueError) as e:
+            _trainer(tmp_path, vllm_gpu_memory_utilization=0.9)
+    finally:
+        memory_limit.set_limit(None)
+    text = str(e.value)
+    assert text.startswith("torchtpu.memory: vllm_gpu_memory_utilization=0.9 gives the "
+                           "colocated vLLM engine 3.6 MiB of the device's 4.0 MiB"), text
+    assert "lower vllm_gpu_memory_utilization to at most" in text
+
+
+def test_a_policy_unlike_the_engine_model_is_refused(tmp_path, vllm_env):
+    with pytest.raises(ValueError) as e:
+        _trainer(tmp_path, resize=330)
+    assert str(e.value) == (
+        "torchtpu.argument: weight push into vLLM: the policy's parameter "
+        "'model.embed_tokens.weight' has shape (330, 64) but the engine's model "
+        f"({tmp_path / 'model'}) has (258, 64)"), str(e.value)
