@@ -14,7 +14,7 @@ import jax
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import check_in_bounds, read_view
-from torchtpu.eager.meta import bounded_put
+from torchtpu.eager import meta
 from torchtpu.lowering.registry import TABLE, Lowering
 from torchtpu.runtime import warm
 
@@ -130,7 +130,7 @@ def with_views(spec: Spec, views: tuple) -> Spec:
                 payload[j] = g
                 entries[i][1] = tuple(payload)
         derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
-        bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
+        meta.bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
     return derived
 
 
