@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import torchtpu  # noqa: F401  (registers the device)
+import torchtpu
 from torchtpu.eager import at_call, refusals
 from torchtpu.testing import refusals as sweep
 
@@ -127,6 +127,23 @@ def test_target_out_of_bounds_at_the_next_host_read_on_a_tpu(monkeypatch):
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
         with pytest.raises(IndexError, match="Target 3 is out of bounds."):
             F.cross_entropy(x, t)  # Debug: at the call
+
+
+def test_defer_and_fuse_checks_a_view_of_targets_without_running_the_recording():
+    # The Llama step's targets.reshape(-1): under DeferAndFuse a view's read is recorded, so the
+    # check reads the view in its storage's host values (running the step's recording there
+    # made two programs a step); the error still comes at the call, in CPU's words.
+    x = torch.ones(2, 3, device="tpu")
+    good = torch.tensor([[0, 2]], device="tpu")
+    bad = torch.tensor([[5, 0], [1, 3]], device="tpu")  # its column 1: a strided view
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        before = torchtpu.metrics.snapshot()["executions"]
+        loss = F.cross_entropy(x * 2, good.reshape(-1))
+        assert torchtpu.metrics.snapshot()["executions"] == before
+        torch.testing.assert_close(loss.cpu(), F.cross_entropy(torch.full((2, 3), 2.0),
+                                                               torch.tensor([0, 2])))
+        with pytest.raises(IndexError, match="^Target 3 is out of bounds.$"):
+            F.cross_entropy(x * 2, bad[:, 1])
 
 
 @pytest.mark.parametrize("mode", MODES[::2], ids=[m.value for m in MODES[::2]])
