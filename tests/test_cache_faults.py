@@ -26,6 +26,7 @@ warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as at_import:
     warnings.simplefilter("always")
     import torch, torchtpu
+    torch.zeros(1, device="tpu")  # the device, and its compile cache, start at the first use
 import jax
 from jax._src import compilation_cache as jax_cache
 from torchtpu import metrics
@@ -111,7 +112,7 @@ def _one_warning(found: dict, says: str) -> None:
     assert not found["jax"], found["jax"][:3]
 
 
-def test_unwritable_directory_at_import_warns_once_and_runs(faults):
+def test_unwritable_directory_at_start_warns_once_and_runs(faults):
     _one_warning(faults["import"], "cannot write the compile cache directory")
     assert faults["unwritable"]["ok"]
     assert not faults["unwritable"]["cache"] and not faults["unwritable"]["jax"]
