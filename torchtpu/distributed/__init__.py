@@ -23,7 +23,7 @@ BACKENDS = ("tpu_dist", "tpu")
 # group, an opaque object to it): Dynamo must run them, as it runs the device runtime.
 # ``simple_fsdp``, ``topology`` and ``dtensor_sdpa`` are user-facing and stay traceable.
 _TRANSPORT = ("group", "host", "p2p", "protocol", "work", "xla", "programs", "jax_runtime",
-              "launch", "device_binding")
+              "launch", "device_binding", "solo")
 
 
 def _in_program(nodes: list):
@@ -52,6 +52,9 @@ def register() -> None:
     for name in BACKENDS:
         if name.upper() not in dist.Backend._plugins:
             dist.Backend.register_backend(name, _create, extended_api=True, devices=["tpu"])
+    from torchtpu.distributed import solo  # torch only: groups of one process (solo.py)
+
+    solo.register()
 
 
 def load() -> None:

@@ -36,6 +36,7 @@ from torch._C._distributed_c10d import (
 from torchtpu.distributed import device_binding, host, peers, protocol
 from torchtpu.distributed.p2p import PointToPoint
 from torchtpu.distributed.protocol import ANY_SHAPE, INLINE
+from torchtpu.distributed.solo import SoloGroup
 from torchtpu.distributed.work import CommThread, Done, Joined, Pending
 
 _BACKEND_NAME = "tpu_dist"
@@ -61,8 +62,10 @@ class TpuProcessGroup(PointToPoint, dist.ProcessGroup):
         super().__init__(rank, size)
         self._timeout = timeout
         self._c10d_store, self._bound = store, False
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("tpu_dist/", store), rank, size,
-                                           timeout)
+        # a group of one has no peer, and gloo would open a TCP device for none (solo.py)
+        self._gloo = (SoloGroup() if size == 1 else
+                      dist.ProcessGroupGloo(dist.PrefixStore("tpu_dist/", store), rank, size,
+                                            timeout))
         self._seq = 0
         self._ranks = list(global_ranks) if global_ranks else None
         self._cpu_allowed: bool | None = None
