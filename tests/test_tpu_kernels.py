@@ -129,6 +129,22 @@ def test_ragged_paged_attention_compiles_through_mosaic(device):
     assert report.compiles, report.error
 
 
+@pytest.mark.parametrize("q_heads,combined", [(14, 2), (32, 8)], ids=["qwen2-0.5b", "llama-1b"])
+def test_ragged_paged_attention_compiles_at_the_served_models_packed_heads(device, q_heads,
+                                                                          combined):
+    """vLLM's paged path (integrations/vllm/paged.py) packs two 64-wide KV heads into one
+    128-wide head: Qwen2.5-0.5B's 14 query heads over 1 combined head, Llama-3.2-1B's 32 over
+    4; a decode step of 256 requests reading 128 pages of 16 tokens each. Llama's needs more
+    than Mosaic's default 16 MiB of scoped VMEM."""
+    structs = (_bf16(256, q_heads, 128), _bf16(4096, 16, combined, 128),
+               jax.ShapeDtypeStruct((256,), jnp.int32),
+               jax.ShapeDtypeStruct((256, 128), jnp.int32),
+               jax.ShapeDtypeStruct((257,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    text, report = _compile(device, functools.partial(_ragged_paged_attention, sm_scale=0.125),
+                            *structs)
+    assert _mosaic_kernels(text) == 1 and report.compiles, report.error
+
+
 def test_ragged_paged_attention_says_why_a_head_dim_cannot_compile(device):
     structs = (_bf16(64, 8, 64), _bf16(64, 16, 4, 64), jax.ShapeDtypeStruct((4,), jnp.int32),
                jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32),

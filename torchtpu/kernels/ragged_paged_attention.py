@@ -27,7 +27,13 @@ from torchtpu.kernels.jax_op import define
 from torchtpu.kernels.signature import from_function
 
 _LANES = 128
-_KV_PAGES_PER_BLOCK, _QUERIES_PER_BLOCK = 128, 32
+# a KV block of ~256 tokens (JAX's tuned v5e table picks 4-16 pages of 16 tokens): pages past
+# a sequence's end are still copied (page 0), so larger blocks waste bandwidth on short
+# contexts, and 128 pages of 8 combined heads exceed v5e's scoped VMEM
+_KV_TOKENS_PER_BLOCK, _QUERIES_PER_BLOCK = 256, 32
+# Mosaic's default scoped VMEM (16 MiB) is too little for 32 query heads (Llama-3.2-1B: 17.1
+# MiB); every TPU since v4 has at least 32 MiB of VMEM (v5e: 128 MiB)
+_VMEM_LIMIT = 32 << 20
 
 
 def _check(q, kv_pages, kv_lens, page_indices, cu_q_lens, num_seqs) -> None:
@@ -84,8 +90,10 @@ def _ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Arra
 
     # JAX's default blocks, given here: its tuned table asks jax.devices() for the TPU's
     # generation, which on a compile-only target is the host's CPU (it then refuses).
-    blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], _KV_PAGES_PER_BLOCK),
-                  num_queries_per_block=min(q.shape[0], _QUERIES_PER_BLOCK))
+    pages = max(1, _KV_TOKENS_PER_BLOCK // kv_pages.shape[1])
+    blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], pages),
+                  num_queries_per_block=min(q.shape[0], _QUERIES_PER_BLOCK),
+                  vmem_limit_bytes=_VMEM_LIMIT)
     with pallas_mode.kernel_defaults(q.dtype):
         return rpa.ragged_paged_attention(q, kv_pages, *index, sm_scale=sm_scale, **blocks)
 

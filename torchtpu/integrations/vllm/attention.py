@@ -47,6 +47,7 @@ from vllm.v1.kv_cache_interface import (
     UniformTypeKVCacheSpecs,
 )
 
+from torchtpu.integrations.vllm import paged
 from torchtpu.integrations.vllm.support import KV_CACHE_DTYPES
 
 # the float8 type each fp8 kv_cache_dtype's bytes hold
@@ -199,6 +200,10 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
                  device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # the paged kernel reads each request's pages itself: no context bucket to compile for
+        cache_dtype = getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", "auto")
+        self.paged = paged.enabled(kv_cache_spec.head_size, kv_cache_spec.num_kv_heads,
+                                   cache_dtype)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> TpuAttentionMetadata:
@@ -217,6 +222,9 @@ class TpuAttentionMetadataBuilder(AttentionMetadataBuilder[TpuAttentionMetadata]
         decode steps prepared on the host call this directly)."""
         num_blocks = min(block_table.shape[1],
                          _pow2_at_least(-(-max_seq_len // self.block_size)))
+        if self.paged:  # one program per tokens and requests (decodes: max_query_len 1)
+            num_blocks = block_table.shape[1]
+            max_query_len = 1 if max_query_len == 1 else num_tokens
         return TpuAttentionMetadata(
             num_actual_tokens=num_tokens, num_reqs=num_reqs,
             max_query_len=min(_pow2_at_least(max_query_len), num_tokens),
@@ -253,6 +261,9 @@ class TpuAttentionImpl(AttentionImpl):
         self.fp8 = FP8_KV_DTYPES.get(kv_cache_dtype)
         self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
         self.attn_type = attn_type
+        self.paged = attn_type == AttentionType.DECODER and paged.enabled(
+            head_size, num_kv_heads, kv_cache_dtype)
+        self.pack = paged.pack_factor(head_size, num_kv_heads) if self.paged else None
 
     def do_kv_cache_update(self, layer: torch.nn.Module, key: torch.Tensor, value: torch.Tensor,
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -266,7 +277,8 @@ class TpuAttentionImpl(AttentionImpl):
             top = torch.finfo(self.fp8).max
             key = (key.float() / layer._k_scale).clamp(-top, top)
             value = (value.float() / layer._v_scale).clamp(-top, top)
-        rows = torch.cat([key, value], dim=-1).to(slots.dtype)
+        rows = (paged.cache_rows(key, value, self.pack) if self.paged
+                else torch.cat([key, value], dim=-1)).to(slots.dtype)
         # a padded token's slot is -1, which indexing would wrap to the last slot: it writes
         # into block 0 instead, vLLM's null block, which no request's context reads
         slots.index_copy_(0, slot_mapping[:n].long().clamp(min=0), rows)
@@ -285,6 +297,11 @@ class TpuAttentionImpl(AttentionImpl):
         md = attn_metadata
         n, reqs, q_len = md.num_actual_tokens, md.num_reqs, md.max_query_len
         d = self.head_size
+        if self.paged:
+            output[:n] = paged.attend(query[:n], _slots(kv_cache), self.pack, md.block_size,
+                                      md.seq_lens[:reqs], md.block_table[:reqs],
+                                      md.query_start_loc, self.scale)
+            return output
         query_rows, token_rows, context_slots, mask = md.layout()
         q = query[:n][query_rows].transpose(1, 2)  # [R, heads, Q, d]
         if self.attn_type == AttentionType.ENCODER_ONLY:

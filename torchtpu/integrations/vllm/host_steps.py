@@ -209,8 +209,11 @@ class HostSteps:
         bs, max_blocks = table.block_size, table.block_table.np.shape[1]
         graphs, max_len = self.step_graphs, self._context_tokens()
         contexts = sorted({min(1 << i, max_blocks) for i in range(max_blocks.bit_length() + 1)})
-        grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len,
-                            self._attention_heads)
+        heads = self._attention_heads
+        if self.attn_groups[0][0].get_metadata_builder().paged:
+            # the kernel reads pages: no context buckets, and no padded scores to budget
+            contexts, heads = [max_blocks], 0
+        grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len, heads)
         # room for every bucket: one dropped would compile again on a request's path
         shapes = len(_powers(self.max_num_reqs)) * len(contexts) + len(grid)
         graphs.max_captures = max(graphs.max_captures, 2 * shapes)

@@ -27,6 +27,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
+from torchtpu.distributed import solo
 from torchtpu.eager.capture import storage_of
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
@@ -36,6 +37,9 @@ from torchtpu.runtime import platform
 
 log = init_logger(__name__)
 
+# "startup" (default): every step shape is captured and compiled before the engine serves;
+# "lazy": when a step first meets it
+CAPTURE_ENV = "TORCHTPU_VLLM_CAPTURE"
 # the GPU runner makes its streams and events through torch.cuda
 _STREAMS = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 
@@ -279,6 +283,29 @@ def _claim_local_device(local_rank: int, local_world_size: int) -> None:
         platform.set_process_slot(local_rank, local_world_size)
 
 
+@contextlib.contextmanager
+def _solo_cpu_groups(world_size: int):
+    """At world size 1, vLLM's gloo groups (one beside each device group, for host-side
+    coordination) are ``tpu_solo`` groups: gloo opens a TCP device even for a group of one,
+    which a machine refusing internet sockets (a sandboxed TPU host) cannot; vLLM's own
+    rendezvous there is a file store already (its uniprocess executor)."""
+    if world_size != 1:
+        yield
+        return
+    new_group = torch.distributed.new_group
+
+    def solo_if_gloo(*args, backend=None, **kwargs):
+        if backend == "gloo":
+            backend = solo.BACKEND
+        return new_group(*args, backend=backend, **kwargs)
+
+    torch.distributed.new_group = solo_if_gloo
+    try:
+        yield
+    finally:
+        torch.distributed.new_group = new_group
+
+
 def _groups() -> dict:
     """vLLM's live group coordinators by unique name (tp:0, pp:0, world, ...)."""
     from vllm.distributed import parallel_state
@@ -299,13 +326,14 @@ class TpuWorker(Worker):
         self.device = torch.device("tpu", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
-        init_worker_distributed_environment(
-            self.vllm_config,
-            self.rank,
-            self.distributed_init_method,
-            self.local_rank,
-            current_platform.dist_backend,
-        )
+        with _solo_cpu_groups(self.parallel_config.world_size_across_dp):
+            init_worker_distributed_environment(
+                self.vllm_config,
+                self.rank,
+                self.distributed_init_method,
+                self.local_rank,
+                current_platform.dist_backend,
+            )
         set_random_seed(self.model_config.seed)
         gc.collect()
         self.init_snapshot = MemorySnapshot(device=self.device)
@@ -327,7 +355,13 @@ class TpuWorker(Worker):
         # each program when it first runs, and the decode steps' programs here (start-up)
         set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
         start = time.perf_counter()
-        decodes, prefills = self.model_runner.capture_steps()
+        capture = os.environ.get(CAPTURE_ENV, "startup").strip().lower() or "startup"
+        if capture not in ("startup", "lazy"):
+            raise ValueError(f"torchtpu.config: {CAPTURE_ENV}={capture!r} is not 'startup' or "
+                             "'lazy'")
+        # lazy: each step shape compiles when a step first meets it (fewer compiles in all,
+        # where a workload meets few shapes; requests then wait for them)
+        decodes, prefills = self.model_runner.capture_steps() if capture == "startup" else (0, 0)
         if decodes or prefills:
             log.info("torchtpu: %d decode and %d prefill step shapes captured and compiled in "
                      "%.1f s", decodes, prefills, time.perf_counter() - start)
