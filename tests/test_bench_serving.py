@@ -1,0 +1,60 @@
+"""bench/serving_chip.py and bench/serving_jax.py (the chip's serving benchmark) at tiny sizes on
+CPU: the model directory it makes loads in Hugging Face, the JAX anchor's greedy tokens are
+Hugging Face's for the same weights, its figures are filled in, and ``--jax-only`` needs neither
+torch nor vLLM (the vLLM part's smoke run: bench/RESULTS.md, serving, issue 38)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
+
+
+@pytest.fixture(scope="module")
+def chip():
+    pytest.importorskip("transformers")
+    sys.path.insert(0, BENCH)
+    try:
+        import serving_chip
+        import serving_jax
+    finally:
+        sys.path.remove(BENCH)
+    return serving_chip, serving_jax
+
+
+def test_the_jax_anchor_decodes_hugging_faces_greedy_tokens(chip, tmp_path):
+    serving_chip, serving_jax = chip
+    model = serving_chip.make_model("tiny", tmp_path / "tiny")
+    want = serving_chip.hf_greedy(model)
+    c, p = serving_jax.load(model)
+    got = [serving_jax.generate(c, p, serving_chip._pad(prompt), serving_chip.HF_NEW_TOKENS)
+           ["tokens"][0].tolist() for prompt in serving_chip.PROMPTS]
+    assert got == want
+    # the scaled layers make the tokens depend on the prompt, not echo its last token
+    assert any(len(set(t)) > 1 for t in want) and any(t[0] != p[-1] for t, p in
+                                                      zip(want, serving_chip.PROMPTS))
+    run = serving_jax.bench(c, p, batch=3, prompt=8, output=4)
+    assert run["decode_tok_s"] > 0 and run["roofline_step_s"] > 0
+    assert run["roofline_step_s"] == (serving_jax.weight_bytes(c) + 3 * 12 * serving_jax
+                                      .kv_bytes_per_token(c)) / serving_jax.V5E_HBM_BYTES_S
+
+
+def test_jax_only_runs_without_torch(tmp_path):
+    # torch and vLLM are made unimportable: the chip's JAX-only run has neither
+    code = ("import sys, runpy; sys.modules['torch'] = None; sys.modules['vllm'] = None; "
+            f"sys.argv = ['serving_chip.py', '--part', 'jax', '--json', '{tmp_path}/jax.json', "
+            "'--models', 'tiny', '--shapes', '8x3', '--concurrency', '2', '--models-dir', "
+            f"'{tmp_path}/none']; runpy.run_path('{BENCH}/serving_chip.py', run_name='__main__')")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "SERVING_JAX_TOKENS": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads((tmp_path / "jax.json").read_text())
+    assert "error" not in result, result
+    (row,) = result["tiny"]["runs"]
+    assert row["batch"] == 2 and row["decode_tok_s"] > 0, row
