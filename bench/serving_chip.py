@@ -74,10 +74,10 @@ def make_model(name: str, path: Path, seed: int = 0) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     spec = dict(serving_jax.CONFIGS[name])
-    config = AutoConfig.for_model(spec.pop("model_type"), **spec, torch_dtype="bfloat16",
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec, dtype="bfloat16",
                                   eos_token_id=spec["vocab_size"] - 1)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     with torch.no_grad():
         model.model.norm.weight.mul_(LOGIT_SCALE)
         # at HF's init (std 0.02) the layers' outputs are small beside the embedding, and a tied
@@ -107,12 +107,14 @@ def hf_greedy(model_dir: str | Path, prompts=PROMPTS, new_tokens: int = HF_NEW_T
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # plain argmax to the end, as vLLM's ignore_eos (min_new_tokens would mask EOS instead)
+    model.generation_config.eos_token_id = None
     outs = []
     with torch.no_grad():
         for p in prompts:
             ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                 min_new_tokens=new_tokens)
+                                 pad_token_id=0)
             outs.append(ids[0, len(p):].tolist())
     return outs
 
@@ -149,6 +151,8 @@ def part_jax(args) -> dict:
                     runs.append({"batch": batch, "prompt": prompt, "output": output,
                                  "error": f"{type(e).__name__}: {str(e)[:500]}"})
                 print(json.dumps(runs[-1]), flush=True)
+                out[name] = {"weight_bytes": serving_jax.weight_bytes(c), "runs": runs}
+                _save(args, out)
         tokens = None
         if os.environ.get("SERVING_JAX_TOKENS", "1") == "1":
             tokens = [serving_jax.generate(c, p, _pad(prompt), HF_NEW_TOKENS)["tokens"][0]
@@ -235,6 +239,12 @@ class CompileCounter:
         jax.monitoring.register_event_duration_secs_listener(listen)
 
 
+def _save(args, result: dict) -> None:
+    """The part's results so far, so that a part stopped by its time limit leaves them."""
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
 def part_vllm(args) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import random
@@ -242,23 +252,27 @@ def part_vllm(args) -> dict:
     from vllm import LLM, SamplingParams
 
     counter = CompileCounter()
-    out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto")}
+    out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto"),
+           "capture": os.environ.get("TORCHTPU_VLLM_CAPTURE", "startup")}
     shapes = [parse_shape(s) for s in args.shapes]
     for name in args.models:
         model_dir = Path(args.models_dir) / name
         config = serving_jax.CONFIGS[name]
-        max_len = max(p + o for p, o in shapes)
+        max_len = max([p + o for p, o in shapes] + [len(p) + HF_NEW_TOKENS for p in PROMPTS])
         start = time.perf_counter()
         before = counter.count
+        kv = {} if args.kv_bytes is None else {"kv_cache_memory_bytes": int(args.kv_bytes)}
         llm = LLM(model=str(model_dir), max_model_len=max_len,
-                  max_num_seqs=max(args.concurrency), seed=0)
+                  max_num_seqs=max(args.concurrency), seed=0, **kv)
         result = {"startup_s": time.perf_counter() - start,
                   "startup_compiles": counter.count - before}
         greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                               SamplingParams(max_tokens=HF_NEW_TOKENS, temperature=0.0,
                                              ignore_eos=True), use_tqdm=False)
         result["greedy"] = [list(g.outputs[0].token_ids) for g in greedy]
-        loads = []
+        loads = result["loads"] = []
+        out[name] = result
+        _save(args, out)
         rng = random.Random(0)
         for prompt, output in shapes:
             for c in args.concurrency:
@@ -278,7 +292,7 @@ def part_vllm(args) -> dict:
                 run |= {"prompt": prompt, "output": output, "concurrency": c}
                 print(json.dumps(run), flush=True)
                 loads.append(run)
-        result["loads"] = loads
+                _save(args, out)
         out[name] = result
         del llm
     return out
@@ -291,12 +305,16 @@ def _run_part(part: str, args, env: dict) -> dict:
     path = Path(args.out) / f"{part}{args.tag}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", str(path),
            "--models", *args.models, "--models-dir", args.models_dir,
-           "--shapes", *args.shapes, "--concurrency", *map(str, args.concurrency)]
+           "--shapes", *args.shapes, "--concurrency", *map(str, args.concurrency),
+           *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else [])]
     start = time.perf_counter()
     log = Path(args.out) / f"{part}{args.tag}.log"
     with open(log, "w") as f:
-        rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                            timeout=args.part_timeout).returncode
+        try:
+            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=args.part_timeout).returncode
+        except subprocess.TimeoutExpired:  # its results so far are in its JSON
+            rc = "timeout"
     seconds = time.perf_counter() - start
     result = json.loads(path.read_text()) if path.exists() else {}
     print(f"{part}{args.tag}: rc {rc}, {seconds:.0f} s", flush=True)
@@ -328,9 +346,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--shapes", nargs="+", default=["512x128"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--paged", choices=("both", "on", "off", "auto"), default="auto")
+    ap.add_argument("--capture", choices=("lazy", "startup"), default="lazy",
+                    help="TORCHTPU_VLLM_CAPTURE: lazy compiles only the step shapes the loads "
+                         "meet (in their warm-up rounds); startup compiles every bucket first")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"))
     ap.add_argument("--models-dir", default="/tmp/serving_models")
     ap.add_argument("--hbm-bytes", type=float, default=15.7 * 2**30)
+    ap.add_argument("--kv-bytes", type=float, help="vLLM's kv_cache_memory_bytes (default: "
+                    "its gpu_memory_utilization share; CPU smoke runs: a few MiB)")
     ap.add_argument("--part-timeout", type=float, default=540)
     ap.add_argument("--json", help=argparse.SUPPRESS)
     ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
@@ -338,14 +361,16 @@ def main(argv: list[str] | None = None) -> dict:
     if args.part:  # inside a part's own process
         try:
             result = globals()[f"part_{args.part}"](args)
-        except Exception:
-            result = {"error": traceback.format_exc()[-3000:]}
+        except Exception:  # what it saved before, and why it stopped
+            saved = Path(args.json)
+            result = json.loads(saved.read_text()) if saved.exists() else {}
+            result["error"] = traceback.format_exc()[-3000:]
         Path(args.json).write_text(json.dumps(result, indent=1))
         print(json.dumps(result)[:3000])
         return result
     Path(args.out).mkdir(parents=True, exist_ok=True)
     parts = ["jax"] if args.jax_only else args.parts
-    env = dict(os.environ)
+    env = {**os.environ, "TORCHTPU_VLLM_CAPTURE": args.capture}
     summary = {"argv": sys.argv[1:], "parts": {}}
     for part in parts:
         if part in ("make", "hf"):  # on the CPU: keep off the chip
@@ -361,8 +386,10 @@ def main(argv: list[str] | None = None) -> dict:
             args.tag = ""
         else:
             summary["parts"][part] = _run_part(part, args, env)
-    hf = summary["parts"].get("hf", {}).get("result", {})
-    summary["tokens_equal_hf"] = {name: compare(hf, run.get("result", {}))
+    hf = summary["parts"].get("hf", {}).get("result")
+    if hf is None and Path(args.out, "hf.json").exists():  # from an earlier call
+        hf = json.loads(Path(args.out, "hf.json").read_text())
+    summary["tokens_equal_hf"] = {name: compare(hf or {}, run.get("result", {}))
                                   for name, run in summary["parts"].items()
                                   if name.startswith(("jax", "vllm"))}
     Path(args.out, "serving_chip.json").write_text(json.dumps(summary, indent=1))

@@ -45,10 +45,10 @@ CONFIGS = {
                      intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
                      rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
-    # CPU smoke tests
-    "tiny": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=128,
-                 intermediate_size=256, num_hidden_layers=2, num_attention_heads=2,
-                 num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True,
+    # CPU smoke tests: 64-wide heads, two KV heads (packed in pairs by the paged path)
+    "tiny": dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], hidden_size=256,
+                 intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512, tie_word_embeddings=True,
                  rope_theta=10000.0, rms_norm_eps=1e-6, max_position_embeddings=512),
 }
 

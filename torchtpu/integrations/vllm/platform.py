@@ -122,9 +122,11 @@ class TpuPlatform(Platform):
         from vllm.config import CUDAGraphMode
         from vllm.config.compilation import CompilationMode
 
+        from torchtpu.integrations.vllm import preflight
         from torchtpu.integrations.vllm.support import configure_kv_transfer, refuse_unsupported
 
         refuse_unsupported(vllm_config)
+        preflight.check_tokenizer(vllm_config.model_config)
         configure_kv_transfer(vllm_config)
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE
@@ -150,17 +152,20 @@ def _size_host_kv_cache(cache_config) -> None:
     host with other processes running, and would be far more than a KV cache needs. A user's
     ``kv_cache_memory_bytes`` is kept; else ``VLLM_CPU_KVCACHE_SPACE`` (GiB), else the smaller of
     4 GiB and half the memory free. ``gpu_memory_utilization`` then only has to pass vLLM's
-    start-up check of free memory, so it is lowered to the KV cache's share.
+    start-up check of free memory, so it is lowered to the KV cache's share (for a user's bytes
+    too: on a busy host 92% of the memory is never free).
     """
     from torchtpu.runtime import platform
 
-    if platform.platform() != "cpu" or cache_config.kv_cache_memory_bytes is not None:
+    if platform.platform() != "cpu":
         return
     import psutil
 
     memory = psutil.virtual_memory()
     space = os.environ.get(KV_SPACE_ENV, "").strip()
-    if space:
+    if cache_config.kv_cache_memory_bytes is not None:
+        kv_bytes = cache_config.kv_cache_memory_bytes
+    elif space:
         try:
             kv_bytes = int(float(space) * (1 << 30))
         except ValueError:
