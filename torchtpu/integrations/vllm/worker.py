@@ -29,6 +29,7 @@ from vllm.v1.worker.utils import request_memory
 
 from torchtpu.distributed import solo
 from torchtpu.eager.capture import storage_of
+from torchtpu.integrations.vllm import preflight
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
@@ -346,6 +347,17 @@ class TpuWorker(Worker):
         return {name: dict(group.device_communicator.calls)
                 for name, group in _groups().items()
                 if isinstance(group.device_communicator, TpuCommunicator)}
+
+    def load_model(self, *args, **kwargs) -> None:
+        # weights larger than the device fail part way through the load: say so before it
+        # (on XLA:CPU the share vLLM asks for is the KV cache's, platform.py: the whole memory)
+        share = (1.0 if platform.platform() == "cpu"
+                 else self.cache_config.gpu_memory_utilization)
+        preflight.check_weights_fit(
+            self.model_config.model, self.model_config.dtype,
+            torch.tpu.get_device_properties(self.device).total_memory, share,
+            torch.tpu.get_device_name(self.device))
+        super().load_model(*args, **kwargs)
 
     def _make_model_runner(self) -> GPUModelRunner:
         return TpuModelRunner(self.vllm_config, self.device)
