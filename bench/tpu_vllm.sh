@@ -8,8 +8,10 @@
 #                                        CPU kernels, and of what LLM(model=dir) imports that the
 #                                        machine's index lacks (CARRIED), xz, split in
 #                                        .tpu-vllm/a (16 MB: the call carrying torch's part a) and
-#                                        .tpu-vllm/b (the rest, a fallback for INDEX_FIRST and
-#                                        the manifest: the call carrying torch's part b)
+#                                        .tpu-vllm/b (the rest and the manifest: the call carrying
+#                                        torch's part b) and .tpu-vllm/fallback (INDEX_FIRST at
+#                                        the venv's versions, needed only where the machine's
+#                                        index lacks one)
 #   bash bench/tpu_vllm.sh unpack        there, after bench/tpu_machine.sh unpack, with both
 #                                        parts in place: INDEX_FIRST from the machine's index, the
 #                                        ones it lacks from the fallback, CARRIED, all in
@@ -66,18 +68,19 @@ for name in names:
 EOF
         entries() { awk -v g="$1" '$1 == g { for (i = 3; i <= NF; i++) print $i }' .tpu-vllm/manifest; }
         carried=$(entries carried) index=$(entries index) out=$PWD/.tpu-vllm
-        rm -rf "$out/a" "$out/b" "$out"/*.tar.xz && mkdir -p "$out/a" "$out/b"
+        rm -rf "$out/a" "$out/b" "$out/fallback" "$out"/*.tar.xz
+        mkdir -p "$out/a" "$out/b" "$out/fallback"
         mv .tpu-vllm/manifest "$out/b/"
         (cd "$site" && tar cf - --exclude=__pycache__ --exclude='vllm/_C.abi3.so' \
             --exclude='vllm/_C_AVX2.abi3.so' --exclude='vllm/_C_AVX512.abi3.so' $carried \
             | xz -6 -T2 > "$out/core.tar.xz")
-        (cd "$site" && tar cf - --exclude=__pycache__ $index | xz -6 -T2 > "$out/b/fallback.tar.xz")
+        (cd "$site" && tar cf - --exclude=__pycache__ $index | xz -6 -T2 > "$out/fallback/fallback.tar.xz")
         # the first CALL1_BYTES travel with torch's part a, the rest with its part b
         split -b "$CALL1_BYTES" -d "$out/core.tar.xz" "$out/core."
         mv "$out/core.00" "$out/a/" && mv "$out"/core.0[1-9] "$out/b/" && rm "$out/core.tar.xz"
         exclude=$(git rev-parse --git-path info/exclude)  # a worktree's too
         grep -qx '/.tpu-vllm/' "$exclude" 2>/dev/null || printf '/.tpu-vllm/\n' >> "$exclude"
-        ls -l .tpu-vllm/a .tpu-vllm/b ;;
+        ls -l .tpu-vllm/a .tpu-vllm/b .tpu-vllm/fallback ;;
     unpack)
         dest=/tmp/site-vllm
         mkdir -p "$dest"
@@ -105,7 +108,11 @@ EOF
         # and googleapis-common-protos); tar merges into it
         cat .tpu-vllm/a/core.* .tpu-vllm/b/core.* | xz -dc -T0 | tar x -C "$dest"
         if [ ${#missing[@]} -gt 0 ]; then
-            xz -dc -T0 .tpu-vllm/b/fallback.tar.xz | tar x -C "$dest" "${missing[@]}"
+            if [ ! -f .tpu-vllm/fallback/fallback.tar.xz ]; then
+                echo "the index lacks the packages above: carry .tpu-vllm/fallback and unpack again" >&2
+                exit 1
+            fi
+            xz -dc -T0 .tpu-vllm/fallback/fallback.tar.xz | tar x -C "$dest" "${missing[@]}"
         fi
         # vLLM finds its platform plugins by entry point; torchtpu is not installed there
         mkdir -p "$dest/torchtpu-0.0.0.dist-info"

@@ -27,7 +27,12 @@ def _copy(out: torch.Tensor, source: torch.Tensor) -> None:
 
 
 class SoloGroup(dist.ProcessGroup):
-    """Rank 0 of a group of one: collectives without communication (see the module doc)."""
+    """Rank 0 of a group of one: collectives without communication (see the module doc).
+
+    It also stands where c10d asks a group for its device backend (``tpu_dist``'s
+    ``_get_backend``), which c10d asks what a backend supports."""
+
+    supports_splitting = supports_coalescing = supports_time_estimate = False
 
     def __init__(self, rank: int = 0, size: int = 1) -> None:
         if size != 1 or rank != 0:
