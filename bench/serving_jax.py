@@ -8,10 +8,10 @@ same weights. Math as Hugging Face's bfloat16 forward: bfloat16 weights and acti
 RMSNorm and softmax, rotary embedding at ``rope_theta`` (no rope scaling), grouped-query
 attention, SwiGLU, q/k/v biases for Qwen2, tied or untied output head.
 
-The cache is ``[layers, 2, batch, kv_heads, max_len, head_dim]`` bfloat16; a decode step writes
-position ``pos`` of every row and attends over all ``max_len`` positions, masked past each
-row's length (the static shape: the step reads the whole cache, which is what its roofline
-counts). Prefill fills ``rows`` cache rows from a ``[rows, T]`` prompt batch.
+The cache is one ``[2, batch, kv_heads, max_len, head_dim]`` bfloat16 buffer a layer; a decode
+step writes position ``pos`` of every row and attends over all ``max_len`` positions, masked
+past each row's length (the static shape: the step reads the whole cache, which is what its
+roofline counts). Prefill fills ``rows`` cache rows from a ``[rows, T]`` prompt batch.
 
     python bench/serving_jax.py --model qwen2-0.5b --batch 64 --prompt 512 --output 128
 """
@@ -208,15 +208,15 @@ def prefill_forward(c: dict, p: dict, ids, cache, row0):
     n, t = ids.shape
     pos = jnp.broadcast_to(jnp.arange(t), ids.shape)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (n, t, t))
-    box = [cache]
+    box = list(cache)
 
     def attend(i, q, k, v):
-        kv = jnp.stack([k, v])[None]  # [1, 2, n, kvh, T, hd]
-        at = [jnp.asarray(v, row0.dtype) for v in (i, 0, row0, 0, 0, 0)]
-        box[0] = jax.lax.dynamic_update_slice(box[0], kv, at)
+        kv = jnp.stack([k, v])  # [2, n, kvh, T, hd]
+        at = [jnp.asarray(v, row0.dtype) for v in (0, row0, 0, 0, 0)]
+        box[i] = jax.lax.dynamic_update_slice(box[i], kv, at)
         return _attention(q, k, v, causal)
 
-    return _decoder(c, p, ids, pos, attend), box[0]
+    return _decoder(c, p, ids, pos, attend), tuple(box)
 
 
 def decode_forward(c: dict, p: dict, tokens, cache, pos):
@@ -225,22 +225,23 @@ def decode_forward(c: dict, p: dict, tokens, cache, pos):
     past it."""
     b = tokens.shape[0]
     rows = jnp.arange(b)
-    mask = (jnp.arange(cache.shape[4])[None, None, :] <= pos[:, None, None])
-    box = [cache]
+    mask = (jnp.arange(cache[0].shape[3])[None, None, :] <= pos[:, None, None])
+    box = list(cache)
 
     def attend(i, q, k, v):
-        layer = box[0][i]  # [2, B, kvh, L, hd]
         new = jnp.stack([k[:, :, 0], v[:, :, 0]], 1)  # [B, 2, kvh, hd]
-        layer = layer.at[:, rows, :, pos].set(new)
-        box[0] = box[0].at[i].set(layer)
-        return _attention(q, layer[0], layer[1], mask)
+        # one scatter into the layer's donated buffer, in place
+        box[i] = box[i].at[:, rows, :, pos].set(new)
+        return _attention(q, box[i][0], box[i][1], mask)
 
-    return _decoder(c, p, tokens[:, None], pos[:, None], attend), box[0]
+    return _decoder(c, p, tokens[:, None], pos[:, None], attend), tuple(box)
 
 
-def new_cache(c: dict, batch: int, max_len: int):
-    return jnp.zeros((c["num_hidden_layers"], 2, batch, c["num_key_value_heads"], max_len,
-                      head_dim(c)), BF16)
+def new_cache(c: dict, batch: int, max_len: int) -> tuple:
+    """One ``[2, batch, kv_heads, max_len, head_dim]`` buffer a layer (XLA updates a buffer of
+    its own in place; slices of one stacked cache were copied)."""
+    return tuple(jnp.zeros((2, batch, c["num_key_value_heads"], max_len, head_dim(c)), BF16)
+                 for _ in range(c["num_hidden_layers"]))
 
 
 @functools.cache
