@@ -5,7 +5,7 @@ and batch-norm statistics.
 
 timm imports torchvision, and PyPI's torchvision loads only beside the torch it was built for:
 these tests need the ``timm`` extra in a venv of its own with torch 2.14.1 and torchvision 0.29.1
-(README, timm), and skip elsewhere, the dev venv (torch 2.13.0) included."""
+(docs, timm), and skip elsewhere, the dev venv (torch 2.13.0) included."""
 
 import copy
 import functools
@@ -19,7 +19,7 @@ try:
     import timm.optim
 except Exception as e:  # torchvision built for another torch raises RuntimeError, not ImportError
     pytest.skip(f"needs timm and torchvision (torch 2.14.1 + torchvision 0.29.1 in a venv of its "
-                f"own, README: timm): {type(e).__name__}: {e}", allow_module_level=True)
+                f"own, docs: timm): {type(e).__name__}: {e}", allow_module_level=True)
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 

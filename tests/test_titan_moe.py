@@ -70,7 +70,7 @@ def _expert_parallel_rank(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torchtitan.distributed.utils import set_spmd_backend
 
-    set_spmd_backend("partial_dtensor")  # as --parallelism.spmd_backend (README, TorchTitan)
+    set_spmd_backend("partial_dtensor")  # as --parallelism.spmd_backend (docs, TorchTitan)
     moe = _moe_layer()
     experts = moe.routed_experts.inner_experts
     local = experts.num_experts // world_size

@@ -248,7 +248,7 @@ def test_doctor_self_test(fresh_dynamo):
     assert all(c.status == "ok" for c in checks), checks
 
 
-def test_error_categories_prefix_messages_and_the_readme_has_the_glossary():
+def test_error_categories_prefix_messages_and_the_docs_have_the_glossary():
     from torchtpu import errors
 
     text = errors.message("fallback", "aten op 'x' has no tpu lowering")
@@ -256,7 +256,7 @@ def test_error_categories_prefix_messages_and_the_readme_has_the_glossary():
     assert errors.category_of(RuntimeError("torchtpu.nope: x")) is None
     with pytest.raises(ValueError, match="torchtpu.argument: unknown error category"):
         errors.message("nope", "x")
-    assert errors.glossary_markdown() in (ROOT / "README.md").read_text()
+    assert errors.glossary_markdown() in (ROOT / "docs" / "reference.md").read_text()
 
 
 def test_torch_tpu_tools_is_the_same_api():

@@ -25,10 +25,10 @@ def test_docs_search_cites_the_section_that_answers():
     found = docs_search.search("DDP find_unused_parameters bucket views", top=3)
     assert found["covered"]
     best = found["results"][0]
-    assert best["source"] == "README.md" and "Collectives" in best["title"]
-    assert "DDP works" in _line("README.md", best["line"])  # the cited line, and from it:
+    assert best["source"] == "docs/distributed.md" and "Collectives" in best["title"]
+    assert "DDP works" in _line(best["source"], best["line"])  # the cited line, and from it:
     assert "find_unused_parameters=True" in best["excerpt"]
-    assert best["citation"].startswith(f"README.md:{best['line']} (")
+    assert best["citation"].startswith(f"docs/distributed.md:{best['line']} (")
     glossary = docs_search.search("what does torchtpu.fallback mean and how do I fix it")
     hit = next(r for r in glossary["results"] if r["source"] == "torchtpu/errors.py")
     assert hit["title"] == "glossary: torchtpu.fallback"

@@ -3,7 +3,7 @@ backward, and a small DLRM trained with SGD, each equal to the same thing on CPU
 cumsum ops (which ``KeyedJaggedTensor`` calls for its offsets) run through their lowerings, not
 the CPU fallback (the suite runs with ``TORCHTPU_CPU_FALLBACK=error``).
 
-Needs the ``torchrec`` extra with FBGEMM's CPU build (README, TorchRec)."""
+Needs the ``torchrec`` extra with FBGEMM's CPU build (docs, TorchRec)."""
 
 import pytest
 import torch
@@ -14,7 +14,7 @@ try:
     from torchrec.models.dlrm import DLRM
 except (ImportError, OSError) as e:  # OSError: an FBGEMM built for another torch or for CUDA
     pytest.skip(f"TorchRec with fbgemm-gpu-cpu is not installed or does not load ({e}); "
-                "install it as README, TorchRec says", allow_module_level=True)
+                "install it as docs, TorchRec says", allow_module_level=True)
 
 KEYS = ["f0", "f1"]
 ROWS, DIM, BATCH = 16, 8, 4

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[rl]'")
-pytest.importorskip("vllm", reason="vLLM is not installed (README, Serving (vLLM))")
+pytest.importorskip("vllm", reason="vLLM is not installed (docs, Serving (vLLM))")
 
 VLLM_ENV = {"TORCHTPU_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
 OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32}

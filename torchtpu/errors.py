@@ -2,9 +2,9 @@
 
 A message reads ``"torchtpu.<category>: <what happened and what to do>"``. The prefix is stable,
 so a program can filter on it (``warnings.filterwarnings("ignore", message="torchtpu.fallback")``)
-and a person can look it up: ``GLOSSARY`` gives each category's cause and fix, and the README's
-glossary is ``glossary_markdown()``. Raise sites keep their Python exception types (``ValueError``,
-``RuntimeError``, ...); only the text carries the category:
+and a person can look it up: ``GLOSSARY`` gives each category's cause and fix, and the
+glossary of docs/reference.md is ``glossary_markdown()``. Raise sites keep their Python exception
+types (``ValueError``, ``RuntimeError``, ...); only the text carries the category:
 
     raise ValueError(errors.message("config", f"TORCHTPU_PLATFORM={v!r} is not one of ..."))
     raise ValueError(f"torchtpu.config: TORCHTPU_PLATFORM={v!r} is not one of ...")  # the same
@@ -31,7 +31,7 @@ class Entry(NamedTuple):
 GLOSSARY: dict[str, Entry] = {
     "config": Entry(
         "An environment variable or setting torchtpu reads has a value it does not accept.",
-        "Use one of the values the message lists (README, Settings); `python -m torchtpu.doctor` "
+        "Use one of the values the message lists (docs, Settings); `python -m torchtpu.doctor` "
         "checks them all."),
     "device": Entry(
         "A device that does not exist was asked for (an index other than 0, a platform with no "
@@ -50,7 +50,7 @@ GLOSSARY: dict[str, Entry] = {
         "An ATen op has no tpu lowering and no decomposition: eager mode ran it on CPU (a "
         "warning; copies both ways each call) or refused it (TORCHTPU_CPU_FALLBACK=error); a "
         "compiled graph cannot hold it.",
-        "Avoid the op, or add a lowering (README, Adding an op); `python -m torchtpu.onboard` "
+        "Avoid the op, or add a lowering (docs, Adding an op); `python -m torchtpu.onboard` "
         "lists every fallback with the module it came from."),
     "check": Entry(
         "An op got an argument CPU refuses and the device would not notice (an index out of "
@@ -166,7 +166,7 @@ def category_of(error: BaseException | Warning | str) -> str | None:
 
 
 def glossary_markdown() -> str:
-    """The glossary as the README's table: one row per category, cause and fix."""
+    """The glossary as docs/reference.md's table: one row per category, cause and fix."""
     rows = ["| prefix | cause | fix |", "| --- | --- | --- |"]
     rows += [f"| `torchtpu.{name}` | {e.cause} | {e.fix} |" for name, e in GLOSSARY.items()]
     return "\n".join(rows)

@@ -73,7 +73,7 @@ def _refuse_unservable(gm: fx.GraphModule) -> None:
             raise NotImplementedError(_error(
                 f"aten op '{op}' (called in {module_path(node)}) has no tpu lowering, so it "
                 "cannot be exported to JAX; rewrite that code with other ops or add a lowering "
-                "(README, Adding an op)"))
+                "(docs, Adding an op)"))
         if not isinstance(op, OpOverload) and op not in GRAPH_OPS \
                 and op is not operator.getitem and not control_flow.is_higher_order(node):
             raise NotImplementedError(_error(
@@ -194,7 +194,7 @@ class JaxProgram:
                 "A lowering that needs a concrete size cannot take a dynamic one: make that "
                 "dimension static (no torch.export.Dim for it) or file an issue with the op"
             )) from e
-        return [outs[k] for k in self.kept]  # without the check flags (see README)
+        return [outs[k] for k in self.kept]  # without the check flags (see docs/features.md)
 
 
 def _val(n):

@@ -6,7 +6,7 @@ process group's timeout with ``torch.distributed.set_timeout`` (unconditionally,
 which torch 2.13 does not have; its private ``_set_pg_timeout`` does the same for the groups
 whose backend has a timeout to change (gloo, NCCL) and leaves the others alone (tpu_dist has
 none: its collectives wait on the host store with the group's own timeout). Everything else
-TorchTitan needs is in torchtpu itself or in TorchTitan's settings (README, TorchTitan), so this
+TorchTitan needs is in torchtpu itself or in TorchTitan's settings (docs, TorchTitan), so this
 is applied only by the launcher ``python -m torchtpu.titan``, never at import.
 
 TorchTitan's MoE debug models (``deepseek_v3_debugmodel``) ask for ``flex`` attention, which

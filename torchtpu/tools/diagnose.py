@@ -150,7 +150,7 @@ def _findings(d: Diagnosis, steady: list) -> list:
             f"aten op {op} runs on CPU {n:g} time(s) per step (a copy to the host and back "
             "each time)",
             "run `python -m torchtpu.onboard` to see which module calls it, then avoid the op "
-            "or add its lowering (README, Adding an op)", "cpu_fallback"))
+            "or add its lowering (docs, Adding an op)", "cpu_fallback"))
     for s in d.host_syncs:
         often = "every step" if s["per_step"] == 1 else f"{s['per_step']:g} times per step"
         found.append(Finding(

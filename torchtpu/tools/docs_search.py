@@ -1,7 +1,8 @@
 """Questions about torchtpu answered from its own documentation, with citations.
 
-The corpus is what torchtpu ships: the README (one section per heading, and one per bullet of a
-long bulleted section such as "What works", so a citation names the feature), the error glossary
+The corpus is torchtpu's documentation: the README and, in a checkout, the pages of ``docs/``
+(one section per heading, and one per bullet of a long bulleted section such as "What works", so
+a citation names the feature), the error glossary
 (``torchtpu.errors.GLOSSARY``, one entry per category), ``tools/SKILL.md`` and every module's
 docstring. ``search(query)`` ranks sections by BM25 over their words (no network, no model; the
 index is built once per process, in well under a second) and cites each hit by file, section and
@@ -30,6 +31,7 @@ from torchtpu.tools.target import main as tool_main
 
 PACKAGE = Path(__file__).resolve().parents[1]
 README = PACKAGE.parent / "README.md"
+DOCS = PACKAGE.parent / "docs"  # the documentation pages (a checkout's; a wheel has none)
 COVERED_SHARE = 0.5
 _K1, _B = 1.2, 0.75
 _WORD = re.compile(r"[a-z0-9_]+")
@@ -163,6 +165,8 @@ def index() -> Index:
     readme = _readme_text()
     if readme:
         sections += markdown_sections(readme, "README.md")
+    for page in sorted(DOCS.glob("*.md")) if DOCS.is_dir() else ():
+        sections += markdown_sections(page.read_text(), f"docs/{page.name}")
     skill = PACKAGE / "tools" / "SKILL.md"
     if skill.is_file():
         sections += markdown_sections(skill.read_text(), "torchtpu/tools/SKILL.md")

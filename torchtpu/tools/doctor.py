@@ -172,7 +172,7 @@ def check_environment() -> tuple[list, dict]:
             close = [k for k in known if k.split("_")[-1] == name.split("_")[-1]]
             found.append(Check(f"env {name}", "warning", f"{name} is not a variable torchtpu "
                                "reads", f"a typo? did you mean {' or '.join(sorted(close))}"
-                               if close else "remove it (README, Settings lists them)"))
+                               if close else "remove it (docs, Settings lists them)"))
     if not found:
         found.append(Check("environment", "ok", f"{len(shown)} setting(s) in effect, all valid"))
     return found, shown

@@ -4,9 +4,9 @@ Tools, each returning JSON: ``doctor``, ``onboard``, ``diagnose``, ``aot`` (a st
 for a TPU topology and estimated), ``plan`` and ``tune`` (the fastest settings, by trials) on a
 ``path/to/script.py:factory`` target, ``metrics``
 (this server process's ``torchtpu.metrics``), ``trace_summary`` (a profiler trace file),
-``docs_search`` (torchtpu's README, glossary and docstrings, cited by file, section and line,
-with ``covered: false`` for what they do not cover) and ``triage_log`` (a traceback or log:
-glossary category, cause, fix). A problem with the arguments comes back as
+``docs_search`` (torchtpu's README, docs/ pages, glossary and docstrings, cited by file, section
+and line, with ``covered: false`` for what they do not cover) and ``triage_log`` (a traceback or
+log: glossary category, cause, fix). A problem with the arguments comes back as
 ``{"ok": false, "error": "torchtpu.tool: ..."}``, not as a crash of the server. Needs the
 ``mcp`` package: ``pip install 'torchtpu[mcp]'``. ``SKILL.md`` beside this file tells an
 assistant when to call which tool.
@@ -151,8 +151,8 @@ def build():
 
     @server.tool()
     def docs_search(query: str, top: int = 5) -> dict:
-        """Answer a question about torchtpu from its own README, error glossary and module
-        docstrings: the best sections, each with a citation (file:line and section) and an
+        """Answer a question about torchtpu from its own README, docs/ pages, error glossary and
+        module docstrings: the best sections, each with a citation (file:line and section) and an
         excerpt; covered false means the documentation does not cover the topic (say so rather
         than guess)."""
         return _guarded(_docs.search, query, top)

@@ -34,7 +34,7 @@ KNOWN: list[tuple[re.Pattern, str, str, str]] = [(re.compile(p, re.I), c, cause,
      "import torchtpu first, or leave TORCH_DEVICE_BACKEND_AUTOLOAD unset"),
     (r"No module named '?torch_xla", "unsupported",
      "a PyTorch/XLA script, and no torch_xla is installed",
-     "python -m torchtpu.integrations.torch_xla.install (README, PyTorch/XLA scripts) makes "
+     "python -m torchtpu.integrations.torch_xla.install (docs, PyTorch/XLA scripts) makes "
      "`import torch_xla` run on torchtpu"),
     (r"DistBackendError|timed out|Connection (closed|reset) by peer", "distributed",
      "a rank died or did not answer within the process group's timeout",

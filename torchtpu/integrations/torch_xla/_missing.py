@@ -20,13 +20,13 @@ HINTS: dict[str, str] = {
     "torch_xla.distributed.xla_backend": "dist.init_process_group('tpu_dist') "
                                          "(xmp.spawn / torch_xla.launch start it for you)",
     "torch_xla.distributed.fsdp": "torch.distributed.fsdp.fully_shard over "
-                                  "init_device_mesh('tpu', ...) (README, FSDP2)",
+                                  "init_device_mesh('tpu', ...) (docs, FSDP2)",
     "torch_xla.experimental.spmd_fully_sharded_data_parallel":
         "FSDPv2 is torch.distributed.fsdp.fully_shard(module, mesh=xs_mesh.device_mesh()) here, "
-        "one process per device (README, FSDP2)",
+        "one process per device (docs, FSDP2)",
     "torch_xla.experimental.scan_layers": "a plain Python loop over the layers "
                                           "(torch.compile(backend='tpu') compiles it once)",
-    "torch_xla.debug.profiler": "torch.profiler with ProfilerActivity.TPU (README, profiler)",
+    "torch_xla.debug.profiler": "torch.profiler with ProfilerActivity.TPU (docs, profiler)",
     "torch_xla.amp": "torch.autocast('tpu', dtype=torch.bfloat16)",
     "torch_xla.core.xla_model.get_stablehlo": "torch.tpu.pending_hlo() (what DeferAndFuse "
                                               "holds, as StableHLO text)",
@@ -37,7 +37,7 @@ HINTS: dict[str, str] = {
     "torch_xla.core.xla_model.collective_permute": "torch.distributed.batch_isend_irecv",
 }
 
-GENERAL = ("torchtpu runs PyTorch/XLA scripts through a layer over its own API (README, "
+GENERAL = ("torchtpu runs PyTorch/XLA scripts through a layer over its own API (docs, "
            "PyTorch/XLA scripts); use the torch or torch.tpu equivalent, or file an issue "
            "with the call")
 

@@ -2,7 +2,7 @@
 one host's ``torchrun`` starts, as shell assignments (``eval $(python -m ...)``), and the
 reference's ``prepare_tpu_environment`` / ``tpu_env_wrapper`` for launching from Python.
 
-torchtpu runs one process per device, from torchrun's variables alone (README, Distributed), so
+torchtpu runs one process per device, from torchrun's variables alone (docs, Distributed), so
 the one figure that matters is ``WORLD_SIZE``: the TPU chips of this host (counted from its PCI
 devices, without opening them, so the workers can), else 1 (XLA:CPU), or the ``world_size``
 asked for. ``TORCH_TPU_TOPOLOGY`` names the chips where there are some ("v5e:2x2"); the

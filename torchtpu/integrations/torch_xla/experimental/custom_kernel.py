@@ -2,7 +2,7 @@
 
 PyTorch/XLA's ``flash_attention(q, k, v, causal, ..., sm_scale)`` is its Pallas kernel; here it
 is ``torch.nn.functional.scaled_dot_product_attention`` on the tpu tensors, which torchtpu routes
-to its own flash kernel where one fits (README, attention). Same layout, ``[batch, heads, seq,
+to its own flash kernel where one fits (docs, attention). Same layout, ``[batch, heads, seq,
 head_dim]``, the same ``sm_scale`` (PyTorch/XLA's default 1.0: the caller scales q). Segment ids
 and ``ab`` (an additive bias) are refused; ``partition_spec`` / ``mesh`` (PyTorch/XLA's sharding
 of the kernel over an SPMD mesh) change nothing with one process per device. ``FlashAttention``
