@@ -286,10 +286,19 @@ def ensure_loaded() -> None:
             _state["loading"] = False
 
 
+def _register_meta_kernels(lib: torch.library.Library) -> None:
+    """The Meta kernels the lowering modules declare (``lowering.registry.meta_kernel``)."""
+    from torchtpu.lowering.registry import META_KERNELS
+
+    for op, fn in META_KERNELS.items():
+        lib.impl(op, fn, "Meta")
+
+
 def _load() -> None:
     from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
     from torchtpu.device import (
         autocast,
+        composed,
         kernels,
         memory_limit,
         quantized,
@@ -301,6 +310,8 @@ def _load() -> None:
 
     aten = torch.library.Library("aten", "IMPL")
     kernels.register(aten)
+    composed.register(aten)
+    _register_meta_kernels(aten)
     dispatch.register_lowered_ops(aten)
     sdpa_routing.register(aten)
     # The real fallback replaces the first op's, before anything here can make a tpu tensor.

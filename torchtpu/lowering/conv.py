@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import channels_last_of, lowers
+from torchtpu.lowering.registry import channels_last_of, lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -343,6 +343,5 @@ def fractional_max_pool_backward(grad, x, kernel_size, output_size, indices):
 
 # PyTorch has no meta kernel for this backward, and result shapes come from meta kernels: the
 # gradient has the forward input's shape.
-_meta_lib = torch.library.Library("aten", "IMPL")
-_meta_lib.impl(aten.fractional_max_pool3d_backward.default,
-               lambda grad, x, *args: torch.empty_like(x), "Meta")
+meta_kernel(aten.fractional_max_pool3d_backward.default)(
+    lambda grad, x, *args: torch.empty_like(x))

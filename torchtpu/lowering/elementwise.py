@@ -443,17 +443,3 @@ def fill(x, value):
 @lowers(aten.zero.default)
 def zero(x):
     return jnp.zeros_like(x)
-
-
-# ----------------------------------------------------------------------------- equal
-
-def _equal(x: torch.Tensor, y: torch.Tensor) -> bool:
-    # equal returns a Python bool, which no lowering can: it is composed of device ops and one
-    # host read instead (registered as the device kernel, like a decomposition).
-    if x.shape != y.shape:
-        return False
-    return bool(torch.eq(x, y).all().item())
-
-
-_equal_lib = torch.library.Library("aten", "IMPL")
-_equal_lib.impl(aten.equal.default, _equal, "PrivateUse1")

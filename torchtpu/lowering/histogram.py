@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from torchtpu import errors
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import lowers, meta_kernel
 
 aten = torch.ops.aten
 _INDEX = jnp.int64
@@ -158,14 +158,12 @@ def _meta_hist(x, bins) -> torch.Tensor:
     return x.new_empty(tuple(bins))
 
 
-_meta_lib = torch.library.Library("aten", "IMPL")
-_meta_lib.impl(aten.histogram.bin_ct, lambda x, bins=100, **_: (
-    _meta_hist(x, [bins]), x.new_empty(bins + 1)), "Meta")
-_meta_lib.impl(aten.histogram.bins_tensor, lambda x, bins, **_: (
-    _meta_hist(x, [bins.numel() - 1]), x.new_empty(bins.shape)), "Meta")
-_meta_lib.impl(aten._histogramdd_bin_edges.default, lambda x, bins, **_: [
-    x.new_empty(b + 1) for b in bins], "Meta")
-_meta_lib.impl(aten._histogramdd_from_bin_cts.default, lambda x, bins, **_: _meta_hist(x, bins),
-               "Meta")
-_meta_lib.impl(aten._histogramdd_from_bin_tensors.default, lambda x, bins, **_: _meta_hist(
-    x, [b.numel() - 1 for b in bins]), "Meta")
+meta_kernel(aten.histogram.bin_ct)(lambda x, bins=100, **_: (
+    _meta_hist(x, [bins]), x.new_empty(bins + 1)))
+meta_kernel(aten.histogram.bins_tensor)(lambda x, bins, **_: (
+    _meta_hist(x, [bins.numel() - 1]), x.new_empty(bins.shape)))
+meta_kernel(aten._histogramdd_bin_edges.default)(lambda x, bins, **_: [
+    x.new_empty(b + 1) for b in bins])
+meta_kernel(aten._histogramdd_from_bin_cts.default)(lambda x, bins, **_: _meta_hist(x, bins))
+meta_kernel(aten._histogramdd_from_bin_tensors.default)(lambda x, bins, **_: _meta_hist(
+    x, [b.numel() - 1 for b in bins]))

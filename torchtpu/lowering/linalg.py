@@ -19,7 +19,7 @@ import torch
 from jax import lax
 
 from torchtpu.device import dtypes
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -278,14 +278,11 @@ def geqrf(a):
     return tuple(xla_geqrf(a))
 
 
+# PyTorch has no meta kernel for geqrf, and result shapes come from meta kernels.
+@meta_kernel(aten.geqrf.default)
 def _geqrf_meta(a):
     tau = a.new_empty(a.shape[:-2] + (min(a.shape[-2:]),))
     return a.new_empty(a.shape), tau
-
-
-# PyTorch has no meta kernel for geqrf, and result shapes come from meta kernels.
-_meta_lib = torch.library.Library("aten", "IMPL")
-_meta_lib.impl(aten.geqrf.default, _geqrf_meta, "Meta")
 
 
 @lowers(aten.linalg_householder_product.default)
@@ -360,6 +357,7 @@ def lstsq(a, b, rcond=None, driver=None):
             s if with_sv else jnp.zeros((0,), real))
 
 
+@meta_kernel(aten.linalg_lstsq.default)
 def _lstsq_meta(a, b, rcond=None, *, driver=None):
     m, n = a.shape[-2:]
     vector = b.ndim == a.ndim - 1
@@ -377,5 +375,3 @@ def _lstsq_meta(a, b, rcond=None, *, driver=None):
             a.new_empty(batch if with_rank else (0,), dtype=torch.int64),
             a.new_empty(batch + (min(m, n),) if with_sv else (0,), dtype=real))
 
-
-_meta_lib.impl(aten.linalg_lstsq.default, _lstsq_meta, "Meta")

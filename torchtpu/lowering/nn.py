@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -372,13 +372,9 @@ def multilabel_margin_loss_backward(grad, x, target, reduction, is_target):
     return (g * per).reshape(x.shape)
 
 
-def _like_second(grad, x, *args, **kwargs):
-    return torch.empty_like(x)
-
-
 # These backwards have no meta kernel in PyTorch; result shapes come from meta kernels, and each
 # gradient has the shape of the op's second argument (the forward's input).
-_meta_lib = torch.library.Library("aten", "IMPL")
-for _op in (aten.multi_margin_loss_backward.default, aten.multilabel_margin_loss_backward.default,
-            aten._ctc_loss_backward.default):
-    _meta_lib.impl(_op, _like_second, "Meta")
+@meta_kernel(aten.multi_margin_loss_backward.default,
+             aten.multilabel_margin_loss_backward.default, aten._ctc_loss_backward.default)
+def _like_second(grad, x, *args, **kwargs):
+    return torch.empty_like(x)

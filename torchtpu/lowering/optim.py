@@ -18,7 +18,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import torch
 
-from torchtpu.lowering.registry import TABLE, lowers
+from torchtpu.lowering.registry import TABLE, lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -203,8 +203,6 @@ def fused_adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weight_d
 lowers(aten._fused_adagrad.tensor_lr, traced=("lr",))(_adagrad)
 
 
-_meta_lib = torch.library.Library("aten", "IMPL")
-for _op in (aten._fused_adam_.tensor_lr, aten._fused_adamw_.tensor_lr, aten._fused_sgd_.default,
+meta_kernel(aten._fused_adam_.tensor_lr, aten._fused_adamw_.tensor_lr, aten._fused_sgd_.default,
             aten._fused_sgd_.tensor_lr, aten._fused_adagrad_.default,
-            aten._fused_adagrad_.tensor_lr):
-    _meta_lib.impl(_op, lambda *args, **kwargs: None, "Meta")
+            aten._fused_adagrad_.tensor_lr)(lambda *args, **kwargs: None)

@@ -170,23 +170,3 @@ def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1 / 3, training=Fal
     negative = x <= 0
     slope = jnp.where(negative, slope, 1).astype(x.dtype)
     return jnp.where(negative, x * slope, x), slope.astype(noise.dtype)
-
-
-# rrelu_with_noise writes its noise argument but returns a new tensor, a shape the in-place /
-# out= machinery does not take: its device kernels are composed of the functional op and a
-# copy into noise (like a decomposition), so the noise that backward reads is the one drawn.
-def _rrelu_with_noise(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
-    out, drawn = aten.rrelu_with_noise_functional(x, noise, lower, upper, training,
-                                                  generator=generator)
-    if training:
-        noise.copy_(drawn)
-    return out
-
-
-def _rrelu_with_noise_(x, noise, lower=0.125, upper=1 / 3, training=False, generator=None):
-    return x.copy_(_rrelu_with_noise(x, noise, lower, upper, training, generator))
-
-
-_rrelu_lib = torch.library.Library("aten", "IMPL")
-_rrelu_lib.impl(aten.rrelu_with_noise.default, _rrelu_with_noise, "PrivateUse1")
-_rrelu_lib.impl(aten.rrelu_with_noise_.default, _rrelu_with_noise_, "PrivateUse1")

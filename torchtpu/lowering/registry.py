@@ -31,6 +31,10 @@ Policy that many ops share is declared here instead of repeated in each lowering
   output is laid out as its query, its gradients as q, k and v: a DTensor's strides come from
   the meta kernel, and a local tensor laid out otherwise broke the ``.transpose(1, 2)
   .contiguous().view(...)`` after attention, issue 37).
+
+An op PyTorch has no meta kernel for gets one declared beside its lowering with
+``@meta_kernel(op)`` (result shapes come from meta kernels); ``registration.py`` registers them
+all when the device loads, so importing a lowering module registers nothing with PyTorch.
 """
 
 from __future__ import annotations
@@ -75,6 +79,8 @@ class Lowering:
 
 
 TABLE: dict[OpOverload, Lowering] = {}
+# Meta kernels the lowering modules declare for ops PyTorch has none for (``meta_kernel``).
+META_KERNELS: dict[OpOverload, Callable] = {}
 
 
 def channels_last_of(v) -> torch.memory_format | None:
@@ -137,6 +143,20 @@ def lowers_each(table: dict, **policy) -> None:
     """Register many one-line lowerings at once: {op: fn}, all with the same policy."""
     for op, fn in table.items():
         lowers(op, **policy)(fn)
+
+
+def meta_kernel(*ops: OpOverload) -> Callable:
+    """Declare the decorated function as the Meta kernel of each op (registered with PyTorch by
+    ``registration.py`` when the device loads, not here)."""
+    def declare(fn: Callable) -> Callable:
+        for op in ops:
+            if op in META_KERNELS:
+                raise RuntimeError(f"torchtpu.argument: {op} has two meta kernels: "
+                                   f"{META_KERNELS[op]} and {fn}")
+            META_KERNELS[op] = fn
+        return fn
+
+    return declare
 
 
 def lookup(op: OpOverload) -> Lowering | None:

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -108,27 +108,24 @@ def _check_sizes(op: str, input_gates, hidden_gates, input_bias, hidden_bias, fa
                                f"{tuple(bias.shape)}")
 
 
+@meta_kernel(aten._thnn_fused_lstm_cell.default)
 def _lstm_cell_meta(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
     _check_sizes("_thnn_fused_lstm_cell", input_gates, hidden_gates, input_bias, hidden_bias,
                  4, cx)
     return torch.empty_like(cx), torch.empty_like(cx), torch.empty_like(input_gates)
 
 
+@meta_kernel(aten._thnn_fused_gru_cell.default)
 def _gru_cell_meta(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=None):
     _check_sizes("_thnn_fused_gru_cell", input_gates, hidden_gates, input_bias, hidden_bias, 3,
                  hx)
     return torch.empty_like(hx), hx.new_empty((hx.shape[0], 5 * hx.shape[1]))
 
 
+@meta_kernel(aten._thnn_fused_gru_cell_backward.default)
 def _gru_cell_backward_meta(grad_hy, workspace, has_bias):
     batch, hidden = grad_hy.shape
     gates = grad_hy.new_empty((batch, 3 * hidden))
     bias = grad_hy.new_empty((3 * hidden,)) if has_bias else None
     other_bias = None if bias is None else torch.empty_like(bias)
     return gates, torch.empty_like(gates), torch.empty_like(grad_hy), bias, other_bias
-
-
-_meta_lib = torch.library.Library("aten", "IMPL")
-_meta_lib.impl(aten._thnn_fused_lstm_cell.default, _lstm_cell_meta, "Meta")
-_meta_lib.impl(aten._thnn_fused_gru_cell.default, _gru_cell_meta, "Meta")
-_meta_lib.impl(aten._thnn_fused_gru_cell_backward.default, _gru_cell_backward_meta, "Meta")
