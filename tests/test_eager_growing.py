@@ -202,3 +202,16 @@ def test_backward_calls_keep_the_exact_path():
         torch.testing.assert_close(xt.grad.cpu(), xc.grad)
     assert metrics.snapshot().get("eager_bucketed_calls", 0) > start  # the forward's were
     assert in_backward == 0
+
+
+def test_copies_of_views_at_different_lines_are_different_sites():
+    # copy_ runs inside errors.at_user's wrapper: were its line the site, the four geometries
+    # below (one each line) would be one family's, varying, and the fourth read on the host.
+    x = torch.randn(4, 6, 8).to("tpu")
+    views = metrics.snapshot().get("eager_host_views", 0)
+    torch.empty(6, 4, 8, device="tpu").copy_(x.transpose(0, 1))
+    torch.empty(4, 8, 6, device="tpu").copy_(x.transpose(1, 2))
+    torch.empty(8, 4, 6, device="tpu").copy_(x.permute(2, 0, 1))
+    got = torch.empty(3, 6, 8, device="tpu").copy_(x[1:])
+    assert metrics.snapshot().get("eager_host_views", 0) == views
+    assert torch.equal(got.cpu(), x.cpu()[1:])

@@ -30,9 +30,11 @@ SITE_FRAMES = 1
 _families: dict = {}  # (call structure, call site) -> Family
 _growing: dict = {}   # call structure -> the family of it that last noted varying sizes
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# errors.py wraps the host reads' kernels (copy_, _to_copy, item): as a site, its one line would
+# gather every conversion of the process into one family, whose sizes and views soon "vary".
 _MACHINERY = tuple(os.path.join(_PACKAGE, d) + os.sep
                    for d in ("eager", "device", "compile", "lowering", "runtime")) + (
-    os.path.dirname(torch.__file__) + os.sep,)
+    os.path.join(_PACKAGE, "errors.py"), os.path.dirname(torch.__file__) + os.sep)
 
 
 class Family:
