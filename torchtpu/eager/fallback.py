@@ -111,11 +111,27 @@ def cpu_error(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Exception
         cpu_args, cpu_kwargs = tree_map(lambda x: _to_cpu_for_error(x, bases), (args, kwargs))
     except Exception:  # the inputs themselves cannot be read: nothing to compare with
         return None
-    with torch.random.fork_rng(devices=[]):
-        try:
-            op(*cpu_args, **cpu_kwargs)
-        except Exception as exc:
-            return None if str(exc).startswith("torchtpu.") else exc
+    exc = ask_cpu(op, cpu_args, cpu_kwargs)
+    return None if exc is None or str(exc).startswith("torchtpu.") else exc
+
+
+def ask_cpu(op: torch._ops.OpOverload, args: tuple | list, kwargs: dict) -> Exception | None:
+    """What CPU raises for op's call on CPU tensors (None if it takes it), as a question: its
+    random draws and warnings are not the user's (CPU's kernel warns again where the user's
+    call warns: a byte mask's deprecation would come twice)."""
+    with warnings.catch_warnings(), torch.random.fork_rng(devices=[]):
+        warnings.simplefilter("ignore")
+        # A C++ warning is held until the call from Python into C++ returns: for an op (which
+        # enters no C++ of its own) the user's call on tpu, past this block. Called through a
+        # C++ entry point that calls back into Python, they are let out here, and dropped.
+        return torch._C._disabled_torch_function_impl(_raised, (), (op, args, kwargs), {})
+
+
+def _raised(op: torch._ops.OpOverload, args, kwargs: dict) -> Exception | None:
+    try:
+        op(*args, **kwargs)
+    except Exception as exc:
+        return exc
     return None
 
 
