@@ -8,7 +8,7 @@ Those built by ``errors.message`` / ``errors.warn`` have one by construction, an
 prints it after the option's name), ``AssertionError`` (the conformance
 runners' test assertions), and the reasons other sites put into messages of their own
 (``lowering/checks.py``'s and ``data_checks.py``'s, which the dispatcher prefixes;
-``compile/dynamic.py``'s ``_Refused``).
+``lowering/padding.py``'s ``Refused``).
 """
 
 import ast
@@ -17,7 +17,7 @@ from pathlib import Path
 from torchtpu import errors
 
 ROOT = Path(__file__).resolve().parents[1]
-EXEMPT_TYPES = {"AttributeError", "ArgumentTypeError", "AssertionError", "_Refused",
+EXEMPT_TYPES = {"AttributeError", "ArgumentTypeError", "AssertionError", "Refused",
                 "ToolError"}
 EXEMPT_FILES = {"torchtpu/lowering/checks.py", "torchtpu/lowering/data_checks.py"}
 

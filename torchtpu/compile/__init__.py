@@ -6,10 +6,10 @@ first imported (``torchtpu/import_hooks.py``), so ``import torch`` stays free of
 cost, and, unless ``TORCHTPU_EAGER_BUCKETS=0``, serves eager op calls whose sizes grow from size
 buckets (``eager_buckets``).
 ``backend`` wires AOTAutograd, ``graph_function`` turns one FX graph into one JAX function from
-the lowering table, ``graph_ops`` holds the graph forms of eager's device kernels (views,
-copies, allocation), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks what the
-user passed; ``whole_step`` runs a compiled training-step function as one captured program per
-call.
+the lowering table and its graph forms of eager's device kernels (views, copies, allocation:
+``lowering/graph_forms.py``), ``dynamic`` pads symbolic sizes to buckets, ``options`` checks
+what the user passed; ``whole_step`` runs a compiled training-step function as one captured
+program per call.
 """
 
 import functools

@@ -46,12 +46,11 @@ from torchtpu.compile import (
 from torchtpu.compile import options as options_mod
 from torchtpu.compile import spmd as spmd_mod
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import asserts, dtypes, kernels, tensors
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
 from torchtpu.eager import capture as capture_mod
-from torchtpu.lowering.registry import lookup
+from torchtpu.lowering.registry import GRAPH_FORMS, lookup
 from torchtpu.runtime import launch, transfer
 
 log = logging.getLogger("torchtpu.compile")
@@ -93,7 +92,7 @@ def decompositions() -> dict:
     are kept whole.
     """
     table = {**decomposition_table, **dict(core_aten_decompositions().items())}
-    table = {op: fn for op, fn in table.items() if not _lowered(op) and op not in GRAPH_OPS}
+    table = {op: fn for op, fn in table.items() if not _lowered(op) and op not in GRAPH_FORMS}
     return {**table, **_prims_as_aten()}
 
 

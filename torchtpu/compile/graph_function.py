@@ -4,7 +4,7 @@ Each node runs exactly as eager would run the same op: its arguments are split i
 spec (tensors, traced scalars, PRNG keys, constants) and rebuilt by ``eager.program.rebuild``, so
 the lowering sees what it sees in eager, with the same promotion, and its results are cast to
 the dtypes PyTorch's meta kernels gave (``node.meta["val"]``). Views, copies and allocations,
-which eager serves with device kernels, come from ``graph_ops``.
+which eager serves with device kernels, come from ``lowering/graph_forms.py``.
 
 The ops' checks of data (``lowering/checks.py``) run inside the program, as on the device in
 eager: each gives an ``[bad, value]`` flag, returned after the graph's outputs, that the caller
@@ -22,7 +22,6 @@ import torch
 import torch.fx as fx
 
 from torchtpu.compile import buckets, control_flow, dynamic, masking
-from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes
 from torchtpu.eager import at_call, dispatch, meta, refusals, schema
 from torchtpu.eager.program import (
@@ -36,7 +35,7 @@ from torchtpu.eager.program import (
     rebuild,
 )
 from torchtpu.lowering import checks
-from torchtpu.lowering.registry import Lowering, lookup
+from torchtpu.lowering.registry import GRAPH_FORMS, Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
 aten = torch.ops.aten
@@ -86,10 +85,10 @@ class _Step:
         if op is aten.copy_.default and node.args[0].op == "placeholder":
             # An input mutation kept in an inference graph: the new value becomes an extra
             # output that the caller writes into the input tensor.
-            self.graph_op = GRAPH_OPS[aten.copy.default]
+            self.graph_op = GRAPH_FORMS[aten.copy.default]
             return
         if self.lowering is None:
-            self.graph_op = GRAPH_OPS.get(op)
+            self.graph_op = GRAPH_FORMS.get(op)
             if self.graph_op is None:
                 raise missing_lowering(op)
             return

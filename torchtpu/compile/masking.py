@@ -16,6 +16,7 @@ import torch.fx as fx
 from jax import lax
 
 from torchtpu.compile import buckets, dynamic
+from torchtpu.lowering import padding
 
 _TRUE_FILLS = {"true": True, "false": False, "zero": 0, "one": 1}
 
@@ -84,18 +85,17 @@ class Padding:
             local[arg] = jnp.where(keep, x, _fill(m.fill, x.dtype))
         for n in numbers:
             local[n] = buckets.evaluate(n.meta["val"], self.real)
-        if node.target in dynamic.MEAN_OPS:
+        if node.target in padding.MEAN_DIMS:
             return self._mean(node, local[node.args[0]], step.dtypes)
         return step.run(local, keys, scalars)
 
     def _mean(self, node: fx.Node, x, dtype):
         """Sum of the masked input over the reduced dims, divided by their real count."""
         val = node.args[0].meta["val"]
-        if node.target is dynamic.aten.mean.default:
-            dims, keepdim = tuple(range(x.ndim)), False
-        else:
-            dims = dynamic.reduced_dims(node, 1, x.ndim)
-            keepdim = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        index = padding.MEAN_DIMS[node.target]
+        dims = padding.reduced_dims(node, index, x.ndim)
+        keepdim = False if index is None else (
+            node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
         count = 1
         for d in dims:
             count = count * buckets.evaluate(val.shape[d], self.real)

@@ -31,9 +31,8 @@ import torchtpu_artifact as artifact
 from torchtpu.compile import control_flow
 from torchtpu.compile.backend import decompositions
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.compile.graph_ops import GRAPH_OPS
 from torchtpu.device import dtypes, kernels
-from torchtpu.lowering.registry import lookup
+from torchtpu.lowering.registry import GRAPH_FORMS, lookup
 
 OpOverload = torch._ops.OpOverload
 
@@ -68,13 +67,13 @@ def _refuse_unservable(gm: fx.GraphModule) -> None:
         if node.op != "call_function":
             continue
         op = node.target
-        if isinstance(op, OpOverload) and lookup(op) is None and op not in GRAPH_OPS \
+        if isinstance(op, OpOverload) and lookup(op) is None and op not in GRAPH_FORMS \
                 and op is not torch.ops.aten.copy_.default:
             raise NotImplementedError(_error(
                 f"aten op '{op}' (called in {module_path(node)}) has no tpu lowering, so it "
                 "cannot be exported to JAX; rewrite that code with other ops or add a lowering "
                 "(docs, Adding an op)"))
-        if not isinstance(op, OpOverload) and op not in GRAPH_OPS \
+        if not isinstance(op, OpOverload) and op not in GRAPH_FORMS \
                 and op is not operator.getitem and not control_flow.is_higher_order(node):
             raise NotImplementedError(_error(
                 f"'{getattr(op, '__name__', op)}' (called in {module_path(node)}) has no JAX "

@@ -34,7 +34,11 @@ Policy that many ops share is declared here instead of repeated in each lowering
 
 An op PyTorch has no meta kernel for gets one declared beside its lowering with
 ``@meta_kernel(op)`` (result shapes come from meta kernels); ``registration.py`` registers them
-all when the device loads, so importing a lowering module registers nothing with PyTorch.
+all when the device loads, so importing a lowering module registers nothing with PyTorch. An op
+eager serves with a device kernel (a view, a copy, an allocation) has no lowering; its value form
+in a compiled graph is declared with ``@graph_form(op)`` (``graph_forms.py``), and what an op
+needs to stay exact on inputs padded to a size bucket (dynamic shapes) with ``@padding_rule(op)``
+(``padding.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +85,10 @@ class Lowering:
 TABLE: dict[OpOverload, Lowering] = {}
 # Meta kernels the lowering modules declare for ops PyTorch has none for (``meta_kernel``).
 META_KERNELS: dict[OpOverload, Callable] = {}
+# The compiled path's forms of the ops eager serves with device kernels (``graph_form``).
+GRAPH_FORMS: dict = {}
+# How an op stays exact on inputs padded to a size bucket (``padding_rule``, ``padding.py``).
+PADDING_RULES: dict = {}
 
 
 def channels_last_of(v) -> torch.memory_format | None:
@@ -154,6 +162,30 @@ def meta_kernel(*ops: OpOverload) -> Callable:
                 raise RuntimeError(f"torchtpu.argument: {op} has two meta kernels: "
                                    f"{META_KERNELS[op]} and {fn}")
             META_KERNELS[op] = fn
+        return fn
+
+    return declare
+
+
+def graph_form(*ops) -> Callable:
+    """Declare the decorated JAX function as the compiled-graph form of each op (an ATen op
+    eager serves with a device kernel, or a Python operator of size arithmetic)."""
+    def declare(fn: Callable) -> Callable:
+        for op in ops:
+            GRAPH_FORMS[op] = fn
+        return fn
+
+    return declare
+
+
+def padding_rule(*ops) -> Callable:
+    """Declare the decorated function as the dynamic-shape padding rule of each op:
+    ``rule(node, layouts) -> masks`` (``padding.py`` says what it decides)."""
+    def declare(fn: Callable) -> Callable:
+        for op in ops:
+            if op in PADDING_RULES:
+                raise RuntimeError(f"torchtpu.argument: {op} has two padding rules")
+            PADDING_RULES[op] = fn
         return fn
 
     return declare

@@ -1,17 +1,16 @@
-"""JAX forms of the ATen ops that eager serves with device kernels instead of lowerings.
+"""Graph forms: JAX forms of the ATen ops that eager serves with device kernels, not lowerings.
 
 Eager runs views (``view``, ``permute``, ``slice``...), copies and allocation as kernels that
-touch tensor metadata or storages, so they have no entry in the lowering table. A compiled graph
-holds values, not storages: there a view is just the reshaped, transposed or sliced value, and
-an allocation is zeros. Only ops of that kind belong here; every op with math in it comes from
-``torchtpu.lowering.registry``.
+touch tensor metadata or storages (``device/kernels.py``), so they have no entry in the lowering
+table. A compiled graph holds values, not storages: there a view is just the reshaped, transposed
+or sliced value, and an allocation is zeros. Only ops of that kind belong here, each declared
+with ``@graph_form`` (``registry.GRAPH_FORMS``); every op with math in it has a lowering.
 """
 
 from __future__ import annotations
 
 import operator
 import sys
-from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -20,65 +19,54 @@ from jax import core, lax
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry, read_view, write_view
+from torchtpu.lowering.registry import graph_form
 
 aten = torch.ops.aten
-
-GRAPH_OPS: dict = {}
-
-
-def _graph_op(*ops) -> Callable:
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            GRAPH_OPS[op] = fn
-        return fn
-
-    return register
-
 
 def _dim(d: int, ndim: int) -> int:
     return d + max(ndim, 1) if d < 0 else d
 
 
-@_graph_op(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+@graph_form(aten.view.default, aten._unsafe_view.default, aten.reshape.default,
            aten._reshape_alias.default)
 def view(x, size, *_):
     return jnp.reshape(x, tuple(size))
 
 
-@_graph_op(aten.alias.default, aten.detach.default, aten.clone.default,
+@graph_form(aten.alias.default, aten.detach.default, aten.clone.default,
            aten.lift_fresh_copy.default, aten.lift_fresh.default)
 def alias(x, *_, **__):
     return x
 
 
-@_graph_op(aten.permute.default)
+@graph_form(aten.permute.default)
 def permute(x, dims):
     return jnp.transpose(x, [_dim(d, x.ndim) for d in dims])
 
 
-@_graph_op(aten.transpose.int)
+@graph_form(aten.transpose.int)
 def transpose(x, d0, d1):
     return jnp.swapaxes(x, _dim(d0, x.ndim), _dim(d1, x.ndim)) if x.ndim else x
 
 
-@_graph_op(aten.t.default)
+@graph_form(aten.t.default)
 def t(x):
     return x.T
 
 
-@_graph_op(aten.expand.default)
+@graph_form(aten.expand.default)
 def expand(x, size, implicit=False):
     lead = len(size) - x.ndim
     shape = [x.shape[i - lead] if n == -1 else n for i, n in enumerate(size)]
     return jnp.broadcast_to(x, tuple(shape))
 
 
-@_graph_op(aten.unsqueeze.default)
+@graph_form(aten.unsqueeze.default)
 def unsqueeze(x, d):
     return jnp.expand_dims(x, _dim(d, x.ndim + 1))
 
 
-@_graph_op(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
+@graph_form(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims)
 def squeeze(x, dims=None):
     if dims is None:
         dims = range(x.ndim)
@@ -107,20 +95,20 @@ def _slice_bounds(start, end, step: int, n) -> tuple:
     return start, core.max_dim(clamp(end, n), start)
 
 
-@_graph_op(aten.slice.Tensor)
+@graph_form(aten.slice.Tensor)
 def slice_(x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
     start, end = _slice_bounds(start, end, step, x.shape[dim])
     return lax.slice_in_dim(x, start, end, step, axis=dim)
 
 
-@_graph_op(aten.select.int)
+@graph_form(aten.select.int)
 def select(x, dim, index):
     dim = _dim(dim, x.ndim)
     return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
 
 
-@_graph_op(aten.split.Tensor, aten.split_with_sizes.default)
+@graph_form(aten.split.Tensor, aten.split_with_sizes.default)
 def split(x, sizes, dim=0):
     dim = _dim(dim, x.ndim)
     n = x.shape[dim]
@@ -131,18 +119,18 @@ def split(x, sizes, dim=0):
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True))
 
 
-@_graph_op(aten.unbind.int)
+@graph_form(aten.unbind.int)
 def unbind(x, dim=0):
     dim = _dim(dim, x.ndim)
     return tuple(lax.index_in_dim(x, i, axis=dim, keepdims=False) for i in range(x.shape[dim]))
 
 
-@_graph_op(aten.diagonal.default)
+@graph_form(aten.diagonal.default)
 def diagonal(x, offset=0, dim1=0, dim2=1):
     return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
 
 
-@_graph_op(aten.as_strided.default)
+@graph_form(aten.as_strided.default)
 def as_strided(x, size, stride, storage_offset=None):
     # The argument is a graph value, read as a C-contiguous storage of its own shape.
     g = Geometry(tuple(x.shape), x.dtype, tuple(size), tuple(stride), storage_offset or 0,
@@ -150,7 +138,7 @@ def as_strided(x, size, stride, storage_offset=None):
     return read_view(x, g)
 
 
-@_graph_op(aten.as_strided_scatter.default)
+@graph_form(aten.as_strided_scatter.default)
 def as_strided_scatter(x, src, size, stride, storage_offset=None):
     # AOTAutograd's form of a mutation through an aliased input; x is read as in as_strided.
     g = Geometry(tuple(x.shape), x.dtype, tuple(size), tuple(stride), storage_offset or 0,
@@ -158,7 +146,7 @@ def as_strided_scatter(x, src, size, stride, storage_offset=None):
     return write_view(x, src.astype(x.dtype), g)
 
 
-@_graph_op(aten.view.dtype)
+@graph_form(aten.view.dtype)
 def view_dtype(x, dtype):
     target = dtypes.to_jax(dtype)
     if np.dtype(target).itemsize != x.dtype.itemsize:
@@ -168,7 +156,7 @@ def view_dtype(x, dtype):
     return lax.bitcast_convert_type(x, target)
 
 
-@_graph_op(aten.view_as_complex.default)
+@graph_form(aten.view_as_complex.default)
 def view_as_complex(x):
     # (..., 2) pairs to complex values; a float16 pair computes as complex64 (device/dtypes.py).
     if x.dtype == jnp.float16:
@@ -176,49 +164,49 @@ def view_as_complex(x):
     return lax.complex(x[..., 0], x[..., 1])
 
 
-@_graph_op(aten.view_as_real.default)
+@graph_form(aten.view_as_real.default)
 def view_as_real(x):
     return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
 
 
-@_graph_op(aten._conj.default)
+@graph_form(aten._conj.default)
 def conj_view(x):
     # A view with the conjugate bit set in eager; as a value, the conjugate.
     return jnp.conj(x)
 
 
-@_graph_op(aten.copy.default)
+@graph_form(aten.copy.default)
 def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src, x.shape)
 
 
-@_graph_op(aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+@graph_form(aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 def to_copy(x, *_, **__):
     return x  # the result dtype comes from the node's meta and is applied by the caller
 
 
 # Allocations: the caller casts every result to the node's dtype, so float zeros suffice.
-@_graph_op(aten.empty.memory_format, aten.empty_strided.default)
+@graph_form(aten.empty.memory_format, aten.empty_strided.default)
 def empty(size, *_, **__):
     return jnp.zeros(tuple(size))
 
 
-@_graph_op(aten.new_empty.default, aten.new_empty_strided.default)
+@graph_form(aten.new_empty.default, aten.new_empty_strided.default)
 def new_empty(x, size, *_, **__):
     return jnp.zeros(tuple(size))
 
 
-@_graph_op(aten.empty_like.default)
+@graph_form(aten.empty_like.default)
 def empty_like(x, *_, **__):
     return jnp.zeros(x.shape)
 
 
-@_graph_op(aten.full_like.default)
+@graph_form(aten.full_like.default)
 def full_like(x, fill_value, *_, **__):
     return jnp.full(x.shape, fill_value)
 
 
-@_graph_op(aten._assert_tensor_metadata.default, aten._assert_async.msg,
+@graph_form(aten._assert_tensor_metadata.default, aten._assert_async.msg,
            aten.sym_constrain_range_for_size.default)
 def no_op(*_, **__):
     return None
@@ -228,9 +216,9 @@ def no_op(*_, **__):
 SIZE_ARITHMETIC = (operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod,
                    operator.truediv, operator.pow, operator.neg)
 for _fn in SIZE_ARITHMETIC:
-    GRAPH_OPS[_fn] = _fn
+    graph_form(_fn)(_fn)
 
 
-@_graph_op(aten.sym_size.int)
+@graph_form(aten.sym_size.int)
 def sym_size(x, dim):
     return x.shape[dim]
