@@ -1,8 +1,13 @@
 """One home per op (issue 36): an op's rules live in its lowering record, and only
 ``registration.py`` registers anything with PyTorch."""
 
+import ast
+import re
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 _IMPORT_REGISTERS_NOTHING = """
 import torch
@@ -26,3 +31,102 @@ def test_importing_the_lowering_modules_registers_nothing():
     out = subprocess.run([sys.executable, "-c", _IMPORT_REGISTERS_NOTHING], capture_output=True,
                          text=True, timeout=300, check=True).stdout
     assert out.split("\n")[-2] == "[] True", out
+
+
+# --------------------------------------------------------------------------- the AST scan
+# Run ``python tests/test_op_home.py [ROOT]`` for the figures of a checkout (bench/RESULTS.md
+# records them before and after issue 36).
+
+# Modules outside lowering/ that may name ATen ops, each with its reason.
+OP_NAMING_EXCEPTIONS = {
+    "device/": "the device's own kernels (allocation, copies, views, equal) are registered per op",
+    "compile/checkpoint.py": "builds the activation barrier's zero tie as FX nodes",
+    "compile/spmd.py": "builds the flatten / cat / split of bucketed collectives as FX nodes",
+    "compile/padded_cat.py": "the growing-cat path (KV caches) is a kernel for aten.cat",
+    "compile/eager_buckets.py": "routes aten.cat calls to that kernel",
+    "eager/sdpa_routing.py": "routes scaled_dot_product_attention to the fused overload",
+    "distributed/dtensor_sdpa.py": "DTensor's sharding strategy for the fused attention ops",
+}
+# The core layers, lowest first: an import from one into a later one is an arrow up.
+_LAYERS = ("runtime", "device", "lowering", "eager", "compile")
+
+
+def _modules(root: Path):
+    for path in sorted((root / "torchtpu").rglob("*.py")):
+        yield path.relative_to(root / "torchtpu").as_posix(), ast.parse(path.read_text())
+
+
+def _aten_names(tree: ast.AST) -> set:
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute):
+            v = node.value
+            if (isinstance(v, ast.Name) and v.id == "aten") or (
+                    isinstance(v, ast.Attribute) and v.attr == "aten"):
+                names.add(node.attr)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                and re.fullmatch(r"aten::\w+", node.value):
+            names.add(node.value[6:])
+    return names
+
+
+def _imported_modules(tree: ast.AST) -> dict:
+    """alias -> dotted torchtpu module, for ``import torchtpu.x as y`` / ``from torchtpu.x import
+    y`` (y a module or not: only attribute writes through it are counted)."""
+    out = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchtpu"):
+            for a in node.names:
+                out[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.startswith("torchtpu") and a.asname:
+                    out[a.asname] = a.name
+    return out
+
+
+def figures(root: Path) -> dict:
+    """Op names outside lowering/, overwritten slots of other modules, arrows up."""
+    ops_outside, slots, arrows = {}, set(), set()
+    for rel, tree in _modules(root):
+        layer = rel.split("/")[0]
+        if layer != "lowering":
+            names = _aten_names(tree)
+            if names:
+                ops_outside[rel] = names
+        aliases = _imported_modules(tree)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) \
+                        and t.value.id in aliases:
+                    slots.add((aliases[t.value.id], t.attr))
+            mod = node.module if isinstance(node, ast.ImportFrom) else None
+            if mod and mod.startswith("torchtpu.") and layer in _LAYERS:
+                up = mod.split(".")[1]
+                if up in _LAYERS and _LAYERS.index(up) > _LAYERS.index(layer):
+                    arrows.add((rel, mod))
+    return {"ops_outside": ops_outside, "slots": slots, "arrows": arrows}
+
+
+def _excepted(rel: str) -> bool:
+    return any(rel == e or (e.endswith("/") and rel.startswith(e)) for e in OP_NAMING_EXCEPTIONS)
+
+
+def test_no_module_outside_lowering_names_an_op():
+    found = figures(ROOT)["ops_outside"]
+    assert {rel: sorted(n) for rel, n in found.items() if not _excepted(rel)} == {}
+    # Every exception is still needed.
+    assert {e for e in OP_NAMING_EXCEPTIONS if not any(
+        rel == e or (e.endswith("/") and rel.startswith(e)) for rel in found)} == set()
+
+
+if __name__ == "__main__":
+    f = figures(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT)
+    ops = f["ops_outside"]
+    outside = {rel: n for rel, n in ops.items() if not _excepted(rel)}
+    print(f"op names outside lowering/: {sum(map(len, ops.values()))} in {len(ops)} modules; "
+          f"outside the listed exceptions: {sum(map(len, outside.values()))} in "
+          f"{len(outside)} modules {sorted(outside)}")
+    print(f"slots of other modules overwritten: {len(f['slots'])} {sorted(f['slots'])}")
+    print(f"arrows up: {len(f['arrows'])} {sorted(f['arrows'])}")

@@ -44,6 +44,7 @@ import torch.fx as fx
 from torchtpu.compile.buckets import size_expr as _expr
 from torchtpu.eager import schema
 from torchtpu.lowering import padding
+from torchtpu.lowering.graph_forms import INPUT_WRITE
 from torchtpu.lowering.padding import Refused
 from torchtpu.lowering.padding import val as _val
 
@@ -225,7 +226,7 @@ def plan(gm: fx.GraphModule, traced_of) -> Plan | str:
                 if n.op == "call_function":
                     layouts[n] = _layout_of(n, layouts, order)
                 continue
-            if n.target is padding.INPUT_WRITE:
+            if n.target is INPUT_WRITE:
                 raise Refused("an input with a symbolic size is mutated")
             layouts[n] = _layout_of(n, layouts, order)
             node_masks = padding.masks(n, layouts)

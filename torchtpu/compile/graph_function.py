@@ -34,11 +34,10 @@ from torchtpu.eager.program import (
     cast_outputs,
     rebuild,
 )
-from torchtpu.lowering import checks
+from torchtpu.lowering import checks, graph_forms
 from torchtpu.lowering.registry import GRAPH_FORMS, Lowering, lookup
 
 OpOverload = torch._ops.OpOverload
-aten = torch.ops.aten
 
 
 def missing_lowering(op) -> NotImplementedError:
@@ -82,10 +81,10 @@ class _Step:
         self.dtypes = result_dtypes(node.meta.get("val"))
         if op is operator.getitem:
             return
-        if op is aten.copy_.default and node.args[0].op == "placeholder":
+        if op is graph_forms.INPUT_WRITE and node.args[0].op == "placeholder":
             # An input mutation kept in an inference graph: the new value becomes an extra
             # output that the caller writes into the input tensor.
-            self.graph_op = GRAPH_FORMS[aten.copy.default]
+            self.graph_op = graph_forms.copy
             return
         if self.lowering is None:
             self.graph_op = GRAPH_FORMS.get(op)
@@ -233,7 +232,7 @@ class GraphFunction:
         self.check_errors: list = []
         # (position in the placeholders, copy_ node) for each input the graph mutates.
         self.mutations = [(self.placeholders.index(s.node.args[0]), s.node) for s in self.steps
-                          if s.node.target is aten.copy_.default
+                          if s.node.target is graph_forms.INPUT_WRITE
                           and s.node.args[0].op == "placeholder"]
 
     def run(self, arrays: tuple, constants: tuple, scalars: tuple, keys: tuple,

@@ -32,6 +32,7 @@ from torchtpu.compile import control_flow
 from torchtpu.compile.backend import decompositions
 from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.device import dtypes, kernels
+from torchtpu.lowering import graph_forms
 from torchtpu.lowering.registry import GRAPH_FORMS, lookup
 
 OpOverload = torch._ops.OpOverload
@@ -68,7 +69,7 @@ def _refuse_unservable(gm: fx.GraphModule) -> None:
             continue
         op = node.target
         if isinstance(op, OpOverload) and lookup(op) is None and op not in GRAPH_FORMS \
-                and op is not torch.ops.aten.copy_.default:
+                and op is not graph_forms.INPUT_WRITE:
             raise NotImplementedError(_error(
                 f"aten op '{op}' (called in {module_path(node)}) has no tpu lowering, so it "
                 "cannot be exported to JAX; rewrite that code with other ops or add a lowering "

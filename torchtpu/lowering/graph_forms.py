@@ -180,6 +180,11 @@ def copy(x, src, non_blocking=False):
     return jnp.broadcast_to(src, x.shape)
 
 
+# How a graph writes into one of its inputs (AOTAutograd keeps it in an inference graph): as a
+# value, ``copy``'s form, whose result the caller writes into the input tensor.
+INPUT_WRITE = aten.copy_.default
+
+
 @graph_form(aten._to_copy.default, torch.ops.prims.convert_element_type.default)
 def to_copy(x, *_, **__):
     return x  # the result dtype comes from the node's meta and is applied by the caller

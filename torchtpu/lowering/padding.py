@@ -57,8 +57,6 @@ SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0), (aten.arange
 RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
 # Ops that read sizes, never values: they take no symbolic size as a number.
 SIZE_READS = {aten.sym_size.int, operator.getitem, *SIZE_ARITHMETIC}
-# The op by which a graph writes into one of its inputs (refused when that input is padded).
-INPUT_WRITE = aten.copy_.default
 # Means (argument index of their dims, None for every dim): the padded program sums the masked
 # input and divides by the real count.
 MEAN_DIMS = {aten.mean.dim: 1, aten.mean.default: None}
