@@ -55,17 +55,8 @@ def models():
     return cpu, tpu.to("tpu"), prompt, _greedy(cpu, prompt, 28)
 
 
-# Known regression (0d61d84, SDPA's results laid out as the meta kernel lays them): Debug and
-# DeferAndFuse cut bucketed results at once, so the layout copy still compiles per length there
-# (5f342b5 fixed Strict). strict=True: the mark goes when the fix lands.
-_LAYOUT_COPY = pytest.mark.xfail(strict=True, reason="SDPA's layout copy compiles per length "
-                                 "in Debug and DeferAndFuse (since 0d61d84)")
-
-
-@pytest.mark.parametrize("mode", [
-    EagerMode.DEFER_NEVER,
-    pytest.param(EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING, marks=_LAYOUT_COPY),
-    pytest.param(EagerMode.DEFER_AND_FUSE, marks=_LAYOUT_COPY)])
+@pytest.mark.parametrize("mode", [EagerMode.DEFER_NEVER, EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
+                                  EagerMode.DEFER_AND_FUSE])
 def test_growing_loop_compiles_per_bucket_not_per_length(models, mode):
     _, model, prompt, expected = models
     with set_eager_mode(mode):

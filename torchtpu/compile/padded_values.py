@@ -18,7 +18,6 @@ padded graph: ``dynamic.plan`` masks every input of a call that mixes positions.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -68,28 +67,22 @@ class Padded(tensors.Deferred):
 
     def copy_into(self, dst, src) -> bool:
         """Write src (a view of the storage holding self) into dst padded, when dst is its
-        whole storage of src's shape and dtype, dense in some order of its dims (a result laid
-        out as the meta kernel lays it: SDPA's output in its query's order), and src's view
-        keeps its padding whole (a program per bucket reads it, and lays it out); False: copy
-        it as usual (a cut)."""
+        whole storage of src's shape and dtype and src's view keeps its padding whole (a
+        program per bucket reads it); False: copy it as usual (a cut)."""
         if tensors.capture is not None or tensors.deferrer is not None \
                 or executor.current().name == "debug" or src.is_conj() \
                 or src.is_neg() or dst.dtype != src.dtype or dst.shape != src.shape \
-                or dst.storage_offset() != 0 or dst.untyped_storage().nbytes() != \
-                dst.numel() * dst.element_size() or dst.is_conj() or dst.is_neg():
+                or not tensors.covers_storage(dst) or dst.is_conj() or dst.is_neg():
             return False
-        order = _dense_order(dst)
         got = source(src, self)
-        if order is None or got is None or got[1] or got[2] == tuple(src.shape):
+        if got is None or got[1] or got[2] == tuple(src.shape):
             return False  # a window (real-sized) or nothing padded: the usual copy is as good
         src_, starts, shape = got
         # A storage never shares its array with another.
         array = tensors.fresh_copy(self.array) if src_ is WHOLE else \
             read_now(self.array, starts, src_)
-        if order != tuple(range(len(order))):
-            array = tensors.call(_transposer(order), array)
         dst.untyped_storage()._tpu_array = Padded(
-            array, tuple((src.shape[d],) for d in order), tuple((shape[d],) for d in order))
+            array, tuple((n,) for n in src.shape), tuple((n,) for n in shape))
         metrics.count("eager_padded_copies")
         return True
 
@@ -108,23 +101,6 @@ class Padded(tensors.Deferred):
 
     def __jax_array__(self):
         return self.resolve()
-
-
-def _dense_order(t) -> tuple | None:
-    """The order of t's dims in its storage, outermost first, when its elements fill the
-    storage densely in that order; None otherwise."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    expected = 1
-    for d in reversed(order):
-        if t.shape[d] != 1 and t.stride(d) != expected:
-            return None
-        expected *= t.shape[d]
-    return order
-
-
-@functools.cache
-def _transposer(order: tuple):
-    return jax.jit(lambda a: a.transpose(order))
 
 
 def cut(host: np.ndarray, real: tuple, padded: tuple) -> np.ndarray:

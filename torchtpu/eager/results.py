@@ -32,14 +32,14 @@ def laid_out(d, fmt):
 
 
 def lay_out(t: torch.Tensor, fmt: torch.memory_format | tuple) -> torch.Tensor:
-    """t in layout fmt (a memory format, or strides): CPU's strides, the row-major array copied
-    into a tensor of that layout (a transposing write into its storage), as CUDA's kernels
-    write channels-last."""
-    if isinstance(fmt, tuple):
-        laid = torch.empty_strided(t.shape, fmt, dtype=t.dtype, device=t.device)
-    else:
-        laid = torch.empty(t.shape, dtype=t.dtype, device=t.device, memory_format=fmt)
-    return laid.copy_(t)
+    """t in layout fmt (a memory format, or strides): CPU's strides, as CUDA's kernels write
+    channels-last. The storage is t's dims in fmt's order made contiguous (``clone`` of a
+    permuted view: an op call, which a growing loop runs padded at its size buckets as any
+    other, where a copy into an ``empty_strided`` tensor compiled per length), viewed back."""
+    if not isinstance(fmt, tuple):
+        fmt = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt).stride()
+    order = sorted(range(t.dim()), key=lambda d: (-fmt[d], d))
+    return t.permute(order).contiguous().as_strided(t.shape, fmt)
 
 
 def _in_layout(t: torch.Tensor, fmt: torch.memory_format | tuple) -> bool:
