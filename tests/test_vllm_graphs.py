@@ -97,7 +97,7 @@ def on_event(event, **kwargs):
         compiles[0] += 1
 jax.monitoring.register_event_duration_secs_listener(on_compile)
 jax.monitoring.register_event_listener(on_event)
-llm = vllm.LLM(model=model, dtype="float32", max_model_len=128, max_num_seqs=8,
+llm = vllm.LLM(model=model, dtype=sys.argv[4], max_model_len=128, max_num_seqs=8,
                max_num_batched_tokens=64, gpu_memory_utilization=0.01,
                kv_cache_memory_bytes=4 << 20)
 runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
@@ -130,10 +130,15 @@ print("RESULT " + json.dumps({
 """
 
 
-@pytest.mark.parametrize("budget", ["default", "0"])
-def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_path, budget):
+@pytest.mark.parametrize("budget,dtype", [
+    ("default", "float32"), ("0", "float32"),
+    pytest.param("default", "bfloat16", marks=pytest.mark.full)])
+def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_path, budget,
+                                                                          dtype):
     """With budget 0 no bucket of steps with prefills pads to the whole context: they pad to
-    each step's longest query and context, captured (and compiled) when first met."""
+    each step's longest query and context, captured (and compiled) when first met. bfloat16:
+    the program's logits are float32 (vLLM's sampler's dtype), else its cast and the sampler's
+    ops ran eagerly, 4 programs more a step and compiles after start-up."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from transformers import AutoModelForCausalLM
 
@@ -143,7 +148,8 @@ def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_pa
     # 5 requests (padded to 8), prompts of 3 to 40 tokens: contexts of 1 to 4 blocks
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 17, 30, 40))]
     env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    proc = subprocess.run([sys.executable, "-c", _SERVE, model_dir, json.dumps(prompts), budget],
+    proc = subprocess.run([sys.executable, "-c", _SERVE, model_dir, json.dumps(prompts), budget,
+                           dtype],
                           env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
@@ -164,6 +170,9 @@ def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_pa
     # column); the tokens' copy to the host is no program (a step that captures launches more)
     if budget == "default":
         assert [n for _, _, n in steps] == [1] * len(steps), steps
+    if dtype == "bfloat16":  # HF's float32 tokens part from bfloat16 ones: the rounds agree
+        assert got["tokens"][0] == got["tokens"][1], got
+        return
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     for ids, first, again in zip(prompts, *got["tokens"]):
         want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,

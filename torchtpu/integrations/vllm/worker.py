@@ -189,7 +189,10 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             # the sampled rows' hidden states, logits and greedy tokens (vLLM's sampler's
             # int32 column), in the program too
             hidden = forward()[self._sample_rows[:reqs]]
-            logits = self._model_compute_logits(hidden)
+            # float32, as vLLM's sampler casts them first: a bfloat16 model's logits would
+            # otherwise take that cast and the sampler's ops eagerly, programs of their own
+            # (and compiles) at every step; the greedy tokens are the cast logits' argmax
+            logits = self._model_compute_logits(hidden).float()
             return hidden, logits, logits.argmax(dim=-1).to(torch.int32)[:, None]
 
         if key is None:  # prepared on the host, yet not captured: copy it in
