@@ -1,6 +1,7 @@
-"""Test settings: no silent CPU fallback, a fixed seed per test, ``fresh_dynamo``, and the
-``full`` marker: such tests (larger shapes, slower integrations) run only with
-``TORCHTPU_TESTS=full``, so the default suite stays inside CI's budget.
+"""Test settings: no silent CPU fallback, a fixed seed per test, torchrun's variables left as
+each test found them, ``fresh_dynamo``, and the ``full`` marker: such tests (larger shapes,
+slower integrations) run only with ``TORCHTPU_TESTS=full``, so the default suite stays inside
+CI's budget.
 
 ``TORCHTPU_TESTS_REQUIRE=mod,mod`` names modules the run must be able to import (CI's main stage
 lists its extras'): the tests that need them skip where they are missing, so a broken install
@@ -57,6 +58,20 @@ def pytest_collection_modifyitems(config, items):
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+# torchrun's variables: a test that leaves them set changes what later tests on its worker
+# start (a leaked WORLD_SIZE=2 made HF's Trainer start a two-process CPU group and fail).
+_LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                     "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.fixture(autouse=True)
+def _launch_variables_kept():
+    before = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    yield
+    after = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
+    assert after == before, f"the test changed torchrun's variables: {before} -> {after}"
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import warnings
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -215,10 +216,14 @@ def _scaled_sum(scale, x):
     return float(sum(x) * scale)
 
 
-def test_prepare_tpu_environment_and_the_worker_wrapper(monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    wrapper = singlehost_wrapper.tpu_env_wrapper(_scaled_sum, 3, world_size=2)
-    assert os.environ["WORLD_SIZE"] == "2"
+def test_prepare_tpu_environment_and_the_worker_wrapper():
+    # It sets this process's variables, as asked; they must not outlive the test (a WORLD_SIZE
+    # of 2 made a later Trainer in this worker start a two-process CPU group). monkeypatch's
+    # delenv of an unset variable restores nothing, so the whole environment is put back.
+    with mock.patch.dict(os.environ):
+        os.environ.pop("WORLD_SIZE", None)
+        wrapper = singlehost_wrapper.tpu_env_wrapper(_scaled_sum, 3, world_size=2)
+        assert os.environ["WORLD_SIZE"] == "2"
     again = pickle.loads(pickle.dumps(wrapper))  # torchrun's workers receive it pickled
     assert again([1, 2]) == 9.0 and again.__name__ == "_scaled_sum"
     with pytest.raises(ValueError, match="torchtpu.argument: world_size"):
