@@ -36,6 +36,11 @@ def test_docs_search_cites_the_section_that_answers():
     doc = docs_search.search("persistent compile cache eviction least recently used")
     assert doc["covered"] and any(r["source"].startswith("torchtpu/runtime/")
                                   for r in doc["results"]), doc
+    # A table row is a section of its own, cited by its first cell: the setting that answers
+    # (the whole Settings table, ~40 rows, weighed too little for its length).
+    assert doc["results"][0]["title"] == "Settings > TORCHTPU_CACHE_MAX_BYTES", doc
+    assert _line(doc["results"][0]["source"], doc["results"][0]["line"]).startswith(
+        "| `TORCHTPU_CACHE_MAX_BYTES` |")
 
 
 def test_docs_search_says_when_a_topic_is_not_covered():

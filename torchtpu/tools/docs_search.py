@@ -2,14 +2,14 @@
 
 The corpus is torchtpu's documentation: the README and, in a checkout, the pages of ``docs/``
 (one section per heading, and one per bullet of a long bulleted section such as "What works", so
-a citation names the feature), the error glossary
-(``torchtpu.errors.GLOSSARY``, one entry per category), ``tools/SKILL.md`` and every module's
-docstring. ``search(query)`` ranks sections by BM25 over their words (no network, no model; the
-index is built once per process, in well under a second) and cites each hit by file, section and
-line. A question is *covered* when the best section holds the terms that carry at least half of
-the query's weight (rare words weigh most, words no section has weigh the most), so a question
-about something torchtpu does not document comes back ``covered: false`` with the nearest
-sections, instead of a confident wrong answer.
+a citation names the feature, and one per row of a table, so it names the setting), the error
+glossary (``torchtpu.errors.GLOSSARY``, one entry per category), ``tools/SKILL.md`` and every
+module's docstring. ``search(query)`` ranks sections by BM25 over their words (no network, no
+model; the index is built once per process, in well under a second) and cites each hit by file,
+section and line. A question is *covered* when the best section holds the terms that carry at
+least half of the query's weight (rare words weigh most, words no section has weigh the most),
+so a question about something torchtpu does not document comes back ``covered: false`` with the
+nearest sections, instead of a confident wrong answer.
 ``python -m torchtpu.tools.docs_search "question" [--json]`` prints the same.
 """
 
@@ -75,8 +75,21 @@ def _bullet_title(bullet: str) -> str:
     return (bold.group(1) if bold else bullet[2:60]).strip(" .:")
 
 
+def _row(lines: list[str], i: int) -> bool:
+    """Whether lines[i] is a table's data row (not its header, which no row precedes, nor the
+    row of dashes under it)."""
+    line = lines[i]
+    return (line.startswith("|") and i > 0 and lines[i - 1].startswith("|")
+            and not re.fullmatch(r"[|\s:-]+", line))
+
+
+def _row_title(row: str) -> str:
+    return row.strip("|").split("|")[0].replace("`", "").strip()
+
+
 def markdown_sections(text: str, source: str) -> list[Section]:
-    """One section per heading; a section of top-level bullets gives one per bullet too."""
+    """One section per heading; a section of top-level bullets gives one per bullet too, and
+    a table one per row (titled by its first cell: a setting, an error category)."""
     out: list[Section] = []
     path: list[str] = []
     body: list[str] = []
@@ -85,13 +98,19 @@ def markdown_sections(text: str, source: str) -> list[Section]:
 
     def close() -> None:
         title = " > ".join(path) or source
-        firsts = [i for i, line in enumerate(body) if line.startswith("- ")]
+        firsts = [i for i, line in enumerate(body) if line.startswith("- ") or _row(body, i)]
         intro = body[:firsts[0]] if firsts else body
         if any(line.strip() for line in intro):
             out.append(Section(source, title, start + 1, "\n".join(intro)))
         for a, b in zip(firsts, [*firsts[1:], len(body)]):
-            out.append(Section(source, f"{title} > {_bullet_title(body[a])}", start + a + 1,
-                               "\n".join(body[a:b])))
+            if not _row(body, a):  # a bullet, with the lines that continue it
+                out.append(Section(source, f"{title} > {_bullet_title(body[a])}",
+                                   start + a + 1, "\n".join(body[a:b])))
+                continue
+            out.append(Section(source, f"{title} > {_row_title(body[a])}", start + a + 1,
+                               body[a]))
+            if any(line.strip() for line in body[a + 1:b]):  # text after the table
+                out.append(Section(source, title, start + a + 2, "\n".join(body[a + 1:b])))
 
     for n, line in enumerate(text.splitlines(), 1):
         if line.startswith("```"):
