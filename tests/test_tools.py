@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtpu.device import kernels
+from torchtpu.device.hooks import HOOKS
 from torchtpu.tools import diagnose, doctor, onboard
 from torchtpu.tools.target import ToolError
 from torchtpu.tools.watch import Watch
@@ -156,7 +156,7 @@ def test_diagnose_names_a_per_step_item():
     assert d.profile["device_busy_share"] > 0 and d.profile["span_ms"] > 0
     assert any(p["name"].startswith("aten::") for p in d.profile["device"]), d.profile
     assert "programs by device time" in diagnose.format_report(d)
-    assert kernels.host_read_watcher is None  # the hook is off again
+    assert HOOKS.host_read_watcher is None  # the hook is off again
 
 
 def test_diagnose_names_a_shape_that_recompiles():

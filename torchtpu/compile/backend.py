@@ -44,12 +44,13 @@ from torchtpu.compile import (
     reduce_overhead,
 )
 from torchtpu.compile import options as options_mod
-from torchtpu.compile import spmd as spmd_mod
 from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.device import asserts, dtypes, kernels, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
 from torchtpu.eager import capture as capture_mod
+from torchtpu.eager.spmd import Spmd
 from torchtpu.lowering.registry import GRAPH_FORMS, lookup
 from torchtpu.runtime import launch, transfer
 
@@ -164,7 +165,7 @@ class CompiledGraph:
     """One AOTAutograd graph: reads inputs, runs the cached XLA program, wraps outputs."""
 
     def __init__(self, gm: fx.GraphModule, kind: str, opts: options_mod.Options,
-                 spmd: spmd_mod.Spmd | None = None) -> None:
+                 spmd: Spmd | None = None) -> None:
         # AOTAutograd hands a list we may clear, freeing inputs early. An instance attribute,
         # since wrappers (functools.wraps) copy __dict__ only.
         self._boxed_call = True
@@ -269,7 +270,7 @@ class CompiledGraph:
             run = functools.partial(self.fn.run, symbols=tuple(symbols), plan=None)
             fn = self._recordable[tuple(symbols)] = jax.jit(
                 _merging(run, (), frozenset(self.forwarded)))
-        return list(tensors.capture.recording.record(fn, call))
+        return list(HOOKS.capture.recording.record(fn, call))
 
     def _program(self, arrays, call: tuple, symbols, donate: tuple):
         # Donating other inputs is another program: XLA aliases them to outputs.
@@ -352,7 +353,7 @@ class CompiledGraph:
         raised at the next host read (none inside a capture, whose replays could not)."""
         n = len(self.fn.check_errors)
         outs, flags = outs[:-n], outs[-n:]
-        if tensors.capture is None:
+        if HOOKS.capture is None:
             where = executor.user_location()
             for flag, (op, error) in zip(flags, self.fn.check_errors, strict=True):
                 asserts.add(flag, functools.partial(at_call.check_error, op, error), where)
@@ -378,7 +379,7 @@ class CompiledGraph:
         if self.host_cones:
             env = {n: args[k] for k, n in self.cpu_placeholders}
             on_host = {k: host_cones.value(node, env) for k, node in self.host_cones.items()}
-        capturing = tensors.capture is not None
+        capturing = HOOKS.capture is not None
         arrays, symbols = self._read(args, capturing)
         values = None
         donate = ()

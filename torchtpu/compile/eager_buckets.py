@@ -48,7 +48,8 @@ from torchtpu.compile.one_node import int_tuple as _int_tuple
 from torchtpu.compile.one_node import is_int as _is_int
 from torchtpu.compile.padded_values import WHOLE
 from torchtpu.device import dtypes, tensors
-from torchtpu.eager import dispatch, executor, meta
+from torchtpu.device.hooks import HOOKS
+from torchtpu.eager import executor, meta
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import platform, transfer
@@ -70,13 +71,13 @@ _abstract: dict = {}  # spec -> its entries with integer constants left out
 def set_enabled(on: bool) -> None:
     """Route eager calls through ``before`` and ``run`` (and varying views through
     ``read_view``), or not."""
-    dispatch.growing = run if on else None
-    dispatch.padded_inputs = before if on else None
-    tensors.view_reader = read_view if on else None
+    HOOKS.growing = run if on else None
+    HOOKS.padded_inputs = before if on else None
+    HOOKS.view_reader = read_view if on else None
 
 
 def enabled() -> bool:
-    return dispatch.growing is run
+    return HOOKS.growing is run
 
 
 
@@ -133,7 +134,7 @@ class _Call:
 
 def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     """The call's results, padded to buckets or with its views read on the host; None when it
-    should run as usual (``dispatch.growing``)."""
+    should run as usual (``HOOKS.growing``)."""
     # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
@@ -144,7 +145,7 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     ran = _exact.get(exact)
     if ran is not None and not call_sites.grows(ran[1]):
         return None
-    if tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
+    if HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
             or _in_backward():
         return None  # a capture's replays could not repeat host padding; keys: random draws
     call = _Call(lowering, spec, values, dyn)
@@ -158,12 +159,12 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
 
 def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
     """The results of a call that reads a storage holding a ``Padded`` value, run on the padded
-    arrays; None to run it as usual, which cuts them (``dispatch.padded_inputs``)."""
+    arrays; None to run it as usual, which cuts them (``HOOKS.padded_inputs``)."""
     _writes[0] = writes
     if not padded_values.made[0] or not any(padded_values.held(t) is not None
                                             for t in _tensors_of(values)):
         return None
-    if writes or tensors.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
+    if writes or HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
             or _in_backward():
         return None
     dyn = []
@@ -200,7 +201,7 @@ def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure:
         return None
     # Debug checks each result at its real size; under DeferAndFuse the recordings between the
     # cuts of padded values made a fused program per length (8 in 6 lengths): both cut at once.
-    keep = not _writes[0] and tensors.deferrer is None and executor.current().name != "debug"
+    keep = not _writes[0] and HOOKS.deferrer is None and executor.current().name != "debug"
     if any(family.varying):
         if lowering.op is _CAT:
             return padded_cat.run(_programs, spec, values, call.tensors, family.varying,
@@ -251,8 +252,8 @@ _exact_views: dict = {}    # geometries read by their own program
 
 def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
     """A view read on the host once views of its kind (ranks and dtypes of it and its storage)
-    have been read at another geometry; None: read it as usual (``tensors.view_reader``)."""
-    if tensors.capture is not None or _in_backward():
+    have been read at another geometry; None: read it as usual (``HOOKS.view_reader``)."""
+    if HOOKS.capture is not None or _in_backward():
         return None
     if g in _exact_views:
         return None

@@ -28,6 +28,7 @@ from jax import lax
 
 from torchtpu import metrics
 from torchtpu.device import dtypes, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import Geometry, read_view
 from torchtpu.eager import executor
 from torchtpu.runtime import platform, transfer
@@ -69,7 +70,7 @@ class Padded(tensors.Deferred):
         """Write src (a view of the storage holding self) into dst padded, when dst is its
         whole storage of src's shape and dtype and src's view keeps its padding whole (a
         program per bucket reads it); False: copy it as usual (a cut)."""
-        if tensors.capture is not None or tensors.deferrer is not None \
+        if HOOKS.capture is not None or HOOKS.deferrer is not None \
                 or executor.current().name == "debug" or src.is_conj() \
                 or src.is_neg() or dst.dtype != src.dtype or dst.shape != src.shape \
                 or not tensors.covers_storage(dst) or dst.is_conj() or dst.is_neg():
@@ -261,8 +262,8 @@ def read_now(array, starts: tuple, src: Source):
 
 def run(jitted, args: tuple, label, executor):
     """jitted(*args) now (Strict) or recorded (DeferAndFuse)."""
-    if tensors.deferrer is not None:
+    if HOOKS.deferrer is not None:
         metrics.count("executions")
-        return tensors.deferrer.record(jitted, args)
+        return HOOKS.deferrer.record(jitted, args)
     return executor.run_program(label, jitted, args)
 

@@ -20,6 +20,7 @@ import torch
 from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, memory_limit, overlap, tensors
 from torchtpu.device import storage as storages
+from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import _bitcast_flat, read_view
 from torchtpu.runtime import launch, platform, transfer, warm
 
@@ -99,19 +100,15 @@ def _filled_if_deterministic(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-# Every host read (``.item()``, ``.cpu()``, ``print``) goes through to_numpy. A tool that
-# watches them (``torchtpu.tools``) sets this to ``fn(nbytes, seconds)``; while it is None a read
-# pays one global lookup and no clock.
-host_read_watcher = None
-
-
 def to_numpy(t: torch.Tensor) -> np.ndarray:
-    """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer)."""
-    if tensors.capture is not None:
-        tensors.capture.host_read()
-    if tensors.deferrer is not None:
-        tensors.deferrer.host_read()
-    watcher = host_read_watcher
+    """A CPU copy of device tensor t as a NumPy array (never aliasing a device buffer). Every
+    host read (``.item()``, ``.cpu()``, ``print``) comes here, which tells the capture, the
+    deferring executor and a watching tool (``HOOKS``)."""
+    if HOOKS.capture is not None:
+        HOOKS.capture.host_read()
+    if HOOKS.deferrer is not None:
+        HOOKS.deferrer.host_read()
+    watcher = HOOKS.host_read_watcher
     start = time.perf_counter() if watcher is not None else 0.0
     # A copy: a donated buffer must never back a CPU tensor.
     array = launch.wait(np.array, tensors.read(t))
@@ -175,7 +172,7 @@ def read_converted(src: torch.Tensor, dtype: torch.dtype, shape: tuple):
     array, g = tensors.read_parts(src)
     jax_dtype = dtypes.to_jax(dtype)
     if g is not None:
-        value = None if tensors.view_reader is None else tensors.view_reader(src, array, g)
+        value = None if HOOKS.view_reader is None else HOOKS.view_reader(src, array, g)
         if value is None:
             if np.dtype(g.dtype) == jax_dtype and g.size == shape:  # a read alone
                 return tensors.read(src)

@@ -13,6 +13,7 @@ import weakref
 import numpy as np
 import torch
 
+from torchtpu.device.hooks import HOOKS
 from torchtpu.runtime import platform
 
 _DEFAULT_SEED = 67280421310721  # PyTorch's default_generator seed
@@ -86,14 +87,11 @@ class TpuGenerator(torch._C.Generator):
         s = self._seed
         data = np.array([s & 0xFFFFFFFF, s >> 32, offset & 0xFFFFFFFF, offset >> 32],
                         dtype=np.uint32)
+        on_draw = HOOKS.on_draw
         if on_draw is not None:
             on_draw(self, data)
         return data
 
-
-# Called with (generator, key data) for every draw while a capture (``eager/capture.py``) is in
-# progress: replaying it draws again from the same generators.
-on_draw = None
 
 _defaults: dict[int, TpuGenerator] = {}
 

@@ -20,6 +20,7 @@ from jax._src.array import ArrayImpl
 from torchtpu import errors
 from torchtpu.device import dtypes, memory_history
 from torchtpu.device import storage as storages
+from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import (
     Geometry,
     check_in_bounds,
@@ -113,6 +114,7 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     size = tuple(array.aval.shape if type(array) is _ArrayImpl else array.shape)
     if dtype is torch.complex32:
         array = stored_form(array, dtype)
+    capture = HOOKS.capture
     if capture is None:
         return _contiguous(size, dtype, math.prod(size) * dtype.itemsize, array)
     t = _contiguous(size, dtype, math.prod(size) * dtype.itemsize)
@@ -194,28 +196,19 @@ def donation_refusal(t: torch.Tensor, param: str, call_tensors: list) -> str | N
                 f"({param}.clone()) if they must live")
     if sum(a.untyped_storage().data_ptr() == st.data_ptr() for a in call_tensors) > 1:
         return "the same storage is passed in another argument of this call too"
-    if capture is not None:
+    if HOOKS.capture is not None:
         return ("it is used inside a graph capture, whose replays could not repeat the "
                 "donation; drop donate_argnums for captured code")
     return None
 
 
-# The deferring executor's recorder while DeferAndFuse is active, else None: view readers and
-# writers are then recorded into the pending program instead of run at once.
-deferrer = None
-
-
 def call(fn, *args):
-    """fn (a pure jitted function of storage arrays) applied now, or recorded while deferring."""
-    recorder = deferrer
+    """fn (a pure jitted function of storage arrays) applied now, or recorded while deferring
+    (``HOOKS.deferrer``)."""
+    recorder = HOOKS.deferrer
     if recorder is not None:
         return recorder.record(fn, args)
     return launch.run(None, fn, args)
-
-
-# The capture in progress (``eager/capture.py``), else None. It is told of every storage read or
-# written, so that replaying the capture can read and rebind the same storages.
-capture = None
 
 
 # A copy into a new buffer, jitted: ``jax.Array.copy()`` goes through slow Python paths.
@@ -294,6 +287,7 @@ def storage_array(t: torch.Tensor):
     """The array behind t's storage, materializing zeros for a never-written storage."""
     st = t.untyped_storage()
     array = stored_array(st)
+    capture = HOOKS.capture
     if array is None:
         if _covers_storage(t, st) and t.dtype is not torch.complex32:
             zeros = _zeros(tuple(t.shape), dtypes.to_jax(t.dtype))
@@ -340,16 +334,12 @@ def _parts(t: torch.Tensor) -> tuple:
     return (array, None) if _is_whole(t, array) else (array, _geometry(t, array))
 
 
-# An upper layer's hook for views whose geometry varies between reads (``compile/eager_buckets``):
-# ``view_reader(t, array, geometry)`` gives t's value read without a program per geometry, or None.
-view_reader = None
-
-
 def read(t: torch.Tensor) -> jax.Array:
     """The value of device tensor t (any view) as a JAX array of t's shape and dtype."""
     array, g = _parts(t)
     if g is not None:
-        value = None if view_reader is None else view_reader(t, array, g)
+        reader = HOOKS.view_reader
+        value = None if reader is None else reader(t, array, g)
         array = call(_reader(g), array) if value is None else value
     if t.is_conj() or t.is_neg():
         array = _apply_lazy_bits(t, array)
@@ -364,6 +354,7 @@ def read_parts(t: torch.Tensor) -> tuple:
     # Every op's and every compiled graph's every tensor argument comes here: the common case (a
     # computed array that is t whole) is tested first, with the cheapest reads there are (the
     # array's aval, not its shape and dtype properties: a third of the cost).
+    capture = HOOKS.capture
     if (type(array) is _ArrayImpl and capture is None and t.storage_offset() == 0
             and t.is_contiguous() and not t.is_neg() and not t.is_conj()):
         aval = array.aval
@@ -384,6 +375,7 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     st = t.untyped_storage()
     if _covers_storage(t, st):
         value = stored_form(value, t.dtype)
+        capture = HOOKS.capture
         if capture is not None:
             capture.seen(st)
             value = capture.recorded(value)
@@ -394,7 +386,7 @@ def write(t: torch.Tensor, value: jax.Array) -> None:
     donate = id(array) not in lent
     # A run's offset goes in as an argument, in plain eager only: a deferred or captured program
     # keeps the static writer (its recording and replay take storage arrays as inputs).
-    run = run_of(g) if deferrer is None and capture is None else None
+    run = run_of(g) if HOOKS.deferrer is None and HOOKS.capture is None else None
     if run is not None:
         check_in_bounds(g)
         st._tpu_array = call(_run_writers[donate], array, value, np.int64(g.offset))

@@ -20,6 +20,7 @@ import torch
 from torch.distributed import ReduceOp
 
 from torchtpu.device import dtypes, kernels, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor
 from torchtpu.runtime import platform
 
@@ -175,7 +176,7 @@ class Staged:
             nbytes = t.numel() * t.element_size()
             self._out = _BUFFERS.take(nbytes).view(dtypes.to_jax(t.dtype)).reshape(t.shape)
         covers = tensors.covers_storage(t) and not (t.is_conj() or t.is_neg())
-        self.threadable = tensors.capture is None and (covers or not write)
+        self.threadable = HOOKS.capture is None and (covers or not write)
 
     def input(self) -> torch.Tensor:
         """A CPU tensor with t's value, for gloo to read (and never write)."""

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from torchtpu.compile.spmd import Spmd
 from torchtpu.distributed import xla
+from torchtpu.eager.spmd import Spmd
 
 c10d = torch.ops._c10d_functional
 

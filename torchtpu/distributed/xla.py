@@ -41,12 +41,13 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
-from torchtpu.compile.spmd import Spmd, axis_of, standins
 from torchtpu.device import tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.distributed import host, uneven
 from torchtpu.distributed.group import TpuProcessGroup, _coalesced
 from torchtpu.distributed.protocol import ANY_SHAPE, CollectiveMismatchError
 from torchtpu.distributed.work import Done
+from torchtpu.eager.spmd import Spmd, axis_of, standins
 from torchtpu.lowering.collectives import AXIS as _AXIS
 from torchtpu.runtime import launch, platform
 
@@ -145,7 +146,7 @@ def _axis_bound(axis: str) -> bool:
 class _Recorded:
     """op's per-shard computation on one rank's value, as a call a capture records (the SPMD
     program the capture becomes binds the mesh axis: ``"g"``, or the group's axis of a 2-D
-    mesh when the capture spans two groups, asked of ``compile/spmd.axis_of`` by the group's
+    mesh when the capture spans two groups, asked of ``eager/spmd.axis_of`` by the group's
     ``key`` when the program is traced). Calls of one ``merge_key`` (one group's) whose inputs
     are ready before any of their results is used may run as one collective over their
     concatenated values (``merge``, asked by ``eager/spanning.py``): each cross-process
@@ -260,7 +261,7 @@ class XlaProcessGroup(TpuProcessGroup):
                 **params) -> list:
         """This rank's shards of op's program on the inputs: run now, or recorded into the
         graph capture in progress (see the module doc)."""
-        capture = tensors.capture
+        capture = HOOKS.capture
         if capture is None:
             return self._run(op, inputs, [host.read_now(t) for t in inputs], outputs, **params)
         (t,) = inputs
@@ -398,7 +399,7 @@ class XlaProcessGroup(TpuProcessGroup):
         if how == uneven.EVEN:
             (value,) = self._shards("all_to_all", [input], n=n,
                                     out=_block(tuple(output.shape)))
-        elif tensors.capture is not None:
+        elif HOOKS.capture is not None:
             splits = uneven.splits_of(output, input, output_split_sizes, input_split_sizes, n)
             value = self._record_uneven(input, uneven.chunk(rows), splits)
         else:
@@ -422,7 +423,7 @@ class XlaProcessGroup(TpuProcessGroup):
                        self._mesh_devices, n=n, s_in=tuple(int(s) for s in splits[:n]),
                        s_out=tuple(int(s) for s in splits[n:]), m=m)
         described = f"all_to_all_uneven(m={m}) {input.dtype}{list(input.shape[1:])} on {dim}"
-        return tensors.capture.record_spanning(spmd, described, fn, (tensors.read(input),))
+        return HOOKS.capture.record_spanning(spmd, described, fn, (tensors.read(input),))
 
 
 def _on_device(group: list[torch.Tensor]) -> bool:

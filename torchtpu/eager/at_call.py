@@ -17,6 +17,7 @@ import torch
 
 from torchtpu import errors, metrics
 from torchtpu.device import asserts, dtypes, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor, schema
 from torchtpu.lowering import checks
 from torchtpu.runtime import platform
@@ -32,8 +33,10 @@ def _host_reads_stall() -> bool:
 
 
 def host_reads_stall() -> bool:
-    """Whether reading a computed value to the host waits for the device (not on XLA:CPU)."""
-    return _host_reads_stall()
+    """Whether reading a computed value to the host waits for the device (not on XLA:CPU), or
+    is to be treated so (``HOOKS.host_reads_stall``)."""
+    told = HOOKS.host_reads_stall
+    return _host_reads_stall() if told is None else told
 
 
 def _host_values(t: torch.Tensor):
@@ -42,7 +45,7 @@ def _host_values(t: torch.Tensor):
     # Inside a capture the values are the capture's, not a replay's, and a view of them would
     # be read through the recording (a host read there): the check goes to the device, which
     # skips it in a capture (see _check_on_device).
-    if tensors.capture is not None or _host_reads_stall():
+    if HOOKS.capture is not None or host_reads_stall():
         return None
     # A padded value (``compile/padded_values.py``) gives its real elements without being cut
     # into its storage, which would undo its padding for the op this check guards.
@@ -53,7 +56,7 @@ def _host_values(t: torch.Tensor):
         return host_view(array, t)
     if not executor.is_materialized(t):
         return None
-    if tensors.deferrer is not None and not tensors.reads_whole(t):
+    if HOOKS.deferrer is not None and not tensors.reads_whole(t):
         # DeferAndFuse records a view's read: reading it would run the recording here, in the
         # middle of a step (nll_loss's flattened targets). The view is taken on the host.
         return _view_on_host(t)
@@ -91,7 +94,7 @@ def _check_on_device(op: OpOverload, on_device: list) -> None:
     could not raise them). Debug mode waits for every op anyway, so it reads the flags at once
     and raises at the user's line, on a TPU as on the CPU platform; the other modes raise at the
     next host read, as CUDA's device-side asserts do."""
-    if tensors.capture is not None:
+    if HOOKS.capture is not None:
         return
     at_once = isinstance(executor.current(), executor.Debug)
     where = executor.user_location()

@@ -3,7 +3,7 @@
 A capture makes the process's executor record instead of run, as DeferAndFuse does
 (``eager/defer.py``), into a recording of its own that is never flushed: nothing runs while
 capturing. The device layer tells the capture of every storage an op reads or writes
-(``tensors.capture``) and of every random key drawn (``random.on_draw``). ``Capture.finish``
+(``HOOKS.capture``) and of every random key drawn (``HOOKS.on_draw``). ``Capture.finish``
 turns the recording into a ``Captured`` program:
 - its inputs are the arrays the storages held when the capture first touched them (a parameter,
   a gradient, an optimizer moment, a static input), the key data of each random draw, inputs fed
@@ -40,7 +40,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
-from torchtpu.device import random, storage, tensors
+from torchtpu.device import storage, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor, facts, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
@@ -114,14 +115,14 @@ class _Capturing(executor.Strict):
         raise _at("torch.tpu.synchronize()")
 
     def enter(self) -> None:
-        tensors.deferrer = self._capture.recording
-        tensors.capture = self._capture
-        random.on_draw = self._capture.drew
+        HOOKS.deferrer = self._capture.recording
+        HOOKS.capture = self._capture
+        HOOKS.on_draw = self._capture.drew
 
     def leave(self) -> None:
-        tensors.deferrer = None
-        tensors.capture = None
-        random.on_draw = None
+        HOOKS.deferrer = None
+        HOOKS.capture = None
+        HOOKS.on_draw = None
 
 
 
@@ -366,7 +367,7 @@ class Captured:
 
         ``bind`` maps ``id(storage)`` to an array to use instead of what that storage holds.
         """
-        if tensors.capture is not None:
+        if HOOKS.capture is not None:
             raise CaptureError("torchtpu.capture: replay() inside a graph capture; captures do "
                                "not nest")
         args = self._io.arguments(bind)

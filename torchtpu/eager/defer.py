@@ -50,6 +50,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import metrics
 from torchtpu.device import tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import facts
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
@@ -112,7 +113,7 @@ class Pending(tensors.Deferred):
         return value
 
     def _recorder(self) -> Recorder:
-        return self._trace.recorder if self.resolve() is self else tensors.deferrer or RECORDER
+        return self._trace.recorder if self.resolve() is self else HOOKS.deferrer or RECORDER
 
     def copy(self):
         # A storage never shares its array with another, so a copy is a distinct output.
@@ -447,7 +448,7 @@ def pending_hlo() -> str:
 
 
 def _step_ended(optimizer, args, kwargs) -> None:
-    if tensors.deferrer is RECORDER:
+    if HOOKS.deferrer is RECORDER:
         RECORDER.step_ended()
 
 
@@ -479,13 +480,13 @@ class DeferAndFuse(Strict):
         RECORDER.flush()
 
     def enter(self) -> None:
-        tensors.deferrer = RECORDER
+        HOOKS.deferrer = RECORDER
         RECORDER.owner = threading.get_ident()
         self._step_hook = register_optimizer_step_post_hook(_step_ended)
 
     def leave(self) -> None:
         if self._step_hook is not None:
             self._step_hook.remove()
-        tensors.deferrer = None
+        HOOKS.deferrer = None
         RECORDER.flush()
         RECORDER.release_spares()

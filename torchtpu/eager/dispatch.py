@@ -22,6 +22,7 @@ from torch._decomp import decomposition_table
 
 from torchtpu import errors
 from torchtpu.device import dtypes, kernels, overlap, tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
@@ -152,20 +153,11 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     return hit
 
 
-# An upper layer's hook for calls whose sizes vary between calls (``compile/eager_buckets.py``,
-# installed by ``torchtpu.compile.install``): ``growing(lowering, spec, values, dyn, views)``
-# gives the call's arrays, or None to run it here as usual.
-growing = None
-# Its hook for calls that may read storages holding padded values, before their arrays are read
-# (which cuts them): ``padded_inputs(lowering, spec, values, writes)`` gives the call's arrays,
-# or None; ``writes``: its results are written into tensors, so they must be plain arrays.
-padded_inputs = None
-
-
 def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
             dyn: tuple | None = None):
     """Run lowering on bound values through the current executor; returns arrays. ``dyn``: the
     call's arrays, when its caller read them already (``seen_calls``: whole tensors only)."""
+    padded_inputs = HOOKS.padded_inputs
     if padded_inputs is not None:
         out = padded_inputs(lowering, spec, values, writes)
         if out is not None:
@@ -173,6 +165,7 @@ def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
     views = ()
     if dyn is None:
         dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+    growing = HOOKS.growing
     if growing is not None:
         out = growing(lowering, spec, values, dyn, views)
         if out is not None:
@@ -222,7 +215,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
         hit = key = None
-        if repeatable and tensors.capture is None:
+        if repeatable and HOOKS.capture is None:
             try:
                 key = seen_calls.signature(values)
                 hit = seen.get(key)

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu import errors
 from torchtpu.device import asserts
-from torchtpu.device import tensors as tensors_module
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import at_call, executor, fallback, schema
 
 OpOverload = torch._ops.OpOverload
@@ -207,7 +207,7 @@ def _on_its_values(op: OpOverload, values: list, outs: list, tensors: list):
     """CPU's error for the call on copies of its inputs, None when it takes it; False when they
     cannot be read now: not for free (a capture, pending in a recording, on a TPU, too large),
     or not without raising a device check still pending (which would be lost)."""
-    if (tensors_module.capture is not None or at_call.host_reads_stall() or asserts.pending()
+    if (HOOKS.capture is not None or at_call.host_reads_stall() or asserts.pending()
             or sum(t.numel() for t in tensors) > LARGE
             or not all(executor.is_materialized(t) for t in tensors)):
         return False

@@ -5,14 +5,14 @@ collectives run nothing either: the process group records each one as a call ove
 axis (``distributed/xla.py``, through ``Capture.record_spanning``), because its inputs are
 values no rank has yet. Every rank records its own step, so the replay is one program per rank
 of a single SPMD computation: ``Spanning`` runs it as a ``shard_map`` over the group's mesh
-(the ``Spmd`` the group hands in; ``compile/spmd.py`` builds its pieces), each rank's storages
+(the ``Spmd`` the group hands in, ``eager/spmd.py``), each rank's storages
 the shards of the global arguments and each rank keeping its shard of every result, exactly as
 a compiled graph holding collectives runs.
 
 A capture may span two groups that are the dims of one DeviceMesh (HSDP's replicate x shard,
 FSDP x TP): ``join`` keeps them, outer dim first, and at the first run ``mesh_of`` builds the
 2-D mesh (each row the inner group of one rank of the outer group, gathered in one header
-exchange), each group's collectives running along its axis (``compile/spmd.axis_of``).
+exchange), each group's collectives running along its axis (``eager/spmd.axis_of``).
 
 Collectives are merged as ``compile/spmd.combine`` merges a compiled graph's: recorded calls
 that carry the same ``merge_key`` (the process group gives one to all-reduces, reduce-scatters
@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -51,13 +50,7 @@ from jax.sharding import Mesh
 
 from torchtpu import metrics
 from torchtpu.device import tensors
-
-if TYPE_CHECKING:
-    from torchtpu.compile.spmd import Spmd
-
-# The most bytes one merged collective moves (the figure compile/spmd.py uses).
-BUCKET_BYTES = 64 << 20
-
+from torchtpu.eager.spmd import AXIS, BUCKET_BYTES, Spmd
 
 # Set while a capture finishes: its program runs local stand-ins for its collectives
 # (``distributed/xla._standin``), the same program otherwise; ``bench/sharded.py`` measures a
@@ -103,7 +96,6 @@ def join(current, spmd: Spmd):
 def mesh_of(joined: Joined) -> Spmd:
     """joined's 2-D Spmd, the same on every rank: row i is the inner group of the outer
     group's rank i, gathered over the outer group (one header exchange)."""
-    from torchtpu.compile.spmd import AXIS, Spmd  # compile/ imports the capture
 
     outer, inner = joined.groups
     ids = [d.id for d in inner.mesh.devices.flat]

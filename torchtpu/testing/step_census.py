@@ -32,7 +32,7 @@ import jax
 import numpy as np
 from jax._src.array import ArrayImpl
 
-from torchtpu.eager import at_call
+from torchtpu.device.hooks import HOOKS
 from torchtpu.runtime import launch
 
 # The device layer's copies around views (``device/tensors.py``): a view read, a write through
@@ -168,18 +168,18 @@ def census(dots: bool = True):
         wait("jax.block_until_ready")
         return jax_block(x)
 
-    stall = at_call._host_reads_stall
+    stall = HOOKS.host_reads_stall
     launch.observer = observe
     jax.block_until_ready = block_all
     for n in saved:
         setattr(np, n, host_read(n))
     ArrayImpl._value = property(lambda self: (wait("value"), value.fget(self))[1])
     ArrayImpl.block_until_ready = block_until_ready
-    at_call._host_reads_stall = lambda: True
+    HOOKS.host_reads_stall = True
     try:
         yield c
     finally:
-        at_call._host_reads_stall = stall
+        HOOKS.host_reads_stall = stall
         jax.block_until_ready = jax_block
         ArrayImpl._value, ArrayImpl.block_until_ready = value, block
         for n, f in saved.items():

@@ -28,7 +28,7 @@ import jax
 import torch
 
 from torchtpu import metrics
-from torchtpu.device import kernels
+from torchtpu.device.hooks import HOOKS
 
 # Frames in these directories are torchtpu's, PyTorch's, JAX's or the standard library's (JAX's
 # compile log reaches us through logging); the first frame outside them is the user's line.
@@ -172,11 +172,11 @@ class Watch:
         logging.getLogger("torch.__trace").addHandler(self._trace_handler)
         self._breaks, self._graphs = _dynamo_counters()
         self._metrics = metrics.snapshot()
-        kernels.host_read_watcher = self._on_host_read
+        HOOKS.host_read_watcher = self._on_host_read
         return self
 
     def __exit__(self, *exc) -> None:
-        kernels.host_read_watcher = None
+        HOOKS.host_read_watcher = None
         logging.getLogger("torch.__trace").removeHandler(self._trace_handler)
         self._compile_logger.removeHandler(self._compile_handler)
         self._compile_logger.setLevel(self._old_level)

@@ -13,6 +13,7 @@ import contextlib
 
 import torch
 
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager.capture import CaptureError
 from torchtpu.eager.graphed_callables import make_graphed_callables
 from torchtpu.eager.tpu_graph import TPUGraph, graph
@@ -99,9 +100,8 @@ def set_stream(s: Stream) -> None:
 
 def is_current_stream_capturing() -> bool:
     """Whether a ``torch.tpu.graph`` capture is in progress."""
-    from torchtpu.device import tensors
 
-    return tensors.capture is not None
+    return HOOKS.capture is not None
 
 
 __all__ = ["CaptureError", "Event", "Stream", "TPUGraph", "current_stream", "default_stream",

@@ -36,7 +36,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from torchtpu.device import tensors
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager.capture import storage_of
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class HostFeeds:
 
     def install(self) -> None:
         """Feed every pairing into the capture in progress (call inside ``torch.tpu.graph``)."""
-        capture = tensors.capture
+        capture = HOOKS.capture
         if capture is None:
             raise RuntimeError("torchtpu.capture: HostFeeds.install() outside a graph capture")
         for device, host in self._pairs:

@@ -1,0 +1,71 @@
+"""Where the lower layers call up: the one typed interface the executors, the compiled path and
+the tools implement.
+
+Data flows down (compile -> eager -> lowering -> device -> runtime), but a few answers live
+above the layer that asks: whether DeferAndFuse is recording, which capture is in progress, how
+the compiled path reads a view of varying geometry or runs a call of growing sizes, who watches
+host reads and random draws. ``HOOKS`` holds one field per such question, each None while
+nothing above listens. An upper layer sets the field it implements (and puts None back);
+nothing writes another module's functions or globals, and reading ``HOOKS`` shows every way the
+device can be redirected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, Protocol
+
+
+class Recorder(Protocol):
+    """DeferAndFuse's recorder (``eager/defer.py``), or a capture's recording."""
+
+    def record(self, fn: Callable, args: tuple) -> Any: ...
+
+    def host_read(self) -> None: ...
+
+
+class Capture(Protocol):
+    """A graph capture in progress (``eager/capture.py``)."""
+
+    recording: Recorder
+
+    def seen(self, storage: Any) -> None: ...
+
+    def recorded(self, array: Any) -> Any: ...
+
+    def host_read(self) -> None: ...
+
+    def record_spanning(self, spmd: Any, description: str, fn: Callable, args: tuple) -> Any: ...
+
+
+@dataclasses.dataclass(slots=True)
+class Hooks:
+    # While DeferAndFuse or a capture records: view reads and writes are recorded into the
+    # pending program instead of run at once (``tensors.call``).
+    deferrer: Recorder | None = None
+    # The capture in progress: told of every storage read or written and every host read, so
+    # that replaying it can read and rebind the same storages.
+    capture: Capture | None = None
+    # ``view_reader(t, array, geometry)``: t's value read without a program per geometry, or
+    # None to read it as usual (``compile/eager_buckets.py``, views whose geometry varies).
+    view_reader: Callable[[Any, Any, Any], Any] | None = None
+    # ``host_read_watcher(nbytes, seconds)`` after every host read (``torchtpu.tools``); while
+    # None a read pays no clock.
+    host_read_watcher: Callable[[int, float], None] | None = None
+    # ``on_draw(generator, key_data)`` for every random draw while a capture is in progress:
+    # replaying it draws again from the same generators.
+    on_draw: Callable[[Any, Any], None] | None = None
+    # ``growing(lowering, spec, values, dyn, views)``: the arrays of a call whose sizes vary
+    # between calls, or None to run it as usual (``compile/eager_buckets.py``).
+    growing: Callable[..., Any] | None = None
+    # ``padded_inputs(lowering, spec, values, writes)``: the arrays of a call that may read
+    # storages holding padded values, before they are read (which cuts them), or None;
+    # ``writes``: its results are written into tensors, so they must be plain arrays.
+    padded_inputs: Callable[..., Any] | None = None
+    # Whether host reads wait for the device, where not the platform's answer (None): a step
+    # census (``testing/step_census.py``) counts them as waits on XLA:CPU too.
+    host_reads_stall: bool | None = None
+
+
+HOOKS = Hooks()
