@@ -55,7 +55,7 @@ _TPU_ONLY = ("xla_tpu_", "xla_jf_", "xla_sc_")
 
 _lock = threading.Lock()
 _stack: list[dict] = []          # custom_compiler_options contexts, outermost first
-_env: dict = {}                  # parsed ENV (read at install)
+_env: list = []                  # [parsed ENV], read once: at the first current() or install
 _valid: set = set()              # option sets the host compiler took
 _installed: list = []
 _unchecked: list = []            # ENV's options, until the first compile has checked them
@@ -111,12 +111,21 @@ def normalize(options: Mapping, source: str = "custom_compiler_options") -> dict
     return out
 
 
+def _variable() -> dict:
+    """The variable's options. Read at its first use, which may come before the device's
+    start (``key()`` asked right after ``import torch``), not only at install()."""
+    if not _env:
+        text = os.environ.get(ENV, "")
+        _env.append(parse(text) if text.strip() else {})  # (parse imports JAX)
+    return _env[0]
+
+
 def current() -> dict:
     """The options every compile gets now (contexts, then the variable over them)."""
     merged: dict = {}
     for layer in _stack:
         merged.update(layer)
-    merged.update(_env)
+    merged.update(_variable())
     return merged
 
 
@@ -188,13 +197,13 @@ def install() -> None:
         return
     from jax._src import compiler
 
-    _env.update(parse(os.environ.get(ENV, "")))
+    variable = _variable()
     original = compiler.get_compile_options
 
     signature = inspect.signature(original)
 
     def get_compile_options(*args, **kwargs):
-        if not (_stack or _env):
+        if not (_stack or variable):
             return original(*args, **kwargs)
         if _unchecked:
             _check_env()
@@ -207,7 +216,7 @@ def install() -> None:
 
     compiler.get_compile_options = get_compile_options
     _installed.append(original)
-    if _env:
+    if variable:
         _unchecked.append(ENV)
 
 
@@ -217,7 +226,7 @@ def _check_env() -> None:
     # with nothing left to check.)
     _unchecked.clear()
     try:
-        check(_env, ENV)
+        check(_variable(), ENV)
     except ValueError:
         _unchecked.append(ENV)
         raise
