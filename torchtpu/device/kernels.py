@@ -199,8 +199,7 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             if copy_into is not None and copy_into(held, dst, src):
                 return dst
             value = read_converted(src, dst.dtype, tuple(dst.shape))
-            if value is src.untyped_storage()._tpu_array:
-                value = tensors.fresh_copy(value)
+            owned = value is not src.untyped_storage()._tpu_array
         else:
             # A copy: on the CPU platform device_put may alias the NumPy buffer, and the CPU
             # tensor's later in-place writes would then show through on the device.
@@ -208,7 +207,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             memory_limit.admit(host.nbytes, "copying a tensor from the host")
             metrics.count("host_to_device_bytes", host.nbytes)
             value = convert(transfer.put(host, platform.jax_device(dst.device.index)), dst)
-        tensors.write(dst, value)
+            owned = True
+        tensors.write(dst, value, owned)
         return dst
     dst.copy_(numpy_to_torch(to_numpy(src), src.dtype))
     return dst

@@ -156,6 +156,27 @@ def _in_place_box(g: Geometry, box: tuple, taken: tuple):
     return shape, tuple(start), taken
 
 
+def dense_order(size: tuple, stride: tuple) -> tuple | None:
+    """The view's dims in memory order (size-1 dims first) when its elements are a row-major
+    block in another dim order (each stride the product of the sizes of the dims inside it: a
+    transposed or channels-last tensor of its own), else None. Transposed by this order the
+    view's value is an array whose row-major elements are the block's, in memory order."""
+    if 0 in size:
+        return None
+    order = sorted((d for d, n in enumerate(size) if n != 1), key=lambda d: -stride[d])
+    step = 1
+    for d in reversed(order):
+        if stride[d] != step:
+            return None
+        step *= size[d]
+    return tuple(d for d, n in enumerate(size) if n == 1) + tuple(order)
+
+
+def in_memory_order(value, order: tuple):
+    """value (a ``dense_order`` view's) as its storage holds it: its dims in memory order."""
+    return value.transpose(order)
+
+
 def _iota_index(size: tuple, stride: tuple, offset: int):
     idx = jnp.asarray(offset, jnp.int64)
     for d, (n, s) in enumerate(zip(size, stride)):

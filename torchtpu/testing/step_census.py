@@ -13,6 +13,10 @@
   device, as it does on a TPU);
 - ``scalar_transfers``: the values that crossed to the device with a launch, as Python numbers
   or NumPy arrays among its arguments (each one a host-to-device copy per call), by program;
+- ``byte_inputs``: the programs given a uint8 array, by program: a storage held as raw bytes
+  (one first written through a view that is not all of it reads as zero bytes; a uint8 tensor
+  counts too). A program reading a tensor of another dtype out of bytes bitcasts them, which on
+  a TPU re-tiles the whole storage (a product reading its operand that way took ~40x its time);
 - ``dots``: every ``dot_general`` and ``convolution`` in the launched programs (their StableHLO),
   by (program, operand dtypes, result dtype, precision).
 
@@ -46,6 +50,7 @@ class Census:
     programs: set = field(default_factory=set)
     host_waits: list = field(default_factory=list)
     scalar_transfers: collections.Counter = field(default_factory=collections.Counter)
+    byte_inputs: collections.Counter = field(default_factory=collections.Counter)
     dots: collections.Counter = field(default_factory=collections.Counter)
 
     @property
@@ -64,6 +69,7 @@ class Census:
             "host_wait_sites": dict(collections.Counter(w for w in self.host_waits)),
             "scalar_transfers": sum(self.scalar_transfers.values()),
             "scalar_transfers_by_program": dict(self.scalar_transfers),
+            "byte_inputs": dict(self.byte_inputs),
             "view_copies": self.view_copies,
             "dots": [{"program": p, "operands": list(o), "result": r, "precision": prec,
                       "count": n} for (p, o, r, prec), n in sorted(self.dots.items())],
@@ -129,6 +135,8 @@ def census(dots: bool = True):
             if not isinstance(a, jax.Array) and isinstance(a, (int, float, complex, np.ndarray,
                                                                 np.generic)):
                 c.scalar_transfers[name] += 1
+            elif getattr(a, "dtype", None) == np.uint8:
+                c.byte_inputs[name] += 1
         if dots and key not in lowered and hasattr(fn, "lower"):
             reading[0] = False  # lowering is no host wait
             try:
