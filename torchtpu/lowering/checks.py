@@ -24,12 +24,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.registry import OpOverload, _overloads, lowers
+from torchtpu.lowering.registry import CHECKS, OpOverload, check, lowers
 
 aten = torch.ops.aten
-
-CHECKS: dict[OpOverload, Callable] = {}
-
 
 class Arg:
     """What a check sees of a tensor argument: its shape, ndim and torch dtype, and its values
@@ -54,18 +51,6 @@ class Arg:
         when bad, ``error(value)`` is raised at the next host read."""
         if self._on_device is not None:
             self._on_device(find, error)
-
-
-def check(*targets) -> Callable:
-    """Register the decorated function as the check of each target op (or op packet)."""
-
-    def register(fn: Callable) -> Callable:
-        for target in targets:
-            for op in _overloads(target):
-                CHECKS[op] = fn
-        return fn
-
-    return register
 
 
 def find(op: OpOverload) -> Callable | None:

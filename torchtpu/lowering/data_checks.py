@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.checks import Arg, check, out_of_bounds
+from torchtpu.lowering.checks import Arg, out_of_bounds
+from torchtpu.lowering.registry import check
 
 aten = torch.ops.aten
 

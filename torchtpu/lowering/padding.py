@@ -2,8 +2,9 @@
 
 ``compile/dynamic.py`` runs graphs with symbolic sizes padded to buckets (its module doc says
 how, and what a *layout* is). Whether one op stays exact under that padding, and what must be
-masked first, is a property of the op, so it is declared here with ``@padding_rule(op)``
-(``registry.PADDING_RULES``) and the compiled path names no op. A rule gets the FX node and the
+masked first, is a property of the op, so it is declared with ``@padding_rule(op)``
+(``registry.PADDING_RULES``; a new op's beside its lowering, today's ops' here beside the
+helpers they share) and the compiled path names no op. A rule gets the FX node and the
 layouts of the tensors before it, and returns the node's ``Mask`` list (empty when it is
 position-wise) or raises ``Refused`` (the graph then compiles per exact shape, logged).
 

@@ -38,7 +38,8 @@ all when the device loads, so importing a lowering module registers nothing with
 eager serves with a device kernel (a view, a copy, an allocation) has no lowering; its value form
 in a compiled graph is declared with ``@graph_form(op)`` (``graph_forms.py``), and what an op
 needs to stay exact on inputs padded to a size bucket (dynamic shapes) with ``@padding_rule(op)``
-(``padding.py``).
+(``padding.py``); what CPU's kernel refuses in argument values with ``@check(op)``
+(``checks.py``). Each decorator may sit beside the op's lowering, in its family module.
 """
 
 from __future__ import annotations
@@ -89,6 +90,8 @@ META_KERNELS: dict[OpOverload, Callable] = {}
 GRAPH_FORMS: dict = {}
 # How an op stays exact on inputs padded to a size bucket (``padding_rule``, ``padding.py``).
 PADDING_RULES: dict = {}
+# What CPU's kernel refuses and the meta kernel does not (``check``, ``checks.py``).
+CHECKS: dict[OpOverload, Callable] = {}
 
 
 def channels_last_of(v) -> torch.memory_format | None:
@@ -173,6 +176,18 @@ def graph_form(*ops) -> Callable:
     def declare(fn: Callable) -> Callable:
         for op in ops:
             GRAPH_FORMS[op] = fn
+        return fn
+
+    return declare
+
+
+def check(*targets) -> Callable:
+    """Declare the decorated function as the value check of each target op (or op packet):
+    ``check(*bound_arguments) -> Exception | None`` (``checks.py`` says what it gets)."""
+    def declare(fn: Callable) -> Callable:
+        for target in targets:
+            for op in _overloads(target):
+                CHECKS[op] = fn
         return fn
 
     return declare
