@@ -44,7 +44,7 @@ import torch.fx as fx
 from torchtpu.compile.buckets import size_expr as _expr
 from torchtpu.eager import schema
 from torchtpu.lowering import padding
-from torchtpu.lowering.graph_forms import INPUT_WRITE
+from torchtpu.lowering.graph_forms import INPUT_WRITE, SIZE_READS
 from torchtpu.lowering.padding import Refused
 from torchtpu.lowering.padding import val as _val
 
@@ -172,7 +172,7 @@ def _layout_of(node: fx.Node, layouts: dict, order: list):
 def _numbers(node: fx.Node, traced: frozenset) -> tuple:
     """The symbolic sizes node takes as traced numbers; refused where it takes one otherwise."""
     op = node.target
-    if op in padding.SIZE_READS:
+    if op in SIZE_READS:
         return ()
     values = schema.bind(schema.info(op), node.args, node.kwargs)[0] \
         if isinstance(op, torch._ops.OpOverload) else node.args

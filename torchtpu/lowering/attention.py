@@ -34,10 +34,12 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+import torch.fx as fx
 from jax import lax
 
 from torchtpu.lowering import attention_tpu
-from torchtpu.lowering.registry import META_STRIDES, lowers
+from torchtpu.lowering.padding import Mask, Refused, padded, same, val
+from torchtpu.lowering.registry import META_STRIDES, lowers, padding_rule
 
 aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
@@ -192,6 +194,42 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_s
     if want_bias and attn_bias is not None and attn_bias.dtype != jnp.bool_:
         dbias = _sum_to(ds, attn_bias.shape)
     return dq, dk, dv, dbias
+
+
+_ATTENTION = {
+    # (is_causal index, attn_bias index, masked args) of the forward and the backward.
+    aten._scaled_dot_product_fused_attention_overrideable.default: (5, 3, (1, 2)),
+    aten._scaled_dot_product_fused_attention_overrideable_backward.default: (
+        13, 4, (0, 1, 2, 3, 6, 7)),
+}
+
+
+@padding_rule(*_ATTENTION)
+def _attention_padding(node: fx.Node, layouts: dict) -> list:
+    """Dynamic shapes: padded keys and values are zeroed forward; backward also zeroes the
+    padded query rows' inputs, which would otherwise reach real keys' gradients. What keeps real
+    queries off padded keys is causality (a padded key comes after every real query) or the
+    attention mask, whose padded key columns are set to "never attend" (False, or -inf for an
+    additive mask)."""
+    causal, bias, masked = _ATTENTION[node.target]
+    args = node.args
+    seq = [layouts[args[i]][2] for i in masked]
+    if not padded((seq[0],), [0]):
+        return []
+    same(seq, f"{node.target} attends")
+    if len(seq[0]) > 1:
+        raise Refused(f"{node.target} over a merged dim")
+    out = [Mask(i, (2,), "zero") for i in masked]
+    mask = args[bias] if len(args) > bias else None
+    if isinstance(mask, fx.Node):
+        key_dim = val(mask).dim() - 1
+        if layouts[mask][key_dim] != seq[0]:
+            raise Refused(f"{node.target}: the attention mask's key dim is not the keys'")
+        never = "false" if val(mask).dtype == torch.bool else "lowest"
+        return [*out, Mask(bias, (key_dim,), never)]
+    if len(args) > causal and args[causal] is True:
+        return out
+    raise Refused(f"{node.target} over a symbolic length without a causal or attention mask")
 
 
 # ----------------------------------------------------------------------------- flash form

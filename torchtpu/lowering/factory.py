@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering import padding
+from torchtpu.lowering.registry import lowers, padding_rule
 
 aten = torch.ops.aten
 
@@ -97,3 +98,9 @@ def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
 @lowers(aten.scalar_tensor.default)
 def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
+
+
+# Dynamic shapes: allocations are position-wise (the *_like ones reach a graph decomposed or not).
+padding_rule(aten.full.default, aten.ones.default, aten.zeros.default, aten.scalar_tensor.default,
+             aten.arange.default, aten.arange.start, aten.arange.start_step,
+             aten.zeros_like.default, aten.ones_like.default)(padding.positionwise)

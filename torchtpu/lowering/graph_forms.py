@@ -15,11 +15,14 @@ import sys
 import jax.numpy as jnp
 import numpy as np
 import torch
+import torch.fx as fx
 from jax import core, lax
 
 from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry, read_view, write_view
-from torchtpu.lowering.registry import graph_form
+from torchtpu.lowering import padding
+from torchtpu.lowering.padding import first, from_end, symbolic, val
+from torchtpu.lowering.registry import graph_form, padding_rule
 
 aten = torch.ops.aten
 
@@ -102,10 +105,42 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     return lax.slice_in_dim(x, start, end, step, axis=dim)
 
 
+@padding_rule(aten.slice.Tensor)
+def _slice_padding(node: fx.Node, layouts: dict) -> list:
+    # Dynamic shapes: a slice of a padded dim is exact from its start (x[:, :1], as Dynamo
+    # guards) or, counted from the end (x[:, -3:]), once the real end is rolled to the end.
+    lay, op = first(node, layouts), node.target
+    dim, start, end = (list(node.args[1:4]) + [0, None, None])[:3]
+    n = val(node.args[0]).shape[dim]
+    if not symbolic(n) or ((start or 0) == 0 and (end is None or val(end) is n or (
+            isinstance(end, int) and end >= 2**62))):
+        return []
+    start = start or 0
+    if isinstance(start, int) and isinstance(end, int) and 0 <= start <= end \
+            and not symbolic(val(node).shape[dim]):
+        return []  # a fixed block from the start (x[:, :1]): real positions, as guarded
+    if isinstance(start, int) and start < 0 and (end is None or (
+            isinstance(end, int) and end >= 2**62)):
+        return from_end(node, lay, dim)  # the last positions (x[:, -3:])
+    raise padding.Refused(f"{op} cuts a symbolic dim")
+
+
 @graph_form(aten.select.int)
 def select(x, dim, index):
     dim = _dim(dim, x.ndim)
     return lax.index_in_dim(x, index % x.shape[dim], axis=dim, keepdims=False)
+
+
+_select_along = padding.along(1)
+
+
+@padding_rule(aten.select.int)
+def _select_padding(node: fx.Node, layouts: dict) -> list:
+    # A position counted from the start is real (Dynamo guards that it is below the size); one
+    # counted from the end (x[:, -1]) reads the real end once that is moved to the end.
+    if isinstance(node.args[2], int):
+        return [] if node.args[2] >= 0 else from_end(node, first(node, layouts), node.args[1])
+    return _select_along(node, layouts)
 
 
 @graph_form(aten.split.Tensor, aten.split_with_sizes.default)
@@ -117,6 +152,9 @@ def split(x, sizes, dim=0):
     bounds = np.cumsum([0, *sizes])
     return tuple(lax.slice_in_dim(x, int(a), int(b), axis=dim)
                  for a, b in zip(bounds[:-1], bounds[1:], strict=True))
+
+
+padding_rule(aten.split.Tensor, aten.split_with_sizes.default)(padding.along(2))
 
 
 @graph_form(aten.unbind.int)
@@ -227,3 +265,15 @@ for _fn in SIZE_ARITHMETIC:
 @graph_form(aten.sym_size.int)
 def sym_size(x, dim):
     return x.shape[dim]
+
+
+# Ops that read sizes, never values: they take no symbolic size as a number (``dynamic.py``).
+SIZE_READS = {aten.sym_size.int, operator.getitem, *SIZE_ARITHMETIC}
+# Dynamic shapes: views, copies and allocations are position-wise (``padding.py``); a reshape
+# must keep symbolic factors whole, which ``dynamic.py`` checks.
+padding_rule(
+    aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
+    aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
+    aten.squeeze.dim, aten.expand.default, aten.empty.memory_format, aten.full_like.default,
+    aten.empty_like.default, aten.copy.default, *SIZE_READS, *padding.RESHAPES,
+)(padding.positionwise)

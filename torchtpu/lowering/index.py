@@ -14,9 +14,12 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+import torch.fx as fx
 from jax import lax
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering import padding
+from torchtpu.lowering.padding import Mask, Refused, first, padded, same, val
+from torchtpu.lowering.registry import lowers, padding_rule
 
 aten = torch.ops.aten
 
@@ -58,6 +61,22 @@ def index(x, indices):
     for i in indices:
         expanded.extend(jnp.nonzero(i.astype(jnp.bool_)) if _is_mask(i) else [i])
     return _index(x, expanded)
+
+
+@padding_rule(aten.index.Tensor)
+def _index_padding(node: fx.Node, layouts: dict) -> list:
+    # Dynamic shapes: integer index tensors read real positions only (padded index positions
+    # give padded outputs), but a negative index counts from the end: along a padded dim it is
+    # made to count from the real end. Boolean masks are data-dependent.
+    lay, indices, op = first(node, layouts), node.args[1], node.target
+    if any(isinstance(i, fx.Node) and val(i).dtype == torch.bool for i in indices):
+        raise Refused(f"{op} with a boolean mask")
+    wrapped = [j for j, i in enumerate(indices) if isinstance(i, fx.Node) and padded(lay, [j])]
+    if any(len(lay[j]) > 1 for j in wrapped):
+        raise Refused(f"{op} indexes a merged dim")
+    if len({indices[j] for j in wrapped}) < len(wrapped):
+        raise Refused(f"{op} indexes two padded dims with one tensor")
+    return [Mask((1, j), (j,), "wrap") for j in wrapped]
 
 
 def _mask_values(x, indices: list, values):
@@ -143,6 +162,19 @@ def _gather(x, dim, index):
 def gather(x, dim, index, sparse_grad=False):
     # The result has the index's shape also where x or the index is 0-d (and the other is not).
     return _gather(x, dim, index).reshape(index.shape)
+
+
+@padding_rule(aten.gather.default)
+def _gather_padding(node: fx.Node, layouts: dict) -> list:
+    # Dynamic shapes: each output position reads where its index points, so padded index
+    # positions give padded outputs and real indices point at real input positions.
+    lay, args = first(node, layouts), node.args
+    dim, index = args[1] % max(len(lay), 1), layouts[args[2]]
+    others = [d for d in range(len(lay)) if d != dim]
+    if padded(lay, others) or padded(index, others):
+        same([tuple(lay[d] for d in others), tuple(index[d] for d in others)],
+             f"{node.target} reads")
+    return []
 
 
 def _src(src, index, dtype):
@@ -320,6 +352,9 @@ def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=
     return jnp.take(weight, indices, axis=0)
 
 
+padding_rule(aten.embedding.default)(padding.positionwise)  # dynamic shapes
+
+
 @lowers(aten.embedding_dense_backward.default)
 def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq):
     flat = indices.reshape(-1)
@@ -331,6 +366,17 @@ def embedding_dense_backward(grad, indices, num_weights, padding_idx, scale_grad
         rows = rows / counts[flat][:, None]
     out = jnp.zeros((num_weights, rows.shape[1]), rows.dtype).at[flat].add(rows)
     return out.reshape((num_weights,) + grad.shape[indices.ndim:])
+
+
+@padding_rule(aten.embedding_dense_backward.default)
+def _embedding_backward_padding(node: fx.Node, layouts: dict) -> list:
+    lay, args = first(node, layouts), node.args
+    ind = layouts[args[1]]
+    if args[4]:
+        raise Refused(f"{node.target} scales by frequency")
+    same([lay[:len(ind)], ind], f"{node.target} scatters")
+    dims = padded(ind, range(len(ind)))
+    return [Mask(0, dims, "zero"), Mask(1, dims, max(args[3], 0))] if dims else []
 
 
 def _searchsorted(boundaries, values, right: bool, sorter=None):

@@ -14,9 +14,12 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+import torch.fx as fx
 
+from torchtpu.lowering import padding
 from torchtpu.lowering.linalg import _scaled_sum
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.padding import Mask, Refused, first, padded, reduced_dims, same
+from torchtpu.lowering.registry import lowers, padding_rule
 
 aten = torch.ops.aten
 
@@ -28,6 +31,9 @@ def _wide(x):
 @lowers(aten.addmm.default, promote="result")
 def addmm(x, mat1, mat2, beta=1, alpha=1):
     return _scaled_sum(x, jnp.matmul(mat1, mat2), beta, alpha)
+
+
+padding_rule(aten.addmm.default)(padding.contraction(1, 1, 2, 0))  # dynamic shapes
 
 
 def _axis(x, dim):
@@ -45,6 +51,9 @@ def log_softmax(x, dim, half_to_float):
     return jax.nn.log_softmax(_wide(x), axis=_axis(x, dim))
 
 
+padding_rule(aten._softmax.default, aten._log_softmax.default)(padding.reduction(1, "lowest"))
+
+
 @lowers(aten._softmax_backward_data.default)
 def softmax_backward(grad, out, dim, input_dtype):
     grad, out = _wide(grad), _wide(out)
@@ -55,6 +64,14 @@ def softmax_backward(grad, out, dim, input_dtype):
 def log_softmax_backward(grad, out, dim, input_dtype):
     grad, out = _wide(grad), _wide(out)
     return grad - jnp.exp(out) * jnp.sum(grad, axis=_axis(out, dim), keepdims=True)
+
+
+@padding_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward_padding(node: fx.Node, layouts: dict) -> list:
+    lay = first(node, layouts)
+    dims = padded(lay, reduced_dims(node, 2, len(lay)))
+    both = node.target is aten._softmax_backward_data.default
+    return [Mask(i, dims, "zero") for i in ((0, 1) if both else (0,))] if dims else []
 
 
 def _gelu(x, approximate: str):
@@ -110,6 +127,14 @@ def native_layer_norm(x, normalized_shape, weight, bias, eps):
     return _affine(y, weight, bias), mean, rstd
 
 
+@padding_rule(aten.native_layer_norm.default)
+def _layer_norm_padding(node: fx.Node, layouts: dict) -> list:
+    lay = first(node, layouts)
+    if padded(lay, range(len(lay) - len(node.args[1]), len(lay))):
+        raise Refused(f"{node.target} normalizes over a symbolic dim")
+    return []
+
+
 @lowers(aten.native_group_norm.default)
 def native_group_norm(x, weight, bias, n, c, hxw, group, eps):
     # Not PyTorch's composite kernel: it views the input as (1, N * group, -1), which a
@@ -142,6 +167,15 @@ def native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight
     return grad_input, grad_weight, grad_bias
 
 
+@padding_rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward_padding(node: fx.Node, layouts: dict) -> list:
+    lay, normalized = first(node, layouts), len(node.args[2])
+    if padded(lay, range(len(lay) - normalized, len(lay))):
+        raise Refused(f"{node.target} normalizes over a symbolic dim")
+    lead = padded(lay, range(len(lay) - normalized))
+    return [Mask(i, lead, "zero") for i in (0, 1, 3, 4)] if lead else []
+
+
 def _nll_weights(x, target, weight, ignore_index):
     """Per-sample class weights (0 where the target is ignore_index) and the safe targets."""
     keep = target != ignore_index
@@ -169,6 +203,18 @@ def nll_loss_forward(x, target, weight, reduction, ignore_index):
     return jnp.sum(losses), total
 
 
+@padding_rule(aten.nll_loss_forward.default)
+def _nll_loss_padding(node: fx.Node, layouts: dict) -> list:
+    # Padded rows are ignored through ignore_index.
+    lay, args = first(node, layouts), node.args
+    if padded(lay, [len(lay) - 1]):
+        raise Refused(f"{node.target} over a symbolic number of classes")
+    if args[3] == 0 or not padded(lay, [0]):
+        return []
+    same([lay[0], layouts[args[1]][0]], f"{node.target} reduces")
+    return [Mask(0, (0,), "zero"), Mask(1, (0,), args[4])]
+
+
 @lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
     w, safe = _nll_weights(x, target, weight, ignore_index)
@@ -181,3 +227,11 @@ def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_we
     onehot = jax.nn.one_hot(safe.astype(jnp.int32), x.shape[class_dim], dtype=x.dtype,
                             axis=class_dim)
     return onehot * jnp.expand_dims(scale, class_dim)
+
+
+@padding_rule(aten.nll_loss_backward.default)
+def _nll_loss_backward_padding(node: fx.Node, layouts: dict) -> list:
+    target = layouts[node.args[1]]
+    if padded(target, [len(target) - 1]):
+        raise Refused(f"{node.target} over a symbolic number of classes")
+    return []

@@ -19,7 +19,8 @@ import torch
 from jax import lax
 
 from torchtpu.device import dtypes
-from torchtpu.lowering.registry import lowers, meta_kernel
+from torchtpu.lowering import padding
+from torchtpu.lowering.registry import lowers, meta_kernel, padding_rule
 
 aten = torch.ops.aten
 
@@ -27,6 +28,11 @@ aten = torch.ops.aten
 @lowers(aten.mm.default, aten.bmm.default, promote="result")
 def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.matmul(x, y)
+
+
+# Dynamic shapes: padding along the contracted dim zeroed on both operands (``padding.py``).
+padding_rule(aten.mm.default)(padding.contraction(0, 1, 1, 0))
+padding_rule(aten.bmm.default)(padding.contraction(0, 2, 1, 1))
 
 
 def _group_sizes(offs: jax.Array, total: int) -> jax.Array:

@@ -18,7 +18,8 @@ import torch
 from jax import lax
 
 from torchtpu.device import dtypes
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering import padding
+from torchtpu.lowering.registry import lowers, padding_rule
 
 aten = torch.ops.aten
 _INDEX = jnp.int64
@@ -105,6 +106,17 @@ lowers(aten.amin.default)(
     lambda x, dim=(), keepdim=False: jnp.min(x, _axes(x, dim), keepdims=keepdim))
 lowers(aten.max.default)(jnp.max)
 lowers(aten.min.default)(jnp.min)
+
+
+# Dynamic shapes (``padding.py``): padding along a reduced dim replaced by the identity.
+padding_rule(aten.sum.default)(padding.reduction(None, "zero"))
+padding_rule(aten.sum.dim_IntList)(padding.reduction(1, "zero"))
+padding_rule(aten.mean.default)(padding.reduction(None, "zero"))
+padding_rule(aten.mean.dim)(padding.reduction(1, "zero"))
+padding_rule(aten.prod.dim_int)(padding.reduction(1, "one"))
+padding_rule(aten.logsumexp.default)(padding.reduction(1, "lowest"))
+padding_rule(aten.amax.default)(padding.reduction(1, "lowest"))
+padding_rule(aten.amin.default)(padding.reduction(1, "highest"))
 
 
 def _arg(fn: Callable) -> Callable:
@@ -199,6 +211,10 @@ def _truth_reduce(fn: Callable) -> Callable:
 
 lowers(aten.any.default, aten.any.dim, aten.any.dims)(_truth_reduce(jnp.any))
 lowers(aten.all.default, aten.all.dim, aten.all.dims)(_truth_reduce(jnp.all))
+
+
+padding_rule(aten.any.dim, aten.any.dims)(padding.reduction(1, "false"))
+padding_rule(aten.all.dim, aten.all.dims)(padding.reduction(1, "true"))
 
 
 @lowers(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)

@@ -10,9 +10,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import torch
+import torch.fx as fx
 from jax import lax
 
-from torchtpu.lowering.registry import channels_last_of, lowers
+from torchtpu.lowering import padding
+from torchtpu.lowering.padding import Refused, first
+from torchtpu.lowering.registry import channels_last_of, lowers, padding_rule
 
 aten = torch.ops.aten
 
@@ -26,6 +29,9 @@ def cat(tensors, dim=0):
         return tensors[0]
     dtype = jnp.result_type(*kept)
     return jnp.concatenate([t.astype(dtype) for t in kept], axis=dim % ndim)
+
+
+padding_rule(aten.cat.default)(padding.along(1, of_list=True))  # dynamic shapes
 
 
 @lowers(aten.constant_pad_nd.default)
@@ -122,6 +128,14 @@ def tril(x, diagonal=0):
 @lowers(aten.triu.default)
 def triu(x, diagonal=0):
     return jnp.triu(x, diagonal)
+
+
+@padding_rule(aten.tril.default, aten.triu.default)
+def _triangle_padding(node: fx.Node, layouts: dict) -> list:
+    # Dynamic shapes: position-wise for leading-block layouts.
+    if any(len(first(node, layouts)[d]) > 1 for d in (-2, -1)):
+        raise Refused(f"{node.target} on a merged dim")
+    return []
 
 
 @lowers(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
