@@ -13,11 +13,14 @@ Modes, each on a fresh model (the previous one's memory given back first):
 - ``whole``: ``torch.compile(step, backend="tpu")``, the whole step as one captured program;
 - ``model``: ``torch.compile(model, backend="tpu")`` with backward, clipping and AdamW eager;
 - ``strict``: eager, one op at a time (the default mode);
-- ``defer``: eager under DeferAndFuse (a flush at each step's ``loss.item()``).
+- ``defer``: eager under DeferAndFuse (the warm-up's steps flush at their ``loss.item()``, the
+  timed ones at the next step's first op: one program a step, launched while the host records
+  the next).
 
-Each prints ms/step (median of rounds, each ended by a host read of the loss), MFU against the
-chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model made to the end
-of the first three steps, compiles included), peak device memory
+Each prints ms/step (median of rounds, each ended by a host read of the loss), the host's time
+issuing a step (inside the step call: near ms/step, the host is what a step waits for), MFU
+against the chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model
+made to the end of the first three steps, compiles included), peak device memory
 (``torch.tpu.max_memory_allocated``, PJRT's peak on a TPU; JAX: the device's
 ``peak_bytes_in_use`` and XLA's memory analysis of the step), and per timed step the executable
 compiles, persistent-cache hits and program executions (``torchtpu.metrics`` deltas). Batch x
@@ -61,22 +64,27 @@ def _counters() -> dict:
 
 
 def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> tuple:
-    """(ms per step of each round, counters per step over all rounds); stops early past
-    budget_s, keeping at least one round."""
-    times, before = [], _counters()
+    """(ms per step of each round, the host's ms issuing each step of each round (inside
+    ``run_step``: near the round's figure, the host is what the step waits for), counters per
+    step over all rounds); stops early past budget_s, keeping at least one round."""
+    times, issue, before = [], [], _counters()
     t_all = time.perf_counter()
     done = 0
     for _ in range(rounds):
         t = time.perf_counter()
+        host = 0.0
         for _ in range(steps):
+            t_step = time.perf_counter()
             out = run_step()
+            host += time.perf_counter() - t_step
         read(out)
         times.append((time.perf_counter() - t) / steps * 1e3)
+        issue.append(host / steps * 1e3)
         done += steps
         if time.perf_counter() - t_all > budget_s:
             break
     after = _counters()
-    return times, {k: (after[k] - before[k]) / done for k in COUNTERS}
+    return times, issue, {k: (after[k] - before[k]) / done for k in COUNTERS}
 
 
 def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bool,
@@ -99,11 +107,11 @@ def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bo
 
     first = [float(run_step()) for _ in range(3)]
     warm = time.perf_counter() - t0
-    times, per_step = _timed_rounds(run_step, float, steps, rounds, budget_s)
+    times, issue, per_step = _timed_rounds(run_step, float, steps, rounds, budget_s)
     top = _profile(run_step, float) if profile else None
     stats = jax.devices()[0].memory_stats() or {}
-    row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
-           "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
+    row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
+           "first_losses": first, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
            "xla_argument_gib": mem.argument_size_in_bytes / 2**30,
            "xla_temp_gib": mem.temp_size_in_bytes / 2**30, "top_ops": top}
     return row
@@ -160,11 +168,12 @@ def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
     with torch.tpu.set_eager_mode(eager):
         first = [step(x, y).item() for _ in range(3)]
         warm = time.perf_counter() - t0
-        times, per_step = _timed_rounds(lambda: step(x, y), lambda t: t.item(), steps, rounds,
-                                        budget_s)
+        times, issue, per_step = _timed_rounds(lambda: step(x, y), lambda t: t.item(), steps,
+                                               rounds, budget_s)
         top = _profile(lambda: step(x, y), lambda t: t.item()) if profile else None
-    row = {"warmup_s": warm, "rounds_ms": times, "per_step": per_step, "first_losses": first,
-           "peak_gib": torch.tpu.max_memory_allocated() / 2**30, "top_ops": top}
+    row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
+           "first_losses": first, "peak_gib": torch.tpu.max_memory_allocated() / 2**30,
+           "top_ops": top}
     return row
 
 
@@ -200,8 +209,9 @@ def table(results: list[dict]) -> str:
     for r in results:
         if r.get("mode", "").startswith("jax") and "ms_per_step" in r:
             jax_ms[r["length"]] = min(jax_ms.get(r["length"], 1e30), r["ms_per_step"])
-    lines = ["| mode | tokens | ms/step | MFU | vs JAX | warm-up s | peak GiB | compiles, "
-             "cache hits, executions per step |", "|---|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| mode | tokens | ms/step | host issue ms | MFU | vs JAX | warm-up s | peak GiB | "
+             "compiles, cache hits, executions per step |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in results:
         if "ms_per_step" not in r:
             lines.append(f"| {r['mode']} | {r['length']} | error: "
@@ -211,7 +221,8 @@ def table(results: list[dict]) -> str:
         ps = r["per_step"]
         lines.append(
             f"| {r['mode']} | {r['batch']}x{r['length']} | {r['ms_per_step']:.1f} | "
-            f"{(r['mfu'] or 0) * 100:.1f}% | {ref / r['ms_per_step'] if ref else 0:.3f}x | "
+            f"{statistics.median(r['issue_ms']):.1f} | {(r['mfu'] or 0) * 100:.1f}% | "
+            f"{ref / r['ms_per_step'] if ref else 0:.3f}x | "
             f"{r['warmup_s']:.0f} | {r['peak_gib']:.2f} | "
             f"{ps['executable_compiles']:.2f}, {ps['persistent_cache_hits']:.2f}, "
             f"{ps['executions']:.1f} |")
