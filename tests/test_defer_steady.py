@@ -141,7 +141,8 @@ def test_a_steady_llama_step_without_a_read_runs_the_step_before_and_waits_for_n
     # A loop that reads its losses later (the chip benchmark's timed rounds): each step's first
     # op runs the step before as one program, launched while the host goes on recording. Nothing
     # in the step reads the device: not clip_grad_norm_'s total norm, not AdamW's foreach math
-    # (the census runs as on a TPU, whose host reads stall: data checks stay on the device).
+    # (the census runs as on a TPU, whose host reads stall: data checks stay on the device);
+    # no Python number crosses with the program (AdamW's lists: 2 a parameter).
     model = _model(SMALL, "tpu")
     step, _ = train_step(model)
     batch = _batch(SMALL, "tpu")
@@ -150,6 +151,7 @@ def test_a_steady_llama_step_without_a_read_runs_the_step_before_and_waits_for_n
         loads, runs = _run(lambda: losses.append(step(*batch)), 6)
     values = [loss.item() for loss in losses]
     assert c.host_waits == [], c.host_waits
+    assert not c.scalar_transfers, c.scalar_transfers  # numbers cross once, kept on the device
     assert loads[3:] == [0, 0, 0], loads
     assert runs == [0, 1, 1, 1, 1, 1], runs
     assert all(math.isfinite(v) for v in values) and values[-1] < values[0]

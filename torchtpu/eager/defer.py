@@ -51,13 +51,14 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 from torchtpu import metrics
 from torchtpu.device import tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import facts
+from torchtpu.eager import facts, numbers
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch, warm
 
 MAX_OPS = 4000
+_NUMBERS = (float, int, bool)
 
 
 @jax.jit
@@ -369,7 +370,10 @@ class Recorder:
                 return
             self._trace = _Trace(self)
             targets, wanted = self._alive(trace)
-            inputs, trace.inputs = trace.inputs, None
+            # Python numbers enter as kept device arrays (``numbers.py``), each otherwise a
+            # host-to-device transfer at every launch (AdamW's lists: ~2 a parameter a step).
+            inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x for x in trace.inputs]
+            trace.inputs = None
             n_inputs = len(inputs)
             # A result the recording reads is an input (donated there if nothing else holds it).
             spares = [x for x in self._spares if id(x) not in trace._array_ids]

@@ -10,8 +10,8 @@ each parameter) crosses once per new value. The array has the abstract value the
 have had (weakly typed: ``x * 0.5`` of a float32 ``x`` stays float32), so the program is the
 same one.
 
-Only Strict does this (``executor.Strict.run``): DeferAndFuse keeps numbers as inputs of its
-recording and graphs as inputs of theirs.
+Strict does this per call (``executor.Strict.run``), DeferAndFuse for each flush's recorded
+numbers (``defer.Recorder.flush``: ~250 a 12-layer Llama step); graphs keep numbers as inputs.
 """
 
 from __future__ import annotations
