@@ -12,9 +12,10 @@ each section, so a run cut short keeps what it measured. Sections, each on its o
   device waited for at the end of each timed loop.
 - ``llama``: ``torchtpu.testing.llama``'s training step (``Llama(LlamaConfig(layers=...))`` at
   ``batch`` x 1024 tokens, autocast bf16, AdamW, clipping) in Strict, after two warm-up steps:
-  ms a step with a final ``.item()`` (``wall_ms``) and the host's time to issue a step without
-  waiting (``issue_ms``); one step under an observer of every launch (time spent inside the
-  jitted calls themselves, ``in_dispatch_ms``, by program: a launch that blocks shows there);
+  ms a step with a final ``.item()`` (``wall_ms``), peak device memory (``peak_gib``) and the
+  host's time to issue a step without waiting (``issue_ms``); one step under an observer of
+  every launch (time spent inside the jitted calls themselves, ``in_dispatch_ms``, by program:
+  a launch that blocks shows there);
   one step under the JAX profiler: the device's busy time (``device_busy_ms``, the union of its
   programs' spans on the device track), the programs that took longest, and the idle gaps
   between programs; one step under cProfile (the host's top functions); and the step's census
@@ -217,7 +218,7 @@ def llama(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
     loss.item()
     out |= {"wall_ms": statistics.median(wall) * 1e3, "issue_ms": statistics.median(issue) * 1e3,
             "pipelined_ms": (time.perf_counter() - start) / steps * 1e3,
-            "last_loss": loss.item()}
+            "last_loss": loss.item(), "peak_gib": torch.tpu.max_memory_allocated() / 2**30}
     out |= _in_dispatch(lambda: step(x, y))
     out |= _profiled_step(lambda: step(x, y))
     out["host_profile"] = _host_profile(lambda: step(x, y))

@@ -25,4 +25,5 @@ def test_strict_chip_runs_small_and_writes_its_json(tmp_path):
     assert abs(step["device_programs"] - step["launches"]) <= 2
     assert 0 < step["device_busy_ms"] <= step["device_span_ms"] <= step["profiled_wall_ms"]
     assert step["census"]["host_waits"] == 0 and step["census"]["scalar_transfers"] == 0
+    assert step["census"]["byte_inputs"] == {} and step["peak_gib"] > 0
     assert any("run_backward" in line for line in step["host_profile"])
