@@ -4,7 +4,10 @@
 
 - ``launches``: program launches by name (an op overload, or the jitted function's name for the
   device layer's own programs: ``read_view``, ``write_view``, ``copy``, casts);
-- ``programs``: the distinct programs among them (a jitted function and its arguments' shapes);
+- ``programs``: the distinct programs among them (a jitted function and its arguments' shapes),
+  each with its runs and one example call (``examples``: its name, the jitted function and its
+  arguments as ``jax.ShapeDtypeStruct``s, to compile it again: ``bench/strict_breakdown.py``
+  compiles each for a TPU target);
 - ``host_waits``: every place the host read a device value or waited for one (``np.asarray`` or
   ``np.array`` of a JAX array, its ``_value``, ``block_until_ready``), with the torchtpu frames
   that did it. On XLA:CPU a read costs nothing, but on a TPU each one stalls the host until the
@@ -47,7 +50,8 @@ VIEW_COPIES = ("read_view", "write_view", "write_run", "copy")
 @dataclass
 class Census:
     launches: collections.Counter = field(default_factory=collections.Counter)
-    programs: set = field(default_factory=set)
+    programs: collections.Counter = field(default_factory=collections.Counter)
+    examples: dict = field(default_factory=dict)
     host_waits: list = field(default_factory=list)
     scalar_transfers: collections.Counter = field(default_factory=collections.Counter)
     byte_inputs: collections.Counter = field(default_factory=collections.Counter)
@@ -130,7 +134,11 @@ def census(dots: bool = True):
         leaves = jax.tree_util.tree_leaves(args)
         key = (id(fn), tuple((getattr(a, "shape", None), str(getattr(a, "dtype", type(a))))
                              for a in leaves))
-        c.programs.add(key)
+        c.programs[key] += 1
+        if key not in c.examples:
+            c.examples[key] = (name, fn, jax.tree_util.tree_map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype) if isinstance(a, jax.Array)
+                else a, args))
         for a in leaves:
             if not isinstance(a, jax.Array) and isinstance(a, (int, float, complex, np.ndarray,
                                                                 np.generic)):
