@@ -3,8 +3,9 @@
 TRL starts vLLM in the trainer's process, on device "tpu" through torchtpu's platform, and pushes
 the policy's weights into it before each step's rollouts. Checked on the tiny Llama of
 ``torchtpu/testing/grpo.py``: two steps train (finite losses, nonzero gradients); after each
-push vLLM's greedy tokens equal the updated policy's own ``generate``, and the push moved no byte
-through the host (tpu tensor to tpu tensor). Refused when the trainer is built, before the
+push vLLM's greedy tokens equal the updated policy's ``generate`` on CPU, the policy's own
+``generate`` on tpu equals CPU's in its mode, and the push moved no byte through the host (tpu
+tensor to tpu tensor). Refused when the trainer is built, before the
 engine starts (``integrations/trl.py``): an engine share that does not fit beside the policy, and
 a policy whose parameters are not the engine's model's (a resized embedding), naming the
 parameter and both shapes. vLLM venv with the rl extra only; skipped elsewhere.
@@ -38,6 +39,9 @@ def test_colocated_grpo_pushes_weights_device_to_device(tmp_path):
     assert out["pushes"], "TRL pushed no weights into vLLM"
     for push in out["pushes"]:
         assert push["vllm"] == push["hf"], push
+        # the policy's own generate on tpu, after the engine's captured steps ran in this
+        # process, equals CPU's in the same mode (training, gradient checkpointing)
+        assert push["hf_tpu"] == push["hf_cpu_as_policy"], push
         assert push["host_bytes"] == 0, push
 
 

@@ -128,15 +128,24 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
 
 def _watch_pushes(trainer, tokenizer) -> list[dict]:
     """After each weight push into the colocated vLLM engine: its greedy tokens on fixed prompts,
-    those of Hugging Face ``generate`` on CPU with the policy's weights as pushed (``hf``) and on
-    tpu with the policy itself (``hf_tpu``), and the bytes the push moved through the host
-    (``torchtpu.metrics``, counted before the CPU copy is made)."""
+    those of Hugging Face ``generate`` on CPU with the policy's weights as pushed (``hf``, eval
+    mode), on tpu with the policy itself (``hf_tpu``) and on CPU in the policy's own mode
+    (``hf_cpu_as_policy``: training, gradient checkpointing), and the bytes the push moved
+    through the host (``torchtpu.metrics``, counted before the CPU copy is made).
+
+    ``hf_tpu`` is compared with ``hf_cpu_as_policy``, not with ``hf``: Transformers 5.19 (the
+    vLLM venv's, capped by vLLM) drops the KV cache inside checkpointed layers in training mode
+    even under ``no_grad``, while ``generate`` still feeds them only the newest token, so the
+    policy's own greedy tokens after the first are not eval mode's, on CPU as on tpu (5.24
+    keeps the cache when no gradient is recorded).
+    """
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
     from torchtpu import metrics
 
     reference = AutoModelForCausalLM.from_pretrained(trainer.model.name_or_path).eval()
+    policy = trainer.accelerator.unwrap_model(trainer.model)
 
     generation = trainer.vllm_generation
     push = generation.sync_weights
@@ -152,12 +161,17 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
         outs = generation.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                        SamplingParams(temperature=0, max_tokens=8),
                                        use_tqdm=False)
-        model = trainer.accelerator.unwrap_model(trainer.model)
-        reference.load_state_dict({k: v.cpu() for k, v in model.state_dict().items()})
+        reference.load_state_dict({k: v.cpu() for k, v in policy.state_dict().items()})
+        hf = _greedy(reference, prompts, tokenizer)
+        if policy.is_gradient_checkpointing and not reference.is_gradient_checkpointing:
+            reference.gradient_checkpointing_enable()  # (the trainer turns it on in train())
+        reference.train(policy.training)
+        as_policy = _greedy(reference, prompts, tokenizer)
+        reference.eval()
         seen.append({"step": trainer.state.global_step, "host_bytes": host,
-                     "vllm": [list(o.outputs[0].token_ids) for o in outs],
-                     "hf": _greedy(reference, prompts, tokenizer),
-                     "hf_tpu": _greedy(model, prompts, tokenizer)})
+                     "vllm": [list(o.outputs[0].token_ids) for o in outs], "hf": hf,
+                     "hf_tpu": _greedy(policy, prompts, tokenizer),
+                     "hf_cpu_as_policy": as_policy})
 
     generation.sync_weights = sync_weights
     return seen
