@@ -134,8 +134,9 @@ def _precompile_child(build, batches) -> None:
     print(json.dumps({"cpu": cpu, "tpu": tpu, **delta}))
 
 
-def _run(cache, kind: str) -> dict:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error"}
+def _run(cache, kind: str, **extra: str) -> dict:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error",
+           **extra}
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)  # this process's (graph_cache.place): the child's own
     out = subprocess.run([sys.executable, __file__, kind], env=env, text=True,
                          capture_output=True, timeout=300)
@@ -155,6 +156,21 @@ def test_second_process_compiles_and_lowers_nothing(tmp_path, kind):
     assert warm_run["by_key"] >= (1 if kind == "graph" else 2)
     assert warm_run["tpu"] == cold["tpu"]
     np.testing.assert_allclose(warm_run["tpu"], warm_run["cpu"], rtol=1e-5, atol=1e-6)
+
+
+def test_processes_on_two_devices_of_a_host_keep_their_own_programs(tmp_path):
+    """Two processes of one host sharing a cache, each driving another of its devices (Ray
+    Serve's replicas): each runs its own device's programs. The key named the host's first
+    device for both, so the second process loaded the first's executable, compiled for device 1,
+    and its step failed ("compiled for input shardings that disagree")."""
+    cache = tmp_path / "cache"
+    host = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    one = _run(cache, "graph", TORCHTPU_LOCAL_DEVICE="1", **host)
+    zero = _run(cache, "graph", TORCHTPU_LOCAL_DEVICE="0", **host)
+    again = _run(cache, "graph", TORCHTPU_LOCAL_DEVICE="1", **host)
+    assert one["compiles"] > 0 and zero["compiles"] > 0 and zero["by_key"] == 0
+    assert again["compiles"] == 0 and again["by_key"] >= 1
+    assert one["tpu"] == zero["tpu"] == again["tpu"]
 
 
 @pytest.mark.full  # two processes that import Dynamo and compile: ~17 s of CPU

@@ -47,7 +47,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, compiler_options, tpu_hook
+from torchtpu.runtime import compile_cache, compiler_options, platform, tpu_hook
 
 _RECORD = "ttpu_record"
 
@@ -74,9 +74,11 @@ def source_digest() -> str:
 def fingerprint() -> str:
     """What every key depends on besides its caller's parts (and, for a program, the settings
     and argument signature of its first call): versions, platform, XLA flags, own source."""
-    # The local device, not jax.devices()[0]: in a multi-process run each process's programs
-    # are compiled for its own device, and rank 1 loading rank 0's executable fails at launch.
-    device = jax.local_devices()[0]
+    # The device this process drives, not jax.devices()[0] nor jax.local_devices()[0]: each
+    # process's programs are compiled for its own device, and one loading another's executable
+    # fails at launch (ranks of a multi-process run; processes of one host that each see all
+    # its devices and drive one, as Ray Serve's replicas do).
+    device = platform.local_device()
     parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
              device.platform, device.device_kind, device.client.platform_version, str(device.id),
              os.environ.get("XLA_FLAGS", ""), source_digest()]
