@@ -90,6 +90,26 @@ def test_first_use_from_another_thread_and_storage():
     assert out == [[15, 15, 15], "tpu", 8]
 
 
+def test_a_setting_the_device_refuses_fails_each_first_op_by_name():
+    """The device loads at the first op and reads its settings then: a bad one is that op's
+    error, and the next op's, in torchtpu's words (not a missing kernel), while CPU works."""
+    out = _child("""
+        import json, torch
+        seen = []
+        for _ in range(2):
+            try:
+                torch.ones(2, device="tpu")
+            except Exception as e:
+                seen.append(f"{type(e).__name__}: {e}")
+        print(json.dumps([seen, torch.ones(2).sum().item()]))
+    """, env={"TORCHTPU_MEMORY_LIMIT": "1.5"})
+    seen, on_cpu = out
+    assert len(seen) == 2 and on_cpu == 2.0
+    for error in seen:
+        assert error.startswith("ValueError: torchtpu.config: TORCHTPU_MEMORY_LIMIT='1.5' is "
+                                "neither a whole number of bytes"), error
+
+
 def test_storage_built_first_loads_the_device():
     out = _child("""
         import json, torch

@@ -308,6 +308,10 @@ def _load() -> None:
     )
     from torchtpu.eager import dispatch, modes, sdpa_routing
 
+    # First, as it can refuse its setting: a load that fails before anything is registered
+    # leaves the first op's fallback in place, so every later tpu op raises the same error (a
+    # failure past the swap below left no kernel: 'Could not run aten::empty.memory_format').
+    memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
     aten = torch.library.Library("aten", "IMPL")
     kernels.register(aten)
     composed.register(aten)
@@ -325,7 +329,6 @@ def _load() -> None:
     storage.install_pickling()
     storage.install_slicing()
     set_data.install()  # tensor.data = ... onto or off the tpu, as for CUDA (FSDP2 needs it)
-    memory_limit.install()  # TORCHTPU_MEMORY_LIMIT: launches over it are torchtpu.memory errors
     from torchtpu.tpu import accelerator
 
     accelerator.install()  # torch.accelerator's entry points, for tpu
