@@ -29,7 +29,7 @@ from vllm.v1.worker.utils import request_memory
 
 from torchtpu.distributed import solo
 from torchtpu.eager.capture import storage_of
-from torchtpu.integrations.vllm import preflight
+from torchtpu.integrations.vllm import preflight, ray_serve
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
@@ -326,6 +326,7 @@ class TpuWorker(Worker):
                 "set TORCHTPU_VLLM=0 to use vLLM's own platform"
             )
         _tpu_runner_hooks()
+        ray_serve.watch_parent()
         _claim_local_device(self.local_rank, self.parallel_config.local_world_size)
         self.device = torch.device("tpu", self.local_rank)
         current_platform.set_device(self.device)
@@ -343,6 +344,10 @@ class TpuWorker(Worker):
         self.init_snapshot = MemorySnapshot(device=self.device)
         self.requested_memory = request_memory(self.init_snapshot, self.cache_config)
         self._init_workspace_and_model_runner()
+
+    def jax_device(self) -> str:
+        """The JAX device this worker's "tpu" is (``collective_rpc("jax_device")``)."""
+        return str(platform.local_device())
 
     def communication(self) -> dict[str, dict[str, int]]:
         """The collectives this worker's tpu_dist communicators served, by vLLM group name
