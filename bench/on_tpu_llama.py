@@ -183,8 +183,11 @@ def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: f
     batch = tokens // length
     if mode.startswith("jax"):
         # As a JAX user runs it: without the 64-bit types torchtpu turns on for PyTorch's int64
-        # and float64 (int64 token ids cost the twin 106 -> 125 ms a step on v5e).
-        with jax.enable_x64(False):
+        # and float64 (int64 token ids cost the twin 106 -> 125 ms a step on v5e), and at JAX's
+        # default matmul precision, not the "highest" torchtpu sets once its device starts
+        # (under which Mosaic refuses the splash kernel's bf16 products: the "Please report a
+        # bug" of jax-splash after a torch mode in one process).
+        with jax.enable_x64(False), jax.default_matmul_precision("default"):
             out = _jax_row(tpu_llama.config(**dims, seq=length), batch, steps, rounds, budget_s,
                            splash=mode == "jax-splash", profile=profile)
     else:

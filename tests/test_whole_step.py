@@ -34,13 +34,19 @@ def step(model, opt, x, y):
     return loss
 
 
-def _counts() -> dict:
+def _counts(*more: str) -> dict:
     m = metrics.snapshot()
-    return {k: m.get(k, 0) for k in ("executions", "captures", "compiled_graphs")}
+    return {k: m.get(k, 0) for k in ("executions", "captures", "compiled_graphs", *more)}
+
+
+def _adamw_state(model) -> int:
+    """The tensors AdamW's first step makes, eagerly, before a whole step's first program:
+    exp_avg, exp_avg_sq and a device step count per parameter."""
+    return 3 * len(list(model.parameters()))
 
 
 def _delta(before: dict) -> dict:
-    after = _counts()
+    after = _counts(*before)
     return {k: after[k] - v for k, v in before.items()}
 
 
@@ -60,15 +66,21 @@ def test_whole_step_is_one_program_per_call_with_eager_losses_and_a_scheduled_lr
         if i == 4:  # a scheduler's change: an input of the program, not a recapture
             for opt in (cpu_opt, dev_opt):
                 opt.param_groups[0]["lr"] = 0.005
-        before = _counts()
+        before = _counts("executable_compiles", "persistent_cache_hits")
         loss = compiled(dev, dev_opt, x.to("tpu"), y.to("tpu"))
         delta = _delta(before)
         expected = step(cpu, cpu_opt, x, y)
         torch.testing.assert_close(loss.cpu(), expected.detach(), atol=2e-6, rtol=2e-6)
         # Every call is one program; the first step and the steady state are captured once each.
+        # The first call makes AdamW's state eagerly, outside its program, which is then the
+        # steady one: the second capture compiles nothing.
         refills = 4 if i == 3 and not capturable else 0  # the device twins of the counts
-        assert delta["executions"] == 1 + refills and delta["compiled_graphs"] == 0, (i, delta)
+        made = _adamw_state(dev) if i == 0 else 0
+        assert delta["executions"] == 1 + refills + made and delta["compiled_graphs"] == 0, \
+            (i, delta)
         assert delta["captures"] == (1 if i < 2 else 0), (i, delta)
+        if i == 1:
+            assert delta["executable_compiles"] == delta["persistent_cache_hits"] == 0, delta
     for p, q in zip(dev.parameters(), cpu.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5)
@@ -161,7 +173,7 @@ def test_outputs_sharing_a_storage_each_come_back_with_their_values():
     for i, (x, y) in enumerate(_batches(4)):
         before = _counts()
         got = compiled(dev, opts[1], x.to("tpu"), y.to("tpu"))
-        assert _delta(before)["executions"] == 1
+        assert _delta(before)["executions"] == 1 + (_adamw_state(dev) if i == 0 else 0)
         want = aliased(cpu, opts[0], x, y)
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g.detach().cpu(), w.detach(), atol=2e-6, rtol=2e-6,
@@ -225,3 +237,27 @@ def test_a_step_that_cannot_be_one_program_says_why_and_runs_through_dynamo(fres
 def test_whole_step_option_is_checked():
     with pytest.raises(ValueError, match="torchtpu.compile: whole_step must be True or False"):
         torch.compile(step, backend="tpu", options={"whole_step": "yes"})
+
+
+def test_the_llama_steps_first_program_is_its_steady_one():
+    """The chip row's model (rotary ``neg``, RMSNorm, SDPA, cross-entropy; AdamW under autocast):
+    the first call compiles the program every later call runs, so the second compiles nothing
+    and loads nothing (no persistent-cache or warm-start load). Its recording must have a
+    stable key for that: aten.neg lowers to ``jnp.negative``, a ``jnp.ufunc``, which once had
+    none."""
+    from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+
+    c = LlamaConfig(vocab=64, dim=32, layers=1, heads=2, hidden=48, seq=8)
+    torch.manual_seed(0)
+    with torch.device("tpu"):
+        model = Llama(c)
+    compiled = torch.compile(train_step(model)[0], backend="tpu")
+    ids = torch.randint(c.vocab, (2, c.seq + 1), generator=torch.Generator().manual_seed(0))
+    x, y = ids[:, :-1].contiguous().to("tpu"), ids[:, 1:].contiguous().to("tpu")
+    loads = ("executable_compiles", "persistent_cache_hits", "programs_loaded_by_key")
+    for i in range(3):
+        before = _counts(*loads)
+        compiled(x, y)
+        delta = _delta(before)
+        if i > 0:  # the program in memory (the capture's program cache), nothing loaded
+            assert [delta[k] for k in loads] == [0, 0, 0], (i, delta)

@@ -19,10 +19,13 @@ Measured on the TinyGPT step (``bench/captured.py``): one program per call, 1.3-
 Dynamo's graphs of the same step, as fast as a hand-written ``torch.tpu.graph`` capture.
 
 How a call runs (``WholeStep``):
-- the first call is captured and run once, not kept: its optimizers create their state in it,
-  and its first ``backward()`` the ``.grad`` buffers, which a replay would create afresh (CUDA
-  Graphs require warm-up steps for this reason); it also tells which optimizers the function
-  steps (a step may have none: a hand-written update under ``no_grad``);
+- the first call is captured and run once, not kept: its first ``backward()`` creates the
+  ``.grad`` buffers, which a replay would create afresh (CUDA Graphs require warm-up steps for
+  this reason); it also tells which optimizers the function steps (a step may have none: a
+  hand-written update under ``no_grad``). Its optimizers make their state eagerly, outside the
+  recording (``device_steps.py``), so that its program is the steady one: the second call
+  captures again and reuses that program (``eager/capture.py``'s program cache) instead of
+  compiling the step a second time;
 - a call with a new signature (tensor shapes, dtypes and ``requires_grad``; other arguments by
   value or identity; grad mode, autocast, matmul precision; the train/eval mode of every module
   among the arguments and the function's globals and closure; the scalars it reads from them)
@@ -61,6 +64,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchtpu.compile.device_steps import DeviceSteps
 from torchtpu.compile.module_trees import ModuleTrees
 from torchtpu.compile.step_counts import StepCounts
 from torchtpu.device import tensors
@@ -212,39 +216,6 @@ class _Step:
         return out[0] if self.single else pytree.tree_unflatten(out, self.out_spec)
 
 
-class _DeviceSteps:
-    """A non-capturable optimizer run as a capturable one for the length of a capture."""
-
-    def __init__(self, optimizers: list) -> None:
-        self.twins: list = []     # (optimizer, CPU step count, the device twin the program reads)
-        self._undo: list = []
-        for opt in optimizers:
-            for group in opt.param_groups:
-                if group.get("capturable", True):
-                    continue
-                self._undo.append((group, None, None))
-                group["capturable"] = True
-                for p in group["params"]:
-                    state = opt.state.get(p, {})
-                    cpu = state.get("step")
-                    if not (isinstance(cpu, torch.Tensor) and cpu.device.type == "cpu"):
-                        continue
-                    # Kept from replay to replay (donated, advanced in place), and refilled
-                    # from the CPU count when that moved outside the compiled step.
-                    dev = torch.tensor(cpu.item(), dtype=torch.float32, device=p.device)
-                    state["step"] = dev
-                    self._undo.append((None, state, cpu))
-                    self.twins.append((opt, cpu, dev))
-
-    def restore(self) -> None:
-        for group, state, cpu in self._undo:
-            if group is not None:
-                group["capturable"] = False
-            else:
-                state["step"] = cpu
-        self._undo = []
-
-
 class WholeStep:
     """A step function compiled whole: see the module docstring."""
 
@@ -299,12 +270,14 @@ class WholeStep:
         params = [p for opt in known for g in opt.param_groups for p in g["params"]]
         grads_in = {p: p.grad for p in params}
         capture = Capture()
-        device_steps = _DeviceSteps([] if once else known)
+        device_steps = DeviceSteps([] if once else known)
         watch = OptimizerWatch(capture, once=once)
         stepped: dict = {}
 
         def seen(opt, a, k) -> None:
             stepped[id(opt)] = stepped.get(id(opt), 0) + 1
+            if once and stepped[id(opt)] == 1 and all(opt is not o for o in known):
+                device_steps.adopt(opt, capture)
             self._optimizers.setdefault(id(opt), opt)
 
         handle = register_optimizer_step_pre_hook(seen)

@@ -30,6 +30,7 @@ the processes of their group, and its replay is one SPMD program per rank over t
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import weakref
 from collections.abc import Callable
@@ -270,7 +271,7 @@ class Capture:
             # Keyed by what was recorded, so that a new process loads the executable without
             # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
             key = warm.key_of("captured", trace.nodes, wanted, donate, baked)
-            fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
+            fn = _program(replay, donate, key)
         facts.save()
         metrics.count("captures")
         return Captured(fn, ReplayIO(sources, targets, avals), len(trace.nodes))
@@ -291,6 +292,27 @@ class Capture:
                 # then is no earlier step's but the zeros it was made with, the same every replay.
                 sources.append((CONST, x, None))
         return sources
+
+
+# The programs of recent captures by what they recorded: capturing the same step again (a whole
+# step's first call and its second, a recapture after a guard) reuses the compiled program
+# rather than compiling it again.
+_PROGRAMS: collections.OrderedDict = collections.OrderedDict()
+_KEEP = 8
+
+
+def _program(replay: Callable, donate: tuple, key: str | None) -> warm.Program:
+    fn = _PROGRAMS.get(key) if key is not None else None
+    if fn is None:
+        fn = warm.Program(jax.jit(replay, donate_argnums=donate), key)
+        if key is not None:
+            _PROGRAMS[key] = fn
+            while len(_PROGRAMS) > _KEEP:
+                _PROGRAMS.popitem(last=False)
+    else:
+        _PROGRAMS.move_to_end(key)
+        metrics.count("capture_programs_reused")
+    return fn
 
 
 def _in_input_order(wanted: tuple, outputs: dict, sources: list) -> tuple:

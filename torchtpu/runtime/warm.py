@@ -38,6 +38,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax._src import compilation_cache as jax_cache
@@ -149,6 +150,8 @@ def canonical(x) -> str:
         if closure or "<" in qualname or not module:
             raise Unstable(f"{x!r} is a closure or lambda")
         return f"fn:{module}.{qualname}"
+    if isinstance(x, jnp.ufunc):  # jnp.negative (aten.neg's lowering): one object per name
+        return f"jnp.ufunc:{x.__name__}"
     raise Unstable(f"no stable form for {type(x).__name__}")
 
 
