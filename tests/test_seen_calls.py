@@ -10,16 +10,16 @@ from torchtpu.eager import seen_calls
 
 @pytest.fixture
 def short_paths(monkeypatch):
-    """How many calls took the short path (``whole_arrays`` gave their arrays)."""
+    """How many calls took the short path (``arrays`` gave their arrays)."""
     taken = [0]
-    whole = seen_calls.whole_arrays
+    read = seen_calls.arrays
 
     def spy(values, reads):
-        arrays = whole(values, reads)
+        arrays = read(values, reads)
         taken[0] += arrays is not None
         return arrays
 
-    monkeypatch.setattr(seen_calls, "whole_arrays", spy)
+    monkeypatch.setattr(seen_calls, "arrays", spy)
     return taken
 
 
@@ -38,16 +38,34 @@ def test_repeated_call_takes_it(short_paths):
     ((8, 4), lambda t: t[4:]),       # an offset into a larger storage
     ((4, 4), lambda t: t.view(16)),  # the storage array has another shape
 ], ids=["transposed", "offset", "reshaped"])
-def test_views_take_the_full_path(base, make, short_paths):
+def test_views_take_the_full_path_then_their_own(base, make, short_paths):
     a = torch.randn(base)
     view_cpu = make(a)
     b = torch.randn(view_cpu.shape)
     y = b.to("tpu")
     for _ in range(2):  # the view's signature runs first on whole tensors
-        torch.testing.assert_close((view_cpu.clone().to("tpu") + y).cpu(), view_cpu + b)
+        torch.testing.assert_close((view_cpu.contiguous().to("tpu") + y).cpu(), view_cpu + b)
+    x, z = make(a.to("tpu")), make(a.to("tpu") * 2)
     before = short_paths[0]
-    torch.testing.assert_close((make(a.to("tpu")) + y).cpu(), view_cpu + b)
+    torch.testing.assert_close((x + y).cpu(), view_cpu + b)
     assert short_paths[0] == before
+    # The view's own reads replaced the whole ones: the loop's next calls take it.
+    torch.testing.assert_close((x + y).cpu(), view_cpu + b)
+    torch.testing.assert_close((z + y).cpu(), make(a * 2) + b)
+    assert short_paths[0] == before + 2
+
+
+def test_a_view_read_another_way_takes_the_full_path(short_paths):
+    # Same signature (shape, dtype) as the remembered view, read at another offset or stride.
+    a, b = torch.randn(8, 4), torch.randn(4, 4)
+    x, y = a.to("tpu"), b.to("tpu")
+    for _ in range(2):
+        torch.testing.assert_close((x[4:] + y).cpu(), a[4:] + b)
+    for view, cpu in ((x[:4], a[:4]), (x[2:6], a[2:6]), (x[:4].t(), a[:4].t()),
+                      (x.view(4, 8)[:, :4], a.view(4, 8)[:, :4])):
+        before = short_paths[0]
+        torch.testing.assert_close((view + y).cpu(), cpu + b)
+        assert short_paths[0] == before
 
 
 def test_reinterpreted_dtype_takes_the_full_path():
@@ -93,8 +111,9 @@ def test_constants_of_other_types_or_signs_are_other_calls():
 
 def test_defer_and_fuses_recorded_values_take_it(short_paths):
     # A recorded (pending) result is its storage whole, as a computed one: a loop under
-    # DeferAndFuse, where nearly every input is pending, repeats its calls the short way. A
-    # pending value under a view still takes the full path.
+    # DeferAndFuse, where nearly every input is pending, repeats its calls the short way; so
+    # does a pending value under a view read as before (the Llama's transposed heads), and not
+    # one under another view of the same shape.
     a, b = torch.randn(4, 6), torch.randn(4, 6)
     x, y = a.to("tpu"), b.to("tpu")
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
@@ -109,10 +128,15 @@ def test_defer_and_fuses_recorded_values_take_it(short_paths):
         t = (x * y).t()
         torch.mul(t, 2.0), torch.mul(t, 2.0)
         before = short_paths[0]
-        view = torch.mul(t, 2.0)
-        assert short_paths[0] == before
+        view = torch.mul((x * y).t(), 2.0)
+        assert not torch.tpu.is_materialized(view)
+        assert short_paths[0] == before + 2  # x * y and the transposed view's mul
+        before = short_paths[0]
+        other = torch.mul((x * y).reshape(6, 4), 2.0)  # the view's shape, read another way
+        assert short_paths[0] == before + 1
     torch.testing.assert_close(out.cpu(), a * b + b)
     torch.testing.assert_close(view.cpu(), (a * b).t() * 2)
+    torch.testing.assert_close(other.cpu(), (a * b).reshape(6, 4) * 2)
 
 
 def test_capture_keeps_the_full_path(short_paths):

@@ -154,15 +154,15 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
 
 
 def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
-            dyn: tuple | None = None):
-    """Run lowering on bound values through the current executor; returns arrays. ``dyn``: the
-    call's arrays, when its caller read them already (``seen_calls``: whole tensors only)."""
+            dyn: tuple | None = None, views: tuple = ()):
+    """Run lowering on bound values through the current executor; returns arrays. ``dyn`` and
+    ``views``: the call's arrays and views (as ``dynamic_values`` gives them), when its caller
+    read them already (``seen_calls``)."""
     padded_inputs = HOOKS.padded_inputs
     if padded_inputs is not None:
         out = padded_inputs(lowering, spec, values, writes)
         if out is not None:
             return out
-    views = ()
     if dyn is None:
         dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
     growing = HOOKS.growing
@@ -220,17 +220,19 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                 key = seen_calls.signature(values)
                 hit = seen.get(key)
             except TypeError:  # an unhashable constant: the full path
-                hit = False
+                hit, key = False, None
             if hit:
-                dyn = seen_calls.whole_arrays(values, hit.reads)
+                dyn = seen_calls.arrays(values, hit.reads)
                 if dyn is not None:
-                    out = _wrap(compute(lowering, hit.spec, values, dyn=dyn), hit.result)
+                    out = _wrap(compute(lowering, hit.spec, values, dyn=dyn, views=hit.views),
+                                hit.result)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
         # A signature does not tell layouts apart: a contiguous call must not take a
-        # channels-last call's result format.
-        if hit is None and key is not None and not results.formatted(result):
+        # channels-last call's result format. One read another way than the signature's
+        # remembered call (a view where it was whole) replaces it: a loop repeats its own.
+        if hit is not False and key is not None and not results.formatted(result):
             seen_calls.remember(seen, key, values, result, spec)
         return list(out) if returns_list else out
 

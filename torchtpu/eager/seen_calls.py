@@ -9,16 +9,18 @@ sit and the dtype each array must have), keyed by ``signature``: the bound value
 each tensor as (shape, dtype, is_cpu), with every value's type (1, 1.0 and True are equal keys
 that compute differently).
 
-Only signatures whose spec takes nothing but whole device tensors, traced real numbers (``x *
+Only signatures whose spec takes nothing but device tensors, traced real numbers (``x *
 0.3``: a Python number's value is in the signature, a CPU scalar tensor's is read at each call)
 and baked-in constants are kept (no tensor lists, no random keys), and only outside a capture. A
 call takes the short path only when each tensor's storage holds a computed array, or a value
-DeferAndFuse recorded (which knows its shape and dtype), that is the tensor whole
-(``whole_arrays``) and no traced number is a float zero (0.0 and -0.0 are one key); anything
-else (a view, a padded value, a lazy conj/neg bit) takes the full
-path, which handles it. The short path then runs as the full path
-does from the read arrays on (``dispatch.compute`` with them): the upper layers' hooks, the
-current executor, the launch observer all see the same call.
+DeferAndFuse recorded (which knows its shape and dtype), that the tensor reads as the remembered
+call's did (``arrays``): the array whole, or through the same view geometry (a transposed or
+reshaped view, an offset: the storage array's shape and dtype, the tensor's strides and offset),
+and no traced number is a float zero (0.0 and -0.0 are one key); anything else (another
+geometry, a padded value, a lazy conj/neg bit) takes the full path, which handles it and
+remembers its own reads in place of the earlier ones. The short path then runs as the full path
+does from the read arrays and views on (``dispatch.compute`` with them): the upper layers' hooks,
+the current executor, the launch observer all see the same call.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from __future__ import annotations
 import torch
 from jax._src.array import ArrayImpl
 
-from torchtpu.device import dtypes
+from torchtpu.device import tensors
+from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
@@ -46,16 +49,18 @@ def signature(values: list):
 
 
 class Seen:
-    """What the full path found for one signature: ``reads`` holds (position, array dtype) of
-    each tensor argument and (position, None) of each traced number, in the order the program
-    takes them."""
+    """What the full path found for one signature: ``reads`` holds (position, how it is read) of
+    each tensor argument, in the order the program takes them, how being its array's dtype (read
+    whole) or the view ``Geometry`` it was read through, and (position, None) of each traced
+    number; ``views`` the spec's views as ``dispatch.dynamic_values`` gives them."""
 
-    __slots__ = ("result", "spec", "reads")
+    __slots__ = ("result", "spec", "reads", "views")
 
-    def __init__(self, result, spec: Spec, reads: tuple) -> None:
+    def __init__(self, result, spec: Spec, reads: tuple, views: tuple) -> None:
         self.result = result
         self.spec = spec
         self.reads = reads
+        self.views = views
 
 
 def _zero(x) -> bool:
@@ -85,29 +90,56 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
         simple = spec._simple = _simple(spec)
     if not simple:
         return
-    reads = tuple((i, None if kind == SCALAR else dtypes.to_jax(values[i].dtype))
-                  for i, (kind, _) in enumerate(spec.entries) if kind != CONST)
-    meta.bounded_put(seen, key, Seen(result, spec, reads))
+    reads, views = [], []
+    for i, (kind, _) in enumerate(spec.entries):
+        if kind == SCALAR:
+            reads.append((i, None))
+        elif kind == TENSOR:
+            how = _read_as(values[i])
+            if how is None:
+                return
+            reads.append((i, how))
+            if type(how) is Geometry:
+                views.append((i, None, how))
+    meta.bounded_put(seen, key, Seen(result, spec, tuple(reads), tuple(views)))
+
+
+def _stored(t: _Tensor):
+    """t's storage's computed array or recorded value (what the short path can read), or None."""
+    array = t.untyped_storage()._tpu_array
+    if type(array) is Pending:  # DeferAndFuse's value: its array once run, else itself
+        array = array.resolve()
+    return array if type(array) in (ArrayImpl, Pending) else None
+
+
+def _read_as(t: _Tensor):
+    """How the full path read t (``tensors.read_parts``): its array's dtype where t is its array
+    whole, else the view's geometry; None where it read something the short path cannot."""
+    if _stored(t) is None or t.is_conj() or t.is_neg():
+        return None
+    array, g = tensors.read_parts(t)
+    return array.dtype if g is None else g
 
 
 _REAL = (float, int, bool)
 
 
-def whole_arrays(values: list, reads: tuple) -> tuple | None:
+def arrays(values: list, reads: tuple) -> tuple | None:
     """The arrays of the call's tensors when each is its storage's computed (or DeferAndFuse's
-    recorded) array whole (the array's shape and dtype, contiguous, no lazy bits), with its
-    traced numbers; else None.
+    recorded) array read as the remembered call read it (whole: the array's shape and dtype,
+    contiguous; a view: the same storage array shape and dtype, strides and offset), no lazy
+    bits, with its traced numbers; else None.
     (The storage's bytes are its array's: a contiguous tensor of the array's shape and itemsize
     cannot start past 0.)"""
-    arrays = []
-    for i, dtype in reads:
+    out = []
+    for i, how in reads:
         t = values[i]
-        if dtype is None:  # a traced number, or a CPU scalar tensor's value
+        if how is None:  # a traced number, or a CPU scalar tensor's value
             if type(t) is _Tensor:
                 t = t.item()
             if type(t) not in _REAL or (type(t) is float and t == 0):
                 return None
-            arrays.append(t)
+            out.append(t)
             continue
         array = t.untyped_storage()._tpu_array
         kind = type(array)
@@ -120,8 +152,13 @@ def whole_arrays(values: list, reads: tuple) -> tuple | None:
             aval = array  # a recorded value knows its shape and dtype
         else:
             return None
-        if (aval.dtype != dtype or aval.shape != t.shape or not t.is_contiguous()
-                or t.is_conj() or t.is_neg()):
+        if t.is_conj() or t.is_neg():
             return None
-        arrays.append(array)
-    return tuple(arrays)
+        if type(how) is Geometry:
+            if (aval.shape != how.array_shape or aval.dtype != how.array_dtype
+                    or t.stride() != how.stride or t.storage_offset() != how.offset):
+                return None
+        elif aval.dtype != how or aval.shape != t.shape or not t.is_contiguous():
+            return None
+        out.append(array)
+    return tuple(out)
