@@ -10,16 +10,16 @@ from torchtpu.eager import seen_calls
 
 @pytest.fixture
 def short_paths(monkeypatch):
-    """How many calls took the short path (``arrays`` gave their arrays)."""
+    """How many calls took the short path (``read`` found their arrays)."""
     taken = [0]
-    read = seen_calls.arrays
+    read = seen_calls.read
 
-    def spy(values, reads):
-        arrays = read(values, reads)
-        taken[0] += arrays is not None
-        return arrays
+    def spy(values, known):
+        found = read(values, known)
+        taken[0] += found is not None
+        return found
 
-    monkeypatch.setattr(seen_calls, "arrays", spy)
+    monkeypatch.setattr(seen_calls, "read", spy)
     return taken
 
 
@@ -66,6 +66,20 @@ def test_a_view_read_another_way_takes_the_full_path(short_paths):
         before = short_paths[0]
         torch.testing.assert_close((view + y).cpu(), cpu + b)
         assert short_paths[0] == before
+
+
+def test_one_signature_read_two_ways_takes_it_both_ways(short_paths):
+    # (4, 4) with strides (4, 1): its storage array whole, then a view of a (16,) array.
+    a, b, f = torch.randn(4, 4), torch.randn(4, 4), torch.randn(16)
+    x, y, flat = a.to("tpu"), b.to("tpu"), f.to("tpu")
+    for _ in range(2):
+        torch.testing.assert_close((x * y).cpu(), a * b)
+        torch.testing.assert_close((flat.view(4, 4) * y).cpu(), f.view(4, 4) * b)
+    before = short_paths[0]
+    for _ in range(2):
+        torch.testing.assert_close((x * y).cpu(), a * b)
+        torch.testing.assert_close((flat.view(4, 4) * y).cpu(), f.view(4, 4) * b)
+    assert short_paths[0] == before + 4
 
 
 def test_reinterpreted_dtype_takes_the_full_path():

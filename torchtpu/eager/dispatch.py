@@ -207,7 +207,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
     oi = schema.info(op)
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
 
-    seen: dict = {}  # signature -> seen_calls.Seen
+    seen: dict = {}  # signature -> [seen_calls.Seen]
     repeatable = not lowering.random  # a random call's key entry depends on its values
 
     def handle(args, kwargs):
@@ -222,16 +222,17 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
             except TypeError:  # an unhashable constant: the full path
                 hit, key = False, None
             if hit:
-                dyn = seen_calls.arrays(values, hit.reads)
-                if dyn is not None:
-                    out = _wrap(compute(lowering, hit.spec, values, dyn=dyn, views=hit.views),
-                                hit.result)
+                found = seen_calls.read(values, hit)
+                if found is not None:
+                    kept, dyn = found
+                    out = _wrap(compute(lowering, kept.spec, values, dyn=dyn, views=kept.views),
+                                kept.result)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
         # A signature does not tell layouts apart: a contiguous call must not take a
         # channels-last call's result format. One read another way than the signature's
-        # remembered call (a view where it was whole) replaces it: a loop repeats its own.
+        # remembered calls (a view where they read whole arrays) is kept beside them.
         if hit is not False and key is not None and not results.formatted(result):
             seen_calls.remember(seen, key, values, result, spec)
         return list(out) if returns_list else out

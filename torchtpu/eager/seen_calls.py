@@ -5,22 +5,23 @@ and walks the spec to read its arrays (``dispatch.dynamic_values``): ~20 small P
 cost more than the jitted program call itself on small tensors. Most calls in a loop repeat a
 signature seen before: the same tensor shapes and dtypes, the same constants. This module keeps,
 per op, what the full path found for such a signature (its result, its spec, where its tensors
-sit and the dtype each array must have), keyed by ``signature``: the bound values themselves,
-each tensor as (shape, dtype, is_cpu), with every value's type (1, 1.0 and True are equal keys
-that compute differently).
+sit and how each is read), keyed by ``signature``: the bound values themselves, each tensor as
+(shape, strides, offset, dtype, is_cpu), with every value's type (1, 1.0 and True are equal keys
+that compute differently). Strides and offsets keep apart the calls of one shape that read
+their tensors another way (a backward's products of a square weight and of its transpose).
 
 Only signatures whose spec takes nothing but device tensors, traced real numbers (``x *
 0.3``: a Python number's value is in the signature, a CPU scalar tensor's is read at each call)
 and baked-in constants are kept (no tensor lists, no random keys), and only outside a capture. A
 call takes the short path only when each tensor's storage holds a computed array, or a value
-DeferAndFuse recorded (which knows its shape and dtype), that the tensor reads as the remembered
-call's did (``arrays``): the array whole, or through the same view geometry (a transposed or
-reshaped view, an offset: the storage array's shape and dtype, the tensor's strides and offset),
-and no traced number is a float zero (0.0 and -0.0 are one key); anything else (another
-geometry, a padded value, a lazy conj/neg bit) takes the full path, which handles it and
-remembers its own reads in place of the earlier ones. The short path then runs as the full path
-does from the read arrays and views on (``dispatch.compute`` with them): the upper layers' hooks,
-the current executor, the launch observer all see the same call.
+DeferAndFuse recorded (which knows its shape and dtype), that the tensor reads as one of the
+signature's remembered calls did (``read``): the array whole, or through the same view geometry
+(a transposed or reshaped view, an offset: the same storage array shape and dtype), and no
+traced number is a float zero (0.0 and -0.0 are one key); anything else (another storage array
+shape, a padded value, a lazy conj/neg bit) takes the full path, which handles it and keeps its
+own reads beside the earlier ones (``READS_PER_SIGNATURE``). The short path then runs as the
+full path does from the read arrays and views on (``dispatch.compute`` with them): the upper
+layers' hooks, the current executor, the launch observer all see the same call.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def signature(values: list):
     Finer than ``meta.call_key`` (constants by value), and raises TypeError for an unhashable
     value; -0.0 equals 0.0 here, so ``remember`` keeps no signature holding a float zero.
     """
-    return tuple([(v.shape, v.dtype, v.is_cpu) if isinstance(v, _Tensor)
+    return tuple([(v.shape, v.stride(), v.storage_offset(), v.dtype, v.is_cpu)
+                  if isinstance(v, _Tensor)
                   else (tuple(v), tuple(map(type, v))) if type(v) in (list, tuple) else v
                   for v in values]), tuple(map(type, values))
 
@@ -101,7 +103,19 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
             reads.append((i, how))
             if type(how) is Geometry:
                 views.append((i, None, how))
-    meta.bounded_put(seen, key, Seen(result, spec, tuple(reads), tuple(views)))
+    kept = Seen(result, spec, tuple(reads), tuple(views))
+    known = seen.get(key)
+    if known is None:
+        meta.bounded_put(seen, key, [kept])
+    else:
+        known.append(kept)
+        if len(known) > READS_PER_SIGNATURE:
+            del known[0]
+
+
+# One signature's calls can read their tensors more than one way (a contiguous product input
+# that is its array whole in one place and a reshaped view of a 3-d array in another).
+READS_PER_SIGNATURE = 4
 
 
 def _stored(t: _Tensor):
@@ -124,11 +138,21 @@ def _read_as(t: _Tensor):
 _REAL = (float, int, bool)
 
 
+def read(values: list, known: list) -> tuple | None:
+    """(the remembered call, the arrays) of the first of ``known`` whose reads this call's
+    tensors can repeat (``arrays``); None when none can."""
+    for kept in known:
+        out = arrays(values, kept.reads)
+        if out is not None:
+            return kept, out
+    return None
+
+
 def arrays(values: list, reads: tuple) -> tuple | None:
     """The arrays of the call's tensors when each is its storage's computed (or DeferAndFuse's
-    recorded) array read as the remembered call read it (whole: the array's shape and dtype,
-    contiguous; a view: the same storage array shape and dtype, strides and offset), no lazy
-    bits, with its traced numbers; else None.
+    recorded) array read as the remembered call read it (whole: the array's shape and dtype; a
+    view: the same storage array shape and dtype; the signature holds the tensor's shape,
+    strides and offset), no lazy bits, with its traced numbers; else None.
     (The storage's bytes are its array's: a contiguous tensor of the array's shape and itemsize
     cannot start past 0.)"""
     out = []
@@ -155,10 +179,9 @@ def arrays(values: list, reads: tuple) -> tuple | None:
         if t.is_conj() or t.is_neg():
             return None
         if type(how) is Geometry:
-            if (aval.shape != how.array_shape or aval.dtype != how.array_dtype
-                    or t.stride() != how.stride or t.storage_offset() != how.offset):
+            if aval.shape != how.array_shape or aval.dtype != how.array_dtype:
                 return None
-        elif aval.dtype != how or aval.shape != t.shape or not t.is_contiguous():
+        elif aval.dtype != how or aval.shape != t.shape:
             return None
         out.append(array)
     return tuple(out)
