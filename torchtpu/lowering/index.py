@@ -114,8 +114,28 @@ def index_put(x, indices, values, accumulate=False):
         if accumulate:
             return x + jnp.where(mask, placed, jnp.zeros((), x.dtype))
         return jnp.where(mask, placed, x)
-    ref = x.at[_advanced(indices)]
-    return _add(ref, values) if accumulate else ref.set(values)
+    where = _advanced(indices)
+    return _add(x.at[where], values) if accumulate else _set(x, where, values)
+
+
+def _set(x, where, values):
+    """``x.at[where].set(values)``; on the CPU platform a 16-bit float x is written as its bits.
+
+    XLA:CPU computes a bf16 or f16 scatter in f32, converting the whole operand to f32 and back
+    around it: a vLLM step writing a few rows of a 512 MiB bf16 KV cache converted all of it
+    twice, 1.7 s a step (bench/RESULTS.md, "rlserve"). A set copies bits, so scattering them as
+    uint16 is exact and touches the written rows only; other platforms scatter 16-bit floats
+    natively and keep the plain form.
+    """
+    if x.dtype not in (jnp.bfloat16, jnp.float16):
+        return x.at[where].set(values)
+
+    def as_bits():
+        bits = lax.bitcast_convert_type(values, jnp.uint16)
+        return lax.bitcast_convert_type(
+            lax.bitcast_convert_type(x, jnp.uint16).at[where].set(bits), x.dtype)
+
+    return lax.platform_dependent(cpu=as_bits, default=lambda: x.at[where].set(values))
 
 
 def _add(ref, values):
@@ -190,7 +210,7 @@ _SCATTER_REDUCE = {"add": "add", "multiply": "mul", "sum": "add", "prod": "mul",
 @lowers(aten.scatter.src, aten.scatter.value)
 @_at_least_1d
 def scatter(x, dim, index, src):
-    return x.at[_along(x, dim, index)].set(_src(src, index, x.dtype))
+    return _set(x, _along(x, dim, index), _src(src, index, x.dtype))
 
 
 @lowers(aten.scatter.reduce, aten.scatter.value_reduce)
@@ -276,7 +296,7 @@ def index_add(x, dim, index, source, alpha=1):
 def index_copy(x, dim, index, source):
     if x.ndim == 0:
         return source.reshape(()).astype(x.dtype)
-    return x.at[_along_dim(x, dim) + (index.reshape(-1),)].set(source.astype(x.dtype))
+    return _set(x, _along_dim(x, dim) + (index.reshape(-1),), source.astype(x.dtype))
 
 
 @lowers(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
