@@ -2,6 +2,7 @@
 ``registration.py`` registers anything with PyTorch."""
 
 import ast
+import collections
 import re
 import subprocess
 import sys
@@ -64,6 +65,13 @@ def _modules(root: Path):
         yield path.relative_to(root / "torchtpu").as_posix(), ast.parse(path.read_text())
 
 
+def _aten_overloads(tree: ast.AST) -> set:
+    """The ``aten.name.overload`` attribute chains a module holds."""
+    return {f"{n.value.attr}.{n.attr}" for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+            and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Name)
+            and n.value.value.id == "aten"}
+
+
 def _aten_names(tree: ast.AST) -> set:
     names = set()
     for node in ast.walk(tree):
@@ -95,9 +103,12 @@ def _imported_modules(tree: ast.AST) -> dict:
 
 def figures(root: Path) -> dict:
     """Op names outside lowering/, overwritten slots of other modules, arrows up."""
-    ops_outside, slots, arrows = {}, set(), set()
+    ops_outside, slots, arrows, homes = {}, set(), set(), {}
     for rel, tree in _modules(root):
         layer = rel.split("/")[0]
+        if not _excepted(rel):
+            for op in _aten_overloads(tree):
+                homes.setdefault(op, set()).add(rel)
         if layer != "lowering":
             names = _aten_names(tree)
             if names:
@@ -114,7 +125,8 @@ def figures(root: Path) -> dict:
                 up = mod.split(".")[1]
                 if up in _LAYERS and _LAYERS.index(up) > _LAYERS.index(layer):
                     arrows.add((rel, mod))
-    return {"ops_outside": ops_outside, "slots": slots, "arrows": arrows}
+    # Per op, the modules that hold its rules (the exceptions serve or route ops, hold none).
+    return {"ops_outside": ops_outside, "slots": slots, "arrows": arrows, "homes": homes}
 
 
 def _excepted(rel: str) -> bool:
@@ -144,3 +156,7 @@ if __name__ == "__main__":
           f"{len(outside)} modules {sorted(outside)}")
     print(f"slots of other modules overwritten: {len(f['slots'])} {sorted(f['slots'])}")
     print(f"arrows up: {len(f['arrows'])} {sorted(f['arrows'])}")
+    spans = collections.Counter(len(m) for m in f["homes"].values())
+    print(f"modules holding one op's rules: {dict(sorted(spans.items()))} (modules: ops); "
+          f"in more than one package: "
+          f"{sum(len({r.split('/')[0] for r in m}) > 1 for m in f['homes'].values())} ops")
