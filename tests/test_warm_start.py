@@ -149,11 +149,17 @@ def test_second_process_compiles_and_lowers_nothing(tmp_path, kind):
     cache = tmp_path / "cache"
     cold, warm_run = _run(cache, kind), _run(cache, kind)
     assert cold["compiles"] > 0 and cold["by_key"] == 0
-    # Every program of the warm run is loaded by key (the captured steps: the whole step's
-    # first and steady ones; the zeros a capture reads for new state): none is compiled, and
-    # none is traced and lowered to be found in JAX's cache either.
-    assert warm_run["compiles"] == 0 and warm_run["hits"] == 0
-    assert warm_run["by_key"] >= (1 if kind == "graph" else 2)
+    # Nothing of the warm run is compiled. Every captured program (the graph; the whole step)
+    # is loaded by key, not traced and lowered to be found in JAX's cache. The whole step's
+    # optimizer makes its state eagerly before its first capture (compile/device_steps.py):
+    # those are Strict ops, found in JAX's cache as every eager op is; each cold program is
+    # found warm one way or the other.
+    assert warm_run["compiles"] == 0
+    if kind == "graph":
+        assert warm_run["hits"] == 0 and warm_run["by_key"] >= 1
+    else:
+        assert warm_run["by_key"] >= 1
+        assert warm_run["by_key"] + warm_run["hits"] == cold["compiles"]
     assert warm_run["tpu"] == cold["tpu"]
     np.testing.assert_allclose(warm_run["tpu"], warm_run["cpu"], rtol=1e-5, atol=1e-6)
 
