@@ -80,25 +80,15 @@ class SoloGroup(dist.ProcessGroup):
         _copy(output, input)
         return Done([output])
 
-    def gather(self, outputs: list, inputs: list, opts=None) -> dist.Work:
-        for outs, inp in zip(outputs, inputs):
-            _copy(outs[0], inp)
-        return Done(outputs)
+    gather = allgather  # to the one rank, a gather is its allgather
 
     def scatter(self, outputs: list, inputs: list, opts=None) -> dist.Work:
         for out, ins in zip(outputs, inputs):
             _copy(out, ins[0])
         return Done(outputs)
 
-    def reduce_scatter(self, outputs: list, inputs: list, opts=None) -> dist.Work:
-        for out, ins in zip(outputs, inputs):
-            _copy(out, ins[0])
-        return Done(outputs)
-
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,
-                             opts=None) -> dist.Work:
-        _copy(output, input)
-        return Done([output])
+    reduce_scatter = scatter
+    _reduce_scatter_base = _allgather_base
 
     def alltoall(self, outputs: list, inputs: list, opts=None) -> dist.Work:
         for out, inp in zip(outputs, inputs):
