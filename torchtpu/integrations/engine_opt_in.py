@@ -42,10 +42,12 @@ def platform_if_enabled(engine: str, setting: str, marked: Path, platform: str) 
 
     if not torch.tpu.is_available():
         return None
-    from torchtpu.runtime import platform as runtime_platform
-
-    log.info("torchtpu: %s runs on device 'tpu' (PJRT platform %s); %s=0 gives %s's own "
-             "platforms", engine, runtime_platform.platform(), setting, engine)
+    # Named, not probed: asking JAX which platform starts its backend, and an engine probes its
+    # platform in child processes too (vLLM's model inspection), where the chip's one owner is
+    # the parent: libtpu refuses a second process and the engine would fall back to its own.
+    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip() or "TPU, else GPU, else CPU"
+    log.info("torchtpu: %s runs on device 'tpu' (PJRT platform: %s); %s=0 gives %s's own "
+             "platforms", engine, wanted, setting, engine)
     return platform
 
 
