@@ -7,8 +7,8 @@ Those built by ``errors.message`` / ``errors.warn`` have one by construction, an
 ``AttributeError`` (Python's attribute protocol reads it), ``ArgumentTypeError`` (argparse
 prints it after the option's name), ``AssertionError`` (the conformance
 runners' test assertions), and the reasons other sites put into messages of their own
-(``lowering/checks.py``'s and ``data_checks.py``'s, which the dispatcher prefixes;
-``lowering/padding.py``'s ``Refused``).
+(the ops' value checks, ``@check`` functions and the functions they call, which give CPU's
+words and which the dispatcher prefixes; ``lowering/padding.py``'s ``Refused``).
 """
 
 import ast
@@ -19,7 +19,7 @@ from torchtpu import errors
 ROOT = Path(__file__).resolve().parents[1]
 EXEMPT_TYPES = {"AttributeError", "ArgumentTypeError", "AssertionError", "Refused",
                 "ToolError"}
-EXEMPT_FILES = {"torchtpu/lowering/checks.py", "torchtpu/lowering/data_checks.py"}
+EXEMPT_FILES = {"torchtpu/lowering/checks.py"}
 
 
 def _literal_start(node) -> str | None:
@@ -35,9 +35,29 @@ def _literal_start(node) -> str | None:
     return None
 
 
+def _value_checks(tree: ast.Module) -> list:
+    """The ``@check`` functions of a module and the module's functions they reach by name."""
+    defs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    todo = [f for f in defs.values() if any(
+        isinstance(d, ast.Call) and getattr(d.func, "id", "") == "check" for d in f.decorator_list)]
+    seen = {f.name for f in todo}
+    for fn in todo:
+        local = {a.arg for a in ast.walk(fn.args) if isinstance(a, ast.arg)} | {
+            n.id for n in ast.walk(fn) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        for n in ast.walk(fn):
+            if isinstance(n, ast.Name) and n.id in defs and n.id not in seen | local:
+                seen.add(n.id)
+                todo.append(defs[n.id])
+    return todo
+
+
 def _uncategorized(path: Path) -> list:
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    tree = ast.parse(path.read_text())
+    in_checks = {id(n) for f in _value_checks(tree) for n in ast.walk(f)}
+    for node in ast.walk(tree):
+        if id(node) in in_checks:
+            continue
         if not isinstance(node, ast.Call) or not node.args:
             continue
         fn = node.func

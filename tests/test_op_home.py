@@ -141,6 +141,27 @@ def test_no_module_outside_lowering_names_an_op():
         rel == e or (e.endswith("/") and rel.startswith(e)) for rel in found)} == set()
 
 
+def test_each_value_check_sits_in_its_ops_family_file():
+    # An op's @check is declared in the module that lowers it; an op without a lowering (its
+    # decomposition's pieces have one) in the module that lowers another overload of it, or in
+    # some family module. lowering/checks.py keeps the pieces checks share and names no op.
+    import torchtpu.lowering  # noqa: F401  (fills the table)
+    from torchtpu.lowering import registry
+
+    by_packet: dict = {}
+    for op, low in registry.TABLE.items():
+        by_packet.setdefault(op.overloadpacket, set()).add(low.family)
+    every = set().union(*by_packet.values())
+    elsewhere = {}
+    for op, fn in registry.CHECKS.items():
+        home = fn.__module__.rsplit(".", 1)[-1]
+        low = registry.TABLE.get(op)
+        if home not in ({low.family} if low else by_packet.get(op.overloadpacket, every)):
+            elsewhere[str(op)] = home
+    assert elsewhere == {}
+    assert _aten_names(ast.parse((ROOT / "torchtpu/lowering/checks.py").read_text())) == set()
+
+
 def test_lower_layers_call_up_through_one_interface():
     f = figures(ROOT)
     assert {s for s in f["slots"] if s[0] != "torchtpu.device.hooks.HOOKS"} == set(SLOT_EXCEPTIONS)

@@ -1,8 +1,8 @@
 """Calls CPU refuses are refused on tpu, with CPU's exception and words, in every eager mode:
 dtypes CPU's kernels do not implement (``eager/refusals.py``), and values its kernels check
-(class targets out of range, probabilities outside [0, 1], ...: ``lowering/checks.py`` and
-``lowering/data_checks.py``; Debug raises at the call; Strict and DeferAndFuse on a TPU at the
-next host read, as CUDA's device asserts do). The whole OpInfo sweep is
+(class targets out of range, probabilities outside [0, 1], ...: each op's ``@check`` beside
+its lowering, built on ``lowering/checks.py``; Debug raises at the call; Strict and DeferAndFuse
+on a TPU at the next host read, as CUDA's device asserts do). The whole OpInfo sweep is
 ``python -m torchtpu.testing.refusals`` (``bench/RESULTS.md``); a few OpInfos of it run here,
 and all of them under TORCHTPU_TESTS=full.
 """
@@ -37,7 +37,7 @@ BAD = {
 }
 
 
-# Values CPU's kernels check (``lowering/data_checks.py``).
+# Values CPU's kernels check (the ops' ``@check``s, ``lowering/checks.py``'s ``first_bad``).
 VALUES = {
     "bce_input_above_1": lambda d: F.binary_cross_entropy(
         torch.tensor([0.5, 1.5], device=d), torch.tensor([0.0, 1.0], device=d)),

@@ -1,7 +1,7 @@
 """Writes into 16-bit float tensors (index_copy_, index_put_, scatter_) on XLA:CPU: the values
 CPU's torch writes, bit for bit (NaN, -0.0 and infinities included), and a program that does not
 convert the whole destination to f32 and back (XLA:CPU's way with a bf16/f16 scatter, which cost
-a vLLM step 1.7 s on a 512 MiB KV cache; ``lowering/index.py``, ``_set``)."""
+a vLLM step 1.7 s on a 512 MiB KV cache; ``lowering/index.py``, ``set_at``)."""
 
 import jax
 import jax.numpy as jnp
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtpu.lowering import index as lowering
+from torchtpu.lowering import scatter as lowering
 
 ROWS, WIDTH = 1 << 15, 64
 

@@ -1,7 +1,7 @@
 """What is checked and adjusted at an op's call before the device runs it.
 
-- The op's check (``lowering/checks.py``): what CPU refuses that meta kernels do not, raised at
-  the user's line; a check of data whose values the host cannot read without stalling the
+- The op's check (``@check``, beside its lowering): what CPU refuses that meta kernels do not,
+  raised at the user's line; a check of data whose values the host cannot read without stalling the
   device runs on the device instead (``device/asserts.py``).
 - CUDA's rule for advanced indexing: CPU index tensors move to the device, counted.
 - NLL loss's uint8 targets, which CPU takes, widen to int64 for PyTorch's meta kernels.

@@ -21,7 +21,8 @@ Where every stand-in fails for its shapes or values alike (``segment_reduce``'s 
 add up to the data's length), CPU is asked on copies of the call's inputs (once per signature,
 in eager mode, where reading them is free: the CPU platform, computed, not too large;
 ``fallback.cpu_error``); on a TPU such a call proceeds.
-Otherwise the call proceeds (what CPU checks of values is ``lowering/checks.py``'s business).
+Otherwise the call proceeds (what CPU checks of values is the business of the op's ``@check``,
+beside its lowering).
 The eager dispatcher then words the error as CPU does for the real inputs (``dispatch.kernel``).
 """
 

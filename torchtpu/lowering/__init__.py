@@ -3,7 +3,6 @@
 from torchtpu.lowering import (  # noqa: F401
     attention,
     conv,
-    data_checks,
     elementwise,
     factory,
     fft,
@@ -20,6 +19,8 @@ from torchtpu.lowering import (  # noqa: F401
     reduction,
     rnn,
     sampling,
+    scatter,
+    search,
     shape,
     special,
     transformer,

@@ -8,6 +8,7 @@ Upsampling is in ``upsample.py``, grid sampling in ``sampling.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import channels_last_of, lowers, meta_kernel
+from torchtpu.lowering.checks import first_bad, outside
+from torchtpu.lowering.registry import channels_last_of, check, lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -166,6 +168,19 @@ def avg_pool_backward(grad, x, kernel_size, stride, padding, ceil_mode, count_in
 def max_pool_backward(grad, x, kernel_size, stride, padding, dilation, ceil_mode, indices):
     return _scatter_to_planes(grad, x, len(kernel_size), indices)
 
+
+
+# max_unpool has no lowering (its decomposition's pieces have); CPU checks the indices it gets.
+@check(aten.max_unpool2d.default, aten.max_unpool3d.default)
+def _max_unpool_check(self, indices, output_size, *rest):
+    volume = int(np.prod(output_size))
+    return first_bad(indices, outside(0, volume),
+                     functools.partial(_unpool_error, "x".join(map(str, output_size))))
+
+
+def _unpool_error(sizes: str, value: int) -> RuntimeError:
+    return RuntimeError(f"Found an invalid max index: {value} (output volumes are of size "
+                        f"{sizes})")
 
 def _scatter_to_planes(grad, x, nd: int, indices):
     """Scatter-add grad to x's shape at indices, flat positions within each (batch, channel)

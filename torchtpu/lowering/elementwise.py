@@ -1,5 +1,5 @@
 """Elementwise math: arithmetic, unary functions, comparisons, logic, bit operations, ``where``,
-``fill``/``zero`` and complex conjugation.
+``fill``/``zero``, complex conjugation and ``_assert_async``.
 
 PyTorch's meta kernels fix every result dtype; most lowerings here use ``promote="result"`` so the
 math runs in that dtype (an int tensor passed to ``exp`` is computed in float32, as on CPU). Ops
@@ -18,7 +18,7 @@ import jax.scipy.special as jsp
 import torch
 from jax import lax
 
-from torchtpu.lowering.registry import lowers, lowers_each
+from torchtpu.lowering.registry import check, lowers, lowers_each
 
 aten = torch.ops.aten
 
@@ -386,6 +386,19 @@ def complex_(real, imag):
     return lax.complex(*jnp.broadcast_arrays(real, imag))
 
 
+_COMPLEX = {torch.float16: torch.complex32, torch.float32: torch.complex64,
+            torch.float64: torch.complex128}
+
+
+@check(aten.complex.out)
+def _complex_out_check(real, imag, out=None):
+    expected = _COMPLEX.get(real.dtype) if real.dtype == imag.dtype else None
+    if expected is not None and out.dtype != expected:
+        return RuntimeError(f"Expected object of scalar type {expected} but got scalar type "
+                            f"{out.dtype} for argument 'out'")
+    return None
+
+
 @lowers(aten.frexp.Tensor)
 def frexp(x):
     return jnp.frexp(x)
@@ -431,6 +444,24 @@ lowers_each({
 @lowers(aten.where.self)
 def where(cond, x, y):
     return jnp.where(cond, x, y)
+
+
+# torch._assert_async (TorchTitan's RoPE bounds check): the op itself lowers to nothing; the
+# assertion is its check, which reads the one value back, as CPU's kernel does.
+@lowers(aten._assert_async.default, aten._assert_async.msg)
+def assert_async(self, assert_msg=None):
+    return ()
+
+
+@check(aten._assert_async.default, aten._assert_async.msg)
+def _assert_async_check(self,
+                        assert_msg="Expected Tensor with single nonzero value, but got zero"):
+    values = self.values()
+    if values is None:
+        return None
+    if values.size != 1:
+        return RuntimeError("Boolean value of Tensor with more than one value is ambiguous")
+    return None if values.reshape(()).item() else RuntimeError(assert_msg)
 
 
 # ----------------------------------------------------------------------------- fill

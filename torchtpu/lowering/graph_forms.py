@@ -249,8 +249,7 @@ def full_like(x, fill_value, *_, **__):
     return jnp.full(x.shape, fill_value)
 
 
-@graph_form(aten._assert_tensor_metadata.default, aten._assert_async.msg,
-           aten.sym_constrain_range_for_size.default)
+@graph_form(aten._assert_tensor_metadata.default, aten.sym_constrain_range_for_size.default)
 def no_op(*_, **__):
     return None
 

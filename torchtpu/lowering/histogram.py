@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 
 from torchtpu import errors
-from torchtpu.lowering.registry import lowers, meta_kernel
+from torchtpu.lowering.registry import check, lowers, meta_kernel
 
 aten = torch.ops.aten
 _INDEX = jnp.int64
@@ -132,6 +132,15 @@ def histogramdd_from_bin_cts(x, bins, range=None, weight=None, density=False):
 @lowers(aten._histogramdd_from_bin_tensors.default)
 def histogramdd_from_bin_tensors(x, bins, weight=None, density=False):
     return _histogramdd(_points(x), list(bins), weight, density, "search")
+
+
+@check(aten._histogramdd_bin_edges.default, aten._histogramdd_from_bin_cts.default,
+       aten._histogramdd_from_bin_tensors.default)
+def _histogramdd_check(self, bins, *rest):
+    if self.ndim and len(bins) != self.shape[-1]:
+        return RuntimeError("histogramdd: The size of bins must be equal to the innermost "
+                            "dimension of the input.")
+    return None
 
 
 @lowers(aten.bincount.default, data_dependent_shape=True)

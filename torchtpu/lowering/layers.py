@@ -9,7 +9,9 @@ Half-precision inputs are computed in float32, as PyTorch's CPU kernels accumula
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +19,10 @@ import torch
 import torch.fx as fx
 
 from torchtpu.lowering import padding
+from torchtpu.lowering.checks import first_bad
 from torchtpu.lowering.linalg import _scaled_sum
 from torchtpu.lowering.padding import Mask, Refused, first, padded, reduced_dims, same
-from torchtpu.lowering.registry import lowers, padding_rule
+from torchtpu.lowering.registry import check, lowers, padding_rule
 
 aten = torch.ops.aten
 
@@ -201,6 +204,26 @@ def nll_loss_forward(x, target, weight, reduction, ignore_index):
     if reduction == 1:
         return jnp.sum(losses) / total, total
     return jnp.sum(losses), total
+
+
+@check(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
+def _nll_loss_check(self, target, weight, reduction=1, ignore_index=-100):
+    # CPU's kernel wants the class weights in the input's dtype; the meta kernel does not check.
+    if weight is not None and weight.dtype != self.dtype:
+        return RuntimeError(f"expected scalar type {self.dtype} but found {weight.dtype}")
+    # Its class indices must name a class (but ignore_index); a device would gather a clamped or
+    # undefined value (cross_entropy would return nan).
+    classes = self.shape[0] if self.ndim == 1 else self.shape[1]
+    return first_bad(target, _target_outside(classes, ignore_index), _target_out_of_bounds)
+
+
+@functools.cache
+def _target_outside(classes: int, ignore_index: int) -> Callable:
+    return lambda xp, v: ((v < 0) | (v >= classes)) & (v != ignore_index)
+
+
+def _target_out_of_bounds(value: int) -> IndexError:
+    return IndexError(f"Target {value} is out of bounds.")
 
 
 @padding_rule(aten.nll_loss_forward.default)

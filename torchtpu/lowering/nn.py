@@ -19,14 +19,17 @@ forward (zero gradient at zero distance, ties of the inf-norm).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.registry import lowers, meta_kernel
+from torchtpu.lowering.checks import first_bad, fixed, outside, outside_unit
+from torchtpu.lowering.registry import check, lowers, meta_kernel
 
 aten = torch.ops.aten
 
@@ -149,6 +152,42 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
     # CPU reports bag sizes for mean and max only.
     size = size if mode == _MEAN else jnp.zeros_like(size)
     return total, bag, size, jnp.zeros((0,), jnp.int64)
+
+
+@check(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def _embedding_bag_check(weight, indices, offsets, scale_grad_by_freq=False, mode=0,
+                         sparse=False, per_sample_weights=None, include_last_offset=False,
+                         padding_idx=-1):
+    rows = weight.shape[0]
+    error = first_bad(indices, outside(0, rows), functools.partial(_bag_index_error, rows))
+    if error is not None or indices.ndim != 1 or offsets is None or not offsets.shape[0]:
+        return error
+    return (first_bad(offsets, _first_not_zero, _bag_start_error)
+            or first_bad(offsets, _last_after(indices.shape[0]),
+                         functools.partial(_bag_end_error, indices.shape[0])))
+
+
+def _first_not_zero(xp, v):
+    return (xp.arange(v.shape[0]) == 0) & (v != 0)
+
+
+@functools.cache
+def _last_after(length: int) -> Callable:
+    return lambda xp, v: (xp.arange(v.shape[0]) == v.shape[0] - 1) & (v > length)
+
+
+def _bag_index_error(rows: int, value: int) -> RuntimeError:
+    return RuntimeError(f"embedding_bag: index {value} is not in the valid range [0, {rows})")
+
+
+def _bag_start_error(value: int) -> RuntimeError:
+    return RuntimeError("offsets[0] has to be 0, i.e., the first sequence in the mini-batch has "
+                        f"to start from position 0. However, got {value}")
+
+
+def _bag_end_error(length: int, value: int) -> RuntimeError:
+    return RuntimeError(f"offsets[-1] can not be greater than input's length {length} but got "
+                        f"offsets[-1] of {value}")
 
 
 @lowers(aten._embedding_bag_backward.default)
@@ -359,6 +398,20 @@ def multilabel_margin_loss_forward(x, target, reduction):
     loss = jnp.where(active, z, 0).sum((1, 2)) / x2.shape[1]
     loss = loss.mean() if reduction == 1 else loss.sum() if reduction == 2 else loss
     return loss.reshape(x.shape[:-1]) if reduction == 0 else loss, is_target.reshape(x.shape)
+
+
+@check(aten.multilabel_margin_loss_forward.default)
+def _multilabel_margin_loss_check(self, target, reduction):
+    classes = self.shape[-1] if self.ndim else 1
+    return first_bad(target, outside(-1, classes),
+                     fixed(RuntimeError, "argument #2 'target' is out of range"))
+
+
+# binary_cross_entropy has no lowering (its decomposition's pieces have); CPU checks its input.
+@check(aten.binary_cross_entropy.default)
+def _binary_cross_entropy_check(self, target, weight=None, reduction=1):
+    return first_bad(self, outside_unit,
+                     fixed(RuntimeError, "all elements of input should be between 0 and 1"))
 
 
 @lowers(aten.multilabel_margin_loss_backward.default)

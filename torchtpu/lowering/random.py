@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.checks import below_zero, first_bad, fixed, outside_unit
+from torchtpu.lowering.registry import check, lowers
 
 aten = torch.ops.aten
 
@@ -39,6 +40,14 @@ def uniform(x, low=0.0, high=1.0, generator=None):
     return _uniform(generator, x, low, high)
 
 
+@check(aten.uniform.default)
+def _uniform_check(self, low=0.0, high=1.0, generator=None):
+    if low > high:
+        return RuntimeError(f"uniform_ expects to return a [from, to) range, but found "
+                            f"from={low} > to={high}")
+    return None
+
+
 @lowers(aten.normal_functional.default)
 def normal_functional(x, mean=0.0, std=1.0, generator=None):
     return _normal(generator, x) * std + mean
@@ -52,6 +61,12 @@ def normal(mean, std, generator=None):
     return mean + std * jax.random.normal(generator, shape, draw)
 
 
+@check(aten.normal.Tensor_Tensor, aten.normal.float_Tensor)
+def _normal_check(mean, std, generator=None):
+    return first_bad(std, below_zero,
+                     fixed(RuntimeError, "normal expects all elements of std >= 0.0"))
+
+
 @lowers(aten.bernoulli.default)
 def bernoulli(p, generator=None):
     return jax.random.uniform(generator, p.shape, _draw_dtype(p.dtype)) < p
@@ -61,6 +76,28 @@ def bernoulli(p, generator=None):
 def bernoulli_p(x, p, generator=None):
     draw = _draw_dtype(getattr(p, "dtype", x.dtype))
     return jax.random.uniform(generator, x.shape, draw) < p
+
+
+_P_IN = fixed(RuntimeError, "Expected p_in >= 0 && p_in <= 1 to be true, but got false.  "
+              "(Could this error message be improved?  If so, please report an enhancement "
+              "request to PyTorch.)")
+
+
+@check(aten.bernoulli.default)
+def _bernoulli_check(self, generator=None):
+    return first_bad(self, outside_unit, _P_IN)
+
+
+@check(aten.bernoulli.Tensor)
+def _bernoulli_tensor_check(self, p, generator=None):
+    return first_bad(p, outside_unit, _P_IN)
+
+
+@check(aten.bernoulli.p)
+def _bernoulli_p_check(self, p=0.5, generator=None):
+    if not 0 <= p <= 1:
+        return RuntimeError(f"bernoulli_ expects p to be in [0, 1], but got p={p}")
+    return None
 
 
 def _default_high(dtype) -> int:
@@ -142,6 +179,48 @@ def multinomial(probs, num_samples: int, replacement: bool = False, generator=No
     # Without replacement: the top num_samples of logits + Gumbel noise (Gumbel-top-k).
     noisy = logits + jax.random.gumbel(generator, logits.shape, logits.dtype)
     return jax.lax.top_k(noisy, num_samples)[1]
+
+
+@check(aten.multinomial.default)
+def _multinomial_check(self, num_samples, replacement=False, generator=None):
+    if not self.dtype.is_floating_point:
+        return RuntimeError(f"multinomial only supports floating-point dtypes for input, got: "
+                            f"{self.dtype}")
+    if num_samples <= 0:
+        return RuntimeError("cannot sample n_sample <= 0 samples")
+    categories = self.shape[-1] if self.ndim else 1
+    if categories > 2**24:
+        return RuntimeError("number of categories cannot exceed 2^24")
+    if not replacement and num_samples > categories:
+        return RuntimeError("cannot sample n_sample > prob_dist.size(-1) samples without "
+                            "replacement")
+    p = self.values()
+    if p is None:
+        self.check_on_device(_bad_distribution, _distribution_error)
+        return None
+    return _distribution_error(int(_bad_distribution(p)[1]))
+
+
+@check(aten.multinomial.out)
+def _multinomial_out_check(self, num_samples, replacement=False, generator=None, out=None):
+    if out.dtype != torch.int64:
+        return RuntimeError(f"multinomial expects Long tensor out, got: {out.dtype}")
+    return _multinomial_check(self, num_samples, replacement, generator)
+
+
+# What is wrong with multinomial's probabilities, by code (0: nothing), in CPU's words.
+_DISTRIBUTION_ERRORS = {1: "probability tensor contains either `inf`, `nan` or element < 0",
+                        2: "invalid multinomial distribution (sum of probabilities <= 0)"}
+
+
+def _bad_distribution(p):
+    xp = np if isinstance(p, np.ndarray) else jnp
+    code = xp.where(~(xp.isfinite(p) & (p >= 0)).all(), 1, xp.where((p.sum(-1) <= 0).any(), 2, 0))
+    return xp.stack([code > 0, code]).astype(xp.int64)
+
+
+def _distribution_error(code: int) -> RuntimeError | None:
+    return RuntimeError(_DISTRIBUTION_ERRORS[code]) if code else None
 
 
 @lowers(aten.native_dropout.default, random=True)

@@ -19,7 +19,8 @@ from jax import lax
 
 from torchtpu.device import dtypes
 from torchtpu.lowering import padding
-from torchtpu.lowering.registry import lowers, padding_rule
+from torchtpu.lowering.checks import along, same_dtype
+from torchtpu.lowering.registry import check, lowers, padding_rule
 
 aten = torch.ops.aten
 _INDEX = jnp.int64
@@ -106,6 +107,23 @@ lowers(aten.amin.default)(
     lambda x, dim=(), keepdim=False: jnp.min(x, _axes(x, dim), keepdims=keepdim))
 lowers(aten.max.default)(jnp.max)
 lowers(aten.min.default)(jnp.min)
+
+
+# aminmax has no lowering (its decomposition's pieces have); CPU refuses an empty reduced dim.
+@check(aten.aminmax.default)
+def _aminmax_check(self, dim=None, keepdim=False):
+    if dim is not None and self.ndim and self.shape[along(self, dim)[0]] == 0:
+        return IndexError(f"aminmax(): Expected reduction dim {dim} to have non-zero size.")
+    return None
+
+
+@check(aten.aminmax.out)
+def _aminmax_out_check(self, dim=None, keepdim=False, min=None, max=None):
+    for out in (min, max):
+        if out.dtype != self.dtype:
+            return RuntimeError(f"Expected out tensor to have dtype {self.dtype}, but got "
+                                f"{out.dtype} instead")
+    return _aminmax_check(self, dim, keepdim)
 
 
 # Dynamic shapes (``padding.py``): padding along a reduced dim replaced by the identity.
@@ -241,6 +259,12 @@ def _logcumsumexp(x, d):
 lowers(aten.logcumsumexp.default)(_over_dim(_logcumsumexp))
 
 
+# These out= kernels want their outputs' dtypes exactly; their meta kernels cast.
+@check(aten.logcumsumexp.out)
+def _logcumsumexp_out_check(self, dim, out=None):
+    return same_dtype(self.dtype, out)
+
+
 def _cum_extreme(beats: Callable) -> Callable:
     def scan(x, d):
         def combine(a, b):
@@ -256,6 +280,11 @@ def _cum_extreme(beats: Callable) -> Callable:
 
 lowers(aten.cummax.default)(_cum_extreme(jnp.greater_equal))
 lowers(aten.cummin.default)(_cum_extreme(jnp.less_equal))
+
+
+@check(aten.cummax.out, aten.cummin.out)
+def _cumulative_extreme_out_check(self, dim, values=None, indices=None):
+    return same_dtype(self.dtype, values) or same_dtype(torch.int64, indices)
 
 
 # ----------------------------------------------------------------------------- sorting
@@ -316,6 +345,13 @@ def kthvalue(x, k, dim=-1, keepdim=False):
         return jnp.full(values.shape[:-1], k - 1, _INDEX)
 
     return _over_dim(lambda x, d: _pick(x, d, keepdim, at_k))(x, dim)
+
+
+@check(aten.kthvalue.default)
+def _kthvalue_check(self, k, dim=-1, keepdim=False):
+    if not 1 <= k <= along(self, dim)[1]:
+        return IndexError(f"kthvalue(): selected number k out of range for dimension {dim}")
+    return None
 
 
 def _median_position(ignore_nan: bool) -> Callable:

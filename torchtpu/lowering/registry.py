@@ -39,7 +39,8 @@ eager serves with a device kernel (a view, a copy, an allocation) has no lowerin
 in a compiled graph is declared with ``@graph_form(op)`` (``graph_forms.py``), and what an op
 needs to stay exact on inputs padded to a size bucket (dynamic shapes) with ``@padding_rule(op)``
 (``padding.py``); what CPU's kernel refuses in argument values with ``@check(op)``
-(``checks.py``). Each decorator may sit beside the op's lowering, in its family module.
+(``checks.py`` holds what checks share). Each decorator sits beside the op's lowering, in its
+family module.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ META_KERNELS: dict[OpOverload, Callable] = {}
 GRAPH_FORMS: dict = {}
 # How an op stays exact on inputs padded to a size bucket (``padding_rule``, ``padding.py``).
 PADDING_RULES: dict = {}
-# What CPU's kernel refuses and the meta kernel does not (``check``, ``checks.py``).
+# What CPU's kernel refuses and the meta kernel does not (``check``; ``checks.py``).
 CHECKS: dict[OpOverload, Callable] = {}
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from torchtpu.lowering.conv import _apply_per_dim, _transpose_per_dim
-from torchtpu.lowering.registry import lowers
+from torchtpu.lowering.registry import check, lowers
 
 aten = torch.ops.aten
 
@@ -117,6 +117,28 @@ def _upsample_aa(x, output_size, align_corners, scales, mode):
                                        ((axis,), (1,))), -1, axis)
         y = jnp.clip(jnp.floor(y + 0.5), bounds.min, bounds.max)
     return y.astype(x.dtype)
+
+
+# CPU's upsampling kernels take floating inputs, and uint8 but in linear 1-d and trilinear 3-d;
+# the meta kernels and the decompositions take any dtype.
+def _upsample_refused(x, uint8: bool) -> NotImplementedError | None:
+    if x.dtype.is_floating_point or x.dtype.is_complex or (uint8 and x.dtype == torch.uint8):
+        return None
+    return NotImplementedError(f"torchtpu.lowering: upsampling is not implemented for {x.dtype} "
+                               f"inputs (as on CPU): use a floating dtype")
+
+
+@check(aten.upsample_nearest1d, aten.upsample_nearest2d, aten.upsample_nearest3d,
+       aten._upsample_nearest_exact1d, aten._upsample_nearest_exact2d,
+       aten._upsample_nearest_exact3d, aten.upsample_bilinear2d, aten.upsample_bicubic2d,
+       aten._upsample_bilinear2d_aa, aten._upsample_bicubic2d_aa)
+def _upsample_check(x, *rest):
+    return _upsample_refused(x, uint8=True)
+
+
+@check(aten.upsample_linear1d, aten.upsample_trilinear3d)
+def _upsample_no_uint8_check(x, *rest):
+    return _upsample_refused(x, uint8=False)
 
 
 @lowers(aten._upsample_bilinear2d_aa.default)
