@@ -51,9 +51,9 @@ def _agree(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 class PointToPoint:
-    """send/recv/recv_anysource of ``TpuProcessGroup`` (which provides ``_gloo``, ``_comm``,
-    ``_devices``, ``_wait``, ``_note``, ``_deliveries`` (a ``CommThread`` that waits for sent
-    data) and ``_last_recv``: each (peer, tag)'s latest recv)."""
+    """send/recv/recv_anysource of ``TpuProcessGroup`` (whose ``GroupCore`` provides ``_gloo``,
+    ``_comm``, ``_devices``, ``_wait``, ``_note``, ``_deliveries`` (a ``CommThread`` that waits
+    for sent data) and ``_last_recv``: each (peer, tag)'s latest recv)."""
 
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work:
         if not self._devices(tensors):

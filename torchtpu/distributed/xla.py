@@ -44,7 +44,8 @@ from torch._C._distributed_c10d import ReduceOptions
 from torchtpu.device import tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.distributed import host, uneven
-from torchtpu.distributed.group import TpuProcessGroup, _coalesced
+from torchtpu.distributed.group import TpuProcessGroup
+from torchtpu.distributed.group_core import coalesced
 from torchtpu.distributed.protocol import ANY_SHAPE, CollectiveMismatchError
 from torchtpu.distributed.work import Done
 from torchtpu.eager.spmd import Spmd, axis_of, standins
@@ -369,7 +370,7 @@ class XlaProcessGroup(TpuProcessGroup):
 
     _allgather_base = all_gather_single
     # The base class's coalesced forms call its own all_gather_single: rebind them to this one.
-    all_gather_single_coalesced = _coalesced(all_gather_single)
+    all_gather_single_coalesced = coalesced(all_gather_single)
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
     # ---- one to many ----
