@@ -49,7 +49,8 @@ from torchtpu.compile.one_node import is_int as _is_int
 from torchtpu.compile.padded_values import WHOLE
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import executor, meta
+from torchtpu.eager import dispatch, executor, meta
+from torchtpu.eager.lazy_casts import Cast
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import platform, transfer
@@ -148,6 +149,10 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     if HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
             or _in_backward():
         return None  # a capture's replays could not repeat host padding; keys: random draws
+    if any(type(how) is Cast for _, _, how in views):
+        # A lazy cast's source is no value of the tensor: read the tensors computed.
+        dyn, views = dispatch.dynamic_values([None, *values] if lowering.random else values,
+                                             spec.entries, fold=False)
     call = _Call(lowering, spec, values, dyn)
     structure = _structure(lowering, spec, call)
     out = _route(lowering, spec, values, call, structure, tuple(g for _, _, g in views),

@@ -8,6 +8,8 @@ sensitive ops in float32, and ops that mix inputs run in the widest input dtype.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 aten = torch.ops.aten
@@ -57,6 +59,15 @@ def _widest(args, kwargs):
     return dtype
 
 
+_casting = threading.local()
+
+
+def casting() -> bool:
+    """Whether this thread is in autocast's casts of an op's arguments (each used by that op
+    and, saved, by its backward: a cast no longer alive after the step's backward)."""
+    return getattr(_casting, "on", False)
+
+
 def _kernel(op, policy: str):
     def run(*args, **kwargs):
         if policy == "lower":
@@ -67,7 +78,12 @@ def _kernel(op, policy: str):
             dtype = _widest(args, kwargs)
         with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST)):
             if dtype is not None:
-                args, kwargs = _cast(args, dtype), {k: _cast(v, dtype) for k, v in kwargs.items()}
+                _casting.on = True
+                try:
+                    args = _cast(args, dtype)
+                    kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+                finally:
+                    _casting.on = False
             return op(*args, **kwargs)
 
     return run

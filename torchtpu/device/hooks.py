@@ -3,11 +3,11 @@ the tools implement.
 
 Data flows down (compile -> eager -> lowering -> device -> runtime), but a few answers live
 above the layer that asks: whether DeferAndFuse is recording, which capture is in progress, how
-the compiled path reads a view of varying geometry or runs a call of growing sizes, who watches
-host reads and random draws. ``HOOKS`` holds one field per such question, each None while
-nothing above listens. An upper layer sets the field it implements (and puts None back);
-nothing writes another module's functions or globals, and reading ``HOOKS`` shows every way the
-device can be redirected.
+the compiled path reads a view of varying geometry or runs a call of growing sizes, whether
+Strict casts lazily, who watches host reads and random draws. ``HOOKS`` holds one field per
+such question, each None while nothing above listens. An upper layer sets the field it
+implements (and puts None back); nothing writes another module's functions or globals, and
+reading ``HOOKS`` shows every way the device can be redirected.
 """
 
 from __future__ import annotations
@@ -63,6 +63,10 @@ class Hooks:
     # storages holding padded values, before they are read (which cuts them), or None;
     # ``writes``: its results are written into tensors, so they must be plain arrays.
     padded_inputs: Callable[..., Any] | None = None
+    # ``lazy_cast(t, array, dtype)`` while Strict is the executor: a value (a ``Deferred``) for
+    # t, whose storage array is ``array``, converted to the float dtype ``dtype``, that its
+    # consumers' programs convert themselves (``eager/lazy_casts.py``); None to convert now.
+    lazy_cast: Callable[[Any, Any, Any], Any] | None = None
     # Whether host reads wait for the device, where not the platform's answer (None): a step
     # census (``testing/step_census.py``) counts them as waits on XLA:CPU too.
     host_reads_stall: bool | None = None

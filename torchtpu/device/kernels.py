@@ -233,6 +233,11 @@ def to_copy(t: torch.Tensor, *, dtype=None, layout=None, device=None, pin_memory
             and getattr(type(held), "copy_into", None) is None):
         # A contiguous result on the same device: its value, wrapped; not an empty tensor made
         # through the dispatcher and then written (every autocast cast comes here).
+        lazy_cast = HOOKS.lazy_cast
+        if lazy_cast is not None and dtype is not t.dtype:
+            lazy = lazy_cast(t, held, dtype)
+            if lazy is not None:
+                return tensors.wrap(lazy, dtype)
         value = read_converted(t, dtype, tuple(t.shape))
         return tensors.wrap(tensors.fresh_copy(value) if value is held else value, dtype)
     out = torch.empty_like(t, dtype=dtype, device=device or t.device,

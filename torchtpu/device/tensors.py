@@ -348,10 +348,12 @@ def read(t: torch.Tensor) -> jax.Array:
     return array
 
 
-def read_parts(t: torch.Tensor) -> tuple:
+def read_parts(t: torch.Tensor, fold: bool = False) -> tuple:
     """(array, geometry): t's value is ``read_view(array, geometry)``, or array itself when the
     geometry is None. A program that takes t can read the view itself, inside its own
-    computation, instead of a separate program call reading it first."""
+    computation, instead of a separate program call reading it first. ``fold``: a storage whose
+    pending value can be computed inside the reading program (``folded(value, geometry)``: a
+    lazy cast) gives what it answers, ``(its input, how to read it)``, instead."""
     array = t.untyped_storage()._tpu_array
     # Every op's and every compiled graph's every tensor argument comes here: the common case (a
     # computed array that is t whole) is tested first, with the cheapest reads there are (the
@@ -364,6 +366,12 @@ def read_parts(t: torch.Tensor) -> tuple:
             return array, None
     if t.is_conj() or t.is_neg():
         return read(t), None
+    if fold and capture is None:
+        folded = getattr(type(array), "folded", None)
+        if folded is not None:
+            parts = folded(array, None if _is_whole(t, array) else _geometry(t, array))
+            if parts is not None:
+                return parts
     if (array is not None and not isinstance(array, Deferred) and capture is None
             and _is_whole(t, array)):
         return array, None

@@ -80,14 +80,15 @@ def _number(v, values: list):
     return v
 
 
-def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
+def dynamic_values(values: list, entries: tuple, fold: bool = True) -> tuple[tuple, tuple]:
     """The traced values of bound arguments, in the order the spec consumes them, and the views
     among them (``program.with_views``): a view's storage array goes to the program, which
-    reads the view itself rather than a program call of its own doing it first."""
+    reads the view itself rather than a program call of its own doing it first; so does a lazy
+    cast's source (``lazy_casts``), which the program converts, unless ``fold`` is False."""
     dyn, views = [], []
     for i, ((kind, _), v) in enumerate(zip(entries, values)):
         if kind == TENSOR:
-            array, g = tensors.read_parts(v)
+            array, g = tensors.read_parts(v, fold)
             dyn.append(array)
             if g is not None:
                 views.append((i, None, g))
@@ -98,7 +99,7 @@ def dynamic_values(values: list, entries: tuple) -> tuple[tuple, tuple]:
                 if x is None:
                     continue
                 if not x.is_cpu:
-                    array, g = tensors.read_parts(x)
+                    array, g = tensors.read_parts(x, fold)
                     dyn.append(array)
                     if g is not None:
                         views.append((i, j, g))
@@ -164,7 +165,9 @@ def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
         if out is not None:
             return out
     if dyn is None:
-        dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries)
+        # A donated argument's buffer must be its own: a lazy cast's source is another's.
+        dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries,
+                                    not lowering.donates)
     growing = HOOKS.growing
     if growing is not None:
         out = growing(lowering, spec, values, dyn, views)

@@ -18,7 +18,8 @@ import torch
 
 from torchtpu import metrics
 from torchtpu.device import tensors
-from torchtpu.eager import numbers
+from torchtpu.device.hooks import HOOKS
+from torchtpu.eager import lazy_casts, numbers
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
 from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import launch
@@ -28,6 +29,9 @@ class Strict:
     """One op at a time, asynchronously: each call runs its cached program and returns at once."""
 
     name = "strict"
+    # Whether float casts wait to be converted inside their consumers' programs
+    # (``lazy_casts``): one launch each less.
+    lazy_casts = True
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
@@ -59,9 +63,13 @@ class Strict:
 
     def enter(self) -> None:
         """Called when this executor becomes the current one."""
+        if self.lazy_casts:
+            HOOKS.lazy_cast = lazy_casts.lazy_cast
 
     def leave(self) -> None:
-        """Called when another executor replaces this one."""
+        """Called when another executor replaces this one: its lazy casts are computed."""
+        HOOKS.lazy_cast = None
+        lazy_casts.resolve_pending()
 
 
 # Frames of these packages are internals: a check the device runs names the first frame outside
@@ -101,6 +109,7 @@ class Debug(Strict):
     """
 
     name = "debug"
+    lazy_casts = False  # each op's result is checked, a cast's too
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         return self._checked(lowering.op, super().run(lowering, spec, dyn))
@@ -121,6 +130,7 @@ class Debug(Strict):
 
 
 _current: list = [Strict()]
+_current[0].enter()
 
 
 def current() -> Strict:

@@ -13,15 +13,16 @@ from typing import Any
 import jax
 
 from torchtpu.device import dtypes
-from torchtpu.device.views import check_in_bounds, read_view
 from torchtpu.eager import meta
+from torchtpu.eager.lazy_casts import check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
 from torchtpu.runtime import warm
 
 # Spec entries, one per bound argument.
-TENSOR = "t"       # one array; payload: None, or the view Geometry to read it through
+TENSOR = "t"       # one array; payload: None, or how to read it: a view Geometry or a
+                   # lazy cast's ``Cast``
 TENSORS = "l"      # a list of arrays/None: payload, per element: True (None), False (an
-                   # array) or the view Geometry to read the array through
+                   # array) or how to read the array (a Geometry or a ``Cast``)
 SCALAR = "s"       # a traced Python number
 KEY = "k"          # PRNG key data -> a JAX key
 CONST = "c"        # baked-in constant: payload is the value
@@ -89,7 +90,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
         if kind == TENSOR:
             v = next(it)
             if payload is not None:
-                v = read_view(v, payload)
+                v = read_input(v, payload)
             if promote_to is not None and v.dtype != promote_to:
                 v = v.astype(promote_to)
             args.append(v)
@@ -100,7 +101,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
                     items.append(None)
                 else:
                     v = next(it)
-                    items.append(v if element is False else read_view(v, element))
+                    items.append(v if element is False else read_input(v, element))
             args.append(items)
         elif kind == SCALAR:
             args.append(next(it))
@@ -115,14 +116,14 @@ _with_views: dict = {}
 
 
 def with_views(spec: Spec, views: tuple) -> Spec:
-    """spec with tensor arguments read through a view Geometry inside the program: ``views``
-    holds ``(entry index, list position or None, geometry)`` for each."""
+    """spec with tensor arguments read through a view Geometry (or a lazy cast's ``Cast``)
+    inside the program: ``views`` holds ``(entry index, list position or None, how)`` for each."""
     key = (spec, views)
     derived = _with_views.get(key)
     if derived is None:
         entries = [list(e) for e in spec.entries]
         for i, j, g in views:
-            check_in_bounds(g)
+            check_read(g)
             if j is None:
                 entries[i][1] = g
             else:

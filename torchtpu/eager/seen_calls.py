@@ -33,6 +33,7 @@ from torchtpu.device import tensors
 from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
+from torchtpu.eager.lazy_casts import Cast, Converted
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
 
 _Tensor = torch.Tensor
@@ -101,7 +102,7 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
             if how is None:
                 return
             reads.append((i, how))
-            if type(how) is Geometry:
+            if type(how) is Geometry or type(how) is Cast:
                 views.append((i, None, how))
     kept = Seen(result, spec, tuple(reads), tuple(views))
     known = seen.get(key)
@@ -128,7 +129,11 @@ def _stored(t: _Tensor):
 
 def _read_as(t: _Tensor):
     """How the full path read t (``tensors.read_parts``): its array's dtype where t is its array
-    whole, else the view's geometry; None where it read something the short path cannot."""
+    whole, else the view's geometry, or a lazy cast's ``Cast``; None where it read something
+    the short path cannot."""
+    held = t.untyped_storage()._tpu_array
+    if type(held) is Converted and held.source is not None and not t.is_neg():
+        return tensors.read_parts(t, fold=True)[1]
     if _stored(t) is None or t.is_conj() or t.is_neg():
         return None
     array, g = tensors.read_parts(t)
@@ -174,6 +179,12 @@ def arrays(values: list, reads: tuple) -> tuple | None:
             aval = array.aval  # its shape and dtype without the properties' Python steps
         elif kind is Pending:
             aval = array  # a recorded value knows its shape and dtype
+        elif kind is Converted:
+            array = _cast_source(t, array, how)
+            if array is None:
+                return None
+            out.append(array)
+            continue
         else:
             return None
         if t.is_conj() or t.is_neg():
@@ -185,3 +196,18 @@ def arrays(values: list, reads: tuple) -> tuple | None:
             return None
         out.append(array)
     return tuple(out)
+
+
+def _cast_source(t: _Tensor, converted: Converted, how):
+    """The source of t's lazy cast when the program reads it as ``how`` (the remembered
+    ``Cast``) would, else None (the cast is computed by now, or another cast or view)."""
+    source = converted.source
+    if source is None or type(how) is not Cast or converted.dtype != how.dtype or t.is_neg():
+        return None
+    shape = converted.shape
+    if how.shape != (None if source.aval.shape == shape else shape):
+        return None
+    g = how.geometry
+    if (shape != t.shape) if g is None else (g.array_shape != shape):
+        return None
+    return source

@@ -1,0 +1,188 @@
+"""Strict's lazy casts (``eager/lazy_casts.py``): a float cast read inside its consumer's program,
+one launch less, with every other reader seeing the value exactly as before, compared with CPU."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtpu.device.hooks import HOOKS
+from torchtpu.eager import dispatch, lazy_casts
+from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+from torchtpu.testing.step_census import census
+
+CONFIG = LlamaConfig(vocab=128, dim=32, layers=2, heads=2, hidden=64, seq=16)
+
+
+def _lazy(t: torch.Tensor) -> bool:
+    held = t.untyped_storage()._tpu_array
+    return type(held) is lazy_casts.Converted and held.source is not None
+
+
+def _bf16(*shape) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def test_a_widening_cast_is_converted_inside_its_consumer():
+    x = _bf16(6, 8)
+    d = x.to("tpu")
+    (d.float() * 3).cpu()  # compiled once
+    with census(dots=False) as c:
+        y = d.float()
+        got = y * 3
+    assert _lazy(y) and c.launch_count == 1  # the product's program converts y
+    assert got.dtype == torch.float32
+    assert torch.equal(got.cpu(), x.float() * 3)
+    assert torch.equal(y.cpu(), x.float())
+
+
+def test_repeated_consumers_of_lazy_casts_take_the_short_path(monkeypatch):
+    d = _bf16(4, 5).to("tpu")
+    for _ in range(2):  # the first call of a spec resolves its casts (``eager_buckets``)
+        d.float() + 1
+    planned = []
+    plan = dispatch.plan
+    monkeypatch.setattr(dispatch, "plan", lambda *a, **k: planned.append(a[0]) or plan(*a, **k))
+    for _ in range(3):
+        got = d.float() + 1
+    assert planned == []
+    assert torch.equal(got.cpu(), d.cpu().float() + 1)
+
+
+VIEWS = {
+    "transposed": lambda y: y.t() @ y,
+    "a slice": lambda y: y[1:3] * 2,
+    "reshaped": lambda y: y.reshape(-1).sum(),
+    "a strided column": lambda y: y[:, ::2] + 1,
+}
+
+
+@pytest.mark.parametrize("name", VIEWS)
+def test_views_of_a_lazy_cast_read_it_as_cpu(name):
+    x = _bf16(6, 6)
+    VIEWS[name](x.to("tpu").float())  # the first call of a spec resolves its casts
+    y = x.to("tpu").float()
+    got = VIEWS[name](y)
+    assert _lazy(y)
+    torch.testing.assert_close(got.cpu(), VIEWS[name](x.float()), atol=1e-5, rtol=1e-5)
+
+
+def test_a_gradients_cast_of_a_reshaped_view_is_lazy_too():
+    # Autograd's cast back of a bf16 gradient arrives as a (b, t, d) view of a (b*t, d) array.
+    x = _bf16(2, 3, 4)
+    d = x.to("tpu").reshape(6, 4).reshape(2, 3, 4)
+    y = d.float()
+    assert _lazy(y)
+    assert torch.equal((y * 2).cpu(), x.float() * 2)
+    assert torch.equal(torch.stack([y, y]).cpu(), torch.stack([x.float(), x.float()]))
+
+
+def test_lists_read_lazy_casts_in_one_program():
+    xs = [_bf16(3, 4), _bf16(5)]
+    ys = [x.to("tpu").float() for x in xs]
+    torch._foreach_norm(ys)
+    ys = [x.to("tpu").float() for x in xs]
+    with census(dots=False) as c:
+        got = torch._foreach_norm(ys)
+    assert c.launch_count == 1 and all(_lazy(y) for y in ys)
+    for g, x in zip(got, xs):
+        torch.testing.assert_close(g.cpu(), x.float().norm())
+
+
+READS = {
+    "cpu": lambda y: y.cpu(),
+    "item": lambda y: torch.tensor(y[1, 2].item()),
+    "a view written": lambda y: (y[0].fill_(7.0), y.cpu())[1],
+    "written in place": lambda y: y.mul_(2).cpu(),
+    "a copy into it": lambda y: (y[:, 1].copy_(torch.arange(4.0, device="tpu")), y.cpu())[1],
+    "cast again": lambda y: y.to(torch.float16).cpu(),
+}
+
+
+@pytest.mark.parametrize("name", READS)
+def test_every_other_reader_sees_the_value_as_cpu(name):
+    x = _bf16(4, 3)
+    y = x.to("tpu").float()
+    assert _lazy(y)
+    assert torch.equal(READS[name](y), READS[name](x.float()))
+
+
+def test_a_view_write_into_the_source_keeps_the_cast_value():
+    # The source is lent: a write through a view of it does not give its buffer away.
+    x = _bf16(4, 4)
+    d = x.to("tpu")
+    y = d.float()
+    d[1].fill_(5)
+    d[:, 2] = 3
+    assert torch.equal((y + 0).cpu(), x.float())
+    x[1], x[:, 2] = 5, 3
+    assert torch.equal(d.cpu(), x)
+
+
+@pytest.mark.parametrize("mode", [torch.tpu.EagerMode.DEFER_AND_FUSE,
+                                  torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING])
+def test_another_mode_finds_every_lazy_cast_computed(mode):
+    x = _bf16(3, 5)
+    y = x.to("tpu").float()
+    with torch.tpu.set_eager_mode(mode):
+        assert not _lazy(y) and not lazy_casts._pending
+        z = x.to("tpu").float()
+        assert not _lazy(z)
+        got = (y + z).cpu()
+    assert torch.equal(got, x.float() * 2)
+
+
+def test_only_casts_that_hold_no_more_memory_wait():
+    w = torch.nn.Parameter(torch.randn(5, 4, device="tpu"))
+    a = torch.randn(3, 4, device="tpu")
+    assert not _lazy(w.to(torch.bfloat16))  # a parameter narrowed outside autocast (.half())
+    assert not _lazy(a.to(torch.bfloat16))  # an activation narrowed: its f32 source would live
+    narrowed = []
+    lazy_cast = lazy_casts.lazy_cast
+
+    def watch(t, array, dtype):
+        out = lazy_cast(t, array, dtype)
+        narrowed.append((t is w, out is not None))
+        return out
+
+    HOOKS.lazy_cast = watch
+    try:
+        with torch.autocast("tpu", torch.bfloat16):
+            got = F.linear(a, w)
+    finally:
+        HOOKS.lazy_cast = lazy_cast
+    assert sorted(narrowed) == [(False, False), (True, True)]  # autocast's cast of the weight
+    with torch.autocast("cpu", torch.bfloat16):
+        want = F.linear(a.cpu(), w.detach().cpu())
+    torch.testing.assert_close(got.cpu().float(), want.float())
+
+
+def _llama_losses(device: str, steps: int = 3):
+    torch.manual_seed(0)
+    model = Llama(CONFIG).to(device)
+    step, _ = train_step(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(CONFIG.vocab, (2, CONFIG.seq + 1), generator=g)
+    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    losses = [step(x, y) for _ in range(steps)]
+    return model, step, x, y, [v.item() for v in losses]
+
+
+def test_an_autocast_llama_step_computes_as_cpu_with_fewer_launches():
+    model, step, x, y, losses = _llama_losses("tpu")
+    cpu_model, _, _, _, cpu_losses = _llama_losses("cpu")
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), atol=2e-3,
+                               rtol=2e-3)
+    for p, q in zip(model.parameters(), cpu_model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), q.detach(), atol=2e-3, rtol=2e-3)
+    with census(dots=False) as c:
+        step(x, y)
+    lazy = c.launch_count
+    HOOKS.lazy_cast = None
+    try:
+        with census(dots=False) as c:
+            step(x, y)
+    finally:
+        HOOKS.lazy_cast = lazy_casts.lazy_cast
+    # Per layer 7 weight casts and 12 gradients cast back to float32; 4 outside the layers (the
+    # head's weight, the logits and their gradients).
+    assert c.launch_count - lazy == 19 * CONFIG.layers + 4, (c.launch_count, lazy)

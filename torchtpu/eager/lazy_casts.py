@@ -1,0 +1,141 @@
+"""Strict's lazy casts: a float conversion read inside the program of the op that consumes it.
+
+Under autocast a Strict step launched a program for every cast: each weight's and input's cast
+to bfloat16 and, in backward, each gradient's cast back to float32 (342 of a 12-layer Llama
+step's 1,710 launches). Here ``x.to(dtype)`` (``kernels.to_copy``, through ``HOOKS.lazy_cast``)
+stores a ``Converted``, the source array and the dtype, in the result's storage instead; a
+consumer's program (``dispatch.dynamic_values`` -> ``tensors.read_parts(fold=True)``) takes the
+source and converts it itself (the spec payload ``Cast``). Everything else that reads the
+storage resolves it, as any ``Deferred``: one cast program, as before.
+
+Only where memory cannot grow: a widening cast (the lazy value holds a narrower source), and a
+narrowing cast of a parameter under autocast (the parameter is held anyway; autocast drops its
+casts when its region ends and autograd when backward has run). A narrowing cast of an
+activation would keep the wide source alive for as long as the cast is saved for backward.
+
+The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
+in-place write of the result resolves or replaces the value: nothing a user can see changes.
+The source is lent (``tensors.lend``) so that no view write donates its buffer meanwhile, and
+every lazy cast still pending is resolved when Strict stops being the executor (a capture or
+DeferAndFuse never sees one).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import NamedTuple
+
+import jax
+import numpy as np
+import torch
+from jax._src.array import ArrayImpl
+
+from torchtpu.device import autocast, dtypes, tensors
+from torchtpu.device.views import Geometry, check_in_bounds, read_view
+from torchtpu.runtime import warm
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_NP = {d: dtypes.to_jax(d) for d in _FLOATS}
+
+
+@functools.lru_cache(maxsize=1024)
+def _converter(dtype: np.dtype, shape: tuple):
+    return warm.named(jax.jit(lambda a: dtypes.cast(a, dtype).reshape(shape)), "lazy_cast",
+                      dtype, shape)
+
+
+class Cast(NamedTuple):
+    """How a program reads an argument held lazily cast: its array converted to ``dtype`` and
+    reshaped to ``shape`` (None: its own), then read through ``geometry`` (None: whole)."""
+
+    dtype: np.dtype
+    shape: tuple | None
+    geometry: Geometry | None
+
+
+def read_input(array, how):
+    """An argument's value inside a program: ``how`` is a view Geometry or a ``Cast``."""
+    if type(how) is Cast:
+        array = dtypes.cast(array, how.dtype)
+        if how.shape is not None:
+            array = array.reshape(how.shape)
+        return array if how.geometry is None else read_view(array, how.geometry)
+    return read_view(array, how)
+
+
+def check_read(how) -> None:
+    """Raise if ``how`` (a view Geometry or a ``Cast``) reads past its storage's end."""
+    if type(how) is Cast:
+        if how.geometry is not None:
+            check_in_bounds(how.geometry)
+    else:
+        check_in_bounds(how)
+
+
+class Converted(tensors.Deferred):
+    """A storage's value: ``source`` converted to ``dtype`` and reshaped to ``shape`` (a
+    gradient's cast of a reshaped view), computed by the first reader that cannot convert it
+    itself."""
+
+    __slots__ = ("source", "dtype", "shape", "_value", "__weakref__")
+
+    def __init__(self, source, dtype: np.dtype, shape: tuple) -> None:
+        self.source = source
+        self.dtype = dtype
+        self.shape = shape
+        self._value = None
+        tensors.lend(source)
+        _pending.add(self)
+
+    def resolve(self):
+        if self._value is None:
+            self._value = tensors.call(_converter(self.dtype, self.shape), self.source)
+            self._release()
+        return self._value
+
+    materialize = resolve
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def folded(self, geometry: Geometry | None):
+        """(the source, how a program reads it) for a reader of the value through geometry;
+        None once the value is computed."""
+        if self._value is not None:
+            return None
+        reshaped = None if self.shape == self.source.aval.shape else self.shape
+        return self.source, Cast(self.dtype, reshaped, geometry)
+
+    def _release(self) -> None:
+        tensors.unlend(self.source)
+        self.source = None
+        _pending.discard(self)
+
+    def __del__(self) -> None:
+        if self.source is not None:
+            tensors.unlend(self.source)
+
+
+_pending: weakref.WeakSet = weakref.WeakSet()
+
+
+def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype):
+    """``HOOKS.lazy_cast``: a ``Converted`` for t (whose storage array is ``array``) cast to
+    dtype, or None to cast now."""
+    # t is its storage's array whole, or that array reshaped.
+    if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
+            or t.storage_offset() or not t.is_contiguous() or t.is_neg()
+            or array.aval.dtype != _NP[t.dtype] or array.size != t.numel()):
+        return None
+    if dtype.itemsize < t.dtype.itemsize and not (
+            t.is_leaf and t.requires_grad and autocast.casting()):
+        return None
+    return Converted(array, _NP[dtype], tuple(t.shape))
+
+
+def resolve_pending() -> None:
+    """Compute every lazy cast still pending (before another executor takes over)."""
+    for converted in list(_pending):
+        converted.resolve()
