@@ -26,8 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchtpu  # noqa: F401
+from torchtpu.device.hooks import HOOKS
 from torchtpu.profiler import session
-from torchtpu.runtime import launch
 from torchtpu.testing.models import TinyGPT, batch
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
@@ -81,7 +81,7 @@ def _launch_costs(xprof) -> dict:
     fn(a).block_until_ready()
 
     def one() -> None:
-        observe = launch.observer
+        observe = HOOKS.launch_observer
         if observe is not None:
             observe(None, fn, (a,))
         else:

@@ -112,8 +112,8 @@ def _variants(args, world):
 def _bench(rank, world, args):
     import torch.distributed as dist
 
+    from torchtpu.device.hooks import HOOKS
     from torchtpu.eager import spanning
-    from torchtpu.runtime import launch
 
     group = dist.group.WORLD
     variants = _variants(args, world)
@@ -138,10 +138,10 @@ def _bench(rank, world, args):
         schedules[name] = _schedule(variants[name])
         launched.clear()
         seq = group._seq
-        launch.observer = torch._dynamo.disable(
+        HOOKS.launch_observer = torch._dynamo.disable(
             lambda label, fn, a: (launched.append(label), fn(*a))[1])
         step(name)
-        launch.observer = None
+        HOOKS.launch_observer = None
         counts[name] = (len(launched), group._seq - seq)
     times = {name: [] for name in variants}
     names = list(variants)

@@ -49,8 +49,9 @@ import jax.numpy as jnp
 import torch
 
 import torchtpu  # noqa: F401
+from torchtpu.device.hooks import HOOKS
 from torchtpu.profiler import xplane
-from torchtpu.runtime import launch, platform
+from torchtpu.runtime import platform
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 from torchtpu.testing.step_census import census
 
@@ -155,7 +156,7 @@ def _profiled_step(run) -> dict:
 def _in_dispatch(run) -> dict:
     """One step with every launch timed inside its jitted call."""
     spent = collections.defaultdict(lambda: [0, 0.0])
-    previous = launch.observer
+    previous = HOOKS.launch_observer
 
     def observe(label, fn, args):
         start = time.perf_counter()
@@ -165,7 +166,7 @@ def _in_dispatch(run) -> dict:
         spent[name][1] += time.perf_counter() - start
         return out
 
-    launch.observer = observe
+    HOOKS.launch_observer = observe
     try:
         start = time.perf_counter()
         run()
@@ -173,7 +174,7 @@ def _in_dispatch(run) -> dict:
         torch.tpu.synchronize()
         wall = time.perf_counter() - start
     finally:
-        launch.observer = previous
+        HOOKS.launch_observer = previous
     total = sum(s for _, s in spent.values())
     top = sorted(spent.items(), key=lambda kv: -kv[1][1])[:20]
     return {"observed_issue_ms": issue * 1e3, "observed_wall_ms": wall * 1e3,

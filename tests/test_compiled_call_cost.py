@@ -16,7 +16,7 @@ import torch
 import torchtpu.compile.backend as backend
 from torchtpu.compile import graph_constants
 from torchtpu.device import tensors
-from torchtpu.runtime import launch
+from torchtpu.device.hooks import HOOKS
 
 
 @pytest.fixture
@@ -28,7 +28,7 @@ def launches(monkeypatch):
         seen.append(label)
         return fn(*args)
 
-    monkeypatch.setattr(launch, "observer", observe)
+    monkeypatch.setattr(HOOKS, "launch_observer", observe)
     return seen
 
 

@@ -48,7 +48,7 @@ def _steps(rank, world, model, compile_root=True, graphs=None):
     collectives (deltas around it)."""
     import torch.distributed as dist
 
-    from torchtpu.runtime import launch
+    from torchtpu.device.hooks import HOOKS
 
     group = dist.group.WORLD
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -57,7 +57,7 @@ def _steps(rank, world, model, compile_root=True, graphs=None):
         if compile_root else model
     x = _data().chunk(world)[rank].to("tpu")
     launched: list = []
-    launch.observer = torch._dynamo.disable(
+    HOOKS.launch_observer = torch._dynamo.disable(
         lambda label, fn, args: (launched.append(str(label)), fn(*args))[1])
     losses = []
     try:
@@ -70,7 +70,7 @@ def _steps(rank, world, model, compile_root=True, graphs=None):
             opt.zero_grad()
             losses.append(loss.detach().cpu())
     finally:
-        launch.observer = None
+        HOOKS.launch_observer = None
     programs = sorted(label.rsplit("_", 1)[0] for label in launched
                       if label.startswith("compiled_"))
     return torch.stack(losses), programs, group._seq - seq
@@ -267,8 +267,8 @@ def _whole_step(rank, world, hsdp=False, fsdp2=False, tp=False):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
     from torchtpu import metrics
+    from torchtpu.device.hooks import HOOKS
     from torchtpu.distributed.topology import topology_aware_mesh
-    from torchtpu.runtime import launch
 
     replicas = world
     if hsdp:
@@ -299,12 +299,12 @@ def _whole_step(rank, world, hsdp=False, fsdp2=False, tp=False):
         for _ in range(WHOLE_STEPS):
             launched.clear()
             seqs, before = [g._seq for g in groups], metrics.snapshot()
-            launch.observer = torch._dynamo.disable(
+            HOOKS.launch_observer = torch._dynamo.disable(
                 lambda label, fn, args: (launched.append(str(label)), fn(*args))[1])
             try:
                 loss = step(x)
             finally:
-                launch.observer = None
+                HOOKS.launch_observer = None
             after = metrics.snapshot()
             losses.append(loss.cpu())
     counts = {k: after.get(k, 0) - before.get(k, 0)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from torchtpu.device import dtypes, views
-from torchtpu.runtime import launch
+from torchtpu.device.hooks import HOOKS
 
 # (shape, memory order of its dims): attention's (b, h, t, d) stored as (b, t, h, d), channels
 # last, a transpose, leading size-1 dims (strides PyTorch picks freely), a batch of one.
@@ -88,17 +88,17 @@ def _product_of_a_transposed_gradient(b, t, h, d):
     x = torch.randn(b * t, h * d, dtype=torch.bfloat16)
     grad = _strided((b, h, t, d), (0, 2, 1, 3), "tpu", torch.bfloat16).copy_(g.to("tpu"))
     seen = []
-    previous = launch.observer
+    previous = HOOKS.launch_observer
 
     def observe(label, fn, args):
         seen.append((str(label), fn, args))
         return fn(*args)
 
-    launch.observer = observe
+    HOOKS.launch_observer = observe
     try:
         out = grad.transpose(1, 2).reshape(b * t, h * d).t() @ x.to("tpu")
     finally:
-        launch.observer = previous
+        HOOKS.launch_observer = previous
     want = g.transpose(1, 2).reshape(b * t, h * d).t().float() @ x.float()
     torch.testing.assert_close(out.cpu().float(), want, rtol=2e-2, atol=2e-1)
     (fn, args), = [(fn, args) for label, fn, args in seen if label == "aten.mm.default"]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from torchtpu.device import dtypes
-from torchtpu.runtime import launch, platform
+from torchtpu.device.hooks import HOOKS
+from torchtpu.runtime import platform
 from torchtpu.testing.compare import assert_same, check_against_cpu
 
 SPECIAL = [0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3.5, math.inf, -math.inf, math.nan]
@@ -240,7 +241,7 @@ def test_complex128_is_refused_on_a_tpu_before_a_program_holds_it(monkeypatch, m
     def launched(label, fn, args):  # the refusal must come before any program compiles
         raise AssertionError(f"a program ran: {label}")
 
-    monkeypatch.setattr(launch, "observer", launched)
+    monkeypatch.setattr(HOOKS, "launch_observer", launched)
     # A size no other test uses: no plan an earlier call left is reused.
     x, y = torch.randn(38, dtype=torch.float64).to("tpu"), torch.randn(38, dtype=torch.complex128)
     with pytest.raises(Exception, match="torchtpu.dtype: complex128 is not supported on a TPU"):

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from torchtpu import metrics
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager.capture import CaptureError
-from torchtpu.runtime import launch
 
 STEPS = 5
 
@@ -64,11 +64,11 @@ def test_a_compiled_block_inside_a_capture_is_part_of_the_one_program():
         sx.copy_(x)
         sy.copy_(y)
         runs = metrics.snapshot().get("executions", 0)
-        launch.observer = lambda label, fn, args: (launched.append(str(label)), fn(*args))[1]
+        HOOKS.launch_observer = lambda label, fn, args: (launched.append(str(label)), fn(*args))[1]
         try:
             g.replay()
         finally:
-            launch.observer = None
+            HOOKS.launch_observer = None
         # One program per replay: the compiled block's forward and backward programs are not
         # launched on their own.
         assert metrics.snapshot().get("executions", 0) - runs == 1

@@ -18,7 +18,7 @@ from torch.profiler import (
     tensorboard_trace_handler,
 )
 
-from torchtpu.runtime import launch
+from torchtpu.device.hooks import HOOKS
 
 ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.TPU]
 
@@ -48,7 +48,7 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
     with profile(activities=ACTIVITIES) as prof:
         with record_function("train_step"):
             value = _step(x, w)
-    assert launch.observer is None
+    assert HOOKS.launch_observer is None
     xc, wc = x.cpu(), w.detach().cpu().requires_grad_()
     assert value == pytest.approx(_step(xc, wc), rel=1e-5)
     torch.testing.assert_close(w.grad.cpu(), wc.grad)
@@ -187,7 +187,7 @@ def test_unwritable_trace_directory_names_the_path(tmp_path):
         with profile(activities=ACTIVITIES, experimental_config=config):
             x.sum()
     assert bad in str(info.value)
-    assert launch.observer is None
+    assert HOOKS.launch_observer is None
     # Nothing was left running: the next profile works.
     with profile(activities=ACTIVITIES) as prof:
         x.sum().item()
@@ -209,7 +209,7 @@ def test_legacy_profiler_without_kineto_says_what_to_do():
     with pytest.raises(RuntimeError, match="use_kineto=True"):
         with torch.autograd.profiler.profile(use_device="tpu"):
             pass
-    assert launch.observer is None
+    assert HOOKS.launch_observer is None
 
 
 # Run by a Python that has XProf (TORCHTPU_XPROF_PYTHON): its trace viewer's view of the run.

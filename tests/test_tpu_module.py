@@ -189,7 +189,7 @@ def _matmul_program_precision(a: torch.Tensor, b: torch.Tensor, monkeypatch) -> 
 
     XLA:CPU computes float32 dots exactly whatever the attribute says (TPUs and GPUs do not), so
     the program's text is what shows the setting reached the device."""
-    from torchtpu.runtime import launch
+    from torchtpu.device.hooks import HOOKS
 
     texts = []
 
@@ -198,9 +198,9 @@ def _matmul_program_precision(a: torch.Tensor, b: torch.Tensor, monkeypatch) -> 
             texts.append(fn.lower(*args).as_text())
         return fn(*args)
 
-    monkeypatch.setattr(launch, "observer", record)
+    monkeypatch.setattr(HOOKS, "launch_observer", record)
     out = (a.to("tpu") @ b.to("tpu")).cpu()
-    monkeypatch.setattr(launch, "observer", None)
+    monkeypatch.setattr(HOOKS, "launch_observer", None)
     (dot,) = [line for text in texts for line in text.splitlines() if "dot_general" in line]
     return out, dot[dot.index("precision = "):].split("]")[0] + "]"
 

@@ -81,7 +81,7 @@ _SERVE = r"""
 import json, sys
 import jax
 import vllm
-from torchtpu.runtime import launch
+from torchtpu.device import launch
 
 from torchtpu.integrations.vllm import host_steps
 

@@ -45,14 +45,14 @@ from torchtpu.compile import (
 )
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.device import asserts, dtypes, kernels, tensors
+from torchtpu.device import asserts, dtypes, kernels, launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
 from torchtpu.eager import capture as capture_mod
 from torchtpu.eager.spmd import Spmd
 from torchtpu.lowering.registry import GRAPH_FORMS, lookup
-from torchtpu.runtime import launch, transfer
+from torchtpu.runtime import transfer
 
 log = logging.getLogger("torchtpu.compile")
 

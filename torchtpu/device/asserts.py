@@ -19,8 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torchtpu.device import tensors
-from torchtpu.runtime import launch
+from torchtpu.device import launch, tensors
 
 # A program that never reads to the host would let flags pile up: past this many, those already
 # computed are merged into one on the device (``_merged``), which reads nothing back: reading

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchtpu.device import memory
+from torchtpu.device import launch, memory
 from torchtpu.device import random as _random
-from torchtpu.runtime import launch, platform
+from torchtpu.runtime import platform
 
 
 class Precision(enum.Enum):

@@ -4,10 +4,11 @@ the tools implement.
 Data flows down (compile -> eager -> lowering -> device -> runtime), but a few answers live
 above the layer that asks: whether DeferAndFuse is recording, which capture is in progress, how
 the compiled path reads a view of varying geometry or runs a call of growing sizes, whether
-Strict casts lazily, who watches host reads and random draws. ``HOOKS`` holds one field per
-such question, each None while nothing above listens. An upper layer sets the field it
-implements (and puts None back); nothing writes another module's functions or globals, and
-reading ``HOOKS`` shows every way the device can be redirected.
+Strict casts lazily, who watches host reads and random draws, who runs a program launch or
+explains its failure. ``HOOKS`` holds one field per such question, each None while nothing
+above listens. An upper layer sets the field it implements (and puts None back); nothing writes
+another module's functions or globals, and reading ``HOOKS`` shows every way the device can be
+redirected.
 """
 
 from __future__ import annotations
@@ -70,6 +71,13 @@ class Hooks:
     # Whether host reads wait for the device, where not the platform's answer (None): a step
     # census (``testing/step_census.py``) counts them as waits on XLA:CPU too.
     host_reads_stall: bool | None = None
+    # ``launch_observer(label, fn, args)`` runs every device program in place of ``launch.run``
+    # (the profiler, the memory limit, a step census); ``launch_refused(label, fn, args, error)``
+    # makes the error for a launch the runtime refused for memory; ``peer_lost(error)`` the error
+    # for a failure a dead peer process caused, or None (``device/launch.py``).
+    launch_observer: Callable[[Any, Callable, tuple], Any] | None = None
+    launch_refused: Callable[[Any, Callable, tuple, Exception], Exception] | None = None
+    peer_lost: Callable[[Exception], Exception | None] | None = None
 
 
 HOOKS = Hooks()

@@ -18,11 +18,11 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import asserts, dtypes, memory_limit, overlap, tensors
+from torchtpu.device import asserts, dtypes, launch, memory_limit, overlap, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import _bitcast_flat, read_view
-from torchtpu.runtime import launch, platform, transfer, warm
+from torchtpu.runtime import platform, transfer, warm
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

@@ -9,7 +9,7 @@ fraction of 1. XLA:CPU has no limit of its own (its buffers are host memory), so
 test or a user on a host finds out whether a step fits a chip's memory before renting one.
 
 While a limit is set, every device program launch (the one hook every executor, DeferAndFuse,
-compiled graphs, captures and collectives call, ``runtime/launch.py``) first adds the bytes the
+compiled graphs, captures and collectives call, ``device/launch.py``) first adds the bytes the
 program asks for (its outputs and temporaries less what donation lets it reuse, from XLA's memory
 analysis of the compiled program, once per program and argument signature) to the bytes live on
 the device (a compiled graph's program is analysed as it is, compiled already); a copy from
@@ -23,7 +23,7 @@ The process can free them (``del``) and go on.
 With or without a limit, a launch the runtime itself refuses for want of memory (XLA's
 ``RESOURCE_EXHAUSTED`` / "Out of memory" on a TPU or GPU, or on XLA:CPU an allocation past what
 the host can map) is the same error: ``install`` makes ``refusal`` the launch hook's handler
-(``runtime/launch.py``), which names the program, its line, the bytes the runtime was asked for
+(``device/launch.py``), which names the program, its line, the bytes the runtime was asked for
 (from its message, else XLA's memory analysis of the program) and the largest live tensors.
 
 The check scans the live arrays at each launch: it costs milliseconds per program, for finding
@@ -39,7 +39,8 @@ import re
 import jax
 import torch
 
-from torchtpu.runtime import launch, platform
+from torchtpu.device.hooks import HOOKS
+from torchtpu.runtime import platform
 
 ENV = "TORCHTPU_MEMORY_LIMIT"
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b))?$")
@@ -97,11 +98,11 @@ def set_limit(nbytes: int | None) -> None:
 
 def _arm(nbytes: int | float | None) -> None:
     _state["limit"] = nbytes
-    if nbytes is not None and launch.observer is not _guard:
-        _state["previous"] = launch.observer
-        launch.observer = _guard
-    elif nbytes is None and launch.observer is _guard:
-        launch.observer = _state["previous"]
+    if nbytes is not None and HOOKS.launch_observer is not _guard:
+        _state["previous"] = HOOKS.launch_observer
+        HOOKS.launch_observer = _guard
+    elif nbytes is None and HOOKS.launch_observer is _guard:
+        HOOKS.launch_observer = _state["previous"]
 
 
 def set_per_process_memory_fraction(fraction: float, device=None) -> None:
@@ -130,7 +131,7 @@ def install() -> None:
     ``TORCHTPU_MEMORY_LIMIT`` names, if any. (A fraction is resolved at the first launch: asking
     the device's size now would start JAX's backends at import, before
     jax.distributed.initialize can run.)"""
-    launch.refused = refusal
+    HOOKS.launch_refused = refusal
     cap = parse_size(os.environ.get(ENV, ""))
     if cap is not None:
         _arm(cap)
@@ -187,7 +188,7 @@ _ASKED = re.compile(r"allocat\w*\s+(\d+)\s*bytes", re.I)  # XLA's "Out of memory
 
 
 def refusal(label, fn, args: tuple, error: Exception) -> torch.OutOfMemoryError:
-    """The error for a launch the runtime refused for memory (``launch.refused``)."""
+    """The error for a launch the runtime refused for memory (``HOOKS.launch_refused``)."""
     found = _ASKED.search(str(error))
     asked = int(found.group(1)) if found else _asks(fn, args) or None
     runtime = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]

@@ -18,7 +18,7 @@ import torch
 from jax._src.array import ArrayImpl
 
 from torchtpu import errors
-from torchtpu.device import dtypes, memory_history
+from torchtpu.device import dtypes, launch, memory_history
 from torchtpu.device import storage as storages
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import (
@@ -32,7 +32,7 @@ from torchtpu.device.views import (
     write_run,
     write_view,
 )
-from torchtpu.runtime import launch, warm
+from torchtpu.runtime import warm
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,

@@ -11,7 +11,8 @@ itself may be gone with the process that hosted it (rank 0 under ``mp.spawn``), 
 message says too.
 
 The XLA transport's collective programs fail later, at the next host read of a result: the
-runtime's ``launch.lost`` hook (set by ``publish``) turns such a failure into the same error.
+launch hook ``HOOKS.peer_lost`` (``device/launch.py``; set by ``publish``) turns such a failure
+into the same error.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from torchtpu.runtime import launch
+from torchtpu.device.hooks import HOOKS
 
 _KEY = "tpu_dist/process/{}"
 # The job's store and this rank's number in it, once the default group exists.
@@ -54,7 +55,7 @@ def publish(store: dist.Store, rank: int) -> None:
     """At the default group's creation: record where this rank runs, for ``describe``."""
     store.set(_KEY.format(rank), f"{os.getpid()} {_machine()}")
     _job.update(store=store, rank=rank)
-    launch.lost = _runtime_failure
+    HOOKS.peer_lost = _runtime_failure
 
 
 def _gone(pid: int) -> bool:
@@ -141,7 +142,7 @@ def _closed_by_peer(error: BaseException | None) -> bool:
 
 
 def _runtime_failure(error: Exception) -> Exception | None:
-    """``launch.lost``: for a device program's failure that a dead peer causes (an XLA
+    """``HOOKS.peer_lost``: for a device program's failure that a dead peer causes (an XLA
     collective's), the error naming the lost rank; None for any other failure."""
     if not _closed_by_peer(error):
         return None

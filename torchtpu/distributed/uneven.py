@@ -41,9 +41,9 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from torchtpu.device import launch
 from torchtpu.distributed.protocol import INLINE, CollectiveMismatchError
 from torchtpu.lowering.collectives import AXIS
-from torchtpu.runtime import launch
 
 HOST, UNEVEN, EVEN = 0, 1, 2   # what a rank's tensors allow (the row's first word)
 _TRAILING = 7                  # trailing dims carried in the row (deeper tensors: host)

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
-from torchtpu.device import tensors
+from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.distributed import host, uneven
 from torchtpu.distributed.group import TpuProcessGroup
@@ -50,7 +50,7 @@ from torchtpu.distributed.protocol import ANY_SHAPE, CollectiveMismatchError
 from torchtpu.distributed.work import Done
 from torchtpu.eager.spmd import Spmd, axis_of, standins
 from torchtpu.lowering.collectives import AXIS as _AXIS
-from torchtpu.runtime import launch, platform
+from torchtpu.runtime import platform
 
 RedOpType = dist.ReduceOp.RedOpType
 _SUMS = (RedOpType.SUM, RedOpType.AVG, RedOpType.PREMUL_SUM)

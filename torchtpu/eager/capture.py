@@ -41,14 +41,14 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
-from torchtpu.device import storage, tensors
+from torchtpu.device import launch, storage, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor, facts, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
 from torchtpu.eager.program import Spec, program
 from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import launch, warm
+from torchtpu.runtime import warm
 
 # Called after an aborted capture gave every storage back what it held: Python state that the
 # aborted code advanced around those storages is rolled back by its owner (FSDP2's per-step

@@ -49,13 +49,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import metrics
-from torchtpu.device import tensors
+from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import facts, numbers
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import launch, warm
+from torchtpu.runtime import warm
 
 MAX_OPS = 4000
 _NUMBERS = (float, int, bool)

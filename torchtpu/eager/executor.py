@@ -17,12 +17,11 @@ import numpy as np
 import torch
 
 from torchtpu import metrics
-from torchtpu.device import tensors
+from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
 from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import launch
 
 
 class Strict:

@@ -1,7 +1,7 @@
 """One profiling window with ``ProfilerActivity.TPU``: the JAX trace and the launches seen.
 
 ``Window.start()`` starts a JAX profiler session (written to the ``TpuProfilerConfig``'s
-directory, else to a temporary one) and sets the launch observer (``runtime/launch.py``), which
+directory, else to a temporary one) and sets the launch observer (``device/launch.py``), which
 records each program launch (label, start and end on the wall clock, thread) and, when an XProf
 run is written, wraps it in a JAX ``TraceAnnotation`` so the run shows torch op names.
 ``Window.stop()`` unsets the observer, stops the JAX session and reads the device's program runs
@@ -24,9 +24,9 @@ import jax
 import torch
 from jax.profiler import ProfileData, ProfileOptions, TraceAnnotation
 
+from torchtpu.device.hooks import HOOKS
 from torchtpu.profiler import xplane
 from torchtpu.profiler.config import TpuProfilerConfig
-from torchtpu.runtime import launch
 
 _runs = itertools.count()
 # Clock-sync annotations per window; the one whose wall-clock readings lie closest together
@@ -119,7 +119,7 @@ class Window:
             with TraceAnnotation(xplane.CLOCK_SYNC):
                 pass
             self._sync.append((before, time.time_ns()))
-        launch.observer = self._observe
+        HOOKS.launch_observer = self._observe
 
     def _key(self, label, fn) -> tuple[str, str]:
         # Cached per program and label (the window holds both until it ends): launching the
@@ -144,7 +144,7 @@ class Window:
             self.launches.append((name, key, start, time.time_ns(), threading.get_native_id()))
 
     def stop(self) -> DeviceTrace:
-        launch.observer = None
+        HOOKS.launch_observer = None
         jax.profiler.stop_trace()
         try:
             run = os.path.join(self._directory, "plugins", "profile", self._session)
@@ -169,7 +169,7 @@ class Window:
 
     def abort(self) -> None:
         """Stop without reading anything (the profiler failed to start)."""
-        launch.observer = None
+        HOOKS.launch_observer = None
         try:
             jax.profiler.stop_trace()
         finally:

@@ -40,7 +40,6 @@ import numpy as np
 from jax._src.array import ArrayImpl
 
 from torchtpu.device.hooks import HOOKS
-from torchtpu.runtime import launch
 
 # The device layer's copies around views (``device/tensors.py``): a view read, a write through
 # a view, a run written at an offset, a buffer copied whole.
@@ -125,7 +124,7 @@ def census(dots: bool = True):
     """Count what the block launches and waits for (see the module doc)."""
     c = Census()
     lowered: dict = {}
-    previous = launch.observer
+    previous = HOOKS.launch_observer
     reading = [True]
 
     def observe(label, fn, args):
@@ -185,7 +184,7 @@ def census(dots: bool = True):
         return jax_block(x)
 
     stall = HOOKS.host_reads_stall
-    launch.observer = observe
+    HOOKS.launch_observer = observe
     jax.block_until_ready = block_all
     for n in saved:
         setattr(np, n, host_read(n))
@@ -200,4 +199,4 @@ def census(dots: bool = True):
         ArrayImpl._value, ArrayImpl.block_until_ready = value, block
         for n, f in saved.items():
             setattr(np, n, f)
-        launch.observer = previous
+        HOOKS.launch_observer = previous
