@@ -43,8 +43,7 @@ OP_NAMING_EXCEPTIONS = {
     "device/": "the device's own kernels (allocation, copies, views, equal) are registered per op",
     "compile/checkpoint.py": "builds the activation barrier's zero tie as FX nodes",
     "compile/spmd.py": "builds the flatten / cat / split of bucketed collectives as FX nodes",
-    "compile/padded_cat.py": "the growing-cat path (KV caches) is a kernel for aten.cat",
-    "compile/eager_buckets.py": "routes aten.cat calls to that kernel",
+    "compile/eager_buckets.py": "routes aten.cat calls to the growing-cat kernel (padded_cat.py)",
     "eager/sdpa_routing.py": "routes scaled_dot_product_attention to the fused overload",
     "distributed/dtensor_sdpa.py": "DTensor's sharding strategy for the fused attention ops",
 }

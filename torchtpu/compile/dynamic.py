@@ -44,9 +44,10 @@ import torch.fx as fx
 from torchtpu.compile.buckets import size_expr as _expr
 from torchtpu.eager import schema
 from torchtpu.lowering import padding
-from torchtpu.lowering.graph_forms import INPUT_WRITE, SIZE_READS
+from torchtpu.lowering.graph_forms import INPUT_WRITE, RESHAPES, SIZE_READS
 from torchtpu.lowering.padding import Refused
 from torchtpu.lowering.padding import val as _val
+from torchtpu.lowering.registry import SIZE_ARGUMENTS
 
 
 @dataclasses.dataclass
@@ -164,7 +165,7 @@ def _layout_of(node: fx.Node, layouts: dict, order: list):
                 for v in val]
     if not isinstance(val, torch.Tensor):
         return None
-    if node.target in padding.RESHAPES:
+    if node.target in RESHAPES:
         return _reshape_layout(layouts[node.args[0]], val.shape)
     return _generic_layout(node, val, layouts)
 
@@ -181,7 +182,7 @@ def _numbers(node: fx.Node, traced: frozenset) -> tuple:
         if _is_sym(v):
             if i in traced:
                 numbers.append(v)
-            elif (op, i) not in padding.SIZE_ARGUMENTS:
+            elif (op, i) not in SIZE_ARGUMENTS:
                 raise Refused(f"{op} takes a symbolic size as a value")
     if numbers and any(_is_sym(x) for v in values if isinstance(v, (list, tuple)) for x in v):
         raise Refused(f"{op} uses a symbolic size both as a number and as a size")

@@ -209,8 +209,8 @@ def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure:
     keep = not _writes[0] and HOOKS.deferrer is None and executor.current().name != "debug"
     if any(family.varying):
         if lowering.op is _CAT:
-            return padded_cat.run(_programs, spec, values, call.tensors, family.varying,
-                                  _bucket, _prepare, keep)
+            return padded_cat.run(lowering.op, _programs, spec, values, call.tensors,
+                                  family.varying, _bucket, _prepare, keep)
         return _padded(structure, family, lowering, spec, values, call, sizes, keep)
     if family.views and views:
         return _views(lowering, spec, call)

@@ -17,6 +17,7 @@ from jax import lax
 
 from torchtpu.compile import buckets, dynamic
 from torchtpu.lowering import padding
+from torchtpu.lowering.registry import PADDED_MEANS
 
 _TRUE_FILLS = {"true": True, "false": False, "zero": 0, "one": 1}
 
@@ -85,14 +86,14 @@ class Padding:
             local[arg] = jnp.where(keep, x, _fill(m.fill, x.dtype))
         for n in numbers:
             local[n] = buckets.evaluate(n.meta["val"], self.real)
-        if node.target in padding.MEAN_DIMS:
+        if node.target in PADDED_MEANS:
             return self._mean(node, local[node.args[0]], step.dtypes)
         return step.run(local, keys, scalars)
 
     def _mean(self, node: fx.Node, x, dtype):
         """Sum of the masked input over the reduced dims, divided by their real count."""
         val = node.args[0].meta["val"]
-        index = padding.MEAN_DIMS[node.target]
+        index = PADDED_MEANS[node.target]
         dims = padding.reduced_dims(node, index, x.ndim)
         keepdim = False if index is None else (
             node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from jax import lax
 
 from torchtpu import metrics
@@ -28,12 +27,13 @@ from torchtpu.eager.program import Spec
 from torchtpu.runtime import platform, transfer
 
 
-def run(programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
+def run(op, programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
         bucket_of: Callable[[int], int], prepare: Callable, keep: bool):
-    """cat(values[0], dim=values[1]) given its tensors, which size slots varied (each tensor's
-    dims in turn), the bucket of a size and how a tensor is given to a program at a padded
-    shape (``eager_buckets._prepare``); the result padded when ``keep``, else cut; None when
-    it is no cat along the one growing dim of inputs of the result's dtype."""
+    """cat(values[0], dim=values[1]) given the op (the launch's label), its tensors, which size
+    slots varied (each tensor's dims in turn), the bucket of a size and how a tensor is given to
+    a program at a padded shape (``eager_buckets._prepare``); the result padded when ``keep``,
+    else cut; None when it is no cat along the one growing dim of inputs of the result's
+    dtype."""
     rank = ts[0].dim()
     dim = values[1] % rank if rank else 0
     final = spec.final
@@ -66,7 +66,7 @@ def run(programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
     args = (tuple(arrays), tuple(starts), np.asarray(lengths[:-1], np.int32))
     metrics.count("eager_bucketed_calls")
     if keep:
-        out = padded_values.run(program, args, torch.ops.aten.cat.default, executor.current())
+        out = padded_values.run(program, args, op, executor.current())
         shape = list(ts[0].shape)
         real = tuple((total,) if d == dim else (n,) for d, n in enumerate(shape))
         padded = tuple((out_size,) if d == dim else (n,) for d, n in enumerate(shape))
@@ -78,8 +78,7 @@ def run(programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
         return transfer.put(np.ascontiguousarray(host), platform.local_device())
 
     computed = tuple(a.materialize() if isinstance(a, tensors.Deferred) else a for a in arrays)
-    return executor.current().run_program(torch.ops.aten.cat.default, run_and_cut,
-                                          (computed,) + args[1:])
+    return executor.current().run_program(op, run_and_cut, (computed,) + args[1:])
 
 
 def _pad(host: np.ndarray, want: tuple) -> np.ndarray:

@@ -39,7 +39,7 @@ from jax import lax
 
 from torchtpu.lowering import attention_tpu
 from torchtpu.lowering.padding import Mask, Refused, padded, same, val
-from torchtpu.lowering.registry import META_STRIDES, lowers, padding_rule
+from torchtpu.lowering.registry import META_STRIDES, lowers, padding_rule, size_arguments
 
 aten = torch.ops.aten
 _HIGHEST = lax.Precision.HIGHEST
@@ -196,6 +196,8 @@ def sdpa_backward(grad_out, q, k, v, attn_bias, grad_input_mask, out, lse, cum_s
     return dq, dk, dv, dbias
 
 
+# Dynamic shapes: the backward's max_q and max_k only set sizes.
+size_arguments(aten._scaled_dot_product_fused_attention_overrideable_backward.default, 10, 11)
 _ATTENTION = {
     # (is_causal index, attn_bias index, masked args) of the forward and the backward.
     aten._scaled_dot_product_fused_attention_overrideable.default: (5, 3, (1, 2)),

@@ -16,7 +16,7 @@ import torch
 from jax import lax
 
 from torchtpu.lowering import padding
-from torchtpu.lowering.registry import lowers, padding_rule
+from torchtpu.lowering.registry import lowers, padding_rule, size_arguments
 
 aten = torch.ops.aten
 
@@ -104,3 +104,9 @@ def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
 padding_rule(aten.full.default, aten.ones.default, aten.zeros.default, aten.scalar_tensor.default,
              aten.arange.default, aten.arange.start, aten.arange.start_step,
              aten.zeros_like.default, aten.ones_like.default)(padding.positionwise)
+# A range's end only sets its size: padded to a bucket it gives the real range and then padding.
+# (``arange(0, s0)``'s dim is s0, a plain symbol; one whose length is not, ``arange(2, s0)`` or a
+# step of 2, has no layout.)
+size_arguments(aten.arange.default, 0)
+size_arguments(aten.arange.start, 1)
+size_arguments(aten.arange.start_step, 1)

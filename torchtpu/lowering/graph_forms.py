@@ -22,7 +22,7 @@ from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry, read_view, write_view
 from torchtpu.lowering import padding
 from torchtpu.lowering.padding import first, from_end, symbolic, val
-from torchtpu.lowering.registry import graph_form, padding_rule
+from torchtpu.lowering.registry import graph_form, padding_rule, size_arguments
 
 aten = torch.ops.aten
 
@@ -37,7 +37,7 @@ def view(x, size, *_):
 
 
 @graph_form(aten.alias.default, aten.detach.default, aten.clone.default,
-           aten.lift_fresh_copy.default, aten.lift_fresh.default)
+           aten.lift_fresh.default)
 def alias(x, *_, **__):
     return x
 
@@ -103,6 +103,9 @@ def slice_(x, dim=0, start=None, end=None, step=1):
     dim = _dim(dim, x.ndim)
     start, end = _slice_bounds(start, end, step, x.shape[dim])
     return lax.slice_in_dim(x, start, end, step, axis=dim)
+
+
+size_arguments(aten.slice.Tensor, 3)  # dynamic shapes: a symbolic end only sets the size
 
 
 @padding_rule(aten.slice.Tensor)
@@ -268,11 +271,13 @@ def sym_size(x, dim):
 
 # Ops that read sizes, never values: they take no symbolic size as a number (``dynamic.py``).
 SIZE_READS = {aten.sym_size.int, operator.getitem, *SIZE_ARITHMETIC}
-# Dynamic shapes: views, copies and allocations are position-wise (``padding.py``); a reshape
-# must keep symbolic factors whole, which ``dynamic.py`` checks.
+# Ops whose output keeps its input's elements in order under a new shape: under padding their
+# layouts follow, keeping symbolic factors whole, which ``dynamic.py`` checks.
+RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
+# Dynamic shapes: views, copies and allocations are position-wise (``padding.py``).
 padding_rule(
     aten.clone.default, aten.alias.default, aten.detach.default, aten._to_copy.default,
     aten.t.default, aten.transpose.int, aten.permute.default, aten.unsqueeze.default,
     aten.squeeze.dim, aten.expand.default, aten.empty.memory_format, aten.full_like.default,
-    aten.empty_like.default, aten.copy.default, *SIZE_READS, *padding.RESHAPES,
+    aten.empty_like.default, aten.copy.default, *SIZE_READS, *RESHAPES,
 )(padding.positionwise)

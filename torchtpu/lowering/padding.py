@@ -4,15 +4,16 @@
 how, and what a *layout* is). Whether one op stays exact under that padding, and what must be
 masked first, is a property of the op, so it is declared beside the op's lowering (or graph
 form) with ``@padding_rule(op)`` (``registry.PADDING_RULES``), and the compiled path names no
-op. A rule gets the FX node and the layouts of the tensors before it, and returns the node's
-``Mask`` list (empty when it is position-wise) or raises ``Refused`` (the graph then compiles
-per exact shape, logged). This module holds what rules share: ``Mask``, the helpers, the rule
-factories (``positionwise``, ``reduction``, ``contraction``, ``along``) and ``masks``, which the
-plan calls for every node.
+op; so are the arguments that only set a size (``registry.size_arguments``) and the means
+(``registry.padded_mean``). A rule gets the FX node and the layouts of the tensors before it,
+and returns the node's ``Mask`` list (empty when it is position-wise) or raises ``Refused``
+(the graph then compiles per exact shape, logged). This module holds what rules share:
+``Mask``, the helpers, the rule factories (``positionwise``, ``reduction``, ``contraction``,
+``along``) and ``masks``, which the plan calls for every node.
 
 Ops tagged pointwise need no rule. Reductions replace the padding by their identity (0 for sum,
 -inf for amax/softmax/logsumexp, True for all...), contractions (mm, bmm, addmm) by 0 on both
-operands, mean divides by the real count (``MEAN_DIMS``), nll_loss ignores padded rows through
+operands, mean divides by the real count, nll_loss ignores padded rows through
 ``ignore_index``, and the backward ops of softmax, log_softmax, layer norm and embedding are
 masked likewise. Fused attention runs padded when it is causal or has an attention mask.
 Gathers and integer-tensor indexing read real positions only; a ``select`` or slice counted from
@@ -29,8 +30,6 @@ import torch.fx as fx
 
 from torchtpu.lowering.registry import PADDING_RULES
 
-aten = torch.ops.aten
-
 
 class Refused(Exception):
     """The op is not exact under this padding (the message says why, for the log)."""
@@ -45,20 +44,6 @@ class Mask:
     arg: int | tuple
     dims: tuple
     fill: str | int
-
-
-# Symbolic-size arguments that only set a size (a slice end, arange's end): buckets are right.
-# (A range's end padded gives the real range and then padding: ``arange(0, s0)``'s dim is s0, a
-# plain symbol; one whose length is not, ``arange(2, s0)`` or a step of 2, has no layout.)
-SIZE_ARGUMENTS = {(aten.slice.Tensor, 3), (aten.arange.default, 0), (aten.arange.start, 1),
-                  (aten.arange.start_step, 1),
-                  (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 10),
-                  (aten._scaled_dot_product_fused_attention_overrideable_backward.default, 11)}
-# Ops whose output keeps its input's elements in order under a new shape (layouts follow).
-RESHAPES = {aten.view.default, aten._unsafe_view.default, aten.reshape.default}
-# Means (argument index of their dims, None for every dim): the padded program sums the masked
-# input and divides by the real count.
-MEAN_DIMS = {aten.mean.dim: 1, aten.mean.default: None}
 
 
 def masks(node: fx.Node, layouts: dict) -> list:

@@ -20,7 +20,7 @@ from jax import lax
 from torchtpu.device import dtypes
 from torchtpu.lowering import padding
 from torchtpu.lowering.checks import along, same_dtype
-from torchtpu.lowering.registry import check, lowers, padding_rule
+from torchtpu.lowering.registry import check, lowers, padded_mean, padding_rule
 
 aten = torch.ops.aten
 _INDEX = jnp.int64
@@ -131,6 +131,8 @@ padding_rule(aten.sum.default)(padding.reduction(None, "zero"))
 padding_rule(aten.sum.dim_IntList)(padding.reduction(1, "zero"))
 padding_rule(aten.mean.default)(padding.reduction(None, "zero"))
 padding_rule(aten.mean.dim)(padding.reduction(1, "zero"))
+padded_mean(aten.mean.default, None)  # the masked sum over the real count
+padded_mean(aten.mean.dim, 1)
 padding_rule(aten.prod.dim_int)(padding.reduction(1, "one"))
 padding_rule(aten.logsumexp.default)(padding.reduction(1, "lowest"))
 padding_rule(aten.amax.default)(padding.reduction(1, "lowest"))

@@ -89,8 +89,12 @@ TABLE: dict[OpOverload, Lowering] = {}
 META_KERNELS: dict[OpOverload, Callable] = {}
 # The compiled path's forms of the ops eager serves with device kernels (``graph_form``).
 GRAPH_FORMS: dict = {}
-# How an op stays exact on inputs padded to a size bucket (``padding_rule``, ``padding.py``).
+# How an op stays exact on inputs padded to a size bucket (``padding_rule``, ``padding.py``);
+# the (op, argument index) pairs of arguments that only set a size (``size_arguments``); the
+# means and the argument index of their dims (``padded_mean``).
 PADDING_RULES: dict = {}
+SIZE_ARGUMENTS: set = set()
+PADDED_MEANS: dict = {}
 # What CPU's kernel refuses and the meta kernel does not (``check``; ``checks.py``).
 CHECKS: dict[OpOverload, Callable] = {}
 
@@ -205,6 +209,18 @@ def padding_rule(*ops) -> Callable:
         return fn
 
     return declare
+
+
+def size_arguments(op: OpOverload, *indices: int) -> None:
+    """Declare the arguments of op at indices as ones that only set a size (a slice's end,
+    arange's end): a symbolic size there is given its bucket under padding (``padding.py``)."""
+    SIZE_ARGUMENTS.update((op, i) for i in indices)
+
+
+def padded_mean(op: OpOverload, dims: int | None) -> None:
+    """Declare op a mean over the dims its argument ``dims`` holds (None: every dim): on inputs
+    padded to a size bucket it runs as the sum of the masked input over the real count."""
+    PADDED_MEANS[op] = dims
 
 
 def lookup(op: OpOverload) -> Lowering | None:
