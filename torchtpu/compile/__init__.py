@@ -71,7 +71,9 @@ def install() -> None:
 
 def load() -> None:
     """What waits for the device to load: eager calls over growing sizes run in size buckets
-    (``TORCHTPU_EAGER_BUCKETS=0``: never)."""
-    from torchtpu.compile import eager_buckets
+    (``TORCHTPU_EAGER_BUCKETS=0``: never), Strict's optimizer steps run as one program each
+    (``optimizer_steps``; ``TORCHTPU_FUSED_STEPS=0``: never)."""
+    from torchtpu.compile import eager_buckets, optimizer_steps
 
     eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS", "1") != "0")
+    optimizer_steps.install()
