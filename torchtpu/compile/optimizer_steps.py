@@ -25,7 +25,6 @@ recorded stays pending, correct, until the next host read or the next step's sta
 from __future__ import annotations
 
 import os
-import threading
 
 import torch
 from torch.optim.optimizer import (
@@ -34,9 +33,8 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu.compile import eager_buckets
-from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor
-from torchtpu.eager.defer import RECORDER, DeferAndFuse
+from torchtpu.eager.defer import DeferAndFuse
 
 
 class StepRegion(DeferAndFuse):
@@ -50,18 +48,13 @@ class StepRegion(DeferAndFuse):
     def enter(self) -> None:
         # Not DeferAndFuse.enter: its own step hook would be added to the hooks PyTorch is
         # running, and the step's end is this region's to handle.
-        HOOKS.deferrer = RECORDER
-        RECORDER.owner = threading.get_ident()
+        self.start_recording()
         self._buckets = eager_buckets.enabled()
         eager_buckets.set_enabled(False)
 
     def leave(self) -> None:
-        HOOKS.deferrer = None
         eager_buckets.set_enabled(self._buckets)
-        try:
-            RECORDER.flush()
-        finally:
-            RECORDER.release_spares()
+        self.stop_recording()
 
 
 def _on_tpu(opt: torch.optim.Optimizer) -> bool:

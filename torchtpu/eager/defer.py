@@ -484,13 +484,21 @@ class DeferAndFuse(Strict):
         RECORDER.flush()
 
     def enter(self) -> None:
-        HOOKS.deferrer = RECORDER
-        RECORDER.owner = threading.get_ident()
+        self.start_recording()
         self._step_hook = register_optimizer_step_post_hook(_step_ended)
 
     def leave(self) -> None:
         if self._step_hook is not None:
             self._step_hook.remove()
+        self.stop_recording()
+
+    def start_recording(self) -> None:
+        """Ops record from here on; this thread's host reads flush."""
+        HOOKS.deferrer = RECORDER
+        RECORDER.owner = threading.get_ident()
+
+    def stop_recording(self) -> None:
+        """Run what is recorded and drop the kept results."""
         HOOKS.deferrer = None
         RECORDER.flush()
         RECORDER.release_spares()
