@@ -14,12 +14,22 @@ the chip), results as JSON under ``--out`` (default ``$OUT``):
   ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), its greedy tokens against ``hf``'s, then each load
   (``--shapes`` x ``--concurrency``: all requests submitted at once) driven through
   ``llm.llm_engine``: output tokens/s, TTFT, ITL, the decode steps' median time beside their
-  roofline (weights + the KV the step's requests attend, / 819 GB/s), and the XLA compiles during
-  each measured round (a warm-up round of the same load runs first). With ``--paged both`` the
-  vLLM part runs twice, with the ragged paged-attention kernel and with the gathered context.
+  roofline (weights + the KV the step's requests attend, / 819 GB/s), each decode step's
+  split into the model runner's phases (``serving_diag.Phases``), and the XLA compiles during
+  each measured round (a warm-up round of the same prompts, ``WARM_TOKENS`` output tokens,
+  runs first and compiles the step shapes the round meets). With ``--paged both`` the vLLM part
+  runs twice, with the ragged paged-attention kernel and with the gathered context;
+  ``--diagnose`` adds, after the first load, where a decode step's time goes
+  (``serving_diag.py``: host profile, device trace, the step program replayed alone).
+
+Token checks (``serving_chip.json``): each part's greedy tokens against HF's (float32, CPU),
+exactly and up to HF's first near-tie (top-1 over top-2 logit margin below ``MARGIN_TOL``),
+which a bf16 chip may resolve the other way. ``hf`` runs on the CPU beside the chip parts;
+``--budget`` caps the whole call (a part gets at most what is left of it).
 
     python bench/serving_chip.py [--parts make hf jax vllm] [--models qwen2-0.5b]
-        [--shapes 512x128 1800x128] [--concurrency 1 8 64 256] [--paged both|on|off] [--out DIR]
+        [--shapes 512x128 1800x128] [--concurrency 1 8 64 256] [--jax-concurrency 64]
+        [--paged both|on|off] [--diagnose] [--budget S] [--out DIR]
     python bench/serving_chip.py --jax-only [--models ...] [--concurrency ...]   # no torch
 
 This module imports neither torch nor vLLM at its top: ``--jax-only`` runs where only JAX is.
@@ -33,12 +43,14 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import serving_jax  # noqa: E402  (bench/ is no package)
+import serving_diag  # noqa: E402  (bench/ is no package)
+import serving_jax  # noqa: E402
 
 PARTS = ("make", "hf", "jax", "vllm")
 PROMPTS = [[11, 42, 7, 99, 3], [5] * 12, list(range(100, 124)), [256, 17, 323, 4, 88, 9, 61]]
@@ -47,6 +59,15 @@ HF_NEW_TOKENS = 16
 # hang on rounding, so token equality would test the rounding, not the serving
 LOGIT_SCALE = 16.0
 LAYER_SCALE = 8.0
+# hf.json's key for HF's top-1/top-2 logit margins, by model
+MARGINS = "margins"
+# Below this margin (logits) HF's pick is a near-tie that bf16 on a chip may resolve the other
+# way; a prompt's tokens are compared up to its first near-tie (after it both continuations are
+# right, and every later token follows from the one picked)
+MARGIN_TOL = 1.0
+# output tokens of a load's warm-up round: enough to meet the timed round's step shapes (its
+# prefill buckets, its decode bucket, the context past the prompt), not its whole length
+WARM_TOKENS = 4
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -103,24 +124,32 @@ def part_make(args) -> dict:
 # ---- hf: the reference tokens ----
 
 def hf_greedy(model_dir: str | Path, prompts=PROMPTS, new_tokens: int = HF_NEW_TOKENS
-              ) -> list[list[int]]:
+              ) -> tuple[list[list[int]], list[list[float]]]:
+    """Hugging Face's greedy tokens per prompt, and at each the logit margin of the top token
+    over the second (float32, CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     # plain argmax to the end, as vLLM's ignore_eos (min_new_tokens would mask EOS instead)
     model.generation_config.eos_token_id = None
-    outs = []
+    outs, margins = [], []
     with torch.no_grad():
         for p in prompts:
-            ids = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
-                                 pad_token_id=0)
-            outs.append(ids[0, len(p):].tolist())
-    return outs
+            gen = model.generate(torch.tensor([p]), max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=0, output_logits=True,
+                                 return_dict_in_generate=True)
+            outs.append(gen.sequences[0, len(p):].tolist())
+            top2 = [step[0].float().topk(2).values for step in gen.logits]
+            margins.append([round(float(t[0] - t[1]), 4) for t in top2])
+    return outs, margins
 
 
 def part_hf(args) -> dict:
-    return {name: hf_greedy(Path(args.models_dir) / name) for name in args.models}
+    out: dict = {MARGINS: {}}
+    for name in args.models:
+        out[name], out[MARGINS][name] = hf_greedy(Path(args.models_dir) / name)
+    return out
 
 
 # ---- jax: the anchor ----
@@ -171,18 +200,25 @@ def _pad(prompt: list[int]):
 
 # ---- vllm ----
 
-def drive(llm, prompts: list[list[int]], output: int) -> dict:
-    """Submit every prompt at once and step the engine to the end; per-request token arrival
-    times and per-step times."""
+def _submit(llm, prompts: list[list[int]], output: int, prefix: str = "r") -> list[str]:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    engine = llm.llm_engine
     params = SamplingParams(max_tokens=output, min_tokens=output, temperature=0.0,
                             ignore_eos=True, detokenize=False)
+    ids = [f"{prefix}{i}" for i in range(len(prompts))]
+    for rid, p in zip(ids, prompts):
+        llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
+    return ids
+
+
+def drive(llm, prompts: list[list[int]], output: int,
+          phases: serving_diag.Phases | None = None) -> dict:
+    """Submit every prompt at once and step the engine to the end; per-request token arrival
+    times and per-step times (with ``phases``, each step's split into the runner's phases)."""
+    engine = llm.llm_engine
     start = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", TokensPrompt(prompt_token_ids=p), params)
+    _submit(llm, prompts, output)
     counts = dict.fromkeys(range(len(prompts)), 0)
     arrivals: dict[int, list[float]] = {i: [] for i in counts}
     steps = []
@@ -199,7 +235,7 @@ def drive(llm, prompts: list[list[int]], output: int) -> dict:
             arrivals[i] += [now] * (n - counts[i])
             counts[i] = n
         steps.append({"s": now - s0, "decode": all_started, "active": active,
-                      "context": context})
+                      "context": context, "phases": phases and phases.take(now - s0)})
     end = time.perf_counter()
     tokens = sum(counts.values())
     ttft = [a[0] - start for a in arrivals.values() if a]
@@ -221,7 +257,38 @@ def _decode_figures(steps: list[dict], config: dict) -> dict:
     median = times[len(times) // 2]
     return {"decode_steps": len(decode), "decode_step_median_s": median,
             "decode_tok_s": active / median, "roofline_step_median_s": statistics.median(roof),
-            "step_over_roofline": median / statistics.median(roof)}
+            "step_over_roofline": median / statistics.median(roof),
+            "decode_phases_median_s": serving_diag.phase_medians(decode)}
+
+
+def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]]) -> dict:
+    """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` past their
+    prefills, then the phases of 8 decode steps, a host profile of 3, a device trace of 3 and
+    the captured step replayed alone; the requests are dropped after."""
+    engine = llm.llm_engine
+    ids = _submit(llm, prompts, 64, prefix="diag")
+    runner = serving_diag.runner_of(llm)
+    tokens = sum(map(len, prompts))
+    for _ in range(-(-tokens // runner.max_num_tokens) + 2):  # the prefills, and a decode
+        engine.step()
+    out = {"requests": len(prompts)}
+    if phases is not None:
+        phases.take(0.0)
+        rows = []
+        for _ in range(8):
+            s0 = time.perf_counter()
+            engine.step()
+            rows.append({"phases": phases.take(time.perf_counter() - s0),
+                         "s": time.perf_counter() - s0})
+        out["step_median_s"] = statistics.median(r["s"] for r in rows)
+        out["phases_median_s"] = serving_diag.phase_medians(rows)
+    out["host_profile"] = serving_diag.host_profile(engine.step)
+    out["device_programs"] = serving_diag.device_programs(engine.step)
+    out["replay_alone"] = serving_diag.replay_time(runner)
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    return out
 
 
 class CompileCounter:
@@ -266,6 +333,10 @@ def part_vllm(args) -> dict:
                   max_num_seqs=max(args.concurrency), seed=0, **kv)
         result = {"startup_s": time.perf_counter() - start,
                   "startup_compiles": counter.count - before}
+        try:
+            phases = serving_diag.Phases(serving_diag.runner_of(llm))
+        except Exception as e:  # an engine in another process: no phases
+            phases, result["phases"] = None, f"unavailable: {type(e).__name__}: {e}"
         greedy = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                               SamplingParams(max_tokens=HF_NEW_TOKENS, temperature=0.0,
                                              ignore_eos=True), use_tqdm=False)
@@ -279,12 +350,13 @@ def part_vllm(args) -> dict:
                 prompts = [[rng.randrange(config["vocab_size"] - 2) for _ in range(prompt)]
                            for _ in range(c)]
                 try:
-                    drive(llm, prompts, output)  # warm-up: compiles what this load meets
+                    # warm-up: compiles the step shapes this load meets
+                    drive(llm, prompts, min(output, WARM_TOKENS))
                     # new prompts: the prefix cache must not serve the timed round
                     prompts = [[rng.randrange(config["vocab_size"] - 2) for _ in range(prompt)]
                                for _ in range(c)]
                     before = counter.count
-                    run = drive(llm, prompts, output)
+                    run = drive(llm, prompts, output, phases)
                     run["compiles"] = counter.count - before
                     run |= _decode_figures(run.pop("steps"), config)
                 except Exception as e:
@@ -293,6 +365,10 @@ def part_vllm(args) -> dict:
                 print(json.dumps(run), flush=True)
                 loads.append(run)
                 _save(args, out)
+                if args.diagnose and "diagnosis" not in result:
+                    result["diagnosis"] = diagnose(llm, phases, prompts)
+                    print(json.dumps(result["diagnosis"])[:4000], flush=True)
+                    _save(args, out)
         out[name] = result
         del llm
     return out
@@ -300,39 +376,55 @@ def part_vllm(args) -> dict:
 
 # ---- the driver ----
 
-def _run_part(part: str, args, env: dict) -> dict:
-    """One part in a process of its own; its JSON."""
-    path = Path(args.out) / f"{part}{args.tag}.json"
+def _run_part(part: str, args, env: dict, tag: str = "") -> dict:
+    """One part in a process of its own, within the call's ``--budget``; its JSON."""
+    path = Path(args.out) / f"{part}{tag}.json"
     cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", str(path),
            "--models", *args.models, "--models-dir", args.models_dir,
-           "--shapes", *args.shapes, "--concurrency", *map(str, args.concurrency),
-           *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else [])]
+           "--shapes", *args.shapes, "--concurrency",
+           *map(str, args.jax_concurrency if part == "jax" and args.jax_concurrency
+                else args.concurrency),
+           *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else []),
+           *(["--diagnose"] if args.diagnose and part == "vllm" else [])]
+    timeout = min(args.part_timeout, args.deadline - time.perf_counter())
+    if timeout < 10:
+        print(f"{part}{tag}: skipped, the call's --budget is spent", flush=True)
+        return {"rc": "skipped: budget", "seconds": 0.0, "result": {}}
     start = time.perf_counter()
-    log = Path(args.out) / f"{part}{args.tag}.log"
+    log = Path(args.out) / f"{part}{tag}.log"
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=args.part_timeout).returncode
+                                timeout=timeout).returncode
         except subprocess.TimeoutExpired:  # its results so far are in its JSON
             rc = "timeout"
     seconds = time.perf_counter() - start
     result = json.loads(path.read_text()) if path.exists() else {}
-    print(f"{part}{args.tag}: rc {rc}, {seconds:.0f} s", flush=True)
+    print(f"{part}{tag}: rc {rc}, {seconds:.0f} s", flush=True)
     return {"rc": rc, "seconds": seconds, "result": result}
 
 
-def compare(hf: dict, other: dict, key: str = "greedy") -> dict:
-    """Per model: how many prompts' greedy tokens equal Hugging Face's, first differences."""
+def compare(hf: dict, other: dict, key: str = "greedy", tol: float = MARGIN_TOL) -> dict:
+    """Per model: how many prompts' greedy tokens equal Hugging Face's, the first differences,
+    and (where HF's margins are known) how many equal it up to HF's first near-tie (top-1 over
+    top-2 logit margin below ``tol``): the check a bf16 chip can be held to."""
     out = {}
+    margins = hf.get(MARGINS, {})
     for name, want in hf.items():
         got = (other.get(name) or {}).get(key)
-        if got is None:
+        if name == MARGINS or got is None:
             continue
         equal = [g == w for g, w in zip(got, want)]
         out[name] = {"equal": sum(equal), "of": len(want),
                      "first_mismatch": next(({"prompt": i, "got": g, "want": w}
                                              for i, (g, w) in enumerate(zip(got, want))
                                              if g != w), None)}
+        if name in margins:
+            clear = [next((j for j, m in enumerate(ms) if m < tol), len(ms))
+                     for ms in margins[name]]
+            out[name] |= {"margin_tol": tol, "clear_tokens": clear,
+                          "equal_until_near_tie": sum(g[:n] == w[:n] for g, w, n
+                                                      in zip(got, want, clear))}
     return out
 
 
@@ -345,6 +437,11 @@ def main(argv: list[str] | None = None) -> dict:
                     choices=sorted(serving_jax.CONFIGS))
     ap.add_argument("--shapes", nargs="+", default=["512x128"])
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
+    ap.add_argument("--jax-concurrency", type=int, nargs="+",
+                    help="the JAX anchor's batches (default: --concurrency)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="after the first vLLM load: where a decode step's time goes "
+                         "(phases, host profile, device trace, the step program alone)")
     ap.add_argument("--paged", choices=("both", "on", "off", "auto"), default="auto")
     ap.add_argument("--capture", choices=("lazy", "startup"), default="lazy",
                     help="TORCHTPU_VLLM_CAPTURE: lazy compiles only the step shapes the loads "
@@ -355,8 +452,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--kv-bytes", type=float, help="vLLM's kv_cache_memory_bytes (default: "
                     "its gpu_memory_utilization share; CPU smoke runs: a few MiB)")
     ap.add_argument("--part-timeout", type=float, default=540)
+    ap.add_argument("--budget", type=float, default=float("inf"),
+                    help="seconds for the whole call: a part gets at most what is left")
     ap.add_argument("--json", help=argparse.SUPPRESS)
-    ap.add_argument("--tag", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.part:  # inside a part's own process
         try:
@@ -370,22 +468,27 @@ def main(argv: list[str] | None = None) -> dict:
         return result
     Path(args.out).mkdir(parents=True, exist_ok=True)
     parts = ["jax"] if args.jax_only else args.parts
+    args.deadline = time.perf_counter() + args.budget
     env = {**os.environ, "TORCHTPU_VLLM_CAPTURE": args.capture}
+    cpu = {**env, "JAX_PLATFORMS": "cpu", "TORCHTPU_PLATFORM": "cpu"}  # keep off the chip
     summary = {"argv": sys.argv[1:], "parts": {}}
+    beside = None  # hf, on the CPU while the chip parts run
     for part in parts:
-        if part in ("make", "hf"):  # on the CPU: keep off the chip
-            run = _run_part(part, args, {**env, "JAX_PLATFORMS": "cpu",
-                                         "TORCHTPU_PLATFORM": "cpu"})
-            summary["parts"][part] = run
+        if part == "hf" and any(p in parts for p in ("jax", "vllm")):
+            beside = threading.Thread(target=lambda: summary["parts"].__setitem__(
+                "hf", _run_part("hf", args, cpu)))
+            beside.start()
+        elif part in ("make", "hf"):
+            summary["parts"][part] = _run_part(part, args, cpu)
         elif part == "vllm" and args.paged in ("both", "on", "off"):
             modes = ("on", "off") if args.paged == "both" else (args.paged,)
             for mode in modes:
-                args.tag = f"-paged-{mode}"
                 summary["parts"][f"vllm-paged-{mode}"] = _run_part(
-                    part, args, {**env, "TORCHTPU_VLLM_PAGED": mode})
-            args.tag = ""
+                    part, args, {**env, "TORCHTPU_VLLM_PAGED": mode}, f"-paged-{mode}")
         else:
             summary["parts"][part] = _run_part(part, args, env)
+    if beside is not None:
+        beside.join()
     hf = summary["parts"].get("hf", {}).get("result")
     if hf is None and Path(args.out, "hf.json").exists():  # from an earlier call
         hf = json.loads(Path(args.out, "hf.json").read_text())

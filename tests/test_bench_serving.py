@@ -30,7 +30,9 @@ def chip():
 def test_the_jax_anchor_decodes_hugging_faces_greedy_tokens(chip, tmp_path):
     serving_chip, serving_jax = chip
     model = serving_chip.make_model("tiny", tmp_path / "tiny")
-    want = serving_chip.hf_greedy(model)
+    want, margins = serving_chip.hf_greedy(model)
+    assert [len(m) for m in margins] == [len(t) for t in want]
+    assert all(m >= 0 for ms in margins for m in ms)
     c, p = serving_jax.load(model)
     got = [serving_jax.generate(c, p, serving_chip._pad(prompt), serving_chip.HF_NEW_TOKENS)
            ["tokens"][0].tolist() for prompt in serving_chip.PROMPTS]
@@ -58,3 +60,17 @@ def test_jax_only_runs_without_torch(tmp_path):
     assert "error" not in result, result
     (row,) = result["tiny"]["runs"]
     assert row["batch"] == 2 and row["decode_tok_s"] > 0, row
+
+
+def test_tokens_are_compared_up_to_hugging_faces_first_near_tie(chip):
+    serving_chip, _ = chip
+    tol = serving_chip.MARGIN_TOL
+    hf = {"m": [[1, 2, 3], [4, 5, 6], [7, 8, 9]],
+          serving_chip.MARGINS: {"m": [[5.0, tol / 2, 5.0], [5.0, 5.0, 5.0], [tol / 4, 5, 5]]}}
+    # prompt 0 differs after its near-tie (allowed), prompt 1 before any (a real difference),
+    # prompt 2 has a near-tie at its first token (nothing to hold it to)
+    got = {"m": {"greedy": [[1, 9, 9], [4, 0, 6], [0, 0, 0]]}}
+    out = serving_chip.compare(hf, got)["m"]
+    assert out["equal"] == 0 and out["of"] == 3
+    assert out["clear_tokens"] == [1, 3, 0] and out["equal_until_near_tie"] == 2
+    assert out["first_mismatch"]["prompt"] == 0
