@@ -46,6 +46,7 @@ import weakref
 import jax
 import numpy as np
 import torch
+from jax._src.array import ArrayImpl
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from torchtpu import metrics
@@ -59,6 +60,8 @@ from torchtpu.runtime import warm
 
 MAX_OPS = 4000
 _NUMBERS = (float, int, bool)
+_SEQUENCES = (list, tuple)
+_graph_task_id = torch._C._current_graph_task_id
 
 
 @jax.jit
@@ -79,13 +82,12 @@ def _astype(dtype):
 class Pending(tensors.Deferred):
     """One output of a recorded call: its shape and dtype now, its array after the flush."""
 
-    __slots__ = ("shape", "dtype", "weak_type", "_trace", "_node", "_leaf", "_value", "_error",
-                 "__weakref__")
+    __slots__ = ("shape", "dtype", "weak_type", "_sig", "_trace", "_node", "_leaf", "_value",
+                 "_error", "__weakref__")
 
-    def __init__(self, aval, trace, node: int, leaf: int) -> None:
-        self.shape = aval.shape
-        self.dtype = aval.dtype
-        self.weak_type = aval.weak_type
+    def __init__(self, out: tuple, trace, node: int, leaf: int) -> None:
+        # out: (shape, dtype, weak_type, signature number), as ``_outputs`` keeps it per call.
+        self.shape, self.dtype, self.weak_type, self._sig = out
         self._trace = trace
         self._node = node
         self._leaf = leaf
@@ -162,16 +164,47 @@ class _Trace:
         return len(self.inputs) - 1
 
 
-def _signature(x):
+# Argument signatures (a shape, dtype and weak type; a Python number's type) by number: a
+# recorded call's key holds small ints, cheap to hash, where tuples of NumPy dtypes were hashed
+# at every op. Facts, shared by every recorder (captures too).
+_SIG_NUMBERS: dict = {}
+_SIGS: list = []
+_sig_lock = threading.Lock()
+
+
+def _number_of(sig) -> int:
+    n = _SIG_NUMBERS.get(sig)
+    if n is None:
+        with _sig_lock:
+            n = _SIG_NUMBERS.get(sig)
+            if n is None:
+                n = _SIG_NUMBERS[sig] = len(_SIGS)
+                _SIGS.append(sig)
+    return n
+
+
+def _signature(x) -> int:
+    if x.__class__ is ArrayImpl:
+        aval = x.aval  # without the shape and dtype properties' Python steps
+        return _number_of((aval.shape, aval.dtype, aval.weak_type))
     if isinstance(x, (bool, int, float, complex)):
-        return type(x)
-    return (tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False))
+        return _number_of(type(x))
+    return _number_of((tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False)))
 
 
-def _abstract(sig):
+def _abstract(n: int):
+    sig = _SIGS[n]
     if isinstance(sig, type):
         return sig(0)
     return jax.ShapeDtypeStruct(sig[0], sig[1], weak_type=sig[2])
+
+
+def _outputs(fn, tree, sig: tuple, call_args) -> tuple:
+    """(per output (shape, dtype, weak type, signature number), out tree, whether single)."""
+    avals, out_tree, single = facts.shapes(fn, tree, tuple(_SIGS[n] for n in sig), call_args)
+    outs = tuple((a.shape, a.dtype, a.weak_type, _number_of((a.shape, a.dtype, a.weak_type)))
+                 for a in avals)
+    return outs, out_tree, single
 
 
 def _replay(nodes: tuple, wanted: tuple):
@@ -296,7 +329,7 @@ class Recorder:
         """Once: ops of a thread other than the owner (outside backward, which PyTorch's
         autograd thread runs for every thread) interleave in the owner's recording, whose
         structure then differs at every flush (issue 37: 4 threads compiled 144 programs)."""
-        if torch._C._current_graph_task_id() != -1:
+        if _graph_task_id() != -1:
             return
         self._warned_threads = True
         warnings.warn(
@@ -308,13 +341,15 @@ class Recorder:
 
     def record(self, fn, args: tuple):
         """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
+        # Every op of a deferred step comes here (~1,700 a 12-layer Llama step): its steps are
+        # the fewest that keep the key exact.
         tree = None
         for a in args:
-            if isinstance(a, (list, tuple)):
+            if a.__class__ in _SEQUENCES:
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
-        if self.owner is not None and threading.get_ident() != self.owner \
-                and not self._warned_threads:
+        if self.owner is not None and not self._warned_threads \
+                and threading.get_ident() != self.owner:
             self._warn_other_thread()
         with self._lock:
             if self._step_over:
@@ -322,34 +357,39 @@ class Recorder:
             trace = self._trace
             refs, sig = [], []
             for a in args:
-                if isinstance(a, Pending):
-                    value = a.resolve()
-                    if value is a:
+                if a.__class__ is Pending:
+                    if a._value is None and a._error is None:  # still pending
                         if a._trace is not trace:
                             raise RuntimeError("torchtpu.deferred: a pending value outlived its "
                                                "recording")
                         refs.append((a._node, a._leaf))
-                        sig.append((a.shape, a.dtype, a.weak_type))
+                        sig.append(a._sig)
                         continue
-                    a = value
+                    a = a.resolve()
                 refs.append(trace.input(a))
                 sig.append(_signature(a))
-            key = (fn, tree, tuple(sig))
+            sig = tuple(sig)
+            key = (fn, tree, sig)
             shapes = self._shapes.get(key)
             if shapes is None:
-                abstract = [_abstract(s) for s in sig]
+                abstract = [_abstract(n) for n in sig]
                 call_args = tree.unflatten(abstract) if tree is not None else abstract
                 # Most ops have one plain output (single): handed back without a pytree trip.
-                shapes = self._shapes[key] = facts.shapes(fn, tree, tuple(sig), call_args)
-            avals, out_tree, single = shapes
+                shapes = self._shapes[key] = _outputs(fn, tree, sig, call_args)
+            outs, out_tree, single = shapes
             node = len(trace.nodes)
             trace.nodes.append((fn, tree, tuple(refs)))
-            outs = [Pending(aval, trace, node, i) for i, aval in enumerate(avals)]
-            trace.outs.append([weakref.ref(p) for p in outs])
-            metrics.count("deferred_ops")
+            if single:
+                p = Pending(outs[0], trace, node, 0)
+                trace.outs.append((weakref.ref(p),))
+                if node + 1 >= self.max_ops:
+                    self.flush()
+                return p
+            ps = [Pending(out, trace, node, i) for i, out in enumerate(outs)]
+            trace.outs.append([weakref.ref(p) for p in ps])
             if node + 1 >= self.max_ops:
                 self.flush()
-            return outs[0] if single else out_tree.unflatten(outs)
+            return out_tree.unflatten(ps)
 
     def _alive(self, trace: _Trace) -> tuple[list, tuple]:
         targets, wanted = [], []
@@ -370,6 +410,7 @@ class Recorder:
                 return
             self._trace = _Trace(self)
             targets, wanted = self._alive(trace)
+            metrics.count("deferred_ops", len(trace.nodes))
             # Python numbers enter as kept device arrays (``numbers.py``), each otherwise a
             # host-to-device transfer at every launch (AdamW's lists: ~2 a parameter a step).
             inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x for x in trace.inputs]

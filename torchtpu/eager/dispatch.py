@@ -228,8 +228,10 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                 found = seen_calls.read(values, hit)
                 if found is not None:
                     kept, dyn = found
-                    out = _wrap(compute(lowering, kept.spec, values, dyn=dyn, views=kept.views),
-                                kept.result)
+                    out = compute(lowering, kept.spec, values, dyn=dyn, views=kept.views)
+                    if kept.dtype is not None and out is not None:
+                        return tensors.wrap(out, kept.dtype)
+                    out = _wrap(out, kept.result)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)

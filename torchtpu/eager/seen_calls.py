@@ -31,7 +31,7 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import tensors
 from torchtpu.device.views import Geometry
-from torchtpu.eager import meta
+from torchtpu.eager import meta, results
 from torchtpu.eager.defer import Pending
 from torchtpu.eager.lazy_casts import Cast, Converted
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
@@ -55,15 +55,18 @@ class Seen:
     """What the full path found for one signature: ``reads`` holds (position, how it is read) of
     each tensor argument, in the order the program takes them, how being its array's dtype (read
     whole) or the view ``Geometry`` it was read through, and (position, None) of each traced
-    number; ``views`` the spec's views as ``dispatch.dynamic_values`` gives them."""
+    number; ``views`` the spec's views as ``dispatch.dynamic_values`` gives them; ``dtype`` the
+    result's dtype where it is one plain tensor (most calls: wrapped without walking ``result``),
+    else None."""
 
-    __slots__ = ("result", "spec", "reads", "views")
+    __slots__ = ("result", "spec", "reads", "views", "dtype")
 
     def __init__(self, result, spec: Spec, reads: tuple, views: tuple) -> None:
         self.result = result
         self.spec = spec
         self.reads = reads
         self.views = views
+        self.dtype = result[1] if results.is_leaf(result) and len(result) == 2 else None
 
 
 def _zero(x) -> bool:

@@ -1,0 +1,81 @@
+"""DeferAndFuse's per-op recording (``eager/defer.py``'s ``Recorder.record``) and the seen-calls
+short path's result wrapping: the steps every deferred op takes, kept few (signature numbers
+carried by pending values, one plain result wrapped without walking its description), with
+results equal to CPU's."""
+
+import pytest
+import torch
+
+from torchtpu.eager import defer, dispatch
+
+DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
+
+
+@pytest.fixture
+def signed(monkeypatch):
+    """How many recorded arguments were given a signature (``defer._signature``)."""
+    count = [0]
+    sign = defer._signature
+
+    def spy(x):
+        count[0] += 1
+        return sign(x)
+
+    monkeypatch.setattr(defer, "_signature", spy)
+    return count
+
+
+def test_pending_arguments_carry_their_signature(signed):
+    a, b = torch.randn(6, 5), torch.randn(6, 5)
+    x, y = a.to("tpu"), b.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        s = x * y          # two inputs from outside the recording: signed
+        before = signed[0]
+        t = s + s          # both arguments pending: their signature came with them
+        u = torch.sin(t) * s
+        assert signed[0] == before
+        got = (u - t).cpu()
+    want = torch.sin((a * b) + (a * b)) * (a * b) - ((a * b) + (a * b))
+    torch.testing.assert_close(got, want)
+
+
+def test_pending_and_computed_arrays_share_a_key():
+    # One signature number per (shape, dtype, weak type): a call recorded on a pending value and
+    # on a computed array of the same shape finds one result-shape entry.
+    a = torch.randn(3, 7)
+    x = a.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        torch.cos(x).cpu()  # a computed array
+        p = x * 1.5
+        shapes = len(defer.RECORDER._shapes)
+        c = torch.cos(p)   # the same call on a pending value of the same shape
+        assert len(defer.RECORDER._shapes) == shapes
+        torch.testing.assert_close(c.cpu(), torch.cos(a * 1.5))
+
+
+def test_seen_call_wraps_its_one_result_directly(monkeypatch):
+    walked = [0]
+    wrap = dispatch._wrap
+
+    def spy(arrays, result):
+        walked[0] += 1
+        return wrap(arrays, result)
+
+    monkeypatch.setattr(dispatch, "_wrap", spy)
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    x, y = a.to("tpu"), b.to("tpu")
+    for mode in (torch.tpu.EagerMode.DEFER_NEVER, DEFER):
+        with torch.tpu.set_eager_mode(mode):
+            z = x - y
+            before = walked[0]
+            for _ in range(3):
+                z = z - y  # a seen signature: the short path
+            assert walked[0] == before
+            torch.testing.assert_close(z.cpu(), a - 4 * b)
+    # Several results still go through the description (and come back as CPU's).
+    with torch.tpu.set_eager_mode(DEFER):
+        for _ in range(2):
+            values, indices = torch.max(x, dim=1)
+        want = torch.max(a, dim=1)
+        torch.testing.assert_close(values.cpu(), want.values)
+        torch.testing.assert_close(indices.cpu(), want.indices)
