@@ -1,26 +1,30 @@
 """vLLM on device "tpu" behind Ray Serve: replicas of one engine each, OpenAI routes.
 
-:func:`app` builds a Serve application of ``num_replicas`` replicas of :class:`VLLMServer`, a
-plain deployment wrapping vLLM's ``AsyncLLM`` (its OpenAI app, ``ray.serve.llm``, is built for
-Ray's GPU placement and vLLM's GPU platform) with OpenAI's ``/v1/completions`` and
-``/v1/chat/completions`` routes. Each replica asks Ray for one ``TPU`` resource and drives the
-device Ray assigned it: on a TPU host Ray's own TPU support hands the replica's process that chip
-(``TPU_VISIBLE_CHIPS``, a slice of its own: replicas are independent engines), and where the
-process sees every device of the host (XLA:CPU's forced device count standing in for chips) the
-assigned index becomes ``TORCHTPU_LOCAL_DEVICE`` before the engine starts. Each answer names the
-replica's process and the device its engine runs on (``torchtpu`` in the JSON), so a client can
-see the requests spread.
+:func:`app` builds a Serve application of ``num_replicas`` replicas of ``VLLMServer``, a plain
+deployment wrapping vLLM's ``AsyncLLM`` (its OpenAI app, ``ray.serve.llm``, is built for Ray's
+GPU placement and vLLM's GPU platform), behind one ingress replica (``OpenAIRoutes``) with
+OpenAI's ``/v1/completions`` and ``/v1/chat/completions`` routes. Each engine replica asks Ray
+for one ``TPU`` resource and drives the device Ray assigned it: on a TPU host Ray's own TPU
+support hands the replica's process that chip (``TPU_VISIBLE_CHIPS``, a slice of its own:
+replicas are independent engines), and where the process sees every device of the host
+(XLA:CPU's forced device count standing in for chips) the assigned index becomes
+``TORCHTPU_LOCAL_DEVICE`` before the engine starts. Each answer names the replica's process and
+the device its engine runs on (``torchtpu`` in the JSON), so a client can see the requests
+spread.
 
 vLLM's engine core is a child process of the replica; it exits when the replica's process dies
 (a SIGKILL leaves it no chance to stop it): the plugin watches for that in every engine process
-started here (``watch_parent``). Ray Serve then starts a new replica on the freed device; a
-request that was in flight on the lost one fails with Serve's error (status 500) and is not
-retried, since a generation may have been partly streamed.
+started here (``watch_parent``). Ray Serve then starts a new replica on the freed device. A
+request that was in flight on the lost replica is sent again by the ingress to another (answers
+are whole, never streamed, so nothing reached the client yet; ``torchtpu.retries`` in the answer
+counts the resends); where every try is lost, it answers 503 naming the lost replica (Serve's
+own proxy would answer a bare "Internal Server Error").
 
 A deployment that asks for more tpu devices than the host has is refused before any replica
 starts (Ray would otherwise leave the extra replicas pending without end).
 """
 
+import functools
 import os
 import threading
 import time
@@ -79,15 +83,16 @@ def _device_index() -> int:
     return int(ids[0])
 
 
-def _deployment():
-    """The Serve deployment class (built on first use: Ray and FastAPI are imported then)."""
+@functools.cache
+def _deployments() -> tuple:
+    """The engine deployment and the OpenAI ingress in front of it (built on first use: Ray and
+    FastAPI are imported then)."""
     from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
     from ray import serve
-
-    api = FastAPI()
+    from ray.exceptions import RayActorError
 
     @serve.deployment
-    @serve.ingress(api)
     class VLLMServer:
         """One vLLM engine on the replica's tpu device."""
 
@@ -135,38 +140,78 @@ def _deployment():
                              "engine_device": self.engine_device},
             }
 
-        @api.post("/v1/completions")
-        async def completions(self, request: Request) -> dict:
-            body = await request.json()
+        async def completions(self, body: dict) -> dict:
             prompt = body["prompt"]
             ids = (prompt if isinstance(prompt, list)
                    else self.engine.get_tokenizer().encode(prompt))
             tokens, text, finish = await self._generate({"prompt_token_ids": ids}, body)
             return await self._answer("text", body, tokens, text, finish, len(ids))
 
-        @api.post("/v1/chat/completions")
-        async def chat(self, request: Request) -> dict:
-            body = await request.json()
+        async def chat(self, body: dict) -> dict:
             tokenizer = self.engine.get_tokenizer()
             ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True,
                                                 return_dict=False)
             tokens, text, finish = await self._generate({"prompt_token_ids": ids}, body)
             return await self._answer("chat", body, tokens, text, finish, len(ids))
 
-        @api.get("/health")
         async def health(self) -> dict:
             return {"pid": os.getpid(), "device_index": self.device}
 
-    return VLLMServer
+    api = FastAPI()
+
+    @serve.deployment
+    @serve.ingress(api)
+    class OpenAIRoutes:
+        """OpenAI's routes, each request passed to an engine replica; one whose replica is lost
+        while it runs is sent again to another (``retries`` times)."""
+
+        def __init__(self, engines, retries: int) -> None:
+            self.engines, self.retries = engines, retries
+
+        async def _call(self, method: str, body: dict):
+            lost = None
+            for attempt in range(self.retries + 1):
+                try:
+                    out = await getattr(self.engines, method).remote(body)
+                except RayActorError as e:  # the replica's process died under the request
+                    lost = e
+                    continue
+                if isinstance(out, dict) and "torchtpu" in out:
+                    out["torchtpu"]["retries"] = attempt
+                return out
+            return JSONResponse(status_code=503, content={"error": {
+                "type": "replica_lost", "message": errors.message(
+                    "distributed", f"the vLLM replica serving this request was lost "
+                    f"({type(lost).__name__}) and {self.retries} retries on other replicas "
+                    "were lost too: retry when Serve has replaced them")}})
+
+        @api.post("/v1/completions")
+        async def completions(self, request: Request):
+            return await self._call("completions", await request.json())
+
+        @api.post("/v1/chat/completions")
+        async def chat(self, request: Request):
+            return await self._call("chat", await request.json())
+
+        @api.get("/health")
+        async def health(self):
+            return await self._call("health", {})
+
+    return VLLMServer, OpenAIRoutes
 
 
 def app(model: str, *, num_replicas: int = 2, engine_args: dict | None = None,
-        runtime_env: dict | None = None):
-    """A Serve application of ``num_replicas`` vLLM replicas on tpu (``serve.run(app(...))``);
-    call it with Ray started (the host's devices are counted from its ``TPU`` resource)."""
+        runtime_env: dict | None = None, retries: int = 2):
+    """A Serve application of ``num_replicas`` vLLM replicas on tpu behind one OpenAI ingress
+    (``serve.run(app(...))``); call it with Ray started (the host's devices are counted from its
+    ``TPU`` resource). ``retries``: how often a request whose replica is lost is sent again."""
     check_devices(num_replicas, host_devices())
     options = {"resources": {"TPU": 1}}
     if runtime_env:
         options["runtime_env"] = runtime_env
-    return _deployment().options(num_replicas=num_replicas, ray_actor_options=options,
-                                 max_ongoing_requests=16).bind(model, engine_args or {})
+    server, routes = _deployments()
+    engines = server.options(num_replicas=num_replicas, ray_actor_options=options,
+                             max_ongoing_requests=16).bind(model, engine_args or {})
+    ingress = {"num_cpus": 0, **({"runtime_env": runtime_env} if runtime_env else {})}
+    return routes.options(ray_actor_options=ingress, max_ongoing_requests=64).bind(
+        engines, retries)
