@@ -64,19 +64,44 @@ def test_host_kv_cache_is_sized_in_bytes(monkeypatch):
 
     monkeypatch.delenv(platform.KV_SPACE_ENV, raising=False)
     cache = CacheConfig()
-    platform._size_host_kv_cache(cache)
+    assert platform._size_host_kv_cache(cache)  # torchtpu's default: the worker may cut it
     assert 0 < cache.kv_cache_memory_bytes <= platform.DEFAULT_HOST_KV_BYTES
     assert cache.gpu_memory_utilization < 0.5
     monkeypatch.setenv(platform.KV_SPACE_ENV, "1")
     cache = CacheConfig()
-    platform._size_host_kv_cache(cache)
+    assert not platform._size_host_kv_cache(cache)
     assert cache.kv_cache_memory_bytes == 1 << 30
     cache = CacheConfig(kv_cache_memory_bytes=12345)  # the user's own is kept, its share asked
-    platform._size_host_kv_cache(cache)
+    assert not platform._size_host_kv_cache(cache)
     assert cache.kv_cache_memory_bytes == 12345 and cache.gpu_memory_utilization < 1e-3
     monkeypatch.setenv(platform.KV_SPACE_ENV, "lots")
     with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE='lots'"):
         platform._size_host_kv_cache(CacheConfig())
+
+
+def test_default_host_kv_cache_is_cut_to_what_the_engine_holds():
+    """max_num_seqs requests at max_model_len, each layer counted at its largest kind's need
+    plus a block; only where the size was torchtpu's default."""
+    _vllm()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    from torchtpu.integrations.vllm import platform
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32)
+    window = SlidingWindowSpec(block_size=16, num_kv_heads=2, head_size=32, dtype=torch.float32,
+                               sliding_window=8)
+    page = 2 * 16 * 2 * 32 * 4
+    config = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(max_model_len=40),
+        parallel_config=types.SimpleNamespace(decode_context_parallel_size=1),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=3),
+        max_in_flight_tokens=8, additional_config={platform.HOST_KV_FIT: True})
+    specs = {"layers.0": window, "layers.1": full}
+    # 3 blocks a request of 40 tokens, one more, 3 requests, 2 layers
+    assert platform.fit_host_kv_cache(config, 1 << 30, specs) == 2 * 3 * (3 + 1) * page
+    assert platform.fit_host_kv_cache(config, 1000, specs) == 1000
+    config.additional_config = {}  # the user's size
+    assert platform.fit_host_kv_cache(config, 1 << 30, specs) == 1 << 30
 
 
 def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
@@ -115,8 +140,7 @@ import vllm
 model, prompts, prefixed = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
 llm = vllm.LLM(model=model, dtype="float32", max_model_len=256, max_num_seqs=4,
                max_num_batched_tokens=32, enforce_eager=sys.argv[4] == "eager",
-               gpu_memory_utilization=0.01,
-               kv_cache_memory_bytes=4 << 20, enable_prefix_caching=True)
+               gpu_memory_utilization=0.01, enable_prefix_caching=True)
 params = vllm.SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 run = lambda ps: llm.generate(ps, params, use_tqdm=False)
 batched = run(prompts)
@@ -128,6 +152,7 @@ print("RESULT " + json.dumps({
     "graphs": graphs and [graphs.captures, graphs.replays, len(graphs.uncapturable)],
     "batched": ids(batched), "alone": ids(alone), "prefixed": ids(shared),
     "cached": [o.num_cached_tokens for o in shared],
+    "blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
 }))
 """
 
@@ -186,6 +211,9 @@ def test_llm_greedy_tokens_equal_hf_generate(arch, mode, tmp_path):
     assert got["prefixed"] == _hf_greedy(model_dir, prefixed)
     # the later requests read the shared prefix's two full 16-token blocks from the cache
     assert min(got["cached"][1:]) >= 32, got["cached"]
+    # the KV cache torchtpu sizes on XLA:CPU holds the engine's 4 requests of 256 tokens (16
+    # blocks of 16 each, and one more), not gigabytes (platform.fit_host_kv_cache)
+    assert got["blocks"] == 4 * (256 // 16 + 1), got["blocks"]
     if mode == "captured":  # every step replayed a captured forward; shapes were reused
         captures, replays, eager = got["graphs"]
         assert eager == 0 and 0 < captures < replays, got["graphs"]

@@ -38,7 +38,10 @@ DEVICES = 2
 START_S = 900  # two engines starting side by side (~1 min here at load ~4; 5-11 at 12-22)
 REQUEST_S = 120
 PROMPTS = ["hello", "tpu serve", "abc"]
-LONG = 200  # tokens of the requests in flight when a replica is lost
+# tokens of the requests in flight when a replica is lost (EOS ignored), long enough to be still
+# running when it is (at 200, some had finished on it within 0.5 s)
+LONG = 480
+ENGINE_ARGS = {"max_model_len": 512}
 # nothing large travels through Ray's object store here (Ray's default: 30% of the host's memory)
 OBJECT_STORE_BYTES = 256 << 20
 
@@ -79,14 +82,17 @@ def _post(url: str, body: dict, timeout: float = REQUEST_S) -> tuple[int, dict |
         return e.code, e.read().decode(errors="replace")
 
 
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+def _hf_greedy(model, ids: list[int], n: int, ignore_eos: bool = False) -> list[int]:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model).eval()
+    pad = hf.config.eos_token_id
+    if ignore_eos:  # past EOS, as vLLM's ignore_eos (not suppressing it: min_new_tokens would)
+        hf.generation_config.eos_token_id = None
     x = torch.tensor([ids])
     with torch.no_grad():
         y = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                        do_sample=False, pad_token_id=hf.config.eos_token_id)
+                        do_sample=False, pad_token_id=pad)
     return y[0, len(ids):].tolist()
 
 
@@ -104,9 +110,10 @@ def _expected(model) -> dict:
     return out
 
 
-def _ask(base: str, kind: str, prompt: str, max_tokens: int = 8) -> tuple[int, dict | str]:
+def _ask(base: str, kind: str, prompt: str, max_tokens: int = 8,
+         ignore_eos: bool = False) -> tuple[int, dict | str]:
     body = {"model": "tiny", "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}
+            "return_token_ids": True, "ignore_eos": ignore_eos}
     if kind == "chat":
         return _post(f"{base}/v1/chat/completions",
                      {**body, "messages": [{"role": "user", "content": prompt}]})
@@ -160,8 +167,8 @@ def test_two_replicas_serve_and_survive_a_lost_one(local_serve, model):
 
     expected = _expected(model)
     with time_limit(START_S):
-        serve.run(ray_serve.app(str(model), num_replicas=DEVICES), name="vllm",
-                  route_prefix="/")
+        serve.run(ray_serve.app(str(model), num_replicas=DEVICES, engine_args=ENGINE_ARGS),
+                  name="vllm", route_prefix="/")
     with time_limit(START_S):
         before = _until_both(local_serve, expected, START_S)
     # each replica drives its own device: Ray's index, and the engine's JAX device
@@ -172,7 +179,7 @@ def test_two_replicas_serve_and_survive_a_lost_one(local_serve, model):
     engine_processes = _children(victim)
     assert engine_processes, "the replica started no engine process"
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        inflight = [pool.submit(_ask, local_serve, "text", p, LONG) for p in PROMPTS * 2]
+        inflight = [pool.submit(_ask, local_serve, "text", p, LONG, True) for p in PROMPTS * 2]
         time.sleep(0.5)
         os.kill(victim, signal.SIGKILL)
         results = [f.result(timeout=REQUEST_S + 30) for f in inflight]
@@ -180,7 +187,7 @@ def test_two_replicas_serve_and_survive_a_lost_one(local_serve, model):
     assert [status for status, _ in results] == [200] * len(results), results
     assert all(out["torchtpu"]["pid"] != victim for _, out in results), results
     assert any(out["torchtpu"]["retries"] for _, out in results), results
-    long = {p: _hf_greedy(model, tok(p)["input_ids"], LONG) for p in PROMPTS}
+    long = {p: _hf_greedy(model, tok(p)["input_ids"], LONG, ignore_eos=True) for p in PROMPTS}
     assert [out["choices"][0]["token_ids"] for _, out in results] == [
         long[p] for p in PROMPTS * 2]
     # the lost replica's engine process exits with it

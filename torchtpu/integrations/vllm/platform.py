@@ -19,6 +19,9 @@ from vllm.v1.attention.backends.registry import register_backend
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # with neither it nor kv_cache_memory_bytes: this much, or half the memory free, if less
 DEFAULT_HOST_KV_BYTES = 4 << 30
+# additional_config's key: the KV cache's bytes were torchtpu's default, so the worker may cut
+# them to what the engine can hold (``fit_host_kv_cache``)
+HOST_KV_FIT = "torchtpu_host_kv_fit"
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
 ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
 COMMUNICATOR = "torchtpu.integrations.vllm.communicator.TpuCommunicator"
@@ -133,7 +136,9 @@ class TpuPlatform(Platform):
         compilation.cudagraph_mode = CUDAGraphMode.NONE
         if compilation.compile_sizes is None:
             compilation.compile_sizes = []
-        _size_host_kv_cache(vllm_config.cache_config)
+        if _size_host_kv_cache(vllm_config.cache_config) and isinstance(
+                getattr(vllm_config, "additional_config", None), dict):
+            vllm_config.additional_config[HOST_KV_FIT] = True
         # as on vLLM's CPU platform: a decode step is prepared on the host and its inputs are
         # read by the captured program (worker.py), which needs each step's last token on the
         # host; async scheduling would leave it on the device
@@ -145,24 +150,27 @@ class TpuPlatform(Platform):
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
 
 
-def _size_host_kv_cache(cache_config) -> None:
-    """On XLA:CPU, size the KV cache in bytes as vLLM's CPU platform does, not as a GPU share.
+def _size_host_kv_cache(cache_config) -> bool:
+    """On XLA:CPU, size the KV cache in bytes as vLLM's CPU platform does, not as a GPU share;
+    True where the size is torchtpu's default (the user chose none).
 
     There device memory is host memory: vLLM's default, 92% of it free at start-up, fails on any
     host with other processes running, and would be far more than a KV cache needs. A user's
     ``kv_cache_memory_bytes`` is kept; else ``VLLM_CPU_KVCACHE_SPACE`` (GiB), else the smaller of
-    4 GiB and half the memory free. ``gpu_memory_utilization`` then only has to pass vLLM's
+    4 GiB and half the memory free (which the worker then cuts to what the engine can hold:
+    ``fit_host_kv_cache``). ``gpu_memory_utilization`` then only has to pass vLLM's
     start-up check of free memory, so it is lowered to the KV cache's share (for a user's bytes
     too: on a busy host 92% of the memory is never free).
     """
     from torchtpu.runtime import platform
 
     if platform.platform() != "cpu":
-        return
+        return False
     import psutil
 
     memory = psutil.virtual_memory()
     space = os.environ.get(KV_SPACE_ENV, "").strip()
+    default = False
     if cache_config.kv_cache_memory_bytes is not None:
         kv_bytes = cache_config.kv_cache_memory_bytes
     elif space:
@@ -173,6 +181,28 @@ def _size_host_kv_cache(cache_config) -> None:
                              "GiB") from None
     else:
         kv_bytes = min(DEFAULT_HOST_KV_BYTES, memory.available // 2)
+        default = True
     cache_config.kv_cache_memory_bytes = kv_bytes
     cache_config.gpu_memory_utilization = min(cache_config.gpu_memory_utilization,
                                               kv_bytes / memory.total)
+    return default
+
+
+def fit_host_kv_cache(vllm_config, available: int, specs: dict) -> int:
+    """The KV cache's bytes, cut to what the engine can hold at once where torchtpu chose them.
+
+    On XLA:CPU a step that writes the cache costs time in the whole cache's size (its scatter
+    copies the buffer: bench/RESULTS.md, "rlserve2"), so a default of gigabytes for an engine of
+    a few short sequences slows every step; ``max_num_seqs`` requests at ``max_model_len`` each
+    (``specs``: the model's layers' KV cache specs), plus the block vLLM keeps unused, is all the
+    scheduler can use at once (only prefix caching would keep more). Every layer is counted at
+    the largest layer's need, so that models mixing layer kinds (vLLM pools their blocks) get
+    no less. A size the user chose (``kv_cache_memory_bytes``, ``VLLM_CPU_KVCACHE_SPACE``) is
+    kept.
+    """
+    extra = getattr(vllm_config, "additional_config", None)
+    if not specs or not isinstance(extra, dict) or not extra.get(HOST_KV_FIT):
+        return available
+    layer = max(spec.max_memory_usage_bytes(vllm_config) + spec.page_size_bytes
+                for spec in specs.values())
+    return min(available, len(specs) * vllm_config.scheduler_config.max_num_seqs * layer)

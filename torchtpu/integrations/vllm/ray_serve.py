@@ -34,10 +34,10 @@ from torchtpu import errors
 
 # set in the replica for its engine processes: the pid they must not outlive
 PARENT_ENV = "TORCHTPU_VLLM_PARENT_PID"
-# small enough for two tiny engines on one host; a caller's engine_args override these
+# small enough for two tiny engines on one host (on XLA:CPU the KV cache is then sized by what
+# the engine holds: platform.fit_host_kv_cache); a caller's engine_args override these
 ENGINE_DEFAULTS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4,
-                   "kv_cache_memory_bytes": 8 << 20, "gpu_memory_utilization": 0.01,
-                   "distributed_executor_backend": "uni"}
+                   "gpu_memory_utilization": 0.01, "distributed_executor_backend": "uni"}
 
 
 def watch_parent() -> None:
@@ -114,7 +114,8 @@ def _deployments() -> tuple:
 
             params = SamplingParams(temperature=float(body.get("temperature", 1.0)),
                                     max_tokens=int(body.get("max_tokens", 16)),
-                                    seed=body.get("seed"))
+                                    seed=body.get("seed"),
+                                    ignore_eos=bool(body.get("ignore_eos", False)))
             final = None
             async for out in self.engine.generate(prompt, params, uuid.uuid4().hex):
                 final = out

@@ -34,6 +34,7 @@ from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
 from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens, whole_context
+from torchtpu.integrations.vllm.platform import fit_host_kv_cache
 from torchtpu.runtime import platform
 
 log = init_logger(__name__)
@@ -366,6 +367,10 @@ class TpuWorker(Worker):
             torch.tpu.get_device_properties(self.device).total_memory, share,
             torch.tpu.get_device_name(self.device))
         super().load_model(*args, **kwargs)
+
+    def determine_available_memory(self) -> int:
+        return fit_host_kv_cache(self.vllm_config, super().determine_available_memory(),
+                                 self.get_kv_cache_spec())
 
     def _make_model_runner(self) -> GPUModelRunner:
         return TpuModelRunner(self.vllm_config, self.device)
