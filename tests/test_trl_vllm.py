@@ -5,7 +5,8 @@ the policy's weights into it before each step's rollouts. Checked on the tiny Ll
 ``torchtpu/testing/grpo.py``: two steps train (finite losses, nonzero gradients); after each
 push vLLM's greedy tokens equal the updated policy's ``generate`` on CPU, the policy's own
 ``generate`` on tpu equals CPU's in its mode, and the push moved no byte through the host (tpu
-tensor to tpu tensor). Refused when the trainer is built, before the
+tensor to tpu tensor: torchtpu's transfer counters, and JAX's transfer guard refusing any
+host-to-device transfer in it). Refused when the trainer is built, before the
 engine starts (``integrations/trl.py``): an engine share that does not fit beside the policy, and
 a policy whose parameters are not the engine's model's (a resized embedding), naming the
 parameter and both shapes. vLLM venv with the rl extra only; skipped elsewhere.
@@ -21,7 +22,8 @@ import pytest
 pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[rl]'")
 pytest.importorskip("vllm", reason="vLLM is not installed (docs, Serving (vLLM))")
 
-VLLM_ENV = {"TORCHTPU_VLLM": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
+# the KV cache is torchtpu's size on XLA:CPU: what the engine holds (2 requests of 32 tokens)
+VLLM_ENV = {"TORCHTPU_VLLM": "1"}
 OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32}
 
 
@@ -43,6 +45,7 @@ def test_colocated_grpo_pushes_weights_device_to_device(tmp_path):
         # process, equals CPU's in the same mode (training, gradient checkpointing)
         assert push["hf_tpu"] == push["hf_cpu_as_policy"], push
         assert push["host_bytes"] == 0, push
+        assert push["host_to_device_refused"] is None, push  # JAX's transfer guard's word
 
 
 def _trainer(tmp_path, **config):

@@ -9,8 +9,10 @@ rounding noise in near-zero gradients into full-size steps of its sign, which no
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall time and how many programs it built or loaded
 (``torchtpu.metrics``), and the trained weights. ``python -m torchtpu.testing.grpo DEVICE STEPS
-FOLDER [vllm] [nopad]`` prints that as JSON from a fresh process (Accelerate keeps one device per
-process).
+FOLDER [vllm] [nopad] [nowatch] [vllmbatch]`` prints that as JSON from a fresh process
+(Accelerate keeps one device per process); ``nowatch``: no checks after each weight push (they
+generate with Hugging Face inside the step, which a timing should not count); ``vllmbatch``:
+without vLLM, the vLLM runs' batch (one prompt, two completions a step), to compare with them.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import torch
 
 # Colocated vLLM, one prompt (two completions) a step, contexts of at most 32 tokens: the engine
 # captures 9 step shapes at start-up (at 64 tokens and 4 requests, 21).
-VLLM_OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32,
-                "per_device_train_batch_size": 2}
+VLLM_BATCH = {"per_device_train_batch_size": 2}
+VLLM_OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32, **VLLM_BATCH}
 PROMPTS = ["a", "bcd", "hello", "xyz12345", "tpu!", "grpo runs", "qq", "abcdefghij"]
 
 
@@ -72,7 +74,7 @@ def _programs() -> int:
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
-        options: dict | None = None, pad: int | str | None = "auto") -> dict:
+        options: dict | None = None, pad: int | str | None = "auto", watch: bool = True) -> dict:
     """Train and report (see the module doc)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -111,7 +113,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
                           processing_class=tokenizer, callbacks=[Clock()])
-    pushes = _watch_pushes(trainer, tokenizer) if use_vllm else []
+    pushes = _watch_pushes(trainer, tokenizer) if use_vllm and watch else []
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
@@ -139,6 +141,7 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
     policy's own greedy tokens after the first are not eval mode's, on CPU as on tpu (5.24
     keeps the cache when no gradient is recorded).
     """
+    import jax
     from transformers import AutoModelForCausalLM
     from vllm import SamplingParams
 
@@ -154,7 +157,15 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
 
     def sync_weights() -> None:
         before = metrics.snapshot()
-        push()
+        refused = None
+        try:  # JAX itself refuses any host-to-device transfer inside the push
+            with jax.transfer_guard_host_to_device("disallow_explicit"):
+                push()
+        except Exception as e:
+            if "Disallowed host-to-device transfer" not in str(e):
+                raise
+            refused = str(e)[:300]
+            push()
         after = metrics.snapshot()
         host = sum(after.get(k, 0) - before.get(k, 0)
                    for k in ("host_to_device_bytes", "device_to_host_bytes"))
@@ -169,6 +180,7 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
         as_policy = _greedy(reference, prompts, tokenizer)
         reference.eval()
         seen.append({"step": trainer.state.global_step, "host_bytes": host,
+                     "host_to_device_refused": refused,
                      "vllm": [list(o.outputs[0].token_ids) for o in outs], "hf": hf,
                      "hf_tpu": _greedy(policy, prompts, tokenizer),
                      "hf_cpu_as_policy": as_policy})
@@ -192,6 +204,8 @@ def _greedy(model, prompts: list, tokenizer) -> list[list[int]]:
 if __name__ == "__main__":
     device, steps, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     vllm = "vllm" in sys.argv[4:]
-    out = run(device, steps, folder, use_vllm=vllm, options=VLLM_OPTIONS if vllm else None,
-              pad=None if "nopad" in sys.argv[4:] else "auto")
+    flags = sys.argv[4:]
+    options = VLLM_OPTIONS if vllm else VLLM_BATCH if "vllmbatch" in flags else None
+    out = run(device, steps, folder, use_vllm=vllm, options=options,
+              pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags)
     print("GRPO_RESULT " + json.dumps(out))
