@@ -126,6 +126,27 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t
 
 
+def wrapper(size: tuple, dtype: torch.dtype):
+    """``wrap`` for arrays of size and dtype known ahead (a call's remembered result): what it
+    derives from each array, derived once."""
+    if dtype is torch.complex32 or dtype is torch.complex128 or not all(size):
+        return functools.partial(wrap, dtype=dtype)
+    nbytes = math.prod(size) * dtype.itemsize
+
+    def wrap_known(array) -> torch.Tensor:
+        if HOOKS.capture is not None:
+            return wrap(array, dtype)
+        t = _create_empty(size, dtype)
+        st = t.untyped_storage()
+        st._swap_data_ptr_(storages.bare_storage(nbytes))
+        st._tpu_array = array
+        if memory_history.recording:
+            memory_history.track(st)
+        return t
+
+    return wrap_known
+
+
 class Deferred:
     """A value a deferring executor (``eager/defer.py``) recorded but may not have computed yet.
 

@@ -155,10 +155,10 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
 
 
 def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
-            dyn: tuple | None = None, views: tuple = ()):
+            dyn: tuple | None = None, views: tuple = (), viewed: Spec | None = None):
     """Run lowering on bound values through the current executor; returns arrays. ``dyn`` and
     ``views``: the call's arrays and views (as ``dynamic_values`` gives them), when its caller
-    read them already (``seen_calls``)."""
+    read them already (``seen_calls``), and ``viewed`` spec with those views, if it has it."""
     padded_inputs = HOOKS.padded_inputs
     if padded_inputs is not None:
         out = padded_inputs(lowering, spec, values, writes)
@@ -173,7 +173,9 @@ def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
         out = growing(lowering, spec, values, dyn, views)
         if out is not None:
             return dedupe(out, dyn)
-    if views:
+    if viewed is not None:
+        spec = viewed
+    elif views:
         spec = with_views(spec, views)
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)
 
@@ -206,6 +208,14 @@ def _wrap(arrays, result):
     return tuple(_wrap(a, r) for a, r in zip(arrays, result))
 
 
+def _wrapper(result):
+    """``_wrap`` of a remembered call's result: one leaf's tensor made as ``tensors.wrapper``
+    makes it."""
+    if results.is_leaf(result) and len(result) == 2:
+        return tensors.wrapper(tuple(result[0]), result[1])
+    return functools.partial(_wrap, result=result)
+
+
 def _functional_handler(op: OpOverload, lowering: Lowering):
     oi = schema.info(op)
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
@@ -228,10 +238,12 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                 found = seen_calls.read(values, hit)
                 if found is not None:
                     kept, dyn = found
-                    out = compute(lowering, kept.spec, values, dyn=dyn, views=kept.views)
-                    if kept.dtype is not None and out is not None:
-                        return tensors.wrap(out, kept.dtype)
-                    out = _wrap(out, kept.result)
+                    out = compute(lowering, kept.spec, values, dyn=dyn, views=kept.views,
+                                  viewed=kept.viewed)
+                    wrap = kept.wrap
+                    if wrap is None:
+                        wrap = kept.wrap = _wrapper(kept.result)
+                    out = None if out is None else wrap(out)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         out = _wrap(compute(lowering, spec, values), result)
@@ -439,7 +451,7 @@ def kernel(op: OpOverload, *args, **kwargs):
     torchtpu's frames and, for CPU's error, ours as its cause.
     """
     try:
-        return handler(op)(args, kwargs)
+        return (op.__dict__.get(_HANDLER) or handler(op))(args, kwargs)
     except Exception as e:
         # Debug's NaN report is about values, which CPU would not refuse; a device out of
         # memory is no error of the call's (and a CPU copy would take as much host memory).

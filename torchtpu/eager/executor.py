@@ -34,13 +34,18 @@ class Strict:
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
-        if not numbers.scalar_slots(spec):
-            return launch.run(lowering.op, program(lowering, spec), dyn)
+        # Every op call comes here: the spec's program and number slots, once known, are read
+        # off it without a call each.
+        held = spec._program
+        fn = held[1] if held is not None and held[0] is lowering else program(lowering, spec)
+        slots = spec._scalars
+        if not (numbers.scalar_slots(spec) if slots is None else slots):
+            return launch.run(lowering.op, fn, dyn)
         # Its traced numbers as device arrays, kept for the next call: a program handing one
         # back as a result (JAX forwards an input it returns) gives a copy, which a storage
         # may own.
         dyn = numbers.on_device(spec, dyn)
-        return numbers.not_kept(launch.run(lowering.op, program(lowering, spec), dyn))
+        return numbers.not_kept(launch.run(lowering.op, fn, dyn))
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""

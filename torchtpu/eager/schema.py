@@ -27,6 +27,7 @@ class OpInfo(NamedTuple):
     generator_index: int  # index of the Generator argument, -1 if none
     scalar_indices: frozenset  # Scalar or Tensor arguments: a Python number there is traced
     tensor_typed: tuple        # per argument: whether the schema says Tensor
+    optional_from: int = 0     # the names from this index on all have defaults
 
 
 _REQUIRED = object()
@@ -59,12 +60,17 @@ def info(op: OpOverload) -> OpInfo:
         if t.removeprefix("Optional[").startswith(
                 ("Scalar", "number", "Tensor", "List[number]", "List[Scalar]")):
             scalars.add(i)
+    optional_from = len(defaults)
+    while optional_from and defaults[optional_from - 1] is not _REQUIRED:
+        optional_from -= 1
     return OpInfo(op, tuple(names), tuple(defaults), frozenset(kwonly), tuple(written),
-                  tuple(outs), gen, frozenset(scalars), tuple(tensor_typed))
+                  tuple(outs), gen, frozenset(scalars), tuple(tensor_typed), optional_from)
 
 
 def bind(oi: OpInfo, args: tuple, kwargs: dict) -> tuple[list, list]:
     """(non-out arguments in schema order with defaults filled, out arguments)."""
+    if not kwargs and not oi.out_names and len(args) >= oi.optional_from:
+        return [*args, *oi.defaults[len(args):]], []  # every op call: the common case first
     values = list(args) + [_REQUIRED] * (len(oi.names) - len(args))
     for i in range(len(args), len(oi.names)):
         name = oi.names[i]

@@ -31,12 +31,15 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import tensors
 from torchtpu.device.views import Geometry
-from torchtpu.eager import meta, results
+from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
 from torchtpu.eager.lazy_casts import Cast, Converted
-from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec
+from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec, with_views
 
 _Tensor = torch.Tensor
+
+
+_SEQUENCES = (list, tuple)
 
 
 def signature(values: list):
@@ -47,26 +50,29 @@ def signature(values: list):
     """
     return tuple([(v.shape, v.stride(), v.storage_offset(), v.dtype, v.is_cpu)
                   if isinstance(v, _Tensor)
-                  else (tuple(v), tuple(map(type, v))) if type(v) in (list, tuple) else v
-                  for v in values]), tuple(map(type, values))
+                  else (v, type(v)) if type(v) not in _SEQUENCES
+                  else (tuple(v), tuple(map(type, v)), type(v))
+                  for v in values])
 
 
 class Seen:
-    """What the full path found for one signature: ``reads`` holds (position, how it is read) of
-    each tensor argument, in the order the program takes them, how being its array's dtype (read
-    whole) or the view ``Geometry`` it was read through, and (position, None) of each traced
-    number; ``views`` the spec's views as ``dispatch.dynamic_values`` gives them; ``dtype`` the
-    result's dtype where it is one plain tensor (most calls: wrapped without walking ``result``),
-    else None."""
+    """What the full path found for one signature: ``reads`` holds (position, how it is read,
+    shape) of each tensor argument, in the order the program takes them, how being its array's
+    dtype (read whole, the array of that shape) or the view ``Geometry`` it was read through
+    (or a lazy cast's ``Cast``), and (position, None, None) of each traced number; ``views``
+    the spec's views as ``dispatch.dynamic_values`` gives them, ``viewed`` the spec with them
+    (``program.with_views``); ``wrap``: the caller's function making the results' tensors
+    (kept here, made at first use)."""
 
-    __slots__ = ("result", "spec", "reads", "views", "dtype")
+    __slots__ = ("result", "spec", "reads", "views", "viewed", "wrap")
 
     def __init__(self, result, spec: Spec, reads: tuple, views: tuple) -> None:
         self.result = result
         self.spec = spec
         self.reads = reads
         self.views = views
-        self.dtype = result[1] if results.is_leaf(result) and len(result) == 2 else None
+        self.viewed = with_views(spec, views) if views else spec
+        self.wrap = None
 
 
 def _zero(x) -> bool:
@@ -99,12 +105,12 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
     reads, views = [], []
     for i, (kind, _) in enumerate(spec.entries):
         if kind == SCALAR:
-            reads.append((i, None))
+            reads.append((i, None, None))
         elif kind == TENSOR:
             how = _read_as(values[i])
             if how is None:
                 return
-            reads.append((i, how))
+            reads.append((i, how, tuple(values[i].shape)))
             if type(how) is Geometry or type(how) is Cast:
                 views.append((i, None, how))
     kept = Seen(result, spec, tuple(reads), tuple(views))
@@ -164,7 +170,7 @@ def arrays(values: list, reads: tuple) -> tuple | None:
     (The storage's bytes are its array's: a contiguous tensor of the array's shape and itemsize
     cannot start past 0.)"""
     out = []
-    for i, how in reads:
+    for i, how, shape in reads:
         t = values[i]
         if how is None:  # a traced number, or a CPU scalar tensor's value
             if type(t) is _Tensor:
@@ -195,7 +201,7 @@ def arrays(values: list, reads: tuple) -> tuple | None:
         if type(how) is Geometry:
             if aval.shape != how.array_shape or aval.dtype != how.array_dtype:
                 return None
-        elif aval.dtype != how or aval.shape != t.shape:
+        elif aval.shape != shape or (aval.dtype is not how and aval.dtype != how):
             return None
         out.append(array)
     return tuple(out)
