@@ -156,6 +156,37 @@ def test_only_casts_that_hold_no_more_memory_wait():
     torch.testing.assert_close(got.cpu().float(), want.float())
 
 
+def test_a_parameter_a_fused_optimizer_step_wrote_is_cast_lazily():
+    # Strict's optimizer steps run as one DeferAndFuse program: the parameters' storages hold
+    # its computed values, which autocast's next casts read lazily too.
+    torch.manual_seed(0)
+    lin, cpu = torch.nn.Linear(4, 3).to("tpu"), torch.nn.Linear(4, 3)
+    cpu.load_state_dict({k: v.cpu() for k, v in lin.state_dict().items()})
+    x = torch.randn(2, 4)
+    for model in (lin, cpu):
+        device = next(model.parameters()).device.type
+        opt = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            with torch.autocast(device, torch.bfloat16):
+                y = model(x.to(device))
+            y.float().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    made = []
+    lazy_cast = lazy_casts.lazy_cast
+    HOOKS.lazy_cast = lambda t, array, dtype: made.append(lazy_cast(t, array, dtype)) or made[-1]
+    try:
+        with torch.autocast("tpu", torch.bfloat16):
+            got = lin(x.to("tpu")).cpu()
+    finally:
+        HOOKS.lazy_cast = lazy_cast
+    # x's cast now; the weight's and the bias's lazy
+    assert [type(m) for m in made] == [type(None), lazy_casts.Converted, lazy_casts.Converted]
+    with torch.autocast("cpu", torch.bfloat16):
+        want = cpu(x)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # bf16 ulps
+
+
 def _llama_losses(device: str, steps: int = 3):
     torch.manual_seed(0)
     model = Llama(CONFIG).to(device)

@@ -124,6 +124,9 @@ _pending: weakref.WeakSet = weakref.WeakSet()
 def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype):
     """``HOOKS.lazy_cast``: a ``Converted`` for t (whose storage array is ``array``) cast to
     dtype, or None to cast now."""
+    if type(array) is not ArrayImpl and type(array) is not Converted \
+            and isinstance(array, tensors.Deferred):
+        array = array.resolve()  # a value DeferAndFuse computed (a fused optimizer step's)
     # t is its storage's array whole, or that array reshaped.
     if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
             or t.storage_offset() or not t.is_contiguous() or t.is_neg()
