@@ -342,6 +342,20 @@ def test_ddp_gpt_equals_full_batch():
         assert unused["b moved"] > 1e-3, unused
 
 
+def test_every_collective_is_the_groups_own():
+    # A collective the group does not define falls to c10d's C++ default, which may still give
+    # the right numbers through the gloo backend without libtpu and fails with it ("No backend
+    # type associated with device type tpu"): a renamed method shows only there.
+    from torchtpu.distributed.group import TpuProcessGroup
+
+    base = dist.ProcessGroup
+    names = ("allreduce", "allreduce_coalesced", "reduce", "reduce_scatter",
+             "reduce_scatter_tensor_coalesced", "allgather", "allgather_coalesced",
+             "allgather_into_tensor_coalesced", "gather", "broadcast", "scatter", "alltoall",
+             "alltoall_base", "barrier", "send", "recv", "recv_anysource")
+    assert [n for n in names if getattr(TpuProcessGroup, n) is getattr(base, n)] == []
+
+
 def test_backend_default_without_process_group():
     assert dist.get_default_backend_for_device("tpu") == "tpu_dist"
     assert "tpu_dist" in dist.Backend.backend_list and "tpu" in dist.Backend.backend_list

@@ -51,7 +51,7 @@ class TpuProcessGroup(PointToPoint, GroupCore):
         works = [self._allreduce_one(t, opts.reduceOp) for t in tensors]
         return self._joined("all_reduce", works, tensors)
 
-    def allreducecoalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts=None) -> dist.Work:
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         if not self._devices(tensors):
             options = AllreduceOptions()
@@ -195,7 +195,7 @@ class TpuProcessGroup(PointToPoint, GroupCore):
     all_gather_single_coalesced = coalesced(all_gather_single)
     allgather_into_tensor_coalesced = all_gather_single_coalesced
 
-    def allgathercoalesced(self, outputs, inputs, opts=None) -> dist.Work:
+    def allgather_coalesced(self, outputs, inputs, opts=None) -> dist.Work:
         for outs, inp in zip(outputs, inputs):
             self.allgather([outs], [inp], opts)
         return Done(outputs)
