@@ -74,3 +74,38 @@ def test_tokens_are_compared_up_to_hugging_faces_first_near_tie(chip):
     assert out["equal"] == 0 and out["of"] == 3
     assert out["clear_tokens"] == [1, 3, 0] and out["equal_until_near_tie"] == 2
     assert out["first_mismatch"]["prompt"] == 0
+
+
+def test_serving_diag_splits_a_step_and_profiles_it(chip):
+    sys.path.insert(0, BENCH)
+    try:
+        import serving_diag
+    finally:
+        sys.path.remove(BENCH)
+
+    class Runner:
+        def _prepare_inputs(self):
+            return "p"
+
+        def _model_forward(self):
+            return "f"
+
+        def _sample(self):
+            return "s"
+
+        def _to_list(self):
+            return "t"
+
+    runner = Runner()
+    phases = serving_diag.Phases(runner)
+    assert (runner._prepare_inputs(), runner._model_forward(), runner._to_list()) == \
+        ("p", "f", "t")
+    step = phases.take(1.0)
+    assert set(step) == {"prepare", "forward", "to_list", "other"}
+    assert 0.99 < step["other"] < 1.0 and phases.take(0.5) == {"other": 0.5}
+    assert serving_diag.phase_medians([{"phases": {"a": 1.0}}, {"phases": {"a": 3.0}},
+                                       {"phases": None}]) == {"a": 2.0}
+    prof = serving_diag.host_profile(lambda: sum(range(1000)), steps=2)
+    assert prof["steps"] == 2 and prof["by_own_time"], prof
+    # a failure is reported, not raised: a diagnostic never costs the run around it
+    assert "ZeroDivisionError" in serving_diag.host_profile(lambda: 1 / 0)["error"]
