@@ -217,3 +217,16 @@ def test_an_autocast_llama_step_computes_as_cpu_with_fewer_launches():
     # Per layer 7 weight casts and 12 gradients cast back to float32; 4 outside the layers (the
     # head's weight, the logits and their gradients).
     assert c.launch_count - lazy == 19 * CONFIG.layers + 4, (c.launch_count, lazy)
+
+
+def test_a_loop_of_growing_sizes_over_lazy_casts_computes_as_cpu():
+    # Eager size buckets (``compile/eager_buckets.py``) pad a growing call or read a view whose
+    # offset moves on the host, from the call's tensors' values: a lazy cast's source is no
+    # such value (they read the tensors computed). Whole and a moving last row.
+    for n in range(40, 56):
+        x = _bf16(n, 8)
+        y = x.to("tpu").float()
+        got = (y * 2, y[-1] + 1)
+        want = (x.float() * 2, x.float()[-1] + 1)
+        for g, w in zip(got, want):
+            assert torch.equal(g.cpu(), w)
