@@ -263,8 +263,8 @@ def _decode_figures(steps: list[dict], config: dict) -> dict:
 
 def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]]) -> dict:
     """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` past their
-    prefills, then the phases of 8 decode steps, a host profile of 3, a device trace of 3 and
-    the captured step replayed alone; the requests are dropped after."""
+    prefills, then the phases of 8 decode steps, a host profile of 3, a device trace of 3, the
+    captured step replayed alone and the floors; the requests are dropped after."""
     engine = llm.llm_engine
     ids = _submit(llm, prompts, 64, prefix="diag")
     runner = serving_diag.runner_of(llm)
@@ -285,25 +285,11 @@ def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]]) 
     out["host_profile"] = serving_diag.host_profile(engine.step)
     out["device_programs"] = serving_diag.device_programs(engine.step)
     out["replay_alone"] = serving_diag.replay_time(runner)
+    out["floors"] = serving_diag.floors()
     engine.abort_request(ids)
     while engine.has_unfinished_requests():
         engine.step()
     return out
-
-
-class CompileCounter:
-    """XLA compiles in this process, from JAX's monitoring events."""
-
-    def __init__(self) -> None:
-        import jax
-
-        self.count = 0
-
-        def listen(event: str, duration: float, **kwargs) -> None:
-            if event == "/jax/core/compile/backend_compile_duration":
-                self.count += 1
-
-        jax.monitoring.register_event_duration_secs_listener(listen)
 
 
 def _save(args, result: dict) -> None:
@@ -318,7 +304,7 @@ def part_vllm(args) -> dict:
 
     from vllm import LLM, SamplingParams
 
-    counter = CompileCounter()
+    counter = serving_diag.CompileCounter()
     out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto"),
            "capture": os.environ.get("TORCHTPU_VLLM_CAPTURE", "startup")}
     shapes = [parse_shape(s) for s in args.shapes]

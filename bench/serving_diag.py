@@ -12,6 +12,8 @@ host Python, program launches or device work:
   XSpace reader (``torchtpu.profiler.xplane``): each program's runs and device time, and the HLO
   ops with the most device time.
 - :func:`replay_time`: the last captured step program replayed alone, launch and device time.
+- :class:`CompileCounter`: the XLA compiles in this process (JAX's monitoring events).
+- :func:`floors`: what one ``torch.tpu.synchronize()`` and one tiny eager op read back cost.
 
 Each returns plain JSON data; a failure is reported in the result, never raised, so that a
 diagnostic cannot cost the figures of the chip call around it.
@@ -29,6 +31,22 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+
+
+class CompileCounter:
+    """XLA compiles in this process, from JAX's monitoring events."""
+
+    def __init__(self) -> None:
+        import jax
+
+        self.count = 0
+
+        def listen(event: str, duration: float, **kwargs) -> None:
+            if event == "/jax/core/compile/backend_compile_duration":
+                self.count += 1
+
+        jax.monitoring.register_event_duration_secs_listener(listen)
+
 
 PHASES = {"_prepare_inputs": "prepare", "_model_forward": "forward", "_sample": "sample",
           "_to_list": "to_list"}
@@ -163,3 +181,22 @@ def replay_time(runner, repeats: int = 10) -> dict:
     return {"key": repr(key)[:300], "ops": graph.captured.ops, "repeats": repeats,
             "launch_median_s": statistics.median(launch),
             "total_median_s": statistics.median(total)}
+
+
+@_guarded
+def floors(repeats: int = 10) -> dict:
+    """Median seconds of ``torch.tpu.synchronize()`` (vLLM's events wait through it) and of a
+    one-element eager op read to the host: the floor under any step."""
+    import torch
+
+    def median(fn: Callable[[], object]) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    x = torch.ones(1, device="tpu")
+    return {"synchronize_s": median(torch.tpu.synchronize),
+            "tiny_op_to_host_s": median(lambda: (x + 1).cpu())}

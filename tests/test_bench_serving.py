@@ -109,3 +109,16 @@ def test_serving_diag_splits_a_step_and_profiles_it(chip):
     assert prof["steps"] == 2 and prof["by_own_time"], prof
     # a failure is reported, not raised: a diagnostic never costs the run around it
     assert "ZeroDivisionError" in serving_diag.host_profile(lambda: 1 / 0)["error"]
+
+
+def test_serving_diag_floors_on_the_device(chip):
+    import torch
+
+    sys.path.insert(0, BENCH)
+    try:
+        import serving_diag
+    finally:
+        sys.path.remove(BENCH)
+    out = serving_diag.floors(repeats=2)
+    assert out["synchronize_s"] > 0 and out["tiny_op_to_host_s"] > 0, out
+    assert torch.ones(1, device="tpu").device.type == "tpu"
