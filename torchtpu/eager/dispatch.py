@@ -193,7 +193,8 @@ def dedupe(out, inputs):
 
 def _dedupe_all(out, ids: set):
     if isinstance(out, (tuple, list)):
-        return type(out)(_dedupe_all(o, ids) for o in out)
+        return type(out)([_dedupe_all(o, ids) if isinstance(o, (tuple, list)) or id(o) in ids
+                          else o for o in out])
     return tensors.fresh_copy(out) if out is not None and id(out) in ids else out
 
 

@@ -139,8 +139,11 @@ def flatten(out) -> list:
     """The leaves of nested lists and tuples (a single value is one leaf)."""
     if isinstance(out, (tuple, list)):
         flat = []
-        for o in out:
-            flat.extend(flatten(o))
+        for o in out:  # a foreach call's lists: a leaf is appended without a call of its own
+            if isinstance(o, (tuple, list)):
+                flat.extend(flatten(o))
+            else:
+                flat.append(o)
         return flat
     return [out]
 
