@@ -200,12 +200,16 @@ def _pad(prompt: list[int]):
 
 # ---- vllm ----
 
-def _submit(llm, prompts: list[list[int]], output: int, prefix: str = "r") -> list[str]:
+def _submit(llm, prompts: list[list[int]], output: int, prefix: str = "r",
+            min_tokens: bool = False) -> list[str]:
+    """Greedy requests of ``output`` tokens each (``ignore_eos``, as vLLM's own benchmarks:
+    no logits processor runs); ``min_tokens`` adds vLLM's min-tokens processor, which masks EOS
+    in the step's logits (eager ops after the step's program, as the first chip run had)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=output, min_tokens=output, temperature=0.0,
-                            ignore_eos=True, detokenize=False)
+    params = SamplingParams(max_tokens=output, min_tokens=output if min_tokens else 0,
+                            temperature=0.0, ignore_eos=True, detokenize=False)
     ids = [f"{prefix}{i}" for i in range(len(prompts))]
     for rid, p in zip(ids, prompts):
         llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=p), params)
@@ -262,11 +266,13 @@ def _decode_figures(steps: list[dict], config: dict) -> dict:
 
 
 def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]]) -> dict:
-    """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` past their
-    prefills, then the phases of 8 decode steps, a host profile of 3, a device trace of 3, the
-    captured step replayed alone and the floors; the requests are dropped after."""
+    """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` (with
+    ``min_tokens``, as the loads of the first chip run: the loads now run without it, so the
+    two show what its eager ops cost) past their prefills, then the phases of 8 decode steps, a
+    host profile of 3, a device trace of 3, the captured step replayed alone and the floors; the
+    requests are dropped after."""
     engine = llm.llm_engine
-    ids = _submit(llm, prompts, 64, prefix="diag")
+    ids = _submit(llm, prompts, 64, prefix="diag", min_tokens=True)
     runner = serving_diag.runner_of(llm)
     tokens = sum(map(len, prompts))
     for _ in range(-(-tokens // runner.max_num_tokens) + 2):  # the prefills, and a decode
