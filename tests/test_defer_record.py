@@ -6,7 +6,7 @@ results equal to CPU's."""
 import pytest
 import torch
 
-from torchtpu.eager import defer, dispatch
+from torchtpu.eager import defer, results
 
 DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
 
@@ -55,13 +55,13 @@ def test_pending_and_computed_arrays_share_a_key():
 
 def test_seen_call_wraps_its_one_result_directly(monkeypatch):
     walked = [0]
-    wrap = dispatch._wrap
+    wrap = results.wrapped
 
-    def spy(arrays, result):
+    def spy(arrays, d):
         walked[0] += 1
-        return wrap(arrays, result)
+        return wrap(arrays, d)
 
-    monkeypatch.setattr(dispatch, "_wrap", spy)
+    monkeypatch.setattr(results, "wrapped", spy)
     a, b = torch.randn(4, 3), torch.randn(4, 3)
     x, y = a.to("tpu"), b.to("tpu")
     for mode in (torch.tpu.EagerMode.DEFER_NEVER, DEFER):

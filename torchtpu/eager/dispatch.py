@@ -198,25 +198,6 @@ def _dedupe_all(out, ids: set):
     return tensors.fresh_copy(out) if out is not None and id(out) in ids else out
 
 
-def _wrap(arrays, result):
-    if result is None or arrays is None:
-        return None
-    if type(result) is int:
-        return result
-    if results.is_leaf(result):
-        out = tensors.wrap(arrays, result[1])
-        return results.lay_out(out, result[2]) if len(result) == 3 else out
-    return tuple(_wrap(a, r) for a, r in zip(arrays, result))
-
-
-def _wrapper(result):
-    """``_wrap`` of a remembered call's result: one leaf's tensor made as ``tensors.wrapper``
-    makes it."""
-    if results.is_leaf(result) and len(result) == 2:
-        return tensors.wrapper(tuple(result[0]), result[1])
-    return functools.partial(_wrap, result=result)
-
-
 def _functional_handler(op: OpOverload, lowering: Lowering):
     oi = schema.info(op)
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
@@ -243,11 +224,11 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                                   viewed=kept.viewed)
                     wrap = kept.wrap
                     if wrap is None:
-                        wrap = kept.wrap = _wrapper(kept.result)
+                        wrap = kept.wrap = results.wrapper(kept.result)
                     out = None if out is None else wrap(out)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
-        out = _wrap(compute(lowering, spec, values), result)
+        out = results.wrapped(compute(lowering, spec, values), result)
         # A signature does not tell layouts apart: a contiguous call must not take a
         # channels-last call's result format. One read another way than the signature's
         # remembered calls (a view where they read whole arrays) is kept beside them.

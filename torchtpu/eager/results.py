@@ -10,12 +10,36 @@ memory format by one transposing copy (``lay_out``), as CUDA's kernels write cha
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from torchtpu.device import tensors
 
 
 def is_leaf(d) -> bool:
     """Whether d describes one result: (shape, dtype) or (shape, dtype, memory format)."""
     return isinstance(d, tuple) and len(d) in (2, 3) and isinstance(d[1], torch.dtype)
+
+
+def wrapped(arrays, d):
+    """The tensors of an op's computed arrays, as the description d of its results says."""
+    if d is None or arrays is None:
+        return None
+    if type(d) is int:
+        return d
+    if is_leaf(d):
+        out = tensors.wrap(arrays, d[1])
+        return lay_out(out, d[2]) if len(d) == 3 else out
+    return tuple(wrapped(a, r) for a, r in zip(arrays, d))
+
+
+def wrapper(d):
+    """``wrapped`` for arrays described by d, made once for calls that repeat d (``seen_calls``):
+    one plain result's tensor made as ``tensors.wrapper`` makes it."""
+    if is_leaf(d) and len(d) == 2:
+        return tensors.wrapper(tuple(d[0]), d[1])
+    return functools.partial(wrapped, d=d)
 
 
 def laid_out(d, fmt):
