@@ -25,8 +25,17 @@ from torchtpu.lowering.registry import lowers, meta_kernel, padding_rule
 aten = torch.ops.aten
 
 
+_HALF = (jnp.bfloat16, jnp.float16)
+
+
 @lowers(aten.mm.default, aten.bmm.default, promote="result")
 def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
+    # Half-precision products accumulate in float32 and round once, as PyTorch's kernels do.
+    # Asked for a bf16 result instead, the TPU compiler lays a projection's product out
+    # column-major and copies it twice on its way into attention (six more copies in an
+    # attention block's forward and backward; bench/RESULTS.md, whole3).
+    if x.dtype == y.dtype and x.dtype in _HALF:
+        return jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
     return jnp.matmul(x, y)
 
 
