@@ -251,6 +251,9 @@ def register() -> None:
         _setup_privateuseone_for_python_backend(
             "tpu", backend_module=_Face("torch.tpu", "torchtpu.tpu, loaded at its first use"),
             hook=_Hooks(), device_guard=_DeviceGuard())
+        # Autocast's default for tpu, before a ``torch.autocast("tpu")`` made ahead of the
+        # first op (the device loads then) reads PyTorch's float16.
+        torch.set_autocast_dtype("tpu", torch.bfloat16)
         first = torch.library.Library("_", "IMPL")
         first.fallback(_first_op, "PrivateUse1", with_keyset=True)
         _libraries.append(first)

@@ -100,4 +100,3 @@ def register(lib: torch.library.Library, fallback: torch.library.Library) -> Non
                 op = getattr(packet, overload)
                 if not op._schema.is_mutable:
                     lib.impl(op, _kernel(op, policy), "AutocastPrivateUse1")
-    torch.set_autocast_dtype("tpu", torch.bfloat16)
