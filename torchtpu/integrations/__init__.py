@@ -15,6 +15,8 @@ _ADAPTERS = {
     "fbgemm_gpu": "torchtpu.integrations.fbgemm:patch",
     "ray.air._internal.torch_utils": "torchtpu.integrations.ray:patch",
     "torch.nn.attention.varlen": "torchtpu.lowering.attention:register_varlen",
+    "verl.plugin.platform.platform_manager": "torchtpu.integrations.verl:register",
+    "verl.single_controller.ray.base": "torchtpu.integrations.verl:patch_pools",
 }
 
 
