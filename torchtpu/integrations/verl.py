@@ -15,9 +15,11 @@ found, and ``VERL_PLATFORM=tpu`` picks it anywhere. What it answers, and why:
   ``synchronize``, ``empty_cache``, ``manual_seed``, ``memory_allocated``, ...);
 - backend ``tpu_dist`` (torchtpu's process-group backend), so verl's groups are
   ``cpu:gloo,tpu:tpu_dist``;
-- Ray resource ``TPU`` (Ray's own name for TPU chips; a node without chips declares it,
-  ``ray.init(resources={"TPU": n})``), visible devices ``TPU_VISIBLE_CHIPS`` (what Ray sets for
-  that resource);
+- Ray resource ``tpu``, a custom resource the node declares (``ray.init(resources={"tpu": n})``,
+  ``ray start --resources='{"tpu": 4}'``), not Ray's own ``TPU``: verl colocates its actor and
+  rollout workers on one device by asking for fractions of it (a third each), and Ray refuses
+  any ``TPU`` request other than 1, 2, 4 or 8 chips ("not a supported chip configuration");
+  visible devices ``TPU_VISIBLE_CHIPS``;
 - no IPC: a tpu tensor has no CUDA IPC handle, so verl sends weights to its vLLM rollout server
   through shared memory (its path for NPUs), i.e. through the host;
 - rollout servers start with ``TORCHTPU_VLLM=1``, so the vLLM engine they build runs on "tpu"
@@ -27,8 +29,9 @@ found, and ``VERL_PLATFORM=tpu`` picks it anywhere. What it answers, and why:
 One device point is not the platform's: verl's check that the cluster holds the devices its
 resource pools ask for (``ResourcePoolManager._check_resource_available``) counts Ray's "GPU"
 resources, else "NPU", by name, so on tpu it found 0 and refused to start. :func:`patch_pools`
-wraps it (verl's source is not edited) to count the platform's own resource where the platform
-is "tpu", with torchtpu's error when too few are there; other platforms keep verl's check.
+wraps it (verl's source is not edited) to count the platform's own resource (``RESOURCE``) where
+the platform is "tpu", with torchtpu's error when too few are there; other platforms keep
+verl's check.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from contextlib import contextmanager
 from typing import Any
 
 NAME = "tpu"
+RESOURCE = "tpu"  # Ray's resource for a tpu device (see the module doc)
 
 
 def platform_class() -> type:
@@ -105,7 +109,7 @@ def platform_class() -> type:
             return None
 
         def ray_resource_name(self) -> str:
-            return "TPU"
+            return RESOURCE
 
         def ray_noset_envvars(self) -> list[str]:
             return ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]
@@ -128,14 +132,14 @@ def check_devices(wanted: int) -> None:
 
     from torchtpu import errors
 
-    free = sum(node.get("TPU", 0) for node in ray._private.state.available_resources_per_node()
+    free = sum(node.get(RESOURCE, 0) for node in ray._private.state.available_resources_per_node()
                .values())
     if free < wanted:
         raise ValueError(errors.message("device",
             f"verl's resource pools want {wanted} tpu device(s) (trainer.nnodes x "
             f"trainer.n_gpus_per_node) but the Ray cluster has {free:g} free: declare them as "
-            f"Ray's TPU resource (ray.init(resources={{'TPU': n}}), or +ray_kwargs.ray_init."
-            f"resources={{TPU:n}} on verl's command line)"))
+            f"Ray's {RESOURCE!r} resource (ray.init(resources={{{RESOURCE!r}: n}}), or "
+            f"+ray_kwargs.ray_init.resources={{{RESOURCE}:n}} on verl's command line)"))
 
 
 def patch_pools() -> None:
