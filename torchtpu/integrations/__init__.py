@@ -17,6 +17,7 @@ _ADAPTERS = {
     "torch.nn.attention.varlen": "torchtpu.lowering.attention:register_varlen",
     "verl.plugin.platform.platform_manager": "torchtpu.integrations.verl:register",
     "verl.single_controller.ray.base": "torchtpu.integrations.verl:patch_pools",
+    "verl.workers.engine.fsdp.transformer_impl": "torchtpu.integrations.verl:register_engines",
 }
 
 

@@ -26,7 +26,11 @@ found, and ``VERL_PLATFORM=tpu`` picks it anywhere. What it answers, and why:
   whatever the environment's opt-in (``integrations/engine_opt_in.py``);
 - no compute capability, no allocator settings, no NVTX ranges, no CUDA runtime.
 
-One device point is not the platform's: verl's check that the cluster holds the devices its
+verl's training engines are registered per device (``EngineRegistry``, "cuda" and "npu" for
+FSDP): :func:`register_engines` registers its FSDP engines (the language model's and the value
+model's, backends ``fsdp`` and ``fsdp2``) for "tpu" too, through the same registry.
+
+One device point is neither: verl's check that the cluster holds the devices its
 resource pools ask for (``ResourcePoolManager._check_resource_available``) counts Ray's "GPU"
 resources, else "NPU", by name, so on tpu it found 0 and refused to start. :func:`patch_pools`
 wraps it (verl's source is not edited) to count the platform's own resource (``RESOURCE``) where
@@ -159,6 +163,19 @@ def patch_pools() -> None:
 
     _check_resource_available._torchtpu = True
     ResourcePoolManager._check_resource_available = _check_resource_available
+
+
+def register_engines() -> None:
+    """Register verl's FSDP engines for device "tpu" (see the module doc; idempotent)."""
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp import transformer_impl
+
+    for model_type, engine in (("language_model", transformer_impl.FSDPEngineWithLMHead),
+                               ("value_model", transformer_impl.FSDPEngineWithValueHead)):
+        for backend in ("fsdp", "fsdp2"):
+            if NAME not in EngineRegistry._engines.get(model_type, {}).get(backend, {}):
+                EngineRegistry.register(model_type=model_type, backend=backend,
+                                        device=NAME)(engine)
 
 
 def register() -> None:
