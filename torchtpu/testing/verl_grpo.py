@@ -63,6 +63,8 @@ def overrides(folder: str | Path, steps: int) -> list[str]:
         f"actor_rollout_ref.model.path={folder / 'model'}",
         "actor_rollout_ref.model.use_remove_padding=False",
         "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+        # verl defaults to FlashAttention 2 (a CUDA package); SDPA is torchtpu's attention
+        "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
         f"{actor}.optim.lr=0.01", f"{actor}.ppo_mini_batch_size=2",
         f"{actor}.ppo_micro_batch_size_per_gpu=8", f"{actor}.use_kl_loss=False",
         f"{actor}.entropy_coeff=0", f"{actor}.fsdp_config.dtype=float32",
