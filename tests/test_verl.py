@@ -25,7 +25,7 @@ def test_verl_device_points_answer_tpu():
     assert device.get_device_name() == "tpu"
     assert device.get_torch_device() is torch.tpu
     assert device.get_nccl_backend() == "tpu_dist"
-    assert device.get_resource_name() == "tpu"
+    assert device.get_resource_name() == "TPU"
     assert device.get_visible_devices_keyword() == "TPU_VISIBLE_CHIPS"
     assert not device.is_support_ipc()
     assert EngineRegistry.get_engine_cls("language_model", "fsdp") is FSDPEngineWithLMHead
@@ -36,7 +36,7 @@ def test_resource_pools_count_tpu_devices_and_refuse_too_many():
     import ray
     from verl.single_controller.ray.base import ResourcePoolManager
 
-    ray.init(num_cpus=1, resources={"tpu": 1}, object_store_memory=100 << 20,
+    ray.init(num_cpus=1, resources={"TPU": 1}, object_store_memory=100 << 20,
              include_dashboard=False, log_to_driver=False)
     try:
         ResourcePoolManager({"global_pool": [1]}, mapping={}).create_resource_pool()

@@ -3,7 +3,7 @@
 ``run(folder, steps)`` writes a tiny Llama and its byte-level tokenizer
 (``integrations/vllm/tiny.py``), a parquet of prompts in verl's data layout, and runs verl's own
 entry point, ``python -m verl.trainer.main_ppo``, with ``algorithm.adv_estimator=grpo``: its Ray
-single controller on one node of one tpu device (the ``tpu`` resource declared by
+single controller on one node of one tpu device (Ray's ``TPU`` resource declared by
 ``ray.init``), the FSDP actor and its vLLM rollout server colocated on that device. The reward
 (:func:`compute_score`, verl's ``custom_reward_function``) is deterministic: the number of
 distinct characters of a response over 8. It returns each step's metrics as verl's console
@@ -81,7 +81,7 @@ def overrides(folder: str | Path, steps: int) -> list[str]:
         "trainer.save_freq=-1", f"trainer.total_training_steps={steps}",
         f"trainer.default_local_dir={folder / 'checkpoints'}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "reward.num_workers=1",
-        "+ray_kwargs.ray_init.resources={tpu:1}", "+ray_kwargs.ray_init.num_cpus=8",
+        "+ray_kwargs.ray_init.resources={TPU:1}", "+ray_kwargs.ray_init.num_cpus=8",
         f"+ray_kwargs.ray_init._temp_dir={folder / 'ray'}",
         "+ray_kwargs.ray_init.object_store_memory=1000000000",
         "+ray_kwargs.ray_init.include_dashboard=False",

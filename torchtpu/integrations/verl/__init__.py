@@ -15,11 +15,15 @@ found, and ``VERL_PLATFORM=tpu`` picks it anywhere. What it answers, and why:
   ``synchronize``, ``empty_cache``, ``manual_seed``, ``memory_allocated``, ...);
 - backend ``tpu_dist`` (torchtpu's process-group backend), so verl's groups are
   ``cpu:gloo,tpu:tpu_dist``;
-- Ray resource ``tpu``, a custom resource the node declares (``ray.init(resources={"tpu": n})``,
-  ``ray start --resources='{"tpu": 4}'``), not Ray's own ``TPU``: verl colocates its actor and
-  rollout workers on one device by asking for fractions of it (a third each), and Ray refuses
-  any ``TPU`` request other than 1, 2, 4 or 8 chips ("not a supported chip configuration");
-  visible devices ``TPU_VISIBLE_CHIPS``;
+- Ray resource ``TPU`` (Ray's own; a node without chips declares it,
+  ``ray.init(resources={"TPU": n})``), visible devices ``TPU_VISIBLE_CHIPS`` (what Ray sets for
+  it). verl asks for a fraction of a device per worker group that may share it (a third: actor,
+  rollout and reward model colocated), but Ray refuses any ``TPU`` request other than 1, 2, 4
+  or 8 chips ("not a supported chip configuration"), and a custom resource name has no device
+  ids (``get_accelerator_ids()``, which verl reads to place its rollout server). So a worker
+  asks for whole devices (``ray_resource_options``, rounded up): one worker group per device,
+  as GRPO's hybrid engine has (the actor, its rollout and reference fused in one worker; no
+  critic); a second group colocated on the same device would wait for it;
 - no IPC: a tpu tensor has no CUDA IPC handle, so verl sends weights to its vLLM rollout server
   through shared memory (its path for NPUs), i.e. through the host;
 - rollout servers start with ``TORCHTPU_VLLM=1``, so the vLLM engine they build runs on "tpu"
@@ -43,11 +47,12 @@ verl's check.
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from typing import Any
 
 NAME = "tpu"
-RESOURCE = "tpu"  # Ray's resource for a tpu device (see the module doc)
+RESOURCE = "TPU"  # Ray's resource for a tpu device (see the module doc)
 
 
 def platform_class() -> type:
@@ -117,6 +122,9 @@ def platform_class() -> type:
 
         def ray_resource_name(self) -> str:
             return RESOURCE
+
+        def ray_resource_options(self, num_gpus: float) -> dict[str, Any]:
+            return {"resources": {RESOURCE: math.ceil(num_gpus)}}
 
         def ray_noset_envvars(self) -> list[str]:
             return ["RAY_EXPERIMENTAL_NOSET_TPU_VISIBLE_CHIPS"]
