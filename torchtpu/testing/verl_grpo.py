@@ -74,6 +74,8 @@ def overrides(folder: str | Path, steps: int) -> list[str]:
         f"{rollout}.max_num_seqs=8", f"{rollout}.max_num_batched_tokens=256",
         f"{rollout}.dtype=float32", f"{rollout}.enforce_eager=True",
         f"{rollout}.log_prob_micro_batch_size_per_gpu=8", f"{rollout}.free_cache_engine=False",
+        # vLLM's sleep mode frees and restores CUDA memory pools; torchtpu's platform has none
+        f"++{rollout}.enable_sleep_mode=False",
         f"{rollout}.agent.num_workers=1",
         f"custom_reward_function.path={__file__}", "custom_reward_function.name=compute_score",
         "trainer.logger=[console]", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
