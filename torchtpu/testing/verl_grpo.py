@@ -77,7 +77,8 @@ def overrides(folder: str | Path, steps: int) -> list[str]:
         # vLLM's sleep mode frees and restores CUDA memory pools; torchtpu's platform has none
         f"++{rollout}.enable_sleep_mode=False",
         f"{rollout}.agent.num_workers=1",
-        f"custom_reward_function.path={__file__}", "custom_reward_function.name=compute_score",
+        f"reward.custom_reward_function.path={__file__}",
+        "reward.custom_reward_function.name=compute_score",
         "trainer.logger=[console]", "trainer.n_gpus_per_node=1", "trainer.nnodes=1",
         "trainer.device=tpu", "trainer.val_before_train=False", "trainer.test_freq=-1",
         "trainer.save_freq=-1", f"trainer.total_training_steps={steps}",
