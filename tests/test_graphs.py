@@ -281,3 +281,14 @@ def test_a_stream_context_is_entered_again_and_again_as_cudas_is():
             x = x + 1
     assert ctx.stream is s
     assert torch.equal(x.cpu(), torch.full((3,), 3.0))
+
+
+def test_record_stream_takes_a_tpu_stream_as_fsdp_mixed_precision_does():
+    """FSDP's mixed-precision parameters (verl's FSDP actor) call ``tensor.record_stream`` with
+    the device module's current stream; torch's binding accepts only a ``torch.Stream``."""
+    s = torch.tpu.current_stream()
+    assert isinstance(s, torch.Stream) and s.device == torch.device("tpu", 0)
+    x = torch.ones(3, device="tpu")
+    x.record_stream(s)
+    x.record_stream(torch.tpu.Stream())
+    assert torch.equal((x + 1).cpu(), torch.full((3,), 2.0))

@@ -23,12 +23,20 @@ def _synchronize() -> None:
     torch.tpu.synchronize()
 
 
-class Stream:
-    """A device stream: the device's one ordered queue (see the module docstring)."""
+# c10::DeviceType::PrivateUse1, the device type of "tpu" tensors
+_PRIVATEUSE1 = 20
+
+
+class Stream(torch.Stream):
+    """A device stream: the device's one ordered queue (see the module docstring). A
+    ``torch.Stream`` (stream 0 of its device, built without asking the backend for one), so
+    ``Tensor.record_stream(stream)`` accepts it (FSDP's mixed-precision parameters call it)."""
+
+    def __new__(cls, device=None, priority: int = 0) -> Stream:
+        index = torch.tpu.current_device() if device is None else torch.device(device).index or 0
+        return super().__new__(cls, stream_id=0, device_index=index, device_type=_PRIVATEUSE1)
 
     def __init__(self, device=None, priority: int = 0) -> None:
-        self.device = torch.device("tpu", torch.tpu.current_device() if device is None
-                                   else torch.device(device).index or 0)
         self.priority = priority
 
     def wait_stream(self, stream: Stream) -> None:
