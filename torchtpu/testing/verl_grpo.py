@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -49,8 +51,8 @@ def prepare(folder: str | Path) -> Path:
     return folder
 
 
-def overrides(folder: str | Path, steps: int) -> list[str]:
-    """verl's Hydra overrides for the run (see the module doc)."""
+def overrides(folder: str | Path, steps: int, ray_dir: str | Path) -> list[str]:
+    """verl's Hydra overrides for the run (see the module doc); Ray's session under ray_dir."""
     folder = Path(folder)
     actor = "actor_rollout_ref.actor"
     rollout = "actor_rollout_ref.rollout"
@@ -85,7 +87,7 @@ def overrides(folder: str | Path, steps: int) -> list[str]:
         f"trainer.default_local_dir={folder / 'checkpoints'}",
         "transfer_queue.backend.SimpleStorage.num_data_storage_units=1", "reward.num_workers=1",
         "+ray_kwargs.ray_init.resources={TPU:1}", "+ray_kwargs.ray_init.num_cpus=8",
-        f"+ray_kwargs.ray_init._temp_dir={folder / 'ray'}",
+        f"+ray_kwargs.ray_init._temp_dir={ray_dir}",
         "+ray_kwargs.ray_init.object_store_memory=1000000000",
         "+ray_kwargs.ray_init.include_dashboard=False",
     ]
@@ -119,7 +121,10 @@ def run(folder: str | Path, steps: int, *, timeout: float = 1500, extra: list[st
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "PYTHONPATH": path, "TORCHTPU_VLLM": "1", "VERL_PLATFORM": "tpu",
            "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(folder, steps), *extra]
+    # Ray's sockets live under its session folder and a socket path has at most 107 bytes
+    ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+    cmd = [sys.executable, "-m", "verl.trainer.main_ppo", *overrides(folder, steps, ray_dir),
+           *extra]
     start = time.perf_counter()
     with open(folder / "verl.log", "w") as log:
         # its own session: on a timeout the driver, Ray's local cluster and every worker go
@@ -131,6 +136,7 @@ def run(folder: str | Path, steps: int, *, timeout: float = 1500, extra: list[st
             returncode = None
         finally:
             _stop(proc)
+            shutil.rmtree(ray_dir, ignore_errors=True)
     output = (folder / "verl.log").read_text()
     return {"returncode": returncode, "seconds": time.perf_counter() - start,
             "steps": parse(output), "tail": output[-4000:]}
