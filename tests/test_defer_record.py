@@ -79,3 +79,22 @@ def test_seen_call_wraps_its_one_result_directly(monkeypatch):
         want = torch.max(a, dim=1)
         torch.testing.assert_close(values.cpu(), want.values)
         torch.testing.assert_close(indices.cpu(), want.indices)
+
+
+def test_backward_on_the_autograd_thread_is_no_other_thread(monkeypatch, recwarn):
+    # PyTorch runs a tpu backward on its own thread: its ops are the owner's step, not another
+    # thread's (whose ops would be warned about, once).
+    monkeypatch.setattr(defer.RECORDER, "_warned_threads", False)
+    m = torch.nn.Linear(4, 3)
+    d = torch.nn.Linear(4, 3).to("tpu")
+    d.load_state_dict(m.state_dict())
+    x = torch.randn(2, 4)
+    with torch.tpu.set_eager_mode(DEFER):
+        for _ in range(2):
+            d(x.to("tpu")).pow(2).sum().backward()
+        grad = d.weight.grad.cpu()
+    m(x).pow(2).sum().backward()
+    m(x).pow(2).sum().backward()
+    torch.testing.assert_close(grad, m.weight.grad)
+    assert not defer.RECORDER._warned_threads
+    assert not [w for w in recwarn if "one recording of the process" in str(w.message)]

@@ -46,7 +46,10 @@ def _cast(tree, dtype):
     if _floating_on_device(tree):
         return tree.to(dtype)
     if isinstance(tree, (list, tuple)):
-        return type(tree)(_cast(x, dtype) for x in tree)
+        # Every product and norm of an autocast forward comes here: its plain tensor arguments
+        # are cast without a call each.
+        return type(tree)([x.to(dtype) if _floating_on_device(x) else
+                           _cast(x, dtype) if isinstance(x, (list, tuple)) else x for x in tree])
     return tree
 
 
@@ -81,7 +84,8 @@ def _kernel(op, policy: str):
                 _casting.on = True
                 try:
                     args = _cast(args, dtype)
-                    kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
+                    if kwargs:
+                        kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
                 finally:
                     _casting.on = False
             return op(*args, **kwargs)

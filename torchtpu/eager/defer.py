@@ -329,8 +329,6 @@ class Recorder:
         """Once: ops of a thread other than the owner (outside backward, which PyTorch's
         autograd thread runs for every thread) interleave in the owner's recording, whose
         structure then differs at every flush (issue 37: 4 threads compiled 144 programs)."""
-        if _graph_task_id() != -1:
-            return
         self._warned_threads = True
         warnings.warn(
             f"torchtpu.unsupported: DeferAndFuse records thread "
@@ -348,8 +346,9 @@ class Recorder:
             if a.__class__ in _SEQUENCES:
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
+        # (Backward's ops, on PyTorch's autograd thread, are in a graph task: no call.)
         if self.owner is not None and not self._warned_threads \
-                and threading.get_ident() != self.owner:
+                and threading.get_ident() != self.owner and _graph_task_id() == -1:
             self._warn_other_thread()
         with self._lock:
             if self._step_over:
