@@ -116,3 +116,21 @@ def test_debug_mode_steps_op_by_op():
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
         _, counts = _train("tpu", 1)
     assert counts[0][0] >= 6, counts
+
+
+class _Subclassed(torch.optim.SGD):
+    def step(self, closure=None):
+        with torch.no_grad():
+            for q in self.param_groups[0]["params"]:
+                q.grad.mul_(0.5)
+        return super().step(closure)
+
+
+def test_a_subclass_step_calling_its_base_step_is_one_region():
+    """Once a plain SGD exists, PyTorch has wrapped SGD.step with the global step hooks too: a
+    subclass's step that calls super().step() runs them nested. One region, one program (the
+    inner hooks closed and reopened it: 2 programs where 1, seen after test_eager_threads)."""
+    torch.optim.SGD(_params("tpu"), lr=0.1)  # wraps SGD.step as well
+    got, counts = _train("tpu", 2, _Subclassed, momentum=0.9)
+    _assert_same(got, _train("cpu", 2, _Subclassed, momentum=0.9)[0])
+    assert all(n == 1 for n, _ in counts), counts

@@ -19,12 +19,17 @@ Only Strict's steps: Debug runs op by op on purpose, DeferAndFuse records them a
 like growth to them. A host read inside the step (a custom optimizer's ``.item()``) runs what is
 recorded so far, as under DeferAndFuse. A step that raises never reaches the post hook: what it
 recorded stays pending, correct, until the next host read or the next step's start runs it.
-``TORCHTPU_FUSED_STEPS=0`` keeps Strict's op-by-op steps.
+Only the main thread's steps (a training loop's): the process has one recording, and a step on
+another thread (ranks run as threads, a worker thread) may meet other threads' ops running
+meanwhile, which would read the recording's pending values. ``TORCHTPU_FUSED_STEPS=0`` keeps
+Strict's op-by-op steps.
 """
 
 from __future__ import annotations
 
 import os
+import sys
+import threading
 
 import torch
 from torch.optim.optimizer import (
@@ -44,6 +49,10 @@ class StepRegion(DeferAndFuse):
         super().__init__()
         self.previous = previous
         self._buckets = False
+        # The frame of the step call that opened the region, and how many step calls run inside
+        # it: a subclass's step calling super().step() runs the global hooks again, nested.
+        self.frame = None
+        self.nested = 0
 
     def enter(self) -> None:
         # Not DeferAndFuse.enter: its own step hook would be added to the hooks PyTorch is
@@ -61,22 +70,43 @@ def _on_tpu(opt: torch.optim.Optimizer) -> bool:
     return any(p.device.type == "tpu" for group in opt.param_groups for p in group["params"])
 
 
+def _on_stack(frame) -> bool:
+    f = sys._getframe(1)
+    while f is not None:
+        if f is frame:
+            return True
+        f = f.f_back
+    return False
+
+
+def _main_thread() -> bool:
+    return threading.current_thread() is threading.main_thread()
+
+
 def _before(opt, args, kwargs) -> None:
-    if torch.compiler.is_compiling():
-        return
-    current = executor.current()
-    if isinstance(current, StepRegion):  # the last step raised: its ops run first
-        executor.set_current(current.previous)
-        current = executor.current()
-    if type(current) is executor.Strict and _on_tpu(opt):
-        executor.set_current(StepRegion(current))
-
-
-def _after(opt, args, kwargs) -> None:
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _main_thread():
         return
     current = executor.current()
     if isinstance(current, StepRegion):
+        if _on_stack(current.frame):  # a step called inside the open one's step
+            current.nested += 1
+            return
+        executor.set_current(current.previous)  # the last step raised: its ops run first
+        current = executor.current()
+    if type(current) is executor.Strict and _on_tpu(opt):
+        region = StepRegion(current)
+        region.frame = sys._getframe(1)
+        executor.set_current(region)
+
+
+def _after(opt, args, kwargs) -> None:
+    if torch.compiler.is_compiling() or not _main_thread():
+        return
+    current = executor.current()
+    if isinstance(current, StepRegion):
+        if current.nested:
+            current.nested -= 1
+            return
         executor.set_current(current.previous)
 
 
