@@ -80,6 +80,31 @@ def test_a_strided_tensor_that_is_part_of_its_storage_keeps_the_view_writer():
     assert torch.equal(got.cpu(), want)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_weight_loaded_in_row_blocks_is_a_typed_array_of_its_shape(dtype):
+    """vLLM loads a merged projection (qkv, gate-up) into ``torch.empty`` by ``narrow(0, ...)``
+    copies: its storage must be the weight's typed array, not zero bytes written into (on the
+    v5e every decode step re-tiled such byte arrays: ~250 of its 265 ms)."""
+    parts = [torch.randn(6, 8).to(dtype), torch.randn(10, 8).to(dtype)]
+    weight = torch.empty(16, 8, dtype=dtype, device="tpu")
+    weight.narrow(0, 0, 6).copy_(parts[0].to("tpu"))
+    weight.narrow(0, 6, 10).copy_(parts[1])
+    bias = torch.empty(16, dtype=dtype, device="tpu")
+    bias.narrow(0, 3, 5).copy_(parts[0][0, :5])
+    for t, shape in ((weight, (16, 8)), (bias, (16,))):
+        array = t.untyped_storage()._tpu_array
+        assert (array.dtype, array.shape) == (dtypes.to_jax(dtype), shape)
+    assert torch.equal(weight.cpu(), torch.cat(parts))
+    want_bias = torch.zeros(16, dtype=dtype)
+    want_bias[3:8] = parts[0][0, :5]
+    assert torch.equal(bias.cpu(), want_bias)
+    # Rows that do not divide the storage, or a slice that is not whole rows: its bytes.
+    odd = torch.empty(10, dtype=dtype, device="tpu").view(5, 2)[:, :1]
+    odd.copy_(torch.ones(5, 1, dtype=dtype))
+    assert odd.untyped_storage()._tpu_array.dtype == np.uint8
+    assert torch.equal(odd.cpu(), torch.ones(5, 1, dtype=dtype))
+
+
 def _product_of_a_transposed_gradient(b, t, h, d):
     """The mm program (its jitted function and arguments) of v's projection's weight gradient:
     the gradient laid out (b, t, h, d) as SDPA gives it, read as (b t, h d)."""
