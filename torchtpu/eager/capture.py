@@ -43,8 +43,8 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtpu import metrics
 from torchtpu.device import launch, storage, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import executor, facts, spanning
-from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity, _replay
+from torchtpu.eager import executor, facts, fused_program, spanning
+from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity
 from torchtpu.eager.program import Spec, program
 from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
 from torchtpu.lowering.registry import Lowering
@@ -250,7 +250,8 @@ class Capture:
         targets = [outputs[w] for w in wanted]
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
         written = {id(st) for sts in targets for st in sts}
-        run = (spanning.replay if self._spmd is not None else _replay)(tuple(trace.nodes), wanted)
+        build = spanning.replay if self._spmd is not None else fused_program.replay
+        run = build(tuple(trace.nodes), wanted)
         replay, baked, sources = _baked(run, sources)
         donate = _donations(sources, written, avals)
         for st, start in live:
