@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtpu.device import dtypes, views
+from torchtpu.device import dtypes, tensors, views
 from torchtpu.device.hooks import HOOKS
 
 # (shape, memory order of its dims): attention's (b, h, t, d) stored as (b, t, h, d), channels
@@ -98,6 +98,9 @@ def test_a_weight_loaded_in_row_blocks_is_a_typed_array_of_its_shape(dtype):
     want_bias = torch.zeros(16, dtype=dtype)
     want_bias[3:8] = parts[0][0, :5]
     assert torch.equal(bias.cpu(), want_bias)
+    # A number (0-d) is its whole storage: read before any write, it is typed zeros too.
+    assert tensors.storage_array(torch.empty((), dtype=dtype, device="tpu")).dtype == \
+        dtypes.to_jax(dtype)
     # Rows that do not divide the storage, or a slice that is not whole rows: its bytes.
     odd = torch.empty(10, dtype=dtype, device="tpu").view(5, 2)[:, :1]
     odd.copy_(torch.ones(5, 1, dtype=dtype))

@@ -315,10 +315,12 @@ def _typed_shape(t: torch.Tensor, st) -> tuple | None:
     Stored as bytes, every later read of such a weight bitcast them back, and on a TPU a 1-d
     byte array is laid out in 128-byte tiles: the v5e's served decode step spent ~250 ms a step
     re-tiling its merged weights (serving, session 21)."""
-    if t.dtype is torch.complex32 or t.dim() == 0 or not t.is_contiguous():
+    if t.dtype is torch.complex32:
         return None
     if _covers_storage(t, st):
         return tuple(t.shape)
+    if t.dim() == 0 or not t.is_contiguous():
+        return None
     row = t.element_size() * math.prod(t.shape[1:])
     if not row or st.nbytes() % row or t.storage_offset() * t.element_size() % row:
         return None
