@@ -45,13 +45,13 @@ from torchtpu.eager.defer import DeferAndFuse
 class StepRegion(DeferAndFuse):
     """DeferAndFuse for the length of one optimizer step; leaving it runs the step."""
 
-    def __init__(self, previous: executor.Strict) -> None:
+    def __init__(self, previous: executor.Strict, frame) -> None:
         super().__init__()
         self.previous = previous
         self._buckets = False
         # The frame of the step call that opened the region, and how many step calls run inside
         # it: a subclass's step calling super().step() runs the global hooks again, nested.
-        self.frame = None
+        self.frame = frame
         self.nested = 0
 
     def enter(self) -> None:
@@ -94,9 +94,7 @@ def _before(opt, args, kwargs) -> None:
         executor.set_current(current.previous)  # the last step raised: its ops run first
         current = executor.current()
     if type(current) is executor.Strict and _on_tpu(opt):
-        region = StepRegion(current)
-        region.frame = sys._getframe(1)
-        executor.set_current(region)
+        executor.set_current(StepRegion(current, sys._getframe(1)))
 
 
 def _after(opt, args, kwargs) -> None:
