@@ -143,17 +143,51 @@ def test_another_mode_finds_every_lazy_cast_computed(mode):
     assert torch.equal(got, x.float() * 2)
 
 
-def test_only_casts_that_hold_no_more_memory_wait():
+def test_a_narrowing_cast_waits_only_for_its_first_reader():
+    # Its wide source must not outlive it: the first program converting it returns the narrow
+    # value too, which every later reader reads.
+    x = torch.randn(3, 4)
+    a = x.to("tpu")
+    (a.to(torch.bfloat16) * 2).cpu()  # compiled once
+    with census(dots=False) as c:
+        y = a.to(torch.bfloat16)
+        assert _lazy(y) and y.untyped_storage()._tpu_array.keep
+        got = y * 2
+        assert not _lazy(y)  # settled by the product's program: its source let go
+        again = y + 1
+    assert c.launch_count == 2
+    want = x.to(torch.bfloat16)
+    assert torch.equal(got.cpu(), want * 2) and torch.equal(again.cpu(), want + 1)
+    assert torch.equal(y.cpu(), want) and not lazy_casts._kept
+
+
+def test_a_program_reading_a_narrowing_cast_twice_or_in_a_list_settles_it():
+    x = torch.randn(5, 3)
+    for _ in range(2):  # the second time through the short path
+        y = x.to("tpu").to(torch.bfloat16)
+        got = y * y
+        assert not _lazy(y) and torch.equal(got.cpu(), x.bfloat16() * x.bfloat16())
+    ys = [v.to("tpu").to(torch.bfloat16) for v in (x, x[0])]
+    norms = torch._foreach_norm(ys)
+    assert not any(_lazy(v) for v in ys) and not lazy_casts._kept
+    for n, v, y in zip(norms, (x, x[0]), ys):
+        torch.testing.assert_close(n.cpu(), v.bfloat16().norm())
+        assert torch.equal(y.cpu(), v.bfloat16())
+
+
+def test_only_parameter_casts_under_autocast_wait_unsettled():
+    # A parameter is held anyway: autocast's casts of it stay lazy for every reader; any other
+    # narrowing cast (an activation's, a parameter's outside autocast: ``.half()``) is kept.
     w = torch.nn.Parameter(torch.randn(5, 4, device="tpu"))
     a = torch.randn(3, 4, device="tpu")
-    assert not _lazy(w.to(torch.bfloat16))  # a parameter narrowed outside autocast (.half())
-    assert not _lazy(a.to(torch.bfloat16))  # an activation narrowed: its f32 source would live
+    assert w.to(torch.bfloat16).untyped_storage()._tpu_array.keep
+    assert a.to(torch.bfloat16).untyped_storage()._tpu_array.keep
     narrowed = []
     lazy_cast = lazy_casts.lazy_cast
 
     def watch(t, array, dtype):
         out = lazy_cast(t, array, dtype)
-        narrowed.append((t is w, out is not None))
+        narrowed.append((t is w, out.keep))
         return out
 
     HOOKS.lazy_cast = watch
@@ -162,7 +196,7 @@ def test_only_casts_that_hold_no_more_memory_wait():
             got = F.linear(a, w)
     finally:
         HOOKS.lazy_cast = lazy_cast
-    assert sorted(narrowed) == [(False, False), (True, True)]  # autocast's cast of the weight
+    assert sorted(narrowed) == [(False, True), (True, False)]  # autocast's cast of the weight
     with torch.autocast("cpu", torch.bfloat16):
         want = F.linear(a.cpu(), w.detach().cpu())
     torch.testing.assert_close(got.cpu().float(), want.float())
@@ -192,8 +226,9 @@ def test_a_parameter_a_fused_optimizer_step_wrote_is_cast_lazily():
             got = lin(x.to("tpu")).cpu()
     finally:
         HOOKS.lazy_cast = lazy_cast
-    # x's cast now; the weight's and the bias's lazy
-    assert [type(m) for m in made] == [type(None), lazy_casts.Converted, lazy_casts.Converted]
+    # x's cast kept (settled by its reader); the weight's and the bias's lazy
+    assert [type(m) for m in made] == [lazy_casts.Converted] * 3
+    assert [m.keep for m in made] == [True, False, False]
     with torch.autocast("cpu", torch.bfloat16):
         want = cpu(x)
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)  # bf16 ulps
@@ -226,9 +261,10 @@ def test_an_autocast_llama_step_computes_as_cpu_with_fewer_launches():
             step(x, y)
     finally:
         HOOKS.lazy_cast = lazy_casts.lazy_cast
-    # Per layer 7 weight casts and 12 gradients cast back to float32; 4 outside the layers (the
-    # head's weight, the logits and their gradients).
-    assert c.launch_count - lazy == 19 * CONFIG.layers + 4, (c.launch_count, lazy)
+    # Per layer 7 weight casts, 12 gradients cast back to float32, 7 inputs cast to bfloat16
+    # (the products' 5, the rotary tables' 2) and 2 float32 gradients of bfloat16 results; 6
+    # outside the layers (the head's weight and input, the logits and their gradients).
+    assert c.launch_count - lazy == 28 * CONFIG.layers + 6, (c.launch_count, lazy)
 
 
 def test_a_loop_of_growing_sizes_over_lazy_casts_computes_as_cpu():

@@ -40,12 +40,15 @@ class Strict:
         fn = held[1] if held is not None and held[0] is lowering else program(lowering, spec)
         slots = spec._scalars
         if not (numbers.scalar_slots(spec) if slots is None else slots):
-            return launch.run(lowering.op, fn, dyn)
-        # Its traced numbers as device arrays, kept for the next call: a program handing one
-        # back as a result (JAX forwards an input it returns) gives a copy, which a storage
-        # may own.
-        dyn = numbers.on_device(spec, dyn)
-        return numbers.not_kept(launch.run(lowering.op, fn, dyn))
+            out = launch.run(lowering.op, fn, dyn)
+        else:
+            # Its traced numbers as device arrays, kept for the next call: a program handing
+            # one back as a result (JAX forwards an input it returns) gives a copy, which a
+            # storage may own.
+            dyn = numbers.on_device(spec, dyn)
+            out = numbers.not_kept(launch.run(lowering.op, fn, dyn))
+        # Narrowing lazy casts it read come back converted: their values now.
+        return out if not spec.keeps else lazy_casts.settle(spec.keeps, dyn, out)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""

@@ -14,7 +14,7 @@ import jax
 
 from torchtpu.device import dtypes
 from torchtpu.eager import meta
-from torchtpu.eager.lazy_casts import check_read, read_input
+from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
 from torchtpu.runtime import warm
 
@@ -35,7 +35,7 @@ class Spec:
     """
 
     __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program", "_simple",
-                 "_scalars")
+                 "_scalars", "keeps")
 
     def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
         self.entries = entries    # (kind, payload) per argument
@@ -47,6 +47,8 @@ class Spec:
         self._program = None  # (lowering, its jitted function): ``program``'s hit without a hash
         self._simple = None   # whether ``seen_calls`` may repeat its calls (found at first use)
         self._scalars = None  # where its traced numbers are (``numbers.scalar_slots``)
+        # Its kept lazy casts (``kept_positions``): its program returns their conversions too.
+        self.keeps = ()
 
     def __hash__(self) -> int:
         return self._hash
@@ -78,8 +80,9 @@ def _first(dtype):
     return dtype
 
 
-def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
-    """The lowering's arguments, from the spec and the dynamic values (inside a trace)."""
+def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None) -> list:
+    """The lowering's arguments, from the spec and the dynamic values (inside a trace); kept
+    lazy casts' conversions are appended to ``kept`` (when given)."""
     promote_to = None
     if lowering.promote == "result":
         promote_to = _first(spec.compute)
@@ -90,7 +93,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
         if kind == TENSOR:
             v = next(it)
             if payload is not None:
-                v = read_input(v, payload)
+                v = read_input(v, payload, kept)
             if promote_to is not None and v.dtype != promote_to:
                 v = v.astype(promote_to)
             args.append(v)
@@ -101,7 +104,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple) -> list:
                     items.append(None)
                 else:
                     v = next(it)
-                    items.append(v if element is False else read_input(v, element))
+                    items.append(v if element is False else read_input(v, element, kept))
             args.append(items)
         elif kind == SCALAR:
             args.append(next(it))
@@ -131,8 +134,26 @@ def with_views(spec: Spec, views: tuple) -> Spec:
                 payload[j] = g
                 entries[i][1] = tuple(payload)
         derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
+        derived.keeps = kept_positions(derived.entries)
         meta.bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
     return derived
+
+
+def kept_positions(entries: tuple) -> tuple:
+    """(position among the dynamic values, dtype, shape) of each kept ``Cast`` spec entries
+    read, in the order a program returns their conversions (``program.rebuild``'s)."""
+    found, at = [], 0
+    for kind, payload in entries:
+        if kind == CONST:
+            continue
+        hows = payload if kind == TENSORS else (payload,)
+        for how in hows:
+            if how is True:
+                continue
+            if type(how) is Cast and how.keep:
+                found.append((at, how.dtype, how.shape))
+            at += 1
+    return tuple(found)
 
 
 def donated_inputs(lowering: Lowering, spec: Spec) -> tuple:
@@ -162,8 +183,9 @@ def program(lowering: Lowering, spec: Spec):
 @functools.cache
 def _program(lowering: Lowering, spec: Spec):
     def run(*dyn):
-        out = lowering.fn(*rebuild(spec, lowering, dyn))
-        return cast_outputs(out, spec.final)
+        kept = [] if spec.keeps else None
+        out = cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn, kept)), spec.final)
+        return out if kept is None else (out, tuple(kept))
 
     run.__name__ = str(lowering.op).replace(".", "_")
     jitted = jax.jit(run, donate_argnums=donated_inputs(lowering, spec))
