@@ -1,15 +1,17 @@
 """The chip Llama row's whole step and its JAX twin, compiled for a TPU without one.
 
-``torchtpu.testing.llama``'s training step under ``torch.compile(step, backend="tpu")`` and
-``bench/tpu_llama.py``'s twin (splash or naive attention), each compiled for one chip of a TPU
-target with libtpu, at the chip row's real shapes: deterministic figures (no load noise) to find
-where the whole step's program does more than the twin's. Nothing runs: the whole step's
-captured programs are compiled for the target instead of being run on the host
-(``Captured.replay`` is replaced for the length of the run, outputs become zeros of their
-shapes), so a 12-layer, 8,192-token step costs only its captures and TPU compiles.
+``torchtpu.testing.llama``'s training step under ``torch.compile(step, backend="tpu")`` (side
+``whole``) or DeferAndFuse (``defer``: its fused programs) and ``bench/tpu_llama.py``'s twin
+(splash or naive attention), each compiled for one chip of a TPU target with libtpu, at the chip
+row's real shapes: deterministic figures (no load noise) to find where the whole step's program
+does more than the twin's. Nothing runs: the whole step's captured programs and DeferAndFuse's
+flushes are compiled for the target instead of being run on the host (``Captured.replay`` is
+replaced, the fused launches are answered by an observer, for the length of the run; outputs
+become zeros of their shapes), so a 12-layer, 8,192-token step costs only its captures (or
+recordings) and TPU compiles.
 
     /work/venvs/tpu/bin/python bench/aot_llama.py [--length 1024] [--layers 12]
-        [--target v5e:1x1] [--dump DIR] [--json out.json]
+        [--target v5e:1x1] [--sides whole,defer,splash,naive] [--dump DIR] [--json out.json]
 
 Per program: the cost model's seconds, flops, bytes accessed, transcendentals; HBM (arguments,
 outputs, temporaries); and from its optimized HLO (``--dump``) the fusions, copies, transposes,
@@ -119,6 +121,54 @@ def whole_step(length: int, layers: int, target: str, tokens: int = TOKENS, **di
     return reports
 
 
+@contextlib.contextmanager
+def fused_not_run(reports: list, target: str):
+    """Every DeferAndFuse program compiled for the target (once each) and not run: its outputs
+    are zeros."""
+    from torchtpu.device.hooks import HOOKS
+    from torchtpu.runtime import tpu_target
+
+    previous, seen = HOOKS.launch_observer, set()
+
+    def observe(label, fn, args):
+        if not str(label).startswith("defer_and_fuse"):
+            return fn(*args) if previous is None else previous(label, fn, args)
+        if id(fn) not in seen:  # the recorder keeps each program's jitted function
+            seen.add(id(fn))
+            reports.append(tpu_target.compile_function(fn, *args, name=str(label), kind="step",
+                                                       target_name=target))
+        return [jnp.zeros(s.shape, s.dtype) for s in jax.eval_shape(fn, *args)]
+
+    HOOKS.launch_observer = observe
+    try:
+        yield
+    finally:
+        HOOKS.launch_observer = previous
+
+
+def deferred_step(length: int, layers: int, target: str, tokens: int = TOKENS, steps: int = 3,
+                  **dims) -> list:
+    """The reports of every program the step's first calls under DeferAndFuse build (the
+    first: AdamW creating its moments; then the steady one), each flushed at ``loss.item()``."""
+    import torch
+
+    from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+
+    c = LlamaConfig(layers=layers, seq=length, **dims)
+    torch.manual_seed(0)
+    with torch.device("tpu"):
+        model = Llama(c)
+    step, _ = train_step(model)
+    ids = torch.randint(c.vocab, (tokens // length, length + 1))
+    x, y = ids[:, :-1].contiguous().to("tpu"), ids[:, 1:].contiguous().to("tpu")
+    reports: list = []
+    with fused_not_run(reports, target), \
+            torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        for _ in range(steps):
+            step(x, y).item()
+    return reports
+
+
 def twin(length: int, layers: int, target: str, splash: bool, tokens: int = TOKENS,
          **dims):
     from torchtpu.runtime import tpu_target
@@ -160,6 +210,8 @@ def main(argv: list | None = None) -> dict:
     for side in sides:
         if side == "whole":
             rs = whole_step(args.length, args.layers, args.target, args.tokens, **dims)
+        elif side == "defer":
+            rs = deferred_step(args.length, args.layers, args.target, args.tokens, **dims)
         else:
             rs = [twin(args.length, args.layers, args.target, side == "splash", args.tokens,
                        **dims)]

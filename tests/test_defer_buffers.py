@@ -40,7 +40,7 @@ def test_in_place_updates_keep_their_buffers_and_match_cpu():
 
 
 def test_a_dead_result_lends_its_buffer_to_the_next_flush():
-    x = torch.randn(128, 64)
+    x = torch.randn(256, 128)  # 128 KiB: results under defer.SPARE_MIN_BYTES are not kept
     xd = x.to("tpu")
     with torch.tpu.set_eager_mode(DEFER):
         out = torch.tanh(xd) * 2

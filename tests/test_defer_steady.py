@@ -140,6 +140,27 @@ def test_the_llama_steps_program_multiplies_in_bf16_and_keeps_64_bits_to_the_ids
     assert not wide, wide
 
 
+def test_holding_last_steps_loss_one_step_longer_loads_no_program():
+    # A logging line or a profiled step may keep the previous loss alive through the next flush;
+    # the program must not depend on it (it did when every dead result lent its buffer: the
+    # held loss lent none, another program, ~1 min to compile on the chip).
+    model = _model(SMALL, "tpu")
+    step, _ = train_step(model)
+    batch = _batch(SMALL, "tpu")
+    held, count = [], [0]
+
+    def run():
+        loss = step(*batch)  # flushed at the read below: held has last step's loss every other step
+        loss.item()
+        count[0] += 1
+        held[:] = [loss] if count[0] % 2 else []
+
+    with torch.tpu.set_eager_mode(DEFER):
+        loads, runs = _run(run, 6)
+    assert loads[2:] == [0, 0, 0, 0], loads
+    assert runs == [1] * 6, runs
+
+
 def test_a_steady_llama_step_without_a_read_runs_the_step_before_and_waits_for_nothing():
     # A loop that reads its losses later (the chip benchmark's timed rounds): each step's first
     # op runs the step before as one program, launched while the host goes on recording. Nothing

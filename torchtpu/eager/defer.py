@@ -27,8 +27,12 @@ cut the first step and loaded four.
 Inputs that no storage or pending value holds any more (a parameter's old value once the optimizer
 has written a new one) are donated to the program, so in-place updates reuse their buffers. So are
 the buffers of earlier results that died before this flush (a loop's previous output, last step's
-activations): the recorder keeps the last flush's results, and each one nothing else holds by the
-next flush is handed to that program, unused, for an output of its shape to be written into.
+activations): the recorder keeps the last flush's results of ``SPARE_MIN_BYTES`` or more, and
+each one nothing else holds by the next flush is handed to that program, unused, for an output of
+its shape to be written into. Smaller results are not kept: allocating them costs nothing, and
+they are what a loop hands its user (a loss, a norm), who may hold last step's one step longer
+(a logging line, a profiled step): the program, which takes the spares as parameters, would then
+be another one, compiled again (~1 min for a 12-layer Llama step on the chip).
 Fresh buffers cost more than their writes on XLA:CPU (the host zeroes new pages on first touch:
 a 32 MB RMSNorm ran 2.4x faster into a reused buffer); on TPU and GPU reuse saves allocation.
 Leaving the mode drops what is kept.
@@ -57,6 +61,7 @@ from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import warm
 
 MAX_OPS = 4000
+SPARE_MIN_BYTES = 1 << 16
 _NUMBERS = (float, int, bool)
 _SEQUENCES = (list, tuple)
 _graph_task_id = torch._C._current_graph_task_id
@@ -343,7 +348,8 @@ class Recorder:
                     r = tensors.copy_buffer(r)
                 seen.add(id(r))
                 p._value, p._trace = r, None
-                self._spares.append(r)
+                if r.nbytes >= SPARE_MIN_BYTES:
+                    self._spares.append(r)
 
     def host_read(self) -> None:
         """A device value is read on the host: on the thread that entered the mode, the recording
