@@ -312,7 +312,8 @@ class Recorder:
             metrics.count("deferred_ops", len(trace.nodes))
             # Python numbers enter as kept device arrays (``numbers.py``), each otherwise a
             # host-to-device transfer at every launch (AdamW's lists: ~2 a parameter a step).
-            inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x for x in trace.inputs]
+            inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x
+                      for x in fused_program.committed(trace.inputs)]
             trace.inputs = None
             n_inputs = len(inputs)
             # A result the recording reads is an input (donated there if nothing else holds it).

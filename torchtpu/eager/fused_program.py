@@ -3,7 +3,8 @@
 ``replay`` is the fused function: the recorded calls in order, returning the wanted outputs.
 ``donatable`` picks the inputs (and kept spare buffers) whose buffers the program may take, and
 ``in_place_order`` orders the outputs so that each donated input's buffer goes to the output that
-updates it, which JAX pairs by shape in argument order.
+updates it, which JAX pairs by shape in argument order. ``committed`` places the arrays an earlier
+program left uncommitted.
 """
 
 from __future__ import annotations
@@ -27,6 +28,24 @@ def replay(nodes: tuple, wanted: tuple):
         return [values[n][leaf] for n, leaf in wanted]
 
     return defer_and_fuse
+
+
+def committed(inputs: list) -> list:
+    """inputs, with the arrays that are not committed to a device committed to the device of the
+    others. JAX commits no result that depends on no input (a ``zero_``'s, a fill's), and a program
+    keys its executable by its inputs' commitment: an optimizer's first step, reading the zeros
+    its state starts as, would compile again at the next step, reading its own results."""
+    loose = [i for i, x in enumerate(inputs) if isinstance(x, jax.Array) and not x.committed]
+    if not loose:
+        return inputs
+    devices = {d for x in inputs if isinstance(x, jax.Array) and x.committed for d in x.devices()}
+    if len(devices) != 1:
+        return inputs
+    device = devices.pop()
+    inputs = list(inputs)
+    for i in loose:
+        inputs[i] = jax.device_put(inputs[i], device)
+    return inputs
 
 
 def donatable(inputs: list, targets: list, spares: list) -> tuple:
