@@ -63,3 +63,32 @@ def test_compiled_addcmul_and_addcdiv_in_place_match_cpu():
     x = torch.randn(8)
     out = torch.compile(f, backend="tpu")(x.to("tpu"), x.to("tpu"), x.to("tpu"))
     np.testing.assert_allclose(out.cpu(), f(x.clone(), x, x), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("first", [0.0, -0.0])
+def test_a_zeros_sign_picks_its_own_program(first):
+    # nan's value is baked in; 0.0 == -0.0, so a key or spec comparing numbers by == alone
+    # ran the second call with the first one's program.
+    x = torch.tensor([float("nan"), 1.0])
+    for nan in (first, -first):
+        out = x.to("tpu").nan_to_num(nan=nan).cpu()
+        assert torch.equal(out.signbit(), x.nan_to_num(nan=nan).signbit()), nan
+
+
+def _pow(x, e):
+    return x ** e
+
+
+def test_an_int_exponent_and_its_float_twin_are_apart_at_a_growing_site():
+    # Ints varying at one site make its pow calls a growing family (sizes: the length and the
+    # exponent). 2.0 there once shared 2's spec, and so its family, noting sizes without the
+    # exponent; a pow of another length at a new site then matched it and ran padded, and
+    # under DeferAndFuse ran at once instead of being recorded.
+    x = torch.rand(64, device="tpu") + 0.5
+    for e in (2, 3, -1, -2, 2.0):
+        _pow(x, e)
+    y = torch.rand(33, device="tpu") + 0.5
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        z = y ** 2
+        assert "stablehlo.multiply" in torch.tpu.pending_hlo()
+    np.testing.assert_allclose(z.cpu(), y.cpu() ** 2, rtol=1e-6)

@@ -63,8 +63,21 @@ def leaf_key(v):
         if v.dim() != 0:
             raise device_error(v)
         return ("cpu", v.dtype)
-    # 1, 1.0 and True are equal as dict keys but promote differently.
-    return (type(v), v)
+    return exact_key(v)
+
+
+def exact_key(v):
+    """v as a key that tells apart what ``==`` takes for one value: 1, 1.0 and True (they
+    promote differently) and 0.0 and -0.0 (a zero's sign survives a fill or a multiply).
+    Every NaN is one key (``float.hex``), where ``==`` would take none for another."""
+    t = type(v)
+    if t is float:
+        return (t, v.hex())
+    if t is complex:
+        return (t, v.real.hex(), v.imag.hex())
+    if t is tuple:
+        return tuple(exact_key(x) for x in v)
+    return (t, v)
 
 
 def is_default_number(v, default) -> bool:

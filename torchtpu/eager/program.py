@@ -42,7 +42,10 @@ class Spec:
         self.compute = compute    # dtype(s) the math runs in (result of PyTorch promotion)
         self.final = final        # dtype(s) the outputs are cast to
         self.promote = promote    # input dtype under promote="common"
-        self._key = (entries, compute, final, promote)
+        # A constant by its exact key: a spec equal to another's picks that one's program, and
+        # 2 and 2.0 (or 0.0 and -0.0) are equal numbers (nan_to_num(nan=-0.0) ran as nan=0.0).
+        exact = tuple((kind, meta.exact_key(p) if kind == CONST else p) for kind, p in entries)
+        self._key = (exact, compute, final, promote)
         self._hash = hash(self._key)
         self._program = None  # (lowering, its jitted function): ``program``'s hit without a hash
         self._simple = None   # whether ``seen_calls`` may repeat its calls (found at first use)
