@@ -17,7 +17,8 @@ Modes, each on a fresh model (the previous one's memory given back first):
   timed ones at the next step's first op: one program a step, launched while the host records
   the next).
 
-Each prints ms/step (median of rounds, each ended by a host read of the loss), the host's time
+Each prints ms/step (median of the rounds that loaded no program, each round ended by a host
+read of the loss; a mode's rounds go on past ``--budget-s`` until one loaded none), the host's time
 issuing a step (inside the step call: near ms/step, the host is what a step waits for), MFU
 against the chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model
 made to the end of the first three steps, compiles included), peak device memory
@@ -66,13 +67,16 @@ def _counters() -> dict:
 def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> tuple:
     """(ms per step of each round, the host's ms issuing each step of each round (inside
     ``run_step``: near the round's figure, the host is what the step waits for), counters per
-    step over all rounds); stops early past budget_s, keeping at least one round."""
-    times, issue, before = [], [], _counters()
+    step over all rounds, programs loaded in each round); stops early past budget_s, keeping at
+    least one round that loaded no program (a compile inside the only timed round made session
+    19's DeferAndFuse row 9 s a step: 5 steps and one ~45 s compile)."""
+    times, issue, loads, before = [], [], [], _counters()
     t_all = time.perf_counter()
     done = 0
     for _ in range(rounds):
         t = time.perf_counter()
         host = 0.0
+        at = _counters()
         for _ in range(steps):
             t_step = time.perf_counter()
             out = run_step()
@@ -80,11 +84,13 @@ def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> t
         read(out)
         times.append((time.perf_counter() - t) / steps * 1e3)
         issue.append(host / steps * 1e3)
+        end = _counters()
+        loads.append(sum(end[k] - at[k] for k in ("executable_compiles", "persistent_cache_hits")))
         done += steps
-        if time.perf_counter() - t_all > budget_s:
+        if time.perf_counter() - t_all > budget_s and 0 in loads:
             break
     after = _counters()
-    return times, issue, {k: (after[k] - before[k]) / done for k in COUNTERS}
+    return times, issue, {k: (after[k] - before[k]) / done for k in COUNTERS}, loads
 
 
 def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bool,
@@ -107,10 +113,11 @@ def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bo
 
     first = [float(run_step()) for _ in range(3)]
     warm = time.perf_counter() - t0
-    times, issue, per_step = _timed_rounds(run_step, float, steps, rounds, budget_s)
+    times, issue, per_step, loads = _timed_rounds(run_step, float, steps, rounds, budget_s)
     top = _profile(run_step, float) if profile else None
     stats = jax.devices()[0].memory_stats() or {}
     row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
+           "rounds_loads": loads,
            "first_losses": first, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
            "xla_argument_gib": mem.argument_size_in_bytes / 2**30,
            "xla_temp_gib": mem.temp_size_in_bytes / 2**30, "top_ops": top}
@@ -168,10 +175,11 @@ def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
     with torch.tpu.set_eager_mode(eager):
         first = [step(x, y).item() for _ in range(3)]
         warm = time.perf_counter() - t0
-        times, issue, per_step = _timed_rounds(lambda: step(x, y), lambda t: t.item(), steps,
-                                               rounds, budget_s)
+        times, issue, per_step, loads = _timed_rounds(lambda: step(x, y), lambda t: t.item(),
+                                                      steps, rounds, budget_s)
         top = _profile(lambda: step(x, y), lambda t: t.item()) if profile else None
     row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
+           "rounds_loads": loads,
            "first_losses": first, "peak_gib": torch.tpu.max_memory_allocated() / 2**30,
            "top_ops": top}
     return row
@@ -197,7 +205,10 @@ def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: f
     torch.tpu.empty_cache()
     with torch.device("meta"):
         n = sum(p.numel() for p in Llama(c).parameters())
-    ms = statistics.median(out["rounds_ms"])
+    # The rounds that loaded no program (all of them if none did): a compile is warm-up, and
+    # shows in the counters per step.
+    steady = [t for t, n in zip(out["rounds_ms"], out["rounds_loads"]) if n == 0]
+    ms = statistics.median(steady or out["rounds_ms"])
     peak = PEAKS.get(jax.devices()[0].device_kind)
     flops = model_flops(c, n, tokens)
     out.update(mode=mode, length=length, batch=batch, dims=dims, ms_per_step=ms,
