@@ -1,6 +1,7 @@
 """What a Strict Llama training step does to the device, counted on the host (no chip needed).
 
     python bench/strict_breakdown.py [--layers 1] [--batch 2] [--seq 32] [--small] [--json F]
+        [--host-steps N]
     TORCHTPU_TPU_TARGET=v5e:2x2 python bench/strict_breakdown.py --layers 1 --batch 1 --seq 1024
     TORCHTPU_TPU_TARGET=v5e:1x1 python bench/strict_breakdown.py --layers 1 --batch 8 --seq 1024 \
         --vocab 2048 --programs DIR
@@ -29,6 +30,8 @@ import argparse
 import collections
 import json
 import os
+import statistics
+import time
 
 import jax
 import torch
@@ -88,6 +91,23 @@ def _programs(c, folder: str) -> list:
     return rows
 
 
+def _host_ms(step, n: int) -> dict:
+    """Median ms of n steps, each waited for (``.item()``) before the next: the calling
+    thread's CPU time (not backward's, which runs on autograd's device thread), the process's
+    (both threads, and on XLA:CPU the device's work too) and the wall clock."""
+    thread, process, wall = [], [], []
+    for _ in range(n):
+        t, p, w = time.thread_time(), time.process_time(), time.perf_counter()
+        loss = step()
+        thread.append(time.thread_time() - t)
+        loss.item()
+        process.append(time.process_time() - p)
+        wall.append(time.perf_counter() - w)
+    return {"host_thread_ms": statistics.median(thread) * 1e3,
+            "host_process_ms": statistics.median(process) * 1e3,
+            "wall_ms": statistics.median(wall) * 1e3}
+
+
 def main(argv: list | None = None) -> dict:
     p = argparse.ArgumentParser(prog="bench/strict_breakdown.py",
                                 description=__doc__.splitlines()[0])
@@ -97,6 +117,8 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--small", action="store_true", help="width 64, vocab 256, 2 heads")
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--host-steps", type=int, default=0, metavar="N",
+                   help="also time N steps: the median host thread and process CPU ms a step")
     p.add_argument("--programs", default=None, metavar="DIR",
                    help="each program compiled for the target: costs and HLO under DIR")
     args = p.parse_args(argv)
@@ -121,6 +143,8 @@ def main(argv: list | None = None) -> dict:
     for k in ("host_to_device_bytes", "device_to_host_bytes", "number_transfers",
               "executable_compiles"):
         out[k] = after.get(k, 0) - before.get(k, 0)
+    if args.host_steps:
+        out.update(_host_ms(lambda: step(x, y), args.host_steps))
     if tpu_hook.active():
         out["tpu"] = _device_seconds(lambda: step(x, y))
     if args.programs:

@@ -1,7 +1,7 @@
 """Strict eager on the chip: where a step's time goes, host or device, and small ops against jnp.
 
     TORCHTPU_PLATFORM=tpu python bench/strict_chip.py [--layers 12] [--batch 8] [--steps 5]
-        [--sections per_op,llama] [--out DIR]
+        [--sections per_op,llama,llama_each] [--out DIR]
 
 Writes ``strict_chip.json`` under ``--out`` (default ``$OUT``, else the working directory) after
 each section, so a run cut short keeps what it measured. Sections, each on its own:
@@ -22,6 +22,10 @@ each section, so a run cut short keeps what it measured. Sections, each on its o
   (``testing/step_census.py``: launches, distinct programs, host waits, numbers crossing,
   products' dtypes). ``device_busy_ms`` near ``wall_ms`` says the chip's own work is the step;
   far below it, the host is (``in_dispatch_ms`` then says whether it waits inside launches).
+
+- ``llama_each``: the same step's timings and launches with Strict's lazy casts and lazy
+  pointwise calls off (``eager/lazy_casts.py``): every cast and pointwise call launched, as
+  before session 22 (a model of its own, built after ``llama``'s).
 
 On XLA:CPU (``tests/test_bench_strict_chip.py`` runs it small) the profile has no device track:
 the programs' spans come from the host threads that run them.
@@ -50,6 +54,7 @@ import torch
 
 import torchtpu  # noqa: F401
 from torchtpu.device.hooks import HOOKS
+from torchtpu.eager import executor
 from torchtpu.profiler import xplane
 from torchtpu.runtime import platform
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
@@ -194,7 +199,9 @@ def _host_profile(run) -> list:
     return text.getvalue().splitlines()[:60]
 
 
-def llama(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
+def _timed(layers: int, batch: int, steps: int, seq: int, dims: dict) -> tuple:
+    """(the step, its inputs, its timings): the model built, two warm-up steps, then ``steps``
+    timed one by one (issue and wall) and pipelined."""
     config = LlamaConfig(layers=layers, seq=seq, **dims)
     torch.manual_seed(0)
     t = time.perf_counter()
@@ -220,6 +227,11 @@ def llama(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
     out |= {"wall_ms": statistics.median(wall) * 1e3, "issue_ms": statistics.median(issue) * 1e3,
             "pipelined_ms": (time.perf_counter() - start) / steps * 1e3,
             "last_loss": loss.item(), "peak_gib": torch.tpu.max_memory_allocated() / 2**30}
+    return step, x, y, out
+
+
+def llama(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
+    step, x, y, out = _timed(layers, batch, steps, seq, dims)
     out |= _in_dispatch(lambda: step(x, y))
     out |= _profiled_step(lambda: step(x, y))
     out["host_profile"] = _host_profile(lambda: step(x, y))
@@ -229,12 +241,29 @@ def llama(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
     return out
 
 
+def llama_each(layers: int, batch: int, steps: int, seq: int = 1024, **dims) -> dict:
+    """``llama``'s timings with Strict launching every cast and pointwise call itself (lazy
+    casts and lazy pointwise calls off, as before session 22): what they save on this chip."""
+    was = executor.Strict.lazy_casts, executor.Strict.lazy_ops
+    executor.Strict.lazy_casts = executor.Strict.lazy_ops = False
+    executor.set_current(executor.current())  # leaves and enters: the lazy-cast hook unset
+    try:
+        step, x, y, out = _timed(layers, batch, steps, seq, dims)
+        with census() as c:
+            step(x, y)
+    finally:
+        executor.Strict.lazy_casts, executor.Strict.lazy_ops = was
+        executor.set_current(executor.current())
+    out["launches"] = c.launch_count
+    return out
+
+
 def main(argv: list | None = None) -> dict:
     p = argparse.ArgumentParser(prog="bench/strict_chip.py", description=__doc__.splitlines()[0])
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--sections", default="per_op,llama")
+    p.add_argument("--sections", default="per_op,llama,llama_each")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--small", action="store_true", help="tiny dims (a check on CPU)")
     args = p.parse_args(argv)
@@ -246,7 +275,9 @@ def main(argv: list | None = None) -> dict:
                "devices": [str(d) for d in jax.devices()], "platform": platform.platform(),
                "load_before": load}
     sections = {"per_op": lambda: per_op(*((20, 2) if args.small else ())),
-                "llama": lambda: llama(args.layers, args.batch, args.steps, seq, **dims)}
+                "llama": lambda: llama(args.layers, args.batch, args.steps, seq, **dims),
+                "llama_each": lambda: llama_each(args.layers, args.batch, args.steps, seq,
+                                                 **dims)}
     path = os.path.join(args.out, "strict_chip.json")
     os.makedirs(args.out, exist_ok=True)
     for name in args.sections.split(","):

@@ -15,8 +15,12 @@ def test_strict_chip_runs_small_and_writes_its_json(tmp_path):
     out = strict_chip.main(["--small", "--layers", "1", "--batch", "2", "--steps", "1",
                             "--out", str(tmp_path)])
     assert json.loads((tmp_path / "strict_chip.json").read_text()).keys() == out.keys()
-    for name in ("per_op", "llama"):
+    for name in ("per_op", "llama", "llama_each"):
         assert "error" not in out[name], out[name].get("error")
+    # Lazy casts and pointwise calls off: more launches, the same losses to an ulp or so
+    each = out["llama_each"]
+    assert each["launches"] > out["llama"]["census"]["launches"] + 20
+    assert abs(each["first_losses"][0] - out["llama"]["first_losses"][0]) < 1e-5
     assert out["per_op"]["add"]["strict_us"] > 0 and out["per_op"]["add"]["jnp_us"] > 0
     step = out["llama"]
     # The same step each time, to within a program (the census's step may be another's).

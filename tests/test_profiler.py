@@ -66,7 +66,8 @@ def test_chrome_trace_holds_device_programs_aligned_with_host(tmp_path):
     assert any(e.get("cat") == "cpu_op" and e["name"] == "aten::mm" for e in events)
     # The forward's chain of dependent programs runs in launch order (XLA:CPU may run an
     # independent program, a backward one that needs no forward value, ahead of them).
-    chain = ["aten::mm", "aten::le.Scalar", "aten::where.self", "aten::sum"]
+    # (Strict holds the comparison with a number: the where's program computes it.)
+    chain = ["aten::mm", "aten::where.self", "aten::sum"]
     firsts = [next(e for e in programs if e["name"] == n) for n in chain]
     assert [e["args"]["correlation"] for e in firsts] == sorted(
         e["args"]["correlation"] for e in firsts)
@@ -172,7 +173,8 @@ def test_schedule_and_tensorboard_handler_write_one_trace_per_cycle(tmp_path):
     windows = []
     for f in files:
         programs = _programs(_events(f))
-        assert [e["name"] for e in programs] == ["aten::mul.Tensor", "aten::sum"]
+        # (Strict holds the multiply by a Python number: the sum's program computes it.)
+        assert [e["name"] for e in programs] == ["aten::sum"]
         windows.append((programs[0]["ts"], programs[-1]["ts"]))
     assert windows[0][1] < windows[1][0]
 

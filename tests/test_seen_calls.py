@@ -45,7 +45,7 @@ def test_views_take_the_full_path_then_their_own(base, make, short_paths):
     y = b.to("tpu")
     for _ in range(2):  # the view's signature runs first on whole tensors
         torch.testing.assert_close((view_cpu.contiguous().to("tpu") + y).cpu(), view_cpu + b)
-    x, z = make(a.to("tpu")), make(a.to("tpu") * 2)
+    x, z = make(a.to("tpu")), make((a * 2).to("tpu"))
     before = short_paths[0]
     torch.testing.assert_close((x + y).cpu(), view_cpu + b)
     assert short_paths[0] == before

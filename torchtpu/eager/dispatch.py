@@ -25,6 +25,7 @@ from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
+from torchtpu.eager.lazy_casts import computed
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
@@ -228,12 +229,14 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                     out = None if out is None else wrap(out)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
-        out = results.wrapped(compute(lowering, spec, values), result)
         # A signature does not tell layouts apart: a contiguous call must not take a
         # channels-last call's result format. One read another way than the signature's
         # remembered calls (a view where they read whole arrays) is kept beside them.
-        if hit is not False and key is not None and not results.formatted(result):
-            seen_calls.remember(seen, key, values, result, spec)
+        reads = None if hit is False or key is None or results.formatted(result) \
+            else seen_calls.reads_of(spec, values)
+        out = results.wrapped(compute(lowering, spec, values), result)
+        if reads is not None:
+            seen_calls.remember(seen, key, reads, result, spec)
         return list(out) if returns_list else out
 
     return handle
@@ -335,7 +338,7 @@ def _lowered_functional(functional: OpOverload, lowering: Lowering):
     def run(foi, values, target_dtypes):
         final = tuple(dtypes.to_jax(d) for d in target_dtypes)
         _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0])
-        return compute(lowering, spec, values, writes=True)
+        return computed(compute(lowering, spec, values, writes=True))
 
     return run
 

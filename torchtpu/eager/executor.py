@@ -20,7 +20,7 @@ from torchtpu import metrics
 from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
-from torchtpu.eager.program import Spec, cast_outputs, program, rebuild
+from torchtpu.eager.program import Spec, cast_outputs, one_pointwise_input, program, rebuild
 from torchtpu.lowering.registry import Lowering
 
 
@@ -29,8 +29,9 @@ class Strict:
 
     name = "strict"
     # Whether float casts wait to be converted inside their consumers' programs
-    # (``lazy_casts``): one launch each less.
+    # (``lazy_casts``): one launch each less; ``lazy_ops``: pointwise calls of one tensor too.
     lazy_casts = True
+    lazy_ops = True
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         metrics.count("executions")
@@ -38,6 +39,12 @@ class Strict:
         # off it without a call each.
         held = spec._program
         fn = held[1] if held is not None and held[0] is lowering else program(lowering, spec)
+        if self.lazy_ops:
+            read = one_pointwise_input(lowering, spec)[0]
+            if read is not False:
+                lazy = lazy_casts.lazy_op(lowering, spec, dyn, fn, read)
+                if lazy is not None:
+                    return lazy
         slots = spec._scalars
         if not (numbers.scalar_slots(spec) if slots is None else slots):
             out = launch.run(lowering.op, fn, dyn)
@@ -116,7 +123,7 @@ class Debug(Strict):
     """
 
     name = "debug"
-    lazy_casts = False  # each op's result is checked, a cast's too
+    lazy_casts = lazy_ops = False  # each op's result is checked, a cast's too
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
         return self._checked(lowering.op, super().run(lowering, spec, dyn))

@@ -1,4 +1,4 @@
-"""Strict's lazy casts: a float conversion read inside the program of the op that consumes it.
+"""Strict's lazy casts and pointwise calls: a value computed inside the program that reads it.
 
 Under autocast a Strict step launched a program for every cast: each weight's and input's cast
 to bfloat16 and, in backward, each gradient's cast back to float32 (342 of a 12-layer Llama
@@ -17,6 +17,16 @@ program converting it returns the narrow value too (``program.rebuild``'s ``kept
 lives no longer than until that first reader (a cast saved for backward holds the narrow value,
 as before). 110 more launches of a 12-layer Llama step folded so.
 
+The same holds for a Strict call of a pointwise op (PyTorch's tag) on one tensor with no traced
+number (``lazy_op``, asked by ``Strict.run``; ``program.one_pointwise_input``): the
+``Converted`` holds its (lowering, spec) as ``op``, read through the input's view, and the
+consumer's program applies it (``program.applied``): the RMSNorm's square and rsqrt, the
+backward's multiplies by special numbers, the rotary halves' negation, silu and sigmoid (186 of
+a 12-layer step's launches). One larger than its input (a broadcast) runs now, where its
+memory is asked for; one smaller (a slice's) is ``keep``. An in-place op's value is computed
+before it is written (``computed``). Fused with a reduction, the reduction may sum in another
+order than it did over a stored input: an ulp.
+
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
 The source is lent (``tensors.lend``) so that no view write donates its buffer meanwhile, and
@@ -27,6 +37,7 @@ DeferAndFuse never sees one).
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from typing import NamedTuple
 
@@ -59,13 +70,17 @@ class Cast(NamedTuple):
     shape: tuple | None
     geometry: Geometry | None
     keep: bool = False
+    # (lowering, spec) of a pointwise call of one tensor applied to the array first
+    # (``program.applied``); dtype and shape are then its result's.
+    op: tuple | None = None
 
 
 def read_input(array, how, kept: list | None = None):
     """An argument's value inside a program: ``how`` is a view Geometry or a ``Cast``; a kept
     cast's converted array is appended to ``kept`` (when given)."""
     if type(how) is Cast:
-        array = dtypes.cast(array, how.dtype)
+        if array.dtype != how.dtype:
+            array = dtypes.cast(array, how.dtype)
         if how.shape is not None:
             array = array.reshape(how.shape)
         if how.keep and kept is not None:
@@ -85,16 +100,20 @@ def check_read(how) -> None:
 
 class Converted(tensors.Deferred):
     """A storage's value: ``source`` converted to ``dtype`` and reshaped to ``shape`` (a
-    gradient's cast of a reshaped view), computed by the first reader that cannot convert it
-    itself, or, ``keep``, returned by the first program that converts it (``settle``)."""
+    gradient's cast of a reshaped view), or ``op`` (lowering, spec) applied to it, computed by
+    the first reader that cannot compute it itself (``fn`` of the source: one launch), or,
+    ``keep``, returned by the first program that computes it (``settle``)."""
 
-    __slots__ = ("source", "dtype", "shape", "keep", "_value", "__weakref__")
+    __slots__ = ("source", "dtype", "shape", "keep", "op", "fn", "_value", "__weakref__")
 
-    def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False) -> None:
+    def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
+                 op: tuple | None = None, fn=None) -> None:
         self.source = source
         self.dtype = dtype
         self.shape = shape
         self.keep = keep
+        self.op = op
+        self.fn = fn or _converter(dtype, shape)
         self._value = None
         tensors.lend(source)
         _pending.add(self)
@@ -103,7 +122,7 @@ class Converted(tensors.Deferred):
 
     def resolve(self):
         if self._value is None:
-            self._value = tensors.call(_converter(self.dtype, self.shape), self.source)
+            self._value = tensors.call(self.fn, self.source)
             self._release()
         return self._value
 
@@ -119,7 +138,7 @@ class Converted(tensors.Deferred):
         if self._value is not None:
             return None
         reshaped = None if self.shape == self.source.aval.shape else self.shape
-        return self.source, Cast(self.dtype, reshaped, geometry, self.keep)
+        return self.source, Cast(self.dtype, reshaped, geometry, self.keep, self.op)
 
     def _release(self) -> None:
         source = self.source
@@ -155,13 +174,13 @@ def settle(keeps: tuple, dyn: tuple, out):
     ``out`` is (results, conversions) for a spec whose ``keeps`` (``program.kept_positions``)
     are ``keeps``."""
     out, converted = out
-    for (at, dtype, shape), value in zip(keeps, converted):
+    for (at, dtype, shape, op), value in zip(keeps, converted):
         source = dyn[at]
         want = source.aval.shape if shape is None else shape
         # Casts of one source to one dtype and shape are one value: any pending one takes it
         # (each program reading one settles one).
         for c in _kept.get(id(source), ()):
-            if c.source is source and c.dtype == dtype and c.shape == want:
+            if c.source is source and c.dtype == dtype and c.shape == want and c.op == op:
                 c._value = value
                 c._release()
                 break
@@ -184,6 +203,32 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype):
     keep = dtype.itemsize < t.dtype.itemsize and not (
         t.is_leaf and t.requires_grad and autocast.casting())
     return Converted(array, _NP[dtype], tuple(t.shape), keep)
+
+
+def lazy_op(lowering, spec, dyn: tuple, fn, read) -> Converted | None:
+    """Strict's call of a pointwise op on one tensor (``program.one_pointwise_input``: ``read``,
+    how it reads ``dyn[0]``, None or a view Geometry), held as a ``Converted`` its consumers
+    compute in their programs; None to launch it now."""
+    source = dyn[0]
+    if type(source) is not ArrayImpl:
+        return None
+    shape = source.aval.shape if read is None else read.size
+    dtype = spec.final
+    nbytes, held = math.prod(shape) * dtype.itemsize, source.size * source.dtype.itemsize
+    if nbytes > held:
+        # Larger than its source (a broadcast view's): run now, where the memory it needs is
+        # asked for (a refusal is raised at the user's line).
+        return None
+    # Kept (settled by its first reader) where its source holds more bytes than it would.
+    return Converted(source, dtype, tuple(shape), nbytes < held, (lowering, spec), fn)
+
+
+def computed(out):
+    """out (a call's results) with every lazy value in it computed: what is written into
+    another tensor's storage (an in-place op's functional twin) must be an array."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(computed(o) for o in out)
+    return out.resolve() if type(out) is Converted else out
 
 
 def resolve_pending() -> None:

@@ -11,8 +11,10 @@ import functools
 from typing import Any
 
 import jax
+import torch
 
 from torchtpu.device import dtypes
+from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
@@ -35,7 +37,7 @@ class Spec:
     """
 
     __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program", "_simple",
-                 "_scalars", "keeps")
+                 "_scalars", "keeps", "_pointwise")
 
     def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
         self.entries = entries    # (kind, payload) per argument
@@ -52,6 +54,7 @@ class Spec:
         self._scalars = None  # where its traced numbers are (``numbers.scalar_slots``)
         # Its kept lazy casts (``kept_positions``): its program returns their conversions too.
         self.keeps = ()
+        self._pointwise = None  # (lowering, ``one_pointwise_input``'s answer)
 
     def __hash__(self) -> int:
         return self._hash
@@ -96,7 +99,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
         if kind == TENSOR:
             v = next(it)
             if payload is not None:
-                v = read_input(v, payload, kept)
+                v = read_input(applied(v, payload), payload, kept)
             if promote_to is not None and v.dtype != promote_to:
                 v = v.astype(promote_to)
             args.append(v)
@@ -107,7 +110,8 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
                     items.append(None)
                 else:
                     v = next(it)
-                    items.append(v if element is False else read_input(v, element, kept))
+                    items.append(v if element is False
+                                 else read_input(applied(v, element), element, kept))
             args.append(items)
         elif kind == SCALAR:
             args.append(next(it))
@@ -116,6 +120,37 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
         else:
             args.append(payload)
     return args
+
+
+def applied(array, how):
+    """array with a lazy pointwise call's op applied (``how`` a ``Cast`` whose ``op`` is set),
+    inside the reading program; else array."""
+    if type(how) is not Cast or how.op is None:
+        return array
+    lowering, spec = how.op
+    return cast_outputs(lowering.fn(*rebuild(spec, lowering, (array,))), spec.final)
+
+
+_NOT = (False,)
+
+
+def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
+    """(how the call reads its one tensor: None or a view Geometry,) for a call of a pointwise
+    op (PyTorch's tag) whose only traced value is one tensor and whose result is one array of
+    that tensor's shape; else (False,). Asked at every Strict call: kept on the spec."""
+    held = spec._pointwise
+    if held is not None and held[0] is lowering:
+        return held[1]
+    answer = _NOT
+    traced = [(kind, payload) for kind, payload in spec.entries if kind != CONST]
+    if (len(traced) == 1 and traced[0][0] == TENSOR and not lowering.random
+            and not lowering.donates and not lowering.data_dependent_shape
+            and torch.Tag.pointwise in lowering.op.tags
+            and spec.final is not None and not isinstance(spec.final, tuple)
+            and (traced[0][1] is None or type(traced[0][1]) is Geometry)):
+        answer = (traced[0][1],)
+    spec._pointwise = (lowering, answer)
+    return answer
 
 
 _with_views: dict = {}
@@ -154,7 +189,7 @@ def kept_positions(entries: tuple) -> tuple:
             if how is True:
                 continue
             if type(how) is Cast and how.keep:
-                found.append((at, how.dtype, how.shape))
+                found.append((at, how.dtype, how.shape, how.op))
             at += 1
     return tuple(found)
 

@@ -94,26 +94,32 @@ def _simple(spec: Spec) -> bool:
     return True
 
 
-def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
-    """Keep the full path's plan for this call's signature ``key``, if calls of it can repeat
-    it."""
+def reads_of(spec: Spec, values: list) -> tuple | None:
+    """How the full path reads this call's arguments (``Seen.reads``), taken before it runs (a
+    kept lazy value its program settles reads as a lazy value, as the next call's will); None
+    where calls of it cannot repeat it."""
     simple = spec._simple
     if simple is None:
         simple = spec._simple = _simple(spec)
     if not simple:
-        return
-    reads, views = [], []
+        return None
+    reads = []
     for i, (kind, _) in enumerate(spec.entries):
         if kind == SCALAR:
             reads.append((i, None, None))
         elif kind == TENSOR:
             how = _read_as(values[i])
             if how is None:
-                return
+                return None
             reads.append((i, how, tuple(values[i].shape)))
-            if type(how) is Geometry or type(how) is Cast:
-                views.append((i, None, how))
-    kept = Seen(result, spec, tuple(reads), tuple(views))
+    return tuple(reads)
+
+
+def remember(seen: dict, key, reads: tuple, result, spec: Spec) -> None:
+    """Keep the full path's plan for this call's signature ``key`` and ``reads_of`` it."""
+    views = tuple((i, None, how) for i, how, _ in reads
+                  if type(how) is Geometry or type(how) is Cast)
+    kept = Seen(result, spec, reads, views)
     known = seen.get(key)
     if known is None:
         meta.bounded_put(seen, key, [kept])
@@ -125,14 +131,17 @@ def remember(seen: dict, key, values: list, result, spec: Spec) -> None:
 
 # One signature's calls can read their tensors more than one way (a contiguous product input
 # that is its array whole in one place and a reshaped view of a 3-d array in another).
-READS_PER_SIGNATURE = 4
+READS_PER_SIGNATURE = 8
 
 
 def _stored(t: _Tensor):
     """t's storage's computed array or recorded value (what the short path can read), or None."""
-    array = t.untyped_storage()._tpu_array
+    st = t.untyped_storage()
+    array = st._tpu_array
     if type(array) is Pending:  # DeferAndFuse's value: its array once run, else itself
         array = array.resolve()
+    elif type(array) is Converted and array.source is None:  # a lazy value computed by now
+        array = st._tpu_array = array.resolve()
     return array if type(array) in (ArrayImpl, Pending) else None
 
 
@@ -189,11 +198,15 @@ def arrays(values: list, reads: tuple) -> tuple | None:
         elif kind is Pending:
             aval = array  # a recorded value knows its shape and dtype
         elif kind is Converted:
-            array = _cast_source(t, array, how)
-            if array is None:
-                return None
-            out.append(array)
-            continue
+            if array.source is None:  # computed by now (settled by a reader): its value
+                array = array.resolve()
+                aval = array.aval
+            else:
+                array = _cast_source(t, array, how)
+                if array is None:
+                    return None
+                out.append(array)
+                continue
         else:
             return None
         if t.is_conj() or t.is_neg():
@@ -211,7 +224,8 @@ def _cast_source(t: _Tensor, converted: Converted, how):
     """The source of t's lazy cast when the program reads it as ``how`` (the remembered
     ``Cast``) would, else None (the cast is computed by now, or another cast or view)."""
     source = converted.source
-    if source is None or type(how) is not Cast or converted.dtype != how.dtype or t.is_neg():
+    if (source is None or type(how) is not Cast or converted.dtype != how.dtype or t.is_neg()
+            or converted.op != how.op or converted.keep is not how.keep):
         return None
     shape = converted.shape
     if how.shape != (None if source.aval.shape == shape else shape):
