@@ -4,15 +4,23 @@ The TPU compiler's own analysis (``torchtpu.runtime.tpu_target``: libtpu compile
 deterministic verdict) of the programs a decode step runs, beside the HBM roofline a decode step
 must pay (weights + the KV its requests attend, at 819 GB/s):
 
-- ``vllm``: ``LLM(model=dir)`` (engine in this process, weights ``load_format="dummy"``, the
-  config's shapes, bfloat16) on XLA:CPU; the model runner's host-fed decode step of R requests
-  at context C (``_dummy_step``, exactly the captured program a served decode step of that
-  bucket replays) is captured, not run on the CPU, and its program is traced again for a v5e
-  (the ragged paged-attention kernel then lowers through Mosaic, as on the chip) and compiled.
+- ``vllm``: ``LLM(model=dir)`` (engine in this process, bfloat16, the config's shapes; weights
+  ``load_format="dummy"``, or with ``--weights real`` a checkpoint written by ``serving_chip``'s
+  ``make_model`` and read by vLLM's own loader, as a served model's are) on XLA:CPU; the model
+  runner's host-fed decode step of R requests at context C (``_dummy_step``, exactly the
+  captured program a served decode step of that bucket replays) is captured, not run on the
+  CPU, and its program is traced again for a v5e (the ragged paged-attention kernel then lowers
+  through Mosaic, as on the chip) and compiled.
   ``TORCHTPU_VLLM_PAGED`` picks the path: ``on`` (the kernel) or ``off`` (the gathered context).
   The cache holds as many blocks as R requests of C tokens need (a chip's would be larger: a
   program whose bytes grow with the cache shows that in ``cache_bytes`` beside them).
 - ``anchor``: ``serving_jax.py``'s decode step (static cache of C positions a row, donated).
+
+With ``--weights real`` each row also says how the weights are stored (``odd_storages``: the
+parameters whose device array is not of their dtype and shape, e.g. bytes a merged weight's
+parts were copied into: the chip's 265 ms step) and, with ``TORCHTPU_TPU_DUMP`` set, lists the
+optimized HLO's weight-sized converts, bitcasts, copies and transposes (``big_ops``: what a
+step would pay again each run). ``--layers N`` compiles an N-layer model of the config's widths.
 
 Per program: bytes accessed and flops (the cost model's), its seconds, HBM arguments /
 temporaries / aliased (the KV cache updated in place when aliased covers it), the roofline bytes
@@ -31,17 +39,51 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import serving_chip  # noqa: E402
 import serving_jax  # noqa: E402  (bench/ is no package)
 
 TARGET = "v5e:1x1"
 BLOCK = 16
+# HLO ops that move or re-type a whole array (a plain bitcast, a memory-space or shape change
+# in place, moves nothing): one of a weight's size in a decode step is the weight read again in
+# another form at every step
+_MOVES = ("convert", "bitcast-convert", "copy", "transpose", "reshape")
+_HLO_LINE = re.compile(r"^\s*(?:ROOT )?(\S+) = (\w+)\[([\d,]*)\]\S* (\S+)\(")
+_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
+          "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+
+
+def big_ops(hlo: str, min_bytes: int) -> list[dict]:
+    """The optimized HLO's ops in ``_MOVES`` whose result is at least ``min_bytes``, with the
+    computation holding them."""
+    out, where = [], ""
+    for line in hlo.splitlines():
+        if line and not line.startswith(" ") and "{" in line:
+            where = line.split("(")[0].split()[-1]
+        m = _HLO_LINE.match(line)
+        if not m or m.group(4) not in _MOVES or m.group(2) not in _BYTES:
+            continue
+        dims = [int(d) for d in m.group(3).split(",") if d]
+        size = _BYTES[m.group(2)] * math.prod(dims)
+        if size >= min_bytes:
+            out.append({"op": m.group(4), "shape": f"{m.group(2)}{dims}", "bytes": size,
+                        "in": where})
+    return out
+
+
+def _layers(name: str, layers: int | None) -> dict:
+    """The config, with ``layers`` decoder layers where given."""
+    c = serving_jax.CONFIGS[name]
+    return c if not layers else c | {"num_hidden_layers": layers}
 
 
 def roofline(c: dict, batch: int, context: int) -> dict:
@@ -68,7 +110,7 @@ def part_anchor(args) -> dict:
 
     out = {}
     for name in args.models:
-        c = serving_jax.CONFIGS[name]
+        c = _layers(name, args.layers)
         _, decode = serving_jax._steps(json.dumps(c, sort_keys=True))
         weights = {k: jax.ShapeDtypeStruct(s, jnp.bfloat16)
                    for k, s in serving_jax.shapes(c).items()}
@@ -90,10 +132,15 @@ def part_anchor(args) -> dict:
     return out
 
 
-def _model_dir(name: str, root: Path) -> Path:
-    """A config-only model directory (vLLM's dummy weights need no checkpoint)."""
-    spec = dict(serving_jax.CONFIGS[name])
-    path = root / name
+def _model_dir(name: str, root: Path, layers: int | None, real: bool) -> Path:
+    """A config-only model directory (vLLM's dummy weights need no checkpoint), or with
+    ``real`` a checkpoint of random weights (``serving_chip.make_model``)."""
+    spec = _layers(name, layers)
+    path = root / f"{name}-{spec['num_hidden_layers']}{'-real' * real}"
+    if real:
+        if not (path / "config.json").exists():
+            serving_chip.make_model(name, path, layers=layers)
+        return path
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(
         spec | {"torch_dtype": "bfloat16", "eos_token_id": spec["vocab_size"] - 1,
@@ -112,18 +159,25 @@ def part_vllm(args) -> dict:
 
     # captured, not run: a replay would compile and run the step on this CPU
     tpu_graph.TPUGraph.replay = lambda self: None
-    out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto")}
+    out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto"), "weights": args.weights}
+    real = args.weights == "real"
+    dump = os.environ.get(tpu_target.DUMP_ENV)
     for name in args.models:
-        c = serving_jax.CONFIGS[name]
+        c = _layers(name, args.layers)
         blocks = -(-args.context // BLOCK)
         kv_bytes = (max(args.batch) * blocks + 2) * BLOCK * serving_jax.kv_bytes_per_token(c)
-        llm = LLM(model=str(_model_dir(name, Path(args.models_dir))), dtype="bfloat16",
-                  load_format="dummy", skip_tokenizer_init=True, seed=0,
+        llm = LLM(model=str(_model_dir(name, Path(args.models_dir), args.layers, real)),
+                  dtype="bfloat16", load_format="auto" if real else "dummy",
+                  skip_tokenizer_init=True, seed=0,
                   max_model_len=args.max_model_len, max_num_seqs=max(args.batch),
                   max_num_batched_tokens=max(args.max_model_len, max(args.batch)),
                   kv_cache_memory_bytes=kv_bytes)
         runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
         cache_bytes = sum(t.numel() * t.element_size() for t in runner.kv_caches)
+        odd = odd_storages(runner.model)
+        # the smallest weight matrix of a layer: a move of one is a weight's
+        smallest = min(p.numel() * p.element_size() for p in runner.model.parameters()
+                       if p.dim() == 2)
         rows = []
         for b in args.batch:
             graphs = runner.step_graphs
@@ -137,13 +191,31 @@ def part_vllm(args) -> dict:
             r = tpu_target.compile_function(captured._fn.jitted, *avals,
                                             name=f"vllm_decode_{b}", target_name=TARGET)
             row = {"batch": b, "context": args.context, "ops": captured.ops,
-                   "compile_s": time.perf_counter() - start}
+                   "compile_s": time.perf_counter() - start, "odd_storages": odd,
+                   "byte_arguments": sum(str(a.dtype) == "uint8" for a in avals)}
+            hlo = sorted(Path(dump).glob(f"vllm_decode_{b}.*.hlo.txt")) if dump else []
+            if hlo:
+                row["big_ops"] = big_ops(hlo[-1].read_text(), smallest)
             row |= _figures(r, c, b, args.context, cache_bytes)
             print(name, json.dumps(row), flush=True)
             rows.append(row)
             del graphs._graphs[key]
         out[name] = rows
         del llm, runner
+    return out
+
+
+def odd_storages(model) -> list[str]:
+    """Parameters whose device array is not of their own dtype and shape (bytes a weight's
+    parts were copied into, a flattened array): each step would convert them back."""
+    from torchtpu.eager.capture import storage_of
+
+    out = []
+    for n, p in model.named_parameters():
+        a = storage_of(p)._tpu_array
+        if a is None or str(a.dtype) != str(p.dtype).removeprefix("torch.") \
+                or tuple(a.shape) != tuple(p.shape):
+            out.append(f"{n}: {None if a is None else (str(a.dtype), tuple(a.shape))}")
     return out
 
 
@@ -210,6 +282,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="TORCHTPU_VLLM_PAGED values to compile the vLLM step under")
     ap.add_argument("--no-anchor", dest="anchor", action="store_false",
                     help="leave the anchor out (its JSON already in --out)")
+    ap.add_argument("--weights", choices=("dummy", "real"), default="dummy",
+                    help="vLLM's dummy weights, or a checkpoint read by its loader")
+    ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
     ap.add_argument("--models-dir", default="/tmp/serving_aot_models")
     ap.add_argument("--out", default="/tmp/serving_aot")
     ap.add_argument("--tag", help="the part's JSON file name (default: the part's)")
@@ -227,7 +302,8 @@ def main(argv: list[str] | None = None) -> dict:
         result = {}
         base = [sys.executable, __file__, "--batch", *map(str, args.batch), "--context",
                 str(args.context), "--max-model-len", str(args.max_model_len), "--models-dir",
-                args.models_dir, "--out", args.out]
+                args.models_dir, "--out", args.out, "--weights", args.weights,
+                *(["--layers", str(args.layers)] if args.layers else [])]
         # one process a model and path: an engine's memory is not handed back within one
         runs = [("anchor", args.models, {})] * args.anchor + [
             ("vllm", [m], {"TORCHTPU_VLLM_PAGED": p}) for p in args.paths for m in args.models]

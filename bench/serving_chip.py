@@ -89,12 +89,13 @@ def _tokenizer(vocab_size: int):
     return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>", eos_token="</s>")
 
 
-def make_model(name: str, path: Path, seed: int = 0) -> Path:
-    """``serving_jax.CONFIGS[name]`` with random bfloat16 weights, saved with save_pretrained."""
+def make_model(name: str, path: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """``serving_jax.CONFIGS[name]`` (with ``layers`` decoder layers where given) with random
+    bfloat16 weights, saved with save_pretrained."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    spec = dict(serving_jax.CONFIGS[name])
+    spec = dict(serving_jax.CONFIGS[name]) | ({"num_hidden_layers": layers} if layers else {})
     config = AutoConfig.for_model(spec.pop("model_type"), **spec, dtype="bfloat16",
                                   eos_token_id=spec["vocab_size"] - 1)
     torch.manual_seed(seed)

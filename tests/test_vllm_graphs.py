@@ -178,3 +178,71 @@ def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_pa
         want = hf.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12,
                            do_sample=False)[0, len(ids):].tolist()
         assert first == want and again == want
+
+
+# In a process of its own: start-up with lazy capture, the programs it compiled by name; the
+# memory vLLM's own dummy sampler run holds at most (its live arrays after each op), beside what
+# the profile holds instead; a sampled request after start-up.
+_SAMPLER = r"""
+import json, logging, sys
+import jax
+import torch
+import vllm
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from torchtpu.device import launch, memory
+from torchtpu.integrations.vllm import worker
+
+names = []
+class Names(logging.Handler):
+    def emit(self, record):
+        if record.getMessage().startswith("Compiling "):
+            names.append(record.getMessage().split()[1])
+jax.config.update("jax_log_compiles", True)
+log = logging.getLogger("jax._src.interpreters.pxla")
+log.addHandler(Names()); log.propagate = False
+llm = vllm.LLM(model=sys.argv[1], max_model_len=128, max_num_seqs=64,
+               kv_cache_memory_bytes=4 << 20)
+at_start = list(names)
+runner = llm.llm_engine.model_executor.driver_worker.worker.model_runner
+vocab = llm.llm_engine.model_config.get_vocab_size()
+peak, run = [0], launch.run
+base = memory._live_bytes()
+def counted(label, fn, args):
+    out = run(label, fn, args)
+    peak[0] = max(peak[0], memory._live_bytes() - base)
+    return out
+launch.run = counted
+hidden = torch.zeros(64, runner.model_config.get_hidden_size(), device=runner.device)
+GPUModelRunner._dummy_sampler_run(runner, hidden)
+launch.run = run
+params = vllm.SamplingParams(max_tokens=6, temperature=0.8, top_p=0.9, top_k=20, seed=1,
+                             ignore_eos=True)
+out = llm.generate([{"prompt_token_ids": [3, 4, 5]}], params, use_tqdm=False)
+print("RESULT " + json.dumps({
+    "at_start": at_start, "peak": peak[0], "held": worker.SAMPLER_LOGITS_COPIES * 64 * vocab * 4,
+    "tokens": list(out[0].outputs[0].token_ids)}))
+"""
+
+
+def test_start_up_holds_the_samplers_memory_without_compiling_its_ops(tmp_path):
+    """The memory profile holds what vLLM's sampler would take at max_num_seqs rows instead of
+    running it: its sort, scatter and their checks over [max_num_seqs, vocab] compiled only for
+    the profile (no served step has that shape), ~65 s of the v5e's 152-s start-up. The held
+    bytes cover the sampler's own peak (measured here, vLLM's dummy run called as vLLM calls
+    it), and a sampled request runs after start-up."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from torchtpu.integrations.vllm.tiny import save_tiny_model
+
+    model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TORCHTPU_VLLM_CAPTURE": "lazy"}
+    proc = subprocess.run([sys.executable, "-c", _SAMPLER, model_dir], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    sampler_ops = [n for n in got["at_start"] if any(
+        op in n for op in ("sort", "scatter", "cumsum", "exponential", "softmax"))]
+    assert not sampler_ops, sampler_ops
+    assert 0 < got["peak"] <= got["held"], got
+    assert len(got["tokens"]) == 6, got

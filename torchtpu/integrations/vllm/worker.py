@@ -42,6 +42,11 @@ log = init_logger(__name__)
 # "startup" (default): every step shape is captured and compiled before the engine serves;
 # "lazy": when a step first meets it
 CAPTURE_ENV = "TORCHTPU_VLLM_CAPTURE"
+# vLLM's dummy sampler run (top-k, top-p and random sampling of max_num_seqs rows) holds at most
+# ~7.3 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
+# op on XLA:CPU; tests/test_vllm_graphs.py checks the figure still covers it); the profile holds
+# this many instead, the rest a margin for a sort's temporaries
+SAMPLER_LOGITS_COPIES = 9
 # the GPU runner makes its streams and events through torch.cuda
 _STREAMS = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 
@@ -205,6 +210,20 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         n = self._fed_reqs
         self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], tokens)
         return hidden
+
+    def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The memory vLLM's sampler takes at ``max_num_seqs`` rows, held through the memory
+        profile instead of running the sampler: its ops over [max_num_seqs, vocab] (top-k and
+        top-p's sort, scatter and their index checks, random sampling) are programs of a shape
+        no served step runs again (a step samples its own requests' rows), compiled only for
+        the profile: on the v5e ~35 compiles, ~65 s of a 152-s start-up (sort 21 s, the
+        scatter's index check 33 s, the scatter 11 s). Speculative decoding's rejection sampler
+        runs as vLLM runs it."""
+        if self.speculative_config is not None:
+            return super()._dummy_sampler_run(hidden_states)
+        rows, vocab = hidden_states.shape[0], self.model_config.get_vocab_size()
+        return torch.zeros(SAMPLER_LOGITS_COPIES * rows * vocab, dtype=torch.float32,
+                           device=self.device)
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
