@@ -122,3 +122,31 @@ def test_serving_diag_floors_on_the_device(chip):
     out = serving_diag.floors(repeats=2)
     assert out["synchronize_s"] > 0 and out["tiny_op_to_host_s"] > 0, out
     assert torch.ones(1, device="tpu").device.type == "tpu"
+
+
+# the chip's 265-ms step (session 21): a merged weight stored as bytes, re-typed in every step
+_BYTES_WEIGHT_HLO = """\
+%fused_computation.3 (param_0: bf16[8,896]) -> bf16[8,896] {
+  %param_0 = bf16[8,896]{1,0} parameter(0)
+  ROOT %convert.1 = f32[8,896]{1,0} convert(%param_0)
+}
+
+ENTRY %main.66 (p0: u8[17432576]) -> bf16[9728,896] {
+  %p0 = u8[17432576]{0} parameter(0)
+  %convert.2 = u16[17432576]{0} convert(%p0)
+  %bitcast.9 = u16[8716288,2]{1,0} bitcast(%convert.2)
+  ROOT %reshape.4 = bf16[9728,896]{1,0:T(8,128)(2,1)} reshape(%bitcast.9)
+}
+"""
+
+
+def test_serving_aot_lists_weight_sized_moves_not_bitcasts():
+    sys.path.insert(0, BENCH)
+    try:
+        import serving_aot
+    finally:
+        sys.path.remove(BENCH)
+    found = serving_aot.big_ops(_BYTES_WEIGHT_HLO, 1 << 20)
+    assert [(o["op"], o["shape"], o["in"]) for o in found] == [
+        ("convert", "u16[17432576]", "%main.66"), ("reshape", "bf16[9728, 896]", "%main.66")]
+    assert serving_aot.big_ops(_BYTES_WEIGHT_HLO, 64 << 20) == []
