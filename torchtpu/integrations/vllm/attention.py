@@ -273,12 +273,15 @@ class TpuAttentionImpl(AttentionImpl):
         n = min(key.shape[0], slot_mapping.shape[0])
         key, value = key[:n], value[:n]
         if self.fp8 is not None:
-            slots = slots.view(self.fp8)
             top = torch.finfo(self.fp8).max
             key = (key.float() / layer._k_scale).clamp(-top, top)
             value = (value.float() / layer._v_scale).clamp(-top, top)
         rows = (paged.cache_rows(key, value, self.pack) if self.paged
-                else torch.cat([key, value], dim=-1)).to(slots.dtype)
+                else torch.cat([key, value], dim=-1))
+        # float8 rows go in as the cache's bytes: CPU's index_copy_ and index_select take no
+        # float8, so neither does tpu's (torchtpu refuses by dtype as CPU does)
+        rows = rows.to(self.fp8).view(slots.dtype) if self.fp8 is not None \
+            else rows.to(slots.dtype)
         # a padded token's slot is -1, which indexing would wrap to the last slot: it writes
         # into block 0 instead, vLLM's null block, which no request's context reads
         slots.index_copy_(0, slot_mapping[:n].long().clamp(min=0), rows)
@@ -322,7 +325,7 @@ class TpuAttentionImpl(AttentionImpl):
         """Each request's cached keys and values, ``[R, kv_heads, L, d]`` each, in ``dtype``."""
         d = self.head_size
         slots = _slots(kv_cache)
-        context = slots.view(self.fp8 or slots.dtype).index_select(0, context_slots)
+        context = slots.index_select(0, context_slots).view(self.fp8 or slots.dtype)
         context = context.view(md.num_reqs, md.context_len, self.num_kv_heads, 2 * d)
         context = context.transpose(1, 2)
         k, v = context[..., :d].to(dtype), context[..., d:].to(dtype)
