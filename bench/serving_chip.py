@@ -369,16 +369,19 @@ def part_vllm(args) -> dict:
 
 # ---- the driver ----
 
-def _run_part(part: str, args, env: dict, tag: str = "") -> dict:
-    """One part in a process of its own, within the call's ``--budget``; its JSON."""
+def run_part(part: str, args, env: dict, tag: str = "", script: str = __file__,
+             extra: list[str] = ()) -> dict:
+    """One part of ``script`` (this file or a sibling taking its flags) in a process of its
+    own, within the call's ``--budget``; its JSON."""
     path = Path(args.out) / f"{part}{tag}.json"
-    cmd = [sys.executable, os.path.abspath(__file__), "--part", part, "--json", str(path),
+    jax_batches = getattr(args, "jax_concurrency", None)
+    cmd = [sys.executable, os.path.abspath(script), "--part", part, "--json", str(path),
            "--models", *args.models, "--models-dir", args.models_dir,
            "--shapes", *args.shapes, "--concurrency",
-           *map(str, args.jax_concurrency if part == "jax" and args.jax_concurrency
-                else args.concurrency),
+           *map(str, jax_batches if part == "jax" and jax_batches else args.concurrency),
            *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else []),
-           *(["--diagnose"] if args.diagnose and part == "vllm" else [])]
+           *(["--diagnose"] if getattr(args, "diagnose", False) and part == "vllm" else []),
+           *extra]
     timeout = min(args.part_timeout, args.deadline - time.perf_counter())
     if timeout < 10:
         print(f"{part}{tag}: skipped, the call's --budget is spent", flush=True)
@@ -469,17 +472,17 @@ def main(argv: list[str] | None = None) -> dict:
     for part in parts:
         if part == "hf" and any(p in parts for p in ("jax", "vllm")):
             beside = threading.Thread(target=lambda: summary["parts"].__setitem__(
-                "hf", _run_part("hf", args, cpu)))
+                "hf", run_part("hf", args, cpu)))
             beside.start()
         elif part in ("make", "hf"):
-            summary["parts"][part] = _run_part(part, args, cpu)
+            summary["parts"][part] = run_part(part, args, cpu)
         elif part == "vllm" and args.paged in ("both", "on", "off"):
             modes = ("on", "off") if args.paged == "both" else (args.paged,)
             for mode in modes:
-                summary["parts"][f"vllm-paged-{mode}"] = _run_part(
+                summary["parts"][f"vllm-paged-{mode}"] = run_part(
                     part, args, {**env, "TORCHTPU_VLLM_PAGED": mode}, f"-paged-{mode}")
         else:
-            summary["parts"][part] = _run_part(part, args, env)
+            summary["parts"][part] = run_part(part, args, env)
     if beside is not None:
         beside.join()
     hf = summary["parts"].get("hf", {}).get("result")

@@ -150,3 +150,27 @@ def test_serving_aot_lists_weight_sized_moves_not_bitcasts():
     assert [(o["op"], o["shape"], o["in"]) for o in found] == [
         ("convert", "u16[17432576]", "%main.66"), ("reshape", "bf16[9728, 896]", "%main.66")]
     assert serving_aot.big_ops(_BYTES_WEIGHT_HLO, 64 << 20) == []
+
+
+@pytest.mark.full  # two engines of their own: ~5 min here
+def test_serving_extras_give_their_figures_at_tiny_sizes(tmp_path):
+    """bench/serving_extras.py's prefix-caching, structured-output and FP8-KV parts on XLA:CPU
+    (vLLM venv): a prefix hit read from the cache, valid JSON, the FP8 cache at half the bytes a
+    token with its loads' figures (the n-gram part: bench/RESULTS.md, serving4)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, f"{BENCH}/serving_extras.py", "--parts", "cache", "fp8", "--models",
+         "tiny", "--out", str(out), "--models-dir", str(tmp_path / "models"), "--shapes",
+         "16x4", "--concurrency", "2", "--prefix-tokens", "64", "--suffix-tokens", "8",
+         "--kv-bytes", "8e6"],
+        env={**os.environ, "TORCHTPU_VLLM": "1"}, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    cache = json.loads((out / "cache.json").read_text())["tiny"]
+    assert cache["prefix_caching"]["hit"]["cached_tokens"] >= 48, cache
+    assert cache["structured_output"]["valid"], cache
+    fp8 = json.loads((out / "fp8.json").read_text())["tiny"]
+    kv = fp8["kv_cache"]
+    assert kv["bytes_per_token"] * 2 == kv["model_dtype_bytes_per_token"], kv
+    (load,) = fp8["loads"]
+    assert load["output_tokens"] == 2 * 4 and load["decode_tok_s"] > 0, load

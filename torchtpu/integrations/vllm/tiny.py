@@ -18,7 +18,9 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer():
+def byte_tokenizer():
+    """The byte-level tokenizer (every UTF-8 byte a token, ``<s>`` and ``</s>``), chat template
+    included."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -44,7 +46,7 @@ def save_tiny_model(path: str | Path, arch: str = "llama", *, hidden: int = 128,
     configs = {"llama": LlamaConfig, "qwen2": Qwen2Config}
     if arch not in configs:
         raise ValueError(f"torchtpu.argument: arch={arch!r} is not one of {sorted(configs)}")
-    tok = _tokenizer()
+    tok = byte_tokenizer()
     config = configs[arch](
         vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
