@@ -164,7 +164,10 @@ def test_serving_extras_give_their_figures_at_tiny_sizes(tmp_path):
          "tiny", "--out", str(out), "--models-dir", str(tmp_path / "models"), "--shapes",
          "16x4", "--concurrency", "2", "--prefix-tokens", "64", "--suffix-tokens", "8",
          "--kv-bytes", "8e6"],
-        env={**os.environ, "TORCHTPU_VLLM": "1"}, capture_output=True, text=True, timeout=1500)
+        env={**os.environ, "TORCHTPU_VLLM": "1",  # this checkout's torchtpu in the parts
+             "PYTHONPATH": os.pathsep.join([os.path.dirname(BENCH),
+                                            os.environ.get("PYTHONPATH", "")])},
+        capture_output=True, text=True, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     cache = json.loads((out / "cache.json").read_text())["tiny"]
     assert cache["prefix_caching"]["hit"]["cached_tokens"] >= 48, cache
