@@ -155,6 +155,12 @@ def test_losses():
                   r(4, 5), target, torch.rand(5))
     check_fwd_bwd(lambda x, t: F.nll_loss(F.log_softmax(x, 1), t),
                   r(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4)))
+    check_fwd_bwd(lambda x, t: F.nll_loss(x, t), r(5), torch.tensor(2))  # one sample, (C,)
+    # A class masked out by -inf (never a target): the target's value is picked, not a NaN.
+    masked = torch.randn(4, 5)
+    masked[:, 4] = -torch.inf
+    check_fwd_bwd(lambda x, t: F.cross_entropy(x, t), masked.requires_grad_(),
+                  torch.tensor([0, 1, 2, 3]))
     check_fwd_bwd(lambda x, y: F.mse_loss(x, y), r(3, 5), r(3, 5))
     check_fwd_bwd(lambda x, y: F.binary_cross_entropy(torch.sigmoid(x), y), r(3, 5),
                   torch.rand(3, 5))
