@@ -13,6 +13,7 @@ import collections
 import sys
 
 import jax
+from jax._src.array import ArrayImpl
 
 
 def replay(nodes: tuple, wanted: tuple):
@@ -35,10 +36,10 @@ def committed(inputs: list) -> list:
     others. JAX commits no result that depends on no input (a ``zero_``'s, a fill's), and a program
     keys its executable by its inputs' commitment: an optimizer's first step, reading the zeros
     its state starts as, would compile again at the next step, reading its own results."""
-    loose = [i for i, x in enumerate(inputs) if isinstance(x, jax.Array) and not x.committed]
+    loose = [i for i, x in enumerate(inputs) if x.__class__ is ArrayImpl and not x.committed]
     if not loose:
         return inputs
-    devices = {d for x in inputs if isinstance(x, jax.Array) and x.committed for d in x.devices()}
+    devices = {d for x in inputs if x.__class__ is ArrayImpl and x.committed for d in x.devices()}
     if len(devices) != 1:
         return inputs
     device = devices.pop()
