@@ -46,8 +46,16 @@ def _sdpa(q, k, v, mask):
 
 
 @pytest.mark.parametrize("kv_dtype", ["fp8", "fp8_e5m2"])
-def test_fp8_cache_stores_scaled_float8_and_reads_it_back_scaled(kv_dtype):
+def test_fp8_cache_stores_scaled_float8_and_reads_it_back_scaled(kv_dtype, monkeypatch):
     attention = _backend()
+    calls = []  # the gathered path's SDPA operands: keys and values stay one per KV head
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(q, k, v, **kwargs):
+        calls.append((q.shape, k.shape, v.shape, kwargs.get("enable_gqa", False)))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
     from vllm.v1.kv_cache_interface import FullAttentionSpec
 
     fp8 = attention.FP8_KV_DTYPES[kv_dtype]
@@ -71,6 +79,11 @@ def test_fp8_cache_stores_scaled_float8_and_reads_it_back_scaled(kv_dtype):
     md = _metadata(attention, spec, new, new, table)
     out = torch.empty(sum(new), HEADS, D).tpu()
     impl.forward(layer, torch.cat(q).tpu(), None, None, cache, md, out)
+    # each KV head's query heads as one query of group x Q rows; a per-query-head copy of the
+    # keys (repeat_interleave or SDPA's enable_gqa) was most of the step's bytes at 64 requests
+    group, q_len = HEADS // KV_HEADS, 8
+    assert calls == [((2, KV_HEADS, group * q_len, D), (2, KV_HEADS, 8, D),
+                      (2, KV_HEADS, 8, D), False)]
 
     top = torch.finfo(fp8).max
 

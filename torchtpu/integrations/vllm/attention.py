@@ -306,18 +306,37 @@ class TpuAttentionImpl(AttentionImpl):
                                       md.query_start_loc, self.scale)
             return output
         query_rows, token_rows, context_slots, mask = md.layout()
-        q = query[:n][query_rows].transpose(1, 2)  # [R, heads, Q, d]
+        q = query[:n][query_rows]  # [R, Q, heads, d]
         if self.attn_type == AttentionType.ENCODER_ONLY:
-            k, v = key[:n][query_rows].transpose(1, 2), value[:n][query_rows].transpose(1, 2)
+            q, k, v = (x.transpose(1, 2) for x in (q, key[:n][query_rows],
+                                                   value[:n][query_rows]))
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            ).transpose(1, 2)
         else:
-            k, v = self._context(layer, kv_cache, md, context_slots, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )
-        out = out.transpose(1, 2).reshape(reqs * q_len, self.num_heads, d)
-        output[:n] = out[token_rows]
+            out = self._grouped(q, *self._context(layer, kv_cache, md, context_slots, q.dtype),
+                                mask)
+        output[:n] = out.reshape(reqs * q_len, self.num_heads, d)[token_rows]
         return output
+
+    def _grouped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: torch.Tensor) -> torch.Tensor:
+        """``[R, Q, heads, d]`` queries over ``[R, kv_heads, L, d]`` keys and values, each KV
+        head's query heads attending as one query of ``group * Q`` rows: grouped-query
+        attention with no copy of the keys and values per query head (SDPA's ``enable_gqa``
+        repeats them: at 64-256 requests most of the gathered step's bytes, serving2's table)."""
+        r, q_len, heads, d = q.shape
+        kv = self.num_kv_heads
+        group = heads // kv
+        rows = q.view(r, q_len, kv, group, d).permute(0, 2, 3, 1, 4).reshape(
+            r, kv, group * q_len, d)
+        length = mask.shape[-1]
+        grouped_mask = mask.expand(r, 1, q_len, length)[:, :, None].expand(
+            r, 1, group, q_len, length).reshape(r, 1, group * q_len, length)
+        out = F.scaled_dot_product_attention(rows, k, v, attn_mask=grouped_mask,
+                                             scale=self.scale)
+        return out.view(r, kv, group, q_len, d).permute(0, 3, 1, 2, 4)
 
     def _context(self, layer: torch.nn.Module, kv_cache: torch.Tensor, md: TpuAttentionMetadata,
                  context_slots: torch.Tensor,
