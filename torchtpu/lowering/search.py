@@ -1,5 +1,5 @@
 """Searches and segments: searchsorted and bucketize, repeat_interleave, segment_reduce and
-its backward.
+its backward, a jagged tensor's rows padded to a dense one.
 """
 
 from __future__ import annotations
@@ -138,3 +138,20 @@ def segment_reduce_backward(grad, output, data, reduce, lengths=None, offsets=No
         result = per_element(g) * jnp.where(zero, others,
                                             per_element(out) / jnp.where(zero, 1, flat))
     return jnp.where(covered, result, 0).reshape(data.shape)
+
+
+# ----------------------------------------------------------------------------- jagged to dense
+
+@lowers(aten._jagged_to_padded_dense_forward.default)
+def jagged_to_padded_dense(values, offsets, max_lengths, padding_value=0.0):
+    # One jagged dim, as PyTorch's kernels take: row b is values[offsets[b]:offsets[b + 1]],
+    # cut or padded to max_lengths[0]. A gather at each row's start plus a position, where
+    # positions past the row's end read the padding: the shape is static, the offsets data.
+    (offset,), (length,) = offsets, max_lengths
+    index = offset[:-1, None] + jnp.arange(length, dtype=offset.dtype)
+    inside = (index < offset[1:, None]).reshape(index.shape + (1,) * (values.ndim - 1))
+    if values.shape[0] == 0:  # no values (JAX refuses to gather from an empty axis)
+        return jnp.full(index.shape + values.shape[1:], padding_value, values.dtype)
+    # (positions past the last row read nothing: take's "fill", masked below like the rest)
+    rows = jnp.take(values, index, axis=0, mode="fill", fill_value=0)
+    return jnp.where(inside, rows, jnp.asarray(padding_value, values.dtype))
