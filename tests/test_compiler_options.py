@@ -50,7 +50,8 @@ def test_options_reach_each_compile_and_a_program_built_without_them_is_not_reus
     # XLA compiled each again under the options (neither JAX's in-memory executables, the
     # persistent cache, nor the warm program's executable was reused).
     built = _programs(dump)
-    assert {"jit_aten_mul_Tensor", "jit_aten_sub_Tensor", "jit_zeros_like"} <= built, built
+    # (Strict holds the multiply by a Python number: the subtraction's program computes it.)
+    assert {"jit_aten_sub_Tensor", "jit_zeros_like"} <= built, built
     # Outside the context again: nothing compiles into the directory any more.
     for f in dump.iterdir():
         f.unlink()

@@ -180,7 +180,7 @@ _NOTICE_PROBE = """
         "compiler.compile_or_get_cached = slow\\n", compiler.__file__, "exec"),
         {"compiler": compiler})
     x = torch.ones(3, device="tpu")
-    y = torch.sin(x)  # NOTICED
+    y = torch.cumsum(x, 0)  # NOTICED
     print(y.sum().item())
 """
 
@@ -214,8 +214,8 @@ def test_a_slow_compile_names_its_program_and_line_then_its_time(tmp_path):
     code = textwrap.dedent(_NOTICE_PROBE).splitlines()
     line = next(i for i, text in enumerate(code, 1) if "# NOTICED" in text)
     where = f"{tmp_path / 'script.py'}:{line}"
-    assert f"torchtpu: compiling jit_aten_sin_default for {where}, 0 s so far" in err, err
-    assert f"torchtpu: compiled jit_aten_sin_default for {where} in 0." in err, err
+    assert f"torchtpu: compiling jit_aten_cumsum_default for {where}, 0 s so far" in err, err
+    assert f"torchtpu: compiled jit_aten_cumsum_default for {where} in 0." in err, err
 
 
 @pytest.mark.parametrize("env", [{"TORCHTPU_NOTICES": "0", "TORCHTPU_SLOW_COMPILE_S": "0.2"},

@@ -173,8 +173,9 @@ def test_schedule_and_tensorboard_handler_write_one_trace_per_cycle(tmp_path):
     windows = []
     for f in files:
         programs = _programs(_events(f))
-        # (Strict holds the multiply by a Python number: the sum's program computes it.)
-        assert [e["name"] for e in programs] == ["aten::sum"]
+        # One step's programs: the sum's, which computes the multiply by a Python number when
+        # Strict held it, after the multiply's own when it did not.
+        assert [e["name"] for e in programs] in (["aten::sum"], ["aten::mul", "aten::sum"])
         windows.append((programs[0]["ts"], programs[-1]["ts"]))
     assert windows[0][1] < windows[1][0]
 
