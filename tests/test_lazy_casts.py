@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torchtpu.compile import eager_buckets
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import dispatch, lazy_casts
-from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+from torchtpu.testing.llama import LlamaConfig, seeded_step
 from torchtpu.testing.step_census import census
 
 CONFIG = LlamaConfig(vocab=128, dim=32, layers=2, heads=2, hidden=64, seq=16)
@@ -235,12 +235,7 @@ def test_a_parameter_a_fused_optimizer_step_wrote_is_cast_lazily():
 
 
 def _llama_losses(device: str, steps: int = 3):
-    torch.manual_seed(0)
-    model = Llama(CONFIG).to(device)
-    step, _ = train_step(model)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(CONFIG.vocab, (2, CONFIG.seq + 1), generator=g)
-    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    model, step, x, y = seeded_step(CONFIG, device)
     losses = [step(x, y) for _ in range(steps)]
     return model, step, x, y, [v.item() for v in losses]
 

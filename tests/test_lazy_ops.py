@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchtpu.eager import executor, lazy_casts
-from torchtpu.testing.llama import Llama, LlamaConfig, train_step
+from torchtpu.testing.llama import LlamaConfig, seeded_step
 from torchtpu.testing.step_census import census
 
 CONFIG = LlamaConfig(vocab=128, dim=32, layers=2, heads=2, hidden=64, seq=16)
@@ -129,12 +129,7 @@ def test_what_is_not_held():
 
 
 def _losses(device: str, steps: int = 3):
-    torch.manual_seed(0)
-    model = Llama(CONFIG).to(device)
-    step, _ = train_step(model)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(CONFIG.vocab, (2, CONFIG.seq + 1), generator=g)
-    x, y = ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
+    model, step, x, y = seeded_step(CONFIG, device)
     losses = [step(x, y).item() for _ in range(steps)]
     with census(dots=False) as c:
         step(x, y)

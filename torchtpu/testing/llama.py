@@ -134,3 +134,15 @@ def train_step(model: Llama, lr: float = 3e-4, dtype: torch.dtype | None = torch
         return loss
 
     return step, opt
+
+
+def seeded_step(config: LlamaConfig, device: str, batch: int = 2
+                ) -> tuple[Llama, Callable, torch.Tensor, torch.Tensor]:
+    """(model, step, ids, targets) on ``device``: the model from seed 0, ``train_step``'s step,
+    one batch of ids from seed 1, so a run on tpu and one on CPU start alike."""
+    torch.manual_seed(0)
+    model = Llama(config).to(device)
+    step, _ = train_step(model)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(config.vocab, (batch, config.seq + 1), generator=g)
+    return model, step, ids[:, :-1].contiguous().to(device), ids[:, 1:].contiguous().to(device)
