@@ -1,7 +1,7 @@
-"""Test settings: no silent CPU fallback, a fixed seed per test, torchrun's variables left as
-each test found them, ``fresh_dynamo``, and the ``full`` marker: such tests (larger shapes,
-slower integrations) run only with ``TORCHTPU_TESTS=full``, so the default suite stays inside
-CI's budget.
+"""Test settings: no silent CPU fallback, Ray's memory monitor off, a fixed seed per test,
+torchrun's variables left as each test found them, ``fresh_dynamo``, and the ``full`` marker:
+such tests (larger shapes, slower integrations) run only with ``TORCHTPU_TESTS=full``, so the
+default suite stays inside CI's budget.
 
 ``TORCHTPU_TESTS_REQUIRE=mod,mod`` names modules the run must be able to import (CI's main stage
 lists its extras'): the tests that need them skip where they are missing, so a broken install
@@ -16,6 +16,12 @@ import importlib
 import os
 
 os.environ.setdefault("TORCHTPU_CPU_FALLBACK", "error")
+# Ray's memory monitor (on by default) kills a local Ray instance's workers when the whole host
+# passes 95% of its memory: on a shared CI box other jobs' memory killed test_ray's 0.4 GB
+# workers ("6 worker(s) were killed due to the node running low on memory", twice in session
+# 23's heavy stage). Off for every Ray the tests start (raylet reads it from the environment
+# when it starts; verl's main_ppo inherits it); the kernel's OOM killer still stands.
+os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
