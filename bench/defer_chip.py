@@ -14,16 +14,24 @@ the phases ``bench/on_tpu_llama.py``'s row runs, one line per step:
   time apart from the recording's.
 
 Per step: ``record_ms`` (inside the step call, the previous step's flush included in ``free``),
+``record_cpu_ms`` (the recording threads' CPU inside the step call: the caller's and PyTorch's
+autograd threads', which run backward; what the host spends recording, apart from any wait or
+from another process on its cores) and ``us_per_op`` (that per op the step's flush ran: the
+step's own in steady state), ``overlapped`` (``free`` only: whether the step before was still
+running on the device when this step's recording ended, i.e. the host recorded while the device
+computed),
 ``flush_ms`` (inside the recorder's flushes), ``launch_ms`` (inside the fused programs' jitted
 calls: their trace and compile when new, else the dispatch), ``wait_ms`` (after the step: the
 read or synchronize, less the flush in it), the counters' deltas (compiles, persistent-cache
 hits, compile seconds, executions, recorded ops, bytes to and from the host, numbers crossing)
 and, for each fused program built in the step, how its key differs from the nearest program
 built before (ops, where the recorded calls first differ, outputs kept alive, donations): a
-program built in a steady step is what a multi-second step on the chip would be. Then one
-steady step profiled: the device's busy time and its longest programs and ops. Writes
-``defer_chip.json`` under ``--out`` (default ``$OUT``, else the working directory) after each
-phase.
+program built in a steady step is what a multi-second step on the chip would be. ``host``: the
+synced steps' medians (recording CPU, per op, the device's time after the recording) and the step
+they make for a loop reading each step's loss (recording + flush + device) and for one reading
+none (the larger of the two, overlapped). Then one steady step profiled: the device's busy
+time and its longest programs and ops. Writes ``defer_chip.json`` under ``--out`` (default
+``$OUT``, else the working directory) after each phase.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -39,13 +48,15 @@ import jax
 import torch
 
 import torchtpu
+from torchtpu.device import tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import defer
 from torchtpu.runtime import platform
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import on_tpu_llama  # noqa: E402  (bench/ is no package)
+import defer_host  # noqa: E402  (bench/ is no package)
+import on_tpu_llama  # noqa: E402
 import strict_chip  # noqa: E402
 
 COUNTERS = ("executable_compiles", "persistent_cache_hits", "compile_seconds", "executions",
@@ -136,18 +147,60 @@ def key_difference(new: tuple, old: list) -> dict:
     return out
 
 
+class HostClock:
+    """CPU time of the threads that record a step: the caller's and PyTorch's autograd
+    threads' (backward runs there), from the kernel's per-thread counters."""
+
+    def __enter__(self) -> HostClock:
+        self._threads = defer_host._autograd_threads()
+        self._start = time.thread_time() + defer_host._cpu_of(self._threads)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Autograd threads start at the first backward: those new since count from zero.
+        threads = defer_host._autograd_threads()
+        self.ms = (time.thread_time() + defer_host._cpu_of(threads) - self._start) * 1e3
+
+
+def _finished(loss: torch.Tensor) -> bool | None:
+    """Whether loss's computed array is ready on the device (None while still recorded)."""
+    array = tensors.stored_array(loss.untyped_storage())
+    return array.is_ready() if isinstance(array, jax.Array) else None
+
+
 def _step_line(phase: str, i: int, record: float, flush: float, launch: float, wait: float,
-               before: dict, keys: set) -> dict:
+               before: dict, keys: set, cpu: float = 0.0, **extra) -> dict:
     after = _counters()
-    line = {"phase": phase, "step": i, "record_ms": record, "flush_ms": flush,
-            "launch_ms": launch, "wait_ms": wait}
+    line = {"phase": phase, "step": i, "record_ms": record, "record_cpu_ms": cpu,
+            "flush_ms": flush, "launch_ms": launch, "wait_ms": wait}
     line |= {k: round(after[k] - before[k], 3) for k in COUNTERS}
+    if cpu and line["deferred_ops"]:
+        line["us_per_op"] = round(cpu * 1e3 / line["deferred_ops"], 1)
+    line |= extra
     built = [k for k in defer.RECORDER._programs if k not in keys]
     if built:
         line["programs_built"] = [key_difference(k, list(keys)) for k in built]
         keys.update(built)
     print(json.dumps(line, default=str), flush=True)
     return line
+
+
+def _host_summary(synced: list) -> dict:
+    """The synced steps' medians: the host's recording CPU, per op, and the device's time after
+    it; what a loop reading each step's loss (recording, then the device) and one reading none
+    (the two overlapped) would take a step."""
+    if not synced:
+        return {}
+
+    def median(k: str) -> float:
+        return round(statistics.median(s[k] for s in synced), 2)
+
+    record, flush, wait = median("record_ms"), median("flush_ms"), median("wait_ms")
+    return {"record_cpu_ms": median("record_cpu_ms"), "record_ms": record,
+            "us_per_op": median("us_per_op") if all("us_per_op" in s for s in synced) else None,
+            "flush_ms": flush, "device_wait_ms": wait,
+            "read_each_step_ms": round(record + flush + wait, 2),
+            "no_read_ms": round(max(record + flush, wait), 2)}
 
 
 def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: bool,
@@ -167,22 +220,30 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
         for i in range(warmup):
             before = _counters()
             t0 = time.perf_counter()
-            loss = step(x, y)
+            with HostClock() as host:
+                loss = step(x, y)
             t1 = time.perf_counter()
             loss.item()
             t2 = time.perf_counter()
             flush, launch = timers.take()
             out["steps"].append(_step_line("warmup", i, (t1 - t0) * 1e3, flush, launch,
-                                           (t2 - t1) * 1e3 - flush, before, keys))
+                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms))
         out["warmup_s"] = time.perf_counter() - start
         t_free = time.perf_counter()
         for i in range(steps):
-            before = _counters()
+            before, previous = _counters(), loss
             t0 = time.perf_counter()
-            loss = step(x, y)
+            with HostClock() as host:
+                loss = step(x, y)
             record = (time.perf_counter() - t0) * 1e3
             flush, launch = timers.take()
-            out["steps"].append(_step_line("free", i, record, flush, launch, 0.0, before, keys))
+            # The step before ran from this step's first op: still running now means the host
+            # recorded this step while the device computed that one.
+            ready = _finished(previous) if i else None
+            out["steps"].append(_step_line("free", i, record, flush, launch, 0.0, before, keys,
+                                           host.ms, overlapped=None if ready is None
+                                           else not ready))
+            del previous
         before = _counters()
         t0 = time.perf_counter()
         out["free_last_loss"] = loss.item()
@@ -194,14 +255,16 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
         for i in range(steps):
             before = _counters()
             t0 = time.perf_counter()
-            loss = step(x, y)  # kept alive as in the other phases: the same outputs wanted
+            with HostClock() as host:
+                loss = step(x, y)  # kept alive as in the other phases: the same outputs wanted
             t1 = time.perf_counter()
             torch.tpu.synchronize()
             t2 = time.perf_counter()
             flush, launch = timers.take()
             out["steps"].append(_step_line("synced", i, (t1 - t0) * 1e3, flush, launch,
-                                           (t2 - t1) * 1e3 - flush, before, keys))
+                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms))
         out["peak_gib"] = torch.tpu.max_memory_allocated() / 2**30
+        out["host"] = _host_summary([s for s in out["steps"] if s["phase"] == "synced"])
         if profile:
             # The loss kept as the loops keep it: a step whose loss nobody holds wants one output
             # fewer, another program (compiled inside the profile).
@@ -243,7 +306,7 @@ def main(argv: list | None = None) -> dict:
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=str)
     llama = results.get("llama", {})
-    for k in ("warmup_s", "free_ms_per_step", "peak_gib", "profile"):
+    for k in ("warmup_s", "free_ms_per_step", "host", "peak_gib", "profile"):
         if k in llama:
             shown = {m: v for m, v in llama[k].items() if m != "top_programs"} \
                 if isinstance(llama[k], dict) else llama[k]

@@ -30,6 +30,14 @@ def test_defer_chip_runs_small_steady_and_writes_its_json(tmp_path):
     assert not [s for s in later if "programs_built" in s]
     assert out["llama"]["profile_programs_loaded"] == 0
     free = [s for s in later if s["phase"] == "free" and s["step"] != "read"]
+    # The recording threads' CPU, per op of the step's flush (the free loop's first step flushes
+    # nothing), and whether the step before still ran when a free step's recording ended.
+    assert all(s["record_cpu_ms"] > 0 for s in later if s["step"] != "read")
+    assert all(s["us_per_op"] > 0 for s in later if s["step"] not in (0, "read")
+               or s["phase"] == "synced")
+    assert all(isinstance(s["overlapped"], bool) for s in free[1:])
+    host = out["llama"]["host"]
+    assert host["us_per_op"] > 0 and host["read_each_step_ms"] >= host["no_read_ms"] > 0
     assert all(s["device_to_host_bytes"] == 0 for s in free)
     assert all(s["host_to_device_bytes"] <= 64 for s in later)  # a step's new numbers only
     assert all(s["record_ms"] > 0 for s in later if s["step"] != "read")
