@@ -155,6 +155,10 @@ class Deferred:
     """
 
     __slots__ = ()
+    # Whether a program reads a tensor that is all of this value (its shape and dtype, from
+    # the storage's start) as the value itself: a recorded result knows its ``shape`` and
+    # ``dtype`` and is what the recording takes; a padded or lazily converted one is not.
+    whole_is_itself = False
 
     def resolve(self):
         """The computed array, or self while still pending."""
@@ -402,10 +406,17 @@ def read_parts(t: torch.Tensor, fold: bool = False) -> tuple:
     # computed array that is t whole) is tested first, with the cheapest reads there are (the
     # array's aval, not its shape and dtype properties: a third of the cost).
     capture = HOOKS.capture
-    if (type(array) is _ArrayImpl and capture is None and t.storage_offset() == 0
-            and t.is_contiguous() and not t.is_neg() and not t.is_conj()):
-        aval = array.aval
-        if aval.shape == t.shape and aval.dtype == _TO_NP.get(t.dtype):
+    kind = type(array)
+    if capture is None and (kind is _ArrayImpl or getattr(kind, "whole_is_itself", False)) \
+            and t.storage_offset() == 0 and t.is_contiguous() and not t.is_neg() \
+            and not t.is_conj():
+        if kind is not _ArrayImpl:
+            # DeferAndFuse's recorded value (every tensor of a deferred step): the value while
+            # pending, its array once run.
+            array = array.resolve()
+            kind = type(array)
+        known = array.aval if kind is _ArrayImpl else array
+        if known.shape == t.shape and known.dtype == _TO_NP.get(t.dtype):
             return array, None
     if t.is_conj() or t.is_neg():
         return read(t), None

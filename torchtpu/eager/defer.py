@@ -87,6 +87,7 @@ class Pending(tensors.Deferred):
 
     __slots__ = ("shape", "dtype", "weak_type", "_sig", "_trace", "_node", "_leaf", "_value",
                  "_error", "__weakref__")
+    whole_is_itself = True
 
     def __init__(self, out: tuple, trace, node: int, leaf: int) -> None:
         # out: (shape, dtype, weak_type, signature number), as ``_outputs`` keeps it per call.

@@ -128,14 +128,15 @@ def _compute_dtype(described: tuple) -> np.dtype:
 
 
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
-         final: tuple | None = None) -> tuple:
-    """(result shapes/dtypes, program spec) for one call, cached by its call key."""
+         final: tuple | None = None, known_key: tuple | None = None) -> tuple:
+    """(result shapes/dtypes, program spec) for one call, cached by its call key
+    (``known_key``, where the caller has it: ``meta.call_key`` with op's traced arguments)."""
     plans = op.__dict__.get(_PLANS)
     if plans is None:
         plans = ({}, traced_arguments(op, lowering))
         setattr(op, _PLANS, plans)
     cache, traced = plans
-    key = (meta.call_key(oi, values, traced), final)
+    key = (meta.call_key(oi, values, traced) if known_key is None else known_key, final)
     hit = cache.get(key)
     if hit is None:
         result = meta.infer(op, values, traced=traced,
@@ -284,15 +285,19 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
     """
     oi = schema.info(op)
     foi = schema.info(functional)
+    # The twins' call keys of one call are equal when their schemas' defaults are: made once
+    # for both (an optimizer's foreach call keys ~4 lists of a tensor a parameter).
+    shared = (oi.defaults, oi.generator_index) == (foi.defaults, foi.generator_index)
 
     def handle(args, kwargs):
         values, outs = schema.bind(oi, args, kwargs)
         if outs and lowering is not None and lowering.shape_depends_on_values(values):
             return _write_computed(op, oi, values, outs,
                                    compute_unknown_shape(lowering, foi, values))
+        key = meta.call_key(oi, values, traced) if shared else None
         # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
         # and says what shape each out= argument must take.
-        validated = meta.infer(op, values, outs, traced)
+        validated = meta.infer(op, values, outs, traced, known_key=key)
         targets, flat = _flat_targets(values, oi, outs)
         overlap.check_internal(flat, op)
         if outs:
@@ -302,7 +307,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
                     raise meta.device_error(t)
                 _resize_out(t, s)
         overlap.check_between(op, flat, schema.read(oi, values, overlap.read_first(op)))
-        arrays = compute_functional(foi, values, [t.dtype for t in flat])
+        arrays = compute_functional(foi, values, [t.dtype for t in flat], key)
         for t, a in zip(flat, schema.flatten(arrays)):
             tensors.write(t, kernels.convert(a, t))
         return schema.returns(op, targets)
@@ -335,16 +340,17 @@ def _leaves(d):
 
 
 def _lowered_functional(functional: OpOverload, lowering: Lowering):
-    def run(foi, values, target_dtypes):
+    def run(foi, values, target_dtypes, key):
         final = tuple(dtypes.to_jax(d) for d in target_dtypes)
-        _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0])
+        _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0],
+                       key)
         return computed(compute(lowering, spec, values, writes=True))
 
     return run
 
 
 def _decomposed_functional(functional: OpOverload, decomp):
-    def run(foi, values, target_dtypes):
+    def run(foi, values, target_dtypes, key):
         args, kwargs = schema.unbind(foi, values)
         return [tensors.read(t) for t in schema.flatten(decomp(*args, **kwargs))]
 

@@ -182,12 +182,15 @@ _MISSING = object()
 
 
 def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset(),
-          strides: bool = False):
+          strides: bool = False, known_key: tuple | None = None):
     """Shapes and dtypes of op's results: (shape, dtype[, memory format or strides]) or a tuple
-    of them (strides: see ``describe``; the same for every call of op, as the cache assumes)."""
+    of them (strides: see ``describe``; the same for every call of op, as the cache assumes).
+    ``known_key``: ``call_key(info(op), values, traced)``, where the caller has it."""
     oi = schema.info(op)
     try:
-        key = (op, call_key(oi, values, traced), tuple(leaf_key(o) for o in outs))
+        if known_key is None:
+            known_key = call_key(oi, values, traced)
+        key = (op, known_key, tuple(leaf_key(o) for o in outs))
         hit = _meta_cache.get(key, _MISSING)
     except TypeError:  # something unhashable: do not cache
         key, hit = None, _MISSING
