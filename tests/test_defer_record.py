@@ -98,3 +98,56 @@ def test_backward_on_the_autograd_thread_is_no_other_thread(monkeypatch, recwarn
     torch.testing.assert_close(grad, m.weight.grad)
     assert not defer.RECORDER._warned_threads
     assert not [w for w in recwarn if "one recording of the process" in str(w.message)]
+
+
+def test_a_pending_tensor_read_whole_takes_no_generic_read(monkeypatch):
+    # Every tensor of a deferred step holds a recorded value: read whole (an in-place foreach
+    # call's every list element, a planned call's operands), it is taken as it is, without the
+    # generic path's storage and geometry steps (``tensors._parts``); a view still takes them.
+    from torchtpu.device import tensors
+
+    generic = [0]
+    parts = tensors._parts
+
+    def spy(t):
+        generic[0] += 1
+        return parts(t)
+
+    a = torch.randn(4, 6)
+    with torch.tpu.set_eager_mode(DEFER):
+        p = a.to("tpu") * 2.0
+        monkeypatch.setattr(tensors, "_parts", spy)
+        array, geometry = tensors.read_parts(p)
+        assert array is p.untyped_storage()._tpu_array and geometry is None
+        assert generic[0] == 0
+        tensors.read_parts(p.t())  # a view: the generic path
+        assert generic[0] == 1
+        torch.testing.assert_close(p.cpu(), a * 2.0)
+        # Run: the same read gives its array.
+        before = generic[0]
+        array, geometry = tensors.read_parts(p)
+        assert type(array) is not defer.Pending and geometry is None and generic[0] == before
+
+
+def test_an_in_place_list_call_makes_its_call_key_once(monkeypatch):
+    # An in-place foreach call (AdamW's, clip_grad_norm_'s: lists of a tensor a parameter) is
+    # checked by its own meta kernel and planned by its functional twin's: one call key for both.
+    from torchtpu.eager import meta
+
+    keyed = [0]
+    call_key = meta.call_key
+
+    def spy(*args, **kwargs):
+        keyed[0] += 1
+        return call_key(*args, **kwargs)
+
+    a = [torch.randn(3, 4) for _ in range(5)]
+    b = [torch.randn(3, 4) for _ in range(5)]
+    xs, ys = [t.to("tpu") for t in a], [t.to("tpu") for t in b]
+    with torch.tpu.set_eager_mode(DEFER):
+        torch._foreach_add_(xs, ys, alpha=0.3)  # planned and checked once, remembered
+        monkeypatch.setattr(meta, "call_key", spy)
+        torch._foreach_add_(xs, ys, alpha=0.7)
+        assert keyed[0] == 1
+        got = [x.cpu() for x in xs]
+    torch.testing.assert_close(got, [x + 0.3 * y + 0.7 * y for x, y in zip(a, b)])
