@@ -127,6 +127,7 @@ def test_a_pending_tensor_read_whole_takes_no_generic_read(monkeypatch):
         before = generic[0]
         array, geometry = tensors.read_parts(p)
         assert type(array) is not defer.Pending and geometry is None and generic[0] == before
+        assert p.untyped_storage()._tpu_array is array
 
 
 def test_an_in_place_list_call_makes_its_call_key_once(monkeypatch):

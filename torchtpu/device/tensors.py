@@ -401,7 +401,8 @@ def read_parts(t: torch.Tensor, fold: bool = False) -> tuple:
     computation, instead of a separate program call reading it first. ``fold``: a storage whose
     pending value can be computed inside the reading program (``folded(value, geometry)``: a
     lazy cast) gives what it answers, ``(its input, how to read it)``, instead."""
-    array = t.untyped_storage()._tpu_array
+    st = t.untyped_storage()
+    array = st._tpu_array
     # Every op's and every compiled graph's every tensor argument comes here: the common case (a
     # computed array that is t whole) is tested first, with the cheapest reads there are (the
     # array's aval, not its shape and dtype properties: a third of the cost).
@@ -412,8 +413,10 @@ def read_parts(t: torch.Tensor, fold: bool = False) -> tuple:
             and not t.is_conj():
         if kind is not _ArrayImpl:
             # DeferAndFuse's recorded value (every tensor of a deferred step): the value while
-            # pending, its array once run.
-            array = array.resolve()
+            # pending; once run, its array, which the storage then holds (as ``stored_array``).
+            value = array.resolve()
+            if value is not array:
+                array = st._tpu_array = value
             kind = type(array)
         known = array.aval if kind is _ArrayImpl else array
         if known.shape == t.shape and known.dtype == _TO_NP.get(t.dtype):
