@@ -189,9 +189,15 @@ def _nll_weights(x, target, weight, ignore_index):
 
 def _picked(x, safe):
     # x is (C,) or (N, C, ...): the class dim is the last of a 1-d input, else dim 1.
+    # A masked sum over the classes, not a gather: in a program, XLA fuses the log-softmax that
+    # x comes from into it (and the backward's sum of the one-hot with it), where a gather made
+    # it write the float32 log-probabilities out first: at a Llama step's 8192 x 32768 logits
+    # that pass and the one-hot's were a third of the head and loss's estimated cycles on v5e
+    # (bench/head_loss.py). Run alone (Strict) it reads x whole instead of 8,192 of its values.
     class_dim = 0 if x.ndim == 1 else 1
-    return jnp.squeeze(jnp.take_along_axis(x, jnp.expand_dims(safe, class_dim), class_dim),
-                       class_dim)
+    classes = jax.lax.broadcasted_iota(jnp.int32, x.shape, class_dim)
+    hit = classes == jnp.expand_dims(safe.astype(jnp.int32), class_dim)
+    return jnp.sum(jnp.where(hit, x, 0), axis=class_dim)
 
 
 @lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
