@@ -20,7 +20,7 @@ from torchtpu import metrics
 from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
-from torchtpu.eager.program import Spec, cast_outputs, one_pointwise_input, program, rebuild
+from torchtpu.eager.program import Spec, cast_outputs, held, one_pointwise_input, rebuild
 from torchtpu.lowering.registry import Lowering
 
 
@@ -37,12 +37,15 @@ class Strict:
         metrics.count("executions")
         # Every op call comes here: the spec's program and number slots, once known, are read
         # off it without a call each.
-        held = spec._program
-        fn = held[1] if held is not None and held[0] is lowering else program(lowering, spec)
+        found = spec._program
+        if found is None or found[0] is not lowering:
+            found = held(lowering, spec)
+        fn = found[2]
         if self.lazy_ops:
             read = one_pointwise_input(lowering, spec)[0]
             if read is not False:
-                lazy = lazy_casts.lazy_op(lowering, spec, dyn, fn, read)
+                # The jitted function: a lazy op may be recorded into a later program.
+                lazy = lazy_casts.lazy_op(lowering, spec, dyn, found[1], read)
                 if lazy is not None:
                     return lazy
         slots = spec._scalars

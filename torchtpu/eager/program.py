@@ -49,7 +49,7 @@ class Spec:
         exact = tuple((kind, meta.exact_key(p) if kind == CONST else p) for kind, p in entries)
         self._key = (exact, compute, final, promote)
         self._hash = hash(self._key)
-        self._program = None  # (lowering, its jitted function): ``program``'s hit without a hash
+        self._program = None  # ``held``'s (lowering, jitted, dispatched): a hit without a hash
         self._simple = None   # whether ``seen_calls`` may repeat its calls (found at first use)
         self._scalars = None  # where its traced numbers are (``numbers.scalar_slots``)
         # Its kept lazy casts (``kept_positions``): its program returns their conversions too.
@@ -212,23 +212,32 @@ def donated_inputs(lowering: Lowering, spec: Spec) -> tuple:
 
 def program(lowering: Lowering, spec: Spec):
     """The jitted function for one lowering and spec; call it with the dynamic values."""
-    held = spec._program
-    if held is None or held[0] is not lowering:
-        held = spec._program = (lowering, _program(lowering, spec))
-    return held[1]
+    return held(lowering, spec)[1]
+
+
+def held(lowering: Lowering, spec: Spec) -> tuple:
+    """(lowering, its jitted function, the same called as Strict calls it: loaded by key in a
+    new process, ``warm.dispatched``), kept on the spec."""
+    found = spec._program
+    if found is None or found[0] is not lowering:
+        found = spec._program = (lowering, *_program(lowering, spec))
+    return found
 
 
 @functools.cache
-def _program(lowering: Lowering, spec: Spec):
+def _program(lowering: Lowering, spec: Spec) -> tuple:
     def run(*dyn):
         kept = [] if spec.keeps else None
         out = cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn, kept)), spec.final)
         return out if kept is None else (out, tuple(kept))
 
     run.__name__ = str(lowering.op).replace(".", "_")
-    jitted = jax.jit(run, donate_argnums=donated_inputs(lowering, spec))
-    return warm.named(jitted, "op", _identity(lowering), spec.entries, spec.compute, spec.final,
-                      spec.promote)
+    jitted = warm.named(jax.jit(run, donate_argnums=donated_inputs(lowering, spec)), "op",
+                        _identity(lowering), spec.entries, spec.compute, spec.final,
+                        spec.promote)
+    # Recorders (captures, DeferAndFuse) trace the jitted function inside their programs;
+    # only a call of its own loads by key.
+    return jitted, warm.dispatched(jitted)
 
 
 def _identity(lowering: Lowering):
