@@ -31,7 +31,9 @@ def work(device):
     loss.backward()
     y = torch.linspace(0, 1, 5).to(device)
     other = (y * 3).exp().add_(x[0, :5]) * (x[:2, :5] * 3)  # mul at a second shape
-    return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item()]
+    listed = torch._foreach_add([y, other], [0.5, 2.0])  # a program taking a list of numbers
+    return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item(),
+            sum(t.sum().item() for t in listed)]
 
 cpu = work("cpu")
 before, loaded = traces[0], torchtpu.metrics.snapshot().get("programs_loaded_by_key", 0)

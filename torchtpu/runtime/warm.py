@@ -358,8 +358,10 @@ def _compiled(jitted, key: str, args: tuple):
     an index entry has it, else lowered and compiled, its entry written."""
     # With the settings it is traced under now, which a process may change as it runs
     # (torch.set_float32_matmul_precision sets JAX's).
+    # (An op's arguments may be lists of arrays: a _foreach_ op's.)
+    leaves, tree = jax.tree_util.tree_flatten(args)
     settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
-                _signature(args), compiler_options.key()]
+                _signature(leaves), str(tree), compiler_options.key()]
     key = hashlib.sha256(f"{key}\0{json.dumps(settings)}".encode()).hexdigest()
     entry = read_record("index", key)
     if entry is not None:
