@@ -38,14 +38,11 @@ class Strict:
         # Every op call comes here: the spec's program and number slots, once known, are read
         # off it without a call each.
         found = spec._program
-        if found is None or found[0] is not lowering:
-            found = held(lowering, spec)
-        fn = found[2]
+        fn = found[2] if found is not None and found[0] is lowering else held(lowering, spec)[2]
         if self.lazy_ops:
             read = one_pointwise_input(lowering, spec)[0]
             if read is not False:
-                # The jitted function: a lazy op may be recorded into a later program.
-                lazy = lazy_casts.lazy_op(lowering, spec, dyn, found[1], read)
+                lazy = lazy_casts.lazy_op(lowering, spec, dyn, fn, read)
                 if lazy is not None:
                     return lazy
         slots = spec._scalars

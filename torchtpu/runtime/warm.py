@@ -338,7 +338,9 @@ def dispatched(jitted):
         # returns (the results, and the executable's fast-path data) serves the next calls.
         if not key:
             key.append(key_of(*parts))
-        if key[0] is None or not cache_on() or tpu_hook.active():
+        # (Traced values: the program called inside another one's trace, as jit is.)
+        if (key[0] is None or not cache_on() or tpu_hook.active()
+                or any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(args))):
             return jitted._cache_miss(*args)
         compiled = _compiled(jitted, key[0], args)
         call = compiled._executable.create_cpp_call(compiled._params)
