@@ -9,7 +9,12 @@ and the compiles. Runs go in interleaved rounds over the checkouts, all on one p
 cache (``--cache``, default a new directory), after one unrecorded run per checkout that fills
 it: each recorded run is a warm process as a job's second start is.
 
-    python bench/strict_cold.py --repos /work/main /work/wt [--rounds 3] [--steps 2]
+``--grpo``: each run is instead TRL's GRPO with vLLM-TorchTPU colocated
+(``python -m torchtpu.testing.grpo tpu STEPS DIR vllm nowatch``, run with the interpreter
+running this, one with TRL and vLLM: the rl-vllm venv); per step its seconds and the programs
+it built or loaded, of them by torchtpu's key (the engine's start-up is not in a step).
+
+    python bench/strict_cold.py --repos /work/main /work/wt [--rounds 3] [--steps 2] [--grpo]
 """
 
 from __future__ import annotations
@@ -61,14 +66,33 @@ def child(steps: int) -> None:
             "programs_loaded_by_key", "persistent_cache_hits", "executable_compiles")}}))
 
 
-def one(repo: str, steps: int, cache: str) -> dict:
+def one(repo: str, steps: int, cache: str, grpo: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=repo, TORCHTPU_CACHE_DIR=cache, TORCHTPU_NOTICES="0")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", str(steps)],
-                          cwd=repo, env=env, capture_output=True, text=True, timeout=600)
-    lines = [x for x in proc.stdout.splitlines() if x.startswith("STRICT_COLD ")]
+    if grpo:
+        env.update(TORCHTPU_VLLM="1")
+        env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        command = ["-m", "torchtpu.testing.grpo", "tpu", str(steps),
+                   cache.rstrip("/") + "-grpo", "vllm", "nowatch"]
+    else:
+        command = [os.path.abspath(__file__), "--child", str(steps)]
+    proc = subprocess.run([sys.executable, *command], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=900)
+    tag = "GRPO_RESULT " if grpo else "STRICT_COLD "
+    lines = [x for x in proc.stdout.splitlines() if x.startswith(tag)]
     if proc.returncode or not lines:
         raise RuntimeError(proc.stderr[-3000:])
-    return json.loads(lines[-1][len("STRICT_COLD "):])
+    out = json.loads(lines[-1][len(tag):])
+    if grpo:
+        return {"steps": [t["seconds"] for t in out["timings"]],
+                "losses": [s["loss"] for s in out["steps"]],
+                "line": ", ".join(f"{t['seconds']:.2f} s ({t['programs']} programs, "
+                                  f"{t.get('by_key', '?')} by key)" for t in out["timings"])}
+    out["line"] = (f"import {out['import']:.2f} s, steps "
+                   f"{', '.join(f'{s:.2f}' for s in out['steps'])} s, op traces "
+                   f"{out['op_traces']} (all {out['traces']}), loaded by key "
+                   f"{out['programs_loaded_by_key']}, JAX hits {out['persistent_cache_hits']}, "
+                   f"compiles {out['executable_compiles']}")
+    return out
 
 
 def main() -> None:
@@ -77,6 +101,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--cache")
+    parser.add_argument("--grpo", action="store_true")
     parser.add_argument("--child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child is not None:
@@ -84,17 +109,13 @@ def main() -> None:
         return
     cache = args.cache or tempfile.mkdtemp(prefix="strict_cold-")
     for repo in args.repos:
-        one(repo, args.steps, cache)  # fills the cache
+        print(f"{repo} (filling the cache): {one(repo, args.steps, cache, args.grpo)['line']}",
+              flush=True)
     runs: dict = {repo: [] for repo in args.repos}
     for _ in range(args.rounds):
         for repo in args.repos:
-            runs[repo].append(one(repo, args.steps, cache))
-            r = runs[repo][-1]
-            print(f"{repo}: import {r['import']:.2f} s, steps "
-                  f"{', '.join(f'{s:.2f}' for s in r['steps'])} s, op traces {r['op_traces']} "
-                  f"(all {r['traces']}), loaded by key {r['programs_loaded_by_key']}, JAX "
-                  f"hits {r['persistent_cache_hits']}, compiles {r['executable_compiles']}",
-                  flush=True)
+            runs[repo].append(one(repo, args.steps, cache, args.grpo))
+            print(f"{repo}: {runs[repo][-1]['line']}", flush=True)
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     print(f"load at the end {load}; median first step:")

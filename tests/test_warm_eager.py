@@ -1,6 +1,7 @@
-"""Strict's per-op programs in a new process (runtime/warm.py ``dispatched``): loaded by
-torchtpu's own key, each op traced and lowered in the first process only; jit's dispatch for
-every signature; a directory others can write keeps to JAX's cache (traced first)."""
+"""Strict's per-op programs in a new process (runtime/warm_dispatch.py): loaded by torchtpu's
+own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
+default); jit's dispatch for every signature; a directory others can write, or a JAX whose
+private entry points differ, keeps to JAX's cache (traced first)."""
 
 import json
 import os
@@ -19,12 +20,17 @@ def on(event, seconds, fun_name="", **_):
     if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name.startswith("aten_"):
         traces[0] += 1  # an op's program (eager/program.py names it after the op)
 monitoring.register_event_duration_secs_listener(on)
+import os, types
 import torch, torchtpu
 from torch import nn
-from torchtpu.eager import executor
-# A program that reads a lazy pointwise op (executor.Strict.lazy_ops) has no stable key yet
-# (its read names the op's lowering and spec objects): traced in every process. Off here.
-executor.Strict.lazy_ops = False
+from torchtpu.runtime import warm_dispatch
+how = os.environ.get("BREAK_DISPATCH")  # JAX's entry point as another version could have it
+if how == "missing":
+    warm_dispatch._jax = types.SimpleNamespace()
+elif how == "signature":
+    warm_dispatch._jax = types.SimpleNamespace(pjit=lambda name, fun, cache_miss: None)
+elif how == "version":
+    warm_dispatch.jax = types.SimpleNamespace(__version__="0.12.0")
 
 def work(device):
     torch.manual_seed(0)
@@ -40,30 +46,50 @@ def work(device):
             sum(t.sum().item() for t in listed)]
 
 cpu = work("cpu")
-before, loaded = traces[0], torchtpu.metrics.snapshot().get("programs_loaded_by_key", 0)
+names = ("programs_loaded_by_key", "warm_dispatch_off")
+before, counts = traces[0], [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 tpu = work("tpu")
+after = [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 print(json.dumps({"cpu": cpu, "tpu": tpu, "traces": traces[0] - before,
-                  "by_key": torchtpu.metrics.snapshot().get("programs_loaded_by_key", 0)
-                  - loaded}))
+                  "by_key": after[0] - counts[0], "off": after[1] - counts[1]}))
 """
 
 
-def _run(cache) -> tuple[dict, str]:
-    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error"}
+def _run(cache, broken: str = "") -> tuple[dict, str]:
+    env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error",
+           "BREAK_DISPATCH": broken}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stderr
 
 
-def test_second_process_traces_no_op_program(tmp_path):
-    cache = tmp_path / "cache"
+@pytest.fixture(scope="module")
+def filled(tmp_path_factory):
+    """A cache one process filled: every op program traced, none loaded by key."""
+    cache = tmp_path_factory.mktemp("warm_eager")
     cold, _ = _run(cache)
+    assert cold["traces"] > 0 and cold["by_key"] == 0 == cold["off"]
+    assert cold["tpu"] == pytest.approx(cold["cpu"], rel=1e-5, abs=1e-6)
+    return cache, cold
+
+
+def test_second_process_traces_no_op_program(filled):
+    cache, _ = filled
     warm_run, _ = _run(cache)
-    assert cold["traces"] > 0 and cold["by_key"] == 0
-    assert warm_run["traces"] == 0 and warm_run["by_key"] > 0
-    for run in (cold, warm_run):
-        assert run["tpu"] == pytest.approx(run["cpu"], rel=1e-5, abs=1e-6)
+    assert warm_run["traces"] == 0 and warm_run["by_key"] > 0 and warm_run["off"] == 0
+    assert warm_run["tpu"] == pytest.approx(warm_run["cpu"], rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("broken", ["missing", "signature", "version"])
+def test_jax_without_the_entry_point_runs_every_op_by_jit(filled, broken):
+    """A JAX whose _jax.pjit is gone, takes other arguments, or is a version not checked:
+    Strict's ops run by jax.jit as before (traced again, found in JAX's cache), said once."""
+    cache, cold = filled
+    run, err = _run(cache, broken)
+    assert run["by_key"] == 0 and run["traces"] == cold["traces"] and run["off"] > 0
+    assert run["tpu"] == pytest.approx(run["cpu"], rel=1e-5, abs=1e-6)
+    assert err.count("eager op programs are not loaded by key") == 1, err
 
 
 def test_directory_others_can_write_traces_every_op(tmp_path):

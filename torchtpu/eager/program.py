@@ -18,7 +18,7 @@ from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
-from torchtpu.runtime import warm
+from torchtpu.runtime import warm, warm_dispatch
 
 # Spec entries, one per bound argument.
 TENSOR = "t"       # one array; payload: None, or how to read it: a view Geometry or a
@@ -232,12 +232,26 @@ def _program(lowering: Lowering, spec: Spec) -> tuple:
         return out if kept is None else (out, tuple(kept))
 
     run.__name__ = str(lowering.op).replace(".", "_")
-    jitted = warm.named(jax.jit(run, donate_argnums=donated_inputs(lowering, spec)), "op",
-                        _identity(lowering), spec.entries, spec.compute, spec.final,
-                        spec.promote)
+    jitted = warm.named(jax.jit(run, donate_argnums=donated_inputs(lowering, spec)),
+                        *_parts(lowering, spec))
     # Recorders (captures, DeferAndFuse) trace the jitted function inside their programs;
     # only a call of its own loads by key.
-    return jitted, warm.dispatched(jitted)
+    return jitted, warm_dispatch.dispatched(jitted)
+
+
+def _parts(lowering: Lowering, spec: Spec) -> tuple:
+    """What names the program of lowering and spec in a key: a lazy pointwise call it reads
+    (a ``Cast``'s ``op``) by the same parts as its own program, not by its objects."""
+    entries = tuple((kind, _stable(payload)) for kind, payload in spec.entries)
+    return "op", _identity(lowering), entries, spec.compute, spec.final, spec.promote
+
+
+def _stable(payload):
+    if type(payload) is Cast and payload.op is not None:
+        return payload._replace(op=_parts(*payload.op))
+    if type(payload) is tuple:  # a TENSORS entry's reads
+        return tuple(_stable(p) for p in payload)
+    return payload
 
 
 def _identity(lowering: Lowering):

@@ -10,9 +10,8 @@ executable it names are there, the executable is deserialized and wrapped in JAX
 ``Compiled`` object (what ``jax.experimental.serialize_executable`` rebuilds, without pickle:
 index entries are JSON), and nothing is traced, lowered or compiled. Otherwise the program is
 lowered and compiled as usual (JAX's cache may still find it) and the index entry is written.
-``dispatched`` does the same per signature for an eager op's program, which meets many shapes:
-JAX's C++ dispatch (the one ``jax.jit`` has, as fast) asks for each new signature's executable,
-so that a new process's first step traces and lowers none of the ops it ran before.
+``warm_dispatch.py`` does the same per signature for an eager op's program, which meets many
+shapes (``compiled_for``).
 
 Index entries and ``records`` (small JSON facts, such as the result shapes of recorded ops) are
 entries of the same ``EntryStore`` as the executables: checksummed, written atomically, evicted
@@ -45,9 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax._src import compilation_cache as jax_cache
-from jax._src import core, stages, tree_util
+from jax._src import core, stages
 from jax._src.interpreters import pxla
-from jax._src.lib import _jax
 from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
@@ -321,41 +319,10 @@ class Program:
     def _prepare(self, args: tuple):
         if self._key is None or not cache_on() or tpu_hook.active():
             return self._jitted  # (a TPU target compiles what JAX compiles: no load by key)
-        return _compiled(self._jitted, self._key, args)
+        return compiled_for(self._jitted, self._key, args)
 
 
-def dispatched(jitted):
-    """jitted (named by ``named``) called through JAX's own per-signature dispatch, each new
-    signature's executable loaded by key when a warm cache has it (see the module doc): what
-    Strict calls per op, whose programs meet many shapes. jitted itself when it has no parts."""
-    parts = getattr(jitted, "_ttpu_parts", None)
-    if parts is None:
-        return jitted
-    key = []  # found at the first miss: a process whose cache is off never hashes it
-
-    def miss(*args):
-        # JAX's C++ dispatch calls this for a signature it has no executable for; what it
-        # returns (the results, and the executable's fast-path data) serves the next calls.
-        if not key:
-            key.append(key_of(*parts))
-        # (Traced values: the program called inside another one's trace, as jit is.)
-        if (key[0] is None or not cache_on() or tpu_hook.active()
-                or any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(args))):
-            return jitted._cache_miss(*args)
-        compiled = _compiled(jitted, key[0], args)
-        call = compiled._executable.create_cpp_call(compiled._params)
-        if call is None:  # (effects or host callbacks: jit's own dispatch handles them)
-            return jitted._cache_miss(*args)
-        return call._cache_miss(*args)
-
-    fn = functools.wraps(jitted)(_jax.pjit(jitted.__name__, None, miss, [], [],
-                                           pxla.JitGlobalCppCacheKeys(),
-                                           tree_util.dispatch_registry, pxla.cc_shard_arg))
-    fn.jitted = jitted  # (``lower`` is jit's too: wraps copied what it reads)
-    return fn
-
-
-def _compiled(jitted, key: str, args: tuple):
+def compiled_for(jitted, key: str, args: tuple):
     """jitted's executable for args: loaded by key (and the settings it is traced under) when
     an index entry has it, else lowered and compiled, its entry written."""
     # With the settings it is traced under now, which a process may change as it runs

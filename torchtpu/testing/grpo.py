@@ -8,11 +8,12 @@ would their rewards, leaving zero advantages and no gradient), SGD (AdamW's firs
 rounding noise in near-zero gradients into full-size steps of its sign, which no comparison
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall time and how many programs it built or loaded
-(``torchtpu.metrics``), and the trained weights. ``python -m torchtpu.testing.grpo DEVICE STEPS
-FOLDER [vllm] [nopad] [nowatch] [vllmbatch]`` prints that as JSON from a fresh process
-(Accelerate keeps one device per process); ``nowatch``: no checks after each weight push (they
-generate with Hugging Face inside the step, which a timing should not count); ``vllmbatch``:
-without vLLM, the vLLM runs' batch (one prompt, two completions a step), to compare with them.
+(``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), and the trained weights.
+``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]``
+prints that as JSON from a fresh process (Accelerate keeps one device per process);
+``nowatch``: no checks after each weight push (they generate with Hugging Face inside the step,
+which a timing should not count); ``vllmbatch``: without vLLM, the vLLM runs' batch (one
+prompt, two completions a step), to compare with them.
 """
 
 from __future__ import annotations
@@ -65,12 +66,14 @@ def _row_forced(model) -> None:
     model.generate = generate
 
 
-def _programs() -> int:
+def _programs() -> tuple[int, int]:
+    """(programs built or loaded so far, of them loaded by torchtpu's key)."""
     from torchtpu import metrics
 
     snap = metrics.snapshot()
-    return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + snap.get(
-        "programs_loaded_by_key", 0)
+    by_key = snap.get("programs_loaded_by_key", 0)
+    return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + by_key, \
+        by_key
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
@@ -93,8 +96,10 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
             self.start, self.programs = time.perf_counter(), _programs()
 
         def on_step_end(self, args, state, *rest, **kwargs) -> None:
+            programs, by_key = _programs()
             timings.append({"seconds": time.perf_counter() - self.start,
-                            "programs": _programs() - self.programs})
+                            "programs": programs - self.programs[0],
+                            "by_key": by_key - self.programs[1]})
 
     settings = dict(
         output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
