@@ -71,9 +71,7 @@ def test_two_replicas_answer_hf_greedy_tokens(served):
         assert devices == {str(block["device_index"])}, (block, devices)
 
 
-# a replica lost and started again; not yet seen passing: runs here were stopped by the shared
-# box's memory (bench/RESULTS.md, "rlserve3")
-@pytest.mark.full
+@pytest.mark.full  # a replica lost and started again: ~2 min more, ~4 GB in all here
 def test_a_lost_replica_is_replaced_and_its_requests_answered(local_serve, model, served):
     with time_limit(START_S + REQUEST_S + 90):
         after = serve_openai.survive_a_lost_replica(local_serve, model, PROMPTS, served, LONG,
