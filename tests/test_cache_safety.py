@@ -73,7 +73,7 @@ def test_index_reduce_programs_read_back_in_another_process(filled):
     cache, first = filled
     again, err = _run(cache)
     assert again["executable_compiles"] == 0, err
-    # Each op's program loaded by torchtpu's key (warm.dispatched) or found in JAX's cache.
+    # Each op's program loaded by torchtpu's key (warm_dispatch) or found in JAX's cache.
     assert again["persistent_cache_hits"] + again["programs_loaded_by_key"] == first[
         "executable_compiles"]
     assert again["programs_loaded_by_key"] > 0
@@ -114,7 +114,7 @@ def test_entries_of_another_cpu_are_skipped_and_recompiled(filled):
     assert err.count("written for another host") == len(entries), err
     assert "avx512f" in err and again["executable_compiles"] == first["executable_compiles"]
     assert cache_check.verify(cache)["damaged"] == {}  # replaced by this host's entries
-    # (executables read back by their writer; the op programs' index records, warm.dispatched,
+    # (executables read back by their writer; the op programs' index records, warm_dispatch,
     # are plain records)
     index = [p.name.startswith("ttpu_record_index-") for p in _entries(cache)]
     assert any(index) and all(parts(p.read_bytes())[1:3] == (OTHER if i else READ_BACK, here)

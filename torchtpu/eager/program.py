@@ -217,7 +217,7 @@ def program(lowering: Lowering, spec: Spec):
 
 def held(lowering: Lowering, spec: Spec) -> tuple:
     """(lowering, its jitted function, the same called as Strict calls it: loaded by key in a
-    new process, ``warm.dispatched``), kept on the spec."""
+    new process, ``warm_dispatch.dispatched``), kept on the spec."""
     found = spec._program
     if found is None or found[0] is not lowering:
         found = spec._program = (lowering, *_program(lowering, spec))
