@@ -6,7 +6,7 @@ process-group backend, Ray resource, no CUDA IPC, its FSDP engine), its resource
 tpu devices and refuses too many with torchtpu's error, and verl's own GRPO entry point
 (``main_ppo``, Ray single controller, FSDP actor, vLLM rollout server) trains the tiny Llama of
 ``torchtpu/testing/verl_grpo.py`` on tpu: each step's metrics finite, the policy updated, no
-op on CPU but the one known (``FALLBACKS``).
+op on CPU (verl's actor pads responses back from a nested tensor: the jagged lowering).
 """
 
 import math
@@ -49,19 +49,15 @@ def test_resource_pools_count_tpu_devices_and_refuse_too_many():
         ray.shutdown()
 
 
-# The one op of verl's path with no tpu lowering yet: its actor unpads responses through a
-# nested (jagged) tensor and pads them back; it runs on CPU (torchtpu's warning names it).
-FALLBACKS = {"aten._jagged_to_padded_dense_forward.default"}
-
-
 def test_verl_grpo_trains_on_tpu(tmp_path, monkeypatch):
     from torchtpu.testing import verl_grpo
 
+    # warn, not error: every fallback of the run is named in the log, not only the first
     monkeypatch.setenv("TORCHTPU_CPU_FALLBACK", "warn")
     out = verl_grpo.run(tmp_path, 2, timeout=1100)  # within CI smoke's 1200 s
     assert out["returncode"] == 0, out["tail"]
     log = (tmp_path / "verl.log").read_text()
-    assert set(re.findall(r"torchtpu\.fallback: aten op '([^']+)'", log)) <= FALLBACKS
+    assert re.findall(r"torchtpu\.fallback: aten op '([^']+)'", log) == []
     steps = out["steps"]
     assert [s["step"] for s in steps] == [1, 2], out["tail"]
     for s in steps:
