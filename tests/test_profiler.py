@@ -2,6 +2,7 @@
 checked (device programs present, named after their ops, in launch order, inside the host window
 that waited for them)."""
 
+import contextlib
 import glob
 import gzip
 import json
@@ -173,14 +174,42 @@ def test_schedule_and_tensorboard_handler_write_one_trace_per_cycle(tmp_path):
     windows = []
     for f in files:
         programs = _programs(_events(f))
-        # One step's programs: the sum's, which computes the multiply by a Python number when
-        # Strict held it, after the multiply's own when it did not (in the full suite the
-        # multiply's program, seen before, is named by its op overload).
+        # One step's programs: the sum's, which computes the multiply by a Python number Strict
+        # held, after the multiply's own where the sum's call read it computed (seen in the
+        # full suite), under the name Strict gives it launched at once.
         names = [e["name"] for e in programs]
-        assert names[-1] == "aten::sum" and len(names) <= 2, names
-        assert all("mul" in n for n in names[:-1]), names
+        assert names in (["aten::sum"], ["aten::mul.Tensor", "aten::sum"]), names
         windows.append((programs[0]["ts"], programs[-1]["ts"]))
     assert windows[0][1] < windows[1][0]
+
+
+def test_a_held_call_computed_later_is_named_after_its_op(tmp_path):
+    # Strict holds ``x * 3`` (a pointwise call of one tensor) for its reader's program; a reader
+    # that cannot compute it (a host read) launches its program alone, under the op's name,
+    # as Strict names the same program launched at once.
+    x = torch.randn(4, 4, device="tpu")
+    names = []
+    for lazy in (True, False):
+        (x * 3).cpu()  # compiled before the window
+        with profile(activities=ACTIVITIES) as prof, _lazy_ops(lazy):
+            y = x * 3
+            torch.testing.assert_close(y.cpu(), x.cpu() * 3)
+        path = str(tmp_path / f"lazy_{lazy}.json")
+        prof.export_chrome_trace(path)
+        names.append([e["name"] for e in _programs(_events(path))])
+    assert names == [["aten::mul.Tensor"], ["aten::mul.Tensor"]], names
+
+
+@contextlib.contextmanager
+def _lazy_ops(on: bool):
+    from torchtpu.eager.executor import Strict
+
+    held = Strict.lazy_ops
+    Strict.lazy_ops = on
+    try:
+        yield
+    finally:
+        Strict.lazy_ops = held
 
 
 def test_unwritable_trace_directory_names_the_path(tmp_path):

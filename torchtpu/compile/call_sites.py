@@ -97,7 +97,8 @@ def family(structure: tuple, sizes: tuple, geometries: tuple) -> Family | None:
 
 def grows(structure: tuple) -> bool:
     """Whether calls of structure vary at some site."""
-    return structure in _growing
+    # Asked at every eager call: a nested tuple's hash is computed anew each time.
+    return bool(_growing) and structure in _growing
 
 
 def clear() -> None:

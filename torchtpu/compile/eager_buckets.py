@@ -73,7 +73,9 @@ def set_enabled(on: bool) -> None:
     """Route eager calls through ``before`` and ``run`` (and varying views through
     ``read_view``), or not."""
     HOOKS.growing = run if on else None
-    HOOKS.padded_inputs = before if on else None
+    # Until a padded value exists no call can read one: every call saves asking (set at the
+    # first, by ``run``).
+    HOOKS.padded_inputs = before if on and padded_values.made[0] else None
     HOOKS.view_reader = read_view if on else None
 
 
@@ -133,9 +135,10 @@ class _Call:
                 self.ints.extend((i, j, x) for j, x in enumerate(payload))
 
 
-def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
+def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, writes: bool):
     """The call's results, padded to buckets or with its views read on the host; None when it
-    should run as usual (``HOOKS.growing``)."""
+    should run as usual (``HOOKS.growing``). ``writes``: its results are written into tensors
+    (an in-place op's), so they must be plain arrays."""
     # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
@@ -156,16 +159,17 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple):
     call = _Call(lowering, spec, values, dyn)
     structure = _structure(lowering, spec, call)
     out = _route(lowering, spec, values, call, structure, tuple(g for _, _, g in views),
-                 bool(views))
+                 bool(views), writes)
     if out is None:
         meta.bounded_put(_exact, exact, (spec, structure))
+    elif padded_values.made[0] and HOOKS.padded_inputs is None:
+        HOOKS.padded_inputs = before
     return out
 
 
 def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
     """The results of a call that reads a storage holding a ``Padded`` value, run on the padded
     arrays; None to run it as usual, which cuts them (``HOOKS.padded_inputs``)."""
-    _writes[0] = writes
     if not padded_values.made[0] or not any(padded_values.held(t) is not None
                                             for t in _tensors_of(values)):
         return None
@@ -180,7 +184,7 @@ def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
             dyn.append(None if kind == TENSOR else v)
     call = _Call(lowering, spec, values, tuple(dyn))
     return _route(lowering, spec, values, call, _structure(lowering, spec, call), ("padded",),
-                  True)
+                  True, writes)
 
 
 def _tensors_of(values: list):
@@ -191,22 +195,20 @@ def _tensors_of(values: list):
             yield from (x for x in v if isinstance(x, torch.Tensor))
 
 
-_writes = [False]  # whether the current call's results are written into tensors (in-place)
-
 
 def _structure(lowering: Lowering, spec: Spec, call: _Call) -> tuple:
     return (lowering, _abstract_entries(spec), tuple((t.dtype, t.dim()) for t in call.tensors))
 
 
 def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure: tuple,
-           geometries: tuple, views: bool):
+           geometries: tuple, views: bool, writes: bool):
     sizes = tuple(n for t in call.tensors for n in t.shape) + tuple(x for _, _, x in call.ints)
     family = call_sites.family(structure, sizes, geometries)
     if family is None or not call.supported:
         return None
     # Debug checks each result at its real size; under DeferAndFuse the recordings between the
     # cuts of padded values made a fused program per length (8 in 6 lengths): both cut at once.
-    keep = not _writes[0] and HOOKS.deferrer is None and executor.current().name != "debug"
+    keep = not writes and HOOKS.deferrer is None and executor.current().name != "debug"
     if any(family.varying):
         if lowering.op is _CAT:
             return padded_cat.run(lowering.op, _programs, spec, values, call.tensors,

@@ -229,13 +229,14 @@ def donation_refusal(t: torch.Tensor, param: str, call_tensors: list) -> str | N
     return None
 
 
-def call(fn, *args):
+def call(fn, *args, label=None):
     """fn (a pure jitted function of storage arrays) applied now, or recorded while deferring
-    (``HOOKS.deferrer``)."""
+    (``HOOKS.deferrer``); ``label``: what the launch runs (``launch.run``), where not fn's own
+    name."""
     recorder = HOOKS.deferrer
     if recorder is not None:
         return recorder.record(fn, args)
-    return launch.run(None, fn, args)
+    return launch.run(label, fn, args)
 
 
 # A copy into a new buffer, jitted: ``jax.Array.copy()`` goes through slow Python paths.

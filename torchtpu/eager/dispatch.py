@@ -20,13 +20,14 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchtpu import errors
-from torchtpu.device import dtypes, kernels, overlap, tensors
+from torchtpu import errors, metrics
+from torchtpu.device import dtypes, kernels, launch, overlap, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, fallback, meta, refusals, results, schema, seen_calls
 from torchtpu.eager.lazy_casts import computed
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
+from torchtpu.eager.seen_calls import signature
 from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
 
@@ -156,30 +157,53 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     return hit
 
 
-def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False,
-            dyn: tuple | None = None, views: tuple = (), viewed: Spec | None = None):
-    """Run lowering on bound values through the current executor; returns arrays. ``dyn`` and
-    ``views``: the call's arrays and views (as ``dynamic_values`` gives them), when its caller
-    read them already (``seen_calls``), and ``viewed`` spec with those views, if it has it."""
+def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
+    """Run lowering on bound values through the current executor; returns arrays."""
     padded_inputs = HOOKS.padded_inputs
     if padded_inputs is not None:
         out = padded_inputs(lowering, spec, values, writes)
         if out is not None:
             return out
-    if dyn is None:
-        # A donated argument's buffer must be its own: a lazy cast's source is another's.
-        dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries,
-                                    not lowering.donates)
+    # A donated argument's buffer must be its own: a lazy cast's source is another's.
+    dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries,
+                                not lowering.donates)
     growing = HOOKS.growing
     if growing is not None:
-        out = growing(lowering, spec, values, dyn, views)
+        out = growing(lowering, spec, values, dyn, views, writes)
         if out is not None:
             return dedupe(out, dyn)
-    if viewed is not None:
-        spec = viewed
-    elif views:
+    if views:
         spec = with_views(spec, views)
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)
+
+
+def _run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple):
+    """``compute`` of a call on ``seen_calls``' short path (its arrays read already): the same
+    hooks and executor, and the executor's ``launcher`` for the call's spec, found once per
+    remembered call and executor, where its ``run`` would only launch the program."""
+    padded_inputs = HOOKS.padded_inputs
+    if padded_inputs is not None:
+        out = padded_inputs(lowering, kept.spec, values, False)
+        if out is not None:
+            return out
+    growing = HOOKS.growing
+    if growing is not None:
+        out = growing(lowering, kept.spec, values, dyn, kept.views, False)
+        if out is not None:
+            return dedupe(out, dyn)
+    current = executor.current()
+    launcher = kept.launcher
+    if launcher is None or launcher[0] is not current:
+        launcher = kept.launcher = (current, current.launcher(lowering, kept.viewed))
+    fn = launcher[1]
+    if fn is None:
+        return dedupe(current.run(lowering, kept.viewed, dyn), dyn)
+    metrics.count("executions")
+    out = launch.run(lowering.op, fn, dyn)
+    for x in dyn:  # ``dedupe``'s test, inline: a program may hand an input back
+        if out is x:
+            return tensors.fresh_copy(out)
+    return out
 
 
 def dedupe(out, inputs):
@@ -214,7 +238,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         hit = key = None
         if repeatable and HOOKS.capture is None:
             try:
-                key = seen_calls.signature(values)
+                key = signature(values)
                 hit = seen.get(key)
             except TypeError:  # an unhashable constant: the full path
                 hit, key = False, None
@@ -222,8 +246,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                 found = seen_calls.read(values, hit)
                 if found is not None:
                     kept, dyn = found
-                    out = compute(lowering, kept.spec, values, dyn=dyn, views=kept.views,
-                                  viewed=kept.viewed)
+                    out = _run_seen(lowering, kept, values, dyn)
                     wrap = kept.wrap
                     if wrap is None:
                         wrap = kept.wrap = results.wrapper(kept.result)

@@ -57,6 +57,17 @@ class Strict:
         # Narrowing lazy casts it read come back converted: their values now.
         return out if not spec.keeps else lazy_casts.settle(spec.keeps, dyn, out)
 
+    def launcher(self, lowering: Lowering, spec: Spec):
+        """The program a call of spec runs, where ``run`` would do nothing but launch it on
+        the call's arrays as they are (no value held, no numbers to keep, no casts to settle);
+        else None. Asked once per remembered call (``seen_calls``) and executor: what decides
+        is the spec's, and an executor that runs calls another way answers None."""
+        if type(self).run is not Strict.run or spec.keeps or numbers.scalar_slots(spec):
+            return None
+        if one_pointwise_input(lowering, spec)[0] is not False:
+            return None  # it may be held (``lazy_ops``, which a test may switch at any time)
+        return program(lowering, spec)
+
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""
         metrics.count("executions")

@@ -122,7 +122,10 @@ class Converted(tensors.Deferred):
 
     def resolve(self):
         if self._value is None:
-            self._value = tensors.call(self.fn, self.source)
+            # A held op's program is launched as Strict launches it at once: named by its op
+            # (the profiler's trace shows one name for one program).
+            self._value = tensors.call(self.fn, self.source,
+                                       label=None if self.op is None else self.op[0].op)
             self._release()
         return self._value
 

@@ -62,9 +62,10 @@ class Seen:
     (or a lazy cast's ``Cast``), and (position, None, None) of each traced number; ``views``
     the spec's views as ``dispatch.dynamic_values`` gives them, ``viewed`` the spec with them
     (``program.with_views``); ``wrap``: the caller's function making the results' tensors
-    (kept here, made at first use)."""
+    (kept here, made at first use); ``launcher``: (the executor, its ``launcher`` for
+    ``viewed``), found at first use."""
 
-    __slots__ = ("result", "spec", "reads", "views", "viewed", "wrap")
+    __slots__ = ("result", "spec", "reads", "views", "viewed", "wrap", "launcher")
 
     def __init__(self, result, spec: Spec, reads: tuple, views: tuple) -> None:
         self.result = result
@@ -73,6 +74,7 @@ class Seen:
         self.views = views
         self.viewed = with_views(spec, views) if views else spec
         self.wrap = None
+        self.launcher = None
 
 
 def _zero(x) -> bool:
