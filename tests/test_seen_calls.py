@@ -5,7 +5,7 @@ need the full path (results equal CPU's)."""
 import pytest
 import torch
 
-from torchtpu.eager import seen_calls
+from torchtpu.eager import executor, seen_calls
 
 
 @pytest.fixture
@@ -184,3 +184,23 @@ def test_a_float_zero_takes_the_full_path_whichever_sign_came_first(short_paths)
         got = (x * number).cpu()
         assert torch.equal(torch.signbit(got), torch.signbit(a * number))
         assert short_paths[0] == before
+
+
+def test_a_remembered_call_runs_in_the_mode_current_at_each_call(short_paths, monkeypatch):
+    # Strict launches a remembered call's program directly (``Strict.launcher``); under another
+    # mode the same call runs that mode's way: Debug checks its result, DeferAndFuse records it.
+    monkeypatch.setenv("TORCHTPU_DEBUG_NANS", "1")
+    t = torch.tensor([1.0, 0.0], device="tpu")
+    for _ in range(3):
+        t / t  # remembered, then launched directly (a NaN Strict does not look for)
+    before = short_paths[0]
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        with pytest.raises(FloatingPointError, match="aten.div"):
+            t / t
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        u = t / t
+        v = u + 1
+        assert not executor.is_materialized(u)  # recorded, not run
+        torch.testing.assert_close(v.cpu(), torch.tensor([2.0, float("nan")]), equal_nan=True)
+    assert short_paths[0] == before + 2
+    torch.testing.assert_close((t / t).cpu(), torch.tensor([1.0, float("nan")]), equal_nan=True)
