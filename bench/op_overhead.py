@@ -1,14 +1,18 @@
 """Per-op cost of Strict eager on small tensors, side by side with raw JAX dispatch and native CPU.
 
 For each op: torchtpu Strict (device "tpu"), the same op as a raw ``jax.numpy`` call on arrays
-already on the device, and native PyTorch on CPU. The three run in interleaved rounds in one
-process (each round times every op every way, ``--calls`` calls each, waiting for the device at
-the end of each timed loop), so a loaded machine slows them alike; the median over rounds of
-each time and of each round's ratio is printed. ``--clock thread`` times the calling thread's
-CPU time instead of the wall clock: the host cost alone, steadier under load (a program XLA:CPU
-runs on another thread is not in it).
+already on the device, the same op as one ``jax.jit`` function called directly (the program call
+Strict's launch makes: the floor of any eager launch) and native PyTorch on CPU. The ops are
+the common ones of a Llama step: elementwise (add, multiply by a tensor and by a Python
+number), a product (plain, and under bf16 autocast: two casts folded into the product), views
+(transpose, reshape: no program), reductions, a slice's in-place add. The four ways run in
+interleaved rounds in one process (each round times every op every way, ``--calls`` calls
+each, waiting for the device at the end of each timed loop), so a loaded machine slows them
+alike; the median over rounds of each time and of each round's ratio is printed.
+``--clock thread`` times the calling thread's CPU time instead of the wall clock: the host cost
+alone, steadier under load (a program XLA:CPU runs on another thread is not in it).
 
-    python bench/op_overhead.py [--rounds N] [--calls N] [--clock wall|thread]
+    python bench/op_overhead.py [--rounds N] [--calls N] [--clock wall|thread] [--ops a,b]
 """
 
 from __future__ import annotations
@@ -24,24 +28,64 @@ import torch
 import torchtpu  # noqa: F401
 
 
-def _cases() -> list:
+def _cases() -> tuple:
     a_cpu, b_cpu = torch.randn(4, 4), torch.randn(4, 4)
     a, b = a_cpu.to("tpu"), b_cpu.to("tpu")
     ja, jb = jnp.asarray(a_cpu.numpy()), jnp.asarray(b_cpu.numpy())
     big = torch.zeros(64, 4, device="tpu")
     big_cpu = torch.zeros(64, 4)
-    state = {"j": jnp.zeros((64, 4), jnp.float32)}
+    state = {"j": jnp.zeros((64, 4), jnp.float32), "k": jnp.zeros((64, 4), jnp.float32)}
+    bf16 = jnp.bfloat16
 
     def jax_slice_add():
         state["j"] = state["j"].at[1:3].add(1.0)
 
+    def jit_slice_add():
+        state["k"] = _slice_add(state["k"])
+
+    def autocast(fn):
+        def run():
+            with torch.autocast("tpu", torch.bfloat16):
+                return fn()
+        return run
+
+    def cpu_autocast(fn):
+        def run():
+            with torch.autocast("cpu", torch.bfloat16):
+                return fn()
+        return run
+
     return [
-        ("add", lambda: a + b, lambda: ja + jb, lambda: a_cpu + b_cpu),
-        ("mul", lambda: a * b, lambda: ja * jb, lambda: a_cpu * b_cpu),
-        ("matmul 4x4", lambda: a @ b, lambda: ja @ jb, lambda: a_cpu @ b_cpu),
-        ("slice + add_", lambda: big[1:3].add_(1.0), jax_slice_add,
+        ("add", lambda: a + b, lambda: ja + jb, lambda: _add(ja, jb), lambda: a_cpu + b_cpu),
+        ("mul", lambda: a * b, lambda: ja * jb, lambda: _mul(ja, jb), lambda: a_cpu * b_cpu),
+        ("mul 0.3", lambda: a * 0.3, lambda: ja * 0.3, lambda: _mul(ja, 0.3),
+         lambda: a_cpu * 0.3),
+        ("matmul 4x4", lambda: a @ b, lambda: ja @ jb, lambda: _mm(ja, jb), lambda: a_cpu @ b_cpu),
+        ("matmul autocast", autocast(lambda: a @ b),
+         lambda: ja.astype(bf16) @ jb.astype(bf16), lambda: _mm_bf16(ja, jb),
+         cpu_autocast(lambda: a_cpu @ b_cpu)),
+        ("sum(-1)", lambda: a.sum(-1), lambda: ja.sum(-1), lambda: _sum(ja),
+         lambda: a_cpu.sum(-1)),
+        ("mean(-1, keepdim)", lambda: a.mean(-1, keepdim=True),
+         lambda: ja.mean(-1, keepdims=True), lambda: _mean(ja),
+         lambda: a_cpu.mean(-1, keepdim=True)),
+        ("t()", lambda: a.t(), lambda: ja.T, lambda: _t(ja), lambda: a_cpu.t()),
+        ("view(2, 8)", lambda: a.view(2, 8), lambda: ja.reshape(2, 8), lambda: _view(ja),
+         lambda: a_cpu.view(2, 8)),
+        ("slice + add_", lambda: big[1:3].add_(1.0), jax_slice_add, jit_slice_add,
          lambda: big_cpu[1:3].add_(1.0)),
     ], (ja, state)
+
+
+_add = jax.jit(lambda x, y: x + y)
+_mul = jax.jit(lambda x, y: x * y)
+_mm = jax.jit(lambda x, y: x @ y)
+_mm_bf16 = jax.jit(lambda x, y: x.astype(jnp.bfloat16) @ y.astype(jnp.bfloat16))
+_sum = jax.jit(lambda x: x.sum(-1))
+_mean = jax.jit(lambda x: x.mean(-1, keepdims=True))
+_t = jax.jit(lambda x: x.T)
+_view = jax.jit(lambda x: x.reshape(2, 8))
+_slice_add = jax.jit(lambda x: x.at[1:3].add(1.0), donate_argnums=0)
 
 
 def _timed(fn, calls: int, sync, clock) -> float:
@@ -57,26 +101,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=300, help="calls per op per way per round")
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall")
+    parser.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     args = parser.parse_args()
     clock = time.perf_counter_ns if args.clock == "wall" else time.thread_time_ns
     with open("/proc/loadavg") as f:
         load_before = f.read().split()[0]
     cases, jax_state = _cases()
+    if args.ops:
+        cases = [c for c in cases if c[0] in args.ops.split(",")]
     ja, state = jax_state
 
     def sync_tpu():
         torch.tpu.synchronize()
 
     def sync_jax():
-        jax.block_until_ready((ja, state["j"]))
+        jax.block_until_ready((ja, state["j"], state["k"]))
 
-    ways = (sync_tpu, sync_jax, lambda: None)
+    ways = (sync_tpu, sync_jax, sync_jax, lambda: None)
     for _, *fns in cases:  # compiles and first runs are not timed
         for fn in fns:
             for _ in range(20):
                 fn()
     sync_tpu()
-    times = {name: ([], [], []) for name, *_ in cases}
+    times = {name: ([], [], [], []) for name, *_ in cases}
     for _ in range(args.rounds):
         for name, *fns in cases:
             for fn, sync, out in zip(fns, ways, times[name]):
@@ -85,13 +132,13 @@ def main() -> None:
         load_after = f.read().split()[0]
     print(f"{args.rounds} interleaved rounds x {args.calls} calls, {args.clock} clock; "
           f"load {load_before} before, {load_after} after")
-    print("| op | tpu µs | jnp µs | cpu µs | tpu/jnp (median of rounds) | tpu/cpu |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
-    for name, (dev, raw, cpu) in times.items():
-        to_jnp = statistics.median(d / r for d, r in zip(dev, raw))
-        to_cpu = statistics.median(d / c for d, c in zip(dev, cpu))
+    print("| op | tpu µs | jnp µs | jit µs | cpu µs | tpu/jnp | tpu/jit | tpu/cpu |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name, (dev, raw, jit, cpu) in times.items():
+        ratios = [statistics.median(d / r for d, r in zip(dev, other)) for other in (raw, jit, cpu)]
         print(f"| {name} | {statistics.median(dev):.1f} | {statistics.median(raw):.1f} | "
-              f"{statistics.median(cpu):.1f} | {to_jnp:.2f}x | {to_cpu:.1f}x |")
+              f"{statistics.median(jit):.1f} | {statistics.median(cpu):.1f} | "
+              f"{ratios[0]:.2f}x | {ratios[1]:.2f}x | {ratios[2]:.1f}x |")
 
 
 if __name__ == "__main__":
