@@ -145,6 +145,36 @@ def test_ragged_paged_attention_compiles_at_the_served_models_packed_heads(devic
     assert _mosaic_kernels(text) == 1 and report.compiles, report.error
 
 
+def _pallas_grids(jaxpr) -> list[tuple]:
+    """The grid and first block shape of every pallas_call in a jaxpr, nested ones too."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            mapping = eqn.params["grid_mapping"]
+            out.append((tuple(mapping.grid), mapping.block_mappings[0].block_shape[0]))
+        for param in eqn.params.values():  # a jit's jaxpr is closed, a loop's body is not
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                out += _pallas_grids(inner)
+    return out
+
+
+@pytest.mark.parametrize("tokens,seqs,per_block", [(256, 256, 8), (512, 4, 32)],
+                         ids=["decode", "prefill"])
+def test_ragged_paged_attention_blocks_a_decode_by_fewer_queries(device, tokens, seqs, per_block):
+    """The kernel scores each sequence's KV against its whole block of queries: a decode step
+    (one query a sequence) takes blocks of 8, a prefill of 32 (Qwen2.5-0.5B's packed heads,
+    pages of 16 tokens)."""
+    structs = (_bf16(tokens, 14, 128), _bf16(4096, 16, 2, 128),
+               jax.ShapeDtypeStruct((seqs,), jnp.int32),
+               jax.ShapeDtypeStruct((seqs, 64), jnp.int32),
+               jax.ShapeDtypeStruct((seqs + 1,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    with jax.default_device(device):
+        jaxpr = jax.make_jaxpr(functools.partial(_ragged_paged_attention, sm_scale=0.125))(*structs)
+    (grid, queries), = _pallas_grids(jaxpr.jaxpr)
+    assert grid == (1, tokens // per_block) and queries.block_size == per_block, (grid, queries)
+
+
 def test_ragged_paged_attention_says_why_a_head_dim_cannot_compile(device):
     structs = (_bf16(64, 8, 64), _bf16(64, 16, 4, 64), jax.ShapeDtypeStruct((4,), jnp.int32),
                jax.ShapeDtypeStruct((4, 16), jnp.int32), jax.ShapeDtypeStruct((5,), jnp.int32),

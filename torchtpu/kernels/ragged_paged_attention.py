@@ -31,6 +31,13 @@ _LANES = 128
 # a sequence's end are still copied (page 0), so larger blocks waste bandwidth on short
 # contexts, and 128 pages of 8 combined heads exceed v5e's scoped VMEM
 _KV_TOKENS_PER_BLOCK, _QUERIES_PER_BLOCK = 256, 32
+# JAX's kernel scores a sequence's KV block against the whole block of queries and keeps the
+# sequence's own rows: in a decode step (one query a sequence) a block of 32 queries does 32x
+# the attention arithmetic (at 256 requests x 576 tokens, ~1.1 TFLOP a step of Qwen2.5-0.5B
+# for 25 GFLOP of use), the scores' softmax work likewise. Fewer queries a block cost more grid
+# steps (each carries the KV prefetch on): 8, the sublane tile, for now (bench/paged_blocks.py
+# sweeps it on a chip)
+_DECODE_QUERIES_PER_BLOCK = 8
 # Mosaic's default scoped VMEM (16 MiB) is too little for 32 query heads (Llama-3.2-1B: 17.1
 # MiB); every TPU since v4 has at least 32 MiB of VMEM (v5e: 128 MiB)
 _VMEM_LIMIT = 32 << 20
@@ -88,14 +95,21 @@ def _ragged_paged_attention(q: jax.Array, kv_pages: jax.Array, kv_lens: jax.Arra
         return _dense(q, kv_pages, *index, sm_scale)
     from jax.experimental.pallas.ops.tpu import ragged_paged_attention as rpa
 
-    # JAX's default blocks, given here: its tuned table asks jax.devices() for the TPU's
-    # generation, which on a compile-only target is the host's CPU (it then refuses).
-    pages = max(1, _KV_TOKENS_PER_BLOCK // kv_pages.shape[1])
-    blocks = dict(num_kv_pages_per_block=min(page_indices.shape[1], pages),
-                  num_queries_per_block=min(q.shape[0], _QUERIES_PER_BLOCK),
-                  vmem_limit_bytes=_VMEM_LIMIT)
     with pallas_mode.kernel_defaults(q.dtype):
-        return rpa.ragged_paged_attention(q, kv_pages, *index, sm_scale=sm_scale, **blocks)
+        return rpa.ragged_paged_attention(
+            q, kv_pages, *index, sm_scale=sm_scale, vmem_limit_bytes=_VMEM_LIMIT,
+            **blocks(q.shape[0], *page_indices.shape, kv_pages.shape[1]))
+
+
+def blocks(tokens: int, seqs: int, pages_per_seq: int, page_size: int) -> dict:
+    """The kernel's blocks for ``tokens`` queries over ``seqs`` sequence slots: KV pages of
+    ~256 tokens, and queries by 8 where there is at most one a slot (a decode step), else by
+    32. Given here, not JAX's tuned table's: that asks jax.devices() for the TPU's generation,
+    which on a compile-only target is the host's CPU (it then refuses)."""
+    queries = _DECODE_QUERIES_PER_BLOCK if tokens <= seqs else _QUERIES_PER_BLOCK
+    return dict(num_kv_pages_per_block=min(pages_per_seq,
+                                           max(1, _KV_TOKENS_PER_BLOCK // page_size)),
+                num_queries_per_block=min(tokens, queries))
 
 
 ragged_paged_attention = define("torchtpu::ragged_paged_attention", _ragged_paged_attention,
