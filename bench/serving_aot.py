@@ -22,6 +22,10 @@ parts were copied into: the chip's 265 ms step) and, with ``TORCHTPU_TPU_DUMP`` 
 optimized HLO's weight-sized converts, bitcasts, copies and transposes (``big_ops``: what a
 step would pay again each run). ``--layers N`` compiles an N-layer model of the config's widths.
 
+With ``TORCHTPU_TPU_DUMP`` set each row also holds ``step_breakdown``'s figures of the optimized
+program (its time by kind of op; ``hbm_bytes``: what it moves to and from HBM, each array once,
+the paged kernel's KV blocks added), the bytes to hold against the roofline.
+
 Per program: bytes accessed and flops (the cost model's), its seconds, HBM arguments /
 temporaries / aliased (the KV cache updated in place when aliased covers it), the roofline bytes
 and their seconds at 819 GB/s. Each (model, path) runs in a process of its own. libtpu's cost
@@ -50,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving_chip  # noqa: E402
 import serving_jax  # noqa: E402  (bench/ is no package)
+import step_breakdown  # noqa: E402
 
 TARGET = "v5e:1x1"
 BLOCK = 16
@@ -102,6 +107,15 @@ def _figures(report, c: dict, batch: int, context: int, cache_bytes: int) -> dic
     return out
 
 
+def _breakdown(hlo: str, c: dict, batch: int, context: int, paged: bool) -> dict:
+    """The optimized step's time by kind (``step_breakdown``) and the HBM bytes it moves, the
+    paged kernel's KV blocks added (the HLO cannot show what a Mosaic call copies)."""
+    found = step_breakdown.breakdown(hlo, c["vocab_size"])
+    kernel = kernel_kv_bytes(c, batch, context) if paged else 0
+    return {"breakdown": {k: found[k] for k in ("kinds", "total")},
+            "hbm_bytes": found["total"]["hbm_bytes"] + kernel, "kernel_kv_bytes": kernel}
+
+
 def part_anchor(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -120,12 +134,16 @@ def part_anchor(args) -> dict:
             cache = tuple(jax.ShapeDtypeStruct(shape, jnp.bfloat16)
                           for _ in range(c["num_hidden_layers"]))
             ids = jax.ShapeDtypeStruct((b,), jnp.int32)
-            r = tpu_target.compile_function(decode, weights, ids, cache, ids, name="anchor",
-                                            target_name=TARGET)
+            r = tpu_target.compile_function(decode, weights, ids, cache, ids,
+                                            name=f"anchor_{b}", target_name=TARGET)
             cache_bytes = 2 * c["num_hidden_layers"] * 2 * b * c["num_key_value_heads"] \
                 * args.context * serving_jax.head_dim(c)
             row = {"batch": b, "context": args.context} | _figures(r, c, b, args.context,
                                                                     cache_bytes)
+            dump = os.environ.get(tpu_target.DUMP_ENV)
+            hlo = sorted(Path(dump).glob(f"anchor_{b}.*.hlo.txt")) if dump else []
+            if hlo:
+                row |= _breakdown(hlo[-1].read_text(), c, b, args.context, False)
             print(name, json.dumps(row), flush=True)
             rows.append(row)
         out[name] = rows
@@ -196,6 +214,8 @@ def part_vllm(args) -> dict:
             hlo = sorted(Path(dump).glob(f"vllm_decode_{b}.*.hlo.txt")) if dump else []
             if hlo:
                 row["big_ops"] = big_ops(hlo[-1].read_text(), smallest)
+                row |= _breakdown(hlo[-1].read_text(), c, b, args.context,
+                                  out["paged"] == "on")
             row |= _figures(r, c, b, args.context, cache_bytes)
             print(name, json.dumps(row), flush=True)
             rows.append(row)
@@ -240,8 +260,9 @@ def table(result: dict) -> str:
               and res for m, rows in res.items() for r in rows}
     lines = ["| model | batch | program | bytes accessed (GB) | / roofline bytes | "
              "at 819 GB/s (ms) | cost model (ms) | roofline (ms) | vs anchor (cost model) | "
-             "GFLOP | temporaries (MB) | KV cache |",
-             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "GFLOP | temporaries (MB) | KV cache | HBM bytes moved / roofline |",
+             "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- "
+             "| ---: |"]
     for part, res in result.items():
         for m, rows in (res or {}).items():
             if not isinstance(rows, list):
@@ -260,13 +281,17 @@ def table(result: dict) -> str:
                 vs = (f"{seconds / a['cost_model_s']:.2f}x"
                       if a and r.get("cost_model_s") and a.get("cost_model_s") else "")
                 cost = f"{seconds * 1e3:.2f}" if r.get("cost_model_s") else "-"
+                # what the program moves to and from HBM (step_breakdown: each array once)
+                moved = (f"{r['hbm_bytes'] / r['roofline_bytes']:.2f}x" if "hbm_bytes" in r
+                         else "-")
                 lines.append(
                     f"| {m} | {r['batch']} | {what} | {total / 1e9:.2f} | "
                     f"{total / r['roofline_bytes']:.2f} | "
                     f"{total / serving_jax.V5E_HBM_BYTES_S * 1e3:.2f} | {cost} | "
                     f"{r['roofline_s'] * 1e3:.2f} | {vs} | {r['flops'] / 1e9:.1f} | "
                     f"{r['hbm'].get('temporaries', 0) / 1e6:.0f} | "
-                    f"{'in place' if r['cache_in_place'] else 'COPIED'} |")
+                    f"{'in place' if r['cache_in_place'] else 'COPIED'} | "
+                    f"{moved} |")
     return "\n".join(lines)
 
 

@@ -152,6 +152,80 @@ def test_serving_aot_lists_weight_sized_moves_not_bitcasts():
     assert serving_aot.big_ops(_BYTES_WEIGHT_HLO, 64 << 20) == []
 
 
+# a decode step's kinds of op as libtpu's optimized HLO writes them: a weight prefetched into
+# VMEM (S(1)) then read by its product, the vocabulary head read from HBM, the embedding's row
+# sliced out of the table, a cache row updated in place, the paged kernel over the cache
+_STEP_HLO = """\
+%fused_computation.1 (param_0.1: bf16[1024,896], param_1.1: bf16[896]) -> bf16[1024] {
+  %param_0.1 = bf16[1024,896]{1,0} parameter(0)
+  ROOT %r.1 = bf16[1024]{0} reduce(%param_0.1, %param_1.1)
+}
+
+%fused_computation.2 (param_0.2: bf16[4096,896], param_1.2: s32[]) -> bf16[1,896] {
+  %param_0.2 = bf16[4096,896]{1,0} parameter(0)
+  %param_1.2 = s32[]{:T(128)} parameter(1)
+  ROOT %dynamic-slice.1 = bf16[1,896]{1,0} dynamic-slice(%param_0.2, %param_1.2), \
+dynamic_slice_sizes={1,896}
+}
+
+%fused_computation.3 (param_0.3: bf16[8192,2,128], param_1.3: bf16[1,2,128], param_2.3: s32[]) \
+-> bf16[8192,2,128] {
+  %param_0.3 = bf16[8192,2,128]{2,1,0} parameter(0)
+  %param_1.3 = bf16[1,2,128]{2,1,0} parameter(1)
+  %param_2.3 = s32[]{:T(128)} parameter(2)
+  ROOT %dynamic-update-slice.1 = bf16[8192,2,128]{2,1,0} dynamic-update-slice(%param_0.3, \
+%param_1.3, %param_2.3)
+}
+
+ENTRY %main.9 (w: bf16[1024,896], head: bf16[4096,896], cache: bf16[8192,2,128], t: s32[]) \
+-> bf16[4096] {
+  %w = bf16[1024,896]{1,0:T(8,128)(2,1)} parameter(0)
+  %head = bf16[4096,896]{1,0:T(8,128)(2,1)} parameter(1)
+  %cache = bf16[8192,2,128]{2,1,0:T(2,128)(2,1)} parameter(2)
+  %t = s32[]{:T(128)} parameter(3)
+  %embed_fusion = bf16[1,896]{1,0:T(2,128)(2,1)S(1)} fusion(%head, %t), kind=kLoop, \
+calls=%fused_computation.2, backend_config={"estimated_cycles":"1900"}
+  %bitcast.1 = bf16[896]{0:T(1024)S(1)} bitcast(%embed_fusion)
+  %copy-start = (bf16[1024,896]{1,0:T(8,128)(2,1)S(1)}, bf16[1024,896]{1,0:T(8,128)(2,1)}, \
+u32[]{:S(2)}) copy-start(%w)
+  %copy-done = bf16[1024,896]{1,0:T(8,128)(2,1)S(1)} copy-done(%copy-start)
+  %multiply_reduce_fusion.1 = bf16[1024]{0:T(1024)S(1)} fusion(%copy-done, %bitcast.1), \
+kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(step)/dot_general"}, \
+backend_config={"estimated_cycles":"15000"}
+  %row = bf16[1,2,128]{2,1,0:T(2,128)(2,1)S(1)} bitcast(%multiply_reduce_fusion.1)
+  %dus_fusion = bf16[8192,2,128]{2,1,0:T(2,128)(2,1)} fusion(%cache, %row, %t), kind=kLoop, \
+calls=%fused_computation.3, backend_config={"estimated_cycles":"900"}
+  %kernel = bf16[1,2,128]{2,1,0:T(2,128)(2,1)} custom-call(%row, %dus_fusion), \
+custom_call_target="tpu_custom_call"
+  ROOT %multiply_reduce_fusion.2 = bf16[4096]{0:T(1024)} fusion(%head, %bitcast.1), kind=kLoop, \
+calls=%fused_computation.1, metadata={op_name="jit(step)/dot_general"}, \
+backend_config={"estimated_cycles":"60000"}
+}
+"""
+
+
+def test_step_breakdown_counts_each_array_once_and_a_slice_as_its_row():
+    """bench/step_breakdown.py: the prefetched weight's bytes once (its copy), the head's read,
+    the embedding's row (not its table), the cache row (not the cache), nothing of the paged
+    kernel's pages, nothing read from VMEM; kinds by what each op reads."""
+    sys.path.insert(0, BENCH)
+    try:
+        import step_breakdown
+    finally:
+        sys.path.remove(BENCH)
+    found = step_breakdown.breakdown(_STEP_HLO, vocab=4096, weight_min=1 << 20)
+    kinds = found["kinds"]
+    weight, head, row, cache_row = 1024 * 896 * 2, 4096 * 896 * 2, 896 * 2, 2 * 128 * 2
+    assert kinds["prefetch"]["hbm_bytes"] == weight
+    assert kinds["weight products"]["weight_bytes"] == weight
+    assert kinds["weight products"]["hbm_bytes"] == 0  # it reads the VMEM copy
+    assert kinds["vocab head"]["hbm_bytes"] == head + 4096 * 2  # the table read, logits out
+    assert kinds["cache writes"]["hbm_bytes"] == cache_row + 4  # the row in place, its index
+    assert kinds["attention kernel"]["hbm_bytes"] == cache_row  # its output, not the pages
+    assert found["total"]["hbm_bytes"] == weight + head + 4096 * 2 + row + 2 * cache_row + 8
+    assert found["total"]["cycles"] == 1900 + 15000 + 900 + 60000
+
+
 @pytest.mark.full  # two engines of their own: ~5 min here
 def test_serving_extras_give_their_figures_at_tiny_sizes(tmp_path):
     """bench/serving_extras.py's prefix-caching, structured-output and FP8-KV parts on XLA:CPU
