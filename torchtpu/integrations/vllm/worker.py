@@ -197,9 +197,12 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             hidden = forward()[self._sample_rows[:reqs]]
             # float32, as vLLM's sampler casts them first: a bfloat16 model's logits would
             # otherwise take that cast and the sampler's ops eagerly, programs of their own
-            # (and compiles) at every step; the greedy tokens are the cast logits' argmax
-            logits = self._model_compute_logits(hidden).float()
-            return hidden, logits, logits.argmax(dim=-1).to(torch.int32)[:, None]
+            # (and compiles) at every step. The greedy tokens are the argmax of the logits
+            # before that exact cast (the same token): XLA then takes it inside the head's
+            # fusion instead of reading the float32 logits back (156 MB a step at 256
+            # requests of Qwen2.5-0.5B; bench/RESULTS.md, serving6)
+            raw = self._model_compute_logits(hidden)
+            return hidden, raw.float(), raw.argmax(dim=-1).to(torch.int32)[:, None]
 
         if key is None:  # prepared on the host, yet not captured: copy it in
             fed.materialize()
