@@ -46,6 +46,11 @@ def install() -> None:
     install_wrapper()
 
 
+def active() -> bool:
+    """Whether ``TORCHTPU_DUMP`` writes programs out in this process."""
+    return bool(_every)
+
+
 def install_wrapper() -> None:
     """Wrap JAX's compile once: every program goes to ``TORCHTPU_DUMP``'s directory, and those
     the compile cache missed to ``cache_policy.dump_misses()``'s (when set)."""

@@ -31,7 +31,7 @@ from jax._src.interpreters import pxla
 from jax._src.lib import _jax
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, tpu_hook, warm
+from torchtpu.runtime import compile_cache, dump, tpu_hook, warm
 
 # (major, minor) versions of JAX whose private dispatch entry points this module was checked in.
 CHECKED = ((0, 10), (0, 11))
@@ -54,8 +54,9 @@ def dispatched(jitted):
         # returns (the results, and the executable's fast-path data) serves the next calls.
         if not key:
             key.append(warm.key_of(*parts))
-        # (Traced values: the program called inside another one's trace, as jit is.)
-        if (key[0] is None or not warm.cache_on() or tpu_hook.active()
+        # (Traced values: the program called inside another one's trace, as jit is. A dump
+        # asks for each program's text, which only a trace writes.)
+        if (key[0] is None or not warm.cache_on() or tpu_hook.active() or dump.active()
                 or any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(args))):
             return jitted._cache_miss(*args)
         compiled = warm.compiled_for(jitted, key[0], args)
