@@ -200,7 +200,14 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--tiny", action="store_true", help="vocab 512, width 256, 2 heads of 128")
     p.add_argument("--dump", default=None)
     p.add_argument("--json", default=None)
+    p.add_argument("--cycles-only", action="store_true",
+                   help="no cost-model time from twins of a program the model gives none "
+                        "(each up to two more compiles): the dump's cycles only")
     args = p.parse_args(argv)
+    if args.cycles_only:
+        from torchtpu.runtime import tpu_target
+
+        tpu_target._twin_seconds = lambda parsed, devs: (None, "")
     dump = args.dump or tempfile.mkdtemp(prefix="aot_llama_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     dims = dict(vocab=512, dim=256, heads=2, hidden=512) if args.tiny else {}

@@ -15,8 +15,10 @@ the phases ``bench/on_tpu_llama.py``'s row runs, one line per step:
 
 Per step: ``record_ms`` (inside the step call, the previous step's flush included in ``free``),
 ``record_cpu_ms`` (the recording threads' CPU inside the step call: the caller's and PyTorch's
-autograd threads', which run backward; what the host spends recording, apart from any wait or
-from another process on its cores) and ``us_per_op`` (that per op the step's flush ran: the
+autograd threads', which run backward, from their kernel thread clocks, in 10 ms ticks on the
+chip host's gVisor; what the host spends recording, apart from any wait or from another process
+on its cores), ``gc_ms`` and ``gc_full`` (Python's garbage collections inside the step call: their
+time, and how many were full ones) and ``us_per_op`` (that per op the step's flush ran: the
 step's own in steady state), ``overlapped`` (``free`` only: whether the step before was still
 running on the device when this step's recording ended, i.e. the host recorded while the device
 computed),
@@ -149,9 +151,11 @@ def key_difference(new: tuple, old: list) -> dict:
 
 class HostClock:
     """CPU time of the threads that record a step: the caller's and PyTorch's autograd
-    threads' (backward runs there), from the kernel's per-thread counters."""
+    threads' (backward runs there), from the kernel's per-thread CPU clocks; and the garbage
+    collections inside the step (``gc``: their time and how many were full)."""
 
     def __enter__(self) -> HostClock:
+        self._gc = defer_host.GcClock().__enter__()
         self._threads = defer_host._autograd_threads()
         self._start = time.thread_time() + defer_host._cpu_of(self._threads)
         return self
@@ -160,6 +164,8 @@ class HostClock:
         # Autograd threads start at the first backward: those new since count from zero.
         threads = defer_host._autograd_threads()
         self.ms = (time.thread_time() + defer_host._cpu_of(threads) - self._start) * 1e3
+        self._gc.__exit__(*exc)
+        self.gc = {"gc_ms": round(self._gc.ms, 2), "gc_full": self._gc.counts[2]}
 
 
 def _finished(loss: torch.Tensor) -> bool | None:
@@ -227,7 +233,8 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
             t2 = time.perf_counter()
             flush, launch = timers.take()
             out["steps"].append(_step_line("warmup", i, (t1 - t0) * 1e3, flush, launch,
-                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms))
+                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms,
+                                           **host.gc))
         out["warmup_s"] = time.perf_counter() - start
         t_free = time.perf_counter()
         for i in range(steps):
@@ -242,7 +249,7 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
             ready = _finished(previous) if i else None
             out["steps"].append(_step_line("free", i, record, flush, launch, 0.0, before, keys,
                                            host.ms, overlapped=None if ready is None
-                                           else not ready))
+                                           else not ready, **host.gc))
             del previous
         before = _counters()
         t0 = time.perf_counter()
@@ -262,7 +269,8 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
             t2 = time.perf_counter()
             flush, launch = timers.take()
             out["steps"].append(_step_line("synced", i, (t1 - t0) * 1e3, flush, launch,
-                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms))
+                                           (t2 - t1) * 1e3 - flush, before, keys, host.ms,
+                                           **host.gc))
         out["peak_gib"] = torch.tpu.max_memory_allocated() / 2**30
         out["host"] = _host_summary([s for s in out["steps"] if s["phase"] == "synced"])
         if profile:

@@ -9,9 +9,11 @@ after a warm-up. Every step ends with ``loss.item()``, so the device is idle whi
 records and the host figures are the host's alone. Per step: ``host_cpu_ms``, the CPU time of the
 threads that record (the caller's thread and PyTorch's autograd threads, which run backward)
 inside the step call; ``read_cpu_ms``, the caller's CPU inside ``.item()`` (DeferAndFuse's flush;
-the wait is not CPU); wall times; recorded ops; programs loaded and run. Thread CPU leaves out
-XLA:CPU's compute threads, so it carries over to a host that drives a TPU (where launching costs
-more; the recording launches nothing).
+the wait is not CPU); wall times; recorded ops; programs loaded and run; Python's garbage
+collections inside the step call (``gc_ms``, ``gc_full``: full ones), and over the timed steps
+the mean host CPU and the full collections' count (a full one falls in one step of ~10-30).
+Thread CPU leaves out XLA:CPU's compute threads, so it carries over to a host that drives a TPU
+(where launching costs more; the recording launches nothing).
 
 ``--split`` (rounds of its own: its wrappers cost ~1 us a call) adds thread CPU inside torchtpu's
 op path (``dispatch.kernel``, outermost calls), its functional and in-place handlers, the
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
@@ -101,36 +104,67 @@ def _autograd_threads() -> list:
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
                 if f.read().startswith("pt_autograd"):
-                    found.append(tid)
+                    found.append(int(tid))
         except OSError:
             pass
     return found
 
 
+def thread_cpu(tid: int) -> float:
+    """Seconds of CPU thread ``tid`` of this process has run, from its kernel CPU clock (Linux's
+    thread clock id for a thread id: CPUCLOCK_SCHED | CPUCLOCK_PERTHREAD). gVisor, which the
+    chip host runs, serves these clocks (in 10 ms ticks) but has no ``/proc/<tid>/schedstat``,
+    which this read before: there the autograd thread's CPU read as 0, half a step's."""
+    return time.clock_gettime((~tid << 3) | 6)
+
+
 def _cpu_of(tids: list) -> float:
-    total = 0
+    total = 0.0
     for tid in tids:
         try:
-            with open(f"/proc/self/task/{tid}/schedstat") as f:
-                total += int(f.read().split()[0])
-        except OSError:
+            total += thread_cpu(tid)
+        except OSError:  # the thread ended since it was listed
             pass
-    return total / 1e9
+    return total
+
+
+class GcClock:
+    """Python's garbage collections inside a block: how many of each generation and their time.
+    A full (generation 2) collection walks every object the process holds (~500k after a
+    step compiled): ~0.15-0.25 s, once in ~10-20 DeferAndFuse steps, in whichever step it
+    falls."""
+
+    def __enter__(self) -> GcClock:
+        self.counts, self.ms, self._start = [0, 0, 0], 0.0, None
+        gc.callbacks.append(self._observe)
+        return self
+
+    def _observe(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self._start is not None:
+            self.counts[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._observe)
 
 
 def _step(fn, x, y) -> dict:
     tids = _autograd_threads()
     before = torchtpu.metrics.snapshot()
     SPLIT.clear()
-    w0, c0, a0 = time.perf_counter(), time.thread_time(), _cpu_of(tids)
-    loss = fn(x, y)
-    w1, c1, a1 = time.perf_counter(), time.thread_time(), _cpu_of(_autograd_threads())
+    with GcClock() as collected:
+        w0, c0, a0 = time.perf_counter(), time.thread_time(), _cpu_of(tids)
+        loss = fn(x, y)
+        w1, c1, a1 = time.perf_counter(), time.thread_time(), _cpu_of(_autograd_threads())
     loss.item()
     w2, c2 = time.perf_counter(), time.thread_time()
     after = torchtpu.metrics.snapshot()
     row = {"host_cpu_ms": (c1 - c0 + a1 - a0) * 1e3, "main_cpu_ms": (c1 - c0) * 1e3,
            "autograd_cpu_ms": (a1 - a0) * 1e3, "call_ms": (w1 - w0) * 1e3,
-           "read_cpu_ms": (c2 - c1) * 1e3, "read_ms": (w2 - w1) * 1e3}
+           "read_cpu_ms": (c2 - c1) * 1e3, "read_ms": (w2 - w1) * 1e3,
+           "gc_ms": collected.ms, "gc_full": collected.counts[2]}
     for k in ("deferred_ops", "executions"):
         row[k] = after.get(k, 0) - before.get(k, 0)
     row["loads"] = sum(after.get(k, 0) - before.get(k, 0)
@@ -185,6 +219,9 @@ def main(argv: list | None = None) -> dict:
             med["host_us_per_op"] = round(med["host_cpu_ms"] * 1e3 / med["deferred_ops"], 1)
             med["with_flush_us_per_op"] = round(
                 (med["host_cpu_ms"] + med["read_cpu_ms"]) * 1e3 / med["deferred_ops"], 1)
+        # A full garbage collection falls in one step of many: the mean carries its share.
+        med["mean_host_cpu_ms"] = round(statistics.mean(r["host_cpu_ms"] for r in timed[mode]), 3)
+        med["gc_full_total"] = sum(r["gc_full"] for r in timed[mode])
         out[mode]["median"], out[mode]["steps"] = med, timed[mode]
         print(mode, json.dumps(med), flush=True)
     print("load", out["load_before"], "->", out["load_after"], flush=True)

@@ -9,7 +9,17 @@ process starts with the persistent compile cache its predecessors filled (warm);
 by a Trainer callback, from its start to its end, and counts the programs it built or loaded.
 The last lines give each run's median step over its rounds, steps 2 on, against CPU's.
 
-    python bench/grpo.py [--steps 4] [--rounds 2] [--vllm] [--json out.json]
+``--model NAME``: the policy is ``serving_jax.CONFIGS[NAME]`` (``qwen2-0.5b``: Qwen2.5-0.5B's
+shapes, the issue's "0.5B-class policy"; ``tiny`` to check the command on a CPU) with random
+weights (``serving_chip.make_model``, no hub), trained in float32, written once into the run's
+folder with the tiny Llama's byte-level tokenizer (``AutoTokenizer`` reads serving_chip's
+word-level one as Qwen2's, which encodes every prompt as no tokens). ``--kinds`` picks runs;
+``--timeout`` bounds each (a chip call has 10 minutes). On the v5e chip, after
+``bench/tpu_machine.sh unpack`` and ``bench/tpu_vllm.sh unpack`` (which bring TRL): the
+command in bench/RESULTS.md, "rl5".
+
+    python bench/grpo.py [--steps 4] [--rounds 2] [--vllm] [--model NAME] [--kinds K ...]
+        [--timeout S] [--json out.json]
 """
 
 from __future__ import annotations
@@ -21,11 +31,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
+
+KINDS = ("cpu", "tpu", "tpu-nopad", "tpu-vllm")
 
 
-def one(kind: str, steps: int, folder: str, vllm_batch: bool) -> dict:
+def one(kind: str, steps: int, folder: str, vllm_batch: bool, model: str | None,
+        timeout: float) -> dict:
     device = "cpu" if kind == "cpu" else "tpu"
     extra = ["nopad"] if kind == "tpu-nopad" else []
+    if model:
+        extra.append(f"model={model}")
     if vllm_batch and kind != "tpu-vllm":
         extra.append("vllmbatch")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
@@ -33,8 +49,8 @@ def one(kind: str, steps: int, folder: str, vllm_batch: bool) -> dict:
     if kind == "tpu-vllm":
         extra += ["vllm", "nowatch"]
         env["TORCHTPU_VLLM"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "torchtpu.testing.grpo", device, str(steps),
-                           folder, *extra], env=env, capture_output=True, text=True, timeout=900)
+    command = [sys.executable, "-m", "torchtpu.testing.grpo", device, str(steps), folder, *extra]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("GRPO_RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(proc.stderr[-3000:])
@@ -46,15 +62,29 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--vllm", action="store_true")
+    parser.add_argument("--model", help="a serving_jax.CONFIGS name (default: the tiny Llama)")
+    parser.add_argument("--kinds", nargs="+", choices=KINDS)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds a run, at most")
     parser.add_argument("--json")
     args = parser.parse_args()
-    kinds = ("cpu", "tpu", "tpu-vllm") if args.vllm else ("cpu", "tpu", "tpu-nopad")
+    kinds = args.kinds or (("cpu", "tpu", "tpu-vllm") if args.vllm else ("cpu", "tpu", "tpu-nopad"))
+    if "tpu-vllm" in kinds and not args.vllm:
+        parser.error("--kinds tpu-vllm needs --vllm (every run at the vLLM runs' batch)")
     rows: dict = {k: [] for k in kinds}
     with tempfile.TemporaryDirectory() as folder:
+        model = None
+        if args.model:
+            import serving_chip  # bench/, this script's folder, is sys.path[0]
+
+            from torchtpu.integrations.vllm.tiny import byte_tokenizer
+
+            model = str(serving_chip.make_model(args.model, Path(folder) / args.model))
+            byte_tokenizer().save_pretrained(model)
         for _ in range(args.rounds):
             for kind in kinds:
-                out = one(kind, args.steps, folder, args.vllm)
+                out = one(kind, args.steps, folder, args.vllm, model, args.timeout)
                 rows[kind].append([(t["seconds"], t["programs"]) for t in out["timings"]])
+                print(f"{kind}: {rows[kind][-1]}", flush=True)  # a call cut short keeps these
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
     print(f"load {' '.join(load)}; seconds (programs) per step, each round a fresh process")
@@ -64,10 +94,13 @@ def main() -> None:
         for r, steps in enumerate(rows[kind]):
             cells = " | ".join(f"{s:.2f} ({n})" for s, n in steps)
             print(f"| {kind} | {r + 1} | {cells} |")
-    base = statistics.median(s for steps in rows["cpu"] for s, _ in steps[1:])
+    base = statistics.median(s for steps in rows["cpu"] for s, _ in steps[1:]) \
+        if "cpu" in rows else None
     for kind in kinds:
         median = statistics.median(s for steps in rows[kind] for s, _ in steps[1:])
-        print(f"{kind}: median step (steps 2 on) {median:.2f} s = {median / base:.2f}x cpu's")
+        first = statistics.median(steps[0][0] for steps in rows[kind])
+        ratio = f" = {median / base:.2f}x cpu's" if base else ""
+        print(f"{kind}: median step (steps 2 on) {median:.2f} s{ratio}; first step {first:.2f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load": load, "rows": rows}, f)

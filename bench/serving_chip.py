@@ -16,11 +16,15 @@ the chip), results as JSON under ``--out`` (default ``$OUT``):
   ``llm.llm_engine``: output tokens/s, TTFT, ITL, the decode steps' median time beside their
   roofline (weights + the KV the step's requests attend, / 819 GB/s), each decode step's
   split into the model runner's phases (``serving_diag.Phases``), and the XLA compiles during
-  each measured round (a warm-up round of the same prompts, ``WARM_TOKENS`` output tokens,
-  runs first and compiles the step shapes the round meets). With ``--paged both`` the vLLM part
+  each measured round (a warm-up round of the same lengths runs first and compiles the step
+  shapes the round meets: ``timed_load``). With ``--paged both`` the vLLM part
   runs twice, with the ragged paged-attention kernel and with the gathered context;
   ``--diagnose`` adds, after the first load, where a decode step's time goes
   (``serving_diag.py``: host profile, device trace, the step program replayed alone).
+
+What comes back (``--out``): ``serving_chip.json`` (every part's results, rewritten after each
+part) and ``serving_chip_logs.tar.gz`` (each part's own JSON and log, written to ``--work``).
+``--jax-seconds`` of the budget are kept for the jax part while it is still to run.
 
 Token checks (``serving_chip.json``): each part's greedy tokens against HF's (float32, CPU),
 exactly and up to HF's first near-tie (top-1 over top-2 logit margin below ``MARGIN_TOL``),
@@ -41,7 +45,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -51,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving_diag  # noqa: E402  (bench/ is no package)
 import serving_jax  # noqa: E402
+from chip_parts import publish, run_part  # noqa: E402
 
 PARTS = ("make", "hf", "jax", "vllm")
 PROMPTS = [[11, 42, 7, 99, 3], [5] * 12, list(range(100, 124)), [256, 17, 323, 4, 88, 9, 61]]
@@ -65,9 +69,6 @@ MARGINS = "margins"
 # way; a prompt's tokens are compared up to its first near-tie (after it both continuations are
 # right, and every later token follows from the one picked)
 MARGIN_TOL = 1.0
-# output tokens of a load's warm-up round: enough to meet the timed round's step shapes (its
-# prefill buckets, its decode bucket, the context past the prompt), not its whole length
-WARM_TOKENS = 4
 
 
 def parse_shape(text: str) -> tuple[int, int]:
@@ -305,6 +306,26 @@ def _save(args, result: dict) -> None:
         Path(args.json).write_text(json.dumps(result, indent=1))
 
 
+def timed_load(llm, config: dict, warm: list[list[int]], timed: list[list[int]], output: int,
+               counter: serving_diag.CompileCounter,
+               phases: serving_diag.Phases | None = None) -> dict:
+    """One load: the ``warm`` prompts (``output`` tokens each, all submitted at once) as a
+    warm-up round, then the ``timed`` ones (new prompts of the same lengths: the prefix cache
+    must not serve them), the timed round's figures and the XLA compiles inside it.
+
+    The warm-up runs the round's whole length: its schedule (chunked prefills mixed with the
+    decodes of the requests already running, then every request's decodes, then the tail as
+    they finish) is the round's, so it meets every step shape the round meets. A 4-token
+    warm-up (until session 24) ended each request after 3 decodes, so its steps held the
+    requests of a few prefill chunks at most: at 256 requests the round met the step shapes of
+    128 and 256 requests first and compiled 6 programs inside it (TTFT 6.1 s, 78 s of wall)."""
+    drive(llm, warm, output)
+    before = counter.count
+    run = drive(llm, timed, output, phases)
+    run["compiles"] = counter.count - before
+    return run | _decode_figures(run.pop("steps"), config)
+
+
 def part_vllm(args) -> dict:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     import random
@@ -340,18 +361,10 @@ def part_vllm(args) -> dict:
         rng = random.Random(0)
         for prompt, output in shapes:
             for c in args.concurrency:
-                prompts = [[rng.randrange(config["vocab_size"] - 2) for _ in range(prompt)]
-                           for _ in range(c)]
+                warm, timed = ([[rng.randrange(config["vocab_size"] - 2) for _ in range(prompt)]
+                                for _ in range(c)] for _ in range(2))
                 try:
-                    # warm-up: compiles the step shapes this load meets
-                    drive(llm, prompts, min(output, WARM_TOKENS))
-                    # new prompts: the prefix cache must not serve the timed round
-                    prompts = [[rng.randrange(config["vocab_size"] - 2) for _ in range(prompt)]
-                               for _ in range(c)]
-                    before = counter.count
-                    run = drive(llm, prompts, output, phases)
-                    run["compiles"] = counter.count - before
-                    run |= _decode_figures(run.pop("steps"), config)
+                    run = timed_load(llm, config, warm, timed, output, counter, phases)
                 except Exception as e:
                     run = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
                 run |= {"prompt": prompt, "output": output, "concurrency": c}
@@ -359,7 +372,7 @@ def part_vllm(args) -> dict:
                 loads.append(run)
                 _save(args, out)
                 if args.diagnose and "diagnosis" not in result:
-                    result["diagnosis"] = diagnose(llm, phases, prompts)
+                    result["diagnosis"] = diagnose(llm, phases, timed)
                     print(json.dumps(result["diagnosis"])[:4000], flush=True)
                     _save(args, out)
         out[name] = result
@@ -368,37 +381,6 @@ def part_vllm(args) -> dict:
 
 
 # ---- the driver ----
-
-def run_part(part: str, args, env: dict, tag: str = "", script: str = __file__,
-             extra: list[str] = ()) -> dict:
-    """One part of ``script`` (this file or a sibling taking its flags) in a process of its
-    own, within the call's ``--budget``; its JSON."""
-    path = Path(args.out) / f"{part}{tag}.json"
-    jax_batches = getattr(args, "jax_concurrency", None)
-    cmd = [sys.executable, os.path.abspath(script), "--part", part, "--json", str(path),
-           "--models", *args.models, "--models-dir", args.models_dir,
-           "--shapes", *args.shapes, "--concurrency",
-           *map(str, jax_batches if part == "jax" and jax_batches else args.concurrency),
-           *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else []),
-           *(["--diagnose"] if getattr(args, "diagnose", False) and part == "vllm" else []),
-           *extra]
-    timeout = min(args.part_timeout, args.deadline - time.perf_counter())
-    if timeout < 10:
-        print(f"{part}{tag}: skipped, the call's --budget is spent", flush=True)
-        return {"rc": "skipped: budget", "seconds": 0.0, "result": {}}
-    start = time.perf_counter()
-    log = Path(args.out) / f"{part}{tag}.log"
-    with open(log, "w") as f:
-        try:
-            rc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
-        except subprocess.TimeoutExpired:  # its results so far are in its JSON
-            rc = "timeout"
-    seconds = time.perf_counter() - start
-    result = json.loads(path.read_text()) if path.exists() else {}
-    print(f"{part}{tag}: rc {rc}, {seconds:.0f} s", flush=True)
-    return {"rc": rc, "seconds": seconds, "result": result}
-
 
 def compare(hf: dict, other: dict, key: str = "greedy", tol: float = MARGIN_TOL) -> dict:
     """Per model: how many prompts' greedy tokens equal Hugging Face's, the first differences,
@@ -442,7 +424,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--capture", choices=("lazy", "startup"), default="lazy",
                     help="TORCHTPU_VLLM_CAPTURE: lazy compiles only the step shapes the loads "
                          "meet (in their warm-up rounds); startup compiles every bucket first")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"))
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"),
+                    help="two files: serving_chip.json and serving_chip_logs.tar.gz")
+    ap.add_argument("--work", default="/tmp/serving_parts",
+                    help="each part's JSON and log (hf.json kept for later calls)")
+    ap.add_argument("--jax-seconds", type=float, default=120,
+                    help="seconds of --budget kept for the jax part while it is still to run")
     ap.add_argument("--models-dir", default="/tmp/serving_models")
     ap.add_argument("--hbm-bytes", type=float, default=15.7 * 2**30)
     ap.add_argument("--kv-bytes", type=float, help="vLLM's kv_cache_memory_bytes (default: "
@@ -463,38 +450,45 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result)[:3000])
         return result
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     parts = ["jax"] if args.jax_only else args.parts
     args.deadline = time.perf_counter() + args.budget
     env = {**os.environ, "TORCHTPU_VLLM_CAPTURE": args.capture}
     cpu = {**env, "JAX_PLATFORMS": "cpu", "TORCHTPU_PLATFORM": "cpu"}  # keep off the chip
     summary = {"argv": sys.argv[1:], "parts": {}}
     beside = None  # hf, on the CPU while the chip parts run
-    for part in parts:
+    for i, part in enumerate(parts):
+        # the jax part's seconds are kept while it is still to run (a vLLM part with
+        # --diagnose took the whole budget of session 24's first call, leaving jax 26 s)
+        reserve = args.jax_seconds if "jax" in parts[i + 1:] else 0.0
         if part == "hf" and any(p in parts for p in ("jax", "vllm")):
             beside = threading.Thread(target=lambda: summary["parts"].__setitem__(
-                "hf", run_part("hf", args, cpu)))
+                "hf", run_part("hf", args, cpu, script=__file__)))
             beside.start()
         elif part in ("make", "hf"):
-            summary["parts"][part] = run_part(part, args, cpu)
+            summary["parts"][part] = run_part(part, args, cpu, script=__file__,
+                                              reserve=reserve)
         elif part == "vllm" and args.paged in ("both", "on", "off"):
             modes = ("on", "off") if args.paged == "both" else (args.paged,)
             for mode in modes:
                 summary["parts"][f"vllm-paged-{mode}"] = run_part(
-                    part, args, {**env, "TORCHTPU_VLLM_PAGED": mode}, f"-paged-{mode}")
+                    part, args, {**env, "TORCHTPU_VLLM_PAGED": mode}, f"-paged-{mode}",
+                    script=__file__, reserve=reserve)
+                publish(args, "serving_chip", summary)
         else:
-            summary["parts"][part] = run_part(part, args, env)
+            summary["parts"][part] = run_part(part, args, env, script=__file__, reserve=reserve)
+        publish(args, "serving_chip", summary)
     if beside is not None:
         beside.join()
     hf = summary["parts"].get("hf", {}).get("result")
-    if hf is None and Path(args.out, "hf.json").exists():  # from an earlier call
-        hf = json.loads(Path(args.out, "hf.json").read_text())
+    if hf is None and Path(args.work, "hf.json").exists():  # from an earlier call
+        hf = json.loads(Path(args.work, "hf.json").read_text())
     summary["tokens_equal_hf"] = {name: compare(hf or {}, run.get("result", {}))
                                   for name, run in summary["parts"].items()
                                   if name.startswith(("jax", "vllm"))}
-    Path(args.out, "serving_chip.json").write_text(json.dumps(summary, indent=1))
+    publish(args, "serving_chip", summary)
     print(json.dumps(summary["tokens_equal_hf"], indent=1))
     return summary
-
 
 if __name__ == "__main__":
     main()

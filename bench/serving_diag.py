@@ -11,7 +11,9 @@ host Python, program launches or device work:
 - :func:`device_programs`: a JAX profiler trace of a few steps, read back with torchtpu's own
   XSpace reader (``torchtpu.profiler.xplane``): each program's runs and device time, and the HLO
   ops with the most device time.
-- :func:`replay_time`: the last captured step program replayed alone, launch and device time.
+- :func:`replay_time`: the last captured step program replayed alone, launch and device time,
+  and its launch split into Python, the executable's call and the host-fed values' transfers
+  (:func:`launch_split`).
 - :class:`CompileCounter`: the XLA compiles in this process (JAX's monitoring events).
 - :func:`floors`: what one ``torch.tpu.synchronize()`` and one tiny eager op read back cost.
 
@@ -157,7 +159,7 @@ def device_programs(step: Callable[[], object], steps: int = 3, top: int = 20) -
 def replay_time(runner, repeats: int = 10) -> dict:
     """The runner's most recently used captured step, replayed alone: launch and wall time to
     its outputs' readiness (the last step's host inputs are fed again: the same KV is
-    rewritten into the same slots)."""
+    rewritten into the same slots), and the launch split (``launch_split``)."""
     import jax
     import torch
 
@@ -180,7 +182,56 @@ def replay_time(runner, repeats: int = 10) -> dict:
         total.append(done - start)
     return {"key": repr(key)[:300], "ops": graph.captured.ops, "repeats": repeats,
             "launch_median_s": statistics.median(launch),
-            "total_median_s": statistics.median(total)}
+            "total_median_s": statistics.median(total),
+            "launch_split": launch_split(graph.captured, repeats)}
+
+
+def launch_split(captured, repeats: int = 10) -> dict:
+    """Where a captured program's launch goes: ``arguments_s`` (the Python gathering of its
+    arguments, the host-fed values' copies included), ``call_s`` (the executable's call: JAX's
+    C++ path, the host-fed NumPy values' transfers, PJRT's enqueue), ``store_s`` (rebinding the
+    written storages); ``call_device_fed_s``, the call with the fed values on the device
+    already (what their transfers cost inside it); ``trivial_same_args_s``, a program that
+    reads one argument, called with the same arrays (the cost per argument of a launch). Each
+    waits for the program's results after the timed part."""
+    import jax
+    import numpy as np
+
+    io, fn = captured._io, captured._fn
+    sample = io.arguments()
+    fed = [i for i, a in enumerate(sample) if isinstance(a, np.ndarray)]
+    rows: dict = collections.defaultdict(list)
+    for device_fed in (False, True):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            args = io.arguments()
+            t1 = time.perf_counter()
+            if device_fed:
+                for i in fed:
+                    args[i] = jax.device_put(args[i])
+                jax.block_until_ready([args[i] for i in fed])
+                t1 = time.perf_counter()
+            results = fn(*args)
+            t2 = time.perf_counter()
+            io.store(args, results)
+            t3 = time.perf_counter()
+            jax.block_until_ready(results)
+            if device_fed:
+                rows["call_device_fed_s"].append(t2 - t1)
+            else:
+                rows["arguments_s"].append(t1 - t0)
+                rows["call_s"].append(t2 - t1)
+                rows["store_s"].append(t3 - t2)
+    args = [jax.device_put(a) if isinstance(a, np.ndarray) else a for a in io.arguments()]
+    first = jax.jit(lambda *a: a[0])
+    jax.block_until_ready(first(*args))
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = first(*args)
+        rows["trivial_same_args_s"].append(time.perf_counter() - t0)
+        jax.block_until_ready(out)
+    return {"arguments": len(sample), "host_fed": len(fed),
+            **{k: statistics.median(v) for k, v in rows.items()}}
 
 
 @_guarded

@@ -2,7 +2,8 @@
 
 ``serving_chip.py``'s sibling: the same models (``serving_chip.make_model``, made here if the
 directory is missing), the same engine in this process, each part an engine in a process of its
-own within ``--budget`` (``serving_chip.run_part``), results as JSON under ``--out``:
+own within ``--budget`` (``chip_parts.run_part``), results in ``--out`` as
+``serving_extras.json`` and ``serving_extras_logs.tar.gz`` (``chip_parts.publish``):
 
 - ``cache``: prefix caching and structured output, one engine. Prefix caching: a request of
   ``--prefix-tokens`` shared tokens + ``--suffix-tokens`` of its own, cold, then another with
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import serving_chip  # noqa: E402  (bench/ is no package)
 import serving_diag  # noqa: E402
 import serving_jax  # noqa: E402
+from chip_parts import publish, run_part  # noqa: E402
 
 PARTS = ("cache", "ngram", "fp8")
 # what save_pretrained writes of a tokenizer (the twin directory has its own)
@@ -181,9 +183,9 @@ def _greedy(llm) -> list[list[int]]:
 
 
 def _loads(llm, args, name: str, result: dict, prompts_of) -> None:
-    """Each load of ``--shapes`` x ``--concurrency``: a warm-up round (its step shapes), then a
-    timed round of new prompts (``serving_chip.drive``), with the spec-decode counters'
-    deltas."""
+    """Each load of ``--shapes`` x ``--concurrency``: a warm-up round of the timed round's
+    lengths (its step shapes: ``serving_chip.timed_load``), then a timed round of new prompts
+    (``serving_chip.drive``), with the spec-decode counters' deltas."""
     counter = serving_diag.CompileCounter()
     config = serving_jax.CONFIGS[name]
     vocab = config["vocab_size"] - 2
@@ -191,8 +193,7 @@ def _loads(llm, args, name: str, result: dict, prompts_of) -> None:
     for prompt, output in map(serving_chip.parse_shape, args.shapes):
         for c in args.concurrency:
             try:
-                serving_chip.drive(llm, prompts_of(rng, prompt, c, vocab),
-                                   min(output, serving_chip.WARM_TOKENS))
+                serving_chip.drive(llm, prompts_of(rng, prompt, c, vocab), output)
                 before, compiled = _counters(llm), counter.count
                 run = serving_chip.drive(llm, prompts_of(rng, prompt, c, vocab), output)
                 after = _counters(llm)
@@ -273,6 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--suffix-tokens", type=int, default=64)
     ap.add_argument("--spec-tokens", type=int, default=4)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/serving_out"))
+    ap.add_argument("--work", default="/tmp/serving_parts",
+                    help="each part's JSON and log (serving_chip.py's hf.json read there)")
     ap.add_argument("--models-dir", default="/tmp/serving_models")
     ap.add_argument("--kv-bytes", type=float, help="vLLM's kv_cache_memory_bytes (CPU smoke)")
     ap.add_argument("--part-timeout", type=float, default=300)
@@ -290,20 +293,22 @@ def main(argv: list[str] | None = None) -> dict:
         _save(args, result)
         return result
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
     args.deadline = time.perf_counter() + args.budget
     env = {**os.environ, "TORCHTPU_VLLM_CAPTURE": os.environ.get("TORCHTPU_VLLM_CAPTURE",
                                                                  "lazy")}
     extra = ["--prefix-tokens", str(args.prefix_tokens), "--suffix-tokens",
              str(args.suffix_tokens), "--spec-tokens", str(args.spec_tokens)]
-    summary = {"argv": sys.argv[1:], "parts": {
-        part: serving_chip.run_part(part, args, env, script=__file__, extra=extra)
-        for part in args.parts}}
-    hf = Path(args.out, "hf.json")
+    summary: dict = {"argv": sys.argv[1:], "parts": {}}
+    for part in args.parts:
+        summary["parts"][part] = run_part(part, args, env, script=__file__, extra=extra)
+        publish(args, "serving_extras", summary)
+    hf = Path(args.work, "hf.json")
     if hf.exists():  # serving_chip's hf part, same models and prompts
         summary["tokens_equal_hf"] = {
             part: serving_chip.compare(json.loads(hf.read_text()), run.get("result", {}))
             for part, run in summary["parts"].items() if part != "cache"}
-    Path(args.out, "serving_extras.json").write_text(json.dumps(summary, indent=1))
+        publish(args, "serving_extras", summary)
     print(json.dumps({p: r["rc"] for p, r in summary["parts"].items()}))
     return summary
 

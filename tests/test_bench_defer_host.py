@@ -1,15 +1,67 @@
 """bench/defer_host.py (DeferAndFuse's host CPU per step, split, beside the whole step's) runs on
 XLA:CPU at tiny dims, in a child process (its split wraps torchtpu's functions for good): steady
-steps load nothing, and the split's parts are inside the host's."""
+steps load nothing, and the split's parts are inside the host's. Its thread clocks count another
+thread's CPU where ``/proc/<tid>/schedstat`` is missing (gVisor, the chip host's sandbox)."""
 
+import builtins
+import gc
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 _ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir)
+_spec = importlib.util.spec_from_file_location(
+    "bench_defer_host", os.path.join(_ROOT, "bench", "defer_host.py"))
+defer_host = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(defer_host)
+
+
+def test_thread_cpu_counts_another_thread_without_schedstat(monkeypatch):
+    real_open = builtins.open
+
+    def open_without_schedstat(path, *args, **kwargs):
+        if str(path).endswith("/schedstat"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_without_schedstat)
+    (started, spun, go, end), tid = (threading.Event() for _ in range(4)), []
+
+    def spin():
+        tid.append(threading.get_native_id())
+        started.set()
+        go.wait()
+        t = time.thread_time()
+        while time.thread_time() - t < 0.05:
+            pass
+        spun.set()
+        end.wait()  # alive while its clock is read
+
+    worker = threading.Thread(target=spin, daemon=True)
+    worker.start()
+    started.wait()
+    before = defer_host._cpu_of(tid)
+    go.set()
+    spun.wait()
+    after = defer_host._cpu_of(tid)
+    end.set()
+    worker.join()
+    assert after - before >= 0.04  # the worker's CPU, not this thread's (which only waited)
+
+
+def test_gc_clock_counts_collections_inside_its_block():
+    with defer_host.GcClock() as clock:
+        gc.collect()
+        gc.collect(0)
+    assert clock.counts[2] >= 1 and clock.counts[0] >= 1 and clock.ms > 0
+    gc.collect()
+    assert clock.counts[2] in (1, 2) and clock._observe not in gc.callbacks
 
 
 @pytest.mark.full  # compiles the fused step and the whole step (~10 s each on XLA:CPU)

@@ -251,3 +251,59 @@ def test_serving_extras_give_their_figures_at_tiny_sizes(tmp_path):
     assert kv["bytes_per_token"] * 2 == kv["model_dtype_bytes_per_token"], kv
     (load,) = fp8["loads"]
     assert load["output_tokens"] == 2 * 4 and load["decode_tok_s"] > 0, load
+
+
+def test_a_chip_call_leaves_one_summary_and_one_archive_and_keeps_the_jax_parts_time(chip,
+                                                                                     tmp_path):
+    """The device call returns a few files of its output folder (session 24's first serving
+    call lost the vLLM part's JSON and log that way): ``--out`` holds the summary and one
+    archive of every part's JSON and log. The jax part's ``--jax-seconds`` are kept while it is
+    still to run: with a budget of less than that and 10 s, the part before it is skipped and
+    jax still runs."""
+    import tarfile
+
+    serving_chip, _ = chip
+    out, work = tmp_path / "out", tmp_path / "work"
+    env = {"JAX_PLATFORMS": "cpu", "SERVING_JAX_TOKENS": "0"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        summary = serving_chip.main([
+            "--parts", "make", "jax", "--models", "tiny", "--shapes", "8x3", "--concurrency",
+            "2", "--models-dir", str(tmp_path / "none"), "--out", str(out), "--work",
+            str(work), "--budget", "300", "--jax-seconds", "295"])
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    assert summary["parts"]["make"]["rc"] == "skipped: budget", summary["parts"]["make"]
+    assert summary["parts"]["jax"]["rc"] == 0, summary["parts"]["jax"]
+    assert sorted(os.listdir(out)) == ["serving_chip.json", "serving_chip_logs.tar.gz"]
+    assert json.loads((out / "serving_chip.json").read_text())["parts"]["jax"]["result"][
+        "tiny"]["runs"][0]["decode_tok_s"] > 0
+    with tarfile.open(out / "serving_chip_logs.tar.gz") as tar:
+        assert sorted(tar.getnames()) == ["jax.json", "jax.log"]
+        log = tar.extractfile("jax.log").read().decode()
+    assert "decode_tok_s" in log
+
+
+def test_fed_transfers_compares_one_by_one_feeds_with_one_packed_transfer(tmp_path):
+    """bench/fed_transfers.py (the chip call's measure of what packing the step's nine host
+    buffers buys): both programs run, the packed one takes one fed argument of the rows read."""
+    sys.path.insert(0, BENCH)
+    try:
+        import fed_transfers
+    finally:
+        sys.path.remove(BENCH)
+    out = fed_transfers.main(["--weights", "3", "--max-tokens", "64", "--max-reqs", "8",
+                              "--blocks", "4", "--tokens", "2", "--reqs", "2", "--rounds", "2",
+                              "--replays", "2", "--json", str(tmp_path / "f.json")])
+    assert json.loads((tmp_path / "f.json").read_text())["packed"] == out["packed"]
+    # 9 whole buffers, in bytes: ids 64 x 4; positions, slots, last rows 64 x 8 each; padding
+    # 64; starts 9 x 4; lengths 8 x 4; sampled rows 8 x 8; table 32 x 4
+    assert out["one_by_one"]["fed_arguments"] == 9
+    assert out["one_by_one"]["fed_bytes"] == 256 + 3 * 512 + 64 + 36 + 32 + 64 + 128
+    # one int32 array of the rows a 2-token, 2-request step reads, in words: ids 2, positions
+    # 4, starts 3, lengths 2, table 2 x 4, slots 4, padding 2, sampled rows 4, last rows 4
+    assert out["packed"]["fed_arguments"] == 1
+    assert out["packed"]["fed_bytes"] == 4 * (2 + 4 + 3 + 2 + 8 + 4 + 2 + 4 + 4)
+    assert out["packed"]["launch_cpu_us"] > 0 and out["one_by_one"]["ready_wall_us"] > 0

@@ -2,6 +2,7 @@
 loop's dead results lend their buffers to the next flush's outputs, and leaving the mode frees
 what was kept; the numbers stay CPU's."""
 
+import pytest
 import torch
 
 import torchtpu
@@ -68,3 +69,18 @@ def test_leaving_the_mode_frees_the_kept_results():
         kept = torch.tpu.memory_allocated()
     assert kept >= base + 256 * 256 * 4  # held for the next flush while in the mode
     assert torch.tpu.memory_allocated() <= base
+
+
+@pytest.mark.parametrize("shape, lent", [((128, 128), True), ((128, 64), False)])
+def test_only_results_of_spare_min_bytes_lend_their_buffers(shape, lent):
+    # float32: 64 KiB (defer.SPARE_MIN_BYTES, counted in bytes, not elements), then 32 KiB.
+    x = torch.randn(shape)
+    xd = x.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        out = torch.tanh(xd) * 2
+        torch.tpu.synchronize()
+        reused = torchtpu.metrics.snapshot().get("reused_buffers", 0)
+        out = torch.tanh(xd) * 3  # the first result dies before this flush
+        torch.tpu.synchronize()
+        assert torchtpu.metrics.snapshot().get("reused_buffers", 0) == reused + lent
+    torch.testing.assert_close(out.cpu(), torch.tanh(x) * 3)

@@ -40,3 +40,25 @@ def test_masked_select_refuses_a_non_bool_mask():
         with pytest.raises(RuntimeError, match="expected BoolTensor for mask"):
             torch.rand(3, device=device).masked_select(torch.ones(3, dtype=torch.uint8,
                                                                   device=device))
+
+
+def _programs() -> int:
+    import torchtpu
+
+    snap = torchtpu.metrics.snapshot()
+    return sum(snap.get(n, 0) for n in ("executable_compiles", "persistent_cache_hits",
+                                        "programs_loaded_by_key"))
+
+
+def test_a_mask_index_at_a_new_shape_is_two_programs():
+    # x[mask], nonzero and masked_select count the mask in one program, then take the result in
+    # one whose size is that count (JAX's nonzero without a size: a program per step, ~12).
+    # (whole tensors: a view the call reads is read by programs of its own first)
+    x, rows, cells = torch.randn(7, 13, 3), torch.rand(7, 13) > 0.4, torch.rand(7, 13, 1) > 0.4
+    for f, mask in ((lambda x, m: x[m], rows), (lambda x, m: torch.nonzero(m), cells),
+                    (lambda x, m: torch.masked_select(x, m), cells)):
+        xt, mt = x.to("tpu"), mask.to("tpu")
+        before = _programs()
+        got = f(xt, mt)
+        assert _programs() - before <= 2, (f, _programs() - before)
+        assert torch.equal(got.cpu(), f(x, mask))

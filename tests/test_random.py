@@ -187,3 +187,17 @@ def test_rng_state_roundtrip():
     torch.tpu.set_rng_state(state)
     assert torch.equal(torch.randint(0, 1000, (32,), device="tpu").cpu(), a)
     assert torch.equal(F.dropout(torch.ones(32, device="tpu"), 0.5).cpu(), x)
+
+
+def test_a_generator_steps_back_one_draw_by_cudas_offset_of_four():
+    # vLLM undoes the sample of a request still prefilling with set_offset(get_offset() - 4),
+    # CUDA's Philox step for one small op: the next draw repeats the undone one
+    g = torch.Generator(device="tpu").manual_seed(3)
+    torch.rand(4, device="tpu", generator=g)
+    undone = torch.empty(8, device="tpu").exponential_(generator=g).cpu()
+    g.set_offset(g.get_offset() - 4)
+    assert torch.equal(torch.empty(8, device="tpu").exponential_(generator=g).cpu(), undone)
+    following = torch.rand(4, device="tpu", generator=g).cpu()
+    assert not torch.equal(following[:4], undone[:4])
+    with pytest.raises(RuntimeError, match="at least 0"):
+        g.set_offset(-4)

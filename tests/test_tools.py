@@ -174,6 +174,24 @@ def test_diagnose_names_a_shape_that_recompiles():
         diagnose.step(step_with_new_lengths, steps=1)
 
 
+def test_watch_counts_a_program_the_warm_start_cache_held():
+    # A second CI run on the same machine loads the steps' programs by key instead of compiling
+    # them: a new shape every step is a new program either way (the diagnosis above failed so).
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.runtime import warm
+
+    if not warm.cache_on():
+        pytest.skip("the persistent cache is off (TORCHTPU_CACHE_DIR=off)")
+    jitted, args = jax.jit(lambda x: x * 3 + 1), (jnp.ones((3, 7), jnp.float32),)
+    warm.compiled_for(jitted, "test_tools.watch_load", args)  # its entry, if it was not there
+    with Watch() as w:
+        warm.compiled_for(jitted, "test_tools.watch_load", args)
+    assert [p["shapes"] for p in w.record.programs_built] == [["float32[3,7]"]]
+    assert w.record.metrics["programs_loaded_by_key"] == 1
+
+
 def test_diagnose_gives_dynamo_recompile_reasons(fresh_dynamo):
     f = torch.compile(lambda x: (x * 2).sum(), backend="tpu", dynamic=False)
     count = [0]

@@ -8,8 +8,9 @@ push vLLM's greedy tokens equal the updated policy's ``generate`` on CPU, the po
 tensor to tpu tensor: torchtpu's transfer counters, and JAX's transfer guard refusing any
 host-to-device transfer in it). Refused when the trainer is built, before the
 engine starts (``integrations/trl.py``): an engine share that does not fit beside the policy, and
-a policy whose parameters are not the engine's model's (a resized embedding), naming the
-parameter and both shapes. vLLM venv with the rl extra only; skipped elsewhere.
+a policy whose parameters are not the engine's model's (a resized embedding, naming the
+parameter and both shapes; a parameter the engine's checkpoint lacks, naming it). vLLM venv
+with the rl extra only; skipped elsewhere.
 """
 
 import json
@@ -61,6 +62,10 @@ def _trainer(tmp_path, **config):
     resize = config.pop("resize", None)
     if resize:
         model.resize_token_embeddings(resize)
+    if config.pop("norm_bias", False):  # a parameter the engine's checkpoint has no entry for
+        import torch
+
+        model.model.norm.bias = torch.nn.Parameter(torch.zeros(64))
     args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
                       num_generations=2, max_completion_length=8, max_steps=1,
                       report_to="none", use_vllm=True, **OPTIONS, **config)
@@ -97,3 +102,12 @@ def test_a_policy_unlike_the_engine_model_is_refused(tmp_path, vllm_env):
         "torchtpu.argument: weight push into vLLM: the policy's parameter "
         "'model.embed_tokens.weight' has shape (330, 64) but the engine's model "
         f"({tmp_path / 'model'}) has (258, 64)"), str(e.value)
+
+
+def test_a_policy_parameter_the_engine_lacks_is_refused(tmp_path, vllm_env):
+    with pytest.raises(ValueError) as e:
+        _trainer(tmp_path, norm_bias=True)
+    assert str(e.value) == (
+        "torchtpu.argument: weight push into vLLM: the policy's parameter 'model.norm.bias' "
+        f"(shape (64,)) is not in the engine's model ({tmp_path / 'model'}): the policy and "
+        "the engine must be the same model"), str(e.value)

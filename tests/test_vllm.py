@@ -136,9 +136,11 @@ def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
         compilation_config=CompilationConfig(), parallel_config=ParallelConfig(),
         cache_config=CacheConfig(), scheduler_config=types.SimpleNamespace(async_scheduling=True),
     )
+    monkeypatch.delenv("TORCHTPU_VLLM_ASYNC", raising=False)
     TpuPlatform.check_and_update_config(config)
-    # decode steps are prepared on the host (worker.py): each step's last token must be there
-    assert config.scheduler_config.async_scheduling is False
+    # vLLM's async scheduling is kept (its steps' programs read the last step's tokens on the
+    # device: test_vllm_async)
+    assert config.scheduler_config.async_scheduling is True
     assert config.compilation_config.mode == CompilationMode.NONE
     assert config.compilation_config.cudagraph_mode == CUDAGraphMode.NONE
     assert config.parallel_config.worker_cls == WORKER
@@ -146,6 +148,15 @@ def test_platform_turns_graphs_off_and_picks_the_tpu_worker(monkeypatch):
     assert config.cache_config.kv_cache_memory_bytes  # XLA:CPU: sized in bytes, as vLLM's CPU
     with pytest.raises(ValueError, match="not torch.int8"):
         TpuPlatform.check_if_supports_dtype(torch.int8)
+    # ...off where the steps are prepared on the device (speculation), and where asked to
+    config.speculative_config = types.SimpleNamespace(method="ngram")
+    TpuPlatform.check_and_update_config(config)
+    assert config.scheduler_config.async_scheduling is False
+    config.speculative_config = None
+    config.scheduler_config.async_scheduling = True
+    monkeypatch.setenv("TORCHTPU_VLLM_ASYNC", "0")
+    TpuPlatform.check_and_update_config(config)
+    assert config.scheduler_config.async_scheduling is False
 
 
 # Run in a process of its own: vLLM picks its platform once per process, and TORCHTPU_VLLM

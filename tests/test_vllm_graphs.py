@@ -42,6 +42,46 @@ def test_a_fed_buffer_is_read_from_the_host_at_every_replay():
     assert index.cpu().tolist() == [0] * 8  # the program read the host, not this
 
 
+def test_fed_buffers_travel_as_one_transfer_of_the_rows_the_step_reads():
+    from torchtpu import metrics
+
+    big = torch.zeros(6, dtype=torch.int64, device="tpu")
+    table = torch.zeros(4, 3, dtype=torch.int32, device="tpu")
+    mask = torch.zeros(5, dtype=torch.bool, device="tpu")
+    small = torch.zeros(3, dtype=torch.int16, device="tpu")
+    scale = torch.zeros(2, dtype=torch.float32, device="tpu")
+    host = {"big": np.array([7, -1, 2**40 + 7, -(2**35), 2**31, 5], np.int64),
+            "table": np.arange(12, dtype=np.int32).reshape(4, 3) - 5,
+            "mask": np.array([1, 0, 1, 1, 0], bool), "small": np.array([-300, 2, 9], np.int16),
+            "scale": np.array([1.5, -2.25], np.float32)}
+    feeds = HostFeeds()
+    feeds.add(big, lambda: host["big"], lambda tokens, reqs: tokens)  # reads [:tokens]
+    feeds.add(table, lambda: host["table"], lambda tokens, reqs: reqs)
+    for t, name in ((mask, "mask"), (small, "small"), (scale, "scale")):
+        feeds.add(t, lambda name=name: host[name])
+    graphs = StepGraphs()
+
+    def step():  # whole buffers: past the rows the step reads, the program sees zeros
+        return (big * 3 + 1, table.sum(0), torch.where(mask, big[:5], -big[:5]),
+                small.to(torch.int32) * 2, scale * 2)
+
+    for r in range(3):
+        host["big"][0], host["table"][1, 2], host["mask"][4] = r, 10 * r, r % 2 == 1
+        host["small"][1], host["scale"][0] = r - 9, r / 4
+        before = metrics.snapshot().get("fed_transfers", 0)
+        out = graphs("step", step, feeds.step(4, 2))
+        assert metrics.snapshot()["fed_transfers"] - before == 1  # five buffers, one transfer
+        cpu = {k: torch.from_numpy(v.copy()) for k, v in host.items()}
+        cpu["big"][4:] = 0
+        cpu["table"][2:] = 0
+        want = (cpu["big"] * 3 + 1, cpu["table"].sum(0),
+                torch.where(cpu["mask"], cpu["big"][:5], -cpu["big"][:5]),
+                cpu["small"].to(torch.int32) * 2, cpu["scale"] * 2)
+        for got, expected in zip(out, want):
+            torch.testing.assert_close(got.cpu(), expected, rtol=0, atol=0)
+    assert (graphs.captures, graphs.replays) == (1, 3)
+
+
 def test_materialize_writes_the_host_values_into_the_device_buffer():
     buf = torch.zeros(2, 3, dtype=torch.int32, device="tpu")
     host = np.arange(6, dtype=np.int32).reshape(2, 3)
@@ -83,7 +123,7 @@ import jax
 import vllm
 from torchtpu.device import launch
 
-from torchtpu.integrations.vllm import host_steps
+from torchtpu.integrations.vllm import async_output, host_steps
 
 model, prompts = sys.argv[1], json.loads(sys.argv[2])
 if sys.argv[3] != "default":
@@ -120,25 +160,35 @@ def counted_sample(*args, **kwargs):  # the step's sampling and bookkeeping: its
 
 launch.run = counted_run
 runner.execute_model, runner.sample_tokens = counted_execute, counted_sample
+copies, host_copy = [0], async_output._HostCopy.__init__
+def counted_copy(*args):  # a step's tokens read to the host without waiting (async)
+    copies[0] += 1
+    host_copy(*args)
+async_output._HostCopy.__init__ = counted_copy
 params = vllm.SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 rounds = [llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
           for _ in range(2)]
 print("RESULT " + json.dumps({
+    "async": llm.llm_engine.vllm_config.scheduler_config.async_scheduling, "copies": copies[0],
     "at_start": at_start, "after": runner.step_graphs.captures, "steps": steps,
     "compiles": compiles[0] - compiled_at_start,
     "tokens": [[list(o.outputs[0].token_ids) for o in outs] for outs in rounds]}))
 """
 
 
-@pytest.mark.parametrize("budget,dtype", [
-    ("default", "float32"), ("0", "float32"),
-    pytest.param("default", "bfloat16", marks=pytest.mark.full)])
+@pytest.mark.parametrize("budget,dtype,async_", [
+    ("default", "float32", "0"), ("0", "float32", "0"), ("default", "float32", "1"),
+    pytest.param("default", "bfloat16", "0", marks=pytest.mark.full)])
 def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_path, budget,
-                                                                          dtype):
+                                                                          dtype, async_):
     """With budget 0 no bucket of steps with prefills pads to the whole context: they pad to
     each step's longest query and context, captured (and compiled) when first met. bfloat16:
     the program's logits are float32 (vLLM's sampler's dtype), else its cast and the sampler's
-    ops ran eagerly, 4 programs more a step and compiles after start-up."""
+    ops ran eagerly, 4 programs more a step and compiles after start-up. Async scheduling
+    (``TORCHTPU_VLLM_ASYNC=1``): each step is prepared before the last one's tokens reach the
+    host, its program reads them on the device (``host_steps.step_input_ids``), and the
+    tokens' copy to the host is started, not waited for (``async_output.py``): the same
+    steps, one program each, the same tokens."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from transformers import AutoModelForCausalLM
 
@@ -147,13 +197,17 @@ def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_pa
     model_dir = str(save_tiny_model(tmp_path / "llama", "llama"))
     # 5 requests (padded to 8), prompts of 3 to 40 tokens: contexts of 1 to 4 blocks
     prompts = [[(7 * i + j) % 250 + 1 for j in range(n)] for i, n in enumerate((3, 9, 17, 30, 40))]
-    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TORCHTPU_VLLM_ASYNC": async_}
     proc = subprocess.run([sys.executable, "-c", _SERVE, model_dir, json.dumps(prompts), budget,
                            dtype],
                           env=env, capture_output=True, text=True, timeout=900)
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1][len("RESULT "):])
+    assert got["async"] is (async_ == "1"), got
+    # with async scheduling every step's tokens were copied without a wait
+    assert got["copies"] == (len(got["steps"]) if async_ == "1" else 0), got
     # start-up captured every step shape: decodes, 4 request buckets (1, 2, 4, 8) x 4 contexts
     # of 1, 2, 4, 8 blocks (128 tokens), and steps with prefills, 3 token buckets (16, 32, 64)
     # x 4 request buckets; generating captured none and compiled no program at all
@@ -297,3 +351,60 @@ def test_a_bfloat16_steps_greedy_tokens_are_the_argmax_of_its_bfloat16_logits(tm
     found = json.loads(lines[-1][len("RESULT "):])
     # every sampling program start-up captured: one argmax over the vocabulary, of bfloat16
     assert found and all(f == ["bfloat16"] for f in found), found
+
+
+# In a process of its own: bench/serving_chip.py's load (a warm-up round, then the timed one)
+# with lazy capture, so that each step shape compiles when a round first meets it
+_LOAD = r"""
+import json, random, sys
+sys.path.insert(0, sys.argv[2])
+import serving_chip, serving_diag, serving_jax
+import vllm
+
+config = serving_jax.CONFIGS["tiny"]
+counter = serving_diag.CompileCounter()
+llm = vllm.LLM(model=sys.argv[1], max_model_len=64, max_num_seqs=16, max_num_batched_tokens=64,
+               kv_cache_memory_bytes=8 << 20, seed=0)
+runner = serving_diag.runner_of(llm)
+rng = random.Random(0)
+warm, timed = ([[rng.randrange(config["vocab_size"] - 2) for _ in range(40)] for _ in range(16)]
+               for _ in range(2))
+run = serving_chip.timed_load(llm, config, warm, timed, 16, counter)
+shapes = sorted((k[0].num_tokens, k[0].num_reqs) for k, _ in runner.step_graphs._graphs)
+print("RESULT " + json.dumps({"compiles": run["compiles"], "shapes": shapes,
+                              "tokens": run["output_tokens"],
+                              "replay": serving_diag.replay_time(runner, repeats=2)}))
+"""
+
+
+def test_the_benchmarks_warm_up_meets_every_step_shape_of_its_timed_round(tmp_path):
+    """16 requests of 40 tokens, 16 out, prefills chunked 64 tokens a step: the timed round's
+    steps hold every running request's decode beside a prefill chunk, up to 16 requests. Its
+    warm-up runs the same lengths, so the round compiles nothing. A 4-token warm-up (the chip
+    run of session 24: 6 compiles inside the round at 256 requests) ended each request after
+    3 decodes, and the round then compiled 7 programs (its steps of 16 requests among them)."""
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    bench = os.path.join(os.path.dirname(__file__), os.pardir, "bench")
+    sys.path.insert(0, bench)
+    try:
+        import serving_chip
+    finally:
+        sys.path.remove(bench)
+    model_dir = str(serving_chip.make_model("tiny", tmp_path / "tiny"))
+    env = {**os.environ, "TORCHTPU_VLLM": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "TORCHTPU_VLLM_CAPTURE": "lazy", "TORCHTPU_CACHE_DIR": "off"}
+    proc = subprocess.run([sys.executable, "-c", _LOAD, model_dir, bench], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    got = json.loads(lines[-1][len("RESULT "):])
+    assert got["tokens"] == 16 * 16, got
+    # the round's largest steps: a prefill chunk beside 15 decodes, and 16 decodes
+    assert [64, 16] in got["shapes"] and [16, 16] in got["shapes"], got
+    assert got["compiles"] == 0, got
+    # the chip diagnosis's split of a replay's launch runs here too
+    split = got["replay"]["launch_split"]
+    # (the fed buffers the step program reads: 7 of the 8 at a decode)
+    assert 0 < split["host_fed"] <= 8 < split["arguments"], got["replay"]
+    assert all(split[k] > 0 for k in ("arguments_s", "call_s", "store_s", "call_device_fed_s",
+                                      "trivial_same_args_s")), split

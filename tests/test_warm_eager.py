@@ -1,7 +1,9 @@
 """Strict's per-op programs in a new process (runtime/warm_dispatch.py): loaded by torchtpu's
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
-default); jit's dispatch for every signature; a directory others can write, or a JAX whose
-private entry points differ, keeps to JAX's cache (traced first)."""
+default), and so are the device layer's own programs (a view read to the host, a strided write,
+a cast into a view: ``warm_dispatch.keyed``); jit's dispatch for every signature; a directory
+others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
+first)."""
 
 import json
 import os
@@ -17,8 +19,8 @@ import json
 from jax import monitoring
 traces = [0]
 def on(event, seconds, fun_name="", **_):
-    if event == "/jax/core/compile/jaxpr_trace_duration" and fun_name.startswith("aten_"):
-        traces[0] += 1  # an op's program (eager/program.py names it after the op)
+    if event == "/jax/core/compile/jaxpr_trace_duration":
+        traces[0] += 1  # an op's program (named after the op) or the device layer's
 monitoring.register_event_duration_secs_listener(on)
 import os, types
 import torch, torchtpu
@@ -42,8 +44,16 @@ def work(device):
     y = torch.linspace(0, 1, 5).to(device)
     other = (y * 3).exp().add_(x[0, :5]) * (x[:2, :5] * 3)  # mul at a second shape
     listed = torch._foreach_add([y, other], [0.5, 2.0])  # a program taking a list of numbers
+    # a program calling XLA:CPU's LAPACK kernels, which a loading process must register first
+    inverse = torch.linalg.inv(torch.eye(3, device=device) * 2 + 0.5)
+    # the device layer's programs: a view read to the host, a strided write, a cast into a view
+    column = x[:, 1:3].cpu()
+    z = torch.zeros(8, 16, device=device)
+    z[:, ::2] = x[:, ::2]
+    z.t()[1].copy_(torch.arange(8, device=device))
     return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item(),
-            sum(t.sum().item() for t in listed)]
+            sum(t.sum().item() for t in listed), inverse.sum().item(), column.sum().item(),
+            z.sum().item()]
 
 cpu = work("cpu")
 names = ("programs_loaded_by_key", "warm_dispatch_off")

@@ -49,7 +49,7 @@ from torchtpu.compile.one_node import is_int as _is_int
 from torchtpu.compile.padded_values import WHOLE
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import dispatch, executor, meta
+from torchtpu.eager import calls, executor, meta
 from torchtpu.eager.lazy_casts import Cast
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
 from torchtpu.lowering.registry import Lowering
@@ -139,7 +139,7 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, 
     """The call's results, padded to buckets or with its views read on the host; None when it
     should run as usual (``HOOKS.growing``). ``writes``: its results are written into tensors
     (an in-place op's), so they must be plain arrays."""
-    # ``dispatch.plan`` gives one spec object per call key (shapes included): a call whose spec
+    # ``calls.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
     # Unless its structure grows somewhere: a site must see its own calls to find that it grows
@@ -154,7 +154,7 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, 
         return None  # a capture's replays could not repeat host padding; keys: random draws
     if any(type(how) is Cast for _, _, how in views):
         # A lazy cast's source is no value of the tensor: read the tensors computed.
-        dyn, views = dispatch.dynamic_values([None, *values] if lowering.random else values,
+        dyn, views = calls.dynamic_values([None, *values] if lowering.random else values,
                                              spec.entries, fold=False)
     call = _Call(lowering, spec, values, dyn)
     structure = _structure(lowering, spec, call)

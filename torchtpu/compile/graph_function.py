@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from torchtpu.compile import buckets, control_flow, dynamic, masking
 from torchtpu.device import dtypes
-from torchtpu.eager import at_call, dispatch, meta, refusals, schema
+from torchtpu.eager import at_call, calls, meta, refusals, schema
 from torchtpu.eager.program import (
     CONST,
     KEY,
@@ -92,8 +92,8 @@ class _Step:
                 raise missing_lowering(op)
             return
         self.oi = schema.info(op)
-        # The same traced arguments as eager (dispatch.traced_arguments).
-        self.traced = dispatch.traced_arguments(op, self.lowering)
+        # The same traced arguments as eager (calls.traced_arguments).
+        self.traced = calls.traced_arguments(op, self.lowering)
         self.values, _ = schema.bind(self.oi, node.args, node.kwargs)
         if self.lowering.data_dependent_shape and self.lowering.shape_depends_on_values(
                 fx.node.map_arg(self.values, _val)):
@@ -151,7 +151,7 @@ class _Step:
         return cast_outputs(self.lowering.fn(*args), spec.final)
 
     def _split(self, env: dict, keys: tuple, scalars: list):
-        """Eager's split (``dispatch.entries_of``, ``dynamic_values``) over graph values."""
+        """Eager's split (``calls.entries_of``, ``dynamic_values``) over graph values."""
         entries, dyn = [], []
         if self.draws_key:
             # No Generator argument: a leading key from the default device generator, as in eager.
@@ -190,7 +190,7 @@ class _Step:
                 if i != oi.generator_index and not isinstance(v, fx.Node) and self._traces(i, v)]
 
     def _traces(self, i: int, v) -> bool:
-        """Whether argument i is a traced number, as eager decides (``dispatch.entries_of``):
+        """Whether argument i is a traced number, as eager decides (``calls.entries_of``):
         a schema default or a special number (``x ** 2``) is baked in."""
         return i in self.traced and v is not None and (
             isinstance(v, fx.Node) or not meta.is_baked_number(v, self.oi.defaults[i]))

@@ -13,7 +13,7 @@ import torch.fx as fx
 
 from torchtpu.compile import dynamic
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.eager import dispatch, schema
+from torchtpu.eager import calls, schema
 from torchtpu.eager.program import CONST, TENSOR, TENSORS, Spec
 from torchtpu.lowering.registry import Lowering
 
@@ -67,7 +67,7 @@ def build(lowering: Lowering, spec: Spec, values: list, call, pattern: tuple,
         if env.replacements:
             return f"{op} specializes a size"
         gm = fx.GraphModule(torch.nn.Module(), graph)
-        traced = dispatch.traced_arguments(op, lowering)
+        traced = calls.traced_arguments(op, lowering)
         plan = dynamic.plan(gm, lambda n: traced)
         if isinstance(plan, str):
             return plan

@@ -11,8 +11,7 @@ and ``..._post_hook``) the executor is DeferAndFuse's (``eager/defer.py``), and 
 runs what it recorded as one program. Each step records the same structure, so the program is
 compiled once; Python numbers that change each step (a bias correction, a scheduler's ``lr``)
 are inputs of it, not constants. The first step's state (AdamW's moments, made by
-``_init_group``) is made eagerly, outside the recording: made inside it, its zeros would be the
-first program's own, and the second step would compile the steady program once more.
+``_init_group``) is made eagerly, outside the recording (``DeferAndFuse.adopt``).
 
 Only Strict's steps: Debug runs op by op on purpose, DeferAndFuse records them anyway, a capture
 (``torch.tpu.graph``, a whole step) records into its own program, and Dynamo tracing a step
@@ -40,11 +39,8 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu.compile import eager_buckets
-from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor
 from torchtpu.eager.defer import DeferAndFuse
-from torchtpu.eager.program import Spec
-from torchtpu.lowering.registry import Lowering
 
 
 class StepRegion(DeferAndFuse):
@@ -58,38 +54,6 @@ class StepRegion(DeferAndFuse):
         # it: a subclass's step calling super().step() runs the global hooks again, nested.
         self.frame = frame
         self.nested = 0
-        self._initializing = None  # the optimizer whose _init_group runs outside the recording
-        self._outside = False      # while it runs: ops run as Strict runs them
-
-    def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
-            return self.previous.run(lowering, spec, dyn)
-        return super().run(lowering, spec, dyn)
-
-    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
-            return self.previous.run_concrete(lowering, spec, dyn)
-        return super().run_concrete(lowering, spec, dyn)
-
-    def adopt(self, opt: torch.optim.Optimizer) -> None:
-        """At opt's first step (a parameter with a gradient and no state): its ``_init_group``
-        runs outside the recording, so the state is made as Strict makes it and read by this
-        step's program as any other input, as by every later step's."""
-        original = getattr(opt, "_init_group", None)
-        if original is None or all(opt.state.get(p) for group in opt.param_groups
-                                   for p in group["params"] if p.grad is not None):
-            return
-
-        def init_group(*args, **kwargs):
-            self._outside, HOOKS.deferrer = True, None
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._outside = False
-                self.start_recording()
-
-        opt._init_group = init_group  # (an instance attribute: the class's stays as it is)
-        self._initializing = opt
 
     def enter(self) -> None:
         # Not DeferAndFuse.enter: its own step hook would be added to the hooks PyTorch is
@@ -99,9 +63,7 @@ class StepRegion(DeferAndFuse):
         eager_buckets.set_enabled(False)
 
     def leave(self) -> None:
-        if self._initializing is not None:
-            del self._initializing._init_group
-            self._initializing = None
+        self.forget_adopted()
         eager_buckets.set_enabled(self._buckets)
         self.stop_recording()
 

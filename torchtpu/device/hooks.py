@@ -64,10 +64,11 @@ class Hooks:
     # storages holding padded values, before they are read (which cuts them), or None;
     # ``writes``: its results are written into tensors, so they must be plain arrays.
     padded_inputs: Callable[..., Any] | None = None
-    # ``lazy_cast(t, array, dtype)`` while Strict is the executor: a value (a ``Deferred``) for
-    # t, whose storage array is ``array``, converted to the float dtype ``dtype``, that its
-    # consumers' programs convert themselves (``eager/lazy_casts.py``); None to convert now.
-    lazy_cast: Callable[[Any, Any, Any], Any] | None = None
+    # ``lazy_cast(t, array, dtype, view=None)`` while Strict is the executor: a value (a
+    # ``Deferred``) for t, whose storage array is ``array`` (read through the Geometry ``view``
+    # where t is a view of it: a copy of the view), converted to the float dtype ``dtype``, that
+    # its consumers' programs compute themselves (``eager/lazy_casts.py``); None to do it now.
+    lazy_cast: Callable[..., Any] | None = None
     # Whether host reads wait for the device, where not the platform's answer (None): a step
     # census (``testing/step_census.py``) counts them as waits on XLA:CPU too.
     host_reads_stall: bool | None = None

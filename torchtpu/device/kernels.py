@@ -22,7 +22,7 @@ from torchtpu.device import asserts, dtypes, launch, memory_limit, overlap, tens
 from torchtpu.device import storage as storages
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import _bitcast_flat, read_view
-from torchtpu.runtime import platform, transfer, warm
+from torchtpu.runtime import platform, transfer, warm_dispatch
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
@@ -145,8 +145,8 @@ def torch_to_numpy(t: torch.Tensor) -> np.ndarray:
 
 @functools.lru_cache(maxsize=1024)
 def _converter(dtype, shape):
-    return warm.named(jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(a, dtype), shape)),
-                      "convert", dtype, shape)
+    return warm_dispatch.keyed(
+        jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(a, dtype), shape)), "convert", dtype, shape)
 
 
 def convert(array, t: torch.Tensor):
@@ -160,19 +160,26 @@ def convert(array, t: torch.Tensor):
 @functools.lru_cache(maxsize=1024)
 def _view_converter(g, dtype, shape):
     tensors.check_in_bounds(g)
-    return warm.named(
+    return warm_dispatch.keyed(
         jax.jit(lambda a: jnp.broadcast_to(dtypes.cast(read_view(a, g), dtype), shape)),
         "convert_view", g, dtype, shape)
 
 
-def read_converted(src: torch.Tensor, dtype: torch.dtype, shape: tuple):
+def read_converted(src: torch.Tensor, dtype: torch.dtype, shape: tuple, lazy: bool = False):
     """src's value (any view) cast to dtype and broadcast to shape: one program where src is a
     view that needs both a read and a cast (``x.t().float()``, a slice's ``.to()``), which were
-    a program each."""
+    a program each. ``lazy``: the value may be one the executor lets its readers' programs
+    compute (``HOOKS.lazy_cast`` of a view: reshape's clone of a transposed tensor), for a
+    caller that stores it as a storage's whole value."""
     array, g = tensors.read_parts(src)
     jax_dtype = dtypes.to_jax(dtype)
     if g is not None:
         value = None if HOOKS.view_reader is None else HOOKS.view_reader(src, array, g)
+        lazy_cast = HOOKS.lazy_cast
+        if value is None and lazy and lazy_cast is not None and tuple(src.shape) == shape:
+            value = lazy_cast(src, array, dtype, g)
+            if value is not None:
+                return value
         if value is None:
             if np.dtype(g.dtype) == jax_dtype and g.size == shape:  # a read alone
                 return tensors.read(src)
@@ -198,7 +205,8 @@ def copy_(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = False) -> t
             copy_into = getattr(type(held), "copy_into", None)
             if copy_into is not None and copy_into(held, dst, src):
                 return dst
-            value = read_converted(src, dst.dtype, tuple(dst.shape))
+            value = read_converted(src, dst.dtype, tuple(dst.shape),
+                                   tensors.covers_storage(dst) and HOOKS.capture is None)
             owned = value is not src.untyped_storage()._tpu_array
         else:
             # A copy: on the CPU platform device_put may alias the NumPy buffer, and the CPU
@@ -260,7 +268,7 @@ def _rebyter(shape: tuple, dtype, nbytes: int):
             return flat[:nbytes]
         return jnp.concatenate([flat, jnp.zeros(nbytes - flat.size, np.uint8)])
 
-    return warm.named(jax.jit(rebyte), "rebyte", shape, dtype, nbytes)
+    return warm_dispatch.keyed(jax.jit(rebyte), "rebyte", shape, dtype, nbytes)
 
 
 def resize_storage(st: torch.UntypedStorage, nbytes: int) -> torch.UntypedStorage:

@@ -76,8 +76,23 @@ class TpuGenerator(torch._C.Generator):
             self._seed, self._offset = int(seed), int(offset)
         return self
 
+    # get_offset/set_offset count as CUDA's Philox offsets do for a small op: 4 a random op.
+    # Code written for CUDA steps a generator back one draw with set_offset(get_offset() - 4)
+    # (vLLM, undoing the sample of a request still prefilling); counted 1 an op, that would land
+    # three draws back and repeat earlier noise.
+    OFFSET_STEP = 4
+
     def get_offset(self) -> int:
-        return self._offset
+        return self._offset * self.OFFSET_STEP
+
+    def set_offset(self, offset: int) -> TpuGenerator:
+        offset = int(offset)
+        if offset < 0:
+            raise RuntimeError(f"torchtpu.argument: a generator's offset is at least 0, not "
+                               f"{offset}")
+        with self._lock:
+            self._offset = offset // self.OFFSET_STEP
+        return self
 
     def next_key_data(self) -> np.ndarray:
         """The seed and offset for one random op, as uint32 words; advances the stream."""

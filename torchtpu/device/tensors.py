@@ -32,7 +32,7 @@ from torchtpu.device.views import (
     write_run,
     write_view,
 )
-from torchtpu.runtime import warm
+from torchtpu.runtime import warm, warm_dispatch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
@@ -99,7 +99,7 @@ def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int, array=None) -> tor
     return t
 
 
-_stored_complex32 = jax.jit(complex32_pairs)
+_stored_complex32 = warm_dispatch.keyed(jax.jit(complex32_pairs), "complex32_pairs")
 
 
 def stored_form(value, dtype: torch.dtype):
@@ -240,7 +240,7 @@ def call(fn, *args, label=None):
 
 
 # A copy into a new buffer, jitted: ``jax.Array.copy()`` goes through slow Python paths.
-copy_buffer = jax.jit(jnp.copy)
+copy_buffer = warm_dispatch.keyed(jax.jit(jnp.copy), "copy")
 
 
 def fresh_copy(array):
@@ -277,30 +277,35 @@ def _geometry(t: torch.Tensor, array) -> Geometry:
 @functools.lru_cache(maxsize=4096)
 def _reader(g: Geometry):
     check_in_bounds(g)
-    return jax.jit(functools.partial(read_view, g=g))
+    return warm_dispatch.keyed(jax.jit(functools.partial(read_view, g=g)), "read_view", g)
 
 
 @functools.lru_cache(maxsize=4096)
 def _writer(g: Geometry, donate: bool = True):
     check_in_bounds(g)
-    return jax.jit(functools.partial(write_view, g=g), donate_argnums=0 if donate else ())
+    return warm_dispatch.keyed(
+        jax.jit(functools.partial(write_view, g=g), donate_argnums=0 if donate else ()),
+        "write_view", g, donate)
 
 
 # One writer for every offset of a run (``views.run_of``); JAX's cache keys it by shapes.
-_run_writers = {True: jax.jit(write_run, donate_argnums=0), False: jax.jit(write_run)}
+_run_writers = {donate: warm_dispatch.keyed(jax.jit(write_run, donate_argnums=0 if donate else ()),
+                                            "write_run", donate) for donate in (True, False)}
 
 
 @functools.lru_cache(maxsize=1024)
 def _zeros(shape: tuple, dtype):
     # Jitted: an eager jnp.zeros costs ~70 us, and every empty() that is then filled reads one.
-    return jax.jit(functools.partial(jnp.zeros, shape, dtype))
+    return warm_dispatch.keyed(jax.jit(functools.partial(jnp.zeros, shape, dtype)), "zeros",
+                               shape, dtype)
 
 
 @functools.lru_cache(maxsize=1024)
 def zeros_now(shape: tuple, dtype) -> warm.Program:
     """Zeros of shape and dtype, run now, not recorded: a program a warm start loads by its key
     (a capture makes one per state tensor it creates, as many as a model has shapes)."""
-    return warm.Program(_zeros(shape, dtype), warm.key_of("zeros", shape, dtype))
+    return warm.Program(jax.jit(functools.partial(jnp.zeros, shape, dtype)),
+                        warm.key_of("zeros", shape, dtype))
 
 
 def stored_array(st: torch.UntypedStorage):
@@ -352,8 +357,8 @@ def storage_array(t: torch.Tensor):
     return array
 
 
-_conj = jax.jit(jnp.conj)
-_negate = jax.jit(jnp.negative)
+_conj = warm_dispatch.keyed(jax.jit(jnp.conj), "conj")
+_negate = warm_dispatch.keyed(jax.jit(jnp.negative), "negative")
 
 
 def _apply_lazy_bits(t: torch.Tensor, value):
@@ -446,7 +451,8 @@ def _storage_order(t: torch.Tensor, st) -> tuple | None:
 
 @functools.lru_cache(maxsize=256)
 def _orderer(order: tuple):
-    return jax.jit(functools.partial(in_memory_order, order=order))
+    return warm_dispatch.keyed(jax.jit(functools.partial(in_memory_order, order=order)),
+                               "in_memory_order", order)
 
 
 def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torchtpu import metrics
 from torchtpu.device import launch, storage, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import executor, facts, fused_program, spanning
+from torchtpu.eager import executor, facts, fed_pack, fused_program, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity
 from torchtpu.eager.program import Spec, program
 from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
@@ -181,9 +181,19 @@ class Capture:
 
     # ---- called by the capturing code
 
-    def feed(self, st, fn: Callable[[], object]) -> None:
-        """At replay, storage st's input is fn()'s value instead of what st holds."""
-        self._fed[id(st._tpu_array)] = (fn, st._tpu_array)  # st itself may die first
+    def feed(self, st, fn: Callable[[], object], packed: bool = False,
+             rows: int | None = None) -> None:
+        """At replay, storage st's input is fn()'s value instead of what st holds.
+
+        ``packed``: fn returns a host array of st's element count (any shape; a buffer its
+        owner may rewrite once the replay has been launched), which travels with the other
+        packed feeds' values in one transfer (``eager/fed_pack.py``). ``rows`` (packed only):
+        fn gives st's first rows only, and the program reads zeros past them (for a buffer
+        of which the captured code reads that many rows)."""
+        if rows is not None and (not packed or not 0 < rows <= st._tpu_array.shape[0]):
+            raise ValueError(f"torchtpu.capture: feed rows={rows} needs packed=True and a count "
+                             f"within the storage's {st._tpu_array.shape[0]} rows")
+        self._fed[id(st._tpu_array)] = (fn, st._tpu_array, packed, rows)  # st may die first
 
     def created(self, st) -> bool:
         """Whether storage st was made inside this capture (storage addresses only grow)."""
@@ -253,6 +263,7 @@ class Capture:
         build = spanning.replay if self._spmd is not None else fused_program.replay
         run = build(tuple(trace.nodes), wanted)
         replay, baked, sources = _baked(run, sources)
+        replay, packed, sources = fed_pack.pack(replay, sources, allowed=self._spmd is None)
         donate = _donations(sources, written, avals)
         for st, start in live:
             value = st._tpu_array
@@ -271,7 +282,8 @@ class Capture:
         else:
             # Keyed by what was recorded, so that a new process loads the executable without
             # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
-            key = warm.key_of("captured", trace.nodes, wanted, donate, baked)
+            key = warm.key_of("captured", trace.nodes, wanted, donate, baked,
+                              *((packed,) if packed else ()))
             fn = _program(replay, donate, key)
         facts.save()
         metrics.count("captures")
@@ -283,7 +295,8 @@ class Capture:
         for x in inputs:
             st = by_array.get(id(x)) if isinstance(x, jax.Array) else None
             if isinstance(x, jax.Array) and id(x) in self._fed:
-                sources.append((FED, self._fed[id(x)][0], None))
+                fn, _, packed, rows = self._fed[id(x)]
+                sources.append((FED, fn, (x.shape, x.dtype, rows) if packed else None))
             elif st is not None and not self.created(st):
                 sources.append((STORAGE, st, (x.shape, x.dtype)))
             elif isinstance(x, np.ndarray) and id(x) in self._draws:
@@ -395,6 +408,8 @@ class Captured:
                                "not nest")
         args = self._io.arguments(bind)
         metrics.count("executions")
+        if self._io.fed:
+            metrics.count("fed_transfers", self._io.fed)
         self._io.store(args, launch.run(self._label, self._fn, args))
 
     def hlo(self) -> str:

@@ -42,7 +42,10 @@ class Strict:
         if self.lazy_ops:
             read = one_pointwise_input(lowering, spec)[0]
             if read is not False:
-                lazy = lazy_casts.lazy_op(lowering, spec, dyn, fn, read)
+                # (Traced numbers go with the held call as device arrays.)
+                lazy = lazy_casts.lazy_op(
+                    lowering, spec, numbers.on_device(spec, dyn) if len(dyn) > 1 else dyn,
+                    fn, read)
                 if lazy is not None:
                     return lazy
         slots = spec._scalars

@@ -4,7 +4,7 @@ Under autocast a Strict step launched a program for every cast: each weight's an
 to bfloat16 and, in backward, each gradient's cast back to float32 (342 of a 12-layer Llama
 step's 1,710 launches). Here ``x.to(dtype)`` (``kernels.to_copy``, through ``HOOKS.lazy_cast``)
 stores a ``Converted``, the source array and the dtype, in the result's storage instead; a
-consumer's program (``dispatch.dynamic_values`` -> ``tensors.read_parts(fold=True)``) takes the
+consumer's program (``calls.dynamic_values`` -> ``tensors.read_parts(fold=True)``) takes the
 source and converts it itself (the spec payload ``Cast``). Everything else that reads the
 storage resolves it, as any ``Deferred``: one cast program, as before.
 
@@ -17,15 +17,28 @@ program converting it returns the narrow value too (``program.rebuild``'s ``kept
 lives no longer than until that first reader (a cast saved for backward holds the narrow value,
 as before). 110 more launches of a 12-layer Llama step folded so.
 
-The same holds for a Strict call of a pointwise op (PyTorch's tag) on one tensor with no traced
-number (``lazy_op``, asked by ``Strict.run``; ``program.one_pointwise_input``): the
-``Converted`` holds its (lowering, spec) as ``op``, read through the input's view, and the
-consumer's program applies it (``program.applied``): the RMSNorm's square and rsqrt, the
-backward's multiplies by special numbers, the rotary halves' negation, silu and sigmoid (186 of
-a 12-layer step's launches). One larger than its input (a broadcast) runs now, where its
-memory is asked for; one smaller (a slice's) is ``keep``. An in-place op's value is computed
-before it is written (``computed``). Fused with a reduction, the reduction may sum in another
-order than it did over a stored input: an ulp.
+The same holds for a Strict call of a pointwise op (PyTorch's tag) on one tensor
+(``lazy_op``, asked by ``Strict.run``; ``program.one_pointwise_input``): the ``Converted``
+holds its (lowering, spec) as ``op``, read through the input's view, and the consumer's program
+applies it (``program.applied``): the RMSNorm's square and rsqrt, the backward's multiplies by
+special numbers, the rotary halves' negation, silu and sigmoid (186 of a 12-layer step's
+launches). One smaller than its input (a slice's) is ``keep``; one larger (a broadcast) is held
+up to ``LARGER`` bytes, else runs now, where its memory is asked for. A pointwise call of a
+held value is held too, over the same source (a chain: the RMSNorm backward's power of its held
+rsqrt, 50 launches of the step), up to ``program.CHAIN`` calls. An in-place op's value is
+computed before it is written (``computed``). Fused with a reduction, the reduction may sum in
+another order than it did over a stored input: an ulp.
+
+Since strict7 (172 more launches of the 12-layer step, 1,066 -> 894): a held call may carry
+traced numbers (the norms' ``+ eps``, a mean's gradient divided by its count): its source is
+then its arguments, the tensor's source and the numbers as device arrays, which the reader's
+program takes as one input (``Converted.spread``); an op whose lowering record says ``held``
+(a slice's gradient, a pad; a mean, the norms': kept) is held as a pointwise one is; a held
+call over a kept value smaller than its source is kept too (the norm's ``mean + eps`` and its
+rsqrt: one program for the whole norm), and computes that value when it is computed, if that
+value's tensor still lives (``over``); and a copy of a view into a whole
+new tensor (reshape's clone of a transposed tensor, ``kernels.read_converted``) is a
+``Converted`` reading its source through the view (``view``).
 
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
@@ -55,9 +68,12 @@ _NP = {d: dtypes.to_jax(d) for d in _FLOATS}
 
 
 @functools.lru_cache(maxsize=1024)
-def _converter(dtype: np.dtype, shape: tuple):
-    return warm.named(jax.jit(lambda a: dtypes.cast(a, dtype).reshape(shape)), "lazy_cast",
-                      dtype, shape)
+def _converter(dtype: np.dtype, shape: tuple, view: Geometry | None = None):
+    if view is None:
+        return warm.named(jax.jit(lambda a: dtypes.cast(a, dtype).reshape(shape)), "lazy_cast",
+                          dtype, shape)
+    return warm.named(jax.jit(lambda a: dtypes.cast(read_view(a, view), dtype).reshape(shape)),
+                      "lazy_cast", dtype, shape, view)
 
 
 class Cast(NamedTuple):
@@ -73,12 +89,17 @@ class Cast(NamedTuple):
     # (lowering, spec) of a pointwise call of one tensor applied to the array first
     # (``program.applied``); dtype and shape are then its result's.
     op: tuple | None = None
+    # A view Geometry the array is read through first (a held copy of a view: reshape's clone
+    # of a transposed tensor); never with ``op`` (whose spec says how it reads).
+    view: Geometry | None = None
 
 
 def read_input(array, how, kept: list | None = None):
     """An argument's value inside a program: ``how`` is a view Geometry or a ``Cast``; a kept
     cast's converted array is appended to ``kept`` (when given)."""
     if type(how) is Cast:
+        if how.view is not None:
+            array = read_view(array, how.view)
         if array.dtype != how.dtype:
             array = dtypes.cast(array, how.dtype)
         if how.shape is not None:
@@ -94,6 +115,8 @@ def check_read(how) -> None:
     if type(how) is Cast:
         if how.geometry is not None:
             check_in_bounds(how.geometry)
+        if how.view is not None:
+            check_in_bounds(how.view)
     else:
         check_in_bounds(how)
 
@@ -104,28 +127,41 @@ class Converted(tensors.Deferred):
     the first reader that cannot compute it itself (``fn`` of the source: one launch), or,
     ``keep``, returned by the first program that computes it (``settle``)."""
 
-    __slots__ = ("source", "dtype", "shape", "keep", "op", "fn", "_value", "__weakref__")
+    __slots__ = ("source", "dtype", "shape", "keep", "op", "view", "fn", "_value", "spread",
+                 "over", "__weakref__")
 
     def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
-                 op: tuple | None = None, fn=None) -> None:
+                 op: tuple | None = None, fn=None, view: Geometry | None = None,
+                 spread: bool = False) -> None:
+        # ``spread``: source is the held call's arguments, (its tensor's source, its traced
+        # numbers as device arrays), which a reader's program takes as one input (``applied``).
         self.source = source
+        self.spread = spread
+        # A kept value this one is held over (a weak reference): computed, if it still lives,
+        # when this one is, so that their source lives no longer than this one's first reader.
+        self.over = None
         self.dtype = dtype
         self.shape = shape
         self.keep = keep
         self.op = op
-        self.fn = fn or _converter(dtype, shape)
+        self.view = view
+        self.fn = fn or _converter(dtype, shape, view)
         self._value = None
-        tensors.lend(source)
+        tensors.lend(lead(source))
         _pending.add(self)
         if keep:
-            _kept.setdefault(id(source), []).append(self)
+            _kept.setdefault(id(source), []).append(weakref.ref(self))
 
     def resolve(self):
         if self._value is None:
             # A held op's program is launched as Strict launches it at once: named by its op
             # (the profiler's trace shows one name for one program).
-            self._value = tensors.call(self.fn, self.source,
-                                       label=None if self.op is None else self.op[0].op)
+            args = self.source if self.spread else (self.source,)
+            value = tensors.call(self.fn, *args, label=None if self.op is None else self.op[0].op)
+            if self.op is not None and self.op[1].keeps:
+                # A held call over a kept one: its program settles that one too.
+                value = settle(self.op[1].keeps, args, value)
+            self._value = value
             self._release()
         return self._value
 
@@ -140,34 +176,40 @@ class Converted(tensors.Deferred):
         None once the value is computed."""
         if self._value is not None:
             return None
-        reshaped = None if self.shape == self.source.aval.shape else self.shape
-        return self.source, Cast(self.dtype, reshaped, geometry, self.keep, self.op)
+        view = self.view
+        read = lead(self.source).aval.shape if view is None else view.size
+        return self.source, Cast(self.dtype, None if self.shape == read else self.shape,
+                                 geometry, self.keep, self.op, view)
 
     def _release(self) -> None:
         source = self.source
-        tensors.unlend(source)
+        tensors.unlend(lead(source))
         self.source = None
         _pending.discard(self)
         if self.keep:
             _unkeep(source, self)
+        over = None if self.over is None else self.over()
+        if over is not None and over.source is not None:
+            over.resolve()
 
     def __del__(self) -> None:
         if self.source is not None:
-            tensors.unlend(self.source)
+            tensors.unlend(lead(self.source))
             if self.keep:
                 _unkeep(self.source, self)
 
 
 _pending: weakref.WeakSet = weakref.WeakSet()
-# The kept casts still pending, by their source's id (each holds its source: the id is not
-# reused meanwhile): where a program's returned conversions go.
+# The kept casts still pending, by their source's id (each holds its source and leaves when it
+# dies: the id is not reused meanwhile): where a program's returned conversions go. Weakly: a
+# kept value no program read (one a held call read, whose tensor died) goes, uncomputed.
 _kept: dict = {}
 
 
 def _unkeep(source, converted: Converted) -> None:
     held = _kept.get(id(source))
     if held is not None:
-        held[:] = [c for c in held if c is not converted]
+        held[:] = [r for r in held if r() is not None and r() is not converted]
         if not held:
             del _kept[id(source)]
 
@@ -177,22 +219,36 @@ def settle(keeps: tuple, dyn: tuple, out):
     ``out`` is (results, conversions) for a spec whose ``keeps`` (``program.kept_positions``)
     are ``keeps``."""
     out, converted = out
-    for (at, dtype, shape, op), value in zip(keeps, converted):
-        source = dyn[at]
-        want = source.aval.shape if shape is None else shape
+    for (at, dtype, shape, op, view), value in zip(keeps, converted):
         # Casts of one source to one dtype and shape are one value: any pending one takes it
         # (each program reading one settles one).
-        for c in _kept.get(id(source), ()):
-            if c.source is source and c.dtype == dtype and c.shape == want and c.op == op:
-                c._value = value
-                c._release()
-                break
+        ref = _kept_value(dyn[at], dtype, shape, op, view)
+        c = None if ref is None else ref()
+        if c is not None:
+            c._value = value
+            c._release()
     return out
 
 
-def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype):
+def _kept_value(source, dtype, shape, op, view):
+    """A weak reference to a pending kept value of ``source`` a program reads as a ``Cast`` of
+    these fields gives (shape None: the source's, or the view's, own), or None."""
+    want = shape if shape is not None else (
+        lead(source).aval.shape if view is None else view.size)
+    for ref in _kept.get(id(source), ()):
+        c = ref()
+        if (c is not None and c.source is source and c.dtype == dtype and c.shape == want
+                and c.op == op and c.view == view):
+            return ref
+    return None
+
+
+def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None = None):
     """``HOOKS.lazy_cast``: a ``Converted`` for t (whose storage array is ``array``) cast to
-    dtype, or None to cast now."""
+    dtype, or None to cast now; ``view``: t is a view of ``array`` read through it, the copy
+    of a view (``_lazy_view``)."""
+    if view is not None:
+        return _lazy_view(t, array, dtype, view)
     if type(array) is not ArrayImpl and type(array) is not Converted \
             and isinstance(array, tensors.Deferred):
         array = array.resolve()  # a value DeferAndFuse computed (a fused optimizer step's)
@@ -208,22 +264,93 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype):
     return Converted(array, _NP[dtype], tuple(t.shape), keep)
 
 
+def _lazy_view(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry):
+    """A ``Converted`` reading ``array`` through view (t, all of ``array`` in another dim order:
+    reshape's clone of a transposed tensor), cast to dtype, for its readers' programs. Kept
+    (settled by its first reader) where the copy holds fewer bytes than the array (a narrowing
+    cast). Not a part of the array (a row, a slice): each offset would be a program of its own
+    for every reader (a loop writing elements one by one compiled one per element)."""
+    if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
+            or array.aval.dtype != _NP[t.dtype] or tuple(view.size) != tuple(t.shape)
+            or view.offset or t.numel() != array.size):
+        return None
+    check_in_bounds(view)
+    keep = _kept_when(t.numel() * dtype.itemsize, array.size * array.itemsize)
+    return None if keep is None else Converted(array, _NP[dtype], tuple(t.shape), keep,
+                                               view=view)
+
+
+# A held value larger than its source (a broadcast: a mean's gradient divided by its count) is
+# computed by each of its readers; one past this many bytes is computed now, where the memory it
+# needs is asked for (a refusal is raised at the user's line, not at a reader's).
+LARGER = 64 << 20
+
+
+def _kept_when(nbytes: int, source: int) -> bool | None:
+    """Whether a held value of ``nbytes`` over a source of ``source`` bytes is kept (settled by
+    its first reader, which lets a larger source go); None: not held."""
+    if nbytes > source and nbytes > LARGER:
+        return None
+    return nbytes < source
+
+
 def lazy_op(lowering, spec, dyn: tuple, fn, read) -> Converted | None:
     """Strict's call of a pointwise op on one tensor (``program.one_pointwise_input``: ``read``,
-    how it reads ``dyn[0]``, None or a view Geometry), held as a ``Converted`` its consumers
-    compute in their programs; None to launch it now."""
+    how it reads ``dyn[0]``: None, a view Geometry, or a held value's ``Cast``, whose source
+    ``dyn[0]`` then is), held as a ``Converted`` its consumers compute in their programs; None
+    to launch it now. An op not pointwise (a pad, a mean) has its result shape from its plan
+    (``Spec.shape``)."""
     source = dyn[0]
-    if type(source) is not ArrayImpl:
+    array = lead(source)
+    if type(array) is not ArrayImpl:
         return None
-    shape = source.aval.shape if read is None else read.size
+    pointwise = not lowering.held or torch.Tag.pointwise in lowering.op.tags
+    shape = _read_shape(array, read) if pointwise else spec.shape
+    if shape is None:
+        return None
     dtype = spec.final
-    nbytes, held = math.prod(shape) * dtype.itemsize, source.size * source.dtype.itemsize
-    if nbytes > held:
-        # Larger than its source (a broadcast view's): run now, where the memory it needs is
-        # asked for (a refusal is raised at the user's line).
+    nbytes, source_bytes = math.prod(shape) * dtype.itemsize, array.size * array.dtype.itemsize
+    keep = _kept_when(nbytes, source_bytes)
+    if keep is None or (keep and not pointwise and source_bytes - nbytes > LARGER):
+        # (A reduction kept holds all of its source for a small value until its first reader,
+        # which may come late (a statistic kept for logging): not past ``LARGER`` bytes.)
         return None
-    # Kept (settled by its first reader) where its source holds more bytes than it would.
-    return Converted(source, dtype, tuple(shape), nbytes < held, (lowering, spec), fn)
+    over = None
+    if keep and type(read) is Cast and read.keep:
+        # Over a kept value, smaller than its source too (a norm's ``mean + eps``): kept as well,
+        # and that one is computed when this one is, if it still lives then.
+        over = _kept_value(source, read.dtype, read.shape, read.op, read.view)
+        if over is None:
+            return None
+    # Its traced numbers (``x + eps``, a mean's divisor) travel with its source, as the device
+    # arrays ``numbers.on_device`` made of them.
+    spread = len(dyn) > 1
+    held = Converted(dyn if spread else source, dtype, tuple(shape), keep, (lowering, spec), fn,
+                     spread=spread)
+    held.over = over
+    return held
+
+
+
+def lead(source):
+    """The array a held value's ``source`` reads: itself, or the first of a held call's
+    arguments (``Converted.spread``), nested where held calls are chained."""
+    while type(source) is tuple:
+        source = source[0]
+    return source
+
+
+def _read_shape(source, read) -> tuple:
+    """The shape of what a program reads of ``source`` through ``read`` (a spec payload)."""
+    if read is None:
+        return source.aval.shape
+    if type(read) is Cast:
+        if read.geometry is not None:
+            return read.geometry.size
+        if read.shape is not None:
+            return read.shape
+        return source.aval.shape if read.view is None else read.view.size
+    return read.size
 
 
 def computed(out):

@@ -81,7 +81,7 @@ def exact_key(v):
 
 
 def is_default_number(v, default) -> bool:
-    """v is its argument's schema default (so ``dispatch.entries_of`` bakes it in)."""
+    """v is its argument's schema default (so ``calls.entries_of`` bakes it in)."""
     return type(v) is type(default) and v == default
 
 
@@ -100,7 +100,7 @@ def is_special_number(v) -> bool:
 
 
 def is_baked_number(v, default) -> bool:
-    """A traced argument's number that ``dispatch.entries_of`` bakes in all the same."""
+    """A traced argument's number that ``calls.entries_of`` bakes in all the same."""
     return is_default_number(v, default) or is_special_number(v)
 
 

@@ -37,7 +37,7 @@ class Spec:
     """
 
     __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program", "_simple",
-                 "_scalars", "keeps", "_pointwise")
+                 "_scalars", "keeps", "_pointwise", "shape")
 
     def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
         self.entries = entries    # (kind, payload) per argument
@@ -55,6 +55,9 @@ class Spec:
         # Its kept lazy casts (``kept_positions``): its program returns their conversions too.
         self.keeps = ()
         self._pointwise = None  # (lowering, ``one_pointwise_input``'s answer)
+        # Its one result's shape, where the plan that made it knew it (a held call's value's:
+        # ``lazy_casts.lazy_op``); None otherwise.
+        self.shape = None
 
     def __hash__(self) -> int:
         return self._hash
@@ -128,29 +131,57 @@ def applied(array, how):
     if type(how) is not Cast or how.op is None:
         return array
     lowering, spec = how.op
-    return cast_outputs(lowering.fn(*rebuild(spec, lowering, (array,))), spec.final)
+    # A call holding traced numbers takes its arguments as one input (``Converted.spread``).
+    spread = any(kind == SCALAR for kind, _ in spec.entries)
+    return cast_outputs(lowering.fn(*rebuild(spec, lowering, array if spread else (array,))),
+                        spec.final)
 
 
 _NOT = (False,)
+# The most held pointwise calls one program applies in a row: a longer chain (a loop of
+# ``x = x * 2``) launches, so that no program grows with a loop's length.
+CHAIN = 8
+
+
+def chained(how) -> int:
+    """How many held pointwise calls reading through ``how`` (a spec payload) applies."""
+    n = 0
+    while type(how) is Cast and how.op is not None:
+        n += 1
+        how = next(p for kind, p in how.op[1].entries if kind == TENSOR)
+    return n
 
 
 def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
-    """(how the call reads its one tensor: None or a view Geometry,) for a call of a pointwise
-    op (PyTorch's tag) whose only traced value is one tensor and whose result is one array of
-    that tensor's shape; else (False,). Asked at every Strict call: kept on the spec."""
+    """(how the call reads its one tensor: None, a view Geometry or a lazy value's ``Cast``,)
+    for a call of a pointwise op (PyTorch's tag), or of one its lowering record says is
+    ``held`` (a function of that tensor alone: a slice's gradient), whose traced values are one
+    tensor, then any traced numbers (``x + eps``), and whose result is one array; else
+    (False,). A ``Cast`` read is a chain: the
+    call applies after the lazy value's own (``applied`` nests), held up to ``CHAIN`` calls;
+    over a kept one, kept too where smaller than the source, that one computed with it if it
+    still lives (``lazy_op``: a narrowing cast's wide source must not outlive its first
+    reader). Asked at every Strict call: kept on the spec."""
     held = spec._pointwise
     if held is not None and held[0] is lowering:
         return held[1]
     answer = _NOT
     traced = [(kind, payload) for kind, payload in spec.entries if kind != CONST]
-    if (len(traced) == 1 and traced[0][0] == TENSOR and not lowering.random
+    if (traced and traced[0][0] == TENSOR and all(kind == SCALAR for kind, _ in traced[1:])
+            and not lowering.random
             and not lowering.donates and not lowering.data_dependent_shape
-            and torch.Tag.pointwise in lowering.op.tags
+            and (lowering.held or torch.Tag.pointwise in lowering.op.tags)
             and spec.final is not None and not isinstance(spec.final, tuple)
-            and (traced[0][1] is None or type(traced[0][1]) is Geometry)):
+            and _holdable(traced[0][1])):
         answer = (traced[0][1],)
     spec._pointwise = (lowering, answer)
     return answer
+
+
+def _holdable(how) -> bool:
+    if how is None or type(how) is Geometry:
+        return True
+    return type(how) is Cast and chained(how) < CHAIN
 
 
 _with_views: dict = {}
@@ -159,7 +190,8 @@ _with_views: dict = {}
 def with_views(spec: Spec, views: tuple) -> Spec:
     """spec with tensor arguments read through a view Geometry (or a lazy cast's ``Cast``)
     inside the program: ``views`` holds ``(entry index, list position or None, how)`` for each."""
-    key = (spec, views)
+    # (Equal specs may differ in their result's shape: a derived spec keeps its own.)
+    key = (spec, views, spec.shape)
     derived = _with_views.get(key)
     if derived is None:
         entries = [list(e) for e in spec.entries]
@@ -173,13 +205,14 @@ def with_views(spec: Spec, views: tuple) -> Spec:
                 entries[i][1] = tuple(payload)
         derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
         derived.keeps = kept_positions(derived.entries)
+        derived.shape = spec.shape
         meta.bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
     return derived
 
 
 def kept_positions(entries: tuple) -> tuple:
-    """(position among the dynamic values, dtype, shape) of each kept ``Cast`` spec entries
-    read, in the order a program returns their conversions (``program.rebuild``'s)."""
+    """(position among the dynamic values, dtype, shape, op, view) of each kept ``Cast`` spec
+    entries read, in the order a program returns their conversions (``program.rebuild``'s)."""
     found, at = [], 0
     for kind, payload in entries:
         if kind == CONST:
@@ -189,7 +222,7 @@ def kept_positions(entries: tuple) -> tuple:
             if how is True:
                 continue
             if type(how) is Cast and how.keep:
-                found.append((at, how.dtype, how.shape, how.op))
+                found.append((at, how.dtype, how.shape, how.op, how.view))
             at += 1
     return tuple(found)
 

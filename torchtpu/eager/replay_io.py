@@ -70,6 +70,8 @@ class ReplayIO:
         self._storage_first = len(reads) == len(sources)
         self._others = [(i, kind, x) for i, (kind, x, _) in enumerate(sources)
                         if kind is not STORAGE]
+        # host values the program's call transfers (a packed feed's values are one)
+        self.fed = sum(kind is FED for kind, _, _ in sources)
         # What each storage held when the last replay left it (None: check it next time).
         self._known: list = [None] * len(reads)
         self._flat_targets = [st for sts in targets for st in sts]

@@ -1,7 +1,7 @@
 """Strict's short path for an op call whose signature ran before: no planning, no generic reads.
 
 Every eager op call binds its arguments, builds its call key (``meta.call_key``), finds its plan
-and walks the spec to read its arrays (``dispatch.dynamic_values``): ~20 small Python steps that
+and walks the spec to read its arrays (``calls.dynamic_values``): ~20 small Python steps that
 cost more than the jitted program call itself on small tensors. Most calls in a loop repeat a
 signature seen before: the same tensor shapes and dtypes, the same constants. This module keeps,
 per op, what the full path found for such a signature (its result, its spec, where its tensors
@@ -20,7 +20,7 @@ signature's remembered calls did (``read``): the array whole, or through the sam
 traced number is a float zero (0.0 and -0.0 are one key); anything else (another storage array
 shape, a padded value, a lazy conj/neg bit) takes the full path, which handles it and keeps its
 own reads beside the earlier ones (``READS_PER_SIGNATURE``). The short path then runs as the
-full path does from the read arrays and views on (``dispatch.compute`` with them): the upper
+full path does from the read arrays and views on (``calls.compute`` with them): the upper
 layers' hooks, the current executor, the launch observer all see the same call.
 """
 
@@ -33,7 +33,7 @@ from torchtpu.device import tensors
 from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
-from torchtpu.eager.lazy_casts import Cast, Converted
+from torchtpu.eager.lazy_casts import Cast, Converted, lead
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec, with_views
 
 _Tensor = torch.Tensor
@@ -60,7 +60,7 @@ class Seen:
     shape) of each tensor argument, in the order the program takes them, how being its array's
     dtype (read whole, the array of that shape) or the view ``Geometry`` it was read through
     (or a lazy cast's ``Cast``), and (position, None, None) of each traced number; ``views``
-    the spec's views as ``dispatch.dynamic_values`` gives them, ``viewed`` the spec with them
+    the spec's views as ``calls.dynamic_values`` gives them, ``viewed`` the spec with them
     (``program.with_views``); ``wrap``: the caller's function making the results' tensors
     (kept here, made at first use); ``launcher``: (the executor, its ``launcher`` for
     ``viewed``), found at first use."""
@@ -193,8 +193,11 @@ def arrays(values: list, reads: tuple) -> tuple | None:
         array = t.untyped_storage()._tpu_array
         kind = type(array)
         if kind is Pending:  # DeferAndFuse's value: its array once run, else itself
-            array = array.resolve()
-            kind = type(array)
+            if array._value is not None:
+                array = array._value
+                kind = type(array)
+            elif array._error is not None:
+                array.resolve()  # raises what lost it
         if kind is ArrayImpl:
             aval = array.aval  # its shape and dtype without the properties' Python steps
         elif kind is Pending:
@@ -227,10 +230,12 @@ def _cast_source(t: _Tensor, converted: Converted, how):
     ``Cast``) would, else None (the cast is computed by now, or another cast or view)."""
     source = converted.source
     if (source is None or type(how) is not Cast or converted.dtype != how.dtype or t.is_neg()
-            or converted.op != how.op or converted.keep is not how.keep):
+            or converted.op != how.op or converted.keep is not how.keep
+            or converted.view != how.view):
         return None
-    shape = converted.shape
-    if how.shape != (None if source.aval.shape == shape else shape):
+    shape, view = converted.shape, converted.view
+    if how.shape != (None if (lead(source).aval.shape if view is None else view.size) == shape
+                     else shape):
         return None
     g = how.geometry
     if (shape != t.shape) if g is None else (g.array_shape != shape):

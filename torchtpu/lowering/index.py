@@ -10,6 +10,7 @@ once per shape. Reads and writes along one dim (gather, scatter, index_select...
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 from collections.abc import Callable
 
@@ -43,7 +44,25 @@ def unsafe_index(x, indices):
     return x[_advanced(indices)]
 
 
-_index = jax.jit(unsafe_index)
+@jax.jit
+def _true_counts(masks: list) -> list:
+    return [jnp.count_nonzero(m) for m in masks]
+
+
+def _counts(masks: list) -> list[int]:
+    """How many elements of each concrete mask are true (nonzero): one program, one host read.
+    Their sizes are static in the program that follows, which is then one program too: JAX's
+    own ``nonzero`` without a size runs each of its ~12 steps as a program of its own."""
+    return [int(n) for n in jax.device_get(_true_counts(masks))]
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _gather_at(sizes: tuple, x, indices: list):
+    # sizes: each mask's count of true elements (None for other indices)
+    expanded = []
+    for i, n in zip(indices, sizes):
+        expanded.extend([i] if n is None else jnp.nonzero(i.astype(jnp.bool_), size=n))
+    return unsafe_index(x, expanded)
 
 
 def _masks_select(x, indices) -> bool:
@@ -59,11 +78,9 @@ def _selects(x, mask) -> bool:
 @lowers(aten.index.Tensor, data_dependent_shape=_masks_select)
 def index(x, indices):
     # ``x[mask]`` arrives with the boolean mask itself; its true positions decide the shape, so
-    # masks become their nonzero indices here, and the gather runs as one jitted program.
-    expanded = []
-    for i in indices:
-        expanded.extend(jnp.nonzero(i.astype(jnp.bool_)) if _is_mask(i) else [i])
-    return _index(x, expanded)
+    # masks become their nonzero indices here, counted first, and the gather runs as one program.
+    counts = iter(_counts([i for i in indices if _is_mask(i)]))
+    return _gather_at(tuple(next(counts) if _is_mask(i) else None for i in indices), x, indices)
 
 
 @padding_rule(aten.index.Tensor)
@@ -243,7 +260,16 @@ def _more_ones_than(available: int, shape: tuple) -> Callable:
 @lowers(aten.masked_select.default, data_dependent_shape=_selects)
 def masked_select(x, mask):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
-    return jnp.broadcast_to(x, shape)[jnp.broadcast_to(mask, shape)]
+    # broadcasting repeats each element of the mask the same number of times
+    repeats = math.prod(shape) // mask.size if mask.size else 0
+    return _select_at(_counts([mask])[0] * repeats, shape, x, mask)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _select_at(size: int, shape: tuple, x, mask):
+    # in flat order: a 0-d pair too gives PyTorch's 1-d result
+    return _gather_at((size,), jnp.broadcast_to(x, shape).ravel(),
+                      [jnp.broadcast_to(mask, shape).ravel()])
 
 
 @check(aten.masked_select.default)
@@ -255,7 +281,12 @@ def _masked_select_check(self, mask):
 
 @lowers(aten.nonzero.default, data_dependent_shape=True)
 def nonzero(x):
-    return jnp.argwhere(x).astype(jnp.int64)
+    return _argwhere(x, _counts([x])[0])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _argwhere(x, size: int):
+    return jnp.argwhere(x, size=size).astype(jnp.int64)
 
 
 @lowers(aten.nonzero_static.default)

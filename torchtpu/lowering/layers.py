@@ -96,12 +96,20 @@ def gelu_backward(grad, x, approximate="none"):
 
 
 # SiLU (SwiGLU's gate in every Llama MLP), whole: its decomposition ran as five programs (casts
-# to and from float32 around sigmoid and mul, a copy out). Its backward, ``silu_backward``, is
-# CompositeImplicitAutograd: it reaches the device as its pieces.
+# to and from float32 around sigmoid and mul, a copy out).
 @lowers(aten.silu.default)
 def silu(x):
     x = _wide(x)
     return x * jax.lax.logistic(x)
+
+
+# Its backward whole, in float32 as CPU's kernel computes it: its composite ran as six programs
+# a layer (``1 - sigmoid`` as an empty tensor filled, then a subtraction; three products).
+@lowers(aten.silu_backward.default)
+def silu_backward(grad, x):
+    x = _wide(x)
+    s = jax.lax.logistic(x)
+    return _wide(grad) * s * (1 + x * (1 - s))
 
 
 def _layer_norm_axes(x, normalized_shape) -> tuple:

@@ -3,7 +3,8 @@ factorizations.
 
 ``addmm``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
 the products here. Products use JAX's default matmul precision, which ``torch.tpu.precision``
-sets (HIGHEST unless changed, so float32 matches the CPU).
+sets (HIGHEST unless changed, so float32 matches the CPU). On a TPU a linear layer's weight
+gradient contracts its tokens in blocks (``_rows_in_blocks``), as JAX's autodiff does.
 
 LU results follow LAPACK: pivots are 1-based int32 row swaps, and ``info`` is the 1-based index of
 the first zero pivot (0 when the factorization succeeded), because PyTorch's backward formulas and
@@ -35,8 +36,42 @@ def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
     # column-major and copies it twice on its way into attention (six more copies in an
     # attention block's forward and backward; bench/RESULTS.md, whole3).
     if x.dtype == y.dtype and x.dtype in _HALF:
-        return jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
+        if _weight_gradient(x, y):
+            return lax.platform_dependent(x, y, tpu=_rows_in_blocks, default=_half)
+        return _half(x, y)
     return jnp.matmul(x, y)
+
+
+def _half(x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+_ROWS = 1024  # a block of the contraction: a sequence's tokens in the chip row's Llama
+
+
+def _weight_gradient(x: jax.Array, y: jax.Array) -> bool:
+    # A contraction longer than both of the product's dims: a linear layer's weight gradient
+    # mm(g.t(), x) over every token, or a head's input gradient over its vocab. Not the head's
+    # weight gradient (vocab x tokens x width): split, the TPU compiler relaid the logits'
+    # gradient (bench/RESULTS.md, whole6).
+    if not x.ndim == y.ndim == 2 or not all(isinstance(d, int) for d in (*x.shape, *y.shape)):
+        return False  # (symbolic sizes: an exported program's)
+    (m, k), n = x.shape, y.shape[1]
+    return k > max(m, n) and k > _ROWS and k % _ROWS == 0
+
+
+def _rows_in_blocks(x: jax.Array, y: jax.Array) -> jax.Array:
+    # The TPU compiler contracts one long token dim with the gradient token-minor: it lays the
+    # residual stream's gradient out column-major and copies into it, and the head's input
+    # gradient, written column-major, computes the logits' gradient it reads twice (11.8 M
+    # estimated cycles on v5e against 6.1 row-major; bench/RESULTS.md, whole7). Contracted as
+    # (blocks, rows), as JAX's autodiff contracts a 3-D activation's (batch, sequence), they
+    # stay row-major (the head's input gradient contracts its vocab so too). TPU only: XLA:CPU
+    # has no half-precision product over two contracted dims.
+    (m, k), n = x.shape, y.shape[-1]
+    out = lax.dot_general(x.reshape(m, k // _ROWS, _ROWS), y.reshape(k // _ROWS, _ROWS, n),
+                          (((1, 2), (0, 1)), ((), ())), preferred_element_type=jnp.float32)
+    return out.astype(x.dtype)
 
 
 # Dynamic shapes: padding along the contracted dim zeroed on both operands (``padding.py``).

@@ -81,7 +81,8 @@ lowers(aten.sum.dim_IntList, promote="result")(
 lowers(aten.nansum.default, promote="result")(
     lambda x, dim=None, keepdim=False, dtype=None: _nansum(x, dim, keepdim))
 lowers(aten.mean.default, promote="result")(lambda x, dtype=None: _mean(x))
-lowers(aten.mean.dim, promote="result")(
+# Held (``eager/lazy_casts.py``): a norm's mean is computed inside the program that reads it.
+lowers(aten.mean.dim, promote="result", held=True)(
     lambda x, dim, keepdim=False, dtype=None: _mean(x, dim, keepdim))
 lowers(aten.prod.default, promote="result")(lambda x, dtype=None: _prod(x))
 lowers(aten.prod.dim_int, promote="result")(

@@ -31,6 +31,9 @@ Policy that many ops share is declared here instead of repeated in each lowering
   output is laid out as its query, its gradients as q, k and v: a DTensor's strides come from
   the meta kernel, and a local tensor laid out otherwise broke the ``.transpose(1, 2)
   .contiguous().view(...)`` after attention, issue 37).
+- ``held``: a call whose one traced value is one tensor computes a function of that tensor
+  alone, as a pointwise op (PyTorch's tag) does, so Strict may hold it and let the program that
+  reads its result compute it (``eager/lazy_casts.py``): a slice's gradient, a pad of it.
 
 An op PyTorch has no meta kernel for gets one declared beside its lowering with
 ``@meta_kernel(op)`` (result shapes come from meta kernels); ``registration.py`` registers them
@@ -72,6 +75,7 @@ class Lowering:
     family: str = ""  # the lowering module that registered it ("elementwise", "linalg", ...)
     layout: Callable | str | None = None
     platforms: tuple = ()  # the JAX platforms it lowers on; () for every one
+    held: bool = False  # a call of one tensor a reader's program may compute (see the doc)
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -122,7 +126,7 @@ def _overloads(target) -> list[OpOverload]:
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
            traced: tuple = (), donates: tuple = (), layout: Callable | str | None = None,
-           platforms: tuple = ()) -> Callable:
+           platforms: tuple = (), held: bool = False) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op; with
     platforms, only there (elsewhere the op runs as if it had none: decomposed or on CPU,
     counted)."""
@@ -139,7 +143,7 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
                                      tuple(traced), tuple(donates), family, layout,
-                                     tuple(platforms))
+                                     tuple(platforms), held)
         return fn
 
     return register

@@ -163,11 +163,12 @@ def slice_scatter(x, src, dim=0, start=None, end=None, step=1):
     return x.at[tuple(where)].set(src.astype(x.dtype))
 
 
-@lowers(aten.slice_backward.default)
+@lowers(aten.slice_backward.default, held=True)
 def slice_backward(grad, input_sizes, dim: int, start: int, end: int, step: int):
     """The gradient of a slice: grad in place in zeros of the input's shape, one pad (its
     composite kernel made the zeros and then wrote the slice into them: two programs, which the
-    rotary halves of every attention layer's backward ran four times)."""
+    rotary halves of every attention layer's backward ran four times); held until its reader
+    (the sum of the halves' gradients) computes it in its own program."""
     dim %= len(input_sizes)
     size, n = input_sizes[dim], grad.shape[dim]
     start = min(max(start + size if start < 0 else start, 0), size)

@@ -237,12 +237,14 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
                                      _fingerprint().encode(), compiler_options.key().encode()])
                          ).hexdigest()
     dump = os.environ.get(DUMP_ENV)
-    found = None if dump else _results.get(key) or _read_record(key)
+    path = dump and os.path.join(dump, f"{_file_name(report.name)}.{key[:8]}")
+    # Dumping, a program is compiled again unless this process wrote its file there already.
+    found = (_results.get(key) if os.path.exists(f"{path}.hlo.txt") else None) if dump \
+        else _results.get(key) or _read_record(key)
     report.from_cache = found is not None
     if found is None:
         with mlir.make_ir_context():
-            found = _compile(mlir.ir.Module.parse(data), devices(n, t.name),
-                             dump and os.path.join(dump, f"{_file_name(report.name)}.{key[:8]}"))
+            found = _compile(mlir.ir.Module.parse(data), devices(n, t.name), path)
         _write_record(key, found)
     _results[key] = found
     for k, v in found.items():

@@ -33,6 +33,7 @@ import enum
 import functools
 import hashlib
 import json
+import logging
 import os
 import stat
 import types
@@ -51,6 +52,10 @@ from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
 from torchtpu.runtime import compile_cache, compiler_options, platform, tpu_hook
+
+# A program loaded by key is logged as JAX logs one it compiles: the watch tools count both (a
+# new shape every step costs a program whether a cache holds it or not).
+PROGRAM_LOG = logging.getLogger(__name__)
 
 _RECORD = "ttpu_record"
 
@@ -343,6 +348,10 @@ def compiled_for(jitted, key: str, args: tuple):
             loaded = None
         if loaded is not None:
             metrics.count("programs_loaded_by_key")
+            if PROGRAM_LOG.isEnabledFor(logging.DEBUG):
+                PROGRAM_LOG.debug("Loading %s with global shapes and types %s",
+                                  getattr(jitted, "__name__", "program"),
+                                  [jax.typeof(x) for x in leaves])
             return loaded
     with compile_cache.requests() as asked:
         compiled = jitted.lower(*args).compile()
@@ -380,6 +389,17 @@ def _describe(compiled, asked: list) -> dict | None:
         return None
 
 
+@functools.cache
+def _host_kernels_registered() -> None:
+    """XLA:CPU's LAPACK kernels registered with XLA, as JAX does before it runs a deserialized
+    module (``jax.export``): lowering a linear-algebra op registers them, and a program loaded
+    in a process that lowered none called them unregistered (``torch.linalg.inv``'s program,
+    loaded by a second process, crashed it with a segmentation fault)."""
+    from jax._src.lax import linalg
+
+    linalg.initialize_lapack()
+
+
 def _load(entry: dict):
     """The Compiled program an index entry describes, or None (its executable is gone)."""
     store = compile_cache.store()
@@ -389,6 +409,7 @@ def _load(entry: dict):
         return None
     serialized, _ = jax_cache.extract_executable_and_time(jax_cache.decompress_executable(data))
     devices = xc.DeviceList((device,))
+    _host_kernels_registered()
     executable = device.client.deserialize_executable(serialized, devices)
     sharding = SingleDeviceSharding(device)
     ins = [decode_aval(a) for a in entry["in"]]

@@ -54,9 +54,12 @@ def dispatched(jitted):
         # returns (the results, and the executable's fast-path data) serves the next calls.
         if not key:
             key.append(warm.key_of(*parts))
-        # (Traced values: the program called inside another one's trace, as jit is. A dump
-        # asks for each program's text, which only a trace writes.)
+        # (Traced values, or none but inside another program's trace (a recorded call of no
+        # arguments, such as zeros): the program is staged into that trace, as jit's call is,
+        # not run and baked in as a constant. A dump asks for each program's text, which only a
+        # trace writes.)
         if (key[0] is None or not warm.cache_on() or tpu_hook.active() or dump.active()
+                or not isinstance(core.trace_ctx.trace, core.EvalTrace)
                 or any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(args))):
             return jitted._cache_miss(*args)
         compiled = warm.compiled_for(jitted, key[0], args)
@@ -70,6 +73,13 @@ def dispatched(jitted):
                                            tree_util.dispatch_registry, pxla.cc_shard_arg))
     fn.jitted = jitted  # (``lower`` is jit's too: wraps copied what it reads)
     return fn
+
+
+def keyed(jitted, *parts):
+    """jitted known by ``parts`` in keys (``warm.named``) and called through :func:`dispatched`:
+    the device layer's own programs (a view read or write, a cast, a copy), which eager code runs
+    as often as op programs, load by key in a new process as those do."""
+    return dispatched(warm.named(jitted, *parts))
 
 
 @functools.cache

@@ -9,11 +9,13 @@ rounding noise in near-zero gradients into full-size steps of its sign, which no
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall time and how many programs it built or loaded
 (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), and the trained weights.
-``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]``
-prints that as JSON from a fresh process (Accelerate keeps one device per process);
+``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]
+[model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per process);
 ``nowatch``: no checks after each weight push (they generate with Hugging Face inside the step,
 which a timing should not count); ``vllmbatch``: without vLLM, the vLLM runs' batch (one
-prompt, two completions a step), to compare with them.
+prompt, two completions a step), to compare with them; ``model=DIR``: the policy (and the
+engine's model) from a ``save_pretrained`` directory instead of the tiny Llama, trained in
+float32 whatever dtype it was saved in (``bench/grpo.py --model``: a 0.5B-class policy).
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def _programs() -> tuple[int, int]:
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
-        options: dict | None = None, pad: int | str | None = "auto", watch: bool = True) -> dict:
+        options: dict | None = None, pad: int | str | None = "auto", watch: bool = True,
+        model_dir: str | Path | None = None) -> dict:
     """Train and report (see the module doc)."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -86,9 +89,10 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
     folder = Path(folder)
-    model_dir = folder / "model"
-    if not (model_dir / "config.json").exists():
-        save_tiny_model(model_dir, hidden=64, layers=2, heads=2, kv_heads=1)
+    if model_dir is None:
+        model_dir = folder / "model"
+        if not (model_dir / "config.json").exists():
+            save_tiny_model(model_dir, hidden=64, layers=2, heads=2, kv_heads=1)
     timings: list[dict] = []
 
     class Clock(TrainerCallback):
@@ -111,7 +115,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         dataloader_num_workers=0, use_vllm=use_vllm, pad_to_multiple_of=pad)
     config = GRPOConfig(**{**settings, **(options or {})})
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     if not use_vllm:
         _row_forced(model)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -210,7 +214,9 @@ if __name__ == "__main__":
     device, steps, folder = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     vllm = "vllm" in sys.argv[4:]
     flags = sys.argv[4:]
+    model_dir = next((f[len("model="):] for f in flags if f.startswith("model=")), None)
     options = VLLM_OPTIONS if vllm else VLLM_BATCH if "vllmbatch" in flags else None
     out = run(device, steps, folder, use_vllm=vllm, options=options,
-              pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags)
+              pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags,
+              model_dir=model_dir)
     print("GRPO_RESULT " + json.dumps(out))

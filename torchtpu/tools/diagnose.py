@@ -141,7 +141,8 @@ def _findings(d: Diagnosis, steady: list) -> list:
         first = max(d.programs_built, key=lambda p: max(map(_elements, p["shapes"]), default=0))
         shapes = ", ".join(s for s in first["shapes"] if not s.endswith("[]")) or "()"
         found.append(Finding(
-            f"{d.per_step['programs_built']:g} new program(s) compiled per step after warm-up: "
+            f"{d.per_step['programs_built']:g} new program(s) compiled or loaded per step after "
+            "warm-up: "
             f"shape ({shapes}) recompiles at {_code(first)}",
             "input shapes change every step: pad them to a few fixed sizes, or use "
             "torch.compile(dynamic=True)", "new_shapes"))

@@ -213,11 +213,17 @@ def search(query: str, top: int = 5) -> dict:
     terms = list(dict.fromkeys(words(query)))
     if not terms:
         raise ToolError(f"{query!r} has no words to search for (only stop words)")
-    scored = sorted(((idx.score(i, terms), i) for i in range(len(idx.sections))), reverse=True)
-    hits = [(s, i) for s, i in scored[:top] if s > 0]
     weight = sum(idx.weight(w) for w in terms)
-    share = (sum(idx.weight(w) for w in terms if w in idx.counts[hits[0][1]]) / weight
-             if hits else 0.0)
+
+    def share_of(i: int) -> float:
+        return sum(idx.weight(w) for w in terms if w in idx.counts[i]) / weight
+
+    # BM25 weighed by the share of the question's weight a section holds: BM25 alone lets a
+    # short section that repeats one term outrank the section that holds every term.
+    scored = sorted(((idx.score(i, terms) * share_of(i), i)
+                     for i in range(len(idx.sections))), reverse=True)
+    hits = [(s, i) for s, i in scored[:top] if s > 0]
+    share = share_of(hits[0][1]) if hits else 0.0
     results = []
     for s, i in hits:
         sec = idx.sections[i]

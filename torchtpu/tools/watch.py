@@ -3,8 +3,9 @@
 ``Watch`` is a context manager that, while open, records
 - host syncs: every host read (``.item()``, ``.cpu()``, ``print``) with the user line that asked
   for it, its bytes and the seconds the host waited (the hook in ``device/kernels.py``);
-- programs built: each XLA program JAX traced and lowered (a new op signature, a new shape), with
-  its input shapes and the user line (from JAX's compile log, read at DEBUG level);
+- programs built: each XLA program JAX traced and lowered (a new op signature, a new shape), or
+  loaded by key from the warm-start cache, with its input shapes and the user line (from JAX's
+  compile log and the warm start's, read at DEBUG level);
 - Dynamo's recompiles with their guard-failure reasons and graph breaks with theirs (Dynamo's
   structured trace and counters, read only when Dynamo is loaded);
 - the change in ``torchtpu.metrics`` (executions, compiles, CPU fallbacks, transfers).
@@ -29,6 +30,7 @@ import torch
 
 from torchtpu import metrics
 from torchtpu.device.hooks import HOOKS
+from torchtpu.runtime import warm
 
 # Frames in these directories are torchtpu's, PyTorch's, JAX's or the standard library's (JAX's
 # compile log reaches us through logging); the first frame outside them is the user's line.
@@ -82,14 +84,15 @@ class Record:
 
 
 class _CompileLog(logging.Handler):
-    """Receives JAX's "Compiling <name> with global shapes and types [...]" records."""
+    """Receives JAX's "Compiling <name> with global shapes and types [...]" records, and the
+    warm start's "Loading <name> ..." for a program a cache held (a new program all the same)."""
 
     def __init__(self, sink: list) -> None:
         super().__init__(logging.DEBUG)
         self._sink = sink
 
     def emit(self, record: logging.LogRecord) -> None:
-        if not record.msg.startswith("Compiling "):
+        if not record.msg.startswith(("Compiling ", "Loading ")):
             return
         name, avals = record.args[0], record.args[1]
         shapes = [a.str_short() if hasattr(a, "str_short") else str(a) for a in avals]
@@ -160,14 +163,14 @@ class Watch:
         if not Watch._active.acquire(blocking=False):
             raise RuntimeError("torchtpu.tool: another torchtpu Watch is already open "
                                "(tools watch one stretch of code at a time)")
-        self._compile_logger = logging.getLogger(_JAX_COMPILE_LOGGER)
-        self._old_level = self._compile_logger.level
-        self._old_propagate = self._compile_logger.propagate
         self._compile_handler = _CompileLog(self.record.programs_built)
-        self._compile_logger.addHandler(self._compile_handler)
-        self._compile_logger.setLevel(logging.DEBUG)
-        # The DEBUG records are ours: the application's handlers never asked for them.
-        self._compile_logger.propagate = False
+        self._program_loggers = []
+        for logger in (logging.getLogger(_JAX_COMPILE_LOGGER), warm.PROGRAM_LOG):
+            self._program_loggers.append((logger, logger.level, logger.propagate))
+            logger.addHandler(self._compile_handler)
+            logger.setLevel(logging.DEBUG)
+            # The DEBUG records are ours: the application's handlers never asked for them.
+            logger.propagate = False
         self._trace_handler = _DynamoTrace(self.record.recompiles)
         logging.getLogger("torch.__trace").addHandler(self._trace_handler)
         self._breaks, self._graphs = _dynamo_counters()
@@ -178,9 +181,10 @@ class Watch:
     def __exit__(self, *exc) -> None:
         HOOKS.host_read_watcher = None
         logging.getLogger("torch.__trace").removeHandler(self._trace_handler)
-        self._compile_logger.removeHandler(self._compile_handler)
-        self._compile_logger.setLevel(self._old_level)
-        self._compile_logger.propagate = self._old_propagate
+        for logger, level, propagate in self._program_loggers:
+            logger.removeHandler(self._compile_handler)
+            logger.setLevel(level)
+            logger.propagate = propagate
         breaks, graphs = _dynamo_counters()
         self.record.graph_breaks = dict(breaks - self._breaks)
         self.record.dynamo_graphs = graphs - self._graphs

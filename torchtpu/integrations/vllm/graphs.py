@@ -112,48 +112,51 @@ class StepGraphs:
         return graph, output
 
 
-def _host_value(host: np.ndarray, shape: tuple, dtype: np.dtype) -> np.ndarray:
-    """host (a whole buffer) as the array a device storage of ``shape``/``dtype`` holds; copied,
-    since vLLM rewrites its host buffers for the next step while this one may still run."""
-    flat = np.ascontiguousarray(host).reshape(-1)
-    if flat.dtype != dtype:
-        flat = flat.astype(dtype)
-    return flat.reshape(shape).copy()
-
-
 class HostFeeds:
     """Device buffers whose values a captured step reads from host arrays at each replay.
 
-    ``add(device_buffer, host)`` pairs a persistent device tensor with a function returning
-    the host array of the same elements (the whole buffer) for the current step. Inside a
-    capture, :meth:`install` makes each pairing an input of the program.
+    ``add(device_buffer, host, rows)`` pairs a persistent device tensor with a function returning
+    the host array of the same elements (the whole buffer) for the current step, and, where the
+    step reads the buffer's first rows only, a function of the step's padded (tokens, requests)
+    giving how many (``step``: this step's). Inside a capture, :meth:`install` makes the
+    pairings inputs of the program, packed into one transfer of the rows it reads
+    (``eager/fed_pack.py``).
     """
 
     def __init__(self) -> None:
-        self._pairs: list[tuple[torch.Tensor, Callable[[], np.ndarray]]] = []
+        self._pairs: list[tuple[torch.Tensor, Callable[[], np.ndarray], Callable | None]] = []
+        self._step = (0, 0)  # the padded (tokens, requests) of the step being captured
 
-    def add(self, device: torch.Tensor, host: Callable[[], np.ndarray]) -> None:
+    def add(self, device: torch.Tensor, host: Callable[[], np.ndarray],
+            rows: Callable[[int, int], int] | None = None) -> None:
         if device.device.type != "tpu":
             raise ValueError(f"torchtpu.argument: a fed buffer lives on 'tpu', not {device.device}")
-        self._pairs.append((device, host))
+        self._pairs.append((device, host, rows))
 
     def tensors(self) -> list[torch.Tensor]:
-        return [d for d, _ in self._pairs]
+        return [d for d, _, _ in self._pairs]
+
+    def step(self, tokens: int, reqs: int) -> HostFeeds:
+        """Say the padded tokens and requests of the step about to run (its program's rows)."""
+        self._step = (tokens, reqs)
+        return self
 
     def install(self) -> None:
         """Feed every pairing into the capture in progress (call inside ``torch.tpu.graph``)."""
         capture = HOOKS.capture
         if capture is None:
             raise RuntimeError("torchtpu.capture: HostFeeds.install() outside a graph capture")
-        for device, host in self._pairs:
+        for device, host, rows in self._pairs:
             st = storage_of(device)
-            array = st._tpu_array
-            shape, dtype = tuple(array.shape), np.dtype(array.dtype)
-            capture.feed(st, lambda host=host, shape=shape, dtype=dtype:
-                         _host_value(host(), shape, dtype))
+            read = None if rows is None else max(1, min(rows(*self._step), device.shape[0]))
+            if read is None or tuple(st._tpu_array.shape) != tuple(device.shape):
+                capture.feed(st, host, packed=True)  # (whole: packing copies the values)
+            else:  # the first rows only: vLLM rewrites its buffers while this step may run
+                capture.feed(st, lambda host=host, read=read: host()[:read], packed=True,
+                             rows=read)
 
     def materialize(self) -> None:
         """Write the host values into the device buffers (a fed step that runs eagerly)."""
-        for device, host in self._pairs:
+        for device, host, _ in self._pairs:
             flat = torch.from_numpy(np.ascontiguousarray(host()).reshape(-1))
             device.view(-1).copy_(flat.to(device.dtype)[: device.numel()])

@@ -89,6 +89,16 @@ class HostSteps:
         self._host_sample_rows = np.zeros(self.max_num_reqs, dtype=np.int64)
         self._sample_rows = torch.zeros(self.max_num_reqs, dtype=torch.int64,
                                         device=self.device)
+        # Async scheduling: a step is prepared before the last one's tokens reach the host.
+        # Each host-prepared program writes its greedy tokens into ``_last_tokens``; the next
+        # one reads a token's id there where ``_prev_index`` (host-fed, a token's row in the
+        # last step, -1 for an id on the host) says so (``step_input_ids``).
+        self._last_tokens = torch.zeros(self.max_num_reqs, 1, dtype=torch.int32,
+                                        device=self.device)
+        self._host_prev_index = np.full(self.max_num_tokens, -1, dtype=np.int64)
+        self._prev_index = torch.full((self.max_num_tokens,), -1, dtype=torch.int64,
+                                      device=self.device)
+        self._last_sampled = None  # the tokens the last host-prepared step's program sampled
 
     def _steps_on_host(self) -> bool:
         """Whether this runner's steps can be prepared on the host: captured steps, none of the
@@ -101,7 +111,8 @@ class HostSteps:
                 and not self.model_config.is_encoder_decoder
                 and self.parallel_config.pipeline_parallel_size == 1
                 and self.dcp_world_size == 1 and self.lookback_token_ids is None
-                and batch.prev_sampled_token_ids is None
+                and (batch.prev_sampled_token_ids is None
+                     or batch.prev_sampled_token_ids is self._last_sampled)
                 and self.num_accepted_tokens_event is None
                 and not self.num_prompt_logprobs
                 and len(self.kv_cache_config.kv_cache_groups) == 1
@@ -130,6 +141,12 @@ class HostSteps:
         rows, positions = self._req_rows[:tokens], self._host_positions[:tokens]
         self.input_ids.np[:tokens] = batch.token_ids_cpu[rows, positions]
         self._compute_prev_positions(n)
+        # (with async scheduling) each request the last step sampled for: its token, the last
+        # of its ids this step, is in that step's row of ``_last_tokens``
+        prev = self.prev_positions.np[:n]
+        self._host_prev_index.fill(-1)
+        held = np.nonzero(prev >= 0)[0]
+        self._host_prev_index[self.query_start_loc.np[1:n + 1][held] - 1] = prev[held]
         num_tokens = np.array([self.requests[r].num_tokens for r in batch.req_ids],
                               dtype=np.int64)
         seq_lens = self.optimistic_seq_lens_cpu.numpy()
@@ -174,23 +191,43 @@ class HostSteps:
             return self._feeds[1]
         blocks = table.block_table.np
         seq_lens = self.optimistic_seq_lens_cpu.numpy()
+        padded = np.zeros_like(blocks)
+        filled = [0]  # rows of ``padded`` holding a request's blocks
 
         def padded_blocks() -> np.ndarray:  # rows past the step's requests: the null block
-            out = blocks.copy()
-            out[self._fed_reqs:] = 0
-            return out
+            n = self._fed_reqs
+            padded[:n] = blocks[:n]
+            padded[n:filled[0]] = 0
+            filled[0] = n
+            return padded
 
+        # the rows a step's program reads: its padded tokens' or requests' (+1: query starts)
+        tokens, reqs, starts = (lambda t, r: t), (lambda t, r: r), (lambda t, r: r + 1)
         fed = HostFeeds()
-        fed.add(self.input_ids.gpu, lambda: self.input_ids.np)
-        fed.add(self.positions, lambda: self._host_positions)
-        fed.add(self.query_start_loc.gpu, lambda: self.query_start_loc.np)
-        fed.add(self.seq_lens, lambda: seq_lens)
-        fed.add(table.block_table.gpu, padded_blocks)
-        fed.add(table.slot_mapping.gpu, lambda: table.slot_mapping.np)
-        fed.add(self.is_padding, lambda: self.arange_np[:self.max_num_tokens] >= self._fed_tokens)
-        fed.add(self._sample_rows, lambda: self._host_sample_rows)
+        fed.add(self.input_ids.gpu, lambda: self.input_ids.np, tokens)
+        fed.add(self.positions, lambda: self._host_positions, tokens)
+        fed.add(self.query_start_loc.gpu, lambda: self.query_start_loc.np, starts)
+        fed.add(self.seq_lens, lambda: seq_lens, reqs)
+        fed.add(table.block_table.gpu, padded_blocks, reqs)
+        fed.add(table.slot_mapping.gpu, lambda: table.slot_mapping.np, tokens)
+        fed.add(self.is_padding, lambda: self.arange_np[:self.max_num_tokens] >= self._fed_tokens,
+                tokens)
+        fed.add(self._sample_rows, lambda: self._host_sample_rows, reqs)
+        fed.add(self._prev_index, lambda: self._host_prev_index, tokens)
         self._feeds = (table, fed)
         return fed
+
+    def step_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A host-prepared step's token ids: the host's, and the last step's sampled tokens
+        (still on the device, with async scheduling) where ``_prev_index`` points to them."""
+        prev = self._prev_index[:input_ids.shape[0]]
+        last = self._last_tokens.view(-1)[prev.clamp(min=0)].to(input_ids.dtype)
+        return torch.where(prev >= 0, last, input_ids)
+
+    def keep_tokens(self, tokens: torch.Tensor) -> None:
+        """Keep a host-prepared step's greedy tokens (``[padded requests, 1]``) for the next
+        step's ``step_input_ids``."""
+        self._last_tokens[:tokens.shape[0]].copy_(tokens)
 
     def _context_tokens(self) -> int:
         """The longest context a request can read: the block table's width, in tokens."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 
 import torch
+from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import register_backend
 
@@ -25,6 +26,10 @@ HOST_KV_FIT = "torchtpu_host_kv_fit"
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
 ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
 COMMUNICATOR = "torchtpu.integrations.vllm.communicator.TpuCommunicator"
+# "0": vLLM's async scheduling off; else as vLLM resolves it (on by default where it supports
+# it), off where torchtpu cannot prepare the steps on the host (``_async_off``)
+ASYNC_ENV = "TORCHTPU_VLLM_ASYNC"
+log = init_logger(__name__)
 # vLLM names every backend by a member of its enum; an out-of-tree one adds its own
 register_backend("TORCHTPU_ATTN", ATTENTION)
 
@@ -139,15 +144,42 @@ class TpuPlatform(Platform):
         if _size_host_kv_cache(vllm_config.cache_config) and isinstance(
                 getattr(vllm_config, "additional_config", None), dict):
             vllm_config.additional_config[HOST_KV_FIT] = True
-        # as on vLLM's CPU platform: a decode step is prepared on the host and its inputs are
-        # read by the captured program (worker.py), which needs each step's last token on the
-        # host; async scheduling would leave it on the device
-        vllm_config.scheduler_config.async_scheduling = False
+        # Async scheduling prepares a step before the last one's tokens reach the host; the
+        # host-prepared program then reads them on the device (host_steps.step_input_ids).
+        # Where steps cannot be prepared on the host, vLLM's device-side preparation would run
+        # op by op around every step: async is then off, and the log says why.
+        off = _async_off(vllm_config)
+        if off and vllm_config.scheduler_config.async_scheduling:
+            log.info("torchtpu: vLLM's async scheduling is off on device 'tpu': %s", off)
+            vllm_config.scheduler_config.async_scheduling = False
         parallel = vllm_config.parallel_config
         if parallel.worker_cls == "auto":
             parallel.worker_cls = WORKER
         # a forked worker would inherit the parent's PJRT client and its threads
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+
+
+def _async_off(vllm_config) -> str | None:
+    """Why this engine's steps cannot be async-scheduled on "tpu" (None: they can): the user
+    turned it off, or a feature whose steps are not prepared on the host
+    (``HostSteps._steps_on_host``, known from the configuration)."""
+    if os.environ.get(ASYNC_ENV, "1").strip() == "0":
+        return f"{ASYNC_ENV}=0"
+    model, parallel = getattr(vllm_config, "model_config", None), vllm_config.parallel_config
+    features = {
+        "speculative decoding": getattr(vllm_config, "speculative_config", None) is not None,
+        "LoRA": bool(getattr(vllm_config, "lora_config", None)),
+        "enforce_eager": bool(getattr(model, "enforce_eager", False)),
+        "tensor parallelism": parallel.tensor_parallel_size > 1,
+        "pipeline parallelism": parallel.pipeline_parallel_size > 1,
+        "decode context parallelism": getattr(parallel, "decode_context_parallel_size", 1) > 1,
+        "a KV connector": getattr(vllm_config, "kv_transfer_config", None) is not None,
+        "a multimodal model": bool(getattr(model, "is_multimodal_model", False)),
+        "prompt embeddings": bool(getattr(model, "enable_prompt_embeds", False)),
+        "an encoder-decoder model": bool(getattr(model, "is_encoder_decoder", False)),
+    }
+    named = [name for name, on in features.items() if on]
+    return f"{', '.join(named)}: steps prepared on the device" if named else None
 
 
 def _size_host_kv_cache(cache_config) -> bool:

@@ -27,9 +27,11 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
+from torchtpu import metrics
 from torchtpu.distributed import solo
 from torchtpu.eager.capture import storage_of
 from torchtpu.integrations.vllm import preflight, ray_serve
+from torchtpu.integrations.vllm.async_output import TpuAsyncOutput
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
@@ -76,9 +78,11 @@ class _DeviceEvent(torch.tpu.Event):
 
 
 def _tpu_runner_hooks() -> None:
-    """Route the GPU runner's CUDA names and its KV-cache allocator to their tpu versions."""
+    """Route the GPU runner's CUDA names, its KV-cache allocator and its async output to their
+    tpu versions."""
     _route_cuda_names_to_tpu()
     gpu_model_runner.allocate_kv_cache = allocate_kv_caches
+    gpu_model_runner.AsyncGPUModelRunnerOutput = TpuAsyncOutput
 
 
 class TpuModelRunner(HostSteps, GPUModelRunner):
@@ -100,6 +104,12 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         self.step_graphs = (None if self.model_config.enforce_eager or tensor_parallel
                             else StepGraphs())
         self._init_host_steps()
+        # With async scheduling vLLM waits on this event before preparing a step, so that the
+        # last step's copies from its CPU buffers are done before it rewrites them. torchtpu's
+        # copies to the device read the host when called (kernels.copy_, the packed feeds), so
+        # there is nothing to wait for; a tpu event waits for the whole device, here the last
+        # step's program, and would keep the host from preparing a step while the device runs.
+        self.prepare_inputs_event = None
         # (logits [n, V], the array the program left in their storage, tokens [n, 1] int32,
         # the program's padded tokens)
         self._sampled: tuple | None = None
@@ -108,6 +118,10 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         self._fed = self._sampled = None
         if num_scheduled_tokens.size and self._steps_on_host():
             return self._prepare_on_host(num_scheduled_tokens)
+        if self.input_batch.prev_sampled_token_ids is not None:
+            # async scheduling where the host cannot prepare the step (prompt logprobs, say):
+            # vLLM's preparation, which reads the last tokens on the device op by op
+            metrics.count("vllm_async_device_steps")
         return super()._prepare_inputs(scheduler_output, num_scheduled_tokens)
 
     def _preprocess(self, scheduler_output, num_input_tokens: int, intermediate_tensors=None):
@@ -173,9 +187,9 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
 
     def _model_forward(self, input_ids=None, positions=None, intermediate_tensors=None,
                        inputs_embeds=None, **model_kwargs):
-        def forward():
+        def forward(ids=input_ids):
             out = super(TpuModelRunner, self)._model_forward(
-                input_ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
+                ids, positions, intermediate_tensors, inputs_embeds, **model_kwargs)
             # the layers' shared layout dies with the forward: alive at the end of a capture,
             # it would be an output the program writes at every replay
             mds = get_forward_context().attn_metadata
@@ -194,7 +208,7 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         def forward_and_sample():
             # the sampled rows' hidden states, logits and greedy tokens (vLLM's sampler's
             # int32 column), in the program too
-            hidden = forward()[self._sample_rows[:reqs]]
+            hidden = forward(self.step_input_ids(input_ids))[self._sample_rows[:reqs]]
             # float32, as vLLM's sampler casts them first: a bfloat16 model's logits would
             # otherwise take that cast and the sampler's ops eagerly, programs of their own
             # (and compiles) at every step. The greedy tokens are the argmax of the logits
@@ -202,13 +216,16 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             # fusion instead of reading the float32 logits back (156 MB a step at 256
             # requests of Qwen2.5-0.5B; bench/RESULTS.md, serving6)
             raw = self._model_compute_logits(hidden)
-            return hidden, raw.float(), raw.argmax(dim=-1).to(torch.int32)[:, None]
+            tokens = raw.argmax(dim=-1).to(torch.int32)[:, None]
+            self.keep_tokens(tokens)
+            return hidden, raw.float(), tokens
 
         if key is None:  # prepared on the host, yet not captured: copy it in
             fed.materialize()
             out = forward_and_sample()
         else:
-            out = self.step_graphs((key, True), forward_and_sample, fed)
+            out = self.step_graphs((key, True), forward_and_sample,
+                                   fed.step(input_ids.shape[0], reqs))
         hidden, logits, tokens = out
         n = self._fed_reqs
         self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], tokens)
@@ -251,14 +268,26 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         if (sampled is None or spec_decode_metadata is not None or logits is not sampled[0]
                 or logits.dtype != torch.float32 or not meta.all_greedy
                 or meta.max_num_logprobs is not None or meta.logprob_token_ids):
-            return super()._sample(logits, spec_decode_metadata)
+            out = super()._sample(logits, spec_decode_metadata)
+            if sampled is not None and spec_decode_metadata is None:
+                self._keep_sampled(out.sampled_token_ids)
+            return out
         self.input_batch.update_async_output_token_ids()
         processed = self.sampler.apply_logits_processors(logits, meta, False)
         if processed is logits and storage_of(logits)._tpu_array is sampled[1]:
-            tokens = sampled[2]
+            tokens = self._last_sampled = sampled[2]
         else:  # the rest of Sampler.forward for greedy requests without logprobs
             tokens = self.sampler.greedy_sample(processed).to(torch.int32)[:, None]
+            self._keep_sampled(tokens)
         return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
+
+    def _keep_sampled(self, tokens: torch.Tensor) -> None:
+        """With async scheduling, a host-prepared step's tokens sampled outside its program
+        (random sampling, logprobs, a grammar's mask): kept where the next step's program
+        reads the last tokens (one copy), so that it too is prepared on the host."""
+        if self.use_async_scheduling and tokens.dim() == 2 and tokens.shape[1] == 1:
+            self.keep_tokens(tokens)
+            self._last_sampled = tokens
 
     def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
         # the program's tokens: its whole padded array read to the host, cut there
