@@ -32,7 +32,7 @@ def _set(t, key, value):
 OPS = {
     "smoke": lambda x, i, m: (
         x.t().contiguous(), torch.view_as_real(x), (x.to(WIDE) * 1.0001).to(x.dtype),
-        x[i], _set(x, i, x[1]), x * x),
+        x[i], _set(x, i, x[1]), x * x, x - 1),  # x - 1: a call Strict holds (lazy_casts)
     "storage and strided views": lambda x, i, m: (
         x.clone(), x.t().contiguous(), x[1:, ::2], x.diagonal(), x.as_strided((2, 2), (1, 2)),
         x.unfold(1, 2, 1), x.view(12), x.conj().resolve_conj(), x.narrow(1, 1, 2).clone()),

@@ -105,7 +105,11 @@ _stored_complex32 = warm_dispatch.keyed(jax.jit(complex32_pairs), "complex32_pai
 def stored_form(value, dtype: torch.dtype):
     """value (of dtype's compute dtype) as a storage of dtype holds it: itself, but complex32's
     float16 pairs (recorded while deferring)."""
-    return call(_stored_complex32, value) if dtype is torch.complex32 else value
+    if dtype is not torch.complex32:
+        return value
+    if HOOKS.deferrer is None and isinstance(value, Deferred):
+        value = value.resolve()  # a call Strict held (``lazy_casts``): computed, then paired
+    return call(_stored_complex32, value)
 
 
 def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
