@@ -40,12 +40,12 @@ class Strict:
         found = spec._program
         fn = found[2] if found is not None and found[0] is lowering else held(lowering, spec)[2]
         if self.lazy_ops:
-            read = one_pointwise_input(lowering, spec)[0]
+            read, count = one_pointwise_input(lowering, spec)
             if read is not False:
                 # (Traced numbers go with the held call as device arrays.)
                 lazy = lazy_casts.lazy_op(
-                    lowering, spec, numbers.on_device(spec, dyn) if len(dyn) > 1 else dyn,
-                    fn, read)
+                    lowering, spec, numbers.on_device(spec, dyn) if len(dyn) > count else dyn,
+                    fn, read, count)
                 if lazy is not None:
                     return lazy
         slots = spec._scalars

@@ -147,7 +147,8 @@ class Converted(tensors.Deferred):
         self.view = view
         self.fn = fn or _converter(dtype, shape, view)
         self._value = None
-        tensors.lend(lead(source))
+        for array in arrays(source):
+            tensors.lend(array)
         _pending.add(self)
         if keep:
             _kept.setdefault(id(source), []).append(weakref.ref(self))
@@ -183,7 +184,8 @@ class Converted(tensors.Deferred):
 
     def _release(self) -> None:
         source = self.source
-        tensors.unlend(lead(source))
+        for array in arrays(source):
+            tensors.unlend(array)
         self.source = None
         _pending.discard(self)
         if self.keep:
@@ -194,7 +196,8 @@ class Converted(tensors.Deferred):
 
     def __del__(self) -> None:
         if self.source is not None:
-            tensors.unlend(lead(self.source))
+            for array in arrays(self.source):
+                tensors.unlend(array)
             if self.keep:
                 _unkeep(self.source, self)
 
@@ -249,8 +252,9 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None 
     of a view (``_lazy_view``)."""
     if view is not None:
         return _lazy_view(t, array, dtype, view)
-    if type(array) is not ArrayImpl and type(array) is not Converted \
-            and isinstance(array, tensors.Deferred):
+    if type(array) is Converted:
+        return _cast_of_held(t, array, dtype)
+    if type(array) is not ArrayImpl and isinstance(array, tensors.Deferred):
         array = array.resolve()  # a value DeferAndFuse computed (a fused optimizer step's)
     # t is its storage's array whole, or that array reshaped.
     if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
@@ -262,6 +266,26 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None 
     keep = dtype.itemsize < t.dtype.itemsize and not (
         t.is_leaf and t.requires_grad and autocast.casting())
     return Converted(array, _NP[dtype], tuple(t.shape), keep)
+
+
+def _cast_of_held(t: torch.Tensor, held: Converted, dtype: torch.dtype):
+    """A ``Converted`` for t, all of a pending held call of several tensors (the norm's
+    ``weight * h``), cast to dtype (autocast's cast for the next product): the same call, its
+    result converted (``read_input`` casts what ``program.applied`` gives); kept where
+    narrowing. Else None: the call is computed, then cast."""
+    if (held._value is not None or not held.spread or held.op is None or held.view is not None
+            or t.dtype not in _FLOATS or dtype not in _FLOATS or held.dtype != _NP[t.dtype]
+            or t.storage_offset() or not t.is_contiguous() or t.is_neg()
+            or tuple(t.shape) != held.shape):
+        return None
+    return Converted(held.source, _NP[dtype], held.shape, dtype.itemsize < t.dtype.itemsize,
+                     held.op, _cast_after(held.fn, _NP[dtype]), spread=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _cast_after(fn, dtype: np.dtype):
+    # (Run alone only where no program could compute it: a host read of the cast.)
+    return jax.jit(lambda *args: dtypes.cast(fn(*args), dtype))
 
 
 def _lazy_view(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry):
@@ -294,12 +318,14 @@ def _kept_when(nbytes: int, source: int) -> bool | None:
     return nbytes < source
 
 
-def lazy_op(lowering, spec, dyn: tuple, fn, read) -> Converted | None:
+def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted | None:
     """Strict's call of a pointwise op on one tensor (``program.one_pointwise_input``: ``read``,
     how it reads ``dyn[0]``: None, a view Geometry, or a held value's ``Cast``, whose source
-    ``dyn[0]`` then is), held as a ``Converted`` its consumers compute in their programs; None
-    to launch it now. An op not pointwise (a pad, a mean) has its result shape from its plan
-    (``Spec.shape``)."""
+    ``dyn[0]`` then is), or on ``count`` tensors (``_held_call``), held as a ``Converted`` its
+    consumers compute in their programs; None to launch it now. An op not pointwise (a pad, a
+    mean) has its result shape from its plan (``Spec.shape``)."""
+    if count > 1:
+        return _held_call(lowering, spec, dyn, fn, count)
     source = dyn[0]
     array = lead(source)
     if type(array) is not ArrayImpl:
@@ -330,6 +356,43 @@ def lazy_op(lowering, spec, dyn: tuple, fn, read) -> Converted | None:
     held.over = over
     return held
 
+
+
+def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
+    """A pointwise call of ``count`` tensors (``x * rsqrt``, a gradient's product, a residual
+    sum) held, kept: its first reader computes it and returns it, so it is computed once, and
+    its inputs live no longer than until that reader. Not where it reads a kept value (whose
+    own reader settles it: that launch stays), nor where its inputs hold more than ``LARGER``
+    bytes beyond its result (what holding them until its first reader could cost)."""
+    shape = spec.shape
+    reads = [p for kind, p in spec.entries if kind == "t"]
+    if shape is None or any(_keeps(p) for p in reads):
+        return None
+    held = list(arrays(dyn[:count]))
+    if any(type(a) is not ArrayImpl for a in held):
+        return None
+    unique = {id(a): a for a in held}.values()
+    nbytes = math.prod(shape) * spec.final.itemsize
+    if sum(a.size * a.dtype.itemsize for a in unique) - nbytes > LARGER:
+        return None
+    return Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
+
+
+def _keeps(how) -> bool:
+    """Whether a read (a spec payload) computes a kept value anywhere in its chain."""
+    if type(how) is not Cast:
+        return False
+    return how.keep or (how.op is not None and any(
+        _keeps(p) for kind, p in how.op[1].entries if kind == "t"))
+
+
+def arrays(source):
+    """The arrays a held value's ``source`` holds (its held calls' arguments, nested)."""
+    if type(source) is tuple:
+        for s in source:
+            yield from arrays(s)
+    elif isinstance(source, jax.Array):
+        yield source
 
 
 def lead(source):

@@ -11,6 +11,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import torch
 
 from torchtpu.device import dtypes
@@ -131,57 +132,73 @@ def applied(array, how):
     if type(how) is not Cast or how.op is None:
         return array
     lowering, spec = how.op
-    # A call holding traced numbers takes its arguments as one input (``Converted.spread``).
-    spread = any(kind == SCALAR for kind, _ in spec.entries)
-    return cast_outputs(lowering.fn(*rebuild(spec, lowering, array if spread else (array,))),
-                        spec.final)
+    # A call of several tensors or holding traced numbers takes its arguments as one input
+    # (``Converted.spread``).
+    spread = sum(kind != CONST for kind, _ in spec.entries) > 1
+    return rounded(cast_outputs(
+        lowering.fn(*rebuild(spec, lowering, array if spread else (array,))), spec.final))
 
 
-_NOT = (False,)
-# The most held pointwise calls one program applies in a row: a longer chain (a loop of
-# ``x = x * 2``) launches, so that no program grows with a loop's length.
+def rounded(x):
+    """x, a held call's value inside its reader's program, rounded to its dtype as its own
+    program's result would be: XLA computes a bfloat16 or float16 value in float32 and, inside
+    one program, may skip its rounding between ops (``xla_allow_excess_precision``), which an
+    explicit ``reduce_precision`` keeps (a Llama step's loss moved 1.5e-5 without it)."""
+    if x.dtype not in _NARROW:
+        return x
+    info = jnp.finfo(x.dtype)
+    return jax.lax.reduce_precision(x.astype(jnp.float32), info.nexp, info.nmant).astype(x.dtype)
+
+
+_NARROW = (jnp.bfloat16, jnp.float16)
+
+
+_NOT = (False, 0)
+# The most held pointwise calls one program applies: a longer chain (a loop of ``x = x * 2``)
+# launches, so that no program grows with a loop's length.
 CHAIN = 8
 
 
 def chained(how) -> int:
-    """How many held pointwise calls reading through ``how`` (a spec payload) applies."""
-    n = 0
-    while type(how) is Cast and how.op is not None:
-        n += 1
-        how = next(p for kind, p in how.op[1].entries if kind == TENSOR)
-    return n
+    """How many held pointwise calls reading through ``how`` (a spec payload) applies, over all
+    of their tensors (a held call of two held values applies both)."""
+    if type(how) is not Cast or how.op is None:
+        return 0
+    return 1 + sum(chained(p) for kind, p in how.op[1].entries if kind == TENSOR)
 
 
 def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
-    """(how the call reads its one tensor: None, a view Geometry or a lazy value's ``Cast``,)
-    for a call of a pointwise op (PyTorch's tag), or of one its lowering record says is
-    ``held`` (a function of that tensor alone: a slice's gradient), whose traced values are one
-    tensor, then any traced numbers (``x + eps``), and whose result is one array; else
-    (False,). A ``Cast`` read is a chain: the
-    call applies after the lazy value's own (``applied`` nests), held up to ``CHAIN`` calls;
-    over a kept one, kept too where smaller than the source, that one computed with it if it
-    still lives (``lazy_op``: a narrowing cast's wide source must not outlive its first
-    reader). Asked at every Strict call: kept on the spec."""
+    """(how the call reads its first tensor: None, a view Geometry or a lazy value's ``Cast``;
+    its tensors' count) for a call of a pointwise op (PyTorch's tag), or of one its lowering
+    record says is ``held`` (a function of one tensor alone: a slice's gradient), whose traced
+    values are its tensors, then any traced numbers (``x + eps``), and whose result is one
+    array; else (False, 0). A ``Cast`` read is a chain: the call applies after the lazy value's
+    own (``applied`` nests), held up to ``CHAIN`` calls in all; over a kept one, kept too where
+    smaller than the source, that one computed with it if it still lives (``lazy_op``: a
+    narrowing cast's wide source must not outlive its first reader). Asked at every Strict
+    call: kept on the spec."""
     held = spec._pointwise
     if held is not None and held[0] is lowering:
         return held[1]
     answer = _NOT
     traced = [(kind, payload) for kind, payload in spec.entries if kind != CONST]
-    if (traced and traced[0][0] == TENSOR and all(kind == SCALAR for kind, _ in traced[1:])
+    count = sum(kind == TENSOR for kind, _ in traced)
+    if (count and all(kind == TENSOR for kind, _ in traced[:count])
+            and all(kind == SCALAR for kind, _ in traced[count:])
+            and (count == 1 or not lowering.held)
             and not lowering.random
             and not lowering.donates and not lowering.data_dependent_shape
             and (lowering.held or torch.Tag.pointwise in lowering.op.tags)
             and spec.final is not None and not isinstance(spec.final, tuple)
-            and _holdable(traced[0][1])):
-        answer = (traced[0][1],)
+            and all(_holdable(p) for _, p in traced[:count])
+            and sum(chained(p) for _, p in traced[:count]) < CHAIN):
+        answer = (traced[0][1], count)
     spec._pointwise = (lowering, answer)
     return answer
 
 
 def _holdable(how) -> bool:
-    if how is None or type(how) is Geometry:
-        return True
-    return type(how) is Cast and chained(how) < CHAIN
+    return how is None or type(how) is Geometry or type(how) is Cast
 
 
 _with_views: dict = {}
