@@ -25,13 +25,13 @@ def _bf16(*shape) -> torch.Tensor:
 def test_a_widening_cast_is_converted_inside_its_consumer():
     x = _bf16(6, 8)
     d = x.to("tpu")
-    (d.float() * d.float()).cpu()  # compiled once
+    (d.float() * d.float()).sum(0).cpu()  # compiled once
     with census(dots=False) as c:
         y = d.float()
-        got = y * y
-    assert _lazy(y) and c.launch_count == 1  # the product's program converts y
+        got = (y * y).sum(0)  # (the product is held too, in the sum)
+    assert _lazy(y) and c.launch_count == 1  # the sum's program converts y
     assert got.dtype == torch.float32
-    assert torch.equal(got.cpu(), x.float() * x.float())
+    torch.testing.assert_close(got.cpu(), (x.float() * x.float()).sum(0))
     assert torch.equal(y.cpu(), x.float())
 
 
@@ -247,12 +247,15 @@ def test_an_autocast_llama_step_computes_as_cpu_with_fewer_launches():
             step(x, y)
     finally:
         HOOKS.lazy_cast = lazy_casts.lazy_cast
-    # Per layer 7 weight casts, 12 gradients cast back to float32, 7 inputs cast to bfloat16
+    # (Since strict8 a call of two tensors is held too (``lazy_casts._held_call``), and one
+    # reading a cast computed at once is held where one reading a kept cast launches: with
+    # the lazy casts off, 77 launches more at 2 layers, 42 at 1 and 111 at 3.) Before, per
+    # layer 7 weight casts, 12 gradients cast back to float32, 7 inputs cast to bfloat16
     # (the products' 5, the rotary tables' 2) and 2 float32 gradients of bfloat16 results; 6
     # outside the layers (the head's weight and input, the logits and their gradients); and
     # (strict7) 4 copies of transposed views a layer: reshape's clone of the attention output
     # and, in backward, of q's, k's and v's gradients, each held for the product reading it.
-    assert c.launch_count - lazy == 32 * CONFIG.layers + 6, (c.launch_count, lazy)
+    assert CONFIG.layers == 2 and c.launch_count - lazy == 77, (c.launch_count, lazy)
 
 
 def test_a_loop_of_growing_sizes_over_lazy_casts_computes_as_cpu():
