@@ -169,7 +169,11 @@ def test_what_is_not_held(monkeypatch):
     # two whose inputs hold more than LARGER bytes beyond their result until its first reader
     assert not _lazy(e + f)
     # one reading a kept value (a narrowing cast): that value's reader settles it, at once
-    assert not _lazy(e.to(torch.bfloat16) * e.to(torch.bfloat16))
+    assert not _lazy(d.to(torch.bfloat16) * d.to(torch.bfloat16))
+    # one applying more than ``CHAIN`` held calls in all (each of its two inputs applies 4)
+    chain = lambda v: v.exp().sigmoid().exp().sigmoid()  # noqa: E731
+    assert not _lazy(chain(d) * chain(-d))
+    assert _lazy(chain(d) * d)
     # a reduction whose source holds more than LARGER bytes beyond its value (a statistic kept
     # for later would hold all of it)
     assert not _lazy(d.expand(3, 1000).exp().mean(-1))
@@ -331,3 +335,21 @@ def test_a_narrow_held_value_is_rounded_in_its_reader_as_cpu(dtype, buckets_off)
         got = torch.cat((p.float(), (-p).float())).cpu()  # the cast and the negation held too
         want = (x * w).float()
         assert torch.equal(got, torch.cat((want, -want)))
+
+
+@pytest.mark.parametrize("write", ["whole", "a row"])
+def test_a_held_calls_inputs_keep_their_values_when_written(write, buckets_off):
+    # Every input's buffer is lent while the call is held: an in-place write of its second
+    # input gives that one a new value and never donates the buffer the held call reads.
+    x, w = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(2):
+        d, e = x.to("tpu"), w.to("tpu")
+        p = d * e
+        assert _lazy(p)
+        if write == "whole":
+            e.mul_(3)
+            d.mul_(5)
+        else:
+            e[1].fill_(7.0)
+            d[2].fill_(9.0)
+        assert torch.equal(p.cpu(), x * w)

@@ -128,7 +128,7 @@ class Converted(tensors.Deferred):
     ``keep``, returned by the first program that computes it (``settle``)."""
 
     __slots__ = ("source", "dtype", "shape", "keep", "op", "view", "fn", "_value", "spread",
-                 "over", "__weakref__")
+                 "over", "extra", "__weakref__")
 
     def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
                  op: tuple | None = None, fn=None, view: Geometry | None = None,
@@ -140,6 +140,9 @@ class Converted(tensors.Deferred):
         # A kept value this one is held over (a weak reference): computed, if it still lives,
         # when this one is, so that their source lives no longer than this one's first reader.
         self.over = None
+        # Bytes its inputs may hold beyond its result (``_held_call``): counted in ``_holding``
+        # until it is computed or dies.
+        self.extra = 0
         self.dtype = dtype
         self.shape = shape
         self.keep = keep
@@ -186,6 +189,7 @@ class Converted(tensors.Deferred):
         source = self.source
         for array in arrays(source):
             tensors.unlend(array)
+        _holding[0] -= self.extra
         self.source = None
         _pending.discard(self)
         if self.keep:
@@ -198,6 +202,7 @@ class Converted(tensors.Deferred):
         if self.source is not None:
             for array in arrays(self.source):
                 tensors.unlend(array)
+            _holding[0] -= self.extra
             if self.keep:
                 _unkeep(self.source, self)
 
@@ -362,8 +367,10 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     """A pointwise call of ``count`` tensors (``x * rsqrt``, a gradient's product, a residual
     sum) held, kept: its first reader computes it and returns it, so it is computed once, and
     its inputs live no longer than until that reader. Not where it reads a kept value (whose
-    own reader settles it: that launch stays), nor where its inputs hold more than ``LARGER``
-    bytes beyond its result (what holding them until its first reader could cost)."""
+    own reader settles it: that launch stays), nor where the held calls pending would then hold
+    more than ``LARGER`` bytes beyond their results in all: each input may die before the first
+    reader comes (a gradient kept in ``.grad`` is read by the optimizer), and then holding it
+    costs what it holds beyond the result."""
     shape = spec.shape
     reads = [p for kind, p in spec.entries if kind == "t"]
     if shape is None or any(_keeps(p) for p in reads):
@@ -372,10 +379,18 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     if any(type(a) is not ArrayImpl for a in held):
         return None
     unique = {id(a): a for a in held}.values()
-    nbytes = math.prod(shape) * spec.final.itemsize
-    if sum(a.size * a.dtype.itemsize for a in unique) - nbytes > LARGER:
+    extra = max(0, sum(a.size * a.dtype.itemsize for a in unique)
+                - math.prod(shape) * spec.final.itemsize)
+    if _holding[0] + extra > LARGER:
         return None
-    return Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
+    held = Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
+    held.extra = extra
+    _holding[0] += extra
+    return held
+
+
+# The bytes the pending held calls of several tensors hold beyond their results, at most.
+_holding = [0]
 
 
 def _keeps(how) -> bool:
