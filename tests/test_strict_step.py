@@ -37,7 +37,7 @@ def test_a_strict_step_waits_for_nothing_but_the_users_item(llama):
     _, step, x, y = llama
     with census(dots=False) as c:
         loss = step(x, y)
-    assert c.host_waits == [] and c.launch_count > 100
+    assert c.host_waits == [] and c.launch_count > 50
     with census(dots=False) as c:
         loss.item()
     assert c.host_waits  # the census sees a wait where there is one
@@ -165,7 +165,7 @@ def test_silu_backward_runs_as_one_program_and_matches_cpu(dtype):
         y = F.silu(leaf)
         with census(dots=False) as c:
             y.backward(g.to(device))
-        grads.append(leaf.grad.cpu())
+            grads.append(leaf.grad.cpu())  # (held since strict8: computed by this read)
     # autograd calls silu_backward with grad mode off: it has a device kernel, as on CPU
     assert c.launches == {"aten.silu_backward.default": 1}
     exact = dtype != torch.float32  # float32: CPU divides by 1 + exp(-x), an ulp apart

@@ -155,7 +155,8 @@ def test_a_view_operand_is_read_inside_the_op_program(monkeypatch, mode):
 
     calls = []
     real_call = tensors.call
-    monkeypatch.setattr(tensors, "call", lambda fn, *a: calls.append(fn) or real_call(fn, *a))
+    monkeypatch.setattr(tensors, "call",
+                        lambda fn, *a, **k: calls.append(fn) or real_call(fn, *a, **k))
     a, b = torch.randn(6, 4), torch.randn(8, 5)
     ad, bd = to_device((a, b))
     with torch.tpu.set_eager_mode(getattr(torch.tpu.EagerMode, mode)):

@@ -29,7 +29,7 @@ class Strict:
 
     name = "strict"
     # Whether float casts wait to be converted inside their consumers' programs
-    # (``lazy_casts``): one launch each less; ``lazy_ops``: pointwise calls of one tensor too.
+    # (``lazy_casts``): one launch each less; ``lazy_ops``: pointwise calls of tensors too.
     lazy_casts = True
     lazy_ops = True
 

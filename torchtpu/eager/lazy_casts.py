@@ -40,6 +40,15 @@ value's tensor still lives (``over``); and a copy of a view into a whole
 new tensor (reshape's clone of a transposed tensor, ``kernels.read_converted``) is a
 ``Converted`` reading its source through the view (``view``).
 
+Since strict8 (a 12-layer step's launches 894 -> 578): a pointwise call of several tensors (the
+norms' products, the rotary products and sums, the residual sums, the backward's products and
+gradient sums) is held too (``_held_call``), always kept: its first reader computes it and
+returns it, so it is computed once, and its inputs live until then. What its inputs may hold
+beyond its result, in all the pending ones, is bounded by ``LARGER``; none is held under a
+memory limit. A cast of one (autocast's, for the next product) is the same call converted
+(``_cast_of_held``). A bfloat16 or float16 held value is rounded inside its reader
+(``program.rounded``), where XLA would otherwise skip the rounding between ops.
+
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
 The source is lent (``tensors.lend``) so that no view write donates its buffer meanwhile, and
@@ -59,7 +68,7 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchtpu.device import autocast, dtypes, tensors
+from torchtpu.device import autocast, dtypes, memory_limit, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
 from torchtpu.runtime import warm
 
@@ -370,10 +379,11 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     own reader settles it: that launch stays), nor where the held calls pending would then hold
     more than ``LARGER`` bytes beyond their results in all: each input may die before the first
     reader comes (a gradient kept in ``.grad`` is read by the optimizer), and then holding it
-    costs what it holds beyond the result."""
+    costs what it holds beyond the result. Nor under a memory limit: its result's memory would
+    be asked for at its reader, whose line a refusal would then name, not the user's."""
     shape = spec.shape
     reads = [p for kind, p in spec.entries if kind == "t"]
-    if shape is None or any(_keeps(p) for p in reads):
+    if shape is None or any(_keeps(p) for p in reads) or memory_limit.limit() is not None:
         return None
     held = list(arrays(dyn[:count]))
     if any(type(a) is not ArrayImpl for a in held):
@@ -381,7 +391,7 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     unique = {id(a): a for a in held}.values()
     extra = max(0, sum(a.size * a.dtype.itemsize for a in unique)
                 - math.prod(shape) * spec.final.itemsize)
-    if _holding[0] + extra > LARGER:
+    if extra and _holding[0] + extra > LARGER:
         return None
     held = Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
     held.extra = extra
