@@ -353,3 +353,19 @@ def test_a_held_calls_inputs_keep_their_values_when_written(write, buckets_off):
             e[1].fill_(7.0)
             d[2].fill_(9.0)
         assert torch.equal(p.cpu(), x * w)
+
+
+def test_held_calls_hold_at_most_larger_bytes_beyond_their_results_in_all(monkeypatch):
+    # Each input may die before the held call's first reader comes (a gradient in ``.grad``):
+    # the pending ones together hold no more than ``LARGER`` bytes beyond their results.
+    e, f, g, h = (torch.randn(3, 1000, device="tpu") for _ in range(4))  # 12,000 bytes each
+    monkeypatch.setattr(lazy_casts, "LARGER", 20_000)
+    first = e + f  # 12,000 beyond its result
+    assert _lazy(first)
+    assert not _lazy(g + h)  # 24,000 in all
+    assert _lazy(e * e)  # nothing beyond its result
+    assert torch.equal(first.cpu(), e.cpu() + f.cpu())  # computed: its inputs are its own again
+    second = g + h
+    assert _lazy(second)
+    del second  # dropped unread: nothing held any more
+    assert _lazy(g * h)
