@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from typing import NamedTuple
 
@@ -198,7 +199,7 @@ class Converted(tensors.Deferred):
         source = self.source
         for array in arrays(source):
             tensors.unlend(array)
-        _holding[0] -= self.extra
+        _hold(-self.extra)
         self.source = None
         _pending.discard(self)
         if self.keep:
@@ -211,7 +212,7 @@ class Converted(tensors.Deferred):
         if self.source is not None:
             for array in arrays(self.source):
                 tensors.unlend(array)
-            _holding[0] -= self.extra
+            _hold(-self.extra)
             if self.keep:
                 _unkeep(self.source, self)
 
@@ -395,12 +396,20 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
         return None
     held = Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
     held.extra = extra
-    _holding[0] += extra
+    _hold(extra)
     return held
 
 
 # The bytes the pending held calls of several tensors hold beyond their results, at most.
 _holding = [0]
+_holding_lock = threading.Lock()
+
+
+def _hold(nbytes: int) -> None:
+    # (Backward holds calls on autograd's thread; a value may die on either thread.)
+    if nbytes:
+        with _holding_lock:
+            _holding[0] += nbytes
 
 
 def _keeps(how) -> bool:
