@@ -112,3 +112,36 @@ def test_a_list_read_as_it_is_written(mode, short_paths):
             torch._foreach_addcmul_(got, got, got, 0.5)
         assert torch.equal(got[0].cpu(), ref[0])
     assert short_paths[0] >= 2
+
+
+@pytest.fixture
+def list_reads(monkeypatch):
+    """How many functional calls over tensor lists found their arrays on the short path."""
+    from torchtpu.eager import seen_lists
+
+    taken = [0]
+    arrays = seen_lists.arrays
+
+    def spy(values, reads):
+        found = arrays(values, reads)
+        taken[0] += found is not None
+        return found
+
+    monkeypatch.setattr(seen_lists, "arrays", spy)
+    return taken
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["strict", "defer"])
+def test_functional_list_calls_take_it(mode, list_reads):
+    a = [torch.randn(3, 4), torch.randn(5)]
+    xs = [t.to("tpu") for t in a]
+    with torch.tpu.set_eager_mode(mode):
+        for scale in (0.5, 2.0, 3.0):
+            norms = torch._foreach_norm(xs, 2.0)
+            roots = torch._foreach_sqrt([(t.abs() * scale).to("tpu") for t in a])
+            joined = torch.cat(xs[:1] * 2)
+            for n, r, t in zip(norms, roots, a):
+                torch.testing.assert_close(n.cpu(), torch.linalg.vector_norm(t))
+                torch.testing.assert_close(r.cpu(), (t.abs() * scale).sqrt())
+            torch.testing.assert_close(joined.cpu(), torch.cat([a[0], a[0]]))
+    assert list_reads[0] >= 2 * 3  # norm, sqrt and cat of the second and third rounds

@@ -49,6 +49,10 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
 
     seen: dict = {}  # signature -> [seen_calls.Seen]
     repeatable = not lowering.random  # a random call's key entry depends on its values
+    # A call over tensor lists (``_foreach_norm``, ``cat``) is kept as ``seen_lists`` keeps them.
+    lists = _reads_lists(op)
+    key_of, reads_of, read = (seen_lists.functional(oi, traced_arguments(op, lowering)) if lists
+                              else (signature, None, None))
 
     def handle(args, kwargs):
         values, _ = schema.bind(oi, args, kwargs)
@@ -57,12 +61,12 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         hit = key = None
         if repeatable and HOOKS.capture is None:
             try:
-                key = signature(values)
+                key = key_of(values)
                 hit = seen.get(key)
-            except TypeError:  # an unhashable constant: the full path
+            except (TypeError, AttributeError):  # unhashable, or a None among tensors
                 hit, key = False, None
             if hit:
-                found = seen_calls.read(values, hit)
+                found = (read or seen_calls.read)(values, hit)
                 if found is not None:
                     kept, dyn = found
                     out = run_seen(lowering, kept, values, dyn)
@@ -76,10 +80,13 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         # channels-last call's result format. One read another way than the signature's
         # remembered calls (a view where they read whole arrays) is kept beside them.
         reads = None if hit is False or key is None or results.formatted(result) \
-            else seen_calls.reads_of(spec, values)
+            else (reads_of or seen_calls.reads_of)(spec, values)
         out = results.wrapped(compute(lowering, spec, values), result)
         if reads is not None:
-            seen_calls.remember(seen, key, reads, result, spec)
+            if lists:
+                seen_lists.remember(seen, key, spec, reads, result, listed=True)
+            else:
+                seen_calls.remember(seen, key, reads, result, spec)
         return list(out) if returns_list else out
 
     return handle
@@ -255,6 +262,10 @@ def _over_lists(op: OpOverload) -> bool:
     """Whether op writes tensor lists in place (the ``_foreach_*_`` ops)."""
     return any(a.alias_info is not None and a.alias_info.is_write
                and str(a.type).startswith("List[Tensor]") for a in op._schema.arguments)
+
+
+def _reads_lists(op: OpOverload) -> bool:
+    return any(str(a.type).startswith("List[Tensor]") for a in op._schema.arguments)
 
 
 def _fallback_handler(op: OpOverload):

@@ -145,5 +145,21 @@ def storable(flat: list, results: list) -> bool:
         for t, a in zip(flat, results))
 
 
-def remember(seen: dict, key: tuple, spec: Spec, reads: tuple) -> None:
-    meta.bounded_put(seen, key, Seen(None, spec, reads, ()))
+def remember(seen: dict, key: tuple, spec: Spec, reads: tuple, result=None,
+             listed: bool = False) -> None:
+    """Keep the full path's spec (and a functional call's result descriptions) for signature
+    ``key``; ``listed``: as ``seen_calls`` keeps a signature's calls, a list of them."""
+    kept = Seen(result, spec, reads, ())
+    meta.bounded_put(seen, key, [kept] if listed else kept)
+
+
+def functional(oi, traced: frozenset) -> tuple:
+    """(signature, reads_of, read) for ``dispatch._functional_handler`` of an op reading tensor
+    lists (``_foreach_norm``, ``cat``), in ``seen_calls``' terms."""
+
+    def read(values: list, known: list):
+        dyn = arrays(values, known[0].reads)
+        return None if dyn is None else (known[0], dyn)
+
+    return (lambda values: signature(values, traced, oi.defaults),
+            lambda spec, values: reads_of(spec, values, ()), read)
