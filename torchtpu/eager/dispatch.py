@@ -48,7 +48,10 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
 
     seen: dict = {}  # signature -> [seen_calls.Seen]
-    repeatable = not lowering.random  # a random call's key entry depends on its values
+    # A random call's key entry depends on its values: one that draws no key (SDPA without
+    # dropout) repeats; its spec leads with that entry, so its reads count from 1.
+    keyed = bool(lowering.random)
+    repeatable = not keyed or callable(lowering.random)
     # A call over tensor lists (``_foreach_norm``, ``cat``) is kept as ``seen_lists`` keeps them.
     lists = _reads_lists(op)
     key_of, reads_of, read = (seen_lists.functional(oi, traced_arguments(op, lowering)) if lists
@@ -59,14 +62,14 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
         hit = key = None
-        if repeatable and HOOKS.capture is None:
+        if repeatable and HOOKS.capture is None and not (keyed and lowering.draws_key(values)):
             try:
                 key = key_of(values)
                 hit = seen.get(key)
             except (TypeError, AttributeError):  # unhashable, or a None among tensors
                 hit, key = False, None
             if hit:
-                found = (read or seen_calls.read)(values, hit)
+                found = (read or seen_calls.read)([None, *values] if keyed else values, hit)
                 if found is not None:
                     kept, dyn = found
                     out = run_seen(lowering, kept, values, dyn)
@@ -76,11 +79,12 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                     out = None if out is None else wrap(out)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
-        # A signature does not tell layouts apart: a contiguous call must not take a
-        # channels-last call's result format. One read another way than the signature's
-        # remembered calls (a view where they read whole arrays) is kept beside them.
-        reads = None if hit is False or key is None or results.formatted(result) \
-            else (reads_of or seen_calls.reads_of)(spec, values)
+        # A signature holds every tensor's strides, which decide a laid-out result's layout
+        # (channels-last, SDPA's output in its query's order): its wrapper lays it out again.
+        # One read another way than the signature's remembered calls (a view where they read
+        # whole arrays) is kept beside them.
+        reads = None if hit is False or key is None \
+            else (reads_of or seen_calls.reads_of)(spec, [None, *values] if keyed else values)
         out = results.wrapped(compute(lowering, spec, values), result)
         if reads is not None:
             if lists:
