@@ -31,7 +31,9 @@ built before (ops, where the recorded calls first differ, outputs kept alive, do
 program built in a steady step is what a multi-second step on the chip would be. ``host``: the
 synced steps' medians (recording CPU, per op, the device's time after the recording) and the step
 they make for a loop reading each step's loss (recording + flush + device) and for one reading
-none (the larger of the two, overlapped). Then one steady step profiled: the device's busy
+none (the larger of the two, overlapped). ``clock``: the process's threads, the time to list them
+(outside the step's clocks) and a busy loop's thread CPU over its wall, to read the CPU figures
+by. Then one steady step profiled: the device's busy
 time and its longest programs and ops. Writes ``defer_chip.json`` under ``--out`` (default
 ``$OUT``, else the working directory) after each phase.
 """
@@ -150,22 +152,46 @@ def key_difference(new: tuple, old: list) -> dict:
 
 
 class HostClock:
-    """CPU time of the threads that record a step: the caller's and PyTorch's autograd
-    threads' (backward runs there), from the kernel's per-thread CPU clocks; and the garbage
-    collections inside the step (``gc``: their time and how many were full)."""
+    """A step's wall (``wall_ms``) and the CPU time of the threads that record it (``ms``): the
+    caller's and PyTorch's autograd threads' (backward runs there), from the kernel's
+    per-thread CPU clocks; and the garbage collections inside the step (``gc``: their time and
+    how many were full). Finding the autograd threads reads ``/proc`` once a thread of the
+    process; the TPU runtime starts many threads and the chip host's gVisor serves ``/proc``
+    from its own kernel, so the listing stays outside both clocks."""
 
     def __enter__(self) -> HostClock:
         self._gc = defer_host.GcClock().__enter__()
         self._threads = defer_host._autograd_threads()
         self._start = time.thread_time() + defer_host._cpu_of(self._threads)
+        self._wall = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
-        # Autograd threads start at the first backward: those new since count from zero.
-        threads = defer_host._autograd_threads()
-        self.ms = (time.thread_time() + defer_host._cpu_of(threads) - self._start) * 1e3
+        wall = time.perf_counter()
+        cpu = time.thread_time() + defer_host._cpu_of(self._threads)
+        self.wall_ms = (wall - self._wall) * 1e3
+        # Autograd threads start at the first backward: one new since ran only inside the step.
+        new = [t for t in defer_host._autograd_threads() if t not in self._threads]
+        self.ms = (cpu + defer_host._cpu_of(new) - self._start) * 1e3
         self._gc.__exit__(*exc)
         self.gc = {"gc_ms": round(self._gc.ms, 2), "gc_full": self._gc.counts[2]}
+
+
+def clock_check(busy_s: float = 0.3) -> dict:
+    """What the host's clocks can be trusted with: the process's threads, one listing of them
+    (``HostClock``'s, outside its clocks), and a busy loop's thread CPU against its wall (1.0
+    where the thread clock counts every running moment; gVisor's counts 10 ms ticks of a
+    timer re-armed after each tick)."""
+    start = time.perf_counter()
+    for _ in range(5):
+        defer_host._autograd_threads()
+    listing_ms = (time.perf_counter() - start) / 5 * 1e3
+    wall, cpu = time.perf_counter(), time.thread_time()
+    while time.perf_counter() - wall < busy_s:
+        pass
+    return {"threads": len(os.listdir("/proc/self/task")), "listing_ms": round(listing_ms, 3),
+            "busy_cpu_per_wall": round((time.thread_time() - cpu) /
+                                       (time.perf_counter() - wall), 3)}
 
 
 def _finished(loss: torch.Tensor) -> bool | None:
@@ -225,24 +251,22 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE), Timers() as timers:
         for i in range(warmup):
             before = _counters()
-            t0 = time.perf_counter()
             with HostClock() as host:
                 loss = step(x, y)
             t1 = time.perf_counter()
             loss.item()
             t2 = time.perf_counter()
             flush, launch = timers.take()
-            out["steps"].append(_step_line("warmup", i, (t1 - t0) * 1e3, flush, launch,
+            out["steps"].append(_step_line("warmup", i, host.wall_ms, flush, launch,
                                            (t2 - t1) * 1e3 - flush, before, keys, host.ms,
                                            **host.gc))
         out["warmup_s"] = time.perf_counter() - start
         t_free = time.perf_counter()
         for i in range(steps):
             before, previous = _counters(), loss
-            t0 = time.perf_counter()
             with HostClock() as host:
                 loss = step(x, y)
-            record = (time.perf_counter() - t0) * 1e3
+            record = host.wall_ms
             flush, launch = timers.take()
             # The step before ran from this step's first op: still running now means the host
             # recorded this step while the device computed that one.
@@ -261,18 +285,18 @@ def run(layers: int, batch: int, seq: int, warmup: int, steps: int, profile: boo
         out["free_ms_per_step"] = (time.perf_counter() - t_free) / steps * 1e3
         for i in range(steps):
             before = _counters()
-            t0 = time.perf_counter()
             with HostClock() as host:
                 loss = step(x, y)  # kept alive as in the other phases: the same outputs wanted
             t1 = time.perf_counter()
             torch.tpu.synchronize()
             t2 = time.perf_counter()
             flush, launch = timers.take()
-            out["steps"].append(_step_line("synced", i, (t1 - t0) * 1e3, flush, launch,
+            out["steps"].append(_step_line("synced", i, host.wall_ms, flush, launch,
                                            (t2 - t1) * 1e3 - flush, before, keys, host.ms,
                                            **host.gc))
         out["peak_gib"] = torch.tpu.max_memory_allocated() / 2**30
         out["host"] = _host_summary([s for s in out["steps"] if s["phase"] == "synced"])
+        out["clock"] = clock_check()
         if profile:
             # The loss kept as the loops keep it: a step whose loss nobody holds wants one output
             # fewer, another program (compiled inside the profile).
@@ -314,7 +338,7 @@ def main(argv: list | None = None) -> dict:
     with open(path, "w") as f:
         json.dump(results, f, indent=1, default=str)
     llama = results.get("llama", {})
-    for k in ("warmup_s", "free_ms_per_step", "host", "peak_gib", "profile"):
+    for k in ("warmup_s", "free_ms_per_step", "host", "clock", "peak_gib", "profile"):
         if k in llama:
             shown = {m: v for m, v in llama[k].items() if m != "top_programs"} \
                 if isinstance(llama[k], dict) else llama[k]

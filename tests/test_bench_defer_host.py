@@ -79,3 +79,36 @@ def test_defer_host_splits_a_steady_step(tmp_path):
     # The op path and the flush's parts are within what the recording threads spent.
     assert 0 < defer["op_path.record"] < defer["op_path"] < defer["host_cpu_ms"]
     assert defer["flush.key_lookup"] > 0 and defer["flush"] <= defer["read_cpu_ms"] + 1
+
+
+def _defer_chip():
+    spec = importlib.util.spec_from_file_location(
+        "bench_defer_chip", os.path.join(_ROOT, "bench", "defer_chip.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_clock_keeps_the_thread_listing_out_of_its_clocks(monkeypatch):
+    """On the chip host each listing reads /proc once a thread (many, under gVisor): a step's
+    wall and CPU are the step's alone."""
+    defer_chip = _defer_chip()
+    listings = defer_host._autograd_threads
+
+    def slow_listing():
+        t = time.thread_time()
+        while time.thread_time() - t < 0.05:  # as a slow /proc would, in CPU and in wall
+            pass
+        return listings()
+
+    monkeypatch.setattr(defer_host, "_autograd_threads", slow_listing)
+    monkeypatch.setattr(defer_chip, "defer_host", defer_host)
+    with defer_chip.HostClock() as clock:
+        pass
+    assert clock.wall_ms < 20 and clock.ms < 20
+
+
+def test_clock_check_reads_the_busy_loop_and_the_threads():
+    check = _defer_chip().clock_check(busy_s=0.05)
+    assert check["threads"] >= 1 and check["listing_ms"] > 0
+    assert 0 < check["busy_cpu_per_wall"] <= 1.05

@@ -145,10 +145,14 @@ def test_an_in_place_list_call_makes_its_call_key_once(monkeypatch):
     a = [torch.randn(3, 4) for _ in range(5)]
     b = [torch.randn(3, 4) for _ in range(5)]
     xs, ys = [t.to("tpu") for t in a], [t.to("tpu") for t in b]
+    # ys of another layout: the same call key, another ``seen_lists`` signature (the full path)
+    laid = [y.t().contiguous().t() for y in ys]
     with torch.tpu.set_eager_mode(DEFER):
-        torch._foreach_add_(xs, ys, alpha=0.3)  # planned and checked once, remembered
+        torch._foreach_add_(xs, ys, alpha=0.3)  # planned and checked, remembered
         monkeypatch.setattr(meta, "call_key", spy)
-        torch._foreach_add_(xs, ys, alpha=0.7)
+        torch._foreach_add_(xs, laid, alpha=0.7)
+        assert keyed[0] == 1
+        torch._foreach_add_(xs, ys, alpha=0.2)  # ``seen_lists``' short path: none
         assert keyed[0] == 1
         got = [x.cpu() for x in xs]
-    torch.testing.assert_close(got, [x + 0.3 * y + 0.7 * y for x, y in zip(a, b)])
+    torch.testing.assert_close(got, [x + 1.2 * y for x, y in zip(a, b)])

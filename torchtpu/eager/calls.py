@@ -24,6 +24,7 @@ from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, wi
 from torchtpu.lowering.registry import META_STRIDES, Lowering
 
 OpOverload = torch._ops.OpOverload
+_SEQUENCES = (tuple, list)
 
 @functools.cache
 def traced_arguments(op: OpOverload, lowering: Lowering) -> frozenset:
@@ -168,18 +169,20 @@ def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)
 
 
-def run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple):
-    """``compute`` of a call on ``seen_calls``' short path (its arrays read already): the same
-    hooks and executor, and the executor's ``launcher`` for the call's spec, found once per
-    remembered call and executor, where its ``run`` would only launch the program."""
+def run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple,
+             writes: bool = False):
+    """``compute`` of a call on ``seen_calls``' (or ``seen_lists``') short path (its arrays
+    read already): the same hooks and executor, and the executor's ``launcher`` for the call's
+    spec, found once per remembered call and executor, where its ``run`` would only launch the
+    program."""
     padded_inputs = HOOKS.padded_inputs
     if padded_inputs is not None:
-        out = padded_inputs(lowering, kept.spec, values, False)
+        out = padded_inputs(lowering, kept.spec, values, writes)
         if out is not None:
             return out
     growing = HOOKS.growing
     if growing is not None:
-        out = growing(lowering, kept.spec, values, dyn, kept.views, False)
+        out = growing(lowering, kept.spec, values, dyn, kept.views, writes)
         if out is not None:
             return dedupe(out, dyn)
     current = executor.current()
@@ -191,6 +194,8 @@ def run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple
         return dedupe(current.run(lowering, kept.viewed, dyn), dyn)
     metrics.count("executions")
     out = launch.run(lowering.op, fn, dyn)
+    if out.__class__ in _SEQUENCES:
+        return _dedupe_all(out, {id(x) for x in dyn})
     for x in dyn:  # ``dedupe``'s test, inline: a program may hand an input back
         if out is x:
             return tensors.fresh_copy(out)

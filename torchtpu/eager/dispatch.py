@@ -22,7 +22,16 @@ from torch._decomp import decomposition_table
 from torchtpu import errors
 from torchtpu.device import dtypes, kernels, overlap, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import at_call, fallback, meta, refusals, results, schema, seen_calls
+from torchtpu.eager import (
+    at_call,
+    fallback,
+    meta,
+    refusals,
+    results,
+    schema,
+    seen_calls,
+    seen_lists,
+)
 from torchtpu.eager.calls import compute, compute_unknown_shape, plan, run_seen, traced_arguments
 from torchtpu.eager.lazy_casts import computed
 from torchtpu.eager.seen_calls import signature
@@ -39,21 +48,28 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
     returns_list = len(op._schema.returns) == 1 and str(op._schema.returns[0].type) == "Tensor[]"
 
     seen: dict = {}  # signature -> [seen_calls.Seen]
-    repeatable = not lowering.random  # a random call's key entry depends on its values
+    # A random call's key entry depends on its values: one that draws no key (SDPA without
+    # dropout) repeats; its spec leads with that entry, so its reads count from 1.
+    keyed = bool(lowering.random)
+    repeatable = not keyed or callable(lowering.random)
+    # A call over tensor lists (``_foreach_norm``, ``cat``) is kept as ``seen_lists`` keeps them.
+    lists = _reads_lists(op)
+    key_of, reads_of, read = (seen_lists.functional(oi, traced_arguments(op, lowering)) if lists
+                              else (signature, None, None))
 
     def handle(args, kwargs):
         values, _ = schema.bind(oi, args, kwargs)
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
         hit = key = None
-        if repeatable and HOOKS.capture is None:
+        if repeatable and HOOKS.capture is None and not (keyed and lowering.draws_key(values)):
             try:
-                key = signature(values)
+                key = key_of(values)
                 hit = seen.get(key)
-            except TypeError:  # an unhashable constant: the full path
+            except (TypeError, AttributeError):  # unhashable, or a None among tensors
                 hit, key = False, None
             if hit:
-                found = seen_calls.read(values, hit)
+                found = (read or seen_calls.read)([None, *values] if keyed else values, hit)
                 if found is not None:
                     kept, dyn = found
                     out = run_seen(lowering, kept, values, dyn)
@@ -63,14 +79,18 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                     out = None if out is None else wrap(out)
                     return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
-        # A signature does not tell layouts apart: a contiguous call must not take a
-        # channels-last call's result format. One read another way than the signature's
-        # remembered calls (a view where they read whole arrays) is kept beside them.
-        reads = None if hit is False or key is None or results.formatted(result) \
-            else seen_calls.reads_of(spec, values)
+        # A signature holds every tensor's strides, which decide a laid-out result's layout
+        # (channels-last, SDPA's output in its query's order): its wrapper lays it out again.
+        # One read another way than the signature's remembered calls (a view where they read
+        # whole arrays) is kept beside them.
+        reads = None if hit is False or key is None \
+            else (reads_of or seen_calls.reads_of)(spec, [None, *values] if keyed else values)
         out = results.wrapped(compute(lowering, spec, values), result)
         if reads is not None:
-            seen_calls.remember(seen, key, reads, result, spec)
+            if lists:
+                seen_lists.remember(seen, key, spec, reads, result, listed=True)
+            else:
+                seen_calls.remember(seen, key, reads, result, spec)
         return list(out) if returns_list else out
 
     return handle
@@ -90,23 +110,40 @@ def _resize_out(t: torch.Tensor, shape) -> None:
 
 
 def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional,
-                      traced: frozenset = frozenset(), lowering: Lowering | None = None):
+                      traced: frozenset = frozenset(), lowering: Lowering | None = None,
+                      repeat: Lowering | None = None):
     """In-place and out= overloads: compute the functional twin, write into the targets.
 
     ``traced``: the twin's traced number arguments (same positions: the signatures match).
     ``lowering``: the twin's, where its result shape may depend on values (no meta kernel then).
+    ``repeat``: the twin's, where its in-place calls over tensor lists may take
+    ``seen_lists``' short path.
     """
     oi = schema.info(op)
     foi = schema.info(functional)
     # The twins' call keys of one call are equal when their schemas' defaults are: made once
     # for both (an optimizer's foreach call keys ~4 lists of a tensor a parameter).
     shared = (oi.defaults, oi.generator_index) == (foi.defaults, foi.generator_index)
+    if not shared or oi.out_names:
+        repeat = None
+    seen: dict = {}  # seen_lists.signature -> seen_calls.Seen
 
     def handle(args, kwargs):
         values, outs = schema.bind(oi, args, kwargs)
         if outs and lowering is not None and lowering.shape_depends_on_values(values):
             return _write_computed(op, oi, values, outs,
                                    compute_unknown_shape(lowering, foi, values))
+        seen_key = None
+        if repeat is not None and HOOKS.capture is None:
+            try:
+                seen_key = seen_lists.signature(values, traced, oi.defaults)
+                kept = seen.get(seen_key)
+            except (TypeError, AttributeError):  # unhashable, or a None among tensors
+                seen_key = kept = None
+            if kept is not None:
+                dyn = seen_lists.arrays(values, kept.reads)
+                if dyn is not None:
+                    return _repeat_in_place(op, oi, repeat, kept, values, dyn)
         key = meta.call_key(oi, values, traced) if shared else None
         # The mutating op's own meta kernel checks what PyTorch checks (shapes, castability)
         # and says what shape each out= argument must take.
@@ -120,12 +157,35 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
                     raise meta.device_error(t)
                 _resize_out(t, s)
         overlap.check_between(op, flat, schema.read(oi, values, overlap.read_first(op)))
-        arrays = compute_functional(foi, values, [t.dtype for t in flat], key)
-        for t, a in zip(flat, schema.flatten(arrays)):
+        final = [t.dtype for t in flat]
+        reads = None
+        if seen_key is not None:  # how the twin reads, before it runs (see ``seen_calls``)
+            spec = plan(functional, repeat, foi, values, _final(final), key)[1]
+            reads = seen_lists.reads_of(spec, values, oi.written)
+        arrays = schema.flatten(compute_functional(foi, values, final, key))
+        if reads is not None and seen_lists.storable(flat, arrays):
+            seen_lists.remember(seen, seen_key, spec, reads)
+        for t, a in zip(flat, arrays):
             tensors.write(t, kernels.convert(a, t))
         return schema.returns(op, targets)
 
     return handle
+
+
+def _repeat_in_place(op: OpOverload, oi: schema.OpInfo, lowering: Lowering,
+                     kept: seen_calls.Seen, values: list, dyn: tuple):
+    """An in-place call on ``seen_lists``' short path: the twin run from the read arrays, each
+    result its target's storage's array (no overlap to check: see ``seen_lists``)."""
+    targets, flat = _flat_targets(values, oi, ())
+    out = schema.flatten(computed(run_seen(lowering, kept, values, dyn, writes=True)))
+    for t, a in zip(flat, out):
+        t.untyped_storage()._tpu_array = a
+    return schema.returns(op, targets)
+
+
+def _final(target_dtypes: list):
+    final = tuple(dtypes.to_jax(d) for d in target_dtypes)
+    return final if len(final) > 1 else final[0]
 
 
 def _write_computed(op: OpOverload, oi: schema.OpInfo, values: list, outs: list, computed):
@@ -154,9 +214,7 @@ def _leaves(d):
 
 def _lowered_functional(functional: OpOverload, lowering: Lowering):
     def run(foi, values, target_dtypes, key):
-        final = tuple(dtypes.to_jax(d) for d in target_dtypes)
-        _, spec = plan(functional, lowering, foi, values, final if len(final) > 1 else final[0],
-                       key)
+        _, spec = plan(functional, lowering, foi, values, _final(target_dtypes), key)
         return computed(compute(lowering, spec, values, writes=True))
 
     return run
@@ -204,6 +262,16 @@ def _decomposition_handler(op: OpOverload, decomp):
     return handle
 
 
+def _over_lists(op: OpOverload) -> bool:
+    """Whether op writes tensor lists in place (the ``_foreach_*_`` ops)."""
+    return any(a.alias_info is not None and a.alias_info.is_write
+               and str(a.type).startswith("List[Tensor]") for a in op._schema.arguments)
+
+
+def _reads_lists(op: OpOverload) -> bool:
+    return any(str(a.type).startswith("List[Tensor]") for a in op._schema.arguments)
+
+
 def _fallback_handler(op: OpOverload):
     def handle(args, kwargs):
         return fallback.run_on_cpu(op, args, kwargs)
@@ -232,9 +300,12 @@ def _choose(op: OpOverload):
     if functional is not None and functional is not op:
         lowering = lookup(functional)
         if lowering is not None:
-            return _mutating_handler(op, functional, _lowered_functional(functional, lowering),
-                                     traced_arguments(functional, lowering),
-                                     lowering if lowering.data_dependent_shape else None)
+            return _mutating_handler(
+                op, functional, _lowered_functional(functional, lowering),
+                traced_arguments(functional, lowering),
+                lowering if lowering.data_dependent_shape else None,
+                None if lowering.random or lowering.data_dependent_shape or not _over_lists(op)
+                else lowering)
     decomp = decomposition_table.get(op)
     if decomp is not None:
         return _decomposition_handler(op, decomp)

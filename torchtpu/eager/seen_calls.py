@@ -26,6 +26,8 @@ layers' hooks, the current executor, the launch observer all see the same call.
 
 from __future__ import annotations
 
+from math import copysign
+
 import torch
 from jax._src.array import ArrayImpl
 
@@ -40,17 +42,20 @@ _Tensor = torch.Tensor
 
 
 _SEQUENCES = (list, tuple)
+_FLOAT_OR_SEQUENCE = (float, list, tuple)
 
 
 def signature(values: list):
     """The key of a bound call: equal for calls whose plan, spec and program are the same.
 
-    Finer than ``meta.call_key`` (constants by value), and raises TypeError for an unhashable
-    value; -0.0 equals 0.0 here, so ``remember`` keeps no signature holding a float zero.
+    Finer than ``meta.call_key`` (constants by value, a float's with its sign: SDPA's
+    ``dropout_p=0.0``), and raises TypeError for an unhashable value; -0.0 equals 0.0 inside a
+    sequence here, so ``remember`` keeps no signature holding one there.
     """
     return tuple([(v.shape, v.stride(), v.storage_offset(), v.dtype, v.is_cpu)
                   if isinstance(v, _Tensor)
-                  else (v, type(v)) if type(v) not in _SEQUENCES
+                  else (v, type(v)) if type(v) not in _FLOAT_OR_SEQUENCE
+                  else (v, copysign(1.0, v)) if type(v) is float  # 0.0 and -0.0 apart
                   else (tuple(v), tuple(map(type, v)), type(v))
                   for v in values])
 
@@ -83,15 +88,16 @@ def _zero(x) -> bool:
 
 def _simple(spec: Spec) -> bool:
     """Whether a call of spec can be repeated from whole tensors and numbers alone: every entry
-    a tensor, a traced number or a constant, no constant a float zero (whose sign a signature
-    does not tell)."""
+    a tensor, a traced number or a constant, no constant a sequence holding a float zero
+    (whose sign a signature does not tell there)."""
     for kind, payload in spec.entries:
         if kind in (TENSOR, SCALAR):
             if payload is not None:
                 return False
         elif kind != CONST:
             return False
-        elif _zero(payload) or (type(payload) is tuple and any(_zero(x) for x in payload)):
+        elif (type(payload) is tuple and any(_zero(x) for x in payload)) or \
+                (type(payload) is complex and payload == 0):
             return False
     return True
 
