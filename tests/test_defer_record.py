@@ -62,16 +62,18 @@ def test_seen_call_wraps_its_one_result_directly(monkeypatch):
         return wrap(arrays, d)
 
     monkeypatch.setattr(results, "wrapped", spy)
-    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    a, b = torch.randn(4, 3), torch.randn(3, 3) / 3
     x, y = a.to("tpu"), b.to("tpu")
     for mode in (torch.tpu.EagerMode.DEFER_NEVER, DEFER):
         with torch.tpu.set_eager_mode(mode):
-            z = x - y
+            # A product: Strict may hold a pointwise call of two tensors (``lazy_casts``),
+            # which its first reader computes; a product it launches.
+            z = x @ y
             before = walked[0]
             for _ in range(3):
-                z = z - y  # a seen signature: the short path
+                z = z @ y  # a seen signature: the short path
             assert walked[0] == before
-            torch.testing.assert_close(z.cpu(), a - 4 * b)
+            torch.testing.assert_close(z.cpu(), a @ b @ b @ b @ b)
     # Several results still go through the description (and come back as CPU's).
     with torch.tpu.set_eager_mode(DEFER):
         for _ in range(2):
