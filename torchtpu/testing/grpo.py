@@ -7,8 +7,9 @@ batch (``FirstTokenByRow``: the completions of one prompt would otherwise be equ
 would their rewards, leaving zero advantages and no gradient), SGD (AdamW's first step turns
 rounding noise in near-zero gradients into full-size steps of its sign, which no comparison
 survives), and prompts of lengths that change from step to step. It returns each step's logged
-reward, loss and gradient norm, its wall time and how many programs it built or loaded
-(``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), and the trained weights.
+reward, loss and gradient norm, its wall and process CPU time and how many programs it built or
+loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), the frames Dynamo
+traced in training (``dynamo_frames``) and the trained weights.
 ``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]
 [model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per process);
 ``nowatch``: no checks after each weight push (they generate with Hugging Face inside the step,
@@ -78,6 +79,13 @@ def _programs() -> tuple[int, int]:
         by_key
 
 
+def _dynamo_frames() -> int:
+    """Frames Dynamo has traced in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         options: dict | None = None, pad: int | str | None = "auto", watch: bool = True,
         model_dir: str | Path | None = None) -> dict:
@@ -97,11 +105,13 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args, **kwargs) -> None:
-            self.start, self.programs = time.perf_counter(), _programs()
+            self.start, self.cpu, self.programs = time.perf_counter(), time.process_time(), \
+                _programs()
 
         def on_step_end(self, args, state, *rest, **kwargs) -> None:
             programs, by_key = _programs()
             timings.append({"seconds": time.perf_counter() - self.start,
+                            "cpu_seconds": time.process_time() - self.cpu,
                             "programs": programs - self.programs[0],
                             "by_key": by_key - self.programs[1]})
 
@@ -123,6 +133,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
                           processing_class=tokenizer, callbacks=[Clock()])
     pushes = _watch_pushes(trainer, tokenizer) if use_vllm and watch else []
+    frames = _dynamo_frames()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
@@ -131,6 +142,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         "steps": [{"reward": h["reward"], "loss": h["loss"], "grad_norm": h.get("grad_norm")}
                   for h in logs],
         "timings": timings,
+        "dynamo_frames": _dynamo_frames() - frames,
         "pushes": pushes,
         "weights": {k: v.detach().cpu().flatten()[:64].tolist()
                     for k, v in trainer.model.state_dict().items()},
