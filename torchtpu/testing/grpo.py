@@ -8,7 +8,8 @@ would their rewards, leaving zero advantages and no gradient), SGD (AdamW's firs
 rounding noise in near-zero gradients into full-size steps of its sign, which no comparison
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall and process CPU time and how many programs it built or
-loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), the frames Dynamo
+loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key; ``ahead``: of those,
+the ones loaded ahead of use, ``runtime/warm_ahead.py``), the frames Dynamo
 traced in training (``dynamo_frames``) and the trained weights.
 ``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]
 [model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per process);
@@ -69,14 +70,15 @@ def _row_forced(model) -> None:
     model.generate = generate
 
 
-def _programs() -> tuple[int, int]:
-    """(programs built or loaded so far, of them loaded by torchtpu's key)."""
+def _programs() -> tuple[int, int, int]:
+    """(programs built or loaded so far, of them loaded by torchtpu's key, of those loaded ahead
+    of use on the loading thread)."""
     from torchtpu import metrics
 
     snap = metrics.snapshot()
     by_key = snap.get("programs_loaded_by_key", 0)
     return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + by_key, \
-        by_key
+        by_key, snap.get("programs_loaded_ahead", 0)
 
 
 def _dynamo_frames() -> int:
@@ -109,11 +111,12 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
                 _programs()
 
         def on_step_end(self, args, state, *rest, **kwargs) -> None:
-            programs, by_key = _programs()
+            programs, by_key, ahead = _programs()
             timings.append({"seconds": time.perf_counter() - self.start,
                             "cpu_seconds": time.process_time() - self.cpu,
                             "programs": programs - self.programs[0],
-                            "by_key": by_key - self.programs[1]})
+                            "by_key": by_key - self.programs[1],
+                            "ahead": ahead - self.programs[2]})
 
     settings = dict(
         output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
