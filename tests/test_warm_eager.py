@@ -1,10 +1,11 @@
 """Strict's per-op programs in a new process (runtime/warm_dispatch.py): loaded by torchtpu's
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
 default), and so are the device layer's own programs (a view read to the host, a strided write,
-a cast into a view: ``warm_dispatch.keyed``), each loaded ahead of use on a thread from the list
-the first process left (``warm_ahead.py``; ``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's
-dispatch for every signature; a directory others can write, or a JAX whose private entry points
-differ, keeps to JAX's cache (traced first)."""
+a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
+use on a thread from the list the first process left (``warm_ahead.py``;
+``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's dispatch for every signature; a directory
+others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
+first)."""
 
 import json
 import os
@@ -52,9 +53,13 @@ def work(device):
     z = torch.zeros(8, 16, device=device)
     z[:, ::2] = x[:, ::2]
     z.t()[1].copy_(torch.arange(8, device=device))
+    # a mask's programs (its count, then the gather at that count), run outside any op's; the
+    # mask a transfer (a held comparison read by them is still applied op by op, traced)
+    mask = (x.cpu() > 0.5).to(device)
+    picked = x[mask].sum() + torch.nonzero(mask).sum()
     return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item(),
             sum(t.sum().item() for t in listed), inverse.sum().item(), column.sum().item(),
-            z.sum().item()]
+            z.sum().item(), picked.item()]
 
 cpu = work("cpu")
 # the first program starts the thread that loads the last run's programs ahead: let it finish,
