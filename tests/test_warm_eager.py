@@ -1,7 +1,9 @@
 """Strict's per-op programs in a new process (runtime/warm_dispatch.py): loaded by torchtpu's
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
 default), and so are the device layer's own programs (a view read to the host, a strided write,
-a cast into a view: ``warm_dispatch.keyed``); jit's dispatch for every signature; a directory
+a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
+use on a thread from the list the first process left (``warm_ahead.py``;
+``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's dispatch for every signature; a directory
 others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
 first)."""
 
@@ -51,23 +53,36 @@ def work(device):
     z = torch.zeros(8, 16, device=device)
     z[:, ::2] = x[:, ::2]
     z.t()[1].copy_(torch.arange(8, device=device))
+    # a mask's programs (its count, then the gather at that count), run outside any op's; the
+    # mask a transfer (a held comparison read by them is still applied op by op, traced)
+    mask = (x.cpu() > 0.5).to(device)
+    picked = x[mask].sum() + torch.nonzero(mask).sum()
     return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item(),
             sum(t.sum().item() for t in listed), inverse.sum().item(), column.sum().item(),
-            z.sum().item()]
+            z.sum().item(), picked.item()]
 
 cpu = work("cpu")
-names = ("programs_loaded_by_key", "warm_dispatch_off")
+# the first program starts the thread that loads the last run's programs ahead: let it finish,
+# so that the work's loads count as found loaded or not, whatever the box's load
+torch.ones(2, device="tpu").sum().item()
+from torchtpu.runtime import warm
+if warm._ahead_state and warm._ahead_state[0] is not None:
+    warm._ahead_state[0].thread.join()
+names = ("programs_loaded_by_key", "warm_dispatch_off", "programs_loaded_ahead")
 before, counts = traces[0], [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 tpu = work("tpu")
 after = [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 print(json.dumps({"cpu": cpu, "tpu": tpu, "traces": traces[0] - before,
-                  "by_key": after[0] - counts[0], "off": after[1] - counts[1]}))
+                  "by_key": after[0] - counts[0], "off": after[1] - counts[1],
+                  "ahead": after[2] - counts[2]}))
 """
 
 
-def _run(cache, broken: str = "") -> tuple[dict, str]:
+def _run(cache, broken: str = "", ahead: bool = True) -> tuple[dict, str]:
+    # (a run that breaks the dispatch does not load ahead: it would leave the next run a list
+    # of its own few programs)
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(cache), "TORCHTPU_CPU_FALLBACK": "error",
-           "BREAK_DISPATCH": broken}
+           "BREAK_DISPATCH": broken, "TORCHTPU_LOAD_AHEAD": "1" if ahead and not broken else "0"}
     proc = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, text=True,
                           capture_output=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -79,7 +94,7 @@ def filled(tmp_path_factory):
     """A cache one process filled: every op program traced, none loaded by key."""
     cache = tmp_path_factory.mktemp("warm_eager")
     cold, _ = _run(cache)
-    assert cold["traces"] > 0 and cold["by_key"] == 0 == cold["off"]
+    assert cold["traces"] > 0 and cold["by_key"] == 0 == cold["off"] == cold["ahead"]
     assert cold["tpu"] == pytest.approx(cold["cpu"], rel=1e-5, abs=1e-6)
     return cache, cold
 
@@ -88,7 +103,17 @@ def test_second_process_traces_no_op_program(filled):
     cache, _ = filled
     warm_run, _ = _run(cache)
     assert warm_run["traces"] == 0 and warm_run["by_key"] > 0 and warm_run["off"] == 0
+    # every program the work asked for was loaded ahead, on the thread (warm_ahead.py): none
+    # on the work's own path
+    assert warm_run["ahead"] == warm_run["by_key"], warm_run
     assert warm_run["tpu"] == pytest.approx(warm_run["cpu"], rel=1e-5, abs=1e-6)
+
+
+def test_without_loading_ahead_each_program_loads_when_asked(filled):
+    cache, _ = filled
+    run, _ = _run(cache, ahead=False)
+    assert run["traces"] == 0 and run["by_key"] > 0 and run["ahead"] == 0
+    assert run["tpu"] == pytest.approx(run["cpu"], rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("broken", ["missing", "signature", "version"])

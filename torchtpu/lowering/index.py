@@ -24,6 +24,7 @@ from jax import lax
 from torchtpu.lowering.checks import out_of_bounds
 from torchtpu.lowering.padding import Mask, Refused, first, padded, val
 from torchtpu.lowering.registry import check, lowers, padding_rule
+from torchtpu.runtime import warm_dispatch
 
 aten = torch.ops.aten
 
@@ -44,9 +45,14 @@ def unsafe_index(x, indices):
     return x[_advanced(indices)]
 
 
-@jax.jit
-def _true_counts(masks: list) -> list:
+def _true_counts_of(masks: list) -> list:
     return [jnp.count_nonzero(m) for m in masks]
+
+
+# These programs run on concrete arrays outside any executor's program, so they are keyed
+# (``warm_dispatch``): a new process loads them by key instead of tracing each (a colocated GRPO
+# step's first step traced 5, ~18% of its host time: bench/RESULTS.md, rl7).
+_true_counts = warm_dispatch.keyed(jax.jit(_true_counts_of), "mask_counts")
 
 
 def _counts(masks: list) -> list[int]:
@@ -56,8 +62,13 @@ def _counts(masks: list) -> list[int]:
     return [int(n) for n in jax.device_get(_true_counts(masks))]
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _gather_at(sizes: tuple, x, indices: list):
+@functools.lru_cache(maxsize=1024)
+def _gather_at(sizes: tuple) -> Callable:
+    """The program taking ``x[indices]`` whose masks have these counts of true elements."""
+    return warm_dispatch.keyed(jax.jit(functools.partial(_gather, sizes)), "mask_gather", sizes)
+
+
+def _gather(sizes: tuple, x, indices: list):
     # sizes: each mask's count of true elements (None for other indices)
     expanded = []
     for i, n in zip(indices, sizes):
@@ -80,7 +91,7 @@ def index(x, indices):
     # ``x[mask]`` arrives with the boolean mask itself; its true positions decide the shape, so
     # masks become their nonzero indices here, counted first, and the gather runs as one program.
     counts = iter(_counts([i for i in indices if _is_mask(i)]))
-    return _gather_at(tuple(next(counts) if _is_mask(i) else None for i in indices), x, indices)
+    return _gather_at(tuple(next(counts) if _is_mask(i) else None for i in indices))(x, indices)
 
 
 @padding_rule(aten.index.Tensor)
@@ -262,14 +273,19 @@ def masked_select(x, mask):
     shape = jnp.broadcast_shapes(x.shape, mask.shape)
     # broadcasting repeats each element of the mask the same number of times
     repeats = math.prod(shape) // mask.size if mask.size else 0
-    return _select_at(_counts([mask])[0] * repeats, shape, x, mask)
+    return _select_at(_counts([mask])[0] * repeats, shape)(x, mask)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _select_at(size: int, shape: tuple, x, mask):
+@functools.lru_cache(maxsize=1024)
+def _select_at(size: int, shape: tuple) -> Callable:
+    return warm_dispatch.keyed(jax.jit(functools.partial(_select, size, shape)), "mask_select",
+                               size, shape)
+
+
+def _select(size: int, shape: tuple, x, mask):
     # in flat order: a 0-d pair too gives PyTorch's 1-d result
-    return _gather_at((size,), jnp.broadcast_to(x, shape).ravel(),
-                      [jnp.broadcast_to(mask, shape).ravel()])
+    return _gather((size,), jnp.broadcast_to(x, shape).ravel(),
+                   [jnp.broadcast_to(mask, shape).ravel()])
 
 
 @check(aten.masked_select.default)
@@ -281,11 +297,16 @@ def _masked_select_check(self, mask):
 
 @lowers(aten.nonzero.default, data_dependent_shape=True)
 def nonzero(x):
-    return _argwhere(x, _counts([x])[0])
+    return _argwhere(_counts([x])[0])(x)
 
 
-@functools.partial(jax.jit, static_argnums=1)
-def _argwhere(x, size: int):
+@functools.lru_cache(maxsize=1024)
+def _argwhere(size: int) -> Callable:
+    return warm_dispatch.keyed(jax.jit(functools.partial(_argwhere_of, size=size)),
+                               "mask_argwhere", size)
+
+
+def _argwhere_of(x, size: int):
     return jnp.argwhere(x, size=size).astype(jnp.int64)
 
 

@@ -29,6 +29,7 @@ compiler options it is compiled under (``compiler_options.py``).
 
 from __future__ import annotations
 
+import atexit
 import enum
 import functools
 import hashlib
@@ -36,6 +37,7 @@ import json
 import logging
 import os
 import stat
+import threading
 import types
 import warnings
 from pathlib import Path
@@ -51,7 +53,7 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, compiler_options, platform, tpu_hook
+from torchtpu.runtime import compile_cache, compiler_options, platform, tpu_hook, warm_ahead
 
 # A program loaded by key is logged as JAX logs one it compiles: the watch tools count both (a
 # new shape every step costs a program whether a cache holds it or not).
@@ -337,7 +339,9 @@ def compiled_for(jitted, key: str, args: tuple):
     settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
                 _signature(leaves), str(tree), compiler_options.key()]
     key = hashlib.sha256(f"{key}\0{json.dumps(settings)}".encode()).hexdigest()
-    entry = read_record("index", key)
+    ahead = _ahead()
+    loaded = ahead.take(key) if ahead is not None else None
+    entry = None if loaded is not None else read_record("index", key)
     if entry is not None:
         try:
             loaded = _load(entry)
@@ -345,20 +349,66 @@ def compiled_for(jitted, key: str, args: tuple):
             warnings.warn(f"torchtpu.cache: a warm-start entry is unusable ({e!r}); "
                           "compiling the program and replacing the entry",
                           compile_cache.CompileCacheWarning, stacklevel=4)
-            loaded = None
-        if loaded is not None:
-            metrics.count("programs_loaded_by_key")
-            if PROGRAM_LOG.isEnabledFor(logging.DEBUG):
-                PROGRAM_LOG.debug("Loading %s with global shapes and types %s",
-                                  getattr(jitted, "__name__", "program"),
-                                  [jax.typeof(x) for x in leaves])
-            return loaded
+    if loaded is not None:
+        _used.setdefault(key)
+        metrics.count("programs_loaded_by_key")
+        if PROGRAM_LOG.isEnabledFor(logging.DEBUG):
+            PROGRAM_LOG.debug("Loading %s with global shapes and types %s",
+                              getattr(jitted, "__name__", "program"),
+                              [jax.typeof(x) for x in leaves])
+        return loaded
     with compile_cache.requests() as asked:
         compiled = jitted.lower(*args).compile()
     entry = _describe(compiled, asked)
     if entry is not None:
         write_record("index", key, entry)
+        _used.setdefault(key)
     return compiled
+
+
+# ---------------------------------------------------------------------------- ahead
+
+_ahead_lock = threading.Lock()
+_ahead_state: list = []  # [the process's Ahead, or None], once its first program asked
+_used: dict = {}  # the index keys this process loaded or wrote, in first-use order
+
+
+def _ahead() -> warm_ahead.Ahead | None:
+    """The loader of the programs the last run of this command used, started at the process's
+    first program (``warm_ahead``); None when it is off."""
+    if _ahead_state:
+        return _ahead_state[0]
+    with _ahead_lock:
+        if not _ahead_state:
+            manifest = key_of("manifest", warm_ahead.command())
+            if manifest is None or not warm_ahead.enabled() or private_store() is None:
+                _ahead_state.append(None)
+            else:
+                atexit.register(_write_manifest, manifest, os.getpid())
+                _ahead_state.append(warm_ahead.Ahead(
+                    lambda: read_record("manifest", manifest) or [], _load_key))
+    return _ahead_state[0]
+
+
+def _load_key(key: str):
+    entry = read_record("index", key)
+    return None if entry is None else _load(entry)
+
+
+def _write_manifest(manifest: str, pid: int) -> None:
+    if _used and os.getpid() == pid:  # (a forked child inherits its parent's exit hooks)
+        write_record("manifest", manifest, list(_used)[:warm_ahead.MAX_KEYS])
+
+
+def _forget_ahead() -> None:
+    """A forked child starts its own: the parent's thread is not running in it."""
+    global _ahead_lock
+    _ahead_lock = threading.Lock()
+    _ahead_state.clear()
+    _used.clear()
+
+
+os.register_at_fork(after_in_child=_forget_ahead)
 
 
 def _describe(compiled, asked: list) -> dict | None:

@@ -7,8 +7,10 @@ batch (``FirstTokenByRow``: the completions of one prompt would otherwise be equ
 would their rewards, leaving zero advantages and no gradient), SGD (AdamW's first step turns
 rounding noise in near-zero gradients into full-size steps of its sign, which no comparison
 survives), and prompts of lengths that change from step to step. It returns each step's logged
-reward, loss and gradient norm, its wall time and how many programs it built or loaded
-(``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key), and the trained weights.
+reward, loss and gradient norm, its wall and process CPU time and how many programs it built or
+loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key; ``ahead``: of those,
+the ones loaded ahead of use, ``runtime/warm_ahead.py``), the frames Dynamo
+traced in training (``dynamo_frames``) and the trained weights.
 ``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]
 [model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per process);
 ``nowatch``: no checks after each weight push (they generate with Hugging Face inside the step,
@@ -68,14 +70,22 @@ def _row_forced(model) -> None:
     model.generate = generate
 
 
-def _programs() -> tuple[int, int]:
-    """(programs built or loaded so far, of them loaded by torchtpu's key)."""
+def _programs() -> tuple[int, int, int]:
+    """(programs built or loaded so far, of them loaded by torchtpu's key, of those loaded ahead
+    of use on the loading thread)."""
     from torchtpu import metrics
 
     snap = metrics.snapshot()
     by_key = snap.get("programs_loaded_by_key", 0)
     return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + by_key, \
-        by_key
+        by_key, snap.get("programs_loaded_ahead", 0)
+
+
+def _dynamo_frames() -> int:
+    """Frames Dynamo has traced in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
@@ -97,13 +107,16 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args, **kwargs) -> None:
-            self.start, self.programs = time.perf_counter(), _programs()
+            self.start, self.cpu, self.programs = time.perf_counter(), time.process_time(), \
+                _programs()
 
         def on_step_end(self, args, state, *rest, **kwargs) -> None:
-            programs, by_key = _programs()
+            programs, by_key, ahead = _programs()
             timings.append({"seconds": time.perf_counter() - self.start,
+                            "cpu_seconds": time.process_time() - self.cpu,
                             "programs": programs - self.programs[0],
-                            "by_key": by_key - self.programs[1]})
+                            "by_key": by_key - self.programs[1],
+                            "ahead": ahead - self.programs[2]})
 
     settings = dict(
         output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
@@ -123,6 +136,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
                           processing_class=tokenizer, callbacks=[Clock()])
     pushes = _watch_pushes(trainer, tokenizer) if use_vllm and watch else []
+    frames = _dynamo_frames()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
@@ -131,6 +145,7 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         "steps": [{"reward": h["reward"], "loss": h["loss"], "grad_norm": h.get("grad_norm")}
                   for h in logs],
         "timings": timings,
+        "dynamo_frames": _dynamo_frames() - frames,
         "pushes": pushes,
         "weights": {k: v.detach().cpu().flatten()[:64].tolist()
                     for k, v in trainer.model.state_dict().items()},

@@ -268,7 +268,12 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         if (sampled is None or spec_decode_metadata is not None or logits is not sampled[0]
                 or logits.dtype != torch.float32 or not meta.all_greedy
                 or meta.max_num_logprobs is not None or meta.logprob_token_ids):
-            out = super()._sample(logits, spec_decode_metadata)
+            # vLLM compiles its sampler's small helpers (the logprobs' rank count, top-k/top-p)
+            # with the platform's simple backend; on tpu that backend runs the ops eagerly all
+            # the same, so Dynamo's trace of them (~0.3 s in each new process, a third of a warm
+            # GRPO first step's CPU: bench/RESULTS.md, rl7) bought nothing
+            with torch.compiler.set_stance("force_eager"):
+                out = super()._sample(logits, spec_decode_metadata)
             if sampled is not None and spec_decode_metadata is None:
                 self._keep_sampled(out.sampled_token_ids)
             return out
