@@ -32,7 +32,7 @@ from torchtpu.device.views import (
     write_run,
     write_view,
 )
-from torchtpu.runtime import warm, warm_dispatch
+from torchtpu.runtime import warm_dispatch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,
@@ -304,12 +304,10 @@ def _zeros(shape: tuple, dtype):
                                shape, dtype)
 
 
-@functools.lru_cache(maxsize=1024)
-def zeros_now(shape: tuple, dtype) -> warm.Program:
-    """Zeros of shape and dtype, run now, not recorded: a program a warm start loads by its key
-    (a capture makes one per state tensor it creates, as many as a model has shapes)."""
-    return warm.Program(jax.jit(functools.partial(jnp.zeros, shape, dtype)),
-                        warm.key_of("zeros", shape, dtype))
+def zeros_now(shape: tuple, dtype):
+    """Zeros of shape and dtype, run now, not recorded (a capture makes one per state tensor it
+    creates): the eager zeros' own program, so a process compiles or loads it once."""
+    return _zeros(shape, dtype)
 
 
 def stored_array(st: torch.UntypedStorage):
