@@ -30,7 +30,7 @@ def run_part(part: str, args, env: dict, tag: str = "", *, script: str,
            "--shapes", *args.shapes, "--concurrency",
            *map(str, jax_batches if part == "jax" and jax_batches else args.concurrency),
            *(["--kv-bytes", str(args.kv_bytes)] if args.kv_bytes else []),
-           *(["--diagnose"] if getattr(args, "diagnose", False) and part == "vllm" else []),
+           *_diagnose_flag(part, getattr(args, "diagnose", None)),
            *extra]
     timeout = min(args.part_timeout, args.deadline - time.perf_counter() - reserve)
     if timeout < 10:
@@ -48,6 +48,13 @@ def run_part(part: str, args, env: dict, tag: str = "", *, script: str,
     result = json.loads(path.read_text()) if path.exists() else {}
     print(f"{part}{tag}: rc {rc}, {seconds:.0f} s", flush=True)
     return {"rc": rc, "seconds": seconds, "result": result}
+
+
+def _diagnose_flag(part: str, diagnose: list[int] | None) -> list[str]:
+    """``--diagnose`` and its concurrencies, for a vLLM part that was asked for it."""
+    if diagnose is None or part != "vllm":
+        return []
+    return ["--diagnose", *map(str, diagnose)]
 
 
 def publish(args, name: str, summary: dict) -> None:

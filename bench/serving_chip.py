@@ -19,8 +19,9 @@ the chip), results as JSON under ``--out`` (default ``$OUT``):
   each measured round (a warm-up round of the same lengths runs first and compiles the step
   shapes the round meets: ``timed_load``). With ``--paged both`` the vLLM part
   runs twice, with the ragged paged-attention kernel and with the gathered context;
-  ``--diagnose`` adds, after the first load, where a decode step's time goes
-  (``serving_diag.py``: host profile, device trace, the step program replayed alone).
+  ``--diagnose [C ...]`` adds, after the load of each concurrency C (none given: the first
+  load), where a decode step of its requests goes (``serving_diag.py``: phases, host profile,
+  device trace, the step program replayed alone): ``diagnoses[C]``.
 
 What comes back (``--out``): ``serving_chip.json`` (every part's results, rewritten after each
 part) and ``serving_chip_logs.tar.gz`` (each part's own JSON and log, written to ``--work``).
@@ -33,7 +34,7 @@ which a bf16 chip may resolve the other way. ``hf`` runs on the CPU beside the c
 
     python bench/serving_chip.py [--parts make hf jax vllm] [--models qwen2-0.5b]
         [--shapes 512x128 1800x128] [--concurrency 1 8 64 256] [--jax-concurrency 64]
-        [--paged both|on|off] [--diagnose] [--budget S] [--out DIR]
+        [--paged both|on|off] [--diagnose [C ...]] [--budget S] [--out DIR]
     python bench/serving_chip.py --jax-only [--models ...] [--concurrency ...]   # no torch
 
 This module imports neither torch nor vLLM at its top: ``--jax-only`` runs where only JAX is.
@@ -267,14 +268,16 @@ def _decode_figures(steps: list[dict], config: dict) -> dict:
             "decode_phases_median_s": serving_diag.phase_medians(decode)}
 
 
-def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]]) -> dict:
-    """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` (with
-    ``min_tokens``, as the loads of the first chip run: the loads now run without it, so the
-    two show what its eager ops cost) past their prefills, then the phases of 8 decode steps, a
-    host profile of 3, a device trace of 3, the captured step replayed alone and the floors; the
-    requests are dropped after."""
+def diagnose(llm, phases: serving_diag.Phases | None, prompts: list[list[int]],
+             min_tokens: bool = False) -> dict:
+    """Where a decode step's time goes (``serving_diag``): requests of ``prompts`` with the
+    loads' sampling (``min_tokens``: with vLLM's min-tokens processor, the first chip run's
+    eager ops after the step's program) past their prefills, then the phases of 8 decode steps,
+    a host profile of 3, a device trace of 3 (the device's time a step at this many requests:
+    against the load's step, whether the step is host- or device-bound), the captured step
+    replayed alone and the floors; the requests are dropped after."""
     engine = llm.llm_engine
-    ids = _submit(llm, prompts, 64, prefix="diag", min_tokens=True)
+    ids = _submit(llm, prompts, 64, prefix="diag", min_tokens=min_tokens)
     runner = serving_diag.runner_of(llm)
     tokens = sum(map(len, prompts))
     for _ in range(-(-tokens // runner.max_num_tokens) + 2):  # the prefills, and a decode
@@ -371,13 +374,25 @@ def part_vllm(args) -> dict:
                 print(json.dumps(run), flush=True)
                 loads.append(run)
                 _save(args, out)
-                if args.diagnose and "diagnosis" not in result:
-                    result["diagnosis"] = diagnose(llm, phases, timed)
-                    print(json.dumps(result["diagnosis"])[:4000], flush=True)
+                if _diagnosed_after(args, c, result):
+                    done = result.setdefault("diagnoses", {})
+                    done[str(c)] = diagnose(llm, phases, timed)
+                    print(json.dumps(done[str(c)])[:4000], flush=True)
                     _save(args, out)
         out[name] = result
         del llm
     return out
+
+
+def _diagnosed_after(args, concurrency: int, result: dict) -> bool:
+    """Whether ``--diagnose`` asks for a diagnosis after this load: the concurrencies it names,
+    else the first load only."""
+    if args.diagnose is None:
+        return False
+    if args.diagnose:
+        return concurrency in args.diagnose and str(concurrency) not in result.get(
+            "diagnoses", {})
+    return "diagnoses" not in result
 
 
 # ---- the driver ----
@@ -417,9 +432,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--jax-concurrency", type=int, nargs="+",
                     help="the JAX anchor's batches (default: --concurrency)")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="after the first vLLM load: where a decode step's time goes "
-                         "(phases, host profile, device trace, the step program alone)")
+    ap.add_argument("--diagnose", type=int, nargs="*", metavar="C",
+                    help="after the vLLM load of each concurrency C (none: the first load): "
+                         "where a decode step's time goes (phases, host profile, device trace, "
+                         "the step program alone)")
     ap.add_argument("--paged", choices=("both", "on", "off", "auto"), default="auto")
     ap.add_argument("--capture", choices=("lazy", "startup"), default="lazy",
                     help="TORCHTPU_VLLM_CAPTURE: lazy compiles only the step shapes the loads "

@@ -307,3 +307,42 @@ def test_fed_transfers_compares_one_by_one_feeds_with_one_packed_transfer(tmp_pa
     assert out["packed"]["fed_arguments"] == 1
     assert out["packed"]["fed_bytes"] == 4 * (2 + 4 + 3 + 2 + 8 + 4 + 2 + 4 + 4)
     assert out["packed"]["launch_cpu_us"] > 0 and out["one_by_one"]["ready_wall_us"] > 0
+
+
+def test_diagnose_names_the_loads_it_follows_and_reaches_the_vllm_part(chip, tmp_path):
+    """``--diagnose 64`` diagnoses after the 64-request load only (where the chip's step may be
+    device-bound), a bare ``--diagnose`` after the first load; the vLLM part's process gets the
+    concurrencies, other parts no flag."""
+    import argparse
+    import time
+
+    serving_chip, _ = chip
+    sys.path.insert(0, BENCH)
+    try:
+        import chip_parts
+    finally:
+        sys.path.remove(BENCH)
+
+    def after(diagnose, loads):
+        args, result, picked = argparse.Namespace(diagnose=diagnose), {}, []
+        for c in loads:
+            if serving_chip._diagnosed_after(args, c, result):
+                result.setdefault("diagnoses", {})[str(c)] = {}
+                picked.append(c)
+        return picked
+
+    assert after([64], [1, 8, 64, 256]) == [64]
+    assert after([1, 64], [1, 8, 64, 256]) == [1, 64]
+    assert after([], [1, 8, 64]) == [1]
+    assert after(None, [1, 8, 64]) == []
+    script = tmp_path / "argv.py"
+    script.write_text("import json, sys\n"
+                      "json.dump(sys.argv, open(sys.argv[sys.argv.index('--json') + 1], 'w'))\n")
+    args = argparse.Namespace(work=str(tmp_path), models=["tiny"], models_dir="m",
+                              shapes=["8x3"], concurrency=[1, 64], kv_bytes=None,
+                              diagnose=[64], part_timeout=60,
+                              deadline=time.perf_counter() + 60)
+    argv = chip_parts.run_part("vllm", args, dict(os.environ), script=str(script))["result"]
+    assert argv[argv.index("--diagnose"):][:2] == ["--diagnose", "64"], argv
+    argv = chip_parts.run_part("hf", args, dict(os.environ), script=str(script))["result"]
+    assert "--diagnose" not in argv, argv
