@@ -142,6 +142,23 @@ def remember(seen: dict, key, reads: tuple, result, spec: Spec) -> None:
 READS_PER_SIGNATURE = 8
 
 
+def stored(t: _Tensor) -> tuple:
+    """(t's storage's value, what gives its shape and dtype without the properties' Python
+    steps): an array and its aval, or DeferAndFuse's recorded value (its array once run) twice;
+    (the value, None) for anything else (a lazy cast)."""
+    array = t.untyped_storage()._tpu_array
+    kind = type(array)
+    if kind is Pending:
+        if array._value is not None:
+            array = array._value
+            kind = type(array)
+        elif array._error is not None:
+            array.resolve()  # raises what lost it
+    if kind is ArrayImpl:
+        return array, array.aval
+    return array, array if kind is Pending else None
+
+
 def _stored(t: _Tensor):
     """t's storage's computed array or recorded value (what the short path can read), or None."""
     st = t.untyped_storage()
@@ -196,19 +213,10 @@ def arrays(values: list, reads: tuple) -> tuple | None:
                 return None
             out.append(t)
             continue
-        array = t.untyped_storage()._tpu_array
-        kind = type(array)
-        if kind is Pending:  # DeferAndFuse's value: its array once run, else itself
-            if array._value is not None:
-                array = array._value
-                kind = type(array)
-            elif array._error is not None:
-                array.resolve()  # raises what lost it
-        if kind is ArrayImpl:
-            aval = array.aval  # its shape and dtype without the properties' Python steps
-        elif kind is Pending:
-            aval = array  # a recorded value knows its shape and dtype
-        elif kind is Converted:
+        array, aval = stored(t)
+        if aval is None:
+            if type(array) is not Converted:
+                return None
             if array.source is None:  # computed by now (settled by a reader): its value
                 array = array.resolve()
                 aval = array.aval
@@ -218,8 +226,6 @@ def arrays(values: list, reads: tuple) -> tuple | None:
                     return None
                 out.append(array)
                 continue
-        else:
-            return None
         if t.is_conj() or t.is_neg():
             return None
         if type(how) is Geometry:

@@ -29,7 +29,7 @@ from torchtpu.device.dtypes import TORCH_TO_NP
 from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, TENSORS, Spec
-from torchtpu.eager.seen_calls import Seen
+from torchtpu.eager.seen_calls import Seen, stored
 
 _Tensor = torch.Tensor
 _SEQUENCES = (list, tuple)
@@ -59,19 +59,8 @@ def signature(values: list, traced: frozenset, defaults: tuple) -> tuple:
 
 def _whole(t: _Tensor):
     """The array (or recorded value) t is whole, or None."""
-    array = t.untyped_storage()._tpu_array
-    kind = type(array)
-    if kind is Pending:
-        if array._value is not None:
-            array = array._value
-            kind = type(array)
-        elif array._error is not None:
-            array.resolve()  # raises what lost it
-    if kind is ArrayImpl:
-        aval = array.aval
-    elif kind is Pending:
-        aval = array
-    else:
+    array, aval = stored(t)
+    if aval is None:
         return None
     if aval.shape != t.shape or aval.dtype != TORCH_TO_NP.get(t.dtype) or t.is_conj() \
             or t.is_neg():
