@@ -46,6 +46,7 @@ def one(kind: str, steps: int, folder: str, vllm_batch: bool, model: str | None,
         extra.append("vllmbatch")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    env.setdefault("TORCHTPU_LOAD_AHEAD", "1")  # (opt-in: the warm first step's programs)
     if kind == "tpu-vllm":
         extra += ["vllm", "nowatch"]
         env["TORCHTPU_VLLM"] = "1"

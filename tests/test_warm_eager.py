@@ -2,9 +2,9 @@
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
 default), and so are the device layer's own programs (a view read to the host, a strided write,
 a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
-use on a thread from the list the first process left (``warm_ahead.py``;
-``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's dispatch for every signature; a directory
-others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
+use on a thread from the list the first process left (``warm_ahead.py``, opt-in
+``TORCHTPU_LOAD_AHEAD=1``; without it: loaded when asked); jit's dispatch for every
+signature; a directory others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
 first)."""
 
 import json

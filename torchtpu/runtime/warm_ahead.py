@@ -14,7 +14,10 @@ the thread loads it, and loads it itself when the thread has not reached it (the
 skips it): a key is loaded once. Keys of programs the process never asks for stay loaded until
 exit; ``MAX_KEYS`` bounds them (each is ~0.4 MiB of host memory on XLA:CPU).
 
-``TORCHTPU_LOAD_AHEAD=0`` turns it off. Only a private cache directory has records at all
+Opt-in, ``TORCHTPU_LOAD_AHEAD=1``: with it on, the loads ahead hold their executables (and on
+XLA:CPU their memory maps) where the cache's own room-making cannot free them, and the suite's
+cache-safety checks (entries of another CPU, the memory-map limit, restart counts) do not yet
+pass with it. Only a private cache directory has records at all
 (``warm.private_store``); what the thread loads is what the caller would have loaded by the same
 key, so results are the same either way.
 """
@@ -36,7 +39,7 @@ _CLAIMED = object()  # a caller loads the key itself
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return os.environ.get(ENV, "0").strip().lower() in ("1", "on", "true", "yes")
 
 
 def command() -> tuple:
