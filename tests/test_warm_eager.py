@@ -4,8 +4,8 @@ default), and so are the device layer's own programs (a view read to the host, a
 a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
 use on a thread from the list the first process left (``warm_ahead.py``, opt-in
 ``TORCHTPU_LOAD_AHEAD=1``; without it: loaded when asked); jit's dispatch for every
-signature; a directory others can write, or a JAX whose private entry points differ, keeps to JAX's cache (traced
-first)."""
+signature; a directory others can write, or a JAX whose private entry points differ, keeps to
+JAX's cache (traced first)."""
 
 import json
 import os
