@@ -298,16 +298,12 @@ _run_writers = {donate: warm_dispatch.keyed(jax.jit(write_run, donate_argnums=0 
 
 
 @functools.lru_cache(maxsize=1024)
-def _zeros(shape: tuple, dtype):
+def zeros_program(shape: tuple, dtype):
+    """The program making zeros of shape and dtype, one a process: run now (``launch.run``, a
+    capture's state tensors) or recorded (``call``)."""
     # Jitted: an eager jnp.zeros costs ~70 us, and every empty() that is then filled reads one.
     return warm_dispatch.keyed(jax.jit(functools.partial(jnp.zeros, shape, dtype)), "zeros",
                                shape, dtype)
-
-
-def zeros_now(shape: tuple, dtype):
-    """Zeros of shape and dtype, run now, not recorded (a capture makes one per state tensor it
-    creates): the eager zeros' own program, so a process compiles or loads it once."""
-    return _zeros(shape, dtype)
 
 
 def stored_array(st: torch.UntypedStorage):
@@ -347,11 +343,10 @@ def storage_array(t: torch.Tensor):
     if array is None:
         shape = _typed_shape(t, st)
         if shape is not None:
-            zeros = _zeros(shape, dtypes.to_jax(t.dtype))
+            zeros = zeros_program(shape, dtypes.to_jax(t.dtype))
             # A capture reads a never-written storage as a real input, not as zeros it records.
-            array = st._tpu_array = (
-                launch.run(None, zeros_now(shape, dtypes.to_jax(t.dtype)), ())
-                if capture is not None else call(zeros))
+            array = st._tpu_array = (launch.run(None, zeros, ()) if capture is not None
+                                     else call(zeros))
         else:
             array = storages.zeros_for(st)
     if capture is not None:

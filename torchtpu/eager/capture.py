@@ -270,8 +270,8 @@ class Capture:
             if start is None and isinstance(value, Pending):
                 # Created by the capture: zeros until a replay writes it, so that a later
                 # capture (a backward after a forward) reads it as an input of its shape.
-                start = launch.run(None, tensors.zeros_now(tuple(value.shape),
-                                                           np.dtype(value.dtype)), ())
+                start = launch.run(None, tensors.zeros_program(tuple(value.shape),
+                                                               np.dtype(value.dtype)), ())
             if isinstance(start, jax.Array) and not start.committed:
                 # The program's outputs are committed to the device: an uncommitted input
                 # (from jnp.zeros, say) would make the second replay compile again.
