@@ -350,7 +350,8 @@ def compiled_for(jitted, key: str, args: tuple):
                           "compiling the program and replacing the entry",
                           compile_cache.CompileCacheWarning, stacklevel=4)
     if loaded is not None:
-        _used.setdefault(key)
+        if ahead is not None:  # (the list the next run loads ahead: kept only where it will)
+            _used.setdefault(key)
         metrics.count("programs_loaded_by_key")
         if PROGRAM_LOG.isEnabledFor(logging.DEBUG):
             PROGRAM_LOG.debug("Loading %s with global shapes and types %s",
@@ -362,7 +363,8 @@ def compiled_for(jitted, key: str, args: tuple):
     entry = _describe(compiled, asked)
     if entry is not None:
         write_record("index", key, entry)
-        _used.setdefault(key)
+        if ahead is not None:
+            _used.setdefault(key)
     return compiled
 
 
