@@ -40,7 +40,7 @@ from torch.optim.optimizer import (
 
 from torchtpu.compile import eager_buckets
 from torchtpu.eager import executor
-from torchtpu.eager.defer import DeferAndFuse
+from torchtpu.eager.defer_executor import DeferAndFuse
 
 
 class StepRegion(DeferAndFuse):

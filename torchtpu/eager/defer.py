@@ -38,6 +38,7 @@ a 32 MB RMSNorm ran 2.4x faster into a reused buffer); on TPU and GPU reuse save
 Leaving the mode drops what is kept.
 
 Python's garbage collector is told when a loop reached its steady state (``frozen.py``).
+The executor that records into this module's ``RECORDER`` is ``defer_executor.DeferAndFuse``.
 """
 
 from __future__ import annotations
@@ -51,18 +52,11 @@ import jax
 import numpy as np
 import torch
 from jax._src.array import ArrayImpl
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 
 from torchtpu import metrics
 from torchtpu.device import launch, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import facts, frozen, fused_program, numbers
-from torchtpu.eager.executor import Strict
-from torchtpu.eager.program import Spec, program
-from torchtpu.lowering.registry import Lowering
 from torchtpu.runtime import warm
 
 MAX_OPS = 4000
@@ -406,106 +400,3 @@ RECORDER = Recorder()
 def pending_hlo() -> str:
     """The computation DeferAndFuse holds pending, as StableHLO text, without running it."""
     return RECORDER.pending_hlo()
-
-
-def _concrete(x):
-    if isinstance(x, Pending):
-        return x.materialize()
-    if isinstance(x, (list, tuple)):
-        return type(x)(_concrete(v) for v in x)
-    return x
-
-
-class DeferAndFuse(Strict):
-    """Records ops into the process's recording; flushes run them as one fused program.
-
-    An optimizer's first step makes its state outside the recording (``adopt``): made inside,
-    AdamW's zeros would be the first step's program's own, and the second step would compile
-    the steady program once more (~50 s of a 12-layer Llama's warm-up on the chip)."""
-
-    name = "defer_and_fuse"
-
-    def __init__(self) -> None:
-        self._step_hooks: tuple = ()
-        self._outside = False  # an optimizer's state is being made: ops run as Strict runs them
-        self._initializing = None  # the optimizer whose ``_init_group`` is wrapped
-
-    def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
-            return super().run(lowering, spec, dyn)
-        # ``program``'s lookup, inline: every recorded op call comes here.
-        found = spec._program
-        return RECORDER.record(found[1] if found is not None and found[0] is lowering
-                               else program(lowering, spec), dyn)
-
-    def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
-            return super().run_concrete(lowering, spec, dyn)
-        # The output shape needs the input values: run what is pending first.
-        RECORDER.flush()
-        return super().run_concrete(lowering, spec, _concrete(dyn))
-
-    def adopt(self, opt: torch.optim.Optimizer) -> None:
-        """At opt's first step (a parameter with a gradient and no state): its state is made
-        outside the recording, then read by the step's program as every later step's reads it."""
-        original = getattr(opt, "_init_group", None)
-        if original is None or self._initializing is not None or all(
-                opt.state.get(p) for group in opt.param_groups for p in group["params"]
-                if p.grad is not None):
-            return
-
-        def init_group(*args, **kwargs):
-            self._outside, HOOKS.deferrer = True, None
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self._outside = False
-                self.start_recording()
-
-        opt._init_group = init_group  # (an instance attribute: the class's stays as it is)
-        self._initializing = opt
-
-    def forget_adopted(self) -> None:
-        """Give the adopted optimizer its own ``_init_group`` back."""
-        if self._initializing is not None:
-            del self._initializing._init_group
-            self._initializing = None
-
-    def _step_starts(self, optimizer, args, kwargs) -> None:
-        # Not in an unbounded recording (a ``torch_xla.compile`` region's, whose body must run
-        # no program before its end).
-        if HOOKS.deferrer is RECORDER and threading.get_ident() == RECORDER.owner \
-                and not math.isinf(RECORDER.max_ops):
-            self.adopt(optimizer)
-
-    def _step_ended(self, optimizer, args, kwargs) -> None:
-        self.forget_adopted()
-        if HOOKS.deferrer is RECORDER:
-            RECORDER.step_ended()
-
-    def flush(self) -> None:
-        RECORDER.flush()
-
-    def enter(self) -> None:
-        self.start_recording()
-        self._step_hooks = (register_optimizer_step_pre_hook(self._step_starts),
-                            register_optimizer_step_post_hook(self._step_ended))
-
-    def leave(self) -> None:
-        for hook in self._step_hooks:
-            hook.remove()
-        self._step_hooks = ()
-        self.forget_adopted()
-        self.stop_recording()
-
-    def start_recording(self) -> None:
-        """Ops record from here on; this thread's host reads flush."""
-        HOOKS.deferrer = RECORDER
-        RECORDER.owner = threading.get_ident()
-
-    def stop_recording(self) -> None:
-        """Run what is recorded and drop the kept results."""
-        HOOKS.deferrer = None
-        RECORDER.flush()
-        RECORDER.release_spares()
-        RECORDER.unfreeze()

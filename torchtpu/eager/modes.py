@@ -26,7 +26,7 @@ import os
 import threading
 
 from torchtpu import errors
-from torchtpu.eager import defer, executor
+from torchtpu.eager import defer_executor, executor
 
 
 class EagerMode(enum.Enum):
@@ -40,8 +40,8 @@ class EagerMode(enum.Enum):
 _EXECUTORS = {
     EagerMode.DEFER_NEVER: executor.Strict,
     EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING: executor.Debug,
-    EagerMode.DEFER_AND_FUSE: defer.DeferAndFuse,
-    EagerMode.DEFER_AND_FUSE_WITH_O1: defer.DeferAndFuse,
+    EagerMode.DEFER_AND_FUSE: defer_executor.DeferAndFuse,
+    EagerMode.DEFER_AND_FUSE_WITH_O1: defer_executor.DeferAndFuse,
 }
 # Compiler options a mode holds while it is on.
 _OPTIONS = {EagerMode.DEFER_AND_FUSE_WITH_O1: {"xla_optimization_level": "O1"}}
