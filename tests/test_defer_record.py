@@ -158,3 +158,56 @@ def test_an_in_place_list_call_makes_its_call_key_once(monkeypatch):
         assert keyed[0] == 1
         got = [x.cpu() for x in xs]
     torch.testing.assert_close(got, [x + 1.2 * y for x, y in zip(a, b)])
+
+
+def test_a_recorded_cast_of_a_whole_value_takes_the_short_path(monkeypatch):
+    # Autocast's casts of a recorded step (both ways; backward's name the device and layout):
+    # a tensor that is its storage's whole value is recorded converted, without
+    # ``read_converted``; a view, a lazily negated view and a same-dtype copy keep the general
+    # path, and every result has CPU's values and strides.
+    from torchtpu.device import kernels
+
+    general = [0]
+    converted = kernels.read_converted
+
+    def spy(*args, **kwargs):
+        general[0] += 1
+        return converted(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "read_converted", spy)
+    a = torch.randn(5, 4)
+    w = torch.randn(4, 3, requires_grad=True)
+    dw = w.detach().to("tpu").requires_grad_()
+    with torch.tpu.set_eager_mode(DEFER):
+        p = a.to("tpu") * 2.0          # a pending value
+        down = p.to(torch.bfloat16)
+        up = down.to(torch.float32)
+        wide = torch.ops.aten._to_copy(up, dtype=torch.float64, layout=torch.strided,
+                                       device=up.device)  # as backward casts
+        assert general[0] == 0
+        got = [t.cpu() for t in (down, up, wide)]
+        with torch.autocast("tpu", dtype=torch.bfloat16):
+            y = p @ dw
+        y.float().sum().backward()
+        grad = dw.grad.cpu()
+        shortcut = general[0]
+        view = p.t().to(torch.bfloat16)          # a view: read through its geometry
+        negated = torch._neg_view(p.t()).to(torch.bfloat16)  # a lazy negation bit
+        same = p.to(torch.float32, copy=True)
+        assert general[0] > shortcut
+        others = [(t.cpu(), t.stride()) for t in (view, negated, same)]
+    want = [(a * 2.0).to(torch.bfloat16)]
+    want += [want[0].float(), want[0].float().double()]
+    for g, w_ in zip(got, want, strict=True):
+        assert g.dtype == w_.dtype
+        torch.testing.assert_close(g, w_)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        yc = (a * 2.0) @ w
+    yc.float().sum().backward()
+    torch.testing.assert_close(grad, w.grad)
+    p_cpu = a * 2.0
+    for (g, stride), w_ in zip(others, (p_cpu.t().to(torch.bfloat16),
+                                       torch._neg_view(p_cpu.t()).to(torch.bfloat16),
+                                       p_cpu.clone()), strict=True):
+        torch.testing.assert_close(g, w_)
+        assert stride == w_.stride()
