@@ -198,6 +198,8 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--target", default="v5e:1x1")
     p.add_argument("--sides", default="whole,splash,naive")
     p.add_argument("--tiny", action="store_true", help="vocab 512, width 256, 2 heads of 128")
+    p.add_argument("--vocab", type=int, default=None,
+                   help="another vocab than the chip row's (smaller: a faster compile)")
     p.add_argument("--dump", default=None)
     p.add_argument("--json", default=None)
     p.add_argument("--cycles-only", action="store_true",
@@ -211,6 +213,8 @@ def main(argv: list | None = None) -> dict:
     dump = args.dump or tempfile.mkdtemp(prefix="aot_llama_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     dims = dict(vocab=512, dim=256, heads=2, hidden=512) if args.tiny else {}
+    if args.vocab:
+        dims["vocab"] = args.vocab
     out: dict = {"length": args.length, "layers": args.layers, "tokens": args.tokens,
                  "target": args.target, "dump": dump}
     sides = args.sides.split(",")
