@@ -71,6 +71,7 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import autocast, dtypes, memory_limit, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
+from torchtpu.eager.entries import TENSOR
 from torchtpu.runtime import warm
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -383,7 +384,7 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     costs what it holds beyond the result. Nor under a memory limit: its result's memory would
     be asked for at its reader, whose line a refusal would then name, not the user's."""
     shape = spec.shape
-    reads = [p for kind, p in spec.entries if kind == "t"]
+    reads = [p for kind, p in spec.entries if kind == TENSOR]
     if shape is None or any(_keeps(p) for p in reads) or memory_limit.limit() is not None:
         return None
     held = list(arrays(dyn[:count]))
@@ -417,7 +418,7 @@ def _keeps(how) -> bool:
     if type(how) is not Cast:
         return False
     return how.keep or (how.op is not None and any(
-        _keeps(p) for kind, p in how.op[1].entries if kind == "t"))
+        _keeps(p) for kind, p in how.op[1].entries if kind == TENSOR))
 
 
 def arrays(source):
