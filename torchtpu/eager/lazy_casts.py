@@ -71,7 +71,6 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import autocast, dtypes, memory_limit, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
-from torchtpu.eager.entries import TENSOR
 from torchtpu.runtime import warm
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -238,10 +237,13 @@ def settle(keeps: tuple, dyn: tuple, out):
     ``out`` is (results, conversions) for a spec whose ``keeps`` (``program.kept_positions``)
     are ``keeps``."""
     out, converted = out
-    for (at, dtype, shape, op, view), value in zip(keeps, converted):
+    for (path, dtype, shape, op, view), value in zip(keeps, converted):
+        source = dyn
+        for at in path:
+            source = source[at]
         # Casts of one source to one dtype and shape are one value: any pending one takes it
         # (each program reading one settles one).
-        ref = _kept_value(dyn[at], dtype, shape, op, view)
+        ref = _kept_value(source, dtype, shape, op, view)
         c = None if ref is None else ref()
         if c is not None:
             c._value = value
@@ -295,12 +297,17 @@ def _cast_of_held(t: torch.Tensor, held: Converted, dtype: torch.dtype):
             or tuple(t.shape) != held.shape):
         return None
     return Converted(held.source, _NP[dtype], held.shape, dtype.itemsize < t.dtype.itemsize,
-                     held.op, _cast_after(held.fn, _NP[dtype]), spread=True)
+                     held.op, _cast_after(held.fn, _NP[dtype], bool(held.op[1].keeps)),
+                     spread=True)
 
 
 @functools.lru_cache(maxsize=256)
-def _cast_after(fn, dtype: np.dtype):
-    # (Run alone only where no program could compute it: a host read of the cast.)
+def _cast_after(fn, dtype: np.dtype, keeps: bool):
+    # (Run alone only where no program could compute it: a host read of the cast.) A call
+    # reading kept values returns them too (``settle`` takes them), not cast.
+    if keeps:
+        return jax.jit(lambda *args: (lambda out, kept: (dtypes.cast(out, dtype), kept))(
+            *fn(*args)))
     return jax.jit(lambda *args: dtypes.cast(fn(*args), dtype))
 
 
@@ -384,8 +391,7 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     costs what it holds beyond the result. Nor under a memory limit: its result's memory would
     be asked for at its reader, whose line a refusal would then name, not the user's."""
     shape = spec.shape
-    reads = [p for kind, p in spec.entries if kind == TENSOR]
-    if shape is None or any(_keeps(p) for p in reads) or memory_limit.limit() is not None:
+    if shape is None or memory_limit.limit() is not None:
         return None
     held = list(arrays(dyn[:count]))
     if any(type(a) is not ArrayImpl for a in held):
@@ -411,14 +417,6 @@ def _hold(nbytes: int) -> None:
     if nbytes:
         with _holding_lock:
             _holding[0] += nbytes
-
-
-def _keeps(how) -> bool:
-    """Whether a read (a spec payload) computes a kept value anywhere in its chain."""
-    if type(how) is not Cast:
-        return False
-    return how.keep or (how.op is not None and any(
-        _keeps(p) for kind, p in how.op[1].entries if kind == TENSOR))
 
 
 def arrays(source):

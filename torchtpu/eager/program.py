@@ -95,7 +95,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
         if kind == TENSOR:
             v = next(it)
             if payload is not None:
-                v = read_input(applied(v, payload), payload, kept)
+                v = read_input(applied(v, payload, kept), payload, kept)
             if promote_to is not None and v.dtype != promote_to:
                 v = v.astype(promote_to)
             args.append(v)
@@ -107,7 +107,7 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
                 else:
                     v = next(it)
                     items.append(v if element is False
-                                 else read_input(applied(v, element), element, kept))
+                                 else read_input(applied(v, element, kept), element, kept))
             args.append(items)
         elif kind == SCALAR:
             args.append(next(it))
@@ -118,17 +118,21 @@ def rebuild(spec: Spec, lowering: Lowering, dyn: tuple, kept: list | None = None
     return args
 
 
-def applied(array, how):
+def applied(array, how, kept: list | None = None):
     """array with a lazy pointwise call's op applied (``how`` a ``Cast`` whose ``op`` is set),
-    inside the reading program; else array."""
+    inside the reading program; else array. Kept values the call reads (nested) are appended
+    to ``kept``, as ``kept_positions`` lists them."""
     if type(how) is not Cast or how.op is None:
         return array
     lowering, spec = how.op
     # A call of several tensors or holding traced numbers takes its arguments as one input
     # (``Converted.spread``).
-    spread = sum(kind != CONST for kind, _ in spec.entries) > 1
-    return rounded(cast_outputs(
-        lowering.fn(*rebuild(spec, lowering, array if spread else (array,))), spec.final))
+    return rounded(cast_outputs(lowering.fn(*rebuild(
+        spec, lowering, array if _spread(spec) else (array,), kept)), spec.final))
+
+
+def _spread(spec: Spec) -> bool:
+    return sum(kind != CONST for kind, _ in spec.entries) > 1
 
 
 def rounded(x):
@@ -219,9 +223,13 @@ def with_views(spec: Spec, views: tuple) -> Spec:
     return derived
 
 
-def kept_positions(entries: tuple) -> tuple:
-    """(position among the dynamic values, dtype, shape, op, view) of each kept ``Cast`` spec
-    entries read, in the order a program returns their conversions (``program.rebuild``'s)."""
+def kept_positions(entries: tuple, path: tuple = (), spread: bool = True) -> tuple:
+    """(path to its source among the dynamic values, dtype, shape, op, view) of each kept
+    ``Cast`` spec entries read, nested in the held calls they read too (a held product of a
+    kept cast settles it), in the order a program returns their conversions
+    (``program.rebuild``'s). A path indexes the dynamic values, then a held call's arguments
+    where it takes several (``Converted.spread``); ``spread`` False: these entries' one tensor
+    is the value at ``path`` itself."""
     found, at = [], 0
     for kind, payload in entries:
         if kind == CONST:
@@ -230,8 +238,12 @@ def kept_positions(entries: tuple) -> tuple:
         for how in hows:
             if how is True:
                 continue
-            if type(how) is Cast and how.keep:
-                found.append((at, how.dtype, how.shape, how.op, how.view))
+            here = path + (at,) if spread else path
+            if type(how) is Cast:
+                if how.op is not None:
+                    found += kept_positions(how.op[1].entries, here, _spread(how.op[1]))
+                if how.keep:
+                    found.append((here, how.dtype, how.shape, how.op, how.view))
             at += 1
     return tuple(found)
 
