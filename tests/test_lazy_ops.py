@@ -370,3 +370,34 @@ def test_held_calls_hold_at_most_larger_bytes_beyond_their_results_in_all(monkey
     assert _lazy(second)
     del second  # dropped unread: nothing held any more
     assert _lazy(g * h)
+
+
+def test_a_call_of_kept_values_settles_them_in_its_reader_as_cpu(buckets_off):
+    # The rotary ``x * cos`` over its kept bfloat16 table, the norm's ``h * rsqrt``: a held
+    # call reading kept values, nested (a sum over such a product), is computed by its reader,
+    # whose program returns every kept value it read and settles them (their wide sources go).
+    x, w = torch.randn(4, 8), torch.randn(4, 8)
+    d, e = x.to("tpu"), w.to("tpu")
+    y_want, z_want = x.bfloat16(), w.bfloat16()
+    # compiled; the first call of a spec reads its inputs whole (a held one's once its
+    # inputs are held: the second time)
+    for i in range(4):
+        with census(dots=False) as c:
+            y, z = d.to(torch.bfloat16), e.to(torch.bfloat16)  # kept casts
+            m = d.mean(-1, keepdim=True)  # kept: smaller than its source
+            p, q = y * z, e * m  # held over kept values
+            r = p + z  # held over them
+            assert i < 2 or all(_lazy(v) for v in (y, z, m, p, q, r))
+            got = (r.sum(0), q.sum(0))
+            assert i < 2 or not any(_lazy(v) for v in (y, z, m, r, q))
+        assert i < 2 or (c.launch_count == 2 and not lazy_casts._kept), c.launches
+        assert torch.equal(y.cpu(), y_want) and torch.equal(z.cpu(), z_want)
+        torch.testing.assert_close(m.cpu(), x.mean(-1, keepdim=True))
+        assert torch.equal(p.cpu(), y_want * z_want)
+        torch.testing.assert_close(got[0].cpu(), (y_want * z_want + z_want).sum(0))
+        torch.testing.assert_close(got[1].cpu(), (w * x.mean(-1, keepdim=True)).sum(0))
+    # read alone, it settles them too
+    y, z = d.to(torch.bfloat16), e.to(torch.bfloat16)
+    p = y * z
+    assert _lazy(y) and torch.equal(p.cpu(), y_want * z_want)
+    assert not _lazy(y) and not _lazy(z) and not lazy_casts._kept
