@@ -35,10 +35,10 @@ then its arguments, the tensor's source and the numbers as device arrays, which 
 program takes as one input (``Converted.spread``); an op whose lowering record says ``held``
 (a slice's gradient, a pad; a mean, the norms': kept) is held as a pointwise one is; a held
 call over a kept value smaller than its source is kept too (the norm's ``mean + eps`` and its
-rsqrt: one program for the whole norm), and computes that value when it is computed, if that
-value's tensor still lives (``over``); and a copy of a view into a whole
-new tensor (reshape's clone of a transposed tensor, ``kernels.read_converted``) is a
-``Converted`` reading its source through the view (``view``).
+rsqrt: one program for the whole norm), and the program computing it settles that value
+too (``program.kept_positions`` lists kept values nested in held calls, since strict9); and a
+copy of a view into a whole new tensor (reshape's clone of a transposed tensor,
+``kernels.read_converted``) is a ``Converted`` reading its source through the view (``view``).
 
 Since strict8 (a 12-layer step's launches 894 -> 578): a pointwise call of several tensors (the
 norms' products, the rotary products and sums, the residual sums, the backward's products and
@@ -138,7 +138,7 @@ class Converted(tensors.Deferred):
     ``keep``, returned by the first program that computes it (``settle``)."""
 
     __slots__ = ("source", "dtype", "shape", "keep", "op", "view", "fn", "_value", "spread",
-                 "over", "extra", "__weakref__")
+                 "extra", "__weakref__")
 
     def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
                  op: tuple | None = None, fn=None, view: Geometry | None = None,
@@ -147,9 +147,6 @@ class Converted(tensors.Deferred):
         # numbers as device arrays), which a reader's program takes as one input (``applied``).
         self.source = source
         self.spread = spread
-        # A kept value this one is held over (a weak reference): computed, if it still lives,
-        # when this one is, so that their source lives no longer than this one's first reader.
-        self.over = None
         # Bytes its inputs may hold beyond its result (``_held_call``): counted in ``_holding``
         # until it is computed or dies.
         self.extra = 0
@@ -204,9 +201,6 @@ class Converted(tensors.Deferred):
         _pending.discard(self)
         if self.keep:
             _unkeep(source, self)
-        over = None if self.over is None else self.over()
-        if over is not None and over.source is not None:
-            over.resolve()
 
     def __del__(self) -> None:
         if self.source is not None:
@@ -364,32 +358,23 @@ def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted |
         # (A reduction kept holds all of its source for a small value until its first reader,
         # which may come late (a statistic kept for logging): not past ``LARGER`` bytes.)
         return None
-    over = None
-    if keep and type(read) is Cast and read.keep:
-        # Over a kept value, smaller than its source too (a norm's ``mean + eps``): kept as well,
-        # and that one is computed when this one is, if it still lives then.
-        over = _kept_value(source, read.dtype, read.shape, read.op, read.view)
-        if over is None:
-            return None
     # Its traced numbers (``x + eps``, a mean's divisor) travel with its source, as the device
     # arrays ``numbers.on_device`` made of them.
     spread = len(dyn) > 1
-    held = Converted(dyn if spread else source, dtype, tuple(shape), keep, (lowering, spec), fn,
+    return Converted(dyn if spread else source, dtype, tuple(shape), keep, (lowering, spec), fn,
                      spread=spread)
-    held.over = over
-    return held
-
 
 
 def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     """A pointwise call of ``count`` tensors (``x * rsqrt``, a gradient's product, a residual
     sum) held, kept: its first reader computes it and returns it, so it is computed once, and
-    its inputs live no longer than until that reader. Not where it reads a kept value (whose
-    own reader settles it: that launch stays), nor where the held calls pending would then hold
-    more than ``LARGER`` bytes beyond their results in all: each input may die before the first
-    reader comes (a gradient kept in ``.grad`` is read by the optimizer), and then holding it
-    costs what it holds beyond the result. Nor under a memory limit: its result's memory would
-    be asked for at its reader, whose line a refusal would then name, not the user's."""
+    its inputs live no longer than until that reader, which settles the kept values it reads
+    too (the rotary ``x * cos`` over its kept bfloat16 table). Not where the held calls pending
+    would then hold more than ``LARGER`` bytes beyond their results in all: each input may die
+    before the first reader comes (a gradient kept in ``.grad`` is read by the optimizer), and
+    then holding it costs what it holds beyond the result. Nor under a memory limit: its
+    result's memory would be asked for at its reader, whose line a refusal would then name,
+    not the user's."""
     shape = spec.shape
     if shape is None or memory_limit.limit() is not None:
         return None
