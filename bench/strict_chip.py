@@ -9,7 +9,8 @@ each section, so a run cut short keeps what it measured. Sections, each on its o
 - ``per_op``: small ops (a 4x4 add, a multiply by a Python number, a 4x4 matmul, a slice's
   ``add_``, a sum, a foreach multiply of 16 tensors) through Strict against the same op in
   ``jax.numpy`` on arrays already on the chip, interleaved rounds, median µs per call with the
-  device waited for at the end of each timed loop.
+  device waited for at the end of each timed loop, and the calling thread's CPU µs per call
+  while issuing (``strict_cpu_us``, ``jnp_cpu_us``).
 - ``llama``: ``torchtpu.testing.llama``'s training step (``Llama(LlamaConfig(layers=...))`` at
   ``batch`` x 1024 tokens, autocast bf16, AdamW, clipping) in Strict, after two warm-up steps:
   ms a step with a final ``.item()`` (``wall_ms``), peak device memory (``peak_gib``) and the
@@ -91,23 +92,29 @@ def per_op(calls: int = 200, rounds: int = 7) -> dict:
         for _ in range(5):
             t(), j()
     torch.tpu.synchronize()
-    times = {name: ([], []) for name, *_ in cases}
+    # Per call: wall with the device waited for, and the calling thread's CPU while issuing
+    # (whether a gap to jnp is the host's Python or the launch's wait elsewhere).
+    times = {name: ([], [], [], []) for name, *_ in cases}
     for _ in range(rounds):
         for name, t, j in cases:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 t()
+            times[name][2].append((time.thread_time() - cpu) / calls)
             torch.tpu.synchronize()
             times[name][0].append((time.perf_counter() - start) / calls)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(calls):
                 out = j()
+            times[name][3].append((time.thread_time() - cpu) / calls)
             jax.block_until_ready((out, ja, js, state["j"]))
             times[name][1].append((time.perf_counter() - start) / calls)
     out = {}
-    for name, (t, j) in times.items():
+    for name, (t, j, tc, jc) in times.items():
         tm, jm = statistics.median(t), statistics.median(j)
-        out[name] = {"strict_us": tm * 1e6, "jnp_us": jm * 1e6, "ratio": tm / jm}
+        out[name] = {"strict_us": tm * 1e6, "jnp_us": jm * 1e6, "ratio": tm / jm,
+                     "strict_cpu_us": statistics.median(tc) * 1e6,
+                     "jnp_cpu_us": statistics.median(jc) * 1e6}
     return out
 
 

@@ -22,6 +22,7 @@ def test_strict_chip_runs_small_and_writes_its_json(tmp_path):
     assert each["launches"] > out["llama"]["census"]["launches"] + 20
     assert abs(each["first_losses"][0] - out["llama"]["first_losses"][0]) < 1e-5
     assert out["per_op"]["add"]["strict_us"] > 0 and out["per_op"]["add"]["jnp_us"] > 0
+    assert out["per_op"]["add"]["strict_cpu_us"] > 0 and out["per_op"]["add"]["jnp_cpu_us"] > 0
     step = out["llama"]
     # The same step each time, to within a program (the census's step may be another's).
     assert step["census"]["launches"] > 50
