@@ -327,3 +327,27 @@ def test_a_copy_of_a_view_written_afterwards_keeps_its_value(buckets_off):
     want = x.t().contiguous()
     want[1] = 2
     assert torch.equal(z.cpu(), want)
+
+
+def test_a_held_norm_read_by_three_autocast_products_is_computed_once():
+    # q's, k's and v's products each cast the norm's ``weight * h`` (a held call) to bfloat16:
+    # the first one's program returns the norm too, which the other two then cast as an array
+    # (no launch of its own), instead of each computing the whole norm again.
+    from torchtpu.testing.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm, ws = RMSNorm(64, 1e-5), [torch.nn.Linear(64, 64, bias=False) for _ in range(3)]
+    x = torch.randn(2, 8, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = [w(norm(x)) for w in ws]
+    norm.to("tpu"), [w.to("tpu") for w in ws]
+    d = x.to("tpu")
+    for i in range(3):  # compiled; the first call of a spec reads its inputs whole
+        with census(dots=False) as c, torch.autocast("tpu", dtype=torch.bfloat16):
+            h = norm(d)
+            got = [ws[0](h)]
+            assert i == 0 or not _lazy(h)  # settled by the first product's program
+            got += [w(h) for w in ws[1:]]
+        assert i == 0 or c.launch_count == 3, c.launches
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.cpu(), w, rtol=2e-2, atol=2e-2)

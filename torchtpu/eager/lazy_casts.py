@@ -102,6 +102,10 @@ class Cast(NamedTuple):
     # A view Geometry the array is read through first (a held copy of a view: reshape's clone
     # of a transposed tensor); never with ``op`` (whose spec says how it reads).
     view: Geometry | None = None
+    # ``op``'s value, before the conversion, is a kept held call's (autocast's cast of the
+    # norm's ``weight * h`` for each of q's, k's and v's products): returned too, so that the
+    # first reader settles that call and the others read it computed.
+    held: bool = False
 
 
 def read_input(array, how, kept: list | None = None):
@@ -138,7 +142,7 @@ class Converted(tensors.Deferred):
     ``keep``, returned by the first program that computes it (``settle``)."""
 
     __slots__ = ("source", "dtype", "shape", "keep", "op", "view", "fn", "_value", "spread",
-                 "extra", "__weakref__")
+                 "extra", "held", "__weakref__")
 
     def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
                  op: tuple | None = None, fn=None, view: Geometry | None = None,
@@ -150,6 +154,8 @@ class Converted(tensors.Deferred):
         # Bytes its inputs may hold beyond its result (``_held_call``): counted in ``_holding``
         # until it is computed or dies.
         self.extra = 0
+        # A cast of a kept held call (``_cast_of_held``): its readers settle that call too.
+        self.held = False
         self.dtype = dtype
         self.shape = shape
         self.keep = keep
@@ -190,7 +196,7 @@ class Converted(tensors.Deferred):
         view = self.view
         read = lead(self.source).aval.shape if view is None else view.size
         return self.source, Cast(self.dtype, None if self.shape == read else self.shape,
-                                 geometry, self.keep, self.op, view)
+                                 geometry, self.keep, self.op, view, self.held)
 
     def _release(self) -> None:
         source = self.source
@@ -264,10 +270,12 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None 
     of a view (``_lazy_view``)."""
     if view is not None:
         return _lazy_view(t, array, dtype, view)
-    if type(array) is Converted:
+    if type(array) is Converted and array._value is None:
         return _cast_of_held(t, array, dtype)
     if type(array) is not ArrayImpl and isinstance(array, tensors.Deferred):
-        array = array.resolve()  # a value DeferAndFuse computed (a fused optimizer step's)
+        # A value DeferAndFuse computed (a fused optimizer step's), or a held one settled (the
+        # norm's, by the first of q's, k's and v's products): cast as an array is.
+        array = array.resolve()
     # t is its storage's array whole, or that array reshaped.
     if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
             or t.storage_offset() or not t.is_contiguous() or t.is_neg()
@@ -290,9 +298,11 @@ def _cast_of_held(t: torch.Tensor, held: Converted, dtype: torch.dtype):
             or t.storage_offset() or not t.is_contiguous() or t.is_neg()
             or tuple(t.shape) != held.shape):
         return None
-    return Converted(held.source, _NP[dtype], held.shape, dtype.itemsize < t.dtype.itemsize,
+    cast = Converted(held.source, _NP[dtype], held.shape, dtype.itemsize < t.dtype.itemsize,
                      held.op, _cast_after(held.fn, _NP[dtype], bool(held.op[1].keeps)),
                      spread=True)
+    cast.held = held.keep
+    return cast
 
 
 @functools.lru_cache(maxsize=256)

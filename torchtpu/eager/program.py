@@ -127,8 +127,11 @@ def applied(array, how, kept: list | None = None):
     lowering, spec = how.op
     # A call of several tensors or holding traced numbers takes its arguments as one input
     # (``Converted.spread``).
-    return rounded(cast_outputs(lowering.fn(*rebuild(
+    value = rounded(cast_outputs(lowering.fn(*rebuild(
         spec, lowering, array if _spread(spec) else (array,), kept)), spec.final))
+    if how.held and kept is not None:
+        kept.append(value)
+    return value
 
 
 def _spread(spec: Spec) -> bool:
@@ -242,6 +245,8 @@ def kept_positions(entries: tuple, path: tuple = (), spread: bool = True) -> tup
             if type(how) is Cast:
                 if how.op is not None:
                     found += kept_positions(how.op[1].entries, here, _spread(how.op[1]))
+                if how.held:  # the kept held call a cast of it reads
+                    found.append((here, how.op[1].final, how.shape, how.op, None))
                 if how.keep:
                     found.append((here, how.dtype, how.shape, how.op, how.view))
             at += 1
