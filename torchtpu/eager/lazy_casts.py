@@ -49,6 +49,11 @@ memory limit. A cast of one (autocast's, for the next product) is the same call 
 (``_cast_of_held``). A bfloat16 or float16 held value is rounded inside its reader
 (``program.rounded``), where XLA would otherwise skip the rounding between ops.
 
+Since strict9 (577 -> 418): such a call may read kept values (the rotary ``x * cos`` over its
+kept bfloat16 table, the norms' ``h * rsqrt``): its reader's program returns them, nested, and
+settles them. A cast of a held call settles that call too (``Cast.held``: the norm's output,
+cast for each of q's, k's and v's products, is computed by the first of them only).
+
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
 The source is lent (``tensors.lend``) so that no view write donates its buffer meanwhile, and
