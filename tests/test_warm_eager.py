@@ -2,8 +2,8 @@
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
 default), and so are the device layer's own programs (a view read to the host, a strided write,
 a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
-use on a thread from the list the first process left (``warm_ahead.py``, opt-in
-``TORCHTPU_LOAD_AHEAD=1``; without it: loaded when asked); jit's dispatch for every
+use on a thread from the list the first process left (``warm_ahead.py``; with
+``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's dispatch for every
 signature; a directory others can write, or a JAX whose private entry points differ, keeps to
 JAX's cache (traced first)."""
 
@@ -65,9 +65,11 @@ cpu = work("cpu")
 # the first program starts the thread that loads the last run's programs ahead: let it finish,
 # so that the work's loads count as found loaded or not, whatever the box's load
 torch.ones(2, device="tpu").sum().item()
-from torchtpu.runtime import warm
-if warm._ahead_state and warm._ahead_state[0] is not None:
-    warm._ahead_state[0].thread.join()
+from torchtpu.runtime import warm, warm_ahead
+ahead = warm._ahead_state[0] if warm._ahead_state else None
+if ahead is not None:  # (past its window the thread waits for the work: it would not end)
+    assert len(ahead._keys) <= warm_ahead.WINDOW, len(ahead._keys)
+    ahead.thread.join()
 names = ("programs_loaded_by_key", "warm_dispatch_off", "programs_loaded_ahead")
 before, counts = traces[0], [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 tpu = work("tpu")

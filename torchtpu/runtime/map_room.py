@@ -16,14 +16,18 @@ most maps an executable has been seen to take. When the headroom falls under the
 eighth of the cap), it clears JAX's caches of compiled programs, once, with a ``torchtpu.cache:``
 warning (they come back from the persistent cache or are recompiled when used again); if that
 leaves less than half the reserve (something else holds the maps), it raises a
-``torchtpu.cache:`` error instead of letting XLA crash. Without ``/proc`` (not Linux) it does
-nothing.
+``torchtpu.cache:`` error instead of letting XLA crash. Executables held outside JAX's caches
+(those loaded ahead of use, ``warm_ahead``) are dropped with them (``on_free``), and are loaded
+ahead only into the room above twice the reserve (``Room.spare``). Without ``/proc`` (not Linux)
+it does nothing.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
 import threading
+from collections.abc import Callable
 
 import jax
 from jax._src import compiler
@@ -53,6 +57,20 @@ class Room:
         self._counted: tuple[int, int] | None = None  # (maps, executables) at the last count
         self._made = 0  # executables let through so far
         self.freed = 0  # times JAX's caches were cleared
+        self._holders: list = []  # what else holds executables: dropped when JAX's caches are
+
+    def spare(self) -> int:
+        """How many more executables fit above twice the reserve, counted now: what may be
+        loaded ahead of use (``warm_ahead``) without bringing the next clearing nearer."""
+        if self._limit is None:
+            return sys.maxsize
+        with self._lock:
+            return max(0, (self._limit - _count() - 2 * self.reserve) // self._per)
+
+    def on_free(self, release: Callable[[], None]) -> None:
+        """release() drops executables held outside JAX's caches when those are cleared."""
+        with self._lock:
+            self._holders.append(release)
 
     def make(self) -> None:
         """Before XLA creates an executable: free maps if few are left, or raise."""
@@ -73,6 +91,8 @@ class Room:
             self._left = max(0, (self._limit - used - self.reserve) // (2 * self._per))
 
     def _free(self, used: int) -> int:
+        for release in self._holders:
+            release()
         jax.clear_caches()
         gc.collect()
         after = _count()
@@ -104,6 +124,11 @@ def _limit() -> int | None:
 
 
 ROOM = Room(_limit())
+
+
+def on_free(release: Callable[[], None]) -> None:
+    """See ``Room.on_free``."""
+    ROOM.on_free(release)
 
 
 def make_room() -> None:

@@ -387,8 +387,9 @@ def _ahead() -> warm_ahead.Ahead | None:
                 _ahead_state.append(None)
             else:
                 atexit.register(_write_manifest, manifest, os.getpid())
-                _ahead_state.append(warm_ahead.Ahead(
-                    lambda: read_record("manifest", manifest) or [], _load_key))
+                # (read here, not on the thread: a restart's reads do not hang on its timing)
+                _ahead_state.append(warm_ahead.Ahead(read_record("manifest", manifest) or [],
+                                                     _load_key))
     return _ahead_state[0]
 
 

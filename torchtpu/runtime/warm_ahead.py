@@ -7,19 +7,22 @@ on XLA:CPU, most of it on XLA's own threads while the caller waits, and a coloca
 first step meets ~360 (bench/RESULTS.md, rl7). Those loads happened on the step's critical path.
 Here each process keeps the list of the index keys it used, in first-use order (a ``warm``
 record, ``manifest``, keyed by the fingerprint and the command line, ``sys.orig_argv``; written
-at exit), and the next process with the same command starts a thread at its first program that
-loads them in that order (``Ahead``), while the process is still loading its model, starting an
-engine or tracing. A caller that needs a key takes its program when loaded, waits for it while
-the thread loads it, and loads it itself when the thread has not reached it (the thread then
-skips it): a key is loaded once. Keys of programs the process never asks for stay loaded until
-exit; ``MAX_KEYS`` bounds them (each is ~0.4 MiB of host memory on XLA:CPU).
+at exit), and the next process with the same command reads it at its first program and starts a
+thread that loads them in that order (``Ahead``), while the process is still loading its model,
+starting an engine or tracing. A caller that needs a key takes its program when loaded, waits
+for it while the thread loads it, and loads it itself when the thread has not reached it (the
+thread then skips it): a key is loaded once.
 
-Opt-in, ``TORCHTPU_LOAD_AHEAD=1``: with it on, the loads ahead hold their executables (and on
-XLA:CPU their memory maps) where the cache's own room-making cannot free them, and the suite's
-cache-safety checks (entries of another CPU, the memory-map limit, restart counts) do not yet
-pass with it. Only a private cache directory has records at all
-(``warm.private_store``); what the thread loads is what the caller would have loaded by the same
-key, so results are the same either way.
+On by default (``TORCHTPU_LOAD_AHEAD=0`` turns it off), so it keeps to what a process loading
+each program when asked keeps to. Every read goes through the cache's store, whose checks
+(another host's or CPU's entry, a damaged one) refuse an entry for the thread as for a caller.
+What the thread holds and no caller took yet is bounded three ways: at most ``WINDOW`` keys past
+the furthest listed key the process asked for, so a process that does other work than its list
+(pytest's workers share one command line) loads few programs it never uses; at most what the
+memory maps have room for above twice ``map_room``'s reserve, counted at the start; and none once
+``map_room`` frees the caches of compiled programs (``release``). Only a private cache directory
+has records at all (``warm.private_store``); what the thread loads is what the caller would have
+loaded by the same key, so results are the same either way.
 """
 
 from __future__ import annotations
@@ -31,15 +34,17 @@ import threading
 from collections.abc import Callable
 
 from torchtpu import metrics
+from torchtpu.runtime import map_room
 
 ENV = "TORCHTPU_LOAD_AHEAD"
-MAX_KEYS = 1024
+MAX_KEYS = 1024  # in a list (each loaded is ~0.4 MiB of host memory on XLA:CPU)
+WINDOW = 128  # keys loaded past the furthest listed key the process asked for
 EXIT_WAIT_SECONDS = 10.0  # one load is milliseconds; the thread stops between loads
 _CLAIMED = object()  # a caller loads the key itself
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "0").strip().lower() in ("1", "on", "true", "yes")
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
 def command() -> tuple:
@@ -58,19 +63,27 @@ class _Slot:
 class Ahead:
     """``load(key)`` for each of ``keys`` in order on a daemon thread, taken by callers."""
 
-    def __init__(self, keys: Callable[[], list], load: Callable[[str], object]) -> None:
-        self._keys, self._load = keys, load
-        self._lock = threading.Lock()
+    def __init__(self, keys: list, load: Callable[[str], object]) -> None:
+        self._keys = keys[:min(MAX_KEYS, map_room.ROOM.spare())]
+        self._place = {key: i for i, key in enumerate(self._keys)}
+        self._load = load
+        self._lock = threading.Condition()
         self._slots: dict = {}  # key -> _Slot (the thread's) or _CLAIMED
-        self._stop = threading.Event()
+        self._reached = 0  # 1 + the place of the furthest listed key a caller asked for
+        self._stop = False
         self.thread = threading.Thread(target=self._run, name="torchtpu-load-ahead", daemon=True)
         atexit.register(self.close)  # (after the store's own hook: runs before it)
+        map_room.on_free(self.release)
         self.thread.start()
 
     def take(self, key: str):
         """The program the thread loaded for key (waited for while it loads), or None: then
         the caller loads it, and the thread no longer will."""
         with self._lock:
+            place = self._place.get(key)
+            if place is not None and place >= self._reached:
+                self._reached = place + 1
+                self._lock.notify()
             slot = self._slots.get(key)
             if slot is None:
                 self._slots[key] = _CLAIMED
@@ -78,27 +91,45 @@ class Ahead:
         if slot is _CLAIMED:
             return None
         slot.done.wait()
-        if slot.value is not None:
+        with self._lock:  # (taken once: what the thread holds untaken is what release drops)
+            value, slot.value = slot.value, None
+        if value is not None:
             metrics.count("programs_loaded_ahead")
-        return slot.value
+        return value
+
+    def _may_load(self, place: int) -> bool:
+        return self._stop or place < self._reached + WINDOW
 
     def _run(self) -> None:
-        for key in self._keys()[:MAX_KEYS]:
-            if self._stop.is_set():
-                return
+        for place, key in enumerate(self._keys):
             with self._lock:
+                self._lock.wait_for(lambda at=place: self._may_load(at))
+                if self._stop:
+                    return
                 if key in self._slots:
                     continue
                 slot = self._slots[key] = _Slot()
             try:
-                slot.value = self._load(key)
+                value = self._load(key)
             except Exception:  # noqa: BLE001 (the caller loads it and reports what fails)
-                slot.value = None
-            finally:
-                slot.done.set()
+                value = None
+            with self._lock:
+                slot.value = None if self._stop else value
+            slot.done.set()
+
+    def release(self) -> None:
+        """Load no more, and drop what no caller took (``map_room`` frees memory maps)."""
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+            for slot in self._slots.values():
+                if slot is not _CLAIMED:
+                    slot.value = None
 
     def close(self) -> None:
         """Stop between loads and wait for the one under way: none may run while the
         interpreter tears XLA down."""
-        self._stop.set()
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
         self.thread.join(EXIT_WAIT_SECONDS)
