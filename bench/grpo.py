@@ -46,7 +46,6 @@ def one(kind: str, steps: int, folder: str, vllm_batch: bool, model: str | None,
         extra.append("vllmbatch")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    env.setdefault("TORCHTPU_LOAD_AHEAD", "1")  # (opt-in: the warm first step's programs)
     if kind == "tpu-vllm":
         extra += ["vllm", "nowatch"]
         env["TORCHTPU_VLLM"] = "1"
@@ -56,6 +55,17 @@ def one(kind: str, steps: int, folder: str, vllm_batch: bool, model: str | None,
     if proc.returncode or not lines:
         raise RuntimeError(proc.stderr[-3000:])
     return json.loads(lines[-1][len("GRPO_RESULT "):])
+
+
+def _cell(t: dict) -> str:
+    return (f"{t['seconds']:.2f} / {t['cpu_seconds']:.2f} ({t['programs']}; {t['by_key']}, "
+            f"{t['ahead']})")
+
+
+def _medians(runs: list, what: str) -> tuple[float, float]:
+    """The median over runs of steps 2 on, and of first steps."""
+    return (statistics.median(t[what] for steps in runs for t in steps[1:]),
+            statistics.median(steps[0][what] for steps in runs))
 
 
 def main() -> None:
@@ -84,24 +94,26 @@ def main() -> None:
         for _ in range(args.rounds):
             for kind in kinds:
                 out = one(kind, args.steps, folder, args.vllm, model, args.timeout)
-                rows[kind].append([(t["seconds"], t["programs"]) for t in out["timings"]])
-                print(f"{kind}: {rows[kind][-1]}", flush=True)  # a call cut short keeps these
+                rows[kind].append(out["timings"])
+                print(f"{kind}: {[_cell(t) for t in out['timings']]}", flush=True)  # (kept if cut)
     with open("/proc/loadavg") as f:
         load = f.read().split()[:3]
-    print(f"load {' '.join(load)}; seconds (programs) per step, each round a fresh process")
+    print(f"load {' '.join(load)}; seconds per step, wall / the process's CPU (programs; of "
+          "them loaded by key, loaded ahead), each round a fresh process")
     print("| run | round | " + " | ".join(f"step {i + 1}" for i in range(args.steps)) + " |")
     print("| --- | --- |" + " ---: |" * args.steps)
     for kind in kinds:
         for r, steps in enumerate(rows[kind]):
-            cells = " | ".join(f"{s:.2f} ({n})" for s, n in steps)
+            cells = " | ".join(_cell(t) for t in steps)
             print(f"| {kind} | {r + 1} | {cells} |")
-    base = statistics.median(s for steps in rows["cpu"] for s, _ in steps[1:]) \
-        if "cpu" in rows else None
-    for kind in kinds:
-        median = statistics.median(s for steps in rows[kind] for s, _ in steps[1:])
-        first = statistics.median(steps[0][0] for steps in rows[kind])
-        ratio = f" = {median / base:.2f}x cpu's" if base else ""
-        print(f"{kind}: median step (steps 2 on) {median:.2f} s{ratio}; first step {first:.2f} s")
+    for what in ("seconds", "cpu_seconds"):  # (the CPU: what the box's load moves least)
+        base = _medians(rows["cpu"], what) if "cpu" in rows else None
+        for kind in kinds:
+            median, first = _medians(rows[kind], what)
+            ratio = (f" = {median / base[0]:.2f}x, {first / base[1]:.2f}x cpu's"
+                     if base else "")
+            print(f"{kind}, {what}: median step (steps 2 on) {median:.2f}, first step "
+                  f"{first:.2f}{ratio}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"load": load, "rows": rows}, f)
