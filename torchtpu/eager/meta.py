@@ -56,8 +56,9 @@ def to_meta(v):
 def leaf_key(v):
     if isinstance(v, torch.Tensor):
         if not v.is_cpu:
-            if v.dim() in (4, 5) and not v.is_contiguous():
-                # A channels-last operand gives channels-last results (see ``describe``).
+            if not v.is_contiguous():
+                # An operand's layout decides its results' (channels-last, or a pointwise op's
+                # in its operands' order: see ``describe``).
                 return (v.shape, v.dtype, v.stride())
             return (v.shape, v.dtype)  # torch.Size is a tuple: it hashes and compares as one
         if v.dim() != 0:

@@ -27,7 +27,8 @@ Policy that many ops share is declared here instead of repeated in each lowering
   giving the memory format of the call's 4-d / 5-d results where PyTorch's CPU kernel picks
   one that its meta kernel does not (a convolution is channels-last when its input or weight
   is; ``torch.contiguous_format``: all contiguous); None: the meta kernel's channels-last or
-  contiguous; ``META_STRIDES``: the meta kernel's strides whatever dense order they have (SDPA's
+  contiguous; ``META_STRIDES`` (every pointwise op's, PyTorch's tag, unless it declares
+  another): the meta kernel's strides whatever dense order they have (SDPA's
   output is laid out as its query, its gradients as q, k and v: a DTensor's strides come from
   the meta kernel, and a local tensor laid out otherwise broke the ``.transpose(1, 2)
   .contiguous().view(...)`` after attention, issue 37).
@@ -142,11 +143,22 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
-                                     tuple(traced), tuple(donates), family, layout,
-                                     tuple(platforms), held)
+                                     tuple(traced), tuple(donates), family,
+                                     _pointwise_layout(op, layout), tuple(platforms), held)
         return fn
 
     return register
+
+
+def _pointwise_layout(op: OpOverload, layout: Callable | str | None) -> Callable | str | None:
+    # A pointwise op's result is laid out as CPU's TensorIterator lays it out: in its operands'
+    # dense order (a transposed, permuted or channels-last input gives a result so strided;
+    # broadcast dims do not vote; expanded inputs give row-major), which PyTorch's meta kernels
+    # compute by the same rule. User code branches on it (``.view`` of a transposed result
+    # raises on CPU; ``is_contiguous`` picks kernels), so it must not come back row-major.
+    if layout is None and torch.Tag.pointwise in op.tags:
+        return META_STRIDES
+    return layout
 
 
 def _registering_module() -> str:
