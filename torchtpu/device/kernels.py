@@ -111,7 +111,11 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     watcher = HOOKS.host_read_watcher
     start = time.perf_counter() if watcher is not None else 0.0
     # A copy: a donated buffer must never back a CPU tensor.
-    array = launch.wait(np.array, tensors.read(t))
+    stored = tensors.stored_in_order(t)
+    if stored is None:
+        array = launch.wait(np.array, tensors.read(t))
+    else:  # t's strides, as CPU's copy keeps a dense layout (``np.argsort``: the inverse order)
+        array = launch.wait(np.array, stored[0]).transpose(np.argsort(stored[1]))
     metrics.count("device_to_host_bytes", array.nbytes)
     asserts.raise_pending()
     if watcher is not None:

@@ -130,6 +130,21 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     return t
 
 
+def wrap_strided(array, dtype: torch.dtype, size: tuple, stride: tuple) -> torch.Tensor:
+    """A new device tensor of size and stride owning array, its storage's value in memory order
+    (a dense layout: array holds exactly its elements)."""
+    t = new_tensor(size, dtype, stride)
+    st = t.untyped_storage()
+    if dtype is torch.complex32:
+        array = stored_form(array, dtype)
+    capture = HOOKS.capture
+    if capture is not None:
+        capture.seen(st)
+        array = capture.recorded(array)
+    st._tpu_array = array
+    return t
+
+
 def wrapper(size: tuple, dtype: torch.dtype):
     """``wrap`` for arrays of size and dtype known ahead (a call's remembered result): what it
     derives from each array, derived once."""
@@ -436,6 +451,23 @@ def read_parts(t: torch.Tensor, fold: bool = False) -> tuple:
             and _is_whole(t, array)):
         return array, None
     return _parts(t)
+
+
+def stored_in_order(t: torch.Tensor) -> tuple | None:
+    """(t's storage array, t's dims in memory order) where t is all of that array in another
+    dim order than row-major (a pointwise result laid out as CPU lays it): a host read takes the
+    array as it is and transposes on the host, with no program to read the view. Else None."""
+    if t.is_conj() or t.is_neg():
+        return None
+    st = t.untyped_storage()
+    order = _storage_order(t, st)
+    if order is None:
+        return None
+    array = stored_array(st)
+    if (type(array) is not _ArrayImpl or array.dtype != _TO_NP.get(t.dtype)
+            or array.shape != tuple(t.shape[d] for d in order)):
+        return None
+    return array, order
 
 
 def _storage_order(t: torch.Tensor, st) -> tuple | None:

@@ -141,9 +141,17 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
             # No Generator argument: a leading key from the default device generator, or None
             # for a call that draws none.
             entries = ((KEY if lowering.draws_key(values) else CONST, None), *entries)
-        spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote)
+        # A result CPU lays out in another order than row-major comes out of the program in
+        # that order (``program.finished``); a result written into a target (``final``) is
+        # written in the target's own layout.
+        stored = None if final is not None else results.stored_order(result)
+        if stored is not None:
+            result = stored[1]
+        spec = Spec(entries, compute_dtypes, compute_dtypes if final is None else final, promote,
+                    None if stored is None else stored[0])
         if results.is_leaf(result):
-            spec.shape = tuple(result[0])
+            spec.shape = tuple(result[0]) if stored is None \
+                else tuple(result[0][d] for d in stored[0])
         hit = (result, spec)
         meta.bounded_put(cache, key, hit)
     return hit

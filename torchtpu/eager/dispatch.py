@@ -35,7 +35,7 @@ from torchtpu.eager import (
 from torchtpu.eager.calls import compute, compute_unknown_shape, plan, run_seen, traced_arguments
 from torchtpu.eager.lazy_casts import computed
 from torchtpu.eager.seen_calls import signature
-from torchtpu.lowering.registry import Lowering, lookup
+from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
@@ -104,9 +104,22 @@ def _flat_targets(values, oi, outs):
     return targets, flat
 
 
-def _resize_out(t: torch.Tensor, shape) -> None:
+def _resize_out(t: torch.Tensor, shape) -> bool:
+    """t resized to shape; whether it was (an out= argument of the right shape keeps its own
+    strides)."""
     if tuple(t.shape) != tuple(shape):
         t.resize_(shape)
+        return True
+    return False
+
+
+def _restride(t: torch.Tensor, functional: OpOverload, values: list, traced: frozenset) -> None:
+    """An out= argument CPU resized for a pointwise op, restrided as CPU restrides it: as the
+    functional twin's result (``add(a.t(), b.t(), out=empty)`` is transposed). The out=
+    overload's own meta kernel leaves it row-major."""
+    d = meta.infer(functional, values, traced=traced, strides=True)
+    if results.is_leaf(d) and len(d) == 3:
+        t.as_strided_(d[0], results.strides_of(d))
 
 
 def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional,
@@ -124,6 +137,10 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
     # The twins' call keys of one call are equal when their schemas' defaults are: made once
     # for both (an optimizer's foreach call keys ~4 lists of a tensor a parameter).
     shared = (oi.defaults, oi.generator_index) == (foi.defaults, foi.generator_index)
+    # A resized out= argument takes the twin's layout (``_restride``) where the twin's lowering
+    # lays results out as CPU does (pointwise ops).
+    twin = lookup(functional)
+    laid = twin is not None and twin.layout is META_STRIDES
     if not shared or oi.out_names:
         repeat = None
     seen: dict = {}  # seen_lists.signature -> seen_calls.Seen
@@ -155,7 +172,8 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
             for t, s in zip(flat, shapes):
                 if not meta.is_device(t):
                     raise meta.device_error(t)
-                _resize_out(t, s)
+                if _resize_out(t, s) and laid:
+                    _restride(t, functional, values, traced)
         overlap.check_between(op, flat, schema.read(oi, values, overlap.read_first(op)))
         final = [t.dtype for t in flat]
         reads = None

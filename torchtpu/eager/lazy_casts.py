@@ -363,7 +363,8 @@ def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted |
     if type(array) is not ArrayImpl:
         return None
     pointwise = not lowering.held or torch.Tag.pointwise in lowering.op.tags
-    shape = _read_shape(array, read) if pointwise else spec.shape
+    # (A result in memory order, ``Spec.order``, has its stored shape from its plan too.)
+    shape = _read_shape(array, read) if pointwise and spec.order is None else spec.shape
     if shape is None:
         return None
     dtype = spec.final

@@ -29,18 +29,22 @@ class Spec:
     Specs are hashed on every op call (to find the program), so the hash is computed once.
     """
 
-    __slots__ = ("entries", "compute", "final", "promote", "_key", "_hash", "_program", "_simple",
-                 "_scalars", "keeps", "_pointwise", "shape")
+    __slots__ = ("entries", "compute", "final", "promote", "order", "_key", "_hash", "_program",
+                 "_simple", "_scalars", "keeps", "_pointwise", "shape")
 
-    def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None) -> None:
+    def __init__(self, entries: tuple, compute: Any, final: Any, promote: Any = None,
+                 order: tuple | None = None) -> None:
         self.entries = entries    # (kind, payload) per argument
         self.compute = compute    # dtype(s) the math runs in (result of PyTorch promotion)
         self.final = final        # dtype(s) the outputs are cast to
         self.promote = promote    # input dtype under promote="common"
+        # Its one result's dims in memory order, where CPU lays the result out in another order
+        # than row-major (``in_order``); None: row-major.
+        self.order = order
         # A constant by its exact key: a spec equal to another's picks that one's program, and
         # 2 and 2.0 (or 0.0 and -0.0) are equal numbers (nan_to_num(nan=-0.0) ran as nan=0.0).
         exact = tuple((kind, meta.exact_key(p) if kind == CONST else p) for kind, p in entries)
-        self._key = (exact, compute, final, promote)
+        self._key = (exact, compute, final, promote, order)
         self._hash = hash(self._key)
         self._program = None  # ``held``'s (lowering, jitted, dispatched): a hit without a hash
         self._simple = None   # whether ``seen_calls`` may repeat its calls (found at first use)
@@ -48,8 +52,8 @@ class Spec:
         # Its kept lazy casts (``kept_positions``): its program returns their conversions too.
         self.keeps = ()
         self._pointwise = None  # (lowering, ``one_pointwise_input``'s answer)
-        # Its one result's shape, where the plan that made it knew it (a held call's value's:
-        # ``lazy_casts.lazy_op``); None otherwise.
+        # Its one result's shape (in memory order, with ``order``), where the plan that made it
+        # knew it (a held call's value's: ``lazy_casts.lazy_op``); None otherwise.
         self.shape = None
 
     def __hash__(self) -> int:
@@ -74,6 +78,15 @@ def cast_outputs(x, dtype):
             return type(x)(cast_outputs(v, d) for v, d in zip(x, dtype))
         return type(x)(cast_outputs(v, dtype) for v in x)
     return x if x.dtype == dtype else dtypes.cast(x, dtype)
+
+
+def finished(x, spec: Spec):
+    """A lowering's outputs x as spec's program returns them: cast to its result dtypes, and
+    its one result transposed to memory order (``Spec.order``). A pointwise op over a transposed
+    or channels-last input so computes over the input's storage in its own order: XLA cancels
+    the read's transpose against this one, and the result is stored as it comes, no copy."""
+    x = cast_outputs(x, spec.final)
+    return x if spec.order is None else x.transpose(spec.order)
 
 
 def _first(dtype):
@@ -127,8 +140,8 @@ def applied(array, how, kept: list | None = None):
     lowering, spec = how.op
     # A call of several tensors or holding traced numbers takes its arguments as one input
     # (``Converted.spread``).
-    value = rounded(cast_outputs(lowering.fn(*rebuild(
-        spec, lowering, array if _spread(spec) else (array,), kept)), spec.final))
+    value = rounded(finished(lowering.fn(*rebuild(
+        spec, lowering, array if _spread(spec) else (array,), kept)), spec))
     if how.held and kept is not None:
         kept.append(value)
     return value
@@ -219,7 +232,8 @@ def with_views(spec: Spec, views: tuple) -> Spec:
                 payload = list(entries[i][1])
                 payload[j] = g
                 entries[i][1] = tuple(payload)
-        derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote)
+        derived = Spec(tuple(tuple(e) for e in entries), spec.compute, spec.final, spec.promote,
+                       spec.order)
         derived.keeps = kept_positions(derived.entries)
         derived.shape = spec.shape
         meta.bounded_put(_with_views, key, derived)  # geometries include offsets: keep it bounded
@@ -287,7 +301,7 @@ def held(lowering: Lowering, spec: Spec) -> tuple:
 def _program(lowering: Lowering, spec: Spec) -> tuple:
     def run(*dyn):
         kept = [] if spec.keeps else None
-        out = cast_outputs(lowering.fn(*rebuild(spec, lowering, dyn, kept)), spec.final)
+        out = finished(lowering.fn(*rebuild(spec, lowering, dyn, kept)), spec)
         return out if kept is None else (out, tuple(kept))
 
     run.__name__ = str(lowering.op).replace(".", "_")
@@ -302,7 +316,8 @@ def _parts(lowering: Lowering, spec: Spec) -> tuple:
     """What names the program of lowering and spec in a key: a lazy pointwise call it reads
     (a ``Cast``'s ``op``) by the same parts as its own program, not by its objects."""
     entries = tuple((kind, _stable(payload)) for kind, payload in spec.entries)
-    return "op", _identity(lowering), entries, spec.compute, spec.final, spec.promote
+    parts = "op", _identity(lowering), entries, spec.compute, spec.final, spec.promote
+    return parts if spec.order is None else (*parts, spec.order)
 
 
 def _stable(payload):

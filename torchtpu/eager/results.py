@@ -5,7 +5,9 @@ op returns them), and tensors laid out as CPU lays them (channels-last results o
 ops, batch norm, pooling, convolutions; SDPA's output in its query's order).
 
 The device's arrays are row-major; a result CPU gives in channels-last becomes a tensor of that
-memory format by one transposing copy (``lay_out``), as CUDA's kernels write channels-last.
+memory format by one transposing copy (``lay_out``), as CUDA's kernels write channels-last. A
+pointwise op's program computes its result in memory order itself (``Stored``, its spec's
+``order``): no copy.
 """
 
 from __future__ import annotations
@@ -15,6 +17,12 @@ import functools
 import torch
 
 from torchtpu.device import tensors
+from torchtpu.device.views import dense_order
+
+
+class Stored(tuple):
+    """A result's strides, where its program returns it in memory order already (its spec's
+    ``order``): the array is the storage's as it comes, and the tensor is made around it."""
 
 
 def is_leaf(d) -> bool:
@@ -29,6 +37,8 @@ def wrapped(arrays, d):
     if type(d) is int:
         return d
     if is_leaf(d):
+        if len(d) == 3 and type(d[2]) is Stored:
+            return tensors.wrap_strided(arrays, d[1], d[0], d[2])
         out = tensors.wrap(arrays, d[1])
         return lay_out(out, d[2]) if len(d) == 3 else out
     return tuple(wrapped(a, r) for a, r in zip(arrays, d))
@@ -40,6 +50,16 @@ def wrapper(d):
     if is_leaf(d) and len(d) == 2:
         return tensors.wrapper(tuple(d[0]), d[1])
     return functools.partial(wrapped, d=d)
+
+
+def stored_order(d) -> tuple | None:
+    """For a one-result description d laid out otherwise than row-major: (its dims in memory
+    order, d with the array in that order, ``Stored``); else None."""
+    if not (is_leaf(d) and len(d) == 3):
+        return None
+    strides = strides_of(d)
+    order = dense_order(tuple(d[0]), strides)
+    return None if order is None else (order, (d[0], d[1], Stored(strides)))
 
 
 def laid_out(d, fmt):
@@ -60,10 +80,17 @@ def lay_out(t: torch.Tensor, fmt: torch.memory_format | tuple) -> torch.Tensor:
     channels-last. The storage is t's dims in fmt's order made contiguous (``clone`` of a
     permuted view: an op call, which a growing loop runs padded at its size buckets as any
     other, where a copy into an ``empty_strided`` tensor compiled per length), viewed back."""
-    if not isinstance(fmt, tuple):
-        fmt = torch.empty(t.shape, dtype=t.dtype, device="meta", memory_format=fmt).stride()
+    fmt = strides_of((t.shape, t.dtype, fmt))
     order = sorted(range(t.dim()), key=lambda d: (-fmt[d], d))
     return t.permute(order).contiguous().as_strided(t.shape, fmt)
+
+
+def strides_of(d) -> tuple:
+    """The strides of the result leaf d describes."""
+    fmt = d[2] if len(d) == 3 else torch.contiguous_format
+    if isinstance(fmt, tuple):
+        return fmt
+    return torch.empty(d[0], device="meta", memory_format=fmt).stride()
 
 
 def _in_layout(t: torch.Tensor, fmt: torch.memory_format | tuple) -> bool:
