@@ -147,7 +147,8 @@ def test_an_in_place_list_call_makes_its_call_key_once(monkeypatch):
     a = [torch.randn(3, 4) for _ in range(5)]
     b = [torch.randn(3, 4) for _ in range(5)]
     xs, ys = [t.to("tpu") for t in a], [t.to("tpu") for t in b]
-    # ys of another layout: the same call key, another ``seen_lists`` signature (the full path)
+    # ys of another layout: another call key (an operand's layout is in it) and ``seen_lists``
+    # signature (the full path), made once
     laid = [y.t().contiguous().t() for y in ys]
     with torch.tpu.set_eager_mode(DEFER):
         torch._foreach_add_(xs, ys, alpha=0.3)  # planned and checked, remembered

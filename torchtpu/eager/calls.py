@@ -131,7 +131,7 @@ def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
     hit = cache.get(key)
     if hit is None:
         result = meta.infer(op, values, traced=traced,
-                            strides=lowering.layout is META_STRIDES)
+                            strides=lowering.layout is META_STRIDES, known_key=key[0])
         if callable(lowering.layout):
             result = results.laid_out(result, lowering.layout(*values))
         compute_dtypes = results.map_described(result, _compute_dtype)
