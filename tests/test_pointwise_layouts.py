@@ -104,3 +104,15 @@ def test_a_laid_out_result_costs_no_copy(mode):
         y = p.t().neg()
         y.cpu()
         assert tuple(tensors.stored_array(y.untyped_storage()).shape) == (5, 4)
+
+
+def test_a_growing_loop_of_laid_out_results_matches_cpu():
+    """Calls over growing sizes run padded to size buckets (``compile/eager_buckets``) unless
+    their result is stored in memory order: those run exact, their values CPU's."""
+    w = torch.randn(1, 4)
+    for n in range(2, 10):
+        a = torch.randn(4, n)
+        want = (a.t() * 2.0).neg() + w
+        got = (a.to("tpu").t() * 2.0).neg() + w.to("tpu")
+        assert got.stride() == want.stride()
+        torch.testing.assert_close(torch.cat([got, got]).cpu(), torch.cat([want, want]))

@@ -29,7 +29,8 @@ every step, exact in values but padded each time.
 Debug (which checks each result at its real size) and DeferAndFuse cut every result at once,
 a synchronous call (under DeferAndFuse the recordings between cuts made a fused program per
 length). Random ops, captures and views the host cannot read by strides (a reinterpreting
-dtype) keep the exact path.
+dtype) keep the exact path, and so do pointwise results CPU lays out in another order than
+row-major (their programs store them in memory order).
 """
 
 from __future__ import annotations
@@ -150,8 +151,10 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, 
     if ran is not None and not call_sites.grows(ran[1]):
         return None
     if HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
-            or _in_backward():
-        return None  # a capture's replays could not repeat host padding; keys: random draws
+            or _in_backward() or spec.order is not None:
+        # A capture's replays could not repeat host padding; keys: random draws; an order: a
+        # result stored in memory order (``program.finished``), which a padded program's is not.
+        return None
     if any(type(how) is Cast for _, _, how in views):
         # A lazy cast's source is no value of the tensor: read the tensors computed.
         dyn, views = calls.dynamic_values([None, *values] if lowering.random else values,
@@ -174,7 +177,7 @@ def before(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
                                             for t in _tensors_of(values)):
         return None
     if writes or HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
-            or _in_backward():
+            or _in_backward() or spec.order is not None:
         return None
     dyn = []
     for (kind, _), v in zip(spec.entries, values):
