@@ -100,10 +100,9 @@ class HostSteps:
                                       device=self.device)
         self._last_sampled = None  # the tokens the last host-prepared step's program sampled
 
-    def _steps_on_host(self) -> bool:
-        """Whether this runner's steps can be prepared on the host: captured steps, none of the
-        features whose inputs live only on the device."""
-        batch = self.input_batch
+    def _host_steps_configured(self) -> bool:
+        """Whether this runner's configuration lets its steps be prepared on the host (known
+        once the model is built; each step's own conditions: ``_steps_on_host``)."""
         return (self.step_graphs is not None
                 and self.speculative_config is None and not self.lora_config
                 and not self.uses_mrope and not self.enable_prompt_embeds
@@ -111,18 +110,24 @@ class HostSteps:
                 and not self.model_config.is_encoder_decoder
                 and self.parallel_config.pipeline_parallel_size == 1
                 and self.dcp_world_size == 1 and self.lookback_token_ids is None
+                and not self.cache_config.kv_sharing_fast_prefill
+                and not has_kv_transfer_group())
+
+    def _steps_on_host(self) -> bool:
+        """Whether this step can be prepared on the host: captured steps, none of the features
+        whose inputs live only on the device."""
+        batch = self.input_batch
+        return (self._host_steps_configured()
                 and (batch.prev_sampled_token_ids is None
                      or batch.prev_sampled_token_ids is self._last_sampled)
                 and self.num_accepted_tokens_event is None
                 and not self.num_prompt_logprobs
                 and len(self.kv_cache_config.kv_cache_groups) == 1
                 and len(batch.block_table.block_tables) == 1
-                and not self.cache_config.kv_sharing_fast_prefill
                 and all(isinstance(g.get_metadata_builder(), TpuAttentionMetadataBuilder)
                         and g.kernel_block_size is None
                         and not isinstance(g.kv_cache_spec, EncoderOnlyAttentionSpec)
-                        for g in self.attn_groups[0])
-                and not has_kv_transfer_group())
+                        for g in self.attn_groups[0]))
 
     def _prepare_on_host(self, num_scheduled_tokens: np.ndarray):
         """vLLM's input preparation of this step, in NumPy on its host buffers only.

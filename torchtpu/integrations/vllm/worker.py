@@ -37,6 +37,7 @@ from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
 from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens, whole_context
 from torchtpu.integrations.vllm.platform import fit_host_kv_cache
+from torchtpu.integrations.vllm.stacked import stack_layer_weights
 from torchtpu.runtime import platform
 
 log = init_logger(__name__)
@@ -44,6 +45,8 @@ log = init_logger(__name__)
 # "startup" (default): every step shape is captured and compiled before the engine serves;
 # "lazy": when a step first meets it
 CAPTURE_ENV = "TORCHTPU_VLLM_CAPTURE"
+# "0": each layer's weights stay storages of their own (stacked.py), for comparison
+STACK_ENV = "TORCHTPU_VLLM_STACK"
 # vLLM's dummy sampler run (top-k, top-p and random sampling of max_num_seqs rows) holds at most
 # ~7.3 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
 # op on XLA:CPU; tests/test_vllm_graphs.py checks the figure still covers it); the profile holds
@@ -247,6 +250,11 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
 
     def load_model(self, *args, **kwargs) -> None:
         super().load_model(*args, **kwargs)
+        # Only where every step can be captured: a step run op by op would read each layer's
+        # weight as a view of its own offset, a program per layer instead of one for all.
+        if self._host_steps_configured() and os.environ.get(STACK_ENV, "1").strip() != "0":
+            log.info("torchtpu: the layers' weights stacked, %d storages fewer",
+                     stack_layer_weights(self.model))
         # a host-prepared step computes its logits and greedy tokens in its program: vLLM's
         # calls after the forward get those (see _captured_logits, _sample)
         self._model_compute_logits = self.model.compute_logits
