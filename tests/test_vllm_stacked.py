@@ -12,6 +12,7 @@ import sys
 import pytest
 import torch
 
+from torchtpu import metrics
 from torchtpu.integrations.vllm.stacked import stack_layer_weights
 
 
@@ -37,6 +38,12 @@ class _Model(torch.nn.Module):
         return self.head(x)
 
 
+def _programs_loaded() -> int:
+    """Programs compiled or loaded from the persistent cache so far in this process."""
+    got = metrics.snapshot()
+    return got["executable_compiles"] + got["persistent_cache_hits"]
+
+
 def test_stacked_layers_are_views_of_one_storage_per_kind_with_their_values():
     torch.manual_seed(0)
     cpu = _Model()
@@ -57,6 +64,18 @@ def test_stacked_layers_are_views_of_one_storage_per_kind_with_their_values():
         proj.copy_(new.to("tpu"))
         cpu.layers[1].proj.weight.copy_(new)
     torch.testing.assert_close(model.layers[0].proj.weight.cpu(), cpu.layers[0].proj.weight)
+    torch.testing.assert_close(model(x.to("tpu")).cpu(), cpu(x))
+    # a merged weight's shard pushed into every layer (vLLM's loaders write param.narrow(...)):
+    # one program for all layers, the row an argument, not one compiled per layer's offset
+    loaded = []
+    for layer, ref in zip(model.layers, cpu.layers):
+        before = _programs_loaded()
+        part = torch.randn(6, 8)
+        with torch.no_grad():
+            layer.proj.weight.narrow(0, 4, 6).copy_(part.to("tpu"))
+            ref.proj.weight[4:10] = part
+        loaded.append(_programs_loaded() - before)
+    assert loaded[1:] == [0, 0], loaded
     torch.testing.assert_close(model(x.to("tpu")).cpu(), cpu(x))
 
 

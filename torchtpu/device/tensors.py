@@ -28,7 +28,9 @@ from torchtpu.device.views import (
     dense_order,
     in_memory_order,
     read_view,
+    rows_of,
     run_of,
+    write_rows,
     write_run,
     write_view,
 )
@@ -310,6 +312,9 @@ def _writer(g: Geometry, donate: bool = True):
 # One writer for every offset of a run (``views.run_of``); JAX's cache keys it by shapes.
 _run_writers = {donate: warm_dispatch.keyed(jax.jit(write_run, donate_argnums=0 if donate else ()),
                                             "write_run", donate) for donate in (True, False)}
+_rows_writers = {donate: warm_dispatch.keyed(
+    jax.jit(write_rows, donate_argnums=0 if donate else ()), "write_rows", donate)
+    for donate in (True, False)}
 
 
 @functools.lru_cache(maxsize=1024)
@@ -515,9 +520,14 @@ def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
     donate = id(array) not in lent
     # A run's offset goes in as an argument, in plain eager only: a deferred or captured program
     # keeps the static writer (its recording and replay take storage arrays as inputs).
-    run = run_of(g) if HOOKS.deferrer is None and HOOKS.capture is None else None
+    eager = HOOKS.deferrer is None and HOOKS.capture is None
+    run = run_of(g) if eager else None
+    row = rows_of(g) if eager and run is None else None
     if run is not None:
         check_in_bounds(g)
         st._tpu_array = call(_run_writers[donate], array, value, np.int64(g.offset))
+    elif row is not None:
+        check_in_bounds(g)
+        st._tpu_array = call(_rows_writers[donate], array, value, np.int64(row))
     else:
         st._tpu_array = call(_writer(g, donate), array, value)

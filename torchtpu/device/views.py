@@ -222,6 +222,34 @@ def run_of(g: Geometry) -> Geometry | None:
     return g._replace(offset=0)
 
 
+def rows_of(g: Geometry) -> int | None:
+    """The first of the storage array's rows (along its last dim) that view g covers, when g is
+    a contiguous block of whole rows in the storage's own dtype (one layer's weight, or a part
+    of it, in a ``[layers, ...]`` stack), else None. Such a view is written by ``write_rows``
+    with the row as an argument, in the array's own layout: a static offset compiled a writer
+    per layer for every weight pushed into a stack."""
+    if (np.dtype(g.array_dtype) != np.dtype(g.dtype) or g.dtype == COMPLEX32 or 0 in g.size
+            or len(g.array_shape) < 2):
+        return None
+    step = 1
+    for n, s in reversed(list(zip(g.size, g.stride))):
+        if n != 1 and s != step:
+            return None
+        step *= n
+    width = g.array_shape[-1]
+    if step % width or g.offset % width:
+        return None
+    return g.offset // width
+
+
+def write_rows(array, value, row):
+    """The storage array with rows ``row`` on (``rows_of``) replaced by value's elements."""
+    width = array.shape[-1]
+    rows = lax.dynamic_update_slice(array.reshape(-1, width),
+                                    value.reshape(-1, width).astype(array.dtype), (row, 0))
+    return rows.reshape(array.shape)
+
+
 def write_run(array, value, offset):
     """The storage array with the run of ``value.size`` elements at offset (a ``run_of`` view,
     checked in bounds by the caller) replaced by value."""

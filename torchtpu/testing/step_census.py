@@ -42,8 +42,8 @@ from jax._src.array import ArrayImpl
 from torchtpu.device.hooks import HOOKS
 
 # The device layer's copies around views (``device/tensors.py``): a view read, a write through
-# a view, a run written at an offset, a buffer copied whole.
-VIEW_COPIES = ("read_view", "write_view", "write_run", "copy")
+# a view, a run or whole rows written at an offset, a buffer copied whole.
+VIEW_COPIES = ("read_view", "write_view", "write_run", "write_rows", "copy")
 
 
 @dataclass
