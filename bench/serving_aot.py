@@ -209,6 +209,7 @@ def part_vllm(args) -> dict:
             r = tpu_target.compile_function(captured._fn.jitted, *avals,
                                             name=f"vllm_decode_{b}", target_name=TARGET)
             row = {"batch": b, "context": args.context, "ops": captured.ops,
+                   "arguments": len(avals),
                    "compile_s": time.perf_counter() - start, "odd_storages": odd,
                    "byte_arguments": sum(str(a.dtype) == "uint8" for a in avals)}
             hlo = sorted(Path(dump).glob(f"vllm_decode_{b}.*.hlo.txt")) if dump else []
@@ -226,15 +227,18 @@ def part_vllm(args) -> dict:
 
 
 def odd_storages(model) -> list[str]:
-    """Parameters whose device array is not of their own dtype and shape (bytes a weight's
-    parts were copied into, a flattened array): each step would convert them back."""
+    """Parameters whose device array is not of their own dtype and shape, nor a stack of such
+    (``integrations/vllm/stacked.py``: one layer's weight a whole index of it): bytes a weight's
+    parts were copied into, a flattened array, which each step would convert back."""
     from torchtpu.eager.capture import storage_of
 
     out = []
     for n, p in model.named_parameters():
         a = storage_of(p)._tpu_array
+        shape = None if a is None else tuple(a.shape)
         if a is None or str(a.dtype) != str(p.dtype).removeprefix("torch.") \
-                or tuple(a.shape) != tuple(p.shape):
+                or (shape != tuple(p.shape) and (shape[1:] != tuple(p.shape)
+                                                 or p.storage_offset() % max(1, p.numel()))):
             out.append(f"{n}: {None if a is None else (str(a.dtype), tuple(a.shape))}")
     return out
 

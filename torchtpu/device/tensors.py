@@ -312,6 +312,7 @@ def _writer(g: Geometry, donate: bool = True):
 # One writer for every offset of a run (``views.run_of``); JAX's cache keys it by shapes.
 _run_writers = {donate: warm_dispatch.keyed(jax.jit(write_run, donate_argnums=0 if donate else ()),
                                             "write_run", donate) for donate in (True, False)}
+_GUARDED = ("disallow", "disallow_explicit")
 _rows_writers = {donate: warm_dispatch.keyed(
     jax.jit(write_rows, donate_argnums=0 if donate else ()), "write_rows", donate)
     for donate in (True, False)}
@@ -520,7 +521,10 @@ def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
     donate = id(array) not in lent
     # A run's offset goes in as an argument, in plain eager only: a deferred or captured program
     # keeps the static writer (its recording and replay take storage arrays as inputs).
-    eager = HOOKS.deferrer is None and HOOKS.capture is None
+    # (and not under a JAX transfer guard that refuses the host's 8-byte offset: a weight push
+    # checked to move nothing from the host, say)
+    eager = (HOOKS.deferrer is None and HOOKS.capture is None
+             and jax.config.jax_transfer_guard_host_to_device not in _GUARDED)
     run = run_of(g) if eager else None
     row = rows_of(g) if eager and run is None else None
     if run is not None:
