@@ -226,6 +226,15 @@ def part_vllm(args) -> dict:
     return out
 
 
+def _whole_or_stacked(array: tuple, param: tuple) -> bool:
+    """Whether a storage array of this shape holds a parameter of that shape as it is, or
+    stacked: ``[n, *param]``, or the stack's first two dims merged (how ``torch.stack``'s
+    concatenation leaves it)."""
+    return (array == param or array[1:] == param
+            or (len(array) == len(param) > 0 and array[1:] == param[1:]
+                and array[0] % param[0] == 0))
+
+
 def odd_storages(model) -> list[str]:
     """Parameters whose device array is not of their own dtype and shape, nor a stack of such
     (``integrations/vllm/stacked.py``: one layer's weight a whole index of it): bytes a weight's
@@ -235,10 +244,8 @@ def odd_storages(model) -> list[str]:
     out = []
     for n, p in model.named_parameters():
         a = storage_of(p)._tpu_array
-        shape = None if a is None else tuple(a.shape)
         if a is None or str(a.dtype) != str(p.dtype).removeprefix("torch.") \
-                or (shape != tuple(p.shape) and (shape[1:] != tuple(p.shape)
-                                                 or p.storage_offset() % max(1, p.numel()))):
+                or not _whole_or_stacked(tuple(a.shape), tuple(p.shape)):
             out.append(f"{n}: {None if a is None else (str(a.dtype), tuple(a.shape))}")
     return out
 
