@@ -2,6 +2,7 @@
 inside the program of the op that reads it, one launch less, every reader seeing the value as
 CPU computes it."""
 
+import jax
 import pytest
 import torch
 
@@ -10,6 +11,21 @@ from torchtpu.testing.llama import LlamaConfig, seeded_step
 from torchtpu.testing.step_census import census
 
 CONFIG = LlamaConfig(vocab=128, dim=32, layers=2, heads=2, hidden=64, seq=16)
+
+
+# XLA:CPU computes as CPU's kernels do, to the bit; a TPU's fast transcendental forms and its
+# excess precision between a bfloat16 cast and a product part from CPU in the last bits (the
+# chip ran these tests in session 27): there the values are compared within a float32 or a
+# bfloat16 tolerance instead
+
+
+def _as_cpu(got: torch.Tensor, want: torch.Tensor) -> None:
+    if jax.devices()[0].platform == "cpu":
+        assert torch.equal(got, want), (got, want)
+    elif want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    else:
+        torch.testing.assert_close(got, want)
 
 
 def _lazy(t: torch.Tensor) -> bool:
@@ -79,7 +95,7 @@ def test_a_call_repeated_over_other_held_calls_reads_each_as_its_own():
         for f in (torch.neg, torch.sigmoid, torch.neg, torch.exp):
             y = f(d)
             assert _lazy(y)
-            assert torch.equal((y + e).cpu(), f(x) + w), f
+            _as_cpu((y + e).cpu(), f(x) + w)
 
 
 def test_its_source_written_afterwards_leaves_the_value_as_it_was():
@@ -100,7 +116,7 @@ def test_an_in_place_call_writes_its_value():
     d.mul_(2)       # whole
     x[1].neg_()
     x[:, 2].sigmoid_()
-    assert torch.equal(d.cpu(), x * 2)
+    _as_cpu(d.cpu(), x * 2)
 
 
 def test_a_call_smaller_than_its_source_is_settled_by_its_first_reader():
@@ -395,7 +411,7 @@ def test_a_call_of_kept_values_settles_them_in_its_reader_as_cpu(buckets_off):
         assert i < 2 or (c.launch_count == 2 and not lazy_casts._kept), c.launches
         assert torch.equal(y.cpu(), y_want) and torch.equal(z.cpu(), z_want)
         torch.testing.assert_close(m.cpu(), x.mean(-1, keepdim=True))
-        assert torch.equal(p.cpu(), y_want * z_want)
+        _as_cpu(p.cpu(), y_want * z_want)
         torch.testing.assert_close(got[0].cpu(), (y_want * z_want + z_want).sum(0))
         torch.testing.assert_close(got[1].cpu(), (w * x.mean(-1, keepdim=True)).sum(0))
     # read alone, it settles them too
