@@ -104,8 +104,8 @@ print("RESULT " + json.dumps({"read": read, "params": len(params),
 def test_a_served_step_reads_one_storage_per_kind_of_layer_weight(tmp_path, stack):
     """Qwen2 of 4 layers: 7 weights a layer (qkv and its bias, o, gate-up, down, two norms),
     plus the embedding, the final norm and the head: 10 storages a step reads instead of 31
-    (``TORCHTPU_VLLM_STACK=0``), tokens equal HF's either way. (A 23-token prompt of this
-    model parts from HF's at its first token stacked or not, a near tie: left out.)"""
+    (the default, ``TORCHTPU_VLLM_STACK=0``), tokens equal HF's either way. (A 23-token prompt
+    of this model parts from HF's at its first token stacked or not, a near tie: left out.)"""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from transformers import AutoModelForCausalLM
 
