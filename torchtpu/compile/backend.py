@@ -46,7 +46,7 @@ from torchtpu.compile import (
 )
 from torchtpu.compile import options as options_mod
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.device import asserts, dtypes, kernels, launch, tensors
+from torchtpu.device import asserts, dtypes, kernels, launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import at_call, executor, meta, schema
@@ -115,7 +115,7 @@ def _describe(arrays) -> str:
 def _computed(array):
     """array, or the array of a value DeferAndFuse holds pending (flushing the recording): a
     program takes arrays only, and JAX no longer converts other objects at its inputs."""
-    if isinstance(array, tensors.Deferred):
+    if isinstance(array, ownership.Deferred):
         return array.__jax_array__()
     return array
 
@@ -246,7 +246,7 @@ class CompiledGraph:
                     array = tensors.read(a)
                 # Inside a capture an input may be a value the capture has not computed: kept
                 # as it is; else a value DeferAndFuse holds pending is computed now.
-                if not capturing and isinstance(array, tensors.Deferred):
+                if not capturing and isinstance(array, ownership.Deferred):
                     array = array.__jax_array__()
                 arrays.append(array)
         return arrays, symbols
@@ -404,7 +404,7 @@ class CompiledGraph:
         else:
             outs = self._launched(arrays, call, symbols, donate)
         for t, by in consumed:
-            tensors.consume(t, by)
+            ownership.consume(t, by)
         if fn.check_errors:
             outs = self._hand_over_checks(outs)
         # Every array a storage holds or is about to hold: a program may hand an input back, or

@@ -4,7 +4,7 @@
   replaces it, so XLA updates it in place.
 - A graph input passed directly to an op that donates that argument (``lowering.donates``:
   ``jax_op(..., donate_argnums=...)``, ``donating_inputs``): it is refused as eager refuses it
-  (``tensors.donation_refusal``) and consumed after the call, as in eager; its array is donated
+  (``ownership.donation_refusal``) and consumed after the call, as in eager; its array is donated
   when a program output of its shape and dtype can take it (else XLA could not use it and JAX
   would warn). A donated argument computed inside the graph (a view, an intermediate) is XLA's
   own buffer: nothing is consumed.
@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from torchtpu import errors
 from torchtpu.compile.graph_function import GraphFunction
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, ownership
 from torchtpu.eager import schema
 
 
@@ -94,7 +94,7 @@ def taken(arrays: list, donating: list, args: list, outputs: dict) -> tuple[tupl
     call_tensors = [a for a in args if isinstance(a, torch.Tensor)]
     for k, i, op, param in donating:
         t = args[i]
-        problem = tensors.donation_refusal(t, param, call_tensors)
+        problem = ownership.donation_refusal(t, param, call_tensors)
         if problem is not None:
             raise RuntimeError(errors.message(
                 "kernel", f"{op._schema.name!r} (compiled) cannot take the buffer of argument "

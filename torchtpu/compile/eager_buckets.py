@@ -48,7 +48,7 @@ from torchtpu.compile.graph_function import GraphFunction
 from torchtpu.compile.one_node import int_tuple as _int_tuple
 from torchtpu.compile.one_node import is_int as _is_int
 from torchtpu.compile.padded_values import WHOLE
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import calls, executor, meta
 from torchtpu.eager.lazy_casts import Cast
@@ -403,7 +403,7 @@ def _padded(structure: tuple, family: call_sites.Family, lowering: Lowering, spe
 
 def _computed(array):
     """array, or the computed array of a value DeferAndFuse holds pending (run now)."""
-    return array.materialize() if isinstance(array, tensors.Deferred) else array
+    return array.materialize() if isinstance(array, ownership.Deferred) else array
 
 
 def _sizes(layout: tuple, values: dict) -> tuple:

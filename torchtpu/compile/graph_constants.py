@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from torchtpu.device import kernels, tensors
+from torchtpu.device import kernels, ownership, tensors
 from torchtpu.runtime import platform, transfer
 
 
@@ -21,7 +21,7 @@ def value(t: torch.Tensor):
     if t.is_cpu:
         return transfer.put(kernels.torch_to_numpy(t), platform.local_device())
     array = tensors.read(t)
-    return array.__jax_array__() if isinstance(array, tensors.Deferred) else array
+    return array.__jax_array__() if isinstance(array, ownership.Deferred) else array
 
 
 class Constants:

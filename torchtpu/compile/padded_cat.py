@@ -21,7 +21,7 @@ from jax import lax
 
 from torchtpu import metrics
 from torchtpu.compile import padded_values
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, ownership
 from torchtpu.eager import executor
 from torchtpu.eager.program import Spec
 from torchtpu.runtime import platform, transfer
@@ -77,7 +77,7 @@ def run(op, programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
         host = np.asarray(program(*args))[(slice(None),) * dim + (slice(0, total),)]
         return transfer.put(np.ascontiguousarray(host), platform.local_device())
 
-    computed = tuple(a.materialize() if isinstance(a, tensors.Deferred) else a for a in arrays)
+    computed = tuple(a.materialize() if isinstance(a, ownership.Deferred) else a for a in arrays)
     return executor.current().run_program(op, run_and_cut, (computed,) + args[1:])
 
 

@@ -27,7 +27,7 @@ import torch
 from jax import lax
 
 from torchtpu import metrics
-from torchtpu.device import dtypes, tensors
+from torchtpu.device import dtypes, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import Geometry, read_view
 from torchtpu.eager import executor
@@ -36,7 +36,7 @@ from torchtpu.runtime import platform, transfer
 made = [0]  # 1 once a Padded was made: until then no call looks for one among its inputs
 
 
-class Padded(tensors.Deferred):
+class Padded(ownership.Deferred):
     """A storage's value at bucket sizes: ``array`` (padded, or a value DeferAndFuse holds
     pending), ``real`` and ``padded`` the sizes of each dim's factors; ``shape`` and ``dtype``
     are the real value's, as a storage array's."""
@@ -90,7 +90,7 @@ class Padded(tensors.Deferred):
     def host_view(self, t) -> np.ndarray | None:
         """Tensor t's values (a view of the storage holding self) on the host, without cutting
         the storage's value; None while DeferAndFuse still holds the array pending."""
-        if isinstance(self.array, tensors.Deferred) and self.array.resolve() is self.array:
+        if isinstance(self.array, ownership.Deferred) and self.array.resolve() is self.array:
             return None
         if dtypes.to_jax(t.dtype) != self.dtype or t.dtype is torch.complex32:
             return None

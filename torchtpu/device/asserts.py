@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from torchtpu.device import launch, tensors
+from torchtpu.device import launch, ownership
 
 # A program that never reads to the host would let flags pile up: past this many, those already
 # computed are merged into one on the device (``_merged``), which reads nothing back: reading
@@ -57,7 +57,7 @@ def raise_pending() -> None:
 
 
 def _computed(flags) -> bool:
-    return not (isinstance(flags, tensors.Deferred) and flags.resolve() is flags)
+    return not (isinstance(flags, ownership.Deferred) and flags.resolve() is flags)
 
 
 def _merged(*flags):

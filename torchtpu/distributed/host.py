@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.distributed import ReduceOp
 
-from torchtpu.device import dtypes, kernels, tensors
+from torchtpu.device import dtypes, kernels, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor
 from torchtpu.runtime import platform
@@ -64,7 +64,7 @@ def write(t: torch.Tensor, value: np.ndarray | torch.Tensor) -> None:
 
 
 def _materialized(value):
-    return value.materialize() if isinstance(value, tensors.Deferred) else value
+    return value.materialize() if isinstance(value, ownership.Deferred) else value
 
 
 def read_now(t: torch.Tensor) -> jax.Array:
@@ -169,7 +169,7 @@ class Staged:
         if read:
             self._array = _own_array(t)
             if self._array is not None:
-                tensors.lend(self._array)
+                ownership.lend(self._array)
             else:
                 self._value = read_now(t)
         if write and t.dtype is not torch.complex32:  # complex32 crosses as a complex64 copy
@@ -209,7 +209,7 @@ class Staged:
     def release(self) -> None:
         """Let go of what was staged (done by ``commit``; also after a failed transfer)."""
         if self._array is not None:
-            tensors.unlend(self._array)
+            ownership.unlend(self._array)
         self._array = self._value = self._out = None
 
 

@@ -41,7 +41,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch._C._distributed_c10d import ReduceOptions
 
-from torchtpu.device import launch, tensors
+from torchtpu.device import launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.distributed import host, uneven
 from torchtpu.distributed.group import TpuProcessGroup
@@ -318,7 +318,7 @@ class XlaProcessGroup(TpuProcessGroup):
     def _write_result(t: torch.Tensor, value: jax.Array) -> None:
         if tuple(value.shape) != tuple(t.shape):
             value = tensors.call(_reshape(tuple(t.shape)), value) \
-                if isinstance(value, tensors.Deferred) else value.reshape(tuple(t.shape))
+                if isinstance(value, ownership.Deferred) else value.reshape(tuple(t.shape))
         tensors.write(t, value)
 
     # ---- reductions ----

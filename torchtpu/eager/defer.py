@@ -54,7 +54,7 @@ import torch
 from jax._src.array import ArrayImpl
 
 from torchtpu import metrics
-from torchtpu.device import launch, tensors
+from torchtpu.device import launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import facts, frozen, fused_program, numbers
 from torchtpu.runtime import warm
@@ -81,7 +81,7 @@ def _astype(dtype):
     return fn
 
 
-class Pending(tensors.Deferred):
+class Pending(ownership.Deferred):
     """One output of a recorded call: its shape and dtype now, its array after the flush."""
 
     __slots__ = ("shape", "dtype", "weak_type", "_sig", "_trace", "_node", "_leaf", "_value",

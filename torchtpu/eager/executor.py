@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torchtpu import metrics
-from torchtpu.device import launch, tensors
+from torchtpu.device import launch, ownership
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
 from torchtpu.eager.program import Spec, cast_outputs, held, one_pointwise_input, rebuild
@@ -181,4 +181,4 @@ def flush() -> None:
 def is_materialized(t) -> bool:
     """Whether device tensor t's value exists on the device rather than pending in a recording."""
     array = t.untyped_storage()._tpu_array
-    return not (isinstance(array, tensors.Deferred) and array.resolve() is array)
+    return not (isinstance(array, ownership.Deferred) and array.resolve() is array)

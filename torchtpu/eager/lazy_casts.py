@@ -56,7 +56,7 @@ cast for each of q's, k's and v's products, is computed by the first of them onl
 
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
-The source is lent (``tensors.lend``) so that no view write donates its buffer meanwhile, and
+The source is lent (``ownership.lend``) so that no view write donates its buffer meanwhile, and
 every lazy cast still pending is resolved when Strict stops being the executor (a capture or
 DeferAndFuse never sees one).
 """
@@ -74,7 +74,7 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchtpu.device import autocast, dtypes, memory_limit, tensors
+from torchtpu.device import autocast, dtypes, memory_limit, ownership, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
 from torchtpu.runtime import warm
 
@@ -140,7 +140,7 @@ def check_read(how) -> None:
         check_in_bounds(how)
 
 
-class Converted(tensors.Deferred):
+class Converted(ownership.Deferred):
     """A storage's value: ``source`` converted to ``dtype`` and reshaped to ``shape`` (a
     gradient's cast of a reshaped view), or ``op`` (lowering, spec) applied to it, computed by
     the first reader that cannot compute it itself (``fn`` of the source: one launch), or,
@@ -169,7 +169,7 @@ class Converted(tensors.Deferred):
         self.fn = fn or _converter(dtype, shape, view)
         self._value = None
         for array in arrays(source):
-            tensors.lend(array)
+            ownership.lend(array)
         _pending.add(self)
         if keep:
             _kept.setdefault(id(source), []).append(weakref.ref(self))
@@ -206,7 +206,7 @@ class Converted(tensors.Deferred):
     def _release(self) -> None:
         source = self.source
         for array in arrays(source):
-            tensors.unlend(array)
+            ownership.unlend(array)
         _hold(-self.extra)
         self.source = None
         _pending.discard(self)
@@ -216,7 +216,7 @@ class Converted(tensors.Deferred):
     def __del__(self) -> None:
         if self.source is not None:
             for array in arrays(self.source):
-                tensors.unlend(array)
+                ownership.unlend(array)
             _hold(-self.extra)
             if self.keep:
                 _unkeep(self.source, self)
@@ -277,7 +277,7 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None 
         return _lazy_view(t, array, dtype, view)
     if type(array) is Converted and array._value is None:
         return _cast_of_held(t, array, dtype)
-    if type(array) is not ArrayImpl and isinstance(array, tensors.Deferred):
+    if type(array) is not ArrayImpl and isinstance(array, ownership.Deferred):
         # A value DeferAndFuse computed (a fused optimizer step's), or a held one settled (the
         # norm's, by the first of q's, k's and v's products): cast as an array is.
         array = array.resolve()

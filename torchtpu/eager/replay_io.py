@@ -25,7 +25,7 @@ import operator
 
 import numpy as np
 
-from torchtpu.device import tensors
+from torchtpu.device import ownership, tensors
 from torchtpu.device.views import _bitcast_flat
 
 STORAGE = "storage"   # the array a storage holds at replay
@@ -43,7 +43,7 @@ class CaptureError(RuntimeError):
 def storage_input(st, sig: tuple):
     """The array storage st gives a program that captured it as sig = (shape, dtype)."""
     a = st._tpu_array
-    if isinstance(a, tensors.Deferred):
+    if isinstance(a, ownership.Deferred):
         a = st._tpu_array = a.materialize()  # written by DeferAndFuse since: run it now
     if a is None or a.shape != sig[0] or a.dtype != sig[1]:
         if a is not None and a.nbytes == np.prod(sig[0], dtype=int) * np.dtype(sig[1]).itemsize:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from torchtpu import errors
-from torchtpu.device import tensors
+from torchtpu.device import ownership
 from torchtpu.eager import schema
 
 
@@ -40,7 +40,7 @@ def check(name: str, op, donated: tuple, args: tuple, kwargs: dict) -> list:
         t = values[i]
         if not isinstance(t, torch.Tensor) or t.device.type != "tpu":
             continue  # None for an optional tensor; a CPU tensor is refused by the op itself
-        problem = tensors.donation_refusal(t, oi.names[i], call_tensors)
+        problem = ownership.donation_refusal(t, oi.names[i], call_tensors)
         if problem is not None:
             raise RuntimeError(errors.message(
                 "kernel", f"jax_op {name!r} cannot take the buffer of argument "
@@ -52,4 +52,4 @@ def check(name: str, op, donated: tuple, args: tuple, kwargs: dict) -> list:
 def consume(name: str, consumed: list) -> None:
     """After the call: each donated tensor gives up its buffer."""
     for t in consumed:
-        tensors.consume(t, f"jax_op {name!r} (donate_argnums)")
+        ownership.consume(t, f"jax_op {name!r} (donate_argnums)")
