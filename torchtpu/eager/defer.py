@@ -357,6 +357,10 @@ class Recorder:
                 if math.prod(p.shape) * p.dtype.itemsize >= SPARE_MIN_BYTES:
                     self._spares.append(r)
 
+    def own(self) -> None:
+        """The calling thread entered the mode: its host reads flush, other threads' ops warn."""
+        self.owner = threading.get_ident()
+
     def unfreeze(self) -> None:
         with self._lock:
             self.freezer.release()

@@ -117,7 +117,7 @@ class DeferAndFuse(Strict):
     def start_recording(self) -> None:
         """Ops record from here on; this thread's host reads flush."""
         HOOKS.deferrer = RECORDER
-        RECORDER.owner = threading.get_ident()
+        RECORDER.own()
 
     def stop_recording(self) -> None:
         """Run what is recorded and drop the kept results."""
