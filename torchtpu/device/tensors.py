@@ -123,13 +123,10 @@ def wrap(array: jax.Array, dtype: torch.dtype | None = None) -> torch.Tensor:
     size = tuple(array.aval.shape if type(array) is _ArrayImpl else array.shape)
     if dtype is torch.complex32:
         array = stored_form(array, dtype)
-    capture = HOOKS.capture
-    if capture is None:
+    if HOOKS.capture is None:
         return _contiguous(size, dtype, math.prod(size) * dtype.itemsize, array)
     t = _contiguous(size, dtype, math.prod(size) * dtype.itemsize)
-    st = t.untyped_storage()
-    capture.seen(st)
-    st._tpu_array = capture.recorded(array)
+    _hold(t.untyped_storage(), array)
     return t
 
 
@@ -137,15 +134,17 @@ def wrap_strided(array, dtype: torch.dtype, size: tuple, stride: tuple) -> torch
     """A new device tensor of size and stride owning array, its storage's value in memory order
     (a dense layout: array holds exactly its elements)."""
     t = new_tensor(size, dtype, stride)
-    st = t.untyped_storage()
-    if dtype is torch.complex32:
-        array = stored_form(array, dtype)
+    _hold(t.untyped_storage(), stored_form(array, dtype))
+    return t
+
+
+def _hold(st: torch.UntypedStorage, array) -> None:
+    """st's value becomes array (in its stored form); a capture records it as the capture's."""
     capture = HOOKS.capture
     if capture is not None:
         capture.seen(st)
         array = capture.recorded(array)
     st._tpu_array = array
-    return t
 
 
 def wrapper(size: tuple, dtype: torch.dtype):
@@ -428,12 +427,7 @@ def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
             value = call(_orderer(order), value)
         elif not owned:
             value = fresh_copy(value)
-        value = stored_form(value, t.dtype)
-        capture = HOOKS.capture
-        if capture is not None:
-            capture.seen(st)
-            value = capture.recorded(value)
-        st._tpu_array = value
+        _hold(st, stored_form(value, t.dtype))
         return
     array = storage_array(t)
     g = _geometry(t, array)
