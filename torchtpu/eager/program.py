@@ -17,11 +17,18 @@ import torch
 from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
-from torchtpu.eager.entries import CONST, KEY, SCALAR, TENSOR, TENSORS
 from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
 from torchtpu.runtime import warm, warm_dispatch
 
+# Spec entries, one per bound argument.
+TENSOR = "t"       # one array; payload: None, or how to read it: a view Geometry or a
+                   # lazy cast's ``Cast``
+TENSORS = "l"      # a list of arrays/None: payload, per element: True (None), False (an
+                   # array) or how to read the array (a Geometry or a ``Cast``)
+SCALAR = "s"       # a traced Python number
+KEY = "k"          # PRNG key data -> a JAX key
+CONST = "c"        # baked-in constant: payload is the value
 
 class Spec:
     """The static part of one op call: argument entries, compute and result dtypes.
