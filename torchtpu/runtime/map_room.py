@@ -17,7 +17,7 @@ eighth of the cap), it clears JAX's caches of compiled programs, once, with a ``
 warning (they come back from the persistent cache or are recompiled when used again); if that
 leaves less than half the reserve (something else holds the maps), it raises a
 ``torchtpu.cache:`` error instead of letting XLA crash. Executables held outside JAX's caches
-(those loaded ahead of use, ``warm_ahead``) are dropped with them (``on_free``), and are loaded
+(those loaded ahead of use, ``warm_ahead``) are dropped with them (``Room.on_free``), and are loaded
 ahead only into the room above twice the reserve (``Room.spare``). Without ``/proc`` (not Linux)
 it does nothing.
 """
@@ -124,11 +124,6 @@ def _limit() -> int | None:
 
 
 ROOM = Room(_limit())
-
-
-def on_free(release: Callable[[], None]) -> None:
-    """See ``Room.on_free``."""
-    ROOM.on_free(release)
 
 
 def make_room() -> None:

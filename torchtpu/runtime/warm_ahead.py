@@ -73,7 +73,7 @@ class Ahead:
         self._stop = False
         self.thread = threading.Thread(target=self._run, name="torchtpu-load-ahead", daemon=True)
         atexit.register(self.close)  # (after the store's own hook: runs before it)
-        map_room.on_free(self.release)
+        map_room.ROOM.on_free(self.release)
         self.thread.start()
 
     def take(self, key: str):
