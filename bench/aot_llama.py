@@ -14,8 +14,11 @@ recordings) and TPU compiles.
         [--target v5e:1x1] [--sides whole,defer,splash,naive] [--dump DIR] [--json out.json]
 
 Per program: the cost model's seconds, flops, bytes accessed, transcendentals; HBM (arguments,
-outputs, temporaries); and from its optimized HLO (``--dump``) the fusions, copies, transposes,
-convolutions (products) by operand types and f32 products at HIGHEST precision.
+outputs, temporaries); the compile's process CPU seconds and wall seconds (CPU is the figure on
+a loaded machine; libtpu's own log, ``TPU_LOG_DIR``, names a fusion it retried or found slow:
+``retry compilation``, ``Slow compilation``); and from its optimized HLO (``--dump``) the
+fusions, copies, transposes, convolutions (products) by operand types and f32 products at
+HIGHEST precision.
 """
 
 from __future__ import annotations
@@ -67,7 +70,7 @@ def _report_dict(r, dump: str | None) -> dict:
            "tflop": r.flops / 1e12, "gbytes": r.bytes_accessed / 1e9,
            "transcendentals_g": r.transcendentals / 1e9,
            "hbm_gib": {k: v / 2**30 for k, v in r.hbm.items()},
-           "compile_s": r.compile_seconds}
+           "compile_s": r.compile_seconds, "compile_cpu_s": r.compile_cpu_seconds}
     if dump:
         files = sorted(glob.glob(os.path.join(dump, f"{tpu_target._file_name(r.name)}.*.hlo.txt")),
                        key=os.path.getmtime)
@@ -209,7 +212,7 @@ def main(argv: list | None = None) -> dict:
     if args.cycles_only:
         from torchtpu.runtime import tpu_target
 
-        tpu_target._twin_seconds = lambda parsed, devs: (None, "")
+        tpu_target._twin_seconds = lambda parsed, devs, **_: (None, "")
     dump = args.dump or tempfile.mkdtemp(prefix="aot_llama_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     dims = dict(vocab=512, dim=256, heads=2, hidden=512) if args.tiny else {}
@@ -234,7 +237,8 @@ def main(argv: list | None = None) -> dict:
                   f"temp {r['hbm_gib'].get('temporaries', 0):5.2f} GiB "
                   f"args {r['hbm_gib'].get('arguments', 0):5.2f} GiB "
                   f"fusions {hlo.get('fusions')} copies {hlo.get('copies')} "
-                  f"products {hlo.get('products')} {r['error'] or ''}",
+                  f"products {hlo.get('products')} compile {r['compile_cpu_s']:.1f} CPU-s "
+                  f"({r['compile_s']:.1f} s) {r['error'] or ''}",
                   flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -15,6 +15,22 @@ the mean host CPU and the full collections' count (a full one falls in one step 
 Thread CPU leaves out XLA:CPU's compute threads, so it carries over to a host that drives a TPU
 (where launching costs more; the recording launches nothing).
 
+``--modes defer,defer-op-path --rounds 30 --steps 1``: DeferAndFuse's steps with calls replayed
+(``eager/defer_replay.py``) and without, alternating in one process (each its own model).
+
+``--modes defer-split,defer-one``: DeferAndFuse's steps split at backward's start (two
+programs a step: ``Recorder._split``, the default's; ``defer`` is the process's setting) and
+not (one, ``TORCHTPU_DEFER_SPLIT=0``'s), alternating in one process; ``fwd_cpu`` is the
+caller's CPU (ms) from the step's start to the split (the forward's recording: the host time
+the device cannot overlap), ``split_cpu`` the split's flush (on the autograd thread).
+
+``--calls N`` (after the timed rounds, one more steady step of the first mode): the Python
+calls (functions and builtins: ``sys.setprofile``'s call and c_call events, deterministic) of
+the step on the caller's thread and backward's (profiled from the loss's node to backward's
+end), each charged to the outermost tpu entry it runs under: the dispatcher's entry
+(``dispatch.kernel``) or autocast's kernel, by op; ``calls`` holds the totals, the replayed
+calls (``eager/defer_replay.py``) and the N entries of most calls (calls, entries, per entry).
+
 ``--split`` (rounds of its own: its wrappers cost ~1 us a call) adds thread CPU inside torchtpu's
 op path (``dispatch.kernel``, outermost calls), its functional and in-place handlers, the
 recorder's ``record``, and the flush's parts (live outputs, inputs committed, numbers, donations,
@@ -37,10 +53,12 @@ import torch
 
 import torchtpu
 from torchtpu.device import launch
+from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import defer, dispatch, fused_program, numbers
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 
 SPLIT: dict = {}
+_STEP_START = [0.0]
 _depth = threading.local()
 
 
@@ -150,10 +168,89 @@ class GcClock:
         gc.callbacks.remove(self._observe)
 
 
+def _timed_split(main: int, start: list):
+    """``Recorder._split`` that notes the caller's CPU at the split (thread ``main``) and the
+    split's own CPU, as ``fwd_cpu_ms`` and ``split_cpu_ms``."""
+    split = defer.RECORDER._split
+
+    def timed() -> None:
+        SPLIT["fwd_cpu"] = _cpu_of([main]) - start[0]
+        t = time.thread_time()
+        try:
+            split()
+        finally:
+            SPLIT["split_cpu"] = time.thread_time() - t
+    return timed
+
+
+def count_calls(fn, x, y, top: int) -> dict:
+    """fn(x, y)'s Python calls on the recording threads, by outermost tpu entry (``--calls``)."""
+    import collections
+    import sys
+
+    from torchtpu.device import autocast
+    from torchtpu.eager import defer_replay
+
+    autocast_run = autocast._kernel(torch.ops.aten.mm.default, "lower").__code__
+    entries = {dispatch.kernel.__code__: "kernel ", autocast_run: "autocast "}
+    # Autocast's kernel holds the op's bound call (``OpOverload._op``), not the op.
+    names = {}
+    for name in autocast.LOWER_PRECISION + autocast.FLOAT32 + autocast.WIDEST:
+        packet = getattr(torch.ops.aten, name, None)
+        for overload in packet.overloads() if packet is not None else ():
+            op = getattr(packet, overload)
+            names[id(op._op)] = op
+    calls, entered = collections.Counter(), collections.Counter()
+    state = threading.local()
+
+    def profile(frame, event, arg) -> None:
+        if event == "return":
+            if getattr(state, "frame", None) is frame:
+                state.frame = state.label = None
+            return
+        label = getattr(state, "label", None)
+        if label is None and event == "call" and frame.f_code in entries:
+            local = frame.f_locals
+            label = state.label = entries[frame.f_code] + str(
+                local.get("op") or names.get(id(local.get("call"))))
+            state.frame = frame
+            entered[label] += 1
+        if event in ("call", "c_call"):
+            calls[label or "outside tpu entries"] += 1
+
+    backward = torch.autograd.backward
+
+    def traced(tensors, *args, **kwargs):  # backward's thread, from the loss's node on
+        engine = torch.autograd.Variable._execution_engine
+
+        def start(_):
+            sys.setprofile(profile)
+            engine.queue_callback(lambda: sys.setprofile(None))
+        handle = tensors.grad_fn.register_prehook(start)
+        try:
+            return backward(tensors, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    torch.autograd.backward, replayed = traced, defer_replay.REPLAY.replayed
+    sys.setprofile(profile)
+    try:
+        loss = fn(x, y)
+    finally:
+        sys.setprofile(None)
+        torch.autograd.backward = backward
+    out = {"total": sum(calls.values()), "in_tpu_entries": sum(entered.values()),
+           "replayed": defer_replay.REPLAY.replayed - replayed, "loss": loss.item()}
+    out["top"] = [[n, entered[k], round(n / max(entered[k], 1), 1), k]
+                  for k, n in calls.most_common(top)]
+    return out
+
+
 def _step(fn, x, y) -> dict:
     tids = _autograd_threads()
     before = torchtpu.metrics.snapshot()
     SPLIT.clear()
+    _STEP_START[0] = _cpu_of([threading.get_native_id()])
     with GcClock() as collected:
         w0, c0, a0 = time.perf_counter(), time.thread_time(), _cpu_of(tids)
         loss = fn(x, y)
@@ -180,10 +277,12 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--small", action="store_true", help="width 64, vocab 256 (host cost alone)")
     p.add_argument("--modes", default="defer,whole")
     p.add_argument("--split", action="store_true")
+    p.add_argument("--calls", type=int, default=0, metavar="N")
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     if a.split:
         install_split()
+    defer.RECORDER._split = _timed_split(threading.get_native_id(), _STEP_START)
     dims = dict(vocab=256, dim=64, heads=2, hidden=128) if a.small else {}
     c = LlamaConfig(layers=a.layers, seq=a.seq, **dims)
     ids = torch.randint(c.vocab, (a.batch, a.seq + 1), generator=torch.Generator().manual_seed(1))
@@ -194,14 +293,24 @@ def main(argv: list | None = None) -> dict:
         with torch.device("tpu"):
             model = Llama(c)
         step, _ = train_step(model)
-        calls[mode] = (torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "defer"
+        calls[mode] = (torch.tpu.EagerMode.DEFER_AND_FUSE if mode.startswith("defer")
                        else torch.tpu.EagerMode.DEFER_NEVER,
                        torch.compile(step, backend="tpu") if mode == "whole" else step)
 
     def rows(mode: str, n: int) -> list:
         eager, fn = calls[mode]
         with torch.tpu.set_eager_mode(eager):
-            return [_step(fn, x, y) for _ in range(n)]
+            replay = HOOKS.replay
+            if mode == "defer-op-path":  # every call through the op path, none replayed
+                HOOKS.replay = None
+            if mode in ("defer-one", "defer-split"):  # split at backward's start or not
+                defer.RECORDER.split_min_ops = float("inf") if mode == "defer-one" \
+                    else defer.SPLIT_CALLS
+            try:
+                return [_step(fn, x, y) for _ in range(n)]
+            finally:
+                HOOKS.replay = replay
+                defer.RECORDER.split_min_ops = defer.SPLIT_MIN_OPS
 
     out: dict = {"config": vars(a), "load_before": os.getloadavg()}
     for mode in modes:
@@ -224,6 +333,11 @@ def main(argv: list | None = None) -> dict:
         med["gc_full_total"] = sum(r["gc_full"] for r in timed[mode])
         out[mode]["median"], out[mode]["steps"] = med, timed[mode]
         print(mode, json.dumps(med), flush=True)
+    if a.calls:
+        eager, fn = calls[modes[0]]
+        with torch.tpu.set_eager_mode(eager):
+            out["calls"] = count_calls(fn, x, y, a.calls)
+        print("calls", json.dumps(out["calls"]), flush=True)
     print("load", out["load_before"], "->", out["load_after"], flush=True)
     if a.json:
         with open(a.json, "w") as f:

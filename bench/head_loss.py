@@ -76,15 +76,35 @@ def twin_form():
 
 
 def instructions(hlo: str) -> list:
-    """(estimated cycles, name, op, shape) of the entry's instructions, largest first."""
+    """(estimated cycles, name, op, shape) of the entry's instructions, largest first
+    (multi-output fusions, whose shape is a tuple, included)."""
     entry = hlo[hlo.find("ENTRY"):]
     rows = []
     for line in entry.splitlines():
         cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
-        head = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (\(?[^ ]*?\)?) ([a-z\-]+)\(", line)
+        head = re.match(r"\s*(?:ROOT )?(%[\w.\-]+) = (\(.*?\)|\S+) ([a-z\-]+)\(", line)
         if cycles and head:
             rows.append((int(cycles.group(1)), head.group(1), head.group(3), head.group(2)[:70]))
     return sorted(rows, reverse=True)
+
+
+def report(r, name: str, dump: str, top: int) -> dict:
+    """A compiled program's figures (its dump's estimated cycles, the cost model's seconds and
+    bytes, HBM temporaries, its largest instructions), printed and returned."""
+    if r.error:
+        sys.exit(f"{name}: {r.error}")
+    with open(sorted(glob.glob(os.path.join(dump, f"{name}.*.hlo.txt")))[-1]) as f:
+        rows = instructions(f.read())
+    total = sum(c for c, *_ in rows)
+    out = {"mcycles": total / 1e6, "seconds_ms": (r.seconds or 0) * 1e3,
+           "gbytes": r.bytes_accessed / 1e9, "temporaries_gib": r.hbm.get("temporaries", 0) / 2**30,
+           "top": [{"mcycles": c / 1e6, "name": n, "op": o, "shape": s}
+                   for c, n, o, s in rows[:top]]}
+    print(f"{name}: {total / 1e6:.3f} M estimated cycles, cost model {out['seconds_ms']:.3f} ms, "
+          f"{out['gbytes']:.2f} GB, temporaries {out['temporaries_gib']:.2f} GiB", flush=True)
+    for c, n, o, s in rows[:top]:
+        print(f"  {c / 1e6:8.3f} M  {o:8s} {n[:32]:32s} {s}")
+    return out
 
 
 def main(argv: list | None = None) -> dict:
@@ -111,19 +131,7 @@ def main(argv: list | None = None) -> dict:
         name = f"head_loss_{side}"
         with jax.enable_x64(False):
             r = tpu_target.compile_function(step, *shapes, name=name, target_name=args.target)
-        if r.error:
-            sys.exit(f"{name}: {r.error}")
-        with open(sorted(glob.glob(os.path.join(dump, f"{name}.*.hlo.txt")))[-1]) as f:
-            rows = instructions(f.read())
-        total = sum(c for c, *_ in rows)
-        out[side] = {"mcycles": total / 1e6, "seconds_ms": r.seconds * 1e3,
-                     "gbytes": r.bytes_accessed / 1e9,
-                     "top": [{"mcycles": c / 1e6, "name": n, "op": o, "shape": s}
-                             for c, n, o, s in rows[:args.top]]}
-        print(f"{name}: {total / 1e6:.3f} M estimated cycles, cost model {r.seconds * 1e3:.3f} ms, "
-              f"{r.bytes_accessed / 1e9:.2f} GB", flush=True)
-        for c, n, o, s in rows[:args.top]:
-            print(f"  {c / 1e6:8.3f} M  {o:8s} {n[:32]:32s} {s}")
+        out[side] = report(r, name, dump, args.top)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

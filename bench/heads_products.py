@@ -36,7 +36,7 @@ def product(form: str, length: int):
 
     def mm(x, y):
         (m, k), n = x.shape, y.shape[1]
-        if linalg._weight_gradient(x, y):
+        if linalg.weight_gradient(x, y):
             return linalg._rows_in_blocks(x, y)
         rows, lanes = form in ("rows", "heads"), form in ("lanes", "heads")
         if form == "plain" or (rows and m % length) or (lanes and n % 128):

@@ -21,7 +21,11 @@ Each prints ms/step (median of the rounds that loaded no program, each round end
 read of the loss; a mode's rounds go on past ``--budget-s`` until one loaded none), the host's time
 issuing a step (inside the step call: near ms/step, the host is what a step waits for), MFU
 against the chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model
-made to the end of the first three steps, compiles included), peak device memory
+made to the end of the first three steps, compiles included; ``warmup_split`` says where its
+seconds went, from ``torchtpu.metrics``' timers: making the model and inputs, then over the three
+steps Dynamo's tracing, AOTAutograd, torchtpu's captures, JAX's tracing and lowering to StableHLO,
+XLA's compiles (and their count), the host's waits for the steps' results, and the rest), peak
+device memory
 (``torch.tpu.max_memory_allocated``, PJRT's peak on a TPU; JAX: the device's
 ``peak_bytes_in_use`` and XLA's memory analysis of the step), and per timed step the executable
 compiles, persistent-cache hits and program executions (``torchtpu.metrics`` deltas). Batch x
@@ -57,11 +61,52 @@ PEAKS = {"TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v6 lite": 918e12, "TPU v
          "TPU v4": 275e12}
 TOKENS = 8192
 COUNTERS = ("executable_compiles", "persistent_cache_hits", "executions")
+# The warm-up's phases, each a torchtpu.metrics figure (their own seconds, without overlap).
+PHASES = ("dynamo", "aot", "capture", "trace", "lower", "compile")
 
 
 def _counters() -> dict:
     snap = torchtpu.metrics.snapshot()
     return {k: snap.get(k, 0) for k in COUNTERS}
+
+
+class _Warmup:
+    """Where a warm-up's seconds go: ``made()`` once the model and inputs exist, ``read(x)``
+    for each first step's host read (the wait for its result), ``split()`` at the end."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.at = torchtpu.metrics.snapshot()
+        self.wait = 0.0
+
+    def made(self) -> None:
+        self.t_made, self.at_made = time.perf_counter(), torchtpu.metrics.snapshot()
+
+    def read(self, read, x) -> float:
+        t = time.perf_counter()
+        value = read(x)
+        self.wait += time.perf_counter() - t
+        return value
+
+    def split(self) -> tuple[float, dict]:
+        """(warm-up seconds, its split)."""
+        end, now = torchtpu.metrics.snapshot(), time.perf_counter()
+
+        def delta(a: dict, b: dict, k: str) -> float:
+            return b.get(k, 0) - a.get(k, 0)
+
+        out = {"init_s": self.t_made - self.t0,
+               "init_compiles": delta(self.at, self.at_made, "executable_compiles")}
+        for p in PHASES:
+            out[f"{p}_s"] = delta(self.at_made, end, f"{p}_seconds")
+        out["compiles"] = delta(self.at_made, end, "executable_compiles")
+        # (part of compile_s: serializing cache entries on the compiling thread; the writer
+        # thread's compressing, reading back and writing them overlaps the rest: not in the sum)
+        out["cache_write_s"] = delta(self.at_made, end, "cache_write_seconds")
+        out["cache_writer_s"] = delta(self.at_made, end, "cache_writer_seconds")
+        out["wait_s"] = self.wait
+        out["other_s"] = now - self.t_made - self.wait - sum(out[f"{p}_s"] for p in PHASES)
+        return now - self.t0, out
 
 
 def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> tuple:
@@ -95,7 +140,7 @@ def _timed_rounds(run_step, read, steps: int, rounds: int, budget_s: float) -> t
 
 def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bool,
              profile: bool) -> dict:
-    t0 = time.perf_counter()
+    warmup = _Warmup()
     attend = tpu_llama.splash_attention(512, 512, True) if splash else tpu_llama.naive_attention
     fn = jax.jit(jax_models.train_step(tpu_llama.loss_fn(c, attend), 3e-4, (0.9, 0.999), 1e-8,
                                        0.1, 1.0), donate_argnums=(0, 1, 2))
@@ -104,6 +149,8 @@ def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bo
              jnp.zeros((), jnp.float32)]
     ids = jax.random.randint(jax.random.key(1), (batch, c.seq + 1), 0, c.vocab)
     x, y = ids[:, :-1], ids[:, 1:]
+    jax.block_until_ready((state, x, y))
+    warmup.made()
     compiled = fn.lower(*state, x, y).compile()
     mem = compiled.memory_analysis()
 
@@ -111,21 +158,26 @@ def _jax_row(c, batch: int, steps: int, rounds: int, budget_s: float, splash: bo
         *state[:4], loss = compiled(*state, x, y)
         return loss
 
-    first = [float(run_step()) for _ in range(3)]
-    warm = time.perf_counter() - t0
+    first = [warmup.read(float, run_step()) for _ in range(3)]
+    warm, split = warmup.split()
     times, issue, per_step, loads = _timed_rounds(run_step, float, steps, rounds, budget_s)
     top = _profile(run_step, float) if profile else None
     stats = jax.devices()[0].memory_stats() or {}
-    row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
-           "rounds_loads": loads,
+    row = {"warmup_s": warm, "warmup_split": split, "rounds_ms": times, "issue_ms": issue,
+           "per_step": per_step, "rounds_loads": loads,
            "first_losses": first, "peak_gib": stats.get("peak_bytes_in_use", 0) / 2**30,
            "xla_argument_gib": mem.argument_size_in_bytes / 2**30,
            "xla_temp_gib": mem.temp_size_in_bytes / 2**30, "top_ops": top}
     return row
 
 
+# The profile's longest ops kept: 30 named only ~1/3 of the whole step's 104 ms at 2048 on the
+# chip (bench/RESULTS.md, whole12); the rest of its gap to the twin is in smaller ops.
+TOP_OPS = 100
+
+
 def _profile(run_step, read) -> list:
-    """The device's ops of one step, summed by HLO op (name, category): the 30 longest."""
+    """The device's ops of one step, summed by HLO op (name, category): the TOP_OPS longest."""
     directory = tempfile.mkdtemp(prefix="on_tpu_llama_")
     try:
         jax.profiler.start_trace(directory)
@@ -151,7 +203,7 @@ def _profile(run_step, read) -> list:
                 entry[0] += 1
                 entry[1] += e.end_ns - e.start_ns
                 entry[2] = entry[2] or str(stats.get("long_name", ""))[:200]
-    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:30]
+    top = sorted(by.items(), key=lambda kv: -kv[1][1])[:TOP_OPS]
     return [{"op": name, "category": cat, "runs": n, "ms": ns / 1e6, "hlo": text}
             for (name, cat), (n, ns, text) in top]
 
@@ -159,7 +211,7 @@ def _profile(run_step, read) -> list:
 def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
                budget_s: float, profile: bool) -> dict:
     torch.tpu.reset_peak_memory_stats()
-    t0 = time.perf_counter()
+    warmup = _Warmup()
     torch.manual_seed(0)
     with torch.device("tpu"):
         model = Llama(c)
@@ -170,19 +222,34 @@ def _torch_row(mode: str, c: LlamaConfig, batch: int, steps: int, rounds: int,
         step = torch.compile(step, backend="tpu")
     ids = torch.randint(c.vocab, (batch, c.seq + 1), generator=torch.Generator().manual_seed(1))
     x, y = ids[:, :-1].contiguous().to("tpu"), ids[:, 1:].contiguous().to("tpu")
+    torch.tpu.synchronize()
+    warmup.made()
     eager = torch.tpu.EagerMode.DEFER_AND_FUSE if mode == "defer" else \
         torch.tpu.EagerMode.DEFER_NEVER
     with torch.tpu.set_eager_mode(eager):
-        first = [step(x, y).item() for _ in range(3)]
-        warm = time.perf_counter() - t0
+        first = [warmup.read(lambda t: t.item(), step(x, y)) for _ in range(3)]
+        warm, split = warmup.split()
         times, issue, per_step, loads = _timed_rounds(lambda: step(x, y), lambda t: t.item(),
                                                       steps, rounds, budget_s)
         top = _profile(lambda: step(x, y), lambda t: t.item()) if profile else None
-    row = {"warmup_s": warm, "rounds_ms": times, "issue_ms": issue, "per_step": per_step,
-           "rounds_loads": loads,
+    row = {"warmup_s": warm, "warmup_split": split, "rounds_ms": times, "issue_ms": issue,
+           "per_step": per_step, "rounds_loads": loads,
            "first_losses": first, "peak_gib": torch.tpu.max_memory_allocated() / 2**30,
-           "top_ops": top}
+           "top_ops": top, **_captured_memory(step)}
     return row
+
+
+def _captured_memory(step) -> dict:
+    """XLA's memory analysis of a whole step's captured program, as the JAX rows report theirs
+    (empty where the program was not compiled through torchtpu's warm path); reaches into
+    ``WholeStep``, as a bench may."""
+    for s in getattr(step, "_steps", {}).values():
+        compiled = getattr(s.captured._fn, "_call", None)
+        if hasattr(compiled, "memory_analysis"):
+            mem = compiled.memory_analysis()
+            return {"xla_argument_gib": mem.argument_size_in_bytes / 2**30,
+                    "xla_temp_gib": mem.temp_size_in_bytes / 2**30}
+    return {}
 
 
 def row(mode: str, length: int, dims: dict, steps: int, rounds: int, budget_s: float,
@@ -240,6 +307,21 @@ def table(results: list[dict]) -> str:
             f"{r['warmup_s']:.0f} | {r['peak_gib']:.2f} | "
             f"{ps['executable_compiles']:.2f}, {ps['persistent_cache_hits']:.2f}, "
             f"{ps['executions']:.1f} |")
+    lines += ["", "| mode | tokens | warm-up s | model+inputs s (compiles) | Dynamo | AOT | "
+              "captures | JAX trace | lowering | XLA compile s (count; of which cache writes) | "
+              "waits for results | "
+              "other |", "|---|---|" + "---:|" * 10]
+    for r in results:
+        w = r.get("warmup_split")
+        if w is None:
+            continue
+        lines.append(
+            f"| {r['mode']} | {r['batch']}x{r['length']} | {r['warmup_s']:.1f} | "
+            f"{w['init_s']:.1f} ({w['init_compiles']}) | "
+            + " | ".join(f"{w[p + '_s']:.1f}" for p in PHASES[:-1])
+            + f" | {w['compile_s']:.1f} ({w['compiles']}; {w['cache_write_s']:.1f}) | "
+            f"{w['wait_s']:.1f} | "
+            f"{w['other_s']:.1f} |")
     return "\n".join(lines)
 
 

@@ -2,15 +2,18 @@
 
 For each op: torchtpu Strict (device "tpu"), the same op as a raw ``jax.numpy`` call on arrays
 already on the device, the same op as one ``jax.jit`` function called directly (the program call
-Strict's launch makes: the floor of any eager launch) and native PyTorch on CPU. The ops are
-the common ones of a Llama step: elementwise (add, multiply by a tensor and by a Python
-number), a product (plain, and under bf16 autocast: two casts folded into the product), views
-(transpose, reshape: no program), reductions, a slice's in-place add. The four ways run in
-interleaved rounds in one process (each round times every op every way, ``--calls`` calls
-each, waiting for the device at the end of each timed loop), so a loaded machine slows them
-alike; the median over rounds of each time and of each round's ratio is printed.
-``--clock thread`` times the calling thread's CPU time instead of the wall clock: the host cost
-alone, steadier under load (a program XLA:CPU runs on another thread is not in it).
+Strict's launch makes: the floor of any eager launch) and native PyTorch on CPU. The ops are the
+common ones of a Llama step: elementwise (add, multiply by a tensor and by a Python number), a
+product (plain, and under bf16 autocast: two casts folded into the product), views (transpose,
+reshape: no program), reductions, a slice's in-place add, and a sum over a fresh autocast-style
+cast beside the same cast with a sum of another tensor (what reading a pending cast adds). The four
+ways run in interleaved rounds in one process (each round times every op every way, ``--calls``
+calls each, waiting for the device at the end of each timed loop), so a loaded machine slows them
+alike; the median over rounds of each time and of each round's ratio is printed. ``--clock thread``
+times the calling thread's CPU time instead of the wall clock: the host cost alone, steadier under
+load (a program XLA:CPU runs on another thread is not in it). The table's last two columns count
+the Python function calls (cProfile's, builtins included) one call of the op makes, Strict's and
+raw JAX's: a load-free figure of each way's host path.
 
     python bench/op_overhead.py [--rounds N] [--calls N] [--clock wall|thread] [--ops a,b]
 """
@@ -18,6 +21,7 @@ alone, steadier under load (a program XLA:CPU runs on another thread is not in i
 from __future__ import annotations
 
 import argparse
+import cProfile
 import statistics
 import time
 
@@ -36,6 +40,9 @@ def _cases() -> tuple:
     big_cpu = torch.zeros(64, 4)
     state = {"j": jnp.zeros((64, 4), jnp.float32), "k": jnp.zeros((64, 4), jnp.float32)}
     bf16 = jnp.bfloat16
+    # A computed bfloat16 tensor (sent from the host, no lazy cast), beside a fresh cast of a.
+    w_cpu = torch.randn(4, 4, dtype=torch.bfloat16)
+    w, jw = w_cpu.to("tpu"), jnp.asarray(w_cpu.float().numpy()).astype(bf16)
 
     def jax_slice_add():
         state["j"] = state["j"].at[1:3].add(1.0)
@@ -66,6 +73,14 @@ def _cases() -> tuple:
          cpu_autocast(lambda: a_cpu @ b_cpu)),
         ("sum(-1)", lambda: a.sum(-1), lambda: ja.sum(-1), lambda: _sum(ja),
          lambda: a_cpu.sum(-1)),
+        # A sum over a fresh (kept, lazy) cast, then the same cast beside a sum of another
+        # tensor: what reading the pending cast adds is their difference (strict14).
+        ("cast + its sum", lambda: a.to(torch.bfloat16).sum(-1),
+         lambda: ja.astype(bf16).sum(-1), lambda: _cast_sum(ja),
+         lambda: a_cpu.to(torch.bfloat16).sum(-1)),
+        ("cast + other sum", lambda: (a.to(torch.bfloat16), w.sum(-1)),
+         lambda: (ja.astype(bf16), jw.sum(-1)), lambda: (_cast(ja), _sum(jw)),
+         lambda: (a_cpu.to(torch.bfloat16), w_cpu.sum(-1))),
         ("mean(-1, keepdim)", lambda: a.mean(-1, keepdim=True),
          lambda: ja.mean(-1, keepdims=True), lambda: _mean(ja),
          lambda: a_cpu.mean(-1, keepdim=True)),
@@ -82,6 +97,8 @@ _mul = jax.jit(lambda x, y: x * y)
 _mm = jax.jit(lambda x, y: x @ y)
 _mm_bf16 = jax.jit(lambda x, y: x.astype(jnp.bfloat16) @ y.astype(jnp.bfloat16))
 _sum = jax.jit(lambda x: x.sum(-1))
+_cast = jax.jit(lambda x: x.astype(jnp.bfloat16))
+_cast_sum = jax.jit(lambda x: x.astype(jnp.bfloat16).sum(-1))
 _mean = jax.jit(lambda x: x.mean(-1, keepdims=True))
 _t = jax.jit(lambda x: x.T)
 _view = jax.jit(lambda x: x.reshape(2, 8))
@@ -94,6 +111,16 @@ def _timed(fn, calls: int, sync, clock) -> float:
         fn()
     sync()
     return (clock() - t0) / calls / 1e3  # ns -> µs
+
+
+def python_calls(fn, calls: int = 50) -> float:
+    """Python function calls (cProfile's count, builtins included) per call of fn, warm."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    return sum(row[1] for row in profile.getstats()) / calls
 
 
 def main() -> None:
@@ -130,15 +157,19 @@ def main() -> None:
                 out.append(_timed(fn, args.calls, sync, clock))
     with open("/proc/loadavg") as f:
         load_after = f.read().split()[0]
+    counted = {name: (python_calls(fns[0]), python_calls(fns[1])) for name, *fns in cases}
+    sync_tpu()
     print(f"{args.rounds} interleaved rounds x {args.calls} calls, {args.clock} clock; "
           f"load {load_before} before, {load_after} after")
-    print("| op | tpu µs | jnp µs | jit µs | cpu µs | tpu/jnp | tpu/jit | tpu/cpu |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| op | tpu µs | jnp µs | jit µs | cpu µs | tpu/jnp | tpu/jit | tpu/cpu "
+          "| tpu py calls | jnp py calls |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, (dev, raw, jit, cpu) in times.items():
         ratios = [statistics.median(d / r for d, r in zip(dev, other)) for other in (raw, jit, cpu)]
         print(f"| {name} | {statistics.median(dev):.1f} | {statistics.median(raw):.1f} | "
               f"{statistics.median(jit):.1f} | {statistics.median(cpu):.1f} | "
-              f"{ratios[0]:.2f}x | {ratios[1]:.2f}x | {ratios[2]:.1f}x |")
+              f"{ratios[0]:.2f}x | {ratios[1]:.2f}x | {ratios[2]:.1f}x | "
+              f"{counted[name][0]:.0f} | {counted[name][1]:.0f} |")
 
 
 if __name__ == "__main__":

@@ -57,7 +57,6 @@ import serving_jax  # noqa: E402  (bench/ is no package)
 import step_breakdown  # noqa: E402
 
 TARGET = "v5e:1x1"
-BLOCK = 16
 # HLO ops that move or re-type a whole array (a plain bitcast, a memory-space or shape change
 # in place, moves nothing): one of a weight's size in a decode step is the weight read again in
 # another form at every step
@@ -107,11 +106,12 @@ def _figures(report, c: dict, batch: int, context: int, cache_bytes: int) -> dic
     return out
 
 
-def _breakdown(hlo: str, c: dict, batch: int, context: int, paged: bool) -> dict:
+def _breakdown(hlo: str, c: dict, batch: int, context: int, paged: bool,
+               max_model_len: int) -> dict:
     """The optimized step's time by kind (``step_breakdown``) and the HBM bytes it moves, the
     paged kernel's KV blocks added (the HLO cannot show what a Mosaic call copies)."""
     found = step_breakdown.breakdown(hlo, c["vocab_size"])
-    kernel = kernel_kv_bytes(c, batch, context) if paged else 0
+    kernel = kernel_kv_bytes(c, batch, context, max_model_len) if paged else 0
     return {"breakdown": {k: found[k] for k in ("kinds", "total")},
             "hbm_bytes": found["total"]["hbm_bytes"] + kernel, "kernel_kv_bytes": kernel}
 
@@ -143,7 +143,8 @@ def part_anchor(args) -> dict:
             dump = os.environ.get(tpu_target.DUMP_ENV)
             hlo = sorted(Path(dump).glob(f"anchor_{b}.*.hlo.txt")) if dump else []
             if hlo:
-                row |= _breakdown(hlo[-1].read_text(), c, b, args.context, False)
+                row |= _breakdown(hlo[-1].read_text(), c, b, args.context, False,
+                                  args.max_model_len)
             print(name, json.dumps(row), flush=True)
             rows.append(row)
         out[name] = rows
@@ -182,8 +183,9 @@ def part_vllm(args) -> dict:
     dump = os.environ.get(tpu_target.DUMP_ENV)
     for name in args.models:
         c = _layers(name, args.layers)
-        blocks = -(-args.context // BLOCK)
-        kv_bytes = (max(args.batch) * blocks + 2) * BLOCK * serving_jax.kv_bytes_per_token(c)
+        # room for every request's whole pages (16 to 256 tokens: paged.page_size) and two more
+        per_request = -(-args.max_model_len // 256) * 256
+        kv_bytes = (max(args.batch) * per_request + 512) * serving_jax.kv_bytes_per_token(c)
         llm = LLM(model=str(_model_dir(name, Path(args.models_dir), args.layers, real)),
                   dtype="bfloat16", load_format="auto" if real else "dummy",
                   skip_tokenizer_init=True, seed=0,
@@ -200,23 +202,28 @@ def part_vllm(args) -> dict:
         for b in args.batch:
             graphs = runner.step_graphs
             before = set(graphs._graphs)
-            runner._dummy_step(np.ones(b, dtype=np.int64), args.context)
+            runner._dummy_step(np.ones(b, dtype=np.int64), args.context,
+                               args.program == "tokens")
             runner._fed = runner._sampled = None
             (key,) = set(graphs._graphs) - before
             captured = graphs._graphs[key][0]._captured
             avals = [jax_aval(a) for a in captured._io.arguments()]
+            # (the logits program's name as before: earlier sections' commands read its dump)
+            program = f"vllm_{'decode' if args.program == 'logits' else 'tokens'}_{b}"
             start = time.perf_counter()
-            r = tpu_target.compile_function(captured._fn.jitted, *avals,
-                                            name=f"vllm_decode_{b}", target_name=TARGET)
-            row = {"batch": b, "context": args.context, "ops": captured.ops,
+            r = tpu_target.compile_function(captured._fn.jitted, *avals, name=program,
+                                            target_name=TARGET)
+            row = {"batch": b, "context": args.context, "max_model_len": args.max_model_len,
+                   "program": args.program,
+                   "ops": captured.ops,
                    "arguments": len(avals),
                    "compile_s": time.perf_counter() - start, "odd_storages": odd,
                    "byte_arguments": sum(str(a.dtype) == "uint8" for a in avals)}
-            hlo = sorted(Path(dump).glob(f"vllm_decode_{b}.*.hlo.txt")) if dump else []
+            hlo = sorted(Path(dump).glob(f"{program}.*.hlo.txt")) if dump else []
             if hlo:
                 row["big_ops"] = big_ops(hlo[-1].read_text(), smallest)
                 row |= _breakdown(hlo[-1].read_text(), c, b, args.context,
-                                  out["paged"] == "on")
+                                  out["paged"] == "on", args.max_model_len)
             row |= _figures(r, c, b, args.context, cache_bytes)
             print(name, json.dumps(row), flush=True)
             rows.append(row)
@@ -256,13 +263,19 @@ def jax_aval(a):
     return jax.ShapeDtypeStruct(a.shape, a.dtype)
 
 
-def kernel_kv_bytes(c: dict, batch: int, context: int) -> int:
+def kernel_kv_bytes(c: dict, batch: int, context: int, max_model_len: int) -> int:
     """What the paged kernel reads that the cost model does not see: libtpu gives a Mosaic
     custom call no cost (JAX's kernel declares none), so its KV reads are added here. It copies
-    whole blocks of ``_KV_TOKENS_PER_BLOCK`` tokens a sequence, past the sequence's end too."""
-    from torchtpu.kernels.ragged_paged_attention import _KV_TOKENS_PER_BLOCK as per_block
+    whole KV blocks a sequence (``ragged_paged_attention.blocks``, pages by the platform's rule
+    for ``max_model_len``), past the sequence's end too."""
+    from torchtpu.integrations.vllm.paged import page_size
+    from torchtpu.kernels.ragged_paged_attention import blocks
 
-    return batch * -(-context // per_block) * per_block * serving_jax.kv_bytes_per_token(c)
+    page, token = page_size(max_model_len), serving_jax.kv_bytes_per_token(c)
+    per_seq = -(-max_model_len // page)
+    per_block = page * blocks(batch, batch, per_seq, page,
+                              token // c["num_hidden_layers"])["num_kv_pages_per_block"]
+    return batch * -(-context // per_block) * per_block * token
 
 
 def table(result: dict) -> str:
@@ -285,7 +298,8 @@ def table(result: dict) -> str:
                     lines.append(f"| {m} | {r['batch']} | {what} | refused: {r.get('error')} |")
                     continue
                 a = anchor.get((m, r["batch"]))
-                extra = (kernel_kv_bytes(serving_jax.CONFIGS[m], r["batch"], r["context"])
+                extra = (kernel_kv_bytes(serving_jax.CONFIGS[m], r["batch"], r["context"],
+                                         r.get("max_model_len", 1024))
                          if what == "paged kernel" else 0)
                 total = r["bytes_accessed"] + extra
                 seconds = (r["cost_model_s"] or 0) + extra / serving_jax.V5E_HBM_BYTES_S
@@ -313,7 +327,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64, 256])
     ap.add_argument("--context", type=int, default=576,
                     help="each request's tokens at the step (512 in, 64 of 128 out)")
-    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--max-model-len", type=int, default=640,
+                    help="the served engine's (the chip bench's 512 in + 128 out)")
     ap.add_argument("--paths", nargs="+", default=["on", "off"],
                     help="TORCHTPU_VLLM_PAGED values to compile the vLLM step under")
     ap.add_argument("--no-anchor", dest="anchor", action="store_false",
@@ -321,6 +336,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--weights", choices=("dummy", "real"), default="dummy",
                     help="vLLM's dummy weights, or a checkpoint read by its loader")
     ap.add_argument("--layers", type=int, help="decoder layers (default: the config's)")
+    ap.add_argument("--program", choices=("logits", "tokens"), default="logits",
+                    help="the decode bucket's program: logits and greedy tokens (any step), "
+                         "or the tokens alone (an all-greedy step's)")
     ap.add_argument("--models-dir", default="/tmp/serving_aot_models")
     ap.add_argument("--out", default="/tmp/serving_aot")
     ap.add_argument("--tag", help="the part's JSON file name (default: the part's)")
@@ -339,6 +357,7 @@ def main(argv: list[str] | None = None) -> dict:
         base = [sys.executable, __file__, "--batch", *map(str, args.batch), "--context",
                 str(args.context), "--max-model-len", str(args.max_model_len), "--models-dir",
                 args.models_dir, "--out", args.out, "--weights", args.weights,
+                "--program", args.program,
                 *(["--layers", str(args.layers)] if args.layers else [])]
         # one process a model and path: an engine's memory is not handed back within one
         runs = [("anchor", args.models, {})] * args.anchor + [

@@ -106,7 +106,7 @@ def _time_reads(runner, reads: dict) -> None:
 
     to_list = runner._to_list
     runner._to_list = timed(to_list, lambda ids: runner._sampled is not None
-                            and storage_of(runner._sampled[3])._tpu_array.is_ready())
+                            and storage_of(runner._sampled.padded)._tpu_array.is_ready())
     copy = async_output._HostCopy
     copy.synchronize = timed(copy.synchronize,
                              lambda self: self._array is None or self._array.is_ready())

@@ -11,7 +11,9 @@ the chip), results as JSON under ``--out`` (default ``$OUT``):
 - ``jax``: ``serving_jax.py``'s prefill + decode loop on the chip, same weights: decode tokens/s
   and each step beside the HBM roofline (needs neither torch nor vLLM: ``--jax-only``).
 - ``vllm``: ``LLM(model=dir)`` as a user types it (engine in this process:
-  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), its greedy tokens against ``hf``'s, then each load
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, unless set to 1: then in its own process as ``vllm
+  serve`` runs it, its output processing beside the steps, and no phases, diagnoses or compile
+  counts), its greedy tokens against ``hf``'s, then each load
   (``--shapes`` x ``--concurrency``: all requests submitted at once) driven through
   ``llm.llm_engine``: output tokens/s, TTFT, ITL, the decode steps' median time beside their
   roofline (weights + the KV the step's requests attend, / 819 GB/s), each decode step's
@@ -337,7 +339,12 @@ def part_vllm(args) -> dict:
 
     counter = serving_diag.CompileCounter()
     out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto"),
-           "capture": os.environ.get("TORCHTPU_VLLM_CAPTURE", "startup")}
+           "capture": os.environ.get("TORCHTPU_VLLM_CAPTURE", "startup"),
+           # "own process" (VLLM_ENABLE_V1_MULTIPROCESSING=1, as `vllm serve` runs it): the
+           # output processing runs beside the engine's steps, not between them; the phases,
+           # the diagnoses and the compile counts (this process's) are then not measured
+           "engine": ("in this process" if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+                      else "own process")}
     shapes = [parse_shape(s) for s in args.shapes]
     for name in args.models:
         model_dir = Path(args.models_dir) / name
@@ -349,7 +356,9 @@ def part_vllm(args) -> dict:
         llm = LLM(model=str(model_dir), max_model_len=max_len,
                   max_num_seqs=max(args.concurrency), seed=0, **kv)
         result = {"startup_s": time.perf_counter() - start,
-                  "startup_compiles": counter.count - before}
+                  "startup_compiles": counter.count - before,
+                  # the KV page size (the paged kernel's: vllm/paged.page_size)
+                  "block_size": llm.llm_engine.vllm_config.cache_config.block_size}
         try:
             phases = serving_diag.Phases(serving_diag.runner_of(llm))
         except Exception as e:  # an engine in another process: no phases
@@ -374,7 +383,7 @@ def part_vllm(args) -> dict:
                 print(json.dumps(run), flush=True)
                 loads.append(run)
                 _save(args, out)
-                if _diagnosed_after(args, c, result):
+                if phases is not None and _diagnosed_after(args, c, result):
                     done = result.setdefault("diagnoses", {})
                     done[str(c)] = diagnose(llm, phases, timed)
                     print(json.dumps(done[str(c)])[:4000], flush=True)

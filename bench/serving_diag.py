@@ -109,9 +109,11 @@ def host_profile(step: Callable[[], object], steps: int = 3, top: int = 25) -> d
     profile = cProfile.Profile()
     start = time.perf_counter()
     profile.enable()
-    for _ in range(steps):
-        step()
-    profile.disable()
+    try:
+        for _ in range(steps):
+            step()
+    finally:  # (a failing step must not leave the profiler on for what runs after)
+        profile.disable()
     wall = time.perf_counter() - start
     stats = pstats.Stats(profile, stream=io.StringIO())
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:top]

@@ -18,8 +18,10 @@ own within ``--budget`` (``chip_parts.run_part``), results in ``--out`` as
   tokens/s at each ``--concurrency``; greedy tokens of ``serving_chip.PROMPTS`` for the token
   check against ``hf.json``.
 - ``fp8``: the FP8 KV cache (``kv_cache_dtype="fp8"``): the cache's dtype, bytes a token beside
-  the model dtype's, blocks, and output tokens/s and decode step at each load of ``--shapes`` x
-  ``--concurrency``; greedy tokens as ``ngram``'s.
+  the model dtype's, blocks, whether the paged kernel serves it (``paged_kernel``: where its
+  float8 pages tile, Llama-3.2-1B; Qwen2.5-0.5B's take the gathered path), and output tokens/s
+  and decode step at each load of ``--shapes`` x ``--concurrency``; greedy tokens as
+  ``ngram``'s.
 
     python bench/serving_extras.py [--parts cache ngram fp8] [--models qwen2-0.5b]
         [--shapes 512x128] [--concurrency 8 64] [--budget S] [--out DIR]
@@ -230,12 +232,14 @@ def _feature_part(args, options: dict, prompts) -> dict:
         llm, startup = _engine(_model(args, name), args, **options)
         result = out[name] = {"startup_s": startup, "options": options, "loads": []}
         result["greedy"] = _greedy(llm)
-        caches = llm.collective_rpc(lambda worker: [
-            (str(t.dtype), t.numel() * t.element_size())
-            for t in worker.model_runner.kv_caches])[0]
+        caches, paged = llm.collective_rpc(lambda worker: (
+            [(str(t.dtype), t.numel() * t.element_size())
+             for t in worker.model_runner.kv_caches],
+            worker.model_runner.attn_groups[0][0].get_metadata_builder().paged))[0]
         cache = llm.llm_engine.vllm_config.cache_config
         total = sum(b for _, b in caches)
-        result["kv_cache"] = {"dtype": caches[0][0], "bytes": total,
+        result["kv_cache"] = {"dtype": caches[0][0], "bytes": total, "paged_kernel": paged,
+                              "block_size": cache.block_size,
                               "blocks": cache.num_gpu_blocks,
                               "bytes_per_token": total / (cache.num_gpu_blocks
                                                           * cache.block_size),

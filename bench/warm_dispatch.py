@@ -24,7 +24,7 @@ import jax.numpy as jnp
 os.environ["TORCHTPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm_dispatch-")
 
 from torchtpu import metrics  # noqa: E402 (the cache directory is read at import)
-from torchtpu.runtime import warm  # noqa: E402
+from torchtpu.runtime import warm, warm_keys  # noqa: E402
 
 
 def _add(a, b):
@@ -41,14 +41,14 @@ def _addmm(c, a, b):
 
 def _ways(fn, args: tuple) -> dict:
     jitted = jax.jit(fn)
-    named = warm.named(jax.jit(fn), "bench", fn.__name__)
+    named = warm_keys.named(jax.jit(fn), "bench", fn.__name__)
     warm.dispatched(named)(*args)  # compiles and writes the index entry
     before = metrics.snapshot().get("programs_loaded_by_key", 0)
-    loaded = warm.dispatched(warm.named(jax.jit(fn), "bench", fn.__name__))  # a new process's
+    loaded = warm.dispatched(warm_keys.named(jax.jit(fn), "bench", fn.__name__))  # a new process's
     loaded(*args)
     assert metrics.snapshot()["programs_loaded_by_key"] == before + 1, "not loaded by key"
-    program = warm.Program(warm.named(jax.jit(fn), "bench", fn.__name__),
-                           warm.key_of("bench", fn.__name__))
+    program = warm.Program(warm_keys.named(jax.jit(fn), "bench", fn.__name__),
+                           warm_keys.key_of("bench", fn.__name__))
     program(*args)
     return {"jit": jitted, "dispatched (loaded)": loaded, "Compiled (Program)": program}
 

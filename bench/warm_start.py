@@ -8,6 +8,8 @@ AdamW with clipping; same weights and batches), three ways:
   replayed (``AdamW(capturable=True)``); its first step is the capture and the first replay;
 - ``dynamo``: the same compile as Dynamo's graphs (``options={"whole_step": False}``), found
   in AOTAutogradCache when warm (``compile/graph_cache.py``; Dynamo still traces);
+- ``defer``: the eager step in DeferAndFuse (``torch.tpu.set_eager_mode``): a few fused programs
+  a step, found by their recordings' structure (``eager/fused_program.keyed``) when warm;
 - ``precompile``: the model's loss compiled (Dynamo's forward and backward graphs), the
   clipping and AdamW eager, with PyTorch's precompile on (``caching_precompile``; the
   function's bytecode, guards and graphs saved by ``torch.compiler.save_cache_artifacts()``
@@ -21,11 +23,15 @@ wall time on a loaded machine); building the model and optimizer comes before it
 apart (``torch.optim`` imports Dynamo: seconds, in eager code too).
 
     python bench/warm_start.py [--kinds whole graph dynamo]
+
+Before/after a change: the same script with ``PYTHONPATH`` at each tree, alternated (each run's
+children import the tree its parent was given).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -37,13 +43,14 @@ import time
 import torch
 
 import torchtpu
+from torchtpu.runtime import platform
 
 _spec = importlib.util.spec_from_file_location(
     "bench_compile", os.path.join(os.path.dirname(os.path.abspath(__file__)), "compile.py"))
 cb = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(cb)
 
-KINDS = ("whole", "graph", "dynamo", "precompile")
+KINDS = ("whole", "graph", "dynamo", "defer", "precompile")
 
 
 def _clock() -> tuple[float, float]:
@@ -68,15 +75,19 @@ def first_steps(kind: str) -> dict:
     elif kind == "precompile":
         torch._dynamo.config.caching_precompile = True
         run = _loss_compiled(model, opt, graphs)
+    elif kind == "defer":
+        run = _call(cb._step, model, opt)
     else:
         run = torch.compile(cb._step, backend="tpu", options={"whole_step": kind == "whole"})
         run = _call(run, model, opt)
     setup = _since(start)
     steps = []
-    for x, y in batches[1:]:
-        start = _clock()
-        run(x, y)
-        steps.append(_since(start))
+    with (torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE) if kind == "defer"
+          else contextlib.nullcontext()):
+        for x, y in batches[1:]:
+            start = _clock()
+            run(x, y)
+            steps.append(_since(start))
     m = torchtpu.metrics.snapshot()
     if kind == "precompile":
         torch.compiler.save_cache_artifacts()
@@ -160,7 +171,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as cache:
             results[kind] = _fresh_process(cache, kind), _fresh_process(cache, kind)
     print(f"TinyGPT {cb.LAYERS} layers, width {cb.WIDTH}, seq {cb.BLOCK}, batch {cb.BATCH}, "
-          f"AdamW + clipping; platform {torchtpu.runtime.platform.platform()}; load "
+          f"AdamW + clipping; platform {platform.platform()}; load "
           f"{load:.2f} -> {os.getloadavg()[0]:.2f}; seconds wall / CPU")
     print(f"{'run':<11}{'cache':<6}{'setup':>13}{'step 1':>14}{'step 2':>13}{'compiles':>10}"
           f"{'JAX hits':>10}{'by key':>8}")

@@ -1,5 +1,6 @@
 """Test settings: no silent CPU fallback, Ray's memory monitor off, a fixed seed per test,
-torchrun's variables left as each test found them, ``fresh_dynamo``, and the ``full`` marker:
+torchrun's variables left as each test found them, no Strict loop's freeze left
+(``eager/frozen.py``), ``fresh_dynamo``, and the ``full`` marker:
 such tests (larger shapes, slower integrations) run only with ``TORCHTPU_TESTS=full``, so the
 default suite stays inside CI's budget.
 
@@ -78,6 +79,16 @@ def _launch_variables_kept():
     yield
     after = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
     assert after == before, f"the test changed torchrun's variables: {before} -> {after}"
+
+
+@pytest.fixture(autouse=True)
+def _strict_loop_unfrozen():
+    # A test's steady Strict loop freezes the heap (``eager/frozen.py``) until a step makes a
+    # program: later tests on the worker would find their cycles frozen with it.
+    yield
+    from torchtpu.eager import frozen
+
+    frozen.STRICT_LOOP.reset()
 
 
 @pytest.fixture

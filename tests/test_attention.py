@@ -343,3 +343,40 @@ def test_half_precision_products_keep_their_dtype():
     assert all(x.aval.dtype == jnp.bfloat16 for e in dots for x in e.invars), \
         [[x.aval.dtype for x in e.invars] for e in dots]
     assert all(e.outvars[0].aval.dtype == jnp.float32 for e in dots)
+
+
+@pytest.mark.parametrize("lengths", [dict(L=3, S=0), dict(L=0, S=0), dict(L=0, S=4)])
+def test_no_queries_or_no_keys_give_what_cpu_gives(lengths):
+    # No keys: every row has nothing to attend to (zeros, as CPU's math path); the max over an
+    # empty row raised JAX's "zero-size array to reduction operation max".
+    for causal in (False, True):
+        _check(lambda q, k, v, c=causal: sdpa(q, k, v, is_causal=c), _qkv(**lengths))
+
+
+def test_a_failing_fused_call_is_not_reported_as_cpus_stub():
+    # CPU's kernel of the device-only fused op is a stub that refuses every call ("not
+    # implemented ... for privateuse1 backends"): no verdict on the arguments, so a tpu failure
+    # keeps its own error (the no-keys call above showed the stub's words instead).
+    from torchtpu.eager import fallback
+
+    q = torch.randn(1, 1, 2, 4, device="tpu")
+    assert fallback.cpu_error(FUSED, (q, q, q), {}) is None
+    # a kernel's own NotImplementedError (a dtype it does not take) stays CPU's verdict
+    bad = torch.tensor([1.0], device="tpu")
+    assert isinstance(fallback.cpu_error(aten.bincount.default, (bad,), {}), NotImplementedError)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_math_path_lays_its_output_out_as_cpus_flash_kernel(dtype):
+    # float64 takes the math path here, whose output is contiguous; CPU's flash kernel lays it
+    # out as the query: for heads transposed out of (B, L, H, E), CPU's
+    # .transpose(1, 2).view(B, L, -1) works, and ours raised "view size is not compatible".
+    x = torch.randn(2, 5, 3, 8, dtype=dtype, requires_grad=True)
+
+    def attend(x):
+        q = x.transpose(1, 2)
+        mask = torch.ones(5, 5, dtype=torch.bool, device=x.device).tril()
+        return sdpa(q, q, q, attn_mask=mask).transpose(1, 2).view(2, 5, 24)
+
+    _check(attend, [x], fused=dtype is not torch.float64, atol=1e-6 if dtype is torch.float32
+           else 1e-12)

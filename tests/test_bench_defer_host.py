@@ -112,3 +112,24 @@ def test_clock_check_reads_the_busy_loop_and_the_threads():
     check = _defer_chip().clock_check(busy_s=0.05)
     assert check["threads"] >= 1 and check["listing_ms"] > 0
     assert 0 < check["busy_cpu_per_wall"] <= 1.05
+
+
+def test_count_calls_charges_each_call_to_its_outermost_tpu_entry():
+    import torch
+
+    x, y = torch.ones(3, 4, device="tpu"), torch.full((3, 4), 2.0, device="tpu")
+    w = torch.ones(4, 4, device="tpu", requires_grad=True)
+
+    def step(a, b):
+        loss = (a @ w * b).sum()
+        loss.backward()  # backward's thread counted too, from the loss's node on
+        return loss
+
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+        out = defer_host.count_calls(step, x, y, 20)
+    assert out["loss"] == 96.0
+    top = {label: (calls, entries) for calls, entries, _, label in out["top"]}
+    assert top["kernel aten.mm.default"][1] >= 2  # the forward's and the weight gradient's
+    assert top["kernel aten.mul.Tensor"][1] >= 2
+    assert out["total"] == sum(calls for calls, _, _, _ in out["top"])
+    assert out["in_tpu_entries"] == sum(entries for _, entries, _, _ in out["top"])

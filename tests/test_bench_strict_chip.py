@@ -25,7 +25,7 @@ def test_strict_chip_runs_small_and_writes_its_json(tmp_path):
     assert out["per_op"]["add"]["strict_cpu_us"] > 0 and out["per_op"]["add"]["jnp_cpu_us"] > 0
     step = out["llama"]
     # The same step each time, to within a program (the census's step may be another's).
-    assert step["census"]["launches"] > 50
+    assert step["census"]["launches"] > 40  # (one layer: 50 since strict11)
     assert abs(step["launches"] - step["census"]["launches"]) <= 2
     assert abs(step["device_programs"] - step["launches"]) <= 2
     assert 0 < step["device_busy_ms"] <= step["device_span_ms"] <= step["profiled_wall_ms"]

@@ -58,6 +58,7 @@ def phase(sizes, path=None):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         ok = all([program(n) for n in sizes])
+        compile_cache.flush()  # (the writer thread's writes of the phase, and their warnings)
     where = jax_cache._cache.path
     entries = len(list(where.glob("*.ttpu"))) if where.is_dir() else 0
     return {"ok": ok, "entries": entries,

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 
-from torchtpu.runtime import cache_check, cache_entry, compile_cache
+from torchtpu.runtime import cache_check, cache_entry, cache_writer, compile_cache
 from torchtpu.runtime.cache_entry import OTHER, READ_BACK, CompileCacheWarning, pack, parts
 from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
 
@@ -150,12 +150,13 @@ def test_a_program_that_does_not_read_back_is_not_cached(tmp_path):
     store = EntryStore(tmp_path)
     compiled = jax.jit(lambda x: x + 1).lower(jax.numpy.ones(3)).compile()
     executable = compiled._executable.xla_executable
-    compile_cache._writing.executable = (executable, jax.devices()[0].client)
+    cache_writer._writing.executable = cache_writer.Serialized(
+        executable.serialize(), executable.local_devices(), jax.devices()[0].client)
     try:
         with pytest.warns(CompileCacheWarning, match="does not read back"):
             store.put("k", b"not an executable")
     finally:
-        compile_cache._writing.executable = None
+        cache_writer._writing.executable = None
     assert not store.entry("k").exists()
     store.put("plain", b"record")  # outside a write of JAX's: kept, as kind R
     assert parts(store.entry("plain").read_bytes())[1] == OTHER

@@ -110,6 +110,30 @@ def test_graph_break_gives_correct_results(capsys):
     assert "between graphs" in capsys.readouterr().out
 
 
+def test_a_cpu_batch_moved_to_the_device_inside_the_function_is_sent():
+    # A compiled function that moves its CPU batch itself (``x.to("tpu")`` inside it): Dynamo
+    # hands the CPU tensors in, and the graph's copy is the transfer the user asked for. It
+    # raised "Expected all tensors to be on the same device" (GPT-2 / Llama training steps of
+    # Hugging Face, whose whole step falls back to Dynamo's graphs at a host read).
+    torch.manual_seed(0)
+    cpu = nn.Linear(4, 3)
+    dev = copy.deepcopy(cpu).to("tpu")
+    x, y = torch.randn(5, 4), torch.tensor([0, 2, 1, 1, 0])
+
+    def loss(model, x, y, device):
+        x = x.to(device, torch.float64).float()
+        return F.cross_entropy(model(x), y.to(device)) + (y.to(device) > 0).sum()
+
+    compiled = torch.compile(loss, backend="tpu")
+    for scale in (1.0, 2.0):  # (each call's own values are sent)
+        got = compiled(dev, x * scale, y, "tpu")
+        want = loss(cpu, x * scale, y, "cpu")
+        assert_same(got, want)
+    got.backward()
+    want.backward()
+    assert_same(dev.weight.grad, cpu.weight.grad)
+
+
 def test_batchnorm_running_stats_are_updated():
     cpu = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
     dev = _to_tpu(cpu)

@@ -8,6 +8,8 @@ partition held 1.6x the bytes eager PyTorch saves, the 8 x 1024-token Llama peak
 the chip's 15.7 GiB and its host waited on the allocator. Each figure here against CPU eager.
 """
 
+import sys
+
 import pytest
 import torch
 
@@ -60,8 +62,11 @@ def test_the_compiled_forward_saves_no_more_than_eager_does():
     torch.tpu.synchronize()
     kept = torch.tpu.memory_allocated() - before  # the loss (4 bytes) and what backward reads
     # AOTAutograd's default partition: 1.11x eager here (the f32 norm outputs beside their bf16
-    # casts, the f32 log-softmax twice); the min cut recomputes elementwise work: 0.77x.
-    assert 0 < kept <= eager_saved, (kept, eager_saved)
+    # casts, the f32 log-softmax twice); the min cut recomputes elementwise work: 0.77x. Eager
+    # saves each weight's bf16 cast; the compiled backward casts the parameter again inside its
+    # product (a cast feeding a product is not banned from recompute: XLA fuses it): 0.40x.
+    casts = sum(m.weight.numel() * 2 for m in tpu.modules() if isinstance(m, torch.nn.Linear))
+    assert 0 < kept <= eager_saved - casts, (kept, eager_saved, casts)
     loss.backward()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = cpu(x, y)
@@ -71,11 +76,12 @@ def test_the_compiled_forward_saves_no_more_than_eager_does():
         assert_same(q.grad, p.grad, atol=3e-3, rtol=5e-2)
 
 
-def test_a_compiled_model_step_waits_for_nothing_and_launches_at_most_eleven_programs():
-    """Forward, backward's seed of ones (zeros, fill), backward, clip_grad_norm_'s six (its
-    norms, their stack and norm, the coefficient's add and multiply, the gradients' multiply)
-    and AdamW's one program; 10 after other tests in the process. No host read among them: on
-    the chip the host's time issuing a step (near the step's) is a wait for the device."""
+def test_a_compiled_model_step_waits_for_nothing_and_launches_at_most_five_programs():
+    """Forward, backward's seed of ones (zeros, fill; none in a fresh process), backward, and
+    one program from clip_grad_norm_ to AdamW's end (the clip opens the step's region: its
+    norms, their norm and the gradients' multiply were three programs more, and a pass over the
+    gradients, before model3). No host read among them: on the chip the host's time issuing a
+    step (near the step's) is a wait for the device."""
     torch.manual_seed(0)
     with torch.device("tpu"):
         model = Llama(CONFIG)
@@ -86,5 +92,22 @@ def test_a_compiled_model_step_waits_for_nothing_and_launches_at_most_eleven_pro
     with census(dots=False) as c:
         step(x, y)
     assert c.host_waits == []
-    assert c.launch_count <= 11, dict(c.launches)
+    assert c.launch_count <= 5, dict(c.launches)
     assert sum(n for name, n in c.launches.items() if name.startswith("compiled_")) == 2
+    assert sum(n for name, n in c.launches.items() if name.startswith("defer_and_fuse")) == 1
+    # The host's share, counted: a steady step's Python calls on this thread (Dynamo's guards,
+    # the forward's launch, the clip and AdamW's recording): 2,173 at model3 (2,420 before it;
+    # 2,659 at b9849e1, 3,966 at session 32's tree 4c05630: bench/model_host.py; bench/
+    # RESULTS.md, model2). The bound is ~11% above today's, so a per-parameter path coming
+    # back fails here.
+    calls = [0]
+
+    def count(frame, event, arg):
+        calls[0] += event == "call"
+
+    sys.setprofile(count)
+    try:
+        step(x, y)
+    finally:
+        sys.setprofile(None)
+    assert calls[0] <= 2_420, calls[0]

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from torchtpu.runtime import compiler_options, warm
+from torchtpu.runtime import compiler_options, warm, warm_keys
 
 
 def _programs(directory) -> set:
@@ -37,7 +37,7 @@ def test_options_reach_each_compile_and_a_program_built_without_them_is_not_reus
     x = torch.arange(12.0, device="tpu").reshape(3, 4)
     ref = x.cpu() * 3 - 1
     assert torch.equal((x * 3 - 1).cpu(), ref)  # op programs compiled (and cached) without options
-    zeros = warm.Program(jax.jit(jnp.zeros_like), warm.key_of("test_compiler_options.zeros"))
+    zeros = warm.Program(jax.jit(jnp.zeros_like), warm_keys.key_of("test_compiler_options.zeros"))
     zeros(jnp.ones(5))
     dump = tmp_path / "xla"
     before = compiler_options.generation

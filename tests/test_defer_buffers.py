@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import torchtpu
+from torchtpu import metrics
 from torchtpu.device import tensors
 
 DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
@@ -84,3 +85,42 @@ def test_only_results_of_spare_min_bytes_lend_their_buffers(shape, lent):
         torch.tpu.synchronize()
         assert torchtpu.metrics.snapshot().get("reused_buffers", 0) == reused + lent
     torch.testing.assert_close(out.cpu(), torch.tanh(x) * 3)
+
+
+def test_an_input_placed_on_the_device_is_not_donated():
+    # x, a program's result that read no input (randn), is not committed to a device; y, sent
+    # from the host, is. The flush places x beside y as a new array over x's buffer, which x
+    # still holds: donated, it was deleted under x ("Array has been deleted" at x's next read;
+    # AdamW's first step deleted its gradients so once its state was sent from the host).
+    with torch.tpu.set_eager_mode(DEFER):
+        x = torch.randn(8, 4, device="tpu")
+        x_cpu = x.cpu()
+        y = torch.ones(8, 4).to("tpu")
+        y.add_(x * 2)
+        torch.tpu.synchronize()
+        assert torch.equal(x.cpu(), x_cpu)
+        assert torch.equal(y.cpu(), 1 + x_cpu * 2)
+
+
+
+def test_a_placed_input_replaced_in_place_is_donated_from_the_first_step():
+    # A parameter made on the device by torch.randn is not committed (its program read no
+    # input); the first flush places it beside the step's other inputs. Nothing but the
+    # recording holds it once the update replaces it, so it is donated as the next steps donate
+    # the first's results: one program, built at the first step alone (a Llama's first
+    # DeferAndFuse step built its program twice).
+    p = torch.randn(64, 32, device="tpu")
+    cpu_p, g = p.cpu(), torch.randn(64, 32)
+    m, v = torch.zeros(64, 32, device="tpu"), torch.zeros(64, 32, device="tpu")
+    cpu_m, cpu_v = torch.zeros(64, 32), torch.zeros(64, 32)
+    built = []
+    with torch.tpu.set_eager_mode(DEFER):
+        for _ in range(3):
+            made = metrics.programs_made()
+            _update(p, m, v, g.to("tpu"))
+            torch.tpu.synchronize()
+            built.append(metrics.programs_made() - made)
+            _update(cpu_p, cpu_m, cpu_v, g)
+    assert built[0] >= 1 and built[1:] == [0, 0]
+    for d, c in zip((p, m, v), (cpu_p, cpu_m, cpu_v)):
+        torch.testing.assert_close(d.cpu(), c, rtol=1e-6, atol=1e-6)

@@ -10,6 +10,7 @@ import torch
 
 from torchtpu import metrics
 from torchtpu.eager import frozen
+from torchtpu.eager.defer import RECORDER
 
 DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE
 
@@ -19,6 +20,8 @@ def short_programs_freeze(monkeypatch):
     if gc.get_freeze_count():
         pytest.skip("something in this process froze objects already")
     monkeypatch.setattr(frozen, "MIN_OPS", 8)
+    # (another test's freeze, seen and believed for a while, is gone)
+    monkeypatch.setattr(RECORDER.freezer, "others_believed", 0)
 
 
 def _step(x: torch.Tensor) -> float:
@@ -59,6 +62,31 @@ def test_another_freeze_is_left_as_it_is(short_programs_freeze):
         gc.unfreeze()
 
 
+def test_another_freeze_is_looked_for_once_in_recheck_entries(short_programs_freeze,
+                                                               monkeypatch):
+    """A loop that leaves and re-enters the mode every step walks the frozen heap once, not at
+    every entry; after ``RECHECK`` entries it looks again, and freezes once the other's is gone."""
+    # (the shape of another test's program: a fourth shape at _step's lines would take eager
+    # buckets)
+    x, before = torch.randn(9, 9).to("tpu"), _freezes()
+    monkeypatch.setattr(frozen, "RECHECK", 3)
+    looks, count = [], gc.get_freeze_count
+    monkeypatch.setattr(frozen.gc, "get_freeze_count", lambda: looks.append(1) or count())
+    got = []
+    gc.freeze()
+    try:
+        for _ in range(4):  # an entry that looks, three that believe it
+            with torch.tpu.set_eager_mode(DEFER):
+                got += [_step(x), _step(x)]
+        assert len(looks) == 1 and _freezes() == before
+    finally:
+        gc.unfreeze()
+    with torch.tpu.set_eager_mode(DEFER):  # looks again: none left, so it freezes
+        got += [_step(x), _step(x)]
+        assert len(looks) == 2 and _freezes() == before + 1
+    assert got == pytest.approx([_step(x.cpu())] * 10, rel=1e-6)
+
+
 def test_young_collections_are_spaced_out_while_frozen(short_programs_freeze):
     x = torch.randn(5, 11).to("tpu")  # a program of its own
     before = gc.get_threshold()
@@ -73,6 +101,9 @@ def test_young_collections_are_spaced_out_while_frozen(short_programs_freeze):
             if phase == "stop":
                 collected.append(info["generation"])
 
+        # (the young count left by what ran since the freeze, a background thread's work
+        # included, is not what this measures)
+        gc.collect(0)
         gc.callbacks.append(observe)
         try:
             made = [[i] for i in range(frozen.YOUNG_THRESHOLD // 2)]  # containers: counted

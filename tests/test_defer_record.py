@@ -212,3 +212,34 @@ def test_a_recorded_cast_of_a_whole_value_takes_the_short_path(monkeypatch):
                                        p_cpu.clone()), strict=True):
         torch.testing.assert_close(g, w_)
         assert stride == w_.stride()
+
+
+@pytest.mark.parametrize("inside", ["DEFAULT", "HIGHEST"])
+def test_products_run_at_the_precision_they_were_recorded_under(inside, monkeypatch):
+    # A program computes at the precision current where it is traced: a product recorded
+    # inside ``torch.tpu.precision`` was flushed after the block, at the precision outside it
+    # (on a TPU, DEFAULT's bfloat16 passes where HIGHEST was asked for).
+    programs = []
+    run = defer.launch.run
+
+    def spy(label, fn, args, *rest, **kwargs):
+        if str(label).startswith("defer_and_fuse"):
+            programs.append(fn.lower(*args).as_text())
+        return run(label, fn, args, *rest, **kwargs)
+
+    monkeypatch.setattr(defer.launch, "run", spy)
+    a, b = torch.randn(8, 8), torch.randn(8, 8)
+    x, w = a.to("tpu"), b.to("tpu")
+    outside = "HIGHEST" if inside == "DEFAULT" else "DEFAULT"
+    with torch.tpu.precision(getattr(torch.tpu.Precision, outside)):
+        with torch.tpu.set_eager_mode(DEFER):
+            with torch.tpu.precision(getattr(torch.tpu.Precision, inside)):
+                y = torch.sin(x @ w)
+            z = (x @ w).cpu()
+            got = y.cpu()
+    products = [line for text in programs for line in text.splitlines() if "dot_general" in line]
+    assert len(products) == 2
+    assert ("HIGHEST" in products[0]) == (inside == "HIGHEST")
+    assert ("HIGHEST" in products[1]) == (outside == "HIGHEST")
+    torch.testing.assert_close(got, torch.sin(a @ b))
+    torch.testing.assert_close(z, a @ b)

@@ -1,7 +1,8 @@
 """DeferAndFuse reaches a steady state: a training loop that changes nothing between steps loads
 no program after its first steps (neither compiled nor read from the persistent cache), also when
-its steps are longer than the recording's size bound, with or without a host read each step. The
-Llama step's one program is fit for a TPU: bfloat16 products under autocast, 64-bit types only
+its steps are longer than the recording's size bound, with or without a host read each step
+(split at backward's start, the default: two programs a Llama step; or not: one). The Llama
+step's programs are fit for a TPU: bfloat16 products under autocast, 64-bit types only
 on the token ids."""
 
 import math
@@ -94,7 +95,7 @@ def test_a_loop_that_never_reads_is_steady_at_its_optimizer_steps(monkeypatch):
         loads, runs = _run(lambda: losses.append(step(*batch)), 6)
         values = [loss.item() for loss in losses]
     assert loads[3:] == [0, 0, 0], loads
-    assert runs[3:] == [2, 2, 2], runs  # the bound's cut, and the optimizer step's end
+    assert runs[3:] == [3, 3, 3], runs  # the bound's cut, the split, the optimizer step's end
     cpu = _model(SMALL, "cpu")
     cpu_step, _ = train_step(cpu)
     expected = [cpu_step(*_batch(SMALL, "cpu")).item() for _ in range(6)]
@@ -109,26 +110,30 @@ def _llama_loop(c: LlamaConfig, steps: int) -> tuple[list, list]:
         return _run(lambda: step(*batch).item(), steps)
 
 
-def test_an_uncut_llama_step_is_one_program_and_steady():
+@pytest.mark.parametrize("split", [True, False])
+def test_an_uncut_llama_step_is_one_or_two_programs_and_steady(monkeypatch, split):
+    # Split at backward's start (the default) or not (``TORCHTPU_DEFER_SPLIT=0``: one program).
+    monkeypatch.setattr(defer.RECORDER, "split_min_ops", defer.SPLIT_CALLS if split else math.inf)
     loads, runs = _llama_loop(SMALL, 5)
-    # The first step makes AdamW's moments outside its recording (Strict's programs), so it
-    # records the steady program already: nothing loads after it.
+    # The first step makes AdamW's moments outside its recording (in Strict, sent from the
+    # host: small zeros), so it records the steady programs already: nothing loads after it.
     assert loads[1:] == [0, 0, 0, 0], loads
-    assert runs[0] > 1 and runs[1:] == [1] * 4, runs
+    assert runs == [2 if split else 1] * 5, runs
 
 
 @pytest.mark.full
 @pytest.mark.parametrize("bound", [2000, defer.MAX_OPS])
 def test_a_12_layer_llama_step_is_steady(monkeypatch, bound):
     # The chip benchmark's depth. The first step makes AdamW's moments outside its recording, so
-    # every step (~1,700 ops, under a bound of 2000 too) is one program, the same one: nothing
+    # every step (~1,700 ops, under a bound of 2000 too) is two programs (split at backward's
+    # start), the same two: nothing
     # loads after the first step (it used to cut the first step at 2000 ops, ~2,150 with the
     # moments' zeros, and the second step loaded the steady program).
     monkeypatch.setattr(defer.RECORDER, "max_ops", bound)
     c = LlamaConfig(vocab=256, dim=64, layers=12, heads=4, hidden=128, seq=64)
     loads, ran = _llama_loop(c, 5)
     assert loads[1:] == [0] * 4, loads
-    assert ran[1:] == [1] * 4, ran
+    assert ran[1:] == [2] * 4, ran
 
 
 def test_the_llama_steps_program_multiplies_in_bf16_and_keeps_64_bits_to_the_ids():
@@ -167,12 +172,13 @@ def test_holding_last_steps_loss_one_step_longer_loads_no_program():
     with torch.tpu.set_eager_mode(DEFER):
         loads, runs = _run(run, 6)
     assert loads[1:] == [0, 0, 0, 0, 0], loads
-    assert runs[1:] == [1] * 5, runs  # (the first step's: AdamW's state, made outside, and it)
+    assert runs[1:] == [2] * 5, runs  # (the first step's: AdamW's state, made outside, and it)
 
 
 def test_a_steady_llama_step_without_a_read_runs_the_step_before_and_waits_for_nothing():
     # A loop that reads its losses later (the chip benchmark's timed rounds): each step's first
-    # op runs the step before as one program, launched while the host goes on recording. Nothing
+    # op runs the step before's backward and optimizer step as one program, launched while the
+    # host goes on recording (the forward's ran at the split). Nothing
     # in the step reads the device: not clip_grad_norm_'s total norm, not AdamW's foreach math
     # (the census runs as on a TPU, whose host reads stall: data checks stay on the device);
     # no Python number crosses with the program (AdamW's lists: 2 a parameter).
@@ -186,5 +192,38 @@ def test_a_steady_llama_step_without_a_read_runs_the_step_before_and_waits_for_n
     assert c.host_waits == [], c.host_waits
     assert not c.scalar_transfers, c.scalar_transfers  # numbers cross once, kept on the device
     assert loads[3:] == [0, 0, 0], loads
-    assert runs[1:] == [1, 1, 1, 1, 1], runs  # the first step's: AdamW's state, made outside
+    assert runs[1:] == [2, 2, 2, 2, 2], runs  # the first step's: AdamW's state, made outside
     assert all(math.isfinite(v) for v in values) and values[-1] < values[0]
+
+
+class _Scorer:
+    """A method whose first call at new sizes has the call-site lookup read its frame, and which
+    drops a result before its flush (TRL's importance-sampling ratio, masked in place of itself)."""
+
+    def step(self, x: torch.Tensor) -> float:
+        ratio = torch.exp(x)
+        ratio = ratio.masked_fill(ratio > 2.0, 0.0)  # exp's result has no name from here on
+        return _total(ratio)  # (a function's frame: the lookup reads no copy of its locals)
+
+
+def _total(x: torch.Tensor) -> float:
+    return x.sum().item()
+
+
+def test_a_method_at_new_sizes_records_its_first_step_as_the_next_ones():
+    # The lookup at the first step's new sizes once kept every local of the method alive to the
+    # flush (``f_locals``' copy), so exp's result was an output there and not after: a second
+    # program at the second step (TRL's rollout on the chip compiled one more).
+    x = torch.linspace(-1.0, 1.0, 39).reshape(3, 13)
+    scorer, values = _Scorer(), []
+    xt = x.to("tpu")
+    with torch.tpu.set_eager_mode(DEFER):
+        news = []
+        for _ in range(3):  # programs new to the process: also those a new process loads by key
+            before = torchtpu.metrics.snapshot()
+            values.append(scorer.step(xt))
+            after = torchtpu.metrics.snapshot()
+            news.append(_loaded(before, after) + after.get("programs_loaded_by_key", 0)
+                        - before.get("programs_loaded_by_key", 0))
+    assert news[1:] == [0, 0], news
+    assert values == [pytest.approx(_Scorer().step(x), rel=1e-6)] * 3

@@ -65,3 +65,32 @@ def test_device_id_in_one_process():
     ((backend, value),) = run(_one, 1, init=False, timeout=120)
     assert backend == "tpu_dist"
     torch.testing.assert_close(value, torch.ones(2))
+
+
+
+_MAKE_ON_TPU1 = """
+import torch, torchtpu
+try:
+    torch.full((3,), 7.0, device="tpu:1")
+    print("made")
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_another_process_index_is_refused_after_it_kept_a_result_for_it(tmp_path):
+    """Which index names this process's device is the process's own, where meta results are kept
+    for every process in the cache directory: rank 1's factory call on tpu:1 must not let rank 0
+    make a tensor there (it did, with no error, from the result rank 1 kept)."""
+    import os
+    import subprocess
+    import sys
+
+    def as_rank(rank):
+        env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path), "TORCHTPU_NOTICES": "0",
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": "2"}
+        return subprocess.run([sys.executable, "-c", _MAKE_ON_TPU1], env=env, timeout=120,
+                              capture_output=True, text=True, check=True).stdout
+
+    assert as_rank(1).strip() == "made"
+    assert "tpu:1 belongs to another process" in as_rank(0)

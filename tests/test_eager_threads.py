@@ -171,3 +171,88 @@ def test_a_captured_step_on_one_thread_is_not_warned_about():
         warnings.simplefilter("error")
         for _ in range(3):
             step(x).item()
+
+
+def _train(model: torch.nn.Module, device: str, steps: int, opened=None) -> list:
+    """SGD steps (momentum: state of its own) of model on seeded batches: the losses, then the
+    parameters; opened() after the first forward, which a recording holds pending."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for i in range(steps):
+        loss = model(torch.randn(8, 16, generator=g).to(device)).pow(2).mean()
+        if i == 0 and opened is not None:
+            opened()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses + [p.detach().cpu() for p in model.parameters()]
+
+
+def _mlp(seed: int) -> torch.nn.Module:
+    # Made before any thread starts: the CPU generator is the process's (two threads each
+    # seeding it and building a model build one from the other's stream: audit5's wrong rounds).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                   torch.nn.Linear(32, 1))
+
+
+@pytest.mark.filterwarnings("ignore:torchtpu.unsupported. DeferAndFuse records thread")
+def test_another_thread_records_while_the_owner_makes_its_optimizer_state():
+    """The owner's first AdamW step makes its moments outside the recording (``adopt``): only
+    the owner's calls run at once then. They all did once (a switch of the executor's, not of
+    the thread), and a thread whose forward was pending ran its backward's calls on pending
+    values through Strict's programs:
+    ``ValueError: Triggering __jax_array__() during abstractification``."""
+    from torchtpu.eager import executor
+
+    worker_cpu, owner_cpu = _mlp(1), _mlp(0)
+    worker_tpu, owner_tpu = _mlp(1).to("tpu"), _mlp(0).to("tpu")
+    want = _train(worker_cpu, "cpu", 2)
+    x = torch.randn(4, 16)
+    opt = torch.optim.AdamW(owner_cpu.parameters(), lr=1e-2)
+    owner_cpu(x).sum().backward()
+    opt.step()
+
+    pending, finished, outcome = threading.Event(), threading.Event(), []
+
+    def worker():
+        try:
+            outcome.append(_train(worker_tpu, "tpu", 2, opened=lambda: (pending.set(),)))
+        except BaseException as e:  # noqa: BLE001 (reported below)
+            outcome.append(e)
+        finally:
+            pending.set()
+            finished.set()
+
+    made = []
+    with torch.tpu.set_eager_mode(EagerMode.DEFER_AND_FUSE):
+        opt = torch.optim.AdamW(owner_tpu.parameters(), lr=1e-2)
+        make = opt._init_group
+
+        def init_group(*args, **kwargs):  # the worker's whole training while it runs
+            finished.wait(120)
+            out = make(*args, **kwargs)
+            made.extend(executor.is_materialized(s["exp_avg"]) for s in opt.state.values())
+            return out
+
+        opt._init_group = init_group  # (``adopt`` wraps it)
+        thread = threading.Thread(target=worker, name="worker")
+        thread.start()
+        try:
+            assert pending.wait(120)
+            owner_tpu(x.to("tpu")).sum().backward()
+            opt.step()
+            got = [p.detach().cpu() for p in owner_tpu.parameters()]
+        finally:
+            finished.wait(120)
+            thread.join(120)
+    assert not thread.is_alive()
+    assert not isinstance(outcome[0], BaseException), outcome[0]
+    for g, w in zip(outcome[0], want):
+        torch.testing.assert_close(torch.as_tensor(g), torch.as_tensor(w), atol=1e-5, rtol=1e-5)
+    assert made and all(made)  # the owner's state was made at once, outside the recording
+    for g, w in zip(got, owner_cpu.parameters()):
+        torch.testing.assert_close(g, w.detach(), atol=1e-5, rtol=1e-5)

@@ -3,6 +3,7 @@
 import math
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -124,6 +125,49 @@ def test_arithmetic_overloads():
     check_against_cpu(lambda x, y: torch.addcmul(x, x, y, value=0.5), x, y)
     check_against_cpu(lambda x, y: torch.addcdiv(x, x, y, value=-2), x, y)
     check_against_cpu(lambda x: torch.xlogy(2.0, x) + torch.xlogy(x, 3.0), x)
+
+
+def test_lerp_by_one_weight_takes_one_product_an_element_and_keeps_both_sides_exact():
+    """A scalar weight (AdamW's moment update, ``_foreach_lerp_(m, g, 1 - beta1)``) picks CPU's
+    side of the formula on the scalar: one product an element, not both sides' (the step's
+    largest fusions were bound by that arithmetic on a v5e). Both sides stay CPU's to the bit."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchtpu.lowering.registry import TABLE
+
+    x = jnp.ones((8, 128), jnp.float32)
+    for op in (torch.ops.aten.lerp.Scalar, torch.ops.aten.lerp.Tensor):
+        eqns = jax.make_jaxpr(TABLE[op].fn)(x, x, jnp.float32(0.1)).jaxpr.eqns
+        full = [e.primitive.name for e in eqns if e.outvars[0].aval.shape == x.shape]
+        assert full.count("mul") == 1 and len(full) <= 4, full
+    # Both sides as the two-sided formula computes them, to the bit (signed zeros, NaNs and
+    # infinities included), and as CPU's lerp within its rounding.
+    special = torch.tensor([0.0, -0.0, 1.0, -1.0, 0.5, -2.5, 3e38, math.inf, -math.inf, math.nan,
+                            1e-30, 0.1])
+    a, b = special.repeat_interleave(len(special)), special.repeat(len(special))
+    two_sided = jax.jit(lambda s, e, w: jnp.where(jnp.abs(w) < 0.5, s + w * (e - s),
+                                                  e - (e - s) * (1 - w)))
+    for dt, bits in ((torch.float32, torch.int32), (torch.float64, torch.int64)):
+        x, y = a.to(dt), b.to(dt)
+        for w in (0.0, 0.1, 0.49999997, 0.5, 0.9, 1.0, -0.2, 1.5, math.inf, math.nan):
+            want = torch.from_numpy(np.array(two_sided(x.numpy(), y.numpy(),
+                                                         np.asarray(w, x.numpy().dtype))))
+            by_tensor = torch.lerp(x.to("tpu"), y.to("tpu"), torch.tensor(w, dtype=dt).to("tpu"))
+            by_number = torch.lerp(x.to("tpu"), y.to("tpu"), w).cpu()
+            assert torch.equal(by_tensor.cpu().view(bits), want.view(bits)), (w, dt)
+            # (a Python weight is rounded to the inputs' type first: 1 - 0.9f, not 1 - 0.9)
+            assert torch.equal(by_number.view(bits), want.view(bits)), (w, dt)
+            torch.testing.assert_close(by_number, torch.lerp(x, y, w), equal_nan=True)
+    # The half types in CPU's opmath (float32), rounded once: CPU's bits
+    g = torch.Generator().manual_seed(0)
+    x, y, w = (torch.randn(512, generator=g) for _ in range(3))
+    for dt in (torch.bfloat16, torch.float16):
+        for weight in (0.3, 0.9, -0.6, w.to(dt)):
+            want = torch.lerp(x.to(dt), y.to(dt), weight)
+            got = torch.lerp(x.to(dt).to("tpu"), y.to(dt).to("tpu"),
+                             weight.to("tpu") if isinstance(weight, torch.Tensor) else weight)
+            assert torch.equal(got.cpu().view(torch.int16), want.view(torch.int16)), (dt, weight)
 
 
 @pytest.mark.parametrize("op", ["eq", "ne", "lt", "le", "gt", "ge"])

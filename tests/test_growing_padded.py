@@ -5,6 +5,8 @@ call reads it so (no host round trip, no cut), and anything else that reads it (
 view, an op that is not bucketed, an in-place write) sees exactly the real values CPU computes.
 """
 
+import random
+
 import pytest
 import torch
 
@@ -128,3 +130,28 @@ def test_a_padded_value_with_a_cpu_scalar_tensor_equals_cpu():
         h = torch.nn.functional.linear(x.to("tpu"), w.to("tpu"), b.to("tpu"))
         got = (h * scale / torch.tensor(3.0)).cpu()
         torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b) * scale / 3.0)
+
+
+def _free_list(device: str, steps: int = 50) -> list:
+    # SGLang's token allocator, as its scheduler drives it: pages taken off the front of a free
+    # list (slices), and freed ones appended in groups (a cat of clones). The cat is bucketed,
+    # its result left padded; a slice of it may keep a single element, which the next cat reads
+    # out of the padded storage (it raised "not enough values to unpack" in a Ray Serve replica).
+    draw = random.Random(0)
+    pages = torch.arange(1, 4097, dtype=torch.int64, device=device)
+    held, sums = [], []
+    for _ in range(steps):
+        group = [held.pop(draw.randrange(len(held)))[draw.randint(0, 2):].clone()
+                 for _ in range(draw.randint(0, 3)) if held and draw.random() < 0.5]
+        if group:
+            pages = torch.cat((pages, torch.cat(group)))
+        n = draw.randint(1, 40)
+        if n <= len(pages):
+            held.append(pages[:n])
+            pages = pages[n:]
+        sums.append(int(pages.sum()))
+    return sums
+
+
+def test_a_free_list_of_slices_and_cats_matches_cpu():
+    assert _free_list("tpu") == _free_list("cpu")

@@ -25,5 +25,7 @@ def test_head_and_loss_take_fewer_cycles_than_the_twins(tmp_path):
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     sides = json.loads(out.read_text())
-    # 13.8 M against the twin's 20.2 M (the gather's form: 20.2 M, the twin's own).
-    assert sides["table"]["mcycles"] < 0.8 * sides["twin"]["mcycles"], sides
+    # 27.8 M against the twin's 30.4 M (loss1: the sums counted multi-output fusions, the
+    # products among them, from then on; 13.8 against 20.2 without them). The gather's form
+    # costs the twin's.
+    assert sides["table"]["mcycles"] < 0.95 * sides["twin"]["mcycles"], sides

@@ -156,6 +156,19 @@ def test_losses():
     check_fwd_bwd(lambda x, t: F.nll_loss(F.log_softmax(x, 1), t),
                   r(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4)))
     check_fwd_bwd(lambda x, t: F.nll_loss(x, t), r(5), torch.tensor(2))  # one sample, (C,)
+    # CPU skips ignored samples: all ignored, the mean is NaN and the gradient 0 (not 0 / 0);
+    # an ignored sample's loss is 0 where its class 0 is -inf, and its gradient 0 where the
+    # output gradient is not finite.
+    ignored = torch.full((4,), -100)
+    check_fwd_bwd(lambda x, t: F.cross_entropy(x, t), r(4, 5), ignored)
+    check_fwd_bwd(lambda x, t: F.nll_loss(x, t), r(5), ignored[0])
+    minus_inf = torch.randn(4, 5)
+    minus_inf[:, 0] = -torch.inf
+    minus_inf.requires_grad_()
+    check_fwd_bwd(lambda x, t: F.nll_loss(x, t, reduction="sum"), minus_inf,
+                  torch.tensor([1, 1, -100, 3]))
+    check_fwd_bwd(lambda x, t: F.nll_loss(x, t, reduction="none") * torch.tensor(
+        [1.0, 1.0, torch.inf, 1.0], device=x.device), minus_inf, target)
     # A class masked out by -inf (never a target): the target's value is picked, not a NaN.
     masked = torch.randn(4, 5)
     masked[:, 4] = -torch.inf

@@ -43,6 +43,8 @@ OP_NAMING_EXCEPTIONS = {
     "device/": "the device's own kernels (allocation, copies, views, equal) are registered per op",
     "compile/checkpoint.py": "builds the activation barrier's zero tie as FX nodes",
     "compile/spmd.py": "builds the flatten / cat / split of bucketed collectives as FX nodes",
+    "compile/host_cones.py": "finds a CPU input the graph only copies to the device "
+                             "(an aten._to_copy node) to send it at the call",
     "compile/eager_buckets.py": "routes aten.cat calls to the growing-cat kernel (padded_cat.py)",
     "eager/sdpa_routing.py": "routes scaled_dot_product_attention to the fused overload",
     "distributed/dtensor_sdpa.py": "DTensor's sharding strategy for the fused attention ops",

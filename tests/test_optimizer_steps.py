@@ -1,12 +1,15 @@
 """Strict runs an optimizer step over tpu parameters as one program (compile/optimizer_steps.py):
 values as CPU's, one execution a step, no compile once steady (a changing lr included)."""
 
+import math
+
 import pytest
 import torch
 
 from torchtpu import metrics
 from torchtpu.compile import optimizer_steps
 from torchtpu.eager import executor
+from torchtpu.testing.step_census import census
 
 # Shapes of a bias, a weight and a 3-d tensor: AdamW's lists hold all three.
 SHAPES = ((5,), (7, 3), (2, 3, 4))
@@ -136,3 +139,60 @@ def test_a_subclass_step_calling_its_base_step_is_one_region():
     got, counts = _train("tpu", 2, _Subclassed, momentum=0.9)
     _assert_same(got, _train("cpu", 2, _Subclassed, momentum=0.9)[0])
     assert all(n == 1 for n, _ in counts), counts
+
+
+def _clipped(device: str, steps: int, read_norm: bool = False) -> tuple:
+    """AdamW steps after clip_grad_norm_ (a parameter generator, as a loop passes it): (params
+    and the clip's norm after each step, launches of each steady clip-and-step)."""
+    params = _params(device)
+    opt = torch.optim.AdamW(params, lr=0.1, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    values, launches = [], []
+    for _ in range(steps):
+        for p in params:
+            p.grad = (3 * torch.randn(p.shape, generator=g)).to(device)
+        with census(dots=False) as c:
+            norm = torch.nn.utils.clip_grad_norm_((p for p in params), 1.0)
+            read = norm.item() if read_norm else None
+            opt.step()
+        launches.append(c.launch_count)
+        opt.zero_grad(set_to_none=True)
+        values.append([p.detach().cpu().clone() for p in params] + [norm.cpu()])
+        assert read is None or read == pytest.approx(float(norm))
+    return values, launches
+
+
+def test_a_clip_and_the_step_after_it_are_one_program_as_cpu():
+    """clip_grad_norm_ opens the step's region: its norms, their norm and the gradients'
+    multiply run in AdamW's program (four programs, each a pass over the gradients, before)."""
+    want, _ = _clipped("cpu", 3)
+    got, launches = _clipped("tpu", 3)
+    _assert_same(got, want)
+    assert launches[1:] == [1, 1], launches
+    assert type(executor.current()) is executor.Strict
+    # The norm read between the clip and the step (a logging .item()): the clip runs at the read.
+    got, launches = _clipped("tpu", 3, read_norm=True)
+    _assert_same(got, want)
+    assert launches[1:] == [2, 2], launches
+
+
+def test_a_clip_whose_step_never_comes_ends_its_region():
+    """A clip to log the norm, with no optimizer step after it: the region runs what the clip
+    recorded at the next clip, or after CLIP_SLACK op calls; the loop stays Strict's."""
+    params = _params("tpu")
+    for p in params:
+        p.grad = torch.full_like(p, 2.0)
+    norm = torch.nn.utils.clip_grad_norm_(params, 1.0)
+    assert isinstance(executor.current(), optimizer_steps.StepRegion)
+    again = torch.nn.utils.clip_grad_norm_(params, 1.0)  # the first region ran at this call
+    x = torch.ones(3, device="tpu")
+    for _ in range(optimizer_steps.CLIP_SLACK + 1):
+        x = x + 1
+    assert type(executor.current()) is executor.Strict
+    n = sum(math.prod(s) for s in SHAPES)
+    torch.testing.assert_close(norm.cpu(), torch.tensor(2.0 * n ** 0.5))
+    torch.testing.assert_close(again.cpu(), torch.tensor(1.0), rtol=1e-5, atol=1e-5)
+    for p in params:
+        torch.testing.assert_close(p.grad.cpu(), torch.full(p.shape, 1 / n ** 0.5),
+                                   rtol=1e-5, atol=1e-5)
+    assert float(x[0]) == optimizer_steps.CLIP_SLACK + 2

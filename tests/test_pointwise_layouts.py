@@ -116,3 +116,34 @@ def test_a_growing_loop_of_laid_out_results_matches_cpu():
         got = (a.to("tpu").t() * 2.0).neg() + w.to("tpu")
         assert got.stride() == want.stride()
         torch.testing.assert_close(torch.cat([got, got]).cpu(), torch.cat([want, want]))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda m: m.name)
+def test_attention_results_are_laid_out_as_its_inputs_without_a_copy_call(mode, monkeypatch):
+    """SDPA's output and gradients take their inputs' layout (the heads' transposed
+    projections), values as CPU's; in Strict without calling ``contiguous`` to make it (its
+    storage reads the program's result through the permutation: ``results._laid_lazily``)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 2, 16, generator=g).transpose(1, 2) for _ in range(3))
+
+    def step(device):
+        leaves = [t.to(device).detach().requires_grad_() for t in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True)
+        (out * out).sum().backward()
+        return [out, *(x.grad for x in leaves)]
+
+    want = step("cpu")
+    contiguous, calls = torch.Tensor.contiguous, []
+
+    def spy(t, *args, **kwargs):
+        calls.append(t.device.type)
+        return contiguous(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "contiguous", spy)
+    with torch.tpu.set_eager_mode(mode):
+        for _ in range(2):
+            got = step("tpu")
+            for t, w in zip(got, want):
+                assert t.stride() == w.stride()
+                torch.testing.assert_close(t.cpu(), w.detach(), rtol=1e-4, atol=1e-5)
+    assert mode is not E.DEFER_NEVER or "tpu" not in calls, calls

@@ -103,6 +103,26 @@ def test_what_cpu_takes_is_taken_and_asked_once_per_signature(monkeypatch):
     assert torch.allclose(F.cross_entropy(x.to("tpu"), t.to("tpu")).cpu(), F.cross_entropy(x, t))
 
 
+@pytest.mark.parametrize("mode", [torch.tpu.EagerMode.DEFER_NEVER,
+                                  torch.tpu.EagerMode.DEFER_AND_FUSE], ids=["strict", "defer"])
+def test_a_traced_numbers_sign_is_asked_of_cpu_again(mode):
+    # An integer tensor to a negative power is refused, to a positive one not: a kept meta
+    # result for ``x ** 5`` skipped the question for ``x ** -5`` (garbage values, no error).
+    n = torch.arange(1, 5)
+    d = n.to("tpu")
+    with torch.tpu.set_eager_mode(mode):
+        for power in (5, -5):
+            for call in (lambda t, p=power: t ** p,
+                         lambda t, p=power: torch._foreach_pow([t], [p])[0]):
+                try:
+                    want = call(n)
+                except RuntimeError as e:
+                    with pytest.raises(RuntimeError, match=str(e)):
+                        call(d).cpu()
+                else:
+                    assert torch.equal(call(d).cpu(), want)
+
+
 def test_stand_ins_refused_for_their_shapes_do_not_refuse_the_call():
     # Shrunk stand-ins of a large grouped convolution have one channel for 4 groups, which CPU
     # refuses; in float32 alike, so the dtypes are not to blame.
@@ -219,3 +239,43 @@ def test_runner_counts_refusals_acceptances_and_words():
     assert words.errored > 0 and "other words" in words.first_error
     strict = sweep.check_op(make("strict", lambda a, b: torch.mm(a, b) if a.is_cpu else 1 / 0))
     assert strict.over > 0
+
+
+NORMS = {
+    "layer_norm": lambda: torch.nn.LayerNorm(8),
+    "layer_norm_plain": lambda: torch.nn.LayerNorm(8, elementwise_affine=False),
+    "batch_norm": lambda: torch.nn.BatchNorm1d(4),
+    "batch_norm_eval": lambda: torch.nn.BatchNorm1d(4).eval(),
+    "instance_norm": lambda: torch.nn.InstanceNorm1d(4, affine=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("norm", sorted(NORMS))
+def test_a_half_norms_backward_takes_the_float32_statistics_its_forward_made(norm, dtype):
+    # The forward's mean and rstd are float32 (the meta kernel's, CUDA's convention), where CPU
+    # keeps a half input's dtype and refuses float32 ones: asked of CPU as they were, a bfloat16
+    # LayerNorm's backward raised "expected scalar type BFloat16 but found Float" in every mode.
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, 8)
+    grad = torch.randn(3, 4, 8, dtype=torch.float64)
+
+    def step(device, dt):
+        m = NORMS[norm]().to(dt).to(device)
+        xs = x.to(dt).to(device).requires_grad_()
+        (m(xs).double() * grad.to(device)).sum().backward()
+        return [t.detach().double().cpu() for t in (xs.grad, *(p.grad for p in m.parameters()))]
+
+    want, cpu = step("cpu", torch.float64), step("cpu", dtype)
+    for mode in (torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_AND_FUSE):
+        with torch.tpu.set_eager_mode(mode):
+            got = step("tpu", dtype)
+        for g, c, w in zip(got, cpu, want, strict=True):
+            scale = w.abs().max().item()
+            assert (g - w).abs().max().item() <= 2 * (c - w).abs().max().item() + 1e-3 * scale
+    # A gradient of another dtype than the input's is still refused, as on CPU.
+    out, mean, rstd = (t.to("tpu") for t in torch.ops.aten.native_layer_norm(
+        x.to(dtype), (8,), None, None, 1e-5))
+    with pytest.raises(RuntimeError, match="expected scalar type"):
+        torch.ops.aten.native_layer_norm_backward(
+            out.float(), out, (8,), mean, rstd, None, None, [True, False, False])[0].cpu()

@@ -10,16 +10,16 @@ from torchtpu.eager import executor, seen_calls
 
 @pytest.fixture
 def short_paths(monkeypatch):
-    """How many calls took the short path (``read`` found their arrays)."""
+    """How many calls took the short path (``lookup`` found their arrays)."""
     taken = [0]
-    read = seen_calls.read
+    lookup = seen_calls.lookup
 
-    def spy(values, known):
-        found = read(values, known)
+    def spy(values, seen, keyed=False):
+        key, found = lookup(values, seen, keyed)
         taken[0] += found is not None
-        return found
+        return key, found
 
-    monkeypatch.setattr(seen_calls, "read", spy)
+    monkeypatch.setattr(seen_calls, "lookup", spy)
     return taken
 
 
@@ -90,6 +90,36 @@ def test_reinterpreted_dtype_takes_the_full_path():
         torch.testing.assert_close((di + dj).cpu(), i + j)
     bits = f.to("tpu").view(torch.int32)  # int32 tensor over a float32 array
     torch.testing.assert_close((bits + dj).cpu(), f.view(torch.int32) + j)
+
+
+def test_a_parameter_is_keyed_by_its_geometry(short_paths):
+    # A Parameter (a Tensor subclass, keyed past ``lookup``'s exact-type test) is keyed by its
+    # shape, strides and offset as a tensor is: its data swapped for a transposed tensor of the
+    # same shape is another signature, read through the transpose.
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    p = torch.nn.Parameter(a.to("tpu"), requires_grad=False)
+    y = b.to("tpu")
+    for _ in range(3):
+        torch.testing.assert_close((p * y).cpu(), a * b)
+    assert short_paths[0] >= 2
+    p.data = b.to("tpu").t()
+    for _ in range(2):
+        torch.testing.assert_close((p * y).cpu(), b.t() * b)
+
+
+def test_a_lazy_cast_viewed_as_another_shape_takes_the_full_path(short_paths):
+    # A (16,) tensor's lazy cast viewed (4, 4) has the signature of a (4, 4) tensor's cast,
+    # and the same remembered ``Cast`` read; only its value's shape tells them apart.
+    a, f, w = torch.randn(4, 4), torch.randn(16), torch.randn(4, 4)
+    x, flat, y = a.to("tpu"), f.to("tpu"), w.to("tpu")
+    bf = torch.bfloat16
+    for _ in range(3):
+        torch.testing.assert_close((x.to(bf) * y.to(bf)).cpu(), a.to(bf) * w.to(bf))
+    taken = short_paths[0]
+    assert taken >= 2
+    for _ in range(2):
+        torch.testing.assert_close((flat.to(bf).view(4, 4) * y.to(bf)).cpu(),
+                                   f.to(bf).view(4, 4) * w.to(bf))
 
 
 def test_lazy_conj_takes_the_full_path(short_paths):
@@ -168,6 +198,31 @@ def test_capture_keeps_the_full_path(short_paths):
     torch.testing.assert_close(out.cpu(), 1 + y.cpu())
 
 
+@pytest.mark.parametrize("mode", [torch.tpu.EagerMode.DEFER_NEVER,
+                                  torch.tpu.EagerMode.DEFER_AND_FUSE], ids=["strict", "defer"])
+def test_another_default_dtype_is_another_call(mode, short_paths):
+    # A Python float over an integer tensor, an integer's square root or true division is of
+    # the default dtype: each call of one was planned (and repeated) as float32 after
+    # ``torch.set_default_dtype(torch.float64)``.
+    n = torch.arange(1, 7).reshape(2, 3)
+    d = n.to("tpu")
+
+    def calls(t):
+        return [t * 2.5, torch.sqrt(t), t / 3, *torch._foreach_mul([t, t], 0.5)]
+
+    try:
+        with torch.tpu.set_eager_mode(mode):
+            for default in (torch.float32, torch.float32, torch.float64, torch.float64,
+                            torch.float32):
+                torch.set_default_dtype(default)
+                for got, want in zip(calls(d), calls(n), strict=True):
+                    assert got.dtype == want.dtype == default
+                    torch.testing.assert_close(got.cpu(), want)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert short_paths[0] >= (4 if mode is torch.tpu.EagerMode.DEFER_NEVER else 0)
+
+
 def test_calls_with_traced_numbers_take_it_and_compute_as_cpu(short_paths):
     a = torch.randn(3, 5)
     x = a.to("tpu")
@@ -235,6 +290,20 @@ def test_attention_without_dropout_takes_it(mode, monkeypatch):
         return run_seen(lowering, *args, **kwargs)
 
     monkeypatch.setattr(dispatch, "run_seen", spy)
+    # DeferAndFuse may replay a repeat from its recording instead (``defer_replay``'s calls of
+    # several nodes: SDPA's forward and backward): a repeat too.
+    from torchtpu.device.hooks import MISS
+    from torchtpu.eager import defer_replay
+
+    repeat = defer_replay.Replay.repeat
+
+    def replayed(self, op, args, kwargs):
+        out = repeat(self, op, args, kwargs)
+        if out is not MISS:
+            repeated.append(str(op))
+        return out
+
+    monkeypatch.setattr(defer_replay.Replay, "repeat", replayed)
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 8, 16, generator=g) for _ in range(3))
@@ -256,3 +325,75 @@ def test_attention_without_dropout_takes_it(mode, monkeypatch):
     # of held products) from the second, whose first call of that form reads it computed.
     assert len(attention) >= 2 * 2
     assert any(not op.endswith("backward.default") for op in attention)
+
+
+def _reads_tried(monkeypatch) -> tuple:
+    """The reads each remembered call tries (a list, filled as calls run), and a (3, 6)
+    signature's operands: two (3, 6) tensors and an (18,) one, on CPU and on tpu."""
+    tries, arrays = [], seen_calls.arrays
+    monkeypatch.setattr(seen_calls, "arrays",
+                        lambda values, reads: tries.append(reads) or arrays(values, reads))
+    cpu = torch.randn(3, 6), torch.randn(3, 6), torch.randn(18)
+    return tries, cpu, tuple(t.to("tpu") for t in cpu)
+
+
+def test_the_read_found_next_last_time_is_tried_first_and_checked(monkeypatch):
+    # One signature (3, 6) read two ways in turn: its storage array whole, and a view of an (18,)
+    # array. Each call's read is then the one found after the last one: one try a call.
+    tries, (a, b, f), (x, y, flat) = _reads_tried(monkeypatch)
+    for _ in range(3):
+        torch.testing.assert_close(torch.sub(x, y).cpu(), a - b)
+        torch.testing.assert_close(torch.sub(flat.view(3, 6), y).cpu(), f.view(3, 6) - b)
+    before = len(tries)
+    for _ in range(2):
+        torch.testing.assert_close(torch.sub(x, y).cpu(), a - b)
+        torch.testing.assert_close(torch.sub(flat.view(3, 6), y).cpu(), f.view(3, 6) - b)
+    assert len(tries) == before + 4
+    # The whole read twice in a row: the first try (the view's read, found after it last time)
+    # does not fit the second call, which then finds its own, as CPU computes it.
+    for _ in range(2):
+        torch.testing.assert_close(torch.sub(x, y).cpu(), a - b)
+    torch.testing.assert_close(torch.sub(flat.view(3, 6), y).cpu(), f.view(3, 6) - b)
+
+
+@pytest.mark.parametrize("default", [torch.float32, torch.float64], ids=["f32", "f64"])
+def test_a_number_promotes_a_0_dim_tensor_by_its_kind_only(default):
+    # A Python number beside a tensor is a wrapped number: it promotes by its kind (int,
+    # float) alone. Given to the meta kernel as a 0-dim tensor of the default dtype, it won
+    # against 0-dim tensors: a bfloat16 loss * 2.5 was float32, an int8 count + 3 int64, and
+    # under a float64 default a float32 loss * 2.5 float64 (CPU keeps each tensor's dtype).
+    torch.set_default_dtype(default)
+    try:
+        for mode in (torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_AND_FUSE):
+            with torch.tpu.set_eager_mode(mode):
+                for dtype, number in ((torch.bfloat16, 2.5), (torch.float16, 2.5),
+                                      (torch.float32, 2.5), (torch.int8, 3), (torch.int32, 3),
+                                      (torch.int32, 2.5), (torch.uint8, 7)):
+                    x = torch.tensor(2, dtype=dtype)
+                    for f in (lambda t, n=number: t * n, lambda t, n=number: t + n,
+                              lambda t, n=number: n - t, lambda t: t / 2.5):
+                        want, got = f(x), f(x.to("tpu")).cpu()
+                        assert got.dtype == want.dtype, (dtype, number, got.dtype, want.dtype)
+                        assert torch.equal(got, want)
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def test_the_call_before_a_site_picks_its_read(monkeypatch):
+    # One signature (3, 6) called at three sites a round, read whole, through a view of an
+    # (18,) array, then whole again, each after another op: the call found before each site
+    # tells its read (the signature's own last read does not: after a whole read comes a view
+    # at one site and a whole read at the next). One try a call from the third round.
+    tries, (a, b, f), (x, y, flat) = _reads_tried(monkeypatch)
+
+    def round_():
+        got = [torch.neg(x), torch.sub(x, y), torch.mul(x, y), torch.sub(flat.view(3, 6), y),
+               torch.add(x, y), torch.sub(x, y)]
+        for g, w in zip(got, [-a, a - b, a * b, f.view(3, 6) - b, a + b, a - b]):
+            torch.testing.assert_close(g.cpu(), w)
+
+    for _ in range(3):
+        round_()
+    before = len(tries)
+    round_()
+    assert len(tries) == before + 6

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 
+from tests import no_sockets
 from tests.test_vllm import PROMPTS, _hf_greedy
 from torchtpu.integrations import sglang as plugin
 from torchtpu.integrations.sglang import install
@@ -63,8 +64,9 @@ import json, sys
 import sglang
 
 model, prompts, prefixed = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+# nccl_port given: SGLang would bind a TCP socket to pick one (sockets are refused here)
 engine = sglang.Engine(model_path=model, device="tpu", dtype="float32", random_seed=0,
-                       max_total_tokens=4096,
+                       max_total_tokens=4096, nccl_port=29999,
                        log_level="info")
 params = {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}
 ids = lambda outs: [o["output_ids"] for o in outs]
@@ -81,6 +83,8 @@ PREFIX = "the quick brown fox jumps over the lazy dog; "
 
 
 def test_engine_greedy_tokens_equal_hf_generate(tmp_path):
+    """With every internet socket refused, as on a sandboxed TPU host: the scheduler's groups
+    are ``tpu_solo`` groups over a file store (platform.solo_groups), ZMQ runs over ipc://."""
     _sglang()
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
@@ -88,7 +92,8 @@ def test_engine_greedy_tokens_equal_hf_generate(tmp_path):
     prefixed = [PREFIX + "one", PREFIX + "two more", PREFIX + "one"]
     proc = subprocess.run(
         [sys.executable, "-c", _GENERATE, model_dir, json.dumps(PROMPTS), json.dumps(prefixed)],
-        env=_env("1"), capture_output=True, text=True, timeout=900,
+        env=no_sockets.environment(tmp_path, _env("1")), capture_output=True, text=True,
+        timeout=900,
     )
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests import no_sockets
+import no_sockets  # tests/ is on the path (verl installs a package named tests)
 
 _CHILD = r"""
 import socket, sys, tempfile

@@ -225,3 +225,29 @@ def test_filling_is_off_outside_deterministic_mode_or_when_turned_off():
         grown = torch.zeros(1, device="tpu")
         grown.resize_(4)
         assert grown.eq(0).all()
+
+
+def test_storage_addresses_never_overlap_and_a_mark_orders_them(monkeypatch):
+    """Small storages take blocks of the upper region from a counter, larger ones (and any once
+    that region is used up) the lower region under a lock: no two ranges overlap, and a
+    capture's ``mark`` tells the storages made after it from those made before, in either."""
+    from torchtpu.device import storage as storages
+
+    def made():
+        return [storages.new_storage(n) for n in (0, 1, 100, storages._BLOCK,
+                                                  storages._BLOCK + 1, 3 * storages._BLOCK)]
+
+    before = made()
+    mark = storages.mark()
+    after = made()
+    # The upper region used up: a small storage goes below, still after the mark.
+    monkeypatch.setattr(storages, "_SMALL_BLOCKS", 0)
+    below = made()
+    monkeypatch.undo()
+    assert all(s.data_ptr() < storages._SMALL_BASE for s in below)
+    assert [s.data_ptr() >= storages._SMALL_BASE for s in after] == [True] * 4 + [False] * 2
+    after += below
+    spans = sorted((s.data_ptr(), s.data_ptr() + max(s.nbytes(), 1)) for s in before + after)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    assert all(storages.made_since(mark, s.data_ptr()) for s in after)
+    assert not any(storages.made_since(mark, s.data_ptr()) for s in before)

@@ -104,3 +104,62 @@ def test_the_composed_forms_agree_with_cpu(name):
     finite = np.isfinite(cpu)
     error = np.abs(ours - exact)[finite] / np.maximum(np.abs(exact[finite]), 1.0)
     assert error.max() < 5e-6, (name, x[finite][error.argmax()], error.max())
+
+
+class _SiLU(torch.nn.Module):
+    def forward(self, grad, x):
+        return torch.nn.functional.silu(x) + torch.ops.aten.silu_backward(grad, x)
+
+
+class _GELU(torch.nn.Module):
+    # Both forms, forward and backward: the tanh form's two tanhs and erf's derivative's exp.
+    def forward(self, grad, x):
+        gelu, backward = torch.nn.functional.gelu, torch.ops.aten.gelu_backward
+        return (gelu(x) + gelu(x, approximate="tanh") + backward(grad, x)
+                + backward(grad, x, approximate="tanh"))
+
+
+def _tpu_stablehlo(module: torch.nn.Module, dtype) -> str:
+    fn, params = to_jax(module)
+    spec = jax.ShapeDtypeStruct((4, 8), dtypes.to_jax(dtype))
+    return jax.export.export(jax.jit(fn), platforms=["tpu"])(params, spec, spec).mlir_module()
+
+
+def test_a_half_precision_silu_keeps_the_fast_exp_in_its_float32_math():
+    # torch computes a bf16 SiLU in float32 and rounds it: the accurate exp bought nothing there,
+    # and fused into a Llama MLP's products it made the TPU compiler retry them (compile1).
+    half = _tpu_stablehlo(_SiLU(), torch.bfloat16)
+    assert half.count("stablehlo.exponential") == 2 and _accurate_ops(half) == 0
+    assert _accurate_ops(_tpu_stablehlo(_SiLU(), torch.float32)) == 2
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_half_precision_gelu_keeps_the_fast_forms_in_its_float32_math(dtype):
+    # The same rule for GPT-2's MLP (compile2).
+    half = _tpu_stablehlo(_GELU(), dtype)
+    assert half.count("stablehlo.tanh") == 2 and half.count("stablehlo.exponential") == 1
+    assert _accurate_ops(half) == 0
+    assert _accurate_ops(_tpu_stablehlo(_GELU(), torch.float32)) == 3
+
+
+def _forward_and_gradient(fn, dtype):
+    x = torch.linspace(-12, 12, 997).to(dtype)
+    g = torch.randn(997, generator=torch.Generator().manual_seed(0)).to(dtype)
+    ours = x.to("tpu").requires_grad_()
+    cpu = x.clone().requires_grad_()
+    out, expected = fn(ours), fn(cpu)
+    out.backward(g.to("tpu"))
+    expected.backward(g)
+    torch.testing.assert_close(out.cpu(), expected.detach())
+    torch.testing.assert_close(ours.grad.cpu(), cpu.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_and_its_gradient_match_cpu(dtype):
+    _forward_and_gradient(torch.nn.functional.silu, dtype)
+
+
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gelu_and_its_gradient_match_cpu(dtype, approximate):
+    _forward_and_gradient(lambda v: torch.nn.functional.gelu(v, approximate=approximate), dtype)

@@ -5,6 +5,7 @@ and cost. Needs libtpu (``pip install -e '.[tpu-aot]'``; run in .venv-tpu); skip
 Each case is one TPU compile of a few seconds."""
 
 import functools
+import importlib
 
 import pytest
 
@@ -129,20 +130,71 @@ def test_ragged_paged_attention_compiles_through_mosaic(device):
     assert report.compiles, report.error
 
 
+@pytest.mark.parametrize("page,per_seq", [(16, 128), (64, 10)], ids=["pages-16", "pages-64"])
 @pytest.mark.parametrize("q_heads,combined", [(14, 2), (32, 8)], ids=["qwen2-0.5b", "llama-1b"])
 def test_ragged_paged_attention_compiles_at_the_served_models_packed_heads(device, q_heads,
-                                                                          combined):
+                                                                          combined, page,
+                                                                          per_seq):
     """vLLM's paged path (integrations/vllm/paged.py) packs two 64-wide KV heads into one
     128-wide head: Qwen2.5-0.5B's 14 query heads over 1 combined head, Llama-3.2-1B's 32 over
-    4; a decode step of 256 requests reading 128 pages of 16 tokens each. Llama's needs more
-    than Mosaic's default 16 MiB of scoped VMEM."""
-    structs = (_bf16(256, q_heads, 128), _bf16(4096, 16, combined, 128),
+    4; a decode step of 256 requests reading 128 pages of 16 tokens each (vLLM's pages), or 10
+    of 64 (the platform's pages at a max_model_len of 640: one KV block a sequence). Llama's
+    needs more than Mosaic's default 16 MiB of scoped VMEM."""
+    structs = (_bf16(256, q_heads, 128), _bf16(4096, page, combined, 128),
                jax.ShapeDtypeStruct((256,), jnp.int32),
-               jax.ShapeDtypeStruct((256, 128), jnp.int32),
+               jax.ShapeDtypeStruct((256, per_seq), jnp.int32),
                jax.ShapeDtypeStruct((257,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
     text, report = _compile(device, functools.partial(_ragged_paged_attention, sm_scale=0.125),
                             *structs)
     assert _mosaic_kernels(text) == 1 and report.compiles, report.error
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_ragged_paged_attention_reads_float8_pages_in_place_with_their_scales(device, kv_dtype):
+    """An fp8 KV cache on the kernel (integrations/vllm/attention.py): Llama-3.2-1B's 32 query
+    heads over 4 combined heads (8 float8 head rows a token, 2 words), a decode step of 64
+    sequences writing its rows into a float8 cache of 400 MB (past VMEM) and attending through
+    it, the cache donated: Mosaic lowers the float8 loads and their scales for v5e, and the
+    cache is updated in place and read as it is, no cache-sized copy. The same cache held as
+    bytes and viewed as float8 for the kernel costs a whole copy (why the backend keeps float8
+    storage)."""
+    slots, rows = 6400 * 64, 8
+
+    def step(q, cache, new, where, lens, pages, cu, n):
+        cache = cache.at[where].set(new)
+        kv = cache if cache.dtype == kv_dtype else jax.lax.bitcast_convert_type(cache, kv_dtype)
+        out = _ragged_paged_attention(q, kv.reshape(6400, 64, rows, 128), lens, pages, cu, n,
+                                      sm_scale=0.125, k_scale=0.5, v_scale=2.0)
+        return out, cache
+
+    temporaries = {}
+    for stored in (kv_dtype, jnp.uint8):
+        structs = [_bf16(64, 32, 128), jax.ShapeDtypeStruct((slots, rows, 128), stored),
+                   jax.ShapeDtypeStruct((64, rows, 128), stored),
+                   *(jax.ShapeDtypeStruct(s, jnp.int32) for s in ((64,), (64,), (64, 10),
+                                                                  (65,), (1,)))]
+        placed = [jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                       sharding=jax.sharding.SingleDeviceSharding(device))
+                  for s in structs]
+        with jax.default_device(device):
+            lowered = jax.jit(step, donate_argnums=1).lower(*placed)
+        report = tpu_target.compile_lowered(lowered, name="fp8_pages", target_name=_TARGET)
+        assert _mosaic_kernels(lowered.as_text()) == 1 and report.compiles, report.error
+        assert report.hbm["aliased"] >= slots * rows * 128, report.hbm
+        temporaries[str(jnp.dtype(stored))] = report.hbm["temporaries"]
+    assert temporaries[str(jnp.dtype(kv_dtype))] == 0, temporaries
+    assert temporaries["uint8"] >= slots * rows * 128, temporaries
+
+
+def test_ragged_paged_attention_says_why_float8_pages_cannot_tile(device):
+    """Qwen2.5-0.5B's fp8 cache: one combined head, 2 float8 head rows a token, half of the
+    32-bit word the kernel loads 4 of them from."""
+    structs = (_bf16(64, 14, 128), jax.ShapeDtypeStruct((1024, 64, 2, 128), jnp.float8_e4m3fn),
+               jax.ShapeDtypeStruct((64,), jnp.int32), jax.ShapeDtypeStruct((64, 10), jnp.int32),
+               jax.ShapeDtypeStruct((65,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    with pytest.raises(ValueError, match=r"torchtpu\.kernel: .*2 head rows a token \(keys and "
+                                         r"values\) of 1-byte elements: the TPU kernel packs 4"):
+        _compile(device, _ragged_paged_attention, *structs)
 
 
 def _pallas_grids(jaxpr) -> list[tuple]:
@@ -173,6 +225,40 @@ def test_ragged_paged_attention_blocks_a_decode_by_fewer_queries(device, tokens,
         jaxpr = jax.make_jaxpr(functools.partial(_ragged_paged_attention, sm_scale=0.125))(*structs)
     (grid, queries), = _pallas_grids(jaxpr.jaxpr)
     assert grid == (1, tokens // per_block) and queries.block_size == per_block, (grid, queries)
+
+
+def _kv_block_pages(jaxpr) -> list[int]:
+    """The KV pages a block of every pallas_call in a jaxpr: its double buffer's scratch,
+    [2, pages, page_size, combined heads, head_dim]."""
+    out = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            out += [v.aval.shape[1] for v in eqn.params["jaxpr"].invars
+                    if len(v.aval.shape) == 5 and v.aval.shape[0] == 2]
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns") and eqn.primitive.name != "pallas_call":
+                out += _kv_block_pages(inner)
+    return out
+
+
+@pytest.mark.parametrize("page,per_seq,rows,pages", [
+    (64, 10, 2, 10),  # Qwen2.5-0.5B served at 640 tokens: the whole sequence, one block
+    (16, 64, 2, 16),  # vLLM's 16-token pages: 16 a block (256 tokens)
+    (128, 16, 2, 8),  # 2,048 tokens in 16 pages: blocks of 1,024 tokens
+    (128, 16, 32, 4),  # 16 combined heads: two 512-token buffers fill a quarter of the VMEM
+], ids=["whole-sequence", "vllm-pages", "1024-tokens", "vmem"])
+def test_ragged_paged_attention_copies_whole_sequences_a_kv_block(device, page, per_seq, rows,
+                                                                  pages):
+    """A decode step's KV blocks (kernels/ragged_paged_attention.blocks): a sequence's pages,
+    at most 16 of them and 1,024 tokens, both buffers in a quarter of the 32 MiB VMEM limit."""
+    structs = (_bf16(64, 14 * rows // 2, 128), _bf16(1024, page, rows, 128),
+               jax.ShapeDtypeStruct((64,), jnp.int32),
+               jax.ShapeDtypeStruct((64, per_seq), jnp.int32),
+               jax.ShapeDtypeStruct((65,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32))
+    with jax.default_device(device):
+        jaxpr = jax.make_jaxpr(functools.partial(_ragged_paged_attention, sm_scale=0.125))(*structs)
+    assert _kv_block_pages(jaxpr.jaxpr) == [pages]
 
 
 def test_ragged_paged_attention_says_why_a_head_dim_cannot_compile(device):
@@ -210,16 +296,41 @@ def test_ragged_paged_attention_dense_path_matches_a_loop_over_sequences():
     assert not out[9].any()
 
 
-tokamax = pytest.importorskip("torchtpu.kernels.tokamax",
-                              reason="Tokamax is not installed: pip install tokamax==0.0.12")
+def test_ragged_paged_attention_dense_path_scales_float8_pages_as_the_kernel_does():
+    """Float8 pages (an fp8 KV cache) off TPU: keys and values read in float32 times k_scale
+    and v_scale, then in the queries' dtype, as JAX's kernel reads them."""
+    rng = np.random.default_rng(1)
+    kv = rng.standard_normal((6, 4, 8, 128)).astype(np.float32)
+    kv8 = jnp.asarray(kv, jnp.float8_e4m3fn)
+    q = rng.standard_normal((3, 8, 128)).astype(np.float32)
+    index = (np.array([7, 3, 12], np.int32), np.array([[0, 1, 2, 3], [4, 0, 0, 0], [5, 2, 3, 1]],
+                                                      np.int32),
+             np.array([0, 1, 2, 3], np.int32), np.array([3], np.int32))
+    got = _ragged_paged_attention(q, kv8, *index, sm_scale=0.1, k_scale=0.5, v_scale=2.0)
+    scaled = np.asarray(kv8, np.float32)
+    scaled[:, :, 0::2] *= 0.5
+    scaled[:, :, 1::2] *= 2.0
+    want = _ragged_paged_attention(q, scaled, *index, sm_scale=0.1)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+try:  # (pytest 9's importorskip passes on an ImportError that is not ModuleNotFoundError, as
+    # this module's own is; and a skip here would skip the kernels above with the two below)
+    tokamax = importlib.import_module("torchtpu.kernels.tokamax")
+except ImportError:
+    tokamax = None
+needs_tokamax = pytest.mark.skipif(tokamax is None, reason="Tokamax is not installed: "
+                                   "pip install -e '.[tokamax]'")
+
+
+@needs_tokamax
 def test_tokamax_attention_forward_and_backward_compile_through_mosaic(device):
     attention = functools.partial(tokamax._dot_product_attention, is_causal=True)
     text, report = _compile(device, _grads(attention, (0, 1, 2)), *[_bf16(2, 512, 4, 128)] * 3)
     assert _mosaic_kernels(text) >= 2 and report.compiles, report.error  # forward, backward
 
 
+@needs_tokamax
 def test_tokamax_ragged_dot_forward_and_backward_compile_through_mosaic(device):
     def grads(lhs, rhs, group_sizes):
         return jax.grad(lambda a, b: tokamax._ragged_dot(a, b, group_sizes)

@@ -35,6 +35,10 @@ def gelu_long(d):
 def target_out_of_bounds(d):
     return F.cross_entropy(torch.ones(2, 3, device=d), torch.tensor([0, 3], device=d))
 
+def to_channels_last_1d(d):
+    # ``Tensor.to``'s kernel (``kernels._replayed``, which trims its errors itself).
+    return torch.ones(3, device=d).to(torch.float16, memory_format=torch.channels_last)
+
 def strict_on_a_tpu(d):
     # A check of values the device runs, raised at the next host read (Strict on a TPU).
     at_call._host_reads_stall = lambda: True
@@ -49,7 +53,8 @@ for case in sys.argv[1:]:
             traceback.print_exc(file=sys.stdout)
 '''
 
-CASES = ["mm_shapes", "mm_dtypes", "gelu_long", "target_out_of_bounds", "strict_on_a_tpu"]
+CASES = ["mm_shapes", "mm_dtypes", "gelu_long", "target_out_of_bounds", "to_channels_last_1d",
+         "strict_on_a_tpu"]
 
 
 def _run(tmp_path: Path, debug: bool) -> dict:

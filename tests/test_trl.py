@@ -55,3 +55,27 @@ def test_grpo_on_tpu_matches_cpu(tmp_path):
         assert tpu["weights"][name] == pytest.approx(want, rel=1e-4, abs=1e-5), name
     programs = [t["programs"] for t in tpu["timings"]]
     assert all(n <= programs[0] / 10 for n in programs[1:]), programs
+
+
+def test_grpo_defers_only_with_vllm_colocated_on_tpu_in_strict(monkeypatch):
+    # (the run itself: tests/test_trl_vllm.py, whose steps report the mode they ran in)
+    from types import SimpleNamespace
+
+    import torch
+    from trl import GRPOTrainer
+
+    from torchtpu.integrations.trl import defers
+
+    def trainer(device="tpu", use_vllm=True, mode="colocate"):
+        return SimpleNamespace(accelerator=SimpleNamespace(device=torch.device(device)),
+                               use_vllm=use_vllm, vllm_mode=mode)
+
+    assert getattr(GRPOTrainer.train, "_torchtpu", False)  # the hook wrapped it at import
+    assert defers(trainer())
+    assert not defers(trainer("cpu"))
+    assert not defers(trainer(use_vllm=False))  # generate's decode loop stays Strict
+    assert not defers(trainer(mode="server"))
+    with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING):
+        assert not defers(trainer())  # a mode the user chose is left alone
+    monkeypatch.setenv("TORCHTPU_TRL_DEFER", "0")
+    assert not defers(trainer())

@@ -6,7 +6,10 @@ the policy's weights into it before each step's rollouts. Checked on the tiny Ll
 push vLLM's greedy tokens equal the updated policy's ``generate`` on CPU, the policy's own
 ``generate`` on tpu equals CPU's in its mode, and the push moved no byte through the host (tpu
 tensor to tpu tensor: torchtpu's transfer counters, and JAX's transfer guard refusing any
-host-to-device transfer in it). Refused when the trainer is built, before the
+host-to-device transfer in it), with every internet socket refused as on a sandboxed TPU host;
+the steps ran in DeferAndFuse, a few hundred programs a step at most, and the engine captured
+only the step shapes they met. A push is one ``load_weights`` call on tpu.
+Refused when the trainer is built, before the
 engine starts (``integrations/trl.py``): an engine share that does not fit beside the policy, and
 a policy whose parameters are not the engine's model's (a resized embedding, naming the
 parameter and both shapes; a parameter the engine's checkpoint lacks, naming it). vLLM venv
@@ -18,6 +21,7 @@ import os
 import subprocess
 import sys
 
+import no_sockets  # tests/ is on the path (verl installs a package named tests)
 import pytest
 
 pytest.importorskip("trl", reason="TRL is not installed: pip install -e '.[rl]'")
@@ -29,7 +33,11 @@ OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32}
 
 
 def test_colocated_grpo_pushes_weights_device_to_device(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), **VLLM_ENV)
+    # as on a sandboxed TPU host: no internet socket, so neither TRL's port search nor vLLM's
+    # external-launcher rendezvous may open one; MASTER_* unset, as a user starting python has it
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env = no_sockets.environment(tmp_path, dict(env, PYTHONPATH=os.pathsep.join(sys.path),
+                                                **VLLM_ENV))
     proc = subprocess.run([sys.executable, "-m", "torchtpu.testing.grpo", "tpu", "2",
                            str(tmp_path), "vllm"], env=env, capture_output=True, text=True,
                           timeout=1800)
@@ -40,9 +48,16 @@ def test_colocated_grpo_pushes_weights_device_to_device(tmp_path):
     for step in out["steps"]:
         assert abs(step["loss"]) < 1e3 and step["grad_norm"] > 0
     assert out["pushes"], "TRL pushed no weights into vLLM"
+    # the engine captured no step shape at start-up, only the few its steps met (main: 9 at
+    # start-up, integrations/trl.py)
+    assert out["captures"][0] == 0 and 0 < out["captures"][1] <= 4, out["captures"]
     # vLLM's sampler asks for the sampled tokens' logprobs (TRL's importance sampling), whose
     # rank count vLLM compiles: run eagerly on tpu, no frame traced in any step
     assert out["dynamo_frames"] == 0, out["dynamo_frames"]
+    # TRL's train ran in DeferAndFuse (integrations/trl.py): ~100 programs a step (the checks'
+    # own taken out), most of them its host reads' fused ones, where Strict ran ~930
+    assert [t["mode"] for t in out["timings"]] == ["defer_and_fuse"] * 2, out["timings"]
+    assert all(t["executions"] < 400 for t in out["timings"]), out["timings"]
     for push in out["pushes"]:
         assert push["vllm"] == push["hf"], push
         # the policy's own generate on tpu, after the engine's captured steps ran in this
@@ -114,3 +129,43 @@ def test_a_policy_parameter_the_engine_lacks_is_refused(tmp_path, vllm_env):
         "torchtpu.argument: weight push into vLLM: the policy's parameter 'model.norm.bias' "
         f"(shape (64,)) is not in the engine's model ({tmp_path / 'model'}): the policy and "
         "the engine must be the same model"), str(e.value)
+
+
+class _Engine:
+    """What ``sync_weights`` reaches of a colocated engine: its model's ``load_weights`` (each
+    call's names kept) and ``reset_prefix_cache``."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.calls: list[list[str]] = []
+        self.resets = 0
+        model = SimpleNamespace(load_weights=lambda w: self.calls.append([n for n, _ in w]))
+        runner = SimpleNamespace(model=model)
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(
+            driver_worker=SimpleNamespace(model_runner=runner)))
+
+    def reset_prefix_cache(self) -> None:
+        self.resets += 1
+
+
+@pytest.mark.parametrize("device", ["tpu", "cpu"])
+def test_a_colocated_push_is_one_load_weights_call_on_tpu(device):
+    # vLLM's loader walks the whole model in every load_weights call: TRL's call per parameter
+    # made the push's host time grow with the square of the layers (integrations/trl.py)
+    from types import SimpleNamespace
+
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    from torchtpu.integrations import trl as trl_integration
+
+    trl_integration.patch_vllm_generation()
+    names = [f"model.layers.{i}.mlp.down_proj.weight" for i in range(5)]
+    generation = object.__new__(VLLMGeneration)
+    generation.mode, generation.enable_sleep_mode, generation.llm = "colocate", False, _Engine()
+    generation.accelerator = SimpleNamespace(device=SimpleNamespace(type=device))
+    generation._iter_named_params = lambda: ((n, None) for n in names)
+    generation.sync_weights()
+    # on tpu every parameter in one call, in order; elsewhere TRL's own loop, a call each
+    want = [names] if device == "tpu" else [[n] for n in names]
+    assert generation.llm.calls == want and generation.llm.resets == 1

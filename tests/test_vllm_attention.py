@@ -116,3 +116,62 @@ def test_encoder_only_attention_sees_its_requests_tokens_both_ways_and_no_cache(
                  empty, md, out)
     want = [_sdpa(q[r], k[r], v[r], None) for r in range(3)]
     torch.testing.assert_close(out.cpu(), torch.cat(want), rtol=1e-5, atol=1e-5)
+
+
+def test_an_fp8_decode_step_is_one_program_reading_and_writing_flat_byte_rows(monkeypatch):
+    """A decode step over an fp8 cache, captured (as the model runner captures every step),
+    replays as one program with no CPU fallback, and that program reads and writes the cache's
+    storage as it is: ``[slots, kv_heads * 2 * head_size]`` bytes in 16-bit words. On a TPU an
+    8-bit cache's entry layout is not its scatter's, and the step copied the whole cache into
+    that layout and back at every layer (the chip's 72 ms step at batch 8)."""
+    attention = _backend()
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    from torchtpu import metrics
+    from torchtpu.device import launch
+    from torchtpu.eager.capture import storage_of
+
+    spec = FullAttentionSpec(block_size=BS, num_kv_heads=KV_HEADS, head_size=D,
+                             dtype=torch.uint8)
+    cache = attention.new_kv_cache(spec, num_blocks=8, device=torch.device("tpu"))
+    assert cache.dtype == torch.uint8  # vLLM's view: bytes
+    words = (8 * BS, KV_HEADS * D)  # the storage: the same bytes as int16, a flat row a slot
+    array = storage_of(cache)._tpu_array
+    assert (str(array.dtype), tuple(array.shape)) == ("int16", words)
+    impl = attention.TpuAttentionImpl(HEADS, D, D ** -0.5, KV_HEADS, None, None, "fp8")
+    layer = torch.nn.Module()
+    layer._k_scale, layer._v_scale = torch.tensor(0.5).tpu(), torch.tensor(2.0).tpu()
+    # two requests of 5 and 2 tokens already cached, one new token each (slots 5*4+1, 6*4+2)
+    table = torch.tensor([[3, 5], [6, 0]], dtype=torch.int32)
+    seq = [6, 3]
+    md = _metadata(attention, spec, [1, 1], seq, table)
+    past_k, past_v = torch.randn(8 * BS, KV_HEADS, D), torch.randn(8 * BS, KV_HEADS, D)
+    impl.do_kv_cache_update(layer, past_k.tpu(), past_v.tpu(), cache,
+                            torch.arange(8 * BS).tpu())
+    k, v, q = (torch.randn(2, h, D).tpu() for h in (KV_HEADS, KV_HEADS, HEADS))
+    slot_mapping = torch.tensor([5 * BS + 1, 6 * BS + 2]).tpu()
+    out = torch.zeros(2, HEADS, D).tpu()
+
+    def step():
+        impl.do_kv_cache_update(layer, k, v, cache, slot_mapping)
+        impl.forward(layer, q, None, None, cache, md, out)
+        md.forget_layout()
+        return out
+
+    want = step().cpu()  # eagerly, op by op
+    graph = torch.tpu.TPUGraph()
+    with torch.tpu.graph(graph):
+        step()
+    shapes = {(str(a.dtype), tuple(a.shape)) for a in graph._captured._io.arguments()}
+    assert ("int16", words) in shapes, shapes
+    assert not any(dtype == "uint8" for dtype, _ in shapes), shapes
+    launched, run = [], launch.run
+    monkeypatch.setattr(launch, "run", lambda label, fn, args: launched.append(label) or
+                        run(label, fn, args))
+    before = sum(metrics.snapshot()["cpu_fallbacks"].values())
+    out.zero_()
+    launched.clear()
+    graph.replay()
+    assert len(launched) == 1, launched
+    assert sum(metrics.snapshot()["cpu_fallbacks"].values()) == before
+    torch.testing.assert_close(out.cpu(), want)

@@ -209,13 +209,15 @@ def test_every_step_shape_is_compiled_at_start_up_and_runs_as_one_program(tmp_pa
     # with async scheduling every step's tokens were copied without a wait
     assert got["copies"] == (len(got["steps"]) if async_ == "1" else 0), got
     # start-up captured every step shape: decodes, 4 request buckets (1, 2, 4, 8) x 4 contexts
-    # of 1, 2, 4, 8 blocks (128 tokens), and steps with prefills, 3 token buckets (16, 32, 64)
-    # x 4 request buckets; generating captured none and compiled no program at all
+    # of 1, 2, 4, 8 blocks (128 tokens), each in two programs (logits and tokens, or the tokens
+    # alone: these greedy decodes run those, sampling.py), and steps with prefills, 3 token
+    # buckets (16, 32, 64) x 4 request buckets; generating captured none and compiled no
+    # program at all
     if budget == "default":
-        assert got["at_start"] == 16 + 12 and got["after"] == got["at_start"], got
+        assert got["at_start"] == 2 * 16 + 12 and got["after"] == got["at_start"], got
         assert got["compiles"] == 0, got
     else:
-        assert got["at_start"] == 16 and got["after"] > got["at_start"], got
+        assert got["at_start"] == 2 * 16 and got["after"] > got["at_start"], got
     steps = got["steps"]
     # every step was prepared on the host, chunks of prompts mixed with decodes among them
     assert all(fed for fed, _, _ in steps), steps
@@ -408,3 +410,56 @@ def test_the_benchmarks_warm_up_meets_every_step_shape_of_its_timed_round(tmp_pa
     assert 0 < split["host_fed"] <= 8 < split["arguments"], got["replay"]
     assert all(split[k] > 0 for k in ("arguments_s", "call_s", "store_s", "call_device_fed_s",
                                       "trivial_same_args_s")), split
+
+
+def test_a_buffers_head_is_one_view_per_bucket_and_reads_the_buffers_writes():
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from torchtpu.integrations.vllm.host_steps import HostSteps
+
+    runner = HostSteps()
+    runner._views = {}
+    buffer = torch.arange(8, dtype=torch.int32, device="tpu")
+    head = runner.head_of(buffer, 4)
+    assert runner.head_of(buffer, 4) is head  # made once per buffer and bucket
+    assert runner.head_of(buffer, 2).shape == (2,)
+    buffer.copy_(torch.arange(8, 16, dtype=torch.int32))  # a step writes the whole buffer
+    assert head.cpu().tolist() == [8, 9, 10, 11]
+    buffer[:4] = torch.tensor([1, 2, 3, 4], dtype=torch.int32)  # ...or its rows
+    assert head.cpu().tolist() == [1, 2, 3, 4]
+    other = torch.zeros(8, dtype=torch.int32, device="tpu")
+    runner._views[(id(other), 4)] = runner._views[(id(buffer), 4)]  # an id reused
+    assert runner.head_of(other, 4).cpu().tolist() == [0, 0, 0, 0]
+
+
+def test_a_steps_key_names_every_layers_slot_tensor():
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    from torchtpu.integrations.vllm.worker import _slots_key
+
+    a, b = (torch.full((8,), -1, dtype=torch.int64, device="tpu") for _ in range(2))
+    layers = ["model.layers.0.attn", "model.layers.1.attn", "model.layers.2.attn"]
+    shared = _slots_key(dict.fromkeys(layers, a))  # a host-prepared step: one tensor for all
+    assert shared == _slots_key(dict.fromkeys(reversed(layers), a))  # (the dict's order)
+    assert shared != _slots_key(dict.fromkeys(layers, b))  # another tensor
+    assert shared != _slots_key(dict.fromkeys(layers, a[:4]))  # another length
+    assert shared != _slots_key(dict.fromkeys(layers[:2], a))  # another set of layers
+    per_layer = {layers[0]: a, layers[1]: b, layers[2]: a}  # vLLM's own, layer by layer
+    assert _slots_key(per_layer) != _slots_key({layers[0]: b, layers[1]: a, layers[2]: a})
+    assert _slots_key(per_layer) != shared
+    assert _slots_key(None) == _slots_key({}) == ()
+
+
+def test_the_tokens_read_fills_the_cpu_tensor_vllm_holds_in_place():
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    import jax.numpy as jnp
+
+    from torchtpu.integrations.vllm.async_output import _HostCopy
+
+    array = jnp.arange(10, dtype=jnp.int32).reshape(10, 1) * 3  # a program's padded tokens
+    with torch.inference_mode():  # vLLM makes its CPU tensor so
+        into = torch.zeros(4, 1, dtype=torch.int32)
+    held = into  # vLLM keeps this very tensor (input_batch.set_async_sampled_token_ids)
+    copy = _HostCopy(array, into, offset=2)
+    copy.synchronize()
+    assert held.tolist() == [[6], [9], [12], [15]] and copy.query()
+    copy.synchronize()  # once: a second wait reads nothing again
+    assert held.tolist() == [[6], [9], [12], [15]]

@@ -38,6 +38,23 @@ class _Model(torch.nn.Module):
         return self.head(x)
 
 
+def test_vectors_only_stacks_the_one_dimensional_kinds():
+    """The bias and the norm's two vectors of each layer stacked, each layer's matrix kept a
+    storage of its own (XLA on the v5e prefetches a separate weight matrix into VMEM)."""
+    torch.manual_seed(0)
+    cpu = _Model()
+    model = _Model().to("tpu")
+    model.load_state_dict(cpu.state_dict())
+    assert stack_layer_weights(model, vectors_only=True) == 3 * (3 - 1)
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == 3 + 3 + 2  # 3 stacked vector kinds, 3 matrices, the head's two
+    bias = model.layers[2].proj.bias
+    assert bias.untyped_storage().data_ptr() == model.layers[0].proj.bias.untyped_storage(
+        ).data_ptr() and bias.storage_offset() == 2 * 16
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(model(x.to("tpu")).cpu(), cpu(x))
+
+
 def test_stacked_layers_are_views_of_one_storage_per_kind_with_their_values():
     torch.manual_seed(0)
     cpu = _Model()
@@ -100,11 +117,12 @@ print("RESULT " + json.dumps({"read": read, "params": len(params),
 """
 
 
-@pytest.mark.parametrize("stack", ["1", "0"])
+@pytest.mark.parametrize("stack", ["1", "0", "vectors"])
 def test_a_served_step_reads_one_storage_per_kind_of_layer_weight(tmp_path, stack):
     """Qwen2 of 4 layers: 7 weights a layer (qkv and its bias, o, gate-up, down, two norms),
-    plus the embedding, the final norm and the head: 10 storages a step reads instead of 31
-    (the default, ``TORCHTPU_VLLM_STACK=0``), tokens equal HF's either way. (A 23-token prompt
+    plus the embedding, the final norm and the head: 10 storages a step reads stacked
+    (``TORCHTPU_VLLM_STACK=1``), 31 with none (``0``), 22 with the vectors alone (the default:
+    the bias and the norms, 3 storages for 12), tokens equal HF's every way. (A 23-token prompt
     of this model parts from HF's at its first token stacked or not, a near tie: left out.)"""
     pytest.importorskip("vllm", reason="vLLM is not installed")
     from transformers import AutoModelForCausalLM
@@ -120,7 +138,7 @@ def test_a_served_step_reads_one_storage_per_kind_of_layer_weight(tmp_path, stac
     lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1][len("RESULT "):])
-    want = 7 + 3 if stack == "1" else 7 * 4 + 3
+    want = {"1": 7 + 3, "0": 7 * 4 + 3, "vectors": 4 * 4 + 3 + 3}[stack]
     assert got["params"] == want and got["read"], got
     assert all(n == want for _, n in got["read"]), got
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)

@@ -11,8 +11,11 @@ from torchtpu.runtime import map_room, warm_ahead
 
 @pytest.fixture(autouse=True)
 def room(monkeypatch):
-    """A room of this test's own: what the thread registers with it, and its clearing."""
-    fresh = map_room.Room(map_room.ROOM._limit)
+    """A room of this test's own: what the thread registers with it, and its clearing; as much
+    room as a fresh process has, whatever maps this one's earlier tests left (``Ahead`` lists
+    no more keys than fit)."""
+    limit = map_room.ROOM._limit
+    fresh = map_room.Room(None if limit is None else map_room._count() + limit)
     monkeypatch.setattr(map_room, "ROOM", fresh)
     return fresh
 

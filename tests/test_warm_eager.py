@@ -5,7 +5,8 @@ a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each
 use on a thread from the list the first process left (``warm_ahead.py``; with
 ``TORCHTPU_LOAD_AHEAD=0``: loaded when asked); jit's dispatch for every
 signature; a directory others can write, or a JAX whose private entry points differ, keeps to
-JAX's cache (traced first)."""
+JAX's cache (traced first). The calls' meta results are the first process's too
+(``eager/facts.py``)."""
 
 import json
 import os
@@ -57,9 +58,13 @@ def work(device):
     # mask a transfer (a held comparison read by them is still applied op by op, traced)
     mask = (x.cpu() > 0.5).to(device)
     picked = x[mask].sum() + torch.nonzero(mask).sum()
+    # Strict's lazy casts read alone, on the host (eager/lazy_casts.py): a tensor's cast, and
+    # a held product's cast (the product computed and cast by one program)
+    cast = x.to(torch.bfloat16).cpu().float().sum()
+    cast_of_held = (x * z).to(torch.bfloat16).cpu().float().sum()
     return [loss.item(), model[0].weight.grad.sum().item(), other.sum().item(),
             sum(t.sum().item() for t in listed), inverse.sum().item(), column.sum().item(),
-            z.sum().item(), picked.item()]
+            z.sum().item(), picked.item(), cast.item(), cast_of_held.item()]
 
 cpu = work("cpu")
 # the first program starts the thread that loads the last run's programs ahead: let it finish,
@@ -70,13 +75,25 @@ ahead = warm._ahead_state[0] if warm._ahead_state else None
 if ahead is not None:  # (past its window the thread waits for the work: it would not end)
     assert len(ahead._keys) <= warm_ahead.WINDOW, len(ahead._keys)
     ahead.thread.join()
+from torchtpu.eager import meta
+metas, run_meta = [0], meta._run_meta
+def counted(*args):  # PyTorch's meta kernel run for a call signature new to this process
+    metas[0] += 1
+    return run_meta(*args)
+meta._run_meta = counted
 names = ("programs_loaded_by_key", "warm_dispatch_off", "programs_loaded_ahead")
 before, counts = traces[0], [torchtpu.metrics.snapshot().get(n, 0) for n in names]
 tpu = work("tpu")
 after = [torchtpu.metrics.snapshot().get(n, 0) for n in names]
+meta_runs = metas[0]
+try:  # a call CPU refuses for its dtype is refused in every process (no result was kept)
+    torch.nn.functional.gelu(torch.ones(3, dtype=torch.long, device="tpu"))
+    refused = None
+except (RuntimeError, NotImplementedError) as e:
+    refused = str(e)
 print(json.dumps({"cpu": cpu, "tpu": tpu, "traces": traces[0] - before,
                   "by_key": after[0] - counts[0], "off": after[1] - counts[1],
-                  "ahead": after[2] - counts[2]}))
+                  "ahead": after[2] - counts[2], "metas": meta_runs, "refused": refused}))
 """
 
 
@@ -97,6 +114,7 @@ def filled(tmp_path_factory):
     cache = tmp_path_factory.mktemp("warm_eager")
     cold, _ = _run(cache)
     assert cold["traces"] > 0 and cold["by_key"] == 0 == cold["off"] == cold["ahead"]
+    assert cold["metas"] > 0 and "GeluKernelImpl" in cold["refused"], cold
     assert cold["tpu"] == pytest.approx(cold["cpu"], rel=1e-5, abs=1e-6)
     return cache, cold
 
@@ -108,6 +126,9 @@ def test_second_process_traces_no_op_program(filled):
     # every program the work asked for was loaded ahead, on the thread (warm_ahead.py): none
     # on the work's own path
     assert warm_run["ahead"] == warm_run["by_key"], warm_run
+    # every call signature's meta result was the first process's (eager/facts.py): no meta
+    # kernel ran; the refused call, which kept none, is refused again
+    assert warm_run["metas"] == 0 and "GeluKernelImpl" in warm_run["refused"], warm_run
     assert warm_run["tpu"] == pytest.approx(warm_run["cpu"], rel=1e-5, abs=1e-6)
 
 
@@ -137,3 +158,48 @@ def test_directory_others_can_write_traces_every_op(tmp_path):
     warm_run, _ = _run(shared)
     assert "warm starts are off" in err
     assert warm_run["by_key"] == 0 and warm_run["traces"] == cold["traces"] > 0
+
+
+def test_meta_results_read_back_as_inferred():
+    """Each form ``meta.describe`` gives (a channels-last or strided layout, an int, None, a
+    tuple of them) reads back from the record's JSON equal; a damaged fact reads as none."""
+    import torch
+
+    from torchtpu.eager import facts, meta
+
+    x = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    forms = [meta.describe(x), meta.describe(x.permute(0, 2, 1, 3), strides=True),
+             meta.describe(torch.empty(3, dtype=torch.bfloat16)), 7, None,
+             meta.describe((torch.empty(2, dtype=torch.int64), torch.empty((), dtype=torch.bool)))]
+    assert forms[0][2] is torch.channels_last and len(forms[1]) == 3
+    for form in forms:
+        assert facts._decode_meta(json.loads(json.dumps(facts._encode_meta(form)))) == form
+    facts.META._known = {"damaged": {"d": [[2], "not_a_dtype", None]}}
+    try:
+        assert facts.meta_result("damaged") is facts.MISSING
+    finally:
+        facts.META._known = None
+
+
+def test_a_kept_meta_result_is_the_default_dtype_s(monkeypatch):
+    """A factory's result dtype follows the default dtype: a result kept under float32 is not
+    another process's under float64."""
+    import torch
+
+    from torchtpu.eager import facts, meta
+    from torchtpu.runtime import warm
+
+    kept = facts.Facts("meta results")
+    kept._known, kept._exit_pid = {}, os.getpid()  # (nothing read or written at exit)
+    monkeypatch.setattr(facts, "META", kept)
+    monkeypatch.setattr(warm, "cache_on", lambda: True)
+    monkeypatch.setattr(meta, "_meta_cache", {})
+    op, values = torch.ops.aten.full.default, [[2], 1.5, None, None, None, None]
+    assert meta.infer(op, values)[1] == torch.float32 and kept._new
+    meta._meta_cache.clear()
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert meta.infer(op, values)[1] == torch.float64
+    finally:
+        torch.set_default_dtype(previous)

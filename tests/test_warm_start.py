@@ -16,7 +16,7 @@ import pytest
 from jax._src import compilation_cache as jax_cache
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, warm
+from torchtpu.runtime import compile_cache, warm, warm_keys
 from torchtpu.runtime.compile_cache import CompileCacheWarning, EntryStore
 
 
@@ -302,7 +302,7 @@ def _double(x):
 
 def test_program_round_trip_and_damaged_entry(tmp_path, store_at):
     store_at(tmp_path)
-    key = warm.key_of("test", "double")
+    key = warm_keys.key_of("test", "double")
     x = jnp.arange(4.0)
     first = warm.Program(jax.jit(_double), key)
     np.testing.assert_array_equal(first(x), [0, 2, 4, 6])
@@ -322,6 +322,61 @@ def test_program_round_trip_and_damaged_entry(tmp_path, store_at):
         np.testing.assert_array_equal(damaged(x), [0, 2, 4, 6])
 
 
+def test_a_program_called_at_another_matmul_precision_runs_one_built_for_it(tmp_path, store_at,
+                                                                          monkeypatch):
+    # A capture under torch.tpu.precision(DEFAULT) that recorded the ops of one under HIGHEST
+    # reuses its Program: the executable it first prepared (at HIGHEST) ran, float32 passes on
+    # a TPU where bf16 ones were asked for (and the other way round).
+    store_at(tmp_path)
+    built = []
+    compiled_for = warm.compiled_for
+
+    def spy(jitted, key, args):
+        built.append(str(jax.config.jax_default_matmul_precision))
+        return compiled_for(jitted, key, args)
+
+    monkeypatch.setattr(warm, "compiled_for", spy)
+    program = warm.Program(jax.jit(jnp.matmul), warm_keys.key_of("test", "matmul"))
+    x = jnp.ones((4, 4))
+    with jax.default_matmul_precision("highest"):
+        program(x, x)
+    with jax.default_matmul_precision("bfloat16"):
+        program(x, x)
+    with jax.default_matmul_precision("highest"):
+        program(x, x)  # back at the first precision: its executable, kept
+    assert built == ["highest", "bfloat16"], built
+
+
+def _draw(x):
+    return jax.random.uniform(jax.random.PRNGKey(0), (4, 8)) + x
+
+
+@pytest.mark.parametrize("setting", ["jax_threefry_partitionable", "jax_random_seed_offset"])
+def test_a_program_loaded_by_key_computes_what_jax_settings_trace(tmp_path, store_at, setting):
+    # A program is loaded by key untraced: a JAX setting that changes what its trace computes
+    # (the random bits' layout, the seed's offset) is in the key, or a process started with
+    # another value (JAX_THREEFRY_PARTITIONABLE=false) drew the numbers of the process that
+    # wrote the entry.
+    store_at(tmp_path)
+    key = warm_keys.key_of("test", "draw")
+    x = jnp.zeros(())
+    program = warm.Program(jax.jit(_draw), key)
+    first = np.asarray(program(x))
+    other = {"jax_threefry_partitionable": not jax.config.jax_threefry_partitionable,
+             "jax_random_seed_offset": 7}[setting]
+    old = getattr(jax.config, setting)
+    jax.config.update(setting, other)
+    try:
+        want = np.asarray(jax.jit(_draw)(x))
+        assert not np.array_equal(want, first)
+        # (a new Program, as in a new process: this one's first call looks the key up)
+        np.testing.assert_array_equal(warm.Program(jax.jit(_draw), key)(x), want)
+        np.testing.assert_array_equal(program(x), want)  # (one Program: one per setting)
+    finally:
+        jax.config.update(setting, old)
+    np.testing.assert_array_equal(warm.Program(jax.jit(_draw), key)(x), first)
+
+
 def test_directory_others_can_write_gets_no_records(tmp_path, store_at):
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -332,7 +387,7 @@ def test_directory_others_can_write_gets_no_records(tmp_path, store_at):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # warned once per directory
         warm.write_record("index", "k", {"a": 1})
-        np.testing.assert_array_equal(warm.Program(jax.jit(_double), warm.key_of("t"))(
+        np.testing.assert_array_equal(warm.Program(jax.jit(_double), warm_keys.key_of("t"))(
             jnp.ones(3)), [2, 2, 2])
     assert not list(shared.glob("ttpu_record_*"))
     private = tmp_path / "private"
@@ -399,16 +454,17 @@ def test_directory_of_another_user_gets_no_records(tmp_path, store_at):
 
 
 def test_keys_refuse_what_has_no_stable_form():
-    assert warm.key_of("op", (1, 2), np.dtype("float32")) == warm.key_of(
+    assert warm_keys.key_of("op", (1, 2), np.dtype("float32")) == warm_keys.key_of(
         "op", (1, 2), np.dtype("float32"))
     # A Python float and a float64 scalar make different programs (weak and strong types).
-    assert warm.key_of(1.5) != warm.key_of(np.float64(1.5))
-    assert warm.key_of(jax.jit(_double)) is not None  # a module-level function
-    assert warm.key_of(lambda x: x) is None
+    assert warm_keys.key_of(1.5) != warm_keys.key_of(np.float64(1.5))
+    assert warm_keys.key_of(jax.jit(_double)) is not None  # a module-level function
+    assert warm_keys.key_of(lambda x: x) is None
     scale = 3
-    assert warm.key_of(jax.jit(lambda x: x * scale)) is None
-    assert warm.key_of(warm.named(jax.jit(lambda x: x * scale), "scale", scale)) is not None
-    assert warm.key_of(object()) is None
+    assert warm_keys.key_of(jax.jit(lambda x: x * scale)) is None
+    scaled = warm_keys.named(jax.jit(lambda x: x * scale), "scale", scale)
+    assert warm_keys.key_of(scaled) is not None
+    assert warm_keys.key_of(object()) is None
 
 
 if __name__ == "__main__":

@@ -2,13 +2,20 @@
 
 ``snapshot()`` returns them as a dict, ``report()`` as readable text, ``reset()`` zeroes them.
 Compile figures come from JAX's own monitoring events, so every executor and the compiled path
-are counted the same way.
+are counted the same way: ``trace_seconds`` (Python to jaxpr), ``lower_seconds`` (jaxpr to
+StableHLO) and ``compile_seconds`` (XLA, or a persistent-cache load).
+
+A ``Phase`` adds the wall seconds of a stretch of torchtpu's own host work (a capture, AOTAutograd)
+as ``<name>_seconds``, less what is counted as its own inside it (JAX's three figures on the same
+thread, phases started within it), so that the figures of a warm-up add up without overlap.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
+import time
 
 from jax import monitoring
 
@@ -18,15 +25,25 @@ _seconds: collections.Counter = collections.Counter()
 _fallbacks: collections.Counter = collections.Counter()
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+# (JAX reports a trace only at the top level: a jit traced inside another is its caller's time.)
+_JAX_SECONDS = {_BACKEND_COMPILE: "compile_seconds",
+                "/jax/core/compile/jaxpr_trace_duration": "trace_seconds",
+                "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_seconds"}
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_MISS = "/jax/compilation_cache/cache_misses"
 
 
 def _on_duration(event: str, seconds: float, **_: object) -> None:
-    if event == _BACKEND_COMPILE:
-        with _lock:
+    name = _JAX_SECONDS.get(event)
+    if name is None:
+        return
+    with _lock:
+        if event == _BACKEND_COMPILE:
             _counters["programs_loaded"] += 1
-            _seconds["compile_seconds"] += seconds
+        _seconds[name] += seconds
+    stack = _phases()
+    if stack:
+        stack[-1]._inner += seconds
 
 
 def _on_event(event: str, **_: object) -> None:
@@ -42,9 +59,88 @@ monitoring.register_event_duration_secs_listener(_on_duration)
 monitoring.register_event_listener(_on_event)
 
 
+_local = threading.local()
+
+
+def _phases() -> list:
+    stack = getattr(_local, "phases", None)
+    if stack is None:
+        stack = _local.phases = []
+    return stack
+
+
+class Phase:
+    """``with Phase("capture"):`` (or ``start()`` ... ``stop()`` where the stretch is no block)
+    adds its wall seconds, less those counted inside it, to ``capture_seconds``."""
+
+    __slots__ = ("name", "_start", "_inner")
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._start = 0.0
+        self._inner = 0.0
+
+    def start(self) -> Phase:
+        self._start = time.perf_counter()
+        self._inner = 0.0
+        _phases().append(self)
+        return self
+
+    def stop(self) -> float:
+        """End the phase; its wall seconds, inner work included (0 if it had stopped)."""
+        stack = _phases()
+        if self not in stack:  # (stopped already: an abort after a failed finish)
+            return 0.0
+        while stack.pop() is not self:  # (one left open by an exception inside this one)
+            pass
+        total = time.perf_counter() - self._start
+        with _lock:
+            _seconds[f"{self.name}_seconds"] += total - self._inner
+        if stack:
+            stack[-1]._inner += total
+        return total
+
+    def __enter__(self) -> Phase:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+_made_before_reset = [0]  # ``programs_made`` counts on across resets (a loop resetting each step)
+_sources: list = []
+_source_base: dict = {}  # their figures at the last reset(): snapshots count from there
+
+
+def add_source(fn) -> None:
+    """fn() -> {figure: value}, merged into every snapshot: figures another layer keeps (Dynamo's
+    compile seconds, which ``compile/`` reads off Dynamo)."""
+    if fn not in _sources:
+        _sources.append(fn)
+
+
+def add_seconds(name: str, seconds: float) -> None:
+    """Add to the figure name a part of another one (no Phase: counted in both)."""
+    with _lock:
+        _seconds[name] += seconds
+
+
 def count(name: str, n: int = 1) -> None:
     """Add n to the counter name (executions, host_to_device_bytes, ...)."""
     _counters[name] += n
+
+
+# ``count("executions")`` without a Python frame: C's counting loop adds 1 under the GIL (every
+# Strict op call counts one, ~1,230 a 12-layer Llama step). ``reset`` clears the same Counter.
+count_execution = functools.partial(collections._count_elements, _counters, ("executions",))
+
+
+def programs_made() -> int:
+    """Programs compiled or loaded so far in this process (by JAX's compile, by key, or
+    from JAX's persistent cache), ``reset`` or not: one that did not change over a step made
+    none."""
+    return _made_before_reset[0] + _counters["programs_loaded"] + \
+        _counters["programs_loaded_by_key"]
 
 
 def count_fallback(op_name: str) -> None:
@@ -70,14 +166,23 @@ def snapshot() -> dict:
         }
         for k, v in c.items():
             out.setdefault(k, v)
-        return out
+        for k, v in _seconds.items():
+            out.setdefault(k, round(v, 6))
+    for fn in _sources:  # (outside the lock: a source may take its own)
+        for k, v in fn().items():
+            out.setdefault(k, round(v - _source_base.get(k, 0), 6))
+    return out
 
 
 def reset() -> None:
     with _lock:
+        _made_before_reset[0] = programs_made()
         _counters.clear()
         _seconds.clear()
         _fallbacks.clear()
+    _source_base.clear()
+    for fn in _sources:
+        _source_base.update(fn())
 
 
 def report() -> str:

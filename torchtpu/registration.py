@@ -17,6 +17,7 @@ tpu storage calls: the kernels, the lowering table, the executors, the real ``to
 from __future__ import annotations
 
 import functools
+import gc
 import itertools
 import sys
 import threading
@@ -42,9 +43,16 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):
         return True
 
 
+# Asked by every device guard PyTorch makes (autograd's engine makes several per backward
+# node, ~5,300 calls a 12-layer Llama step under DeferAndFuse): a constant.
+_PRIVATE_USE1 = torch._C._autograd.DeviceType.PrivateUse1
+
+
 class _DeviceGuard(torch._C._acc.DeviceGuard):
-    def type_(self):
-        return torch._C._autograd.DeviceType.PrivateUse1
+    # No Python frame a call: pybind11 calls the attribute it finds, here a C-level callable
+    # of no arguments returning the constant (a slot wrapper: not a builtin function, which
+    # pybind11 would take for its own, not overridden, method). ~2-3% of the recording's CPU.
+    type_ = itertools.repeat(_PRIVATE_USE1).__next__
 
 
 class _GeneratorMeta(type(torch._C.Generator)):
@@ -297,6 +305,17 @@ def _register_meta_kernels(lib: torch.library.Library) -> None:
         lib.impl(op, fn, "Meta")
 
 
+def _collect_after_dynamo() -> None:
+    """Collect the reference cycles Dynamo's import leaves. ``torch.fx.wrap``, called at the top
+    of ``torch._dynamo.utils``, keeps its own frame, so every frame the import ran under stays,
+    up to the caller of the tpu op whose meta kernel (or custom op) had PyTorch import Dynamo,
+    that call's tensors among their locals, until the collector's next pass: whose timing (other
+    threads' allocations) decided which outputs of a DeferAndFuse recording were alive at its
+    flush, a part of its program's key, so a new process, importing nothing there, met another
+    program than the first (test_defer_warm). Once a process, after a ~1.7-s import."""
+    gc.collect()
+
+
 def _load() -> None:
     from torchtpu import lowering, tpu  # noqa: F401  (lowering fills the lowering table)
     from torchtpu.device import (
@@ -344,6 +363,10 @@ def _load() -> None:
     # JAX's backend starts at the first op's launch, not here (eager/dispatch.handler), so that
     # torchtpu.distributed can start JAX's multi-process runtime first.
     _libraries.extend([aten, fallback, *sparse_fallbacks, quantized_fallback])
+    if "torch._dynamo" not in sys.modules:
+        from torchtpu.import_hooks import after_import
+
+        after_import("torch._dynamo", _collect_after_dynamo)
     torch.tpu = sys.modules["torch.tpu"] = tpu
     modes.from_environment()
     if _state["seed"] is not None:

@@ -14,6 +14,8 @@ import numpy as np
 import sympy
 import torch
 
+from torchtpu.runtime import transfer
+
 
 def size_expr(d) -> sympy.Expr:
     """A size (an int or a SymInt) as a sympy expression."""
@@ -80,7 +82,7 @@ def pad(array, layout: tuple, values: dict, to: dict):
     real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
     if real == padded:
         return array
-    host = np.asarray(array)
+    host = transfer.fetch(array)
     flat_real = [f for dim in real for f in dim]
     # Zeros with the values written in: a tenth of np.pad's cost, on every bucketed call.
     split = np.zeros([f for dim in padded for f in dim], host.dtype)
@@ -94,7 +96,7 @@ def unpad(array, layout: tuple, values: dict, to: dict):
     real, padded = _factor_sizes(layout, values), _factor_sizes(layout, to)
     if real == padded:
         return array
-    host = np.asarray(array)
+    host = transfer.fetch(array)
     split = host.reshape([f for dim in padded for f in dim])
     split = split[tuple(slice(0, f) for dim in real for f in dim)]
     return split.reshape([math.prod(dim) for dim in real])

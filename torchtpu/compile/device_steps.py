@@ -18,19 +18,44 @@ made, read by the program as storages made before the capture (``Capture.made_ou
 first program is then the steady one (the capture's program cache, ``eager/capture.py``, serves
 the next capture of the same step without compiling). An optimizer whose step makes state
 outside ``_init_group`` (SGD's momentum buffer, from the first gradient) still records it; the
-whole step then captures a first step of its own, as before.
+whole step then captures a first step of its own, as before. Where an optimizer has a parameter
+past the host's constants (``constants.HOST_CONSTANT_BYTES``), its ``_init_group`` runs recorded
+and flushed at its end: its state of every shape made by one program (``_state_in_one_program``).
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
+from torchtpu.device import constants
+from torchtpu.eager import defer_executor, executor
 from torchtpu.eager.capture import Capture, storage_of
 
 
 def _cpu_count(state: dict) -> torch.Tensor | None:
     cpu = state.get("step")
     return cpu if isinstance(cpu, torch.Tensor) and cpu.device.type == "cpu" else None
+
+
+@contextlib.contextmanager
+def _state_in_one_program(opt):
+    """The block's ops recorded and run as one program at its end (DeferAndFuse's flush, when
+    it leaves), where opt has a parameter past ``HOST_CONSTANT_BYTES``: its state of every
+    parameter shape made by one program, not a ``zero`` program a shape (four at the Llama
+    row's sizes). Smaller state is sent from the host (``constants.host_constant``), no program."""
+    outer = executor.current()
+    big = any(p.numel() * p.element_size() > constants.HOST_CONSTANT_BYTES
+              for group in opt.param_groups for p in group["params"])
+    if outer.name != "strict" or not big:  # (Debug checks each op; DeferAndFuse records)
+        yield
+        return
+    executor.set_current(defer_executor.DeferAndFuse())
+    try:
+        yield
+    finally:
+        executor.set_current(outer)
 
 
 class DeviceSteps:
@@ -82,7 +107,7 @@ class DeviceSteps:
             return
 
         def init_group(*args, **kwargs):
-            with capture.paused():
+            with capture.paused(), _state_in_one_program(opt):
                 out = original(*args, **kwargs)
             for group in opt.param_groups:
                 for p in group["params"]:

@@ -18,7 +18,8 @@ as before, exact-shape (its padded inputs cut on the host first).
 
 A view whose geometry varies (``logits[:, -1]`` of a growing tensor, whose offset moves) would
 make a program per geometry even when the view's own shape does not change: a view of a padded
-value is read at a traced start (a program per bucket), any other such view on the host.
+value is read at a traced start (a program per bucket), so is a box of a parameter (a program
+per box size: its shape never grows), any other such view on the host.
 
 On by default (``TORCHTPU_EAGER_BUCKETS=0``, or ``set_enabled(False)``, turns it off). Autograd's
 calls keep the exact path: a backward's ops, every layer's, all come from the user's one
@@ -49,7 +50,7 @@ from torchtpu.compile.one_node import int_tuple as _int_tuple
 from torchtpu.compile.one_node import is_int as _is_int
 from torchtpu.compile.padded_values import WHOLE
 from torchtpu.device import dtypes, ownership, tensors
-from torchtpu.device.hooks import HOOKS
+from torchtpu.device.hooks import AUTOGRAD, HOOKS, STEADY
 from torchtpu.eager import calls, executor, meta
 from torchtpu.eager.lazy_casts import Cast
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, cast_outputs
@@ -68,6 +69,7 @@ _plans: dict = {}
 _programs: dict = {}  # (that key, bucket sizes) -> jitted program
 _CAT = torch.ops.aten.cat.default
 _abstract: dict = {}  # spec -> its entries with integer constants left out
+_grad_enabled = torch.is_grad_enabled
 
 
 def set_enabled(on: bool) -> None:
@@ -137,21 +139,28 @@ class _Call:
 
 
 def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, writes: bool):
-    """The call's results, padded to buckets or with its views read on the host; None when it
-    should run as usual (``HOOKS.growing``). ``writes``: its results are written into tensors
-    (an in-place op's), so they must be plain arrays."""
+    """The call's results, padded to buckets or with its views read on the host; None (or
+    ``STEADY``, ``AUTOGRAD``) when it should run as usual (``HOOKS.growing``). ``writes``: its
+    results are written into tensors (an in-place op's), so they must be plain arrays."""
     # ``calls.plan`` gives one spec object per call key (shapes included): a call whose spec
     # and views ran exact before has its program. The value keeps the spec, so its id is not
     # reused while it is a key.
     # Unless its structure grows somewhere: a site must see its own calls to find that it grows
     # too, which it would not if another site (an earlier model's, another block's) had run the
     # same spec exact first.
+    # A backward's calls never pad (``_in_backward``): asked first, as every one of them would
+    # otherwise hash its views and walk its entries for nothing (~1,600 calls a 12-layer step);
+    # answered ``AUTOGRAD``, which a remembered call's next backward calls take without asking.
+    if _in_backward():
+        return AUTOGRAD
     exact = (id(spec), views)
     ran = _exact.get(exact)
     if ran is not None and not call_sites.grows(ran[1]):
-        return None
+        # So again until a call reaches the families below (``growing_epoch``), the only way
+        # ``_exact`` and the growing structures change.
+        return STEADY
     if HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
-            or _in_backward() or spec.order is not None:
+            or spec.order is not None:
         # A capture's replays could not repeat host padding; keys: random draws; an order: a
         # result stored in memory order (``program.finished``), which a padded program's is not.
         return None
@@ -161,12 +170,17 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, 
                                              spec.entries, fold=False)
     call = _Call(lowering, spec, values, dyn)
     structure = _structure(lowering, spec, call)
-    out = _route(lowering, spec, values, call, structure, tuple(g for _, _, g in views),
-                 bool(views), writes)
-    if out is None:
-        meta.bounded_put(_exact, exact, (spec, structure))
-    elif padded_values.made[0] and HOOKS.padded_inputs is None:
-        HOOKS.padded_inputs = before
+    try:
+        out = _route(lowering, spec, values, call, structure, tuple(g for _, _, g in views),
+                     bool(views), writes, ran is not None)
+        if out is None:
+            meta.bounded_put(_exact, exact, (spec, structure))
+        elif padded_values.made[0] and HOOKS.padded_inputs is None:
+            HOOKS.padded_inputs = before
+    finally:
+        # After the change (a family noted, growing or not; this call remembered): a steady
+        # answer given before it is asked for again (``HOOKS.growing``).
+        HOOKS.growing_epoch += 1
     return out
 
 
@@ -204,10 +218,17 @@ def _structure(lowering: Lowering, spec: Spec, call: _Call) -> tuple:
 
 
 def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure: tuple,
-           geometries: tuple, views: bool, writes: bool):
+           geometries: tuple, views: bool, writes: bool, ran: bool = False):
+    """The call's results padded, its views read whole, or None to run it exact. ``ran``: its
+    spec and views ran exact before (at this site or another)."""
     sizes = tuple(n for t in call.tensors for n in t.shape) + tuple(x for _, _, x in call.ints)
-    family = call_sites.family(structure, sizes, geometries)
-    if family is None or not call.supported:
+    family = call_sites.family(structure, sizes, geometries)  # (noted also where it runs exact)
+    # A call autograd records whose exact program ran before runs it again: a training step
+    # at its one length, after a sampler grew its sites between steps, keeps its programs
+    # (padded, DeferAndFuse would cut each of its calls: 27 programs a TinyGPT step instead of
+    # 1); its backward runs exact whatever its forward does. Calls without grad (a sampler's
+    # chain of padded values) keep the buckets.
+    if family is None or not call.supported or ran and _grad_enabled():
         return None
     # Debug checks each result at its real size; under DeferAndFuse the recordings between the
     # cuts of padded values made a fused program per length (8 in 6 lengths): both cut at once.
@@ -218,7 +239,7 @@ def _route(lowering: Lowering, spec: Spec, values: list, call: _Call, structure:
                                   family.varying, _bucket, _prepare, keep)
         return _padded(structure, family, lowering, spec, values, call, sizes, keep)
     if family.views and views:
-        return _views(lowering, spec, call)
+        return _views(lowering, spec, call, family)
     return None
 
 
@@ -235,14 +256,14 @@ def _bucket(n: int) -> int:
 def _host_value(t: torch.Tensor, array) -> np.ndarray | None:
     """t's value as a host array, from what ``tensors.read_parts`` gave (None: not that way)."""
     if t.is_conj() or t.is_neg():  # read_parts gave t's value itself
-        return np.asarray(array)
+        return transfer.fetch(array)
     return _strided(t, array)
 
 
 def _strided(t: torch.Tensor, array) -> np.ndarray | None:
     """t's stored values (before a lazy conj or negation) as a host array, read from its
     storage array by strides; None for a view that reinterprets the storage's dtype."""
-    host = np.asarray(array)
+    host = transfer.fetch(array)  # (the whole storage crosses: its bytes counted)
     if host.dtype != dtypes.to_jax(t.dtype) or t.dtype is torch.complex32:
         return None  # checked first: a reinterpreting view may have its storage's shape
     if tuple(host.shape) == tuple(t.shape) and t.is_contiguous() and t.storage_offset() == 0:
@@ -282,10 +303,13 @@ def read_view(t: torch.Tensor, array, g) -> jax.Array | None:
     return transfer.put(host, platform.local_device())
 
 
-def _views(lowering: Lowering, spec: Spec, call: _Call):
+def _views(lowering: Lowering, spec: Spec, call: _Call, family: call_sites.Family):
     """The call run on its tensors read whole, so that one program serves every geometry: a
-    view of a padded value through its traced-start windows (a program per bucket), any other
-    view on the host."""
+    view of a padded value through its traced-start windows (a program per bucket), a box of a
+    parameter likewise (a program per box size: TRL's vocabulary chunks of a 545 MB head weight
+    were each read whole on the host), a view whose geometry never varied at the site by its
+    own program (TRL's ``hidden[token_start:token_end]``, beside a weight's moving chunk), any
+    other view on the host."""
     dyn = list(call.dyn)
     host = False
     for t, k in zip(call.tensors, call.at):
@@ -297,12 +321,26 @@ def _views(lowering: Lowering, spec: Spec, call: _Call):
             src, starts, _ = got
             dyn[k] = p.array if src is WHOLE else padded_values.read_now(p.array, starts, src)
             continue
-        array = dyn[k]
-        if array is None:  # called before the dynamic values were read
-            array, g = tensors.read_parts(t)
-            if g is None:
-                dyn[k] = array
-                continue
+        read, g = tensors.read_parts(t)
+        array = read if dyn[k] is None else dyn[k]  # (None: called before they were read)
+        if g is None:  # the storage's array whole: it goes in as it is
+            dyn[k] = array
+            continue
+        if all(g in seen for seen in family.geometries):
+            # Another tensor's views vary here, not this one's: read as the exact path reads
+            # it (the program of its one geometry), not on the host at every call.
+            dyn[k] = tensors.read(t)
+            metrics.count("eager_fixed_views")
+            continue
+        # A parameter's chunks: read at a traced start on the device, one program for every
+        # offset. Not any other storage's: a growing one (a sampler's context) would make a
+        # program per length, where the host read makes none.
+        got = padded_values.window(g) if isinstance(t._base, torch.nn.Parameter) \
+            and tuple(array.shape) == tuple(g.array_shape) else None
+        if got is not None:
+            dyn[k] = padded_values.read_now(array, got[1], got[0])
+            metrics.count("eager_window_views")
+            continue
         value = _host_value(t, array)
         if value is None:
             return None

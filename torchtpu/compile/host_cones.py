@@ -1,6 +1,7 @@
 """The host-only cones of a compiled graph: mutated CPU inputs (an optimizer's step counts) whose
 new values come from CPU tensors alone. PyTorch computes those on the host, so the compiled
-graph evaluates them there and writes them back without waiting for its program."""
+graph evaluates them there and writes them back without waiting for its program. And the CPU
+inputs a graph only moves to the device (``moved_in``), sent as it is called."""
 
 from __future__ import annotations
 
@@ -17,6 +18,19 @@ def on_cpu(n) -> bool:
     v = n.meta.get("val")
     values = v if isinstance(v, (list, tuple)) and v else [v]
     return all(isinstance(x, torch.Tensor) and x.device.type == "cpu" for x in values)
+
+
+def moved_in(fn: GraphFunction) -> frozenset:
+    """The positions of the CPU tensor inputs that the graph only moves to the device (the
+    user's ``x.to("tpu")`` inside a compiled function, whose CPU tensor Dynamo hands in):
+    every use a copy whose result is on the device."""
+    def sent(u) -> bool:
+        v = u.meta.get("val")
+        return (u.op == "call_function" and u.target is torch.ops.aten._to_copy.default
+                and isinstance(v, torch.Tensor) and v.device.type != "cpu")
+
+    return frozenset(k for k, n in enumerate(fn.placeholders)
+                     if n.users and on_cpu(n) and all(sent(u) for u in n.users))
 
 
 def of(fn: GraphFunction) -> dict:

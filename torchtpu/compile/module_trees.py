@@ -14,12 +14,18 @@ class that overrides the walk itself is walked every time.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import operator
 
 import torch
 
 _CHILDREN = operator.attrgetter("_modules")
+_PARAMETERS = operator.attrgetter("_parameters")
+_BUFFERS = operator.attrgetter("_buffers")
+_STORAGE = torch.Tensor.untyped_storage
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+_NOT_NONE = functools.partial(operator.is_not, None)  # (a bias=False layer's bias)
 _WALK = (torch.nn.Module.modules, torch.nn.Module.named_modules)
 _MAX_ROOTS = 16
 
@@ -50,3 +56,17 @@ class ModuleTrees:
                 self._trees.clear()
             self._trees[id(root)] = (root, modules, _children(modules))
         return modules
+
+
+def held(modules: list) -> list:
+    """The modules' parameters and buffers, their storages and ``requires_grad`` flags, one
+    flat list that stays the very same objects (``operator.is_``) while none was replaced or
+    toggled."""
+    tensors = list(filter(_NOT_NONE, itertools.chain(
+        itertools.chain.from_iterable(map(dict.values, map(_PARAMETERS, modules))),
+        itertools.chain.from_iterable(map(dict.values, map(_BUFFERS, modules))))))
+    return [*tensors, *map(_STORAGE, tensors), *map(_REQUIRES_GRAD, tensors)]
+
+
+def same(now: list, then: list) -> bool:
+    return len(now) == len(then) and all(map(operator.is_, now, then))

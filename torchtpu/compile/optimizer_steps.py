@@ -24,10 +24,23 @@ Only the main thread's steps (a training loop's): the process has one recording,
 another thread (ranks run as threads, a worker thread) may meet other threads' ops running
 meanwhile, which would read the recording's pending values. ``TORCHTPU_FUSED_STEPS=0`` keeps
 Strict's op-by-op steps.
+
+``torch.nn.utils.clip_grad_norm_`` opens the region a step earlier: a training loop clips just
+before it steps, and the clip is three more programs (the gradients' norms, their norm, the
+gradients' multiply), a read and a write of every gradient that AdamW's pass reads again. Recorded
+with the step, XLA fuses the multiply into the update: one program from the clip to the step's end.
+The norm the clip returns is that program's output, or the recording's flush when read before (a
+logging ``.item()``). A clip whose step never comes (a loop that clips to log the norm, a custom
+optimizer outside ``torch.optim``'s hooks) must not leave the loop recording: the region ends, and
+runs what it holds, at the next clip or at the ``CLIP_SLACK``-th op call after the clip returned.
+Not where Strict holds lazy values (``lazy_casts``: an eager backward's gradients cast to float32
+under autocast): the region's start would compute each alone, 15 launches more in a 2-layer
+eager Llama step than the clip's three, which read them fused.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 import threading
@@ -39,8 +52,15 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu.compile import eager_buckets
-from torchtpu.eager import executor
-from torchtpu.eager.defer_executor import DeferAndFuse
+from torchtpu.eager import executor, frozen, lazy_casts
+from torchtpu.eager.defer_executor import DeferAndFuse, concrete
+from torchtpu.eager.program import Spec
+from torchtpu.lowering.registry import Lowering
+
+# Op calls a region opened by a clip records after the clip returned and before its optimizer
+# step's start; past them the step is taken not to come (a loop's between-clip-and-step work is a
+# scheduler's or a scaler's few calls, or none).
+CLIP_SLACK = 32
 
 
 class StepRegion(DeferAndFuse):
@@ -54,6 +74,16 @@ class StepRegion(DeferAndFuse):
         # it: a subclass's step calling super().step() runs the global hooks again, nested.
         self.frame = frame
         self.nested = 0
+        # Opened by a clip that returned: op calls recorded since (None: a step is in the region).
+        self.after_clip: int | None = None
+
+    def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
+        if self.after_clip is not None:
+            self.after_clip += 1
+            if self.after_clip > CLIP_SLACK:  # no step came: what the clip recorded runs now
+                executor.set_current(self.previous)
+                return self.previous.run(lowering, spec, concrete(dyn))
+        return super().run(lowering, spec, dyn)
 
     def enter(self) -> None:
         # Not DeferAndFuse.enter: its own step hook would be added to the hooks PyTorch is
@@ -90,6 +120,11 @@ def _before(opt, args, kwargs) -> None:
         return
     current = executor.current()
     if isinstance(current, StepRegion):
+        if current.after_clip is not None:  # the step the clip opened the region for
+            current.after_clip = None
+            current.frame = sys._getframe(1)
+            current.adopt(opt)
+            return
         if _on_stack(current.frame):  # a step called inside the open one's step
             current.nested += 1
             return
@@ -110,6 +145,52 @@ def _after(opt, args, kwargs) -> None:
             current.nested -= 1
             return
         executor.set_current(current.previous)
+        # The end of a Strict loop's step: where its collector's freeze is decided.
+        frozen.STRICT_LOOP.step_ended()
+
+
+def _clip_opening(original):
+    """``clip_grad_norm_`` that opens the step's region (see the module's doc) where Strict runs
+    and a gradient is on tpu."""
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, *args, **kwargs):
+        if torch.compiler.is_compiling() or not _handles or not _main_thread():
+            return original(parameters, *args, **kwargs)
+        if not isinstance(parameters, torch.Tensor):
+            parameters = list(parameters)  # (a generator, read here and by the clip)
+        current = executor.current()
+        if isinstance(current, StepRegion) and current.after_clip is not None:
+            executor.set_current(current.previous)  # the last clip's step never came
+            current = executor.current()
+        grads = [p.grad for p in ([parameters] if isinstance(parameters, torch.Tensor)
+                                  else parameters) if p.grad is not None]
+        if type(current) is not executor.Strict or lazy_casts.any_pending() \
+                or not any(g.device.type == "tpu" for g in grads):
+            # (Strict's held values, an eager backward's gradient casts among them, would each
+            # run alone at the region's start: the clip's own programs read them, fused.)
+            return original(parameters, *args, **kwargs)
+        region = StepRegion(current, None)
+        executor.set_current(region)
+        try:
+            norm = original(parameters, *args, **kwargs)
+        except BaseException:
+            executor.set_current(current)
+            raise
+        region.after_clip = 0
+        return norm
+
+    clip_grad_norm_.torchtpu_original = original
+    return clip_grad_norm_
+
+
+def _wrap_clip() -> None:
+    from torch.nn.utils import clip_grad
+
+    if not hasattr(clip_grad.clip_grad_norm_, "torchtpu_original"):
+        # clip_grad's own ``clip_grad_norm`` calls the module's name: both spellings are served.
+        clip_grad.clip_grad_norm_ = torch.nn.utils.clip_grad_norm_ = _clip_opening(
+            clip_grad.clip_grad_norm_)
 
 
 _handles: list = []
@@ -130,4 +211,5 @@ def set_enabled(on: bool) -> None:
 
 
 def install() -> None:
+    _wrap_clip()
     set_enabled(os.environ.get("TORCHTPU_FUSED_STEPS", "1") != "0")

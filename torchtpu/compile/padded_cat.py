@@ -74,7 +74,7 @@ def run(op, programs: dict, spec: Spec, values: list, ts: list, varying: tuple,
 
     def run_and_cut(*args):  # the executor's checks (Debug's NaNs) see real sizes
         metrics.count("eager_host_cuts")
-        host = np.asarray(program(*args))[(slice(None),) * dim + (slice(0, total),)]
+        host = transfer.fetch(program(*args))[(slice(None),) * dim + (slice(0, total),)]
         return transfer.put(np.ascontiguousarray(host), platform.local_device())
 
     computed = tuple(a.materialize() if isinstance(a, ownership.Deferred) else a for a in arrays)

@@ -60,7 +60,7 @@ class Padded(ownership.Deferred):
         """The real value, cut out of the padded array on the host (once)."""
         if self._cut is None:
             metrics.count("eager_padded_cuts")
-            self._cut = transfer.put(cut(np.asarray(self.array), self.real, self.padded),
+            self._cut = transfer.put(cut(transfer.fetch(self.array), self.real, self.padded),
                                      platform.local_device())
         return self._cut
 
@@ -94,7 +94,7 @@ class Padded(ownership.Deferred):
             return None
         if dtypes.to_jax(t.dtype) != self.dtype or t.dtype is torch.complex32:
             return None
-        flat = cut(np.asarray(self.array), self.real, self.padded).reshape(-1)
+        flat = cut(transfer.fetch(self.array), self.real, self.padded).reshape(-1)
         view = np.lib.stride_tricks.as_strided(
             flat[t.storage_offset():], tuple(t.shape),
             tuple(s * flat.itemsize for s in t.stride()))
@@ -206,7 +206,9 @@ def source(t, p: Padded) -> tuple[Source, tuple, tuple] | None:
         if len(walked[k]) > 1 or any(step != 1 for _, _, step in walked[k]):
             return None
         n = walked[k][0][1] if walked[k] else 1
-        if n == r and coords[k] == 0:
+        # (A factor of one real element no dim of the view walks, a length-1 tensor's in a
+        # bucket, is read as a window: no dim of the view can say it is still padded.)
+        if n == r and coords[k] == 0 and walked[k]:
             (d, _, _), = walked[k]
             size[d] = p_  # taken whole: still padded
             continue
@@ -231,6 +233,43 @@ def source(t, p: Padded) -> tuple[Source, tuple, tuple] | None:
             tuple(stride) == tuple(_strides(size)):
         return WHOLE, (), tuple(size)
     return Source((), (), g._replace(array_shape=_flat_shape(p.padded))), (), tuple(size)
+
+
+def window(g: Geometry) -> tuple[Source, tuple] | None:
+    """(Source, window starts) that read view g out of its unpadded storage array at traced
+    starts: one program for every position of a view of that size (a vocabulary chunk of a
+    head's weight, ``x[:, -1]`` of an exact ``x``), where g bakes its offset in. None unless g is
+    a box of the array (each dim of it steps along one axis, each axis once, in bounds) that
+    leaves some axis short, and reads the array's own dtype."""
+    if g.dtype != g.array_dtype:
+        return None
+    shape = g.array_shape
+    strides = _strides(shape)
+    coords, rest = [], g.offset
+    for s in strides:
+        coords.append(rest // s)
+        rest %= s
+    extent, axes = [1] * len(shape), []
+    for n, s in zip(g.size, g.stride):
+        if n == 1:
+            axes.append(None)
+            continue
+        a = next((a for a, (m, st) in enumerate(zip(shape, strides)) if st == s and m > 1), None)
+        if a is None or extent[a] != 1:
+            return None
+        extent[a] = n
+        axes.append(a)
+    if any(c + e > m for c, e, m in zip(coords, extent, shape)):
+        return None
+    windows = tuple((a, e) for a, (e, m) in enumerate(zip(extent, shape)) if e < m)
+    if not windows:
+        return None
+    inner = _strides(extent)
+    stride = tuple(1 if a is None else inner[a] for a in axes)
+    view = None if tuple(g.size) == tuple(extent) and stride == tuple(_strides(g.size)) else \
+        Geometry(tuple(extent), g.array_dtype, tuple(g.size), stride, 0, g.dtype)
+    return Source(tuple(shape), windows, view), \
+        tuple(np.asarray(coords[a], np.int32) for a, _ in windows)
 
 
 def _flat_shape(layout_sizes: tuple) -> tuple:

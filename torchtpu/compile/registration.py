@@ -12,6 +12,8 @@ from collections.abc import Callable
 
 import torch
 
+from torchtpu import metrics
+
 # The device runtime runs inside PyTorch's dispatcher, also when a compiled function falls back
 # to eager (a graph break): Dynamo must run those frames, never trace them as user code.
 _RUNTIME_PACKAGES = ("torchtpu.device", "torchtpu.eager", "torchtpu.lowering",
@@ -23,7 +25,24 @@ def tpu(gm: torch.fx.GraphModule, example_inputs: list, mode: str | None = None,
     """The backend registered as "tpu": ``backend.tpu_backend``, imported at the first compile."""
     from torchtpu.compile.backend import tpu_backend
 
-    return tpu_backend(gm, example_inputs, mode=mode, options=options)
+    phase = metrics.Phase("aot").start()  # AOTAutograd and the graphs' plans, as warm-ups split
+    try:
+        return tpu_backend(gm, example_inputs, mode=mode, options=options)
+    finally:
+        _backend_seconds[0] += phase.stop()
+
+
+_backend_seconds = [0.0]  # the backend's calls, inside Dynamo's compiles
+
+
+def _dynamo_seconds() -> dict:
+    """Dynamo's own work on the frames it compiled (tracing bytecode, guards), for
+    ``metrics.snapshot``: its own timer of each compile (which ``torch._dynamo.reset()`` keeps,
+    unlike its compile callbacks) less the backend's calls inside them."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    total = sum(compilation_time_metrics.get("_compile.compile_inner", ()))
+    return {"dynamo_seconds": total - _backend_seconds[0]}
 
 
 def _on_device(example_inputs: list) -> bool:
@@ -69,3 +88,4 @@ def register() -> None:
     registry.register_backend(tpu, name="tpu")
     device_interface.register()
     _route_inductor_on_device()
+    metrics.add_source(_dynamo_seconds)

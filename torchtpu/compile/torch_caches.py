@@ -30,7 +30,7 @@ from pathlib import Path
 import jax
 import torch
 
-from torchtpu.runtime import compile_cache, warm
+from torchtpu.runtime import compile_cache, warm, warm_keys
 
 KEEP = 4  # key directories kept (torch versions or torchtpu sources in use side by side)
 
@@ -51,7 +51,7 @@ def torch_dir() -> str | None:
     if store is None:
         return None
     key = hashlib.sha256("\0".join([torch.__version__, jax.__version__, jax.lib.__version__,
-                                     warm.source_digest()]).encode()).hexdigest()
+                                     warm_keys.source_digest()]).encode()).hexdigest()
     return str(Path(store.path).resolve() / "torch" / key[:16])
 
 

@@ -27,17 +27,23 @@ How a call runs (``WholeStep``):
   captures again and reuses that program (``eager/capture.py``'s program cache) instead of
   compiling the step a second time;
 - a call with a new signature (tensor shapes, dtypes and ``requires_grad``; other arguments by
-  value or identity; grad mode, autocast, matmul precision; the train/eval mode of every module
-  among the arguments and the function's globals and closure; the scalars it reads from them)
-  captures the step and replays it at once: every call is one training step;
+  value or identity; grad mode, autocast, matmul precision, the default dtype; the train/eval
+  mode of every module among the arguments and the function's globals and closure; the scalars
+  it reads from them) captures the step and replays it at once: every call is one training
+  step; so does a call that finds one of those modules' parameters or buffers replaced (an
+  attribute assigned, ``.data`` set) or its ``requires_grad`` toggled since the capture, as
+  the program reads the storages the capture found;
 - a default optimizer (``capturable=False``) keeps its step count in CPU tensors, and its bias
   correction would become a constant of the program: during the capture its groups run as
   ``capturable=True`` on device twins of the step counts, which the program advances in place
   while each replay advances the CPU counts on the host (a twin is refilled if its count moved
-  outside the compiled step). The optimizer's own state is left as eager leaves it;
+  outside the compiled step; a count advances only where the program steps its parameter: the
+  optimizer skips one without a ``.grad``). The optimizer's own state is left as eager leaves
+  it;
 - a capturable group's ``lr`` is an input of the program, so a scheduler's change takes effect
-  without a recapture; any other hyperparameter, or a parameter, gradient or state tensor
-  replaced since the capture, recaptures (at most ``MAX_CAPTURES`` times, then Dynamo's path);
+  without a recapture; any other hyperparameter (a tensor one written in place too), or a
+  parameter, gradient or state tensor replaced since the capture, recaptures (at most
+  ``MAX_CAPTURES`` times, then Dynamo's path);
 - outputs the step computes (the loss) come back as new tensors each call, without ``grad_fn``.
 
 What cannot be one program (a host read such as ``.item()`` inside the step, a shape that
@@ -64,6 +70,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from torchtpu.compile import module_trees
 from torchtpu.compile.device_steps import DeviceSteps
 from torchtpu.compile.module_trees import ModuleTrees
 from torchtpu.compile.step_counts import StepCounts
@@ -177,7 +184,7 @@ class _Step:
     """One captured step: its program, the storages calls bind, and the guards of a replay."""
 
     def __init__(self, captured, binding, static, outputs, out_spec, fresh, guards,
-                 steps, grads_in, grads_out) -> None:
+                 steps, grads_in, grads_out, held) -> None:
         self.captured = captured
         self.binding = binding            # the tensor arguments' storages, rebound each call
         self.static = static              # the capture's own argument leaves
@@ -195,12 +202,15 @@ class _Step:
                          if g is not None and id(storage_of(g)) in read}
         self.grads_out = grads_out        # [(param, .grad the step leaves)]
         self.guards = guards              # the optimizers' (eager/tpu_graph.py)
+        self.held = held                  # the modules' tensors then (module_trees.held)
 
-    def stale(self) -> str | None:
+    def stale(self, modules: list) -> str | None:
         """Why a replay would no longer match the capture, or None."""
         why = self.guards.mismatch()
         if why is None and any(p.grad is not g for p, g in self.grads_in.items()):
             why = "a .grad the step accumulates into was replaced"
+        if why is None and not module_trees.same(module_trees.held(modules), self.held):
+            why = "a module's parameter or buffer was replaced or its requires_grad changed"
         return why
 
     def run(self, leaves: list):
@@ -236,14 +246,14 @@ class WholeStep:
             return self._through_dynamo(args, kwargs)
         leaves = _leaves(args, kwargs)
         env = _environment(self._fn)
+        modules = _modules([*leaves, *env], self._trees)
         try:
-            key = (tuple(_leaf_key(x) for x in leaves), _env_key(env),
-                   context(_modules([*leaves, *env], self._trees)))
+            key = (tuple(_leaf_key(x) for x in leaves), _env_key(env), context(modules))
         except _CannotCapture as e:
             return self._give_up(str(e), args, kwargs)
         step = self._steps.get(key)
         if step is not None:
-            why = step.stale()
+            why = step.stale(modules)
             if why is None:
                 return step.run(leaves)
             log.info("torchtpu.compile: whole step %s: %s since the capture; capturing again",
@@ -257,13 +267,14 @@ class WholeStep:
             leaves = [x.contiguous().clone() if not _covers(x) else x for x in leaves]
             args, kwargs = pytree.tree_unflatten(leaves, pytree.tree_structure((args, kwargs)))
         try:
-            return self._capture(key, leaves, args, kwargs, once=not self._warmed)
-        except _NewState:
-            return self._capture(key, leaves, args, kwargs, once=True)
+            try:
+                return self._capture(key, leaves, modules, args, kwargs, once=not self._warmed)
+            except _NewState:
+                return self._capture(key, leaves, modules, args, kwargs, once=True)
         except _CannotCapture as e:
             return self._give_up(str(e), args, kwargs)
 
-    def _capture(self, key, leaves: list, args, kwargs, once: bool):
+    def _capture(self, key, leaves: list, modules: list, args, kwargs, once: bool):
         """Capture this call's step and run it. A first step (``once``) creates optimizer state,
         which a replay would create afresh: it runs once and is not kept."""
         known = list(self._optimizers.values())
@@ -273,12 +284,25 @@ class WholeStep:
         device_steps = DeviceSteps([] if once else known)
         watch = OptimizerWatch(capture, once=once)
         stepped: dict = {}
+        stateless: list = []  # (optimizer, parameter) without state at its first step here
 
         def seen(opt, a, k) -> None:
             stepped[id(opt)] = stepped.get(id(opt), 0) + 1
-            if once and stepped[id(opt)] == 1 and all(opt is not o for o in known):
-                device_steps.adopt(opt, capture)
+            if stepped[id(opt)] == 1:
+                stateless.extend((opt, p) for g in opt.param_groups for p in g["params"]
+                                 if not opt.state.get(p))
+                # A first step makes state outside the recording: a new optimizer's, or a
+                # known one's whose state was cleared, loaded or extended (add_param_group).
+                if once:
+                    device_steps.adopt(opt, capture)
             self._optimizers.setdefault(id(opt), opt)
+
+        def forget_state() -> None:
+            # State made by a capture that did not finish is no value (a recorded value never
+            # run, or a device count a default optimizer would keep on the host): the
+            # optimizer makes it again at its next step, as it would have.
+            for opt, p in stateless:
+                opt.state.pop(p, None)
 
         handle = register_optimizer_step_pre_hook(seen)
         watch.install()
@@ -290,9 +314,11 @@ class WholeStep:
                 capture.abort()
                 for p, g in grads_in.items():
                     p.grad = g
+                forget_state()
                 raise
             captured = capture.finish()
         except CaptureError as e:
+            forget_state()
             if not once and (isinstance(e, StateCreated) or set(stepped) - {id(o) for o in known}):
                 raise _NewState from e
             raise _CannotCapture(str(e)) from e
@@ -310,10 +336,13 @@ class WholeStep:
         fresh = {k for k, o in enumerate(flat_out)
                  if isinstance(o, torch.Tensor) and id(o) not in grad_ids
                  and capture.created(storage_of(o))}
-        steps = [(cpu, dev, stepped.get(id(opt), 0)) for opt, cpu, dev in device_steps.twins]
+        # A count advances only where the program advances its twin: the optimizer skips a
+        # parameter without a .grad (requires_grad off, unused by this step's loss).
+        steps = [(cpu, dev, stepped.get(id(opt), 0) if id(storage_of(dev)) in written else 0)
+                 for opt, cpu, dev in device_steps.twins]
         step = _Step(captured, binding(leaves), leaves, flat_out, out_spec, fresh,
                      watch.guards(grads=False),
-                     steps, grads_in, grads_out)
+                     steps, grads_in, grads_out, module_trees.held(modules))
         self._captures += 1
         self._warmed = True
         if not once:

@@ -38,18 +38,24 @@ WIDEST = (
 )
 
 
+_Tensor = torch.Tensor
+# The guard's key set, made once (each autocast call enters the guard).
+_EXCLUDE = torch._C.DispatchKeySet(_AUTOCAST)
+
+
 def _floating_on_device(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point() and not x.is_cpu
+    return isinstance(x, _Tensor) and x.is_floating_point() and not x.is_cpu
 
 
 def _cast(tree, dtype):
-    if _floating_on_device(tree):
-        return tree.to(dtype)
+    if isinstance(tree, _Tensor):
+        return tree.to(dtype) if tree.is_floating_point() and not tree.is_cpu else tree
     if isinstance(tree, (list, tuple)):
         # Every product and norm of an autocast forward comes here: its plain tensor arguments
         # are cast without a call each.
-        return type(tree)([x.to(dtype) if _floating_on_device(x) else
-                           _cast(x, dtype) if isinstance(x, (list, tuple)) else x for x in tree])
+        return type(tree)([x.to(dtype) if isinstance(x, _Tensor) and x.is_floating_point()
+                           and not x.is_cpu else _cast(x, dtype)
+                           if isinstance(x, (list, tuple)) else x for x in tree])
     return tree
 
 
@@ -72,14 +78,13 @@ def casting() -> bool:
 
 
 def _kernel(op, policy: str):
+    lower, float32 = policy == "lower", policy == "float32"
+    call = op._op  # what ``OpOverload.__call__`` calls, without its frame
+
     def run(*args, **kwargs):
-        if policy == "lower":
-            dtype = torch.get_autocast_dtype("tpu")
-        elif policy == "float32":
-            dtype = torch.float32
-        else:
-            dtype = _widest(args, kwargs)
-        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(_AUTOCAST)):
+        dtype = torch.get_autocast_dtype("tpu") if lower else torch.float32 if float32 \
+            else _widest(args, kwargs)
+        with torch._C._ExcludeDispatchKeyGuard(_EXCLUDE):
             if dtype is not None:
                 _casting.on = True
                 try:
@@ -88,7 +93,7 @@ def _kernel(op, policy: str):
                         kwargs = {k: _cast(v, dtype) for k, v in kwargs.items()}
                 finally:
                     _casting.on = False
-            return op(*args, **kwargs)
+            return call(*args, **kwargs)
 
     return run
 

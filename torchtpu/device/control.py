@@ -17,6 +17,7 @@ import torch
 
 from torchtpu.device import launch, memory
 from torchtpu.device import random as _random
+from torchtpu.device.hooks import HOOKS
 from torchtpu.runtime import platform
 
 
@@ -41,6 +42,9 @@ def set_precision(mode: Precision) -> None:
     """Set the matmul/convolution precision; programs are cached per precision."""
     if not isinstance(mode, Precision):
         raise TypeError(f"torchtpu.argument: precision must be a torch.tpu.Precision, not {mode!r}")
+    recorder = HOOKS.deferrer
+    if recorder is not None and mode is not get_precision():
+        recorder.precision_changed()
     jax.config.update("jax_default_matmul_precision", mode.value)
 
 

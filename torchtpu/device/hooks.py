@@ -18,12 +18,50 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 
+class _Steady:
+    """``Hooks.growing``'s answer for a call to run as usual while its epoch stays."""
+
+    def __repr__(self) -> str:
+        return "STEADY"
+
+
+STEADY = _Steady()
+
+
+class _Autograd:
+    """``Hooks.growing``'s answer for a call to run as usual because autograd's engine runs it:
+    every call it runs is answered so, at any epoch, while the same hook is installed."""
+
+    def __repr__(self) -> str:
+        return "AUTOGRAD"
+
+
+AUTOGRAD = _Autograd()
+
+
 class Recorder(Protocol):
     """DeferAndFuse's recorder (``eager/defer.py``), or a capture's recording."""
 
     def record(self, fn: Callable, args: tuple) -> Any: ...
 
     def host_read(self) -> None: ...
+
+    def precision_changed(self) -> None: ...
+
+
+# What ``Replay.repeat`` returns for a call it does not replay (an in-place call's own result is
+# None).
+MISS = object()
+
+
+class Replay(Protocol):
+    """DeferAndFuse's replay of calls repeating kept ones (``eager/defer_replay.py``)."""
+
+    def repeat(self, op: Any, args: tuple, kwargs: dict) -> Any: ...
+
+    def mark(self, op: Any, args: tuple) -> Any: ...
+
+    def keep(self, op: Any, args: tuple, kwargs: dict, out: Any, mark: Any) -> None: ...
 
 
 class Capture(Protocol):
@@ -58,8 +96,14 @@ class Hooks:
     # replaying it draws again from the same generators.
     on_draw: Callable[[Any, Any], None] | None = None
     # ``growing(lowering, spec, values, dyn, views)``: the arrays of a call whose sizes vary
-    # between calls, or None to run it as usual (``compile/eager_buckets.py``).
+    # between calls, or None to run it as usual (``compile/eager_buckets.py``); or ``STEADY``:
+    # run it as usual, and a call of the same spec and views will be answered so again while
+    # ``growing_epoch``, which the hook's owner moves whenever what it answers from changes,
+    # stays (a remembered call answered so skips asking: ``eager/calls.run_seen``); or
+    # ``AUTOGRAD``: run it as usual, and so every call while autograd's engine runs it (a
+    # remembered call answered so skips asking while autograd's engine runs it).
     growing: Callable[..., Any] | None = None
+    growing_epoch: int = 0
     # ``padded_inputs(lowering, spec, values, writes)``: the arrays of a call that may read
     # storages holding padded values, before they are read (which cuts them), or None;
     # ``writes``: its results are written into tensors, so they must be plain arrays.
@@ -79,6 +123,11 @@ class Hooks:
     launch_observer: Callable[[Any, Callable, tuple], Any] | None = None
     launch_refused: Callable[[Any, Callable, tuple, Exception], Exception] | None = None
     peer_lost: Callable[[Exception], Exception | None] | None = None
+    # While DeferAndFuse records, asked at every op call reaching the dispatcher:
+    # ``replay.repeat(op, args, kwargs)``, the result of a call that repeats a kept one, or
+    # ``MISS``; then ``replay.mark(op, args)`` before the op path and ``replay.keep(op, args,
+    # kwargs, out, mark)`` after it (``eager/defer_replay.py``).
+    replay: Replay | None = None
 
 
 HOOKS = Hooks()

@@ -33,6 +33,8 @@ observer with its own: from its start the limit is not checked until it is set a
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import re
 
@@ -75,6 +77,11 @@ def parse_size(text: str, source: str = ENV) -> int | float | None:
                          "nor a fraction below 1 of the device's memory (such as 0.5); for "
                          f"{digits} GiB write {digits}G")
     return int(digits)
+
+
+# Whether a limit is set: ``limit() is not None`` without a Python frame (a C call giving the
+# limit as set, a fraction not yet resolved included; a held call asks, ~520 a step).
+limit_as_set = functools.partial(operator.getitem, _state, "limit")
 
 
 def limit() -> int | None:

@@ -10,6 +10,7 @@ attribute ``_tpu_array``: a C-contiguous array whose bytes, in order, are the st
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 
 import jax
@@ -21,6 +22,15 @@ from torchtpu.device import memory_history, memory_limit
 from torchtpu.runtime.platform import jax_device
 
 _ALIGN = 64
+# Two address regions, never overlapping and each only growing. A storage of up to ``_BLOCK``
+# bytes (nearly every op result) takes the next block of the upper region, its index from a
+# C counter (``next`` of an ``itertools.count`` is one call under the GIL: no lock, and no
+# Python steps, on every result tensor of every op); a larger one, or any once the upper region
+# is used up (after 2^35 small storages), is bumped under the lock in the lower region.
+_BLOCK = 1 << 27
+_SMALL_BASE = 1 << 62
+_SMALL_BLOCKS = (1 << 62) // _BLOCK - 1  # (the last block ends below 2^63)
+_small_index = itertools.count()
 _lock = threading.Lock()
 _next_address = [1 << 40]
 
@@ -28,6 +38,9 @@ _next_address = [1 << 40]
 @functools.cache
 def _device(index: int) -> torch.device:
     return torch.device("tpu", index)
+
+
+_construct = torch._C._construct_storage_from_data_pointer
 
 
 def new_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
@@ -43,16 +56,28 @@ def bare_storage(nbytes: int, index: int = 0) -> torch.UntypedStorage:
     give the dropped object a ``__dict__`` for nothing)."""
     # Addresses are never dereferenced, but PyTorch's overlap checks compare address ranges,
     # so each storage gets its own range, never reused.
+    if nbytes <= _BLOCK:
+        block = next(_small_index)
+        if block < _SMALL_BLOCKS:
+            return _construct(_SMALL_BASE + block * _BLOCK, _device(index), nbytes)
     with _lock:
         address = _next_address[0]
-        _next_address[0] += (max(nbytes, 1) + _ALIGN - 1) // _ALIGN * _ALIGN
-    return torch._C._construct_storage_from_data_pointer(address, _device(index), nbytes)
+        _next_address[0] += ((nbytes or 1) + _ALIGN - 1) // _ALIGN * _ALIGN
+    return _construct(address, _device(index), nbytes)
 
 
-def next_address() -> int:
-    """The address the next storage will get: every storage made from now on is at or above it."""
+def mark() -> tuple:
+    """Where each address region's next storage will go: every storage made from now on is
+    ``made_since`` it."""
+    # (The small region's mark takes a block of its own, never used: the counter has no read.)
+    small = _SMALL_BASE + next(_small_index) * _BLOCK
     with _lock:
-        return _next_address[0]
+        return _next_address[0], small
+
+
+def made_since(mark: tuple, address: int) -> bool:
+    """Whether the storage at address was made after ``mark`` gave mark."""
+    return address >= (mark[1] if address >= _SMALL_BASE else mark[0])
 
 
 def set_nbytes(storage: torch.UntypedStorage, nbytes: int) -> None:

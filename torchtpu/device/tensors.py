@@ -18,8 +18,10 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
+from torchtpu import metrics
 from torchtpu.device import dtypes, launch, memory_history
 from torchtpu.device import storage as storages
+from torchtpu.device.constants import GUARDED, host_constant, zeros_program
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.ownership import Deferred, lent
 from torchtpu.device.views import (
@@ -68,15 +70,25 @@ def contiguous_strides(size) -> tuple:
     return _contiguous_strides(tuple(size))
 
 
-def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None) -> torch.Tensor:
-    """An unwritten device tensor (reads as zeros) with its own storage."""
+@functools.lru_cache(maxsize=4096)
+def _layout(size: tuple, dtype: torch.dtype, stride: tuple | None, nbytes: int | None) -> tuple:
+    """(strides, bytes, whether row-major over exactly its elements) of a new tensor: derived
+    once a layout (~240 strided results a Llama step replayed in DeferAndFuse)."""
     dtypes.to_jax(dtype)  # raises a clear TypeError for unsupported dtypes
-    size = tuple(size)
-    stride = contiguous_strides(size) if stride is None else tuple(stride)
+    stride = contiguous_strides(size) if stride is None else stride
     if nbytes is None:
         span = 1 + sum((n - 1) * s for n, s in zip(size, stride)) if all(size) else 0
         nbytes = span * dtype.itemsize
-    if stride == contiguous_strides(size) and nbytes == math.prod(size) * dtype.itemsize:
+    return stride, nbytes, (stride == contiguous_strides(size)
+                            and nbytes == math.prod(size) * dtype.itemsize)
+
+
+def new_tensor(size, dtype: torch.dtype, stride=None, nbytes: int | None = None) -> torch.Tensor:
+    """An unwritten device tensor (reads as zeros) with its own storage."""
+    size = tuple(size)
+    stride, nbytes, dense = _layout(size, dtype, stride if stride is None else tuple(stride),
+                                    nbytes)
+    if dense:
         return _contiguous(size, dtype, nbytes)
     t = _create(size, dtype)
     _set_storage(_CPU, t, storages.new_storage(nbytes), 0, list(size), list(stride))
@@ -147,19 +159,29 @@ def _hold(st: torch.UntypedStorage, array) -> None:
     st._tpu_array = array
 
 
-def wrapper(size: tuple, dtype: torch.dtype):
-    """``wrap`` for arrays of size and dtype known ahead (a call's remembered result): what it
-    derives from each array, derived once."""
+def wrapper(size: tuple, dtype: torch.dtype, stride: tuple | None = None):
+    """``wrap`` for arrays of size and dtype known ahead (a call's remembered result), or
+    ``wrap_strided`` of stride (one laid out as CPU lays it: a backward's products and sums in
+    their inputs' order, ~270 a 12-layer Llama step): what it derives from each array, derived
+    once, the strided tensor made by one ``set_``."""
     if dtype is torch.complex32 or dtype is torch.complex128 or not all(size):
-        return functools.partial(wrap, dtype=dtype)
-    nbytes = math.prod(size) * dtype.itemsize
+        return functools.partial(wrap, dtype=dtype) if stride is None else \
+            functools.partial(wrap_strided, dtype=dtype, size=size, stride=stride)
+    nbytes = dtype.itemsize * (math.prod(size) if stride is None else
+                               1 + sum((n - 1) * s for n, s in zip(size, stride)))
+    sizes, strides = list(size), None if stride is None else list(stride)
 
     def wrap_known(array) -> torch.Tensor:
         if HOOKS.capture is not None:
-            return wrap(array, dtype)
+            return wrap(array, dtype) if stride is None else \
+                wrap_strided(array, dtype, size, stride)
         t = _create_empty(size, dtype)
-        st = t.untyped_storage()
-        st._swap_data_ptr_(storages.bare_storage(nbytes))
+        if strides is None:
+            st = t.untyped_storage()
+            st._swap_data_ptr_(storages.bare_storage(nbytes))
+        else:
+            st = storages.bare_storage(nbytes)
+            _set_storage(_CPU, t, st, 0, sizes, strides)
         st._tpu_array = array
         if memory_history.recording:
             memory_history.track(st)
@@ -230,19 +252,9 @@ def _writer(g: Geometry, donate: bool = True):
 # One writer for every offset of a run (``views.run_of``); JAX's cache keys it by shapes.
 _run_writers = {donate: warm_dispatch.keyed(jax.jit(write_run, donate_argnums=0 if donate else ()),
                                             "write_run", donate) for donate in (True, False)}
-_GUARDED = ("disallow", "disallow_explicit")
 _rows_writers = {donate: warm_dispatch.keyed(
     jax.jit(write_rows, donate_argnums=0 if donate else ()), "write_rows", donate)
     for donate in (True, False)}
-
-
-@functools.lru_cache(maxsize=1024)
-def zeros_program(shape: tuple, dtype):
-    """The program making zeros of shape and dtype, one a process: run now (``launch.run``, a
-    capture's state tensors) or recorded (``call``)."""
-    # Jitted: an eager jnp.zeros costs ~70 us, and every empty() that is then filled reads one.
-    return warm_dispatch.keyed(jax.jit(functools.partial(jnp.zeros, shape, dtype)), "zeros",
-                               shape, dtype)
 
 
 def stored_array(st: torch.UntypedStorage):
@@ -280,12 +292,19 @@ def storage_array(t: torch.Tensor):
     array = stored_array(st)
     capture = HOOKS.capture
     if array is None:
+        # Counted: a call that reads only shapes (``lowers(shape_only)``) must make none.
+        metrics.count("unwritten_reads")
         shape = _typed_shape(t, st)
         if shape is not None:
-            zeros = zeros_program(shape, dtypes.to_jax(t.dtype))
-            # A capture reads a never-written storage as a real input, not as zeros it records.
-            array = st._tpu_array = (launch.run(None, zeros, ()) if capture is not None
-                                     else call(zeros))
+            dtype = dtypes.to_jax(t.dtype)
+            # (A recording keeps the zeros: its program makes them, with no program of theirs.)
+            array = None if HOOKS.deferrer is not None else host_constant(shape, dtype, 0)
+            if array is None:
+                # A capture reads a never-written storage as a real input, not as zeros it
+                # records.
+                program = zeros_program(shape, dtype)
+                array = launch.run(None, program, ()) if capture is not None else call(program)
+            st._tpu_array = array
         else:
             array = storages.zeros_for(st)
     if capture is not None:
@@ -408,6 +427,12 @@ def _orderer(order: tuple):
                                "in_memory_order", order)
 
 
+def in_order(value, order: tuple):
+    """value with its dims in ``order`` (row-major in memory order), by one program call
+    (recorded while deferring)."""
+    return call(_orderer(tuple(order)), value)
+
+
 def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
     """Store value (t's shape and dtype) into device tensor t (any view); ``owned`` False: value
     is another storage's array, copied where it would be stored as it is."""
@@ -424,7 +449,7 @@ def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
     order = None if covers else _storage_order(t, st)
     if covers or order is not None:
         if order is not None:
-            value = call(_orderer(order), value)
+            value = in_order(value, order)
         elif not owned:
             value = fresh_copy(value)
         _hold(st, stored_form(value, t.dtype))
@@ -437,7 +462,7 @@ def write(t: torch.Tensor, value: jax.Array, owned: bool = True) -> None:
     # (and not under a JAX transfer guard that refuses the host's 8-byte offset: a weight push
     # checked to move nothing from the host, say)
     eager = (HOOKS.deferrer is None and HOOKS.capture is None
-             and jax.config.jax_transfer_guard_host_to_device not in _GUARDED)
+             and jax.config.jax_transfer_guard_host_to_device not in GUARDED)
     run = run_of(g) if eager else None
     row = rows_of(g) if eager and run is None else None
     if run is not None:

@@ -11,15 +11,19 @@ graph's calls with the same ``traced_arguments`` and ``entries_of``.
 from __future__ import annotations
 
 import functools
+from threading import get_ident
 
+import jax
 import numpy as np
 import torch
 
 from torchtpu import metrics
-from torchtpu.device import dtypes, launch, tensors
-from torchtpu.device.hooks import HOOKS
+from torchtpu.device import constants, dtypes, launch, tensors
+from torchtpu.device.hooks import AUTOGRAD, HOOKS, STEADY
 from torchtpu.device.random import key_data_for
 from torchtpu.eager import executor, meta, refusals, results, schema, seen_calls
+from torchtpu.eager.defer import RECORDER
+from torchtpu.eager.lazy_casts import settle
 from torchtpu.eager.program import CONST, KEY, SCALAR, TENSOR, TENSORS, Spec, with_views
 from torchtpu.lowering.registry import META_STRIDES, Lowering
 
@@ -40,8 +44,13 @@ def traced_arguments(op: OpOverload, lowering: Lowering) -> frozenset:
 def entries_of(oi: schema.OpInfo, values: list, lowering: Lowering) -> tuple:
     """The static spec entries for bound arguments (what is traced, what is baked in)."""
     entries = []
+    shape_only = lowering.shape_only
     for i, v in enumerate(values):
-        if isinstance(v, torch.Tensor):
+        if shape_only and isinstance(v, torch.Tensor) and oi.names[i] in shape_only:
+            # Its shape and dtype are in the call key; its storage is neither read (a
+            # never-written one would make a zeros program) nor waited on.
+            entries.append((CONST, jax.ShapeDtypeStruct(tuple(v.shape), dtypes.to_jax(v.dtype))))
+        elif isinstance(v, torch.Tensor):
             entries.append((TENSOR if not v.is_cpu else SCALAR, None))
         elif isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v):
             entries.append((TENSORS, tuple(x is None for x in v)))
@@ -164,17 +173,41 @@ def compute(lowering: Lowering, spec: Spec, values: list, writes: bool = False):
         out = padded_inputs(lowering, spec, values, writes)
         if out is not None:
             return out
+    if lowering.constant is not None:
+        out = _host_constant(lowering, spec, values)
+        if out is not None:
+            return out
     # A donated argument's buffer must be its own: a lazy cast's source is another's.
     dyn, views = dynamic_values([None, *values] if lowering.random else values, spec.entries,
                                 not lowering.donates)
     growing = HOOKS.growing
     if growing is not None:
         out = growing(lowering, spec, values, dyn, views, writes)
-        if out is not None:
+        if out is not None and out is not STEADY and out is not AUTOGRAD:
             return dedupe(out, dyn)
     if views:
         spec = with_views(spec, views)
     return dedupe(executor.current().run(lowering, spec, dyn), dyn)
+
+
+def _host_constant(lowering: Lowering, spec: Spec, values: list):
+    """The result of a call whose lowering record declares it a ``constant``, sent from the
+    host (``constants.host_constant``), where it reads no tensor and draws no key; else None. A
+    recording keeps its call (DeferAndFuse fuses it into its reader's program, which compiles
+    nothing of its own for it; a capture's replays repeat it); a result stored in another order
+    than row-major is left to its program. (The thread making an optimizer's state outside
+    DeferAndFuse's recording, ``Recorder.making``, is sent its constants as without a recorder.)"""
+    deferrer = HOOKS.deferrer
+    if (deferrer is not None and (deferrer is not RECORDER or RECORDER.making != get_ident())
+            or HOOKS.capture is not None or spec.order is not None
+            or spec.shape is None or any(kind in _READS for kind, _ in spec.entries)):
+        return None
+    return constants.host_constant(spec.shape, spec.final, lowering.constant(*values))
+
+
+_READS = (TENSOR, TENSORS, KEY)
+# -1 unless autograd's engine runs the calling thread's call (a backward's).
+_graph_task_id = torch._C._current_graph_task_id
 
 
 def run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple,
@@ -188,20 +221,45 @@ def run_seen(lowering: Lowering, kept: seen_calls.Seen, values: list, dyn: tuple
         out = padded_inputs(lowering, kept.spec, values, writes)
         if out is not None:
             return out
+    if lowering.constant is not None:
+        out = _host_constant(lowering, kept.spec, values)
+        if out is not None:
+            return out
     growing = HOOKS.growing
     if growing is not None:
-        out = growing(lowering, kept.spec, values, dyn, kept.views, writes)
-        if out is not None:
-            return dedupe(out, dyn)
+        # Not asked again while its steady answer for this call stands (the hook's epoch).
+        # Nor while autograd's engine runs it, where this hook answered so (``AUTOGRAD``).
+        epoch = HOOKS.growing_epoch
+        steady = kept.steady
+        if (steady is None or steady[0] is not growing or steady[1] != epoch) and not (
+                kept.autograd is growing and _graph_task_id() != -1):
+            out = growing(lowering, kept.spec, values, dyn, kept.views, writes)
+            if out is STEADY:
+                kept.steady = (growing, epoch)
+            elif out is AUTOGRAD:
+                kept.autograd = growing
+            elif out is not None:
+                return dedupe(out, dyn)
     current = executor.current()
     launcher = kept.launcher
     if launcher is None or launcher[0] is not current:
-        launcher = kept.launcher = (current, current.launcher(lowering, kept.viewed))
+        viewed = kept.viewed
+        launcher = kept.launcher = (current, current.launcher(lowering, viewed),
+                                    current.holder(lowering, viewed))
+    hold = launcher[2]
+    if hold is not None:  # a held value is no input: nothing to dedupe
+        out = hold(dyn)
+        if out is not None:
+            metrics.count_execution()
+            return out
     fn = launcher[1]
     if fn is None:
         return dedupe(current.run(lowering, kept.viewed, dyn), dyn)
-    metrics.count("executions")
+    metrics.count_execution()
     out = launch.run(lowering.op, fn, dyn)
+    keeps = kept.viewed.keeps
+    if keeps:  # (an autocast product over its two casts: they become its program's values)
+        out = settle(keeps, dyn, out)
     if out.__class__ in _SEQUENCES:
         return _dedupe_all(out, {id(x) for x in dyn})
     for x in dyn:  # ``dedupe``'s test, inline: a program may hand an input back

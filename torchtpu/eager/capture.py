@@ -41,14 +41,14 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
-from torchtpu.device import launch, storage, tensors
+from torchtpu.device import constants, launch, ownership, storage, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import executor, facts, fed_pack, fused_program, spanning
+from torchtpu.eager import executor, facts, fed_pack, fused_program, read_forms, spanning
 from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity
 from torchtpu.eager.program import Spec, program
 from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import warm
+from torchtpu.runtime import warm, warm_keys
 
 # Called after an aborted capture gave every storage back what it held: Python state that the
 # aborted code advanced around those storages is rolled back by its owner (FSDP2's per-step
@@ -139,6 +139,7 @@ class Capture:
         self._spmd = None           # the mesh and check of the collectives recorded, if any
         self._collectives: list = []  # their descriptions, in order (the ranks compare them)
         self._outside: dict = {}    # id -> storage made while paused, read as made before
+        self._phase = metrics.Phase("capture")  # begin() to the program built, as warm-ups split
 
     # ---- called by the device layer while capturing
 
@@ -197,7 +198,8 @@ class Capture:
 
     def created(self, st) -> bool:
         """Whether storage st was made inside this capture (storage addresses only grow)."""
-        return st.data_ptr() >= self._first_address and id(st) not in self._outside
+        return storage.made_since(self._first_address, st.data_ptr()) and id(st) not in \
+            self._outside
 
     def made_outside(self, st) -> None:
         """Storage st, made while the capture was paused, holds a value from before the capture
@@ -219,7 +221,8 @@ class Capture:
             raise CaptureError("torchtpu.capture: a graph capture is already in progress; captures "
                                "do not nest")
         executor.flush()  # DeferAndFuse's pending work runs first: it is not part of the capture
-        self._first_address = storage.next_address()
+        self._phase.start()
+        self._first_address = storage.mark()
         self._previous = executor.current()
         self._capturing = _Capturing(self)
         executor.set_current(self._capturing)
@@ -240,6 +243,7 @@ class Capture:
     def abort(self) -> None:
         """Leave the capture and give every storage back what it held."""
         self._end()
+        self._phase.stop()
         for st, start in self._live():
             st._tpu_array = start
         for hook in ON_ABORT:
@@ -247,6 +251,12 @@ class Capture:
 
     def finish(self) -> Captured:
         """Leave the capture; the recording as one program over the storages it touched."""
+        try:
+            return self._finish()
+        finally:
+            self._phase.stop()
+
+    def _finish(self) -> Captured:
         self._end()
         trace = self.recording._trace
         live = self._live()
@@ -260,6 +270,7 @@ class Capture:
         targets = [outputs[w] for w in wanted]
         avals = [_aval(targets[i][0]._tpu_array) for i in range(len(wanted))]
         written = {id(st) for sts in targets for st in sts}
+        read_forms.apply(trace.nodes)
         build = spanning.replay if self._spmd is not None else fused_program.replay
         run = build(tuple(trace.nodes), wanted)
         replay, baked, sources = _baked(run, sources)
@@ -270,8 +281,7 @@ class Capture:
             if start is None and isinstance(value, Pending):
                 # Created by the capture: zeros until a replay writes it, so that a later
                 # capture (a backward after a forward) reads it as an input of its shape.
-                start = launch.run(None, tensors.zeros_program(tuple(value.shape),
-                                                               np.dtype(value.dtype)), ())
+                start = constants.zeros(tuple(value.shape), np.dtype(value.dtype))
             if isinstance(start, jax.Array) and not start.committed:
                 # The program's outputs are committed to the device: an uncommitted input
                 # (from jnp.zeros, say) would make the second replay compile again.
@@ -282,12 +292,12 @@ class Capture:
         else:
             # Keyed by what was recorded, so that a new process loads the executable without
             # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
-            key = warm.key_of("captured", trace.nodes, wanted, donate, baked,
+            key = warm_keys.key_of("captured", trace.nodes, wanted, donate, baked,
                               *((packed,) if packed else ()))
             fn = _program(replay, donate, key)
         facts.save()
         metrics.count("captures")
-        return Captured(fn, ReplayIO(sources, targets, avals), len(trace.nodes))
+        return Captured(fn, ReplayIO(sources, targets, avals), len(trace.nodes), donate)
 
     def _sources(self, inputs: list, live: list) -> list:
         by_array = {id(start): st for st, start in live if isinstance(start, jax.Array)}
@@ -383,12 +393,22 @@ def _donations(sources: list, written: set, avals: list) -> tuple:
     return tuple(donate)
 
 
+def _copy_lent(args: list, donate: tuple) -> None:
+    """A copy in place of each donated argument whose buffer is lent (``ownership.lend``: the
+    source of a value computed later, a lazy cast's or a held product's of a parameter): the
+    lender reads it after the replay, which would have deleted it."""
+    for i in donate:
+        if id(args[i]) in ownership.lent:
+            args[i] = tensors.fresh_copy(args[i])
+
+
 class Captured:
     """A captured program bound to the storages it reads and writes."""
 
-    def __init__(self, fn, io: ReplayIO, ops: int) -> None:
+    def __init__(self, fn, io: ReplayIO, ops: int, donate: tuple = ()) -> None:
         self._fn = fn
         self._io = io
+        self._donate = donate  # the argument positions whose buffers the program reuses
         self.ops = ops  # recorded calls in the program
         self._label = f"captured_graph[{ops} ops]"
 
@@ -407,6 +427,8 @@ class Captured:
             raise CaptureError("torchtpu.capture: replay() inside a graph capture; captures do "
                                "not nest")
         args = self._io.arguments(bind)
+        if ownership.lent:
+            _copy_lent(args, self._donate)
         metrics.count("executions")
         if self._io.fed:
             metrics.count("fed_transfers", self._io.fed)

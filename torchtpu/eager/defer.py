@@ -11,9 +11,12 @@ mode: ``.item()``, ``.cpu()``, printing, ``bool()``, also of a value already run
 first op recorded after an optimizer step (``torch.optim``'s global step hook), before a call
 whose output shape depends on values (``x[mask]``, not ``x[idx]``: see ``data_dependent_shape``
 in ``lowering/registry.py``), at ``torch.tpu.synchronize()``, when the recording reaches
-``MAX_OPS`` ops and when the mode is left.
+``MAX_OPS`` ops and when the mode is left; also at backward's start (``Recorder._split``), so the
+device runs the forward while the host records the rest (``TORCHTPU_DEFER_SPLIT=0``: not).
 The fused program is cached by the recording's structure (programs called and how their values
 connect), which outputs are still alive and which inputs are donated; JAX adds the input shapes.
+A new process finds it by the same facts in the persistent cache, without tracing or lowering
+it (``fused_program.keyed``).
 A training loop therefore records the same structure each step and reuses one program: provided
 each step's recording starts at the same op. The size bound cuts wherever it falls, so a loop
 whose flushes are not at its step's ends would be cut at a different op every step (a new program
@@ -44,6 +47,7 @@ The executor that records into this module's ``RECORDER`` is ``defer_executor.De
 from __future__ import annotations
 
 import math
+import os
 import threading
 import warnings
 import weakref
@@ -56,10 +60,18 @@ from jax._src.array import ArrayImpl
 from torchtpu import metrics
 from torchtpu.device import launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import facts, frozen, fused_program, numbers
-from torchtpu.runtime import warm
+from torchtpu.eager import defer_split, frozen, fused_program, numbers, read_forms
+from torchtpu.eager.defer_signatures import abstract as _abstract
+from torchtpu.eager.defer_signatures import outputs as _outputs
+from torchtpu.eager.defer_signatures import signature as _signature
+from torchtpu.runtime import warm_keys
 
 MAX_OPS = 4000
+# Split at backward's start (``Recorder._split``) after this many calls outside it: the v5e chip
+# ran the 12-block Llama step in 93.1 ms split, 116.4 ms as one program (bench/RESULTS.md, session
+# 35). ``TORCHTPU_DEFER_SPLIT=0``: never (one program a step, fewer live buffers between them).
+SPLIT_CALLS = 64
+SPLIT_MIN_OPS = math.inf if os.environ.get("TORCHTPU_DEFER_SPLIT", "1") == "0" else SPLIT_CALLS
 SPARE_MIN_BYTES = 1 << 16
 _NUMBERS = (float, int, bool)
 _SEQUENCES = (list, tuple)
@@ -77,7 +89,7 @@ _astypes: dict = {}
 def _astype(dtype):
     fn = _astypes.get(dtype)
     if fn is None:
-        fn = _astypes[dtype] = warm.named(jax.jit(lambda x: x.astype(dtype)), "astype", dtype)
+        fn = _astypes[dtype] = warm_keys.named(jax.jit(lambda x: x.astype(dtype)), "astype", dtype)
     return fn
 
 
@@ -145,11 +157,21 @@ class Pending(ownership.Deferred):
         return f"Pending({state}, shape={self.shape}, dtype={self.dtype})"
 
 
+def _now(fn, args: tuple):
+    """fn(*args) run at once, its pending arguments computed first (``Recorder.making``)."""
+    args = jax.tree_util.tree_map(
+        lambda a: a.materialize() if a.__class__ is Pending else a, args)
+    return launch.run(None, fn, args)
+
+
 class _Trace:
     """One recording: calls, their inputs from outside, and weak references to their outputs."""
 
-    def __init__(self, recorder: Recorder) -> None:
+    def __init__(self, recorder: Recorder, start: int = 0) -> None:
         self.recorder = recorder
+        self.start = start       # its first call's place in the step (``Recorder.split``)
+        self.carried = 0         # calls at its head that a split recomputes (``defer_split``)
+        self.outside = 0         # calls recorded outside backward since the last inside it
         self.nodes: list = []    # (fn, args treedef or None, refs)
         self.outs: list = []     # per node, weakrefs to its Pending outputs
         self.inputs: list = []   # arrays and numbers from outside the recording
@@ -158,7 +180,7 @@ class _Trace:
     def input(self, x) -> int:
         # The same array used twice is one input; numbers and host arrays are never merged,
         # so the recording's structure does not depend on which equal numbers Python shares.
-        if isinstance(x, jax.Array):
+        if x.__class__ is ArrayImpl or isinstance(x, jax.Array):
             i = self._array_ids.get(id(x))
             if i is not None:
                 return i
@@ -166,54 +188,31 @@ class _Trace:
         self.inputs.append(x)
         return len(self.inputs) - 1
 
-
-# Argument signatures (a shape, dtype and weak type; a Python number's type) by number: a
-# recorded call's key holds small ints, cheap to hash, where tuples of NumPy dtypes were hashed
-# at every op. Facts, shared by every recorder (captures too).
-_SIG_NUMBERS: dict = {}
-_SIGS: list = []
-_sig_lock = threading.Lock()
-
-
-def _number_of(sig) -> int:
-    n = _SIG_NUMBERS.get(sig)
-    if n is None:
-        with _sig_lock:
-            n = _SIG_NUMBERS.get(sig)
-            if n is None:
-                n = _SIG_NUMBERS[sig] = len(_SIGS)
-                _SIGS.append(sig)
-    return n
-
-
-def _signature(x) -> int:
-    if x.__class__ is ArrayImpl:
-        aval = x.aval  # without the shape and dtype properties' Python steps
-        return _number_of((aval.shape, aval.dtype, aval.weak_type))
-    if isinstance(x, (bool, int, float, complex)):
-        return _number_of(type(x))
-    return _number_of((tuple(x.shape), np.dtype(x.dtype), getattr(x, "weak_type", False)))
-
-
-def _abstract(n: int):
-    sig = _SIGS[n]
-    if isinstance(sig, type):
-        return sig(0)
-    return jax.ShapeDtypeStruct(sig[0], sig[1], weak_type=sig[2])
-
-
-def _outputs(fn, tree, sig: tuple, call_args) -> tuple:
-    """(per output (shape, dtype, weak type, signature number), out tree, whether single)."""
-    avals, out_tree, single = facts.shapes(fn, tree, tuple(_SIGS[n] for n in sig), call_args)
-    outs = tuple((a.shape, a.dtype, a.weak_type, _number_of((a.shape, a.dtype, a.weak_type)))
-                 for a in avals)
-    return outs, out_tree, single
+    def refs(self, items: list) -> tuple:
+        """Where each of a list call's items comes from: a pending one's (node, leaf), else
+        its ``input`` position (its common case, a computed array, inline: an optimizer's
+        lists bring ~900 a step)."""
+        ids, inputs, out = self._array_ids, self.inputs, []
+        for a in items:
+            kind = a.__class__
+            if kind is Pending:
+                out.append((a._node, a._leaf))
+            elif kind is ArrayImpl:
+                i = ids.get(id(a))
+                if i is None:
+                    i = ids[id(a)] = len(inputs)
+                    inputs.append(a)
+                out.append(i)
+            else:
+                out.append(self.input(a))
+        return tuple(out)
 
 
 class Recorder:
     """The process's recording; thread-safe, since backward runs on PyTorch's autograd thread."""
 
     max_ops = MAX_OPS
+    split_min_ops = SPLIT_MIN_OPS  # math.inf: never split at backward's start
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -224,7 +223,14 @@ class Recorder:
         self._step_over = False  # an optimizer step ended since the last flush
         self.freezer = frozen.Freezer()
         self.owner: int | None = None  # the thread that entered the mode (its loop reads)
+        # The thread making an optimizer's state (``DeferAndFuse.adopt``), or 0: its calls run
+        # at once, as with no recorder; the other threads' record.
+        self.making = 0
         self._warned_threads = False
+
+    def set_making(self, thread: int) -> None:
+        """thread (0: none) makes an optimizer's state (``DeferAndFuse.adopt``)."""
+        self.making = thread
 
     def _warn_other_thread(self) -> None:
         """Once: ops of a thread other than the owner (outside backward, which PyTorch's
@@ -242,19 +248,22 @@ class Recorder:
         """Append fn(*args) to the recording; its outputs as Pending values, in fn's structure."""
         # Every op of a deferred step comes here (~1,700 a 12-layer Llama step): its steps are
         # the fewest that keep the key exact.
+        if self.making and self.making == threading.get_ident():
+            return _now(fn, args)
         tree = None
         for a in args:
             if a.__class__ in _SEQUENCES:
                 args, tree = jax.tree_util.tree_flatten(args)
                 break
         # (Backward's ops, on PyTorch's autograd thread, are in a graph task: no call.)
+        inside = _graph_task_id() != -1
         if self.owner is not None and not self._warned_threads \
-                and threading.get_ident() != self.owner and _graph_task_id() == -1:
+                and threading.get_ident() != self.owner and not inside:
             self._warn_other_thread()
         with self._lock:
-            if self._step_over:
-                self.flush()
+            self._begin(inside)
             trace = self._trace
+            trace.outside = 0 if inside else trace.outside + 1
             refs, sig = [], []
             for a in args:
                 if a.__class__ is Pending:
@@ -291,6 +300,78 @@ class Recorder:
                 self.flush()
             return out_tree.unflatten(ps)
 
+    def in_order(self) -> bool:
+        """Whether a call on this thread records without the warning of ``record`` (the mode's
+        thread, or backward's, or a thread warned of already)."""
+        return self.owner is None or self._warned_threads \
+            or threading.get_ident() == self.owner or _graph_task_id() != -1
+
+    def append(self, trace: _Trace, fn, items: list, out: tuple) -> Pending | None:
+        """``record`` of a call whose output is known (``defer_replay``): fn over items (each
+        a value pending in trace, an array or a number), its one output ``out`` as ``_outputs``
+        gives it; None where trace is no longer the recording (a flush in between or due)."""
+        with self._lock:
+            node = self._node(trace, fn, None, items)
+            if node is None:
+                return None
+            p = Pending(out, trace, node, 0)
+            trace.outs.append((weakref.ref(p),))
+            if node + 1 >= self.max_ops:
+                self.flush()
+            return p
+
+    def append_many(self, trace: _Trace, fn, tree, items: list, outs: tuple) -> list | None:
+        """``append`` of a call over lists (``defer_replay_lists``): fn over items flattened as
+        tree, its outputs ``outs``; their pending values, or None as ``append``'s."""
+        with self._lock:
+            node = self._node(trace, fn, tree, items)
+            if node is None:
+                return None
+            ps = [Pending(out, trace, node, i) for i, out in enumerate(outs)]
+            trace.outs.append([weakref.ref(p) for p in ps])
+            if node + 1 >= self.max_ops:
+                self.flush()
+            return ps
+
+    def _node(self, trace: _Trace, fn, tree, items: list) -> int | None:
+        inside = _graph_task_id() != -1
+        if self._trace is not trace or self._step_over \
+                or inside and trace.outside >= self.split_min_ops:
+            return None
+        trace.outside = 0 if inside else trace.outside + 1
+        trace.nodes.append((fn, tree, trace.refs(items)))
+        return len(trace.nodes) - 1
+
+    def begin(self) -> None:
+        """The flush due before this thread's next recorded call, if any (``record``'s)."""
+        with self._lock:
+            self._begin(_graph_task_id() != -1)
+
+    def _begin(self, inside: bool) -> None:
+        # inside: the call is backward's (in an autograd graph task)
+        if self._step_over:
+            self.flush()
+        elif inside and self._trace.outside >= self.split_min_ops:
+            self._split()
+
+    def place(self) -> int:
+        """The next recorded call's place: calls since the last flush other than a split."""
+        trace = self._trace
+        return 0 if self._step_over else trace.start + len(trace.nodes)
+
+    def _split(self) -> None:
+        """Backward's first call after ``split_min_ops`` calls outside it: the device runs the
+        forward while the host records the rest of the step (a loop reading its loss waits for
+        the forward alone); its cheap live values are recomputed by the rest (``defer_split``).
+        The same call every step: the same two programs. An unbounded recording
+        (``torch_xla.compile``'s, a capture's) is one program. Places go on."""
+        trace = self._trace
+        if math.isinf(self.max_ops):
+            trace.outside = 0
+            return
+        defer_split.split(self, trace, Pending)
+        metrics.count("deferred_splits")
+
     def _alive(self, trace: _Trace) -> tuple[list, tuple]:
         targets, wanted = [], []
         for n, refs in enumerate(trace.outs):
@@ -313,8 +394,8 @@ class Recorder:
             metrics.count("deferred_ops", len(trace.nodes))
             # Python numbers enter as kept device arrays (``numbers.py``), each otherwise a
             # host-to-device transfer at every launch (AdamW's lists: ~2 a parameter a step).
-            inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x
-                      for x in fused_program.committed(trace.inputs)]
+            inputs, placed = fused_program.committed(trace.inputs)
+            inputs = [numbers.cached(x) if x.__class__ in _NUMBERS else x for x in inputs]
             trace.inputs = None
             n_inputs = len(inputs)
             # A result the recording reads is an input (donated there if nothing else holds it).
@@ -322,17 +403,19 @@ class Recorder:
             self._spares = []
             if not targets:
                 return
-            donate = fused_program.donatable(inputs, targets, spares)
+            donate = fused_program.donatable(inputs, targets, spares, placed)
             spares = None  # the spares no output reuses are freed before the program runs
             key = (tuple(trace.nodes), wanted, donate)
             entry = self._programs.get(key)
             if entry is None:
                 order = (fused_program.in_place_order(key[0], wanted, targets, inputs, donate)
                          if donate else range(len(targets)))
-                # keep_unused: the appended spares are parameters only so that XLA can alias them.
-                fused = jax.jit(fused_program.replay(key[0], tuple(wanted[j] for j in order)),
-                                donate_argnums=donate, keep_unused=True)
-                entry = self._programs[key] = (fused, order)
+                # The forms its calls' readers ask of them (``read_forms``), as a capture's; once
+                # a program: the key is the recording as made.
+                nodes = list(key[0])
+                read_forms.apply(nodes)
+                entry = self._programs[key] = (fused_program.keyed(
+                    tuple(nodes), tuple(wanted[j] for j in order), donate), order)
             else:
                 self.freezer.steady(len(key[0]))
             fused, order = entry
@@ -371,7 +454,16 @@ class Recorder:
         the rest of its step would otherwise open the next step's recording, cutting each step at
         another op). A read on another thread (a step closure's worker reading a finished step
         while this one records the next) leaves the recording alone."""
-        if threading.get_ident() == self.owner:
+        if threading.get_ident() == self.owner and not self.making:
+            self.flush()
+
+    def precision_changed(self) -> None:
+        """The matmul precision is about to change (``torch.tpu.set_precision``, ``precision``):
+        a program computes at the precision current where it is traced, the flush's, so what
+        was recorded runs now, at its own (a product recorded inside ``precision(HIGHEST)`` ran
+        at the default after the block). An unbounded recording (a ``torch_xla.compile``
+        region's, a capture's) is one program: its owner's precision is the one at its end."""
+        if not math.isinf(self.max_ops):
             self.flush()
 
     def step_ended(self) -> None:
@@ -386,6 +478,15 @@ class Recorder:
         """Drop the kept results (their buffers are freed once nothing else holds them)."""
         with self._lock:
             self._spares = []
+
+    def pending_key(self) -> tuple | None:
+        """What names the program the pending recording will run (its calls, how they are wired
+        and the signatures of its inputs), None when nothing is pending: equal keys, one program."""
+        with self._lock:
+            trace = self._trace
+            if not trace.nodes:
+                return None
+            return tuple(trace.nodes), tuple(_signature(x) for x in trace.inputs)
 
     def pending_hlo(self) -> str:
         """The pending recording as StableHLO text (empty when nothing is pending)."""

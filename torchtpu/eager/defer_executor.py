@@ -2,14 +2,15 @@
 which holds the recording, its pending values and the flush) instead of run.
 
 An optimizer step ends a recording (its hooks), and an optimizer's first step makes its state
-outside the recording (``adopt``). Entering the mode starts recording on the entering thread;
-leaving it runs what is recorded.
+outside the recording (``adopt``): the thread making it runs its calls at once, every other
+thread (and PyTorch's autograd thread) goes on recording. Entering the mode starts recording on
+the entering thread; leaving it runs what is recorded.
 """
 
 from __future__ import annotations
 
 import math
-import threading
+from threading import get_ident
 
 import torch
 from torch.optim.optimizer import (
@@ -18,17 +19,19 @@ from torch.optim.optimizer import (
 )
 
 from torchtpu.device.hooks import HOOKS
+from torchtpu.eager import defer_replay
 from torchtpu.eager.defer import RECORDER, Pending
 from torchtpu.eager.executor import Strict
 from torchtpu.eager.program import Spec, program
 from torchtpu.lowering.registry import Lowering
 
 
-def _concrete(x):
+def concrete(x):
+    """x (a call's value, or a list or tuple of them) with its pending values run and read."""
     if isinstance(x, Pending):
         return x.materialize()
     if isinstance(x, (list, tuple)):
-        return type(x)(_concrete(v) for v in x)
+        return type(x)(concrete(v) for v in x)
     return x
 
 
@@ -43,11 +46,13 @@ class DeferAndFuse(Strict):
 
     def __init__(self) -> None:
         self._step_hooks: tuple = ()
-        self._outside = False  # an optimizer's state is being made: ops run as Strict runs them
         self._initializing = None  # the optimizer whose ``_init_group`` is wrapped
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
+        # The thread making an optimizer's state (``adopt``, ``Recorder.making``) runs its calls
+        # as Strict runs them. Only it: another thread's calls read values pending in the
+        # recording, which Strict's programs cannot take (a ValueError from JAX).
+        if RECORDER.making and RECORDER.making == get_ident():
             return super().run(lowering, spec, dyn)
         # ``program``'s lookup, inline: every recorded op call comes here.
         found = spec._program
@@ -55,11 +60,11 @@ class DeferAndFuse(Strict):
                                else program(lowering, spec), dyn)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        if self._outside:
+        if RECORDER.making and RECORDER.making == get_ident():
             return super().run_concrete(lowering, spec, dyn)
         # The output shape needs the input values: run what is pending first.
         RECORDER.flush()
-        return super().run_concrete(lowering, spec, _concrete(dyn))
+        return super().run_concrete(lowering, spec, concrete(dyn))
 
     def adopt(self, opt: torch.optim.Optimizer) -> None:
         """At opt's first step (a parameter with a gradient and no state): its state is made
@@ -71,12 +76,15 @@ class DeferAndFuse(Strict):
             return
 
         def init_group(*args, **kwargs):
-            self._outside, HOOKS.deferrer = True, None
+            # The recording stays the process's: only this thread's calls (its view reads and
+            # writes too: ``Recorder.making``) run at once; nothing replays meanwhile.
+            RECORDER.set_making(get_ident())
+            defer_replay.stop()
             try:
                 return original(*args, **kwargs)
             finally:
-                self._outside = False
-                self.start_recording()
+                RECORDER.set_making(0)
+                defer_replay.start()
 
         opt._init_group = init_group  # (an instance attribute: the class's stays as it is)
         self._initializing = opt
@@ -90,12 +98,13 @@ class DeferAndFuse(Strict):
     def _step_starts(self, optimizer, args, kwargs) -> None:
         # Not in an unbounded recording (a ``torch_xla.compile`` region's, whose body must run
         # no program before its end).
-        if HOOKS.deferrer is RECORDER and threading.get_ident() == RECORDER.owner \
+        if HOOKS.deferrer is RECORDER and get_ident() == RECORDER.owner \
                 and not math.isinf(RECORDER.max_ops):
             self.adopt(optimizer)
 
     def _step_ended(self, optimizer, args, kwargs) -> None:
-        self.forget_adopted()
+        if get_ident() == RECORDER.owner:  # (another thread's step leaves the owner's adopted)
+            self.forget_adopted()
         if HOOKS.deferrer is RECORDER:
             RECORDER.step_ended()
 
@@ -118,10 +127,12 @@ class DeferAndFuse(Strict):
         """Ops record from here on; this thread's host reads flush."""
         HOOKS.deferrer = RECORDER
         RECORDER.own()
+        defer_replay.start()
 
     def stop_recording(self) -> None:
         """Run what is recorded and drop the kept results."""
         HOOKS.deferrer = None
+        defer_replay.stop()
         RECORDER.flush()
         RECORDER.release_spares()
         RECORDER.unfreeze()

@@ -21,7 +21,7 @@ from torch._decomp import decomposition_table
 
 from torchtpu import errors
 from torchtpu.device import dtypes, kernels, overlap, tensors
-from torchtpu.device.hooks import HOOKS
+from torchtpu.device.hooks import HOOKS, MISS
 from torchtpu.eager import (
     at_call,
     fallback,
@@ -34,7 +34,6 @@ from torchtpu.eager import (
 )
 from torchtpu.eager.calls import compute, compute_unknown_shape, plan, run_seen, traced_arguments
 from torchtpu.eager.lazy_casts import computed
-from torchtpu.eager.seen_calls import signature
 from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
 
@@ -54,37 +53,36 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
     repeatable = not keyed or callable(lowering.random)
     # A call over tensor lists (``_foreach_norm``, ``cat``) is kept as ``seen_lists`` keeps them.
     lists = _reads_lists(op)
-    key_of, reads_of, read = (seen_lists.functional(oi, traced_arguments(op, lowering)) if lists
-                              else (signature, None, None))
+    traced = traced_arguments(op, lowering) if lists else frozenset()
+    lookup, reads_of = (seen_lists.functional(oi, traced, not lowering.donates) if lists
+                        else (None, seen_calls.reads_of))
+    # Bound as ``schema.bind`` binds a call of positional arguments (its common case, inline:
+    # a frame and a ``len`` a call fewer); a functional op has no out= arguments.
+    optional_from, defaults = oi.optional_from, oi.defaults
 
     def handle(args, kwargs):
-        values, _ = schema.bind(oi, args, kwargs)
+        n = len(args)
+        values = [*args, *defaults[n:]] if not kwargs and n >= optional_from \
+            else schema.bind(oi, args, kwargs)[0]
         if lowering.data_dependent_shape and lowering.shape_depends_on_values(values):
             return compute_unknown_shape(lowering, oi, values)
-        hit = key = None
+        key = None
         if repeatable and HOOKS.capture is None and not (keyed and lowering.draws_key(values)):
-            try:
-                key = key_of(values)
-                hit = seen.get(key)
-            except (TypeError, AttributeError):  # unhashable, or a None among tensors
-                hit, key = False, None
-            if hit:
-                found = (read or seen_calls.read)([None, *values] if keyed else values, hit)
-                if found is not None:
-                    kept, dyn = found
-                    out = run_seen(lowering, kept, values, dyn)
-                    wrap = kept.wrap
-                    if wrap is None:
-                        wrap = kept.wrap = results.wrapper(kept.result)
-                    out = None if out is None else wrap(out)
-                    return list(out) if returns_list else out
+            key, found = (lookup or seen_calls.lookup)(values, seen, keyed)
+            if found is not None:
+                kept, dyn = found
+                out = run_seen(lowering, kept, values, dyn)
+                wrap = kept.wrap
+                if wrap is None:
+                    wrap = kept.wrap = results.wrapper(kept.result)
+                out = None if out is None else wrap(out)
+                return list(out) if returns_list else out
         result, spec = plan(op, lowering, oi, values)
         # A signature holds every tensor's strides, which decide a laid-out result's layout
         # (channels-last, SDPA's output in its query's order): its wrapper lays it out again.
         # One read another way than the signature's remembered calls (a view where they read
         # whole arrays) is kept beside them.
-        reads = None if hit is False or key is None \
-            else (reads_of or seen_calls.reads_of)(spec, [None, *values] if keyed else values)
+        reads = None if key is None else reads_of(spec, [None, *values] if keyed else values)
         out = results.wrapped(compute(lowering, spec, values), result)
         if reads is not None:
             if lists:
@@ -93,6 +91,16 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
                 seen_calls.remember(seen, key, reads, result, spec)
         return list(out) if returns_list else out
 
+    # Whether a call's path is a function of its arguments alone (``defer_replay``): a random
+    # op's that drew no key (SDPA without dropout), whose rule reads only what the replay
+    # checks (the call's signature: ``registry``'s ``random``), and which is kept only where
+    # no node took a key.
+    handle.replayable = not (keyed and not callable(lowering.random) or lists or returns_list
+                             or lowering.data_dependent_shape)
+    # A list call's, where its path is a function of its arguments' facts and the bound
+    # arguments' traced positions and defaults (``defer_replay_lists``).
+    handle.lists = (traced, oi.defaults, ()) if lists and not keyed \
+        and not lowering.data_dependent_shape else None
     return handle
 
 
@@ -179,7 +187,7 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
         reads = None
         if seen_key is not None:  # how the twin reads, before it runs (see ``seen_calls``)
             spec = plan(functional, repeat, foi, values, _final(final), key)[1]
-            reads = seen_lists.reads_of(spec, values, oi.written)
+            reads = seen_lists.reads_of(spec, values, oi.written, casts=not repeat.donates)
         arrays = schema.flatten(compute_functional(foi, values, final, key))
         if reads is not None and seen_lists.storable(flat, arrays):
             seen_lists.remember(seen, seen_key, spec, reads)
@@ -187,6 +195,9 @@ def _mutating_handler(op: OpOverload, functional: OpOverload, compute_functional
             tensors.write(t, kernels.convert(a, t))
         return schema.returns(op, targets)
 
+    # An in-place list call on ``seen_lists``' short path is replayed as that path leaves it
+    # (``defer_replay_lists``).
+    handle.lists = (traced, oi.defaults, oi.written) if repeat is not None else None
     return handle
 
 
@@ -343,8 +354,17 @@ def kernel(op: OpOverload, *args, **kwargs):
     way it ends at the user's line, one error with no chain, as on CPU; TORCHTPU_DEBUG=1 keeps
     torchtpu's frames and, for CPU's error, ours as its cause.
     """
+    replay = HOOKS.replay
+    if replay is not None:  # DeferAndFuse records: a call repeating a kept one is appended
+        out = replay.repeat(op, args, kwargs)
+        if out is not MISS:
+            return out
+        mark = replay.mark(op, args)
     try:
-        return (op.__dict__.get(_HANDLER) or handler(op))(args, kwargs)
+        out = (op.__dict__.get(_HANDLER) or handler(op))(args, kwargs)
+        if replay is not None:
+            replay.keep(op, args, kwargs, out, mark)
+        return out
     except Exception as e:
         # Debug's NaN report is about values, which CPU would not refuse; a device out of
         # memory is no error of the call's (and a CPU copy would take as much host memory).

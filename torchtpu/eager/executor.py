@@ -7,6 +7,8 @@ checked before, by the dispatcher, in every mode). DeferAndFuse lives in ``eager
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import sys
 import types
@@ -24,6 +26,20 @@ from torchtpu.eager.program import Spec, cast_outputs, held, one_pointwise_input
 from torchtpu.lowering.registry import Lowering
 
 
+def _hold(owner: Strict, lowering: Lowering, spec: Spec, fn, read, count: int, dyn: tuple):
+    """Strict's (``owner``'s) held value of a pointwise call of ``count`` tensors
+    (``lazy_casts.lazy_op`` for one, ``held_call`` for several; the call's traced numbers as
+    device arrays), or None to launch it: where ``owner.lazy_ops`` is off (a test may switch it
+    at any time) or the call is not held."""
+    if not owner.lazy_ops:
+        return None
+    if len(dyn) > count:
+        dyn = numbers.on_device(spec, dyn)
+    if count > 1:
+        return lazy_casts.held_call(owner, lowering, spec, fn, count, dyn)
+    return lazy_casts.lazy_op(owner, lowering, spec, fn, read, dyn)
+
+
 class Strict:
     """One op at a time, asynchronously: each call runs its cached program and returns at once."""
 
@@ -34,7 +50,7 @@ class Strict:
     lazy_ops = True
 
     def run(self, lowering: Lowering, spec: Spec, dyn: tuple):
-        metrics.count("executions")
+        metrics.count_execution()
         # Every op call comes here: the spec's program and number slots, once known, are read
         # off it without a call each.
         found = spec._program
@@ -42,10 +58,7 @@ class Strict:
         if self.lazy_ops:
             read, count = one_pointwise_input(lowering, spec)
             if read is not False:
-                # (Traced numbers go with the held call as device arrays.)
-                lazy = lazy_casts.lazy_op(
-                    lowering, spec, numbers.on_device(spec, dyn) if len(dyn) > count else dyn,
-                    fn, read, count)
+                lazy = _hold(self, lowering, spec, fn, read, count, dyn)
                 if lazy is not None:
                     return lazy
         slots = spec._scalars
@@ -62,14 +75,34 @@ class Strict:
 
     def launcher(self, lowering: Lowering, spec: Spec):
         """The program a call of spec runs, where ``run`` would do nothing but launch it on
-        the call's arrays as they are (no value held, no numbers to keep, no casts to settle);
-        else None. Asked once per remembered call (``seen_calls``) and executor: what decides
-        is the spec's, and an executor that runs calls another way answers None."""
-        if type(self).run is not Strict.run or spec.keeps or numbers.scalar_slots(spec):
+        the call's arrays as they are and settle the kept casts it reads (``spec.keeps``: the
+        caller settles them, ``lazy_casts.settle``): no value held, no numbers to keep; else
+        None. Asked once per remembered call (``seen_calls``) and executor: what decides is
+        the spec's, and an executor that runs calls another way answers None."""
+        if type(self).run is not Strict.run or numbers.scalar_slots(spec):
             return None
         if one_pointwise_input(lowering, spec)[0] is not False:
             return None  # it may be held (``lazy_ops``, which a test may switch at any time)
         return held(lowering, spec)[2]  # called as ``run`` calls it
+
+    def holder(self, lowering: Lowering, spec: Spec):
+        """For a call of spec that ``run`` first tries to hold (a pointwise call: ``lazy_ops``),
+        a function of the call's arrays giving its held value, or None where ``run`` would
+        launch it (``lazy_ops`` off, or the call not held: see ``lazy_casts.lazy_op``); else
+        None. Asked once per remembered call and executor, as ``launcher``."""
+        if type(self).run is not Strict.run:
+            return None
+        read, count = one_pointwise_input(lowering, spec)
+        if read is False:
+            return None
+        fn = held(lowering, spec)[2]
+        if numbers.scalar_slots(spec):
+            # (``_hold`` itself, a frame a held call fewer than a method calling it.)
+            return functools.partial(_hold, self, lowering, spec, fn, read, count)
+        # No traced number to send (``len(dyn) == count``): ``_hold``'s pick, made now (a
+        # frame a held call fewer, ~850 a 12-layer Llama step).
+        return functools.partial(lazy_casts.held_call, self, lowering, spec, fn, count) \
+            if count > 1 else functools.partial(lazy_casts.lazy_op, self, lowering, spec, fn, read)
 
     def run_concrete(self, lowering: Lowering, spec: Spec, dyn: tuple):
         """A call whose output shapes depend on values: run on concrete arrays, op by op."""
@@ -161,8 +194,9 @@ _current: list = [Strict()]
 _current[0].enter()
 
 
-def current() -> Strict:
-    return _current[0]
+# ``current()``: the current executor. Asked at every op call (~1,200 a 12-layer Llama step), so
+# a C callable (the list's item 0), not a Python frame; ``set_current`` replaces the item.
+current = functools.partial(operator.getitem, _current, 0)
 
 
 def set_current(executor: Strict) -> None:

@@ -112,7 +112,19 @@ def cpu_error(op: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Exception
     except Exception:  # the inputs themselves cannot be read: nothing to compare with
         return None
     exc = ask_cpu(op, cpu_args, cpu_kwargs)
-    return None if exc is None or str(exc).startswith("torchtpu.") else exc
+    if exc is None or str(exc).startswith("torchtpu.") or _stub_refused(op, exc):
+        return None
+    return exc
+
+
+def _stub_refused(op: torch._ops.OpOverload, exc: Exception) -> bool:
+    """Whether exc is a device-only op's stub refusing any call on CPU (no CPU kernel of its
+    own; the composite raises NotImplementedError: SDPA's overrideable op, "not implemented ...
+    for privateuse1 backends"): no verdict on the call's arguments, and shown instead of the tpu
+    error it hid why the call failed. A kernel's own NotImplementedError (a dtype it does not
+    take: ``bincount`` of floats) is one."""
+    return isinstance(exc, NotImplementedError) and \
+        not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), "CPU")
 
 
 def ask_cpu(op: torch._ops.OpOverload, args: tuple | list, kwargs: dict) -> Exception | None:
@@ -131,8 +143,25 @@ def _raised(op: torch._ops.OpOverload, args, kwargs: dict) -> Exception | None:
     try:
         op(*args, **kwargs)
     except Exception as exc:
-        return exc
+        return _without_frames(exc)
     return None
+
+
+def _without_frames(exc: Exception) -> Exception:
+    """exc, and the exceptions it chains to, without their tracebacks: CPU's answer is its type
+    and words. A traceback holds the frames it passed, and those hold their callers' up to the
+    user's (the call's tensors among their locals); a caller keeping the answer in a local
+    (``refusals._dtypes_refused``) closed a cycle through them, so a call's values lived on
+    until the collector's next pass, and which of a DeferAndFuse recording's outputs were alive
+    at its flush (part of its program's key) depended on when that came."""
+    todo, seen = [exc], set()
+    while todo:
+        e = todo.pop()
+        if e is not None and id(e) not in seen:
+            seen.add(id(e))
+            e.__traceback__ = None
+            todo += (e.__cause__, e.__context__)
+    return exc
 
 
 def run_on_cpu(op: torch._ops.OpOverload, args: tuple, kwargs: dict):

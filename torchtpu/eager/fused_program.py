@@ -4,7 +4,8 @@
 ``donatable`` picks the inputs (and kept spare buffers) whose buffers the program may take, and
 ``in_place_order`` orders the outputs so that each donated input's buffer goes to the output that
 updates it, which JAX pairs by shape in argument order. ``committed`` places the arrays an earlier
-program left uncommitted.
+program left uncommitted. ``keyed`` is the jitted program, known in a new process by what it
+traces, so that a warm cache loads its executable without tracing or lowering it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import sys
 
 import jax
 from jax._src.array import ArrayImpl
+
+from torchtpu.runtime import warm_dispatch, warm_keys
 
 
 def replay(nodes: tuple, wanted: tuple):
@@ -31,28 +34,58 @@ def replay(nodes: tuple, wanted: tuple):
     return defer_and_fuse
 
 
-def committed(inputs: list) -> list:
-    """inputs, with the arrays that are not committed to a device committed to the device of the
-    others. JAX commits no result that depends on no input (a ``zero_``'s, a fill's), and a program
-    keys its executable by its inputs' commitment: an optimizer's first step, reading the zeros
-    its state starts as, would compile again at the next step, reading its own results."""
-    loose = [i for i, x in enumerate(inputs) if x.__class__ is ArrayImpl and not x.committed]
+def keyed(nodes: tuple, outs: tuple, donate: tuple):
+    """replay(nodes, outs) jitted, donating donate, called through JAX's per-signature dispatch
+    whose misses load the executable by key when a warm cache has it (``warm_dispatch``).
+
+    The key names every fact the trace depends on: each call's program (its ``warm_keys.named``
+    parts: op, spec, view geometry), its argument structure and where each argument comes from
+    (an input's position, an earlier call's output), the outputs in program order and the
+    donated positions; ``warm.compiled_for`` adds each input's shape, dtype and weak type, the
+    JAX settings, the compiler options and the fingerprint (versions, torchtpu's source). A
+    number a call takes is either its spec's constant (in the parts) or an input of the program
+    (``numbers.py``). A recording naming a program with no stable form (a closure) has no key:
+    jit traces it in every process.
+    """
+    # keep_unused: the appended spares are parameters only so that XLA can alias them.
+    jitted = jax.jit(replay(nodes, outs), donate_argnums=donate, keep_unused=True)
+    return warm_dispatch.dispatched(warm_keys.named(jitted, "deferred", nodes, outs, donate))
+
+
+def committed(inputs: list) -> tuple[list, frozenset]:
+    """(inputs, with the arrays that are not committed to a device committed to the device of
+    the others; the positions so placed). JAX commits no result that depends on no input
+    (``torch.randn``'s), and a program keys its executable by its inputs' commitment: an
+    optimizer's first step, reading the zeros its state starts as, would compile again at the
+    next step, reading its own results. A placed array is a new object over the same buffer:
+    where something outside the recording (a storage that is read, not replaced) still holds the
+    old object, ``donatable`` must not take it (the new one's refcount says nothing of the old).
+    Where nothing does (an optimizer's zeros, replaced in place), it is donated as any input:
+    else the next step, donating its own results there, would compile the program again."""
+    # (``_committed``, the attribute ``committed`` reads: the property is a Python step an
+    # input, ~440 an optimizer step's program.)
+    loose = [i for i, x in enumerate(inputs) if x.__class__ is ArrayImpl and not x._committed]
     if not loose:
-        return inputs
-    devices = {d for x in inputs if x.__class__ is ArrayImpl and x.committed for d in x.devices()}
+        return inputs, frozenset()
+    devices = {d for x in inputs if x.__class__ is ArrayImpl and x._committed
+               for d in x.devices()}
     if len(devices) != 1:
-        return inputs
+        return inputs, frozenset()
     device = devices.pop()
+    # References to a loose array the caller's list alone holds: that list and the argument.
+    held = frozenset(i for i in loose if sys.getrefcount(inputs[i]) > 2)
     inputs = list(inputs)
     for i in loose:
         inputs[i] = jax.device_put(inputs[i], device)
-    return inputs
+    return inputs, held
 
 
-def donatable(inputs: list, targets: list, spares: list) -> tuple:
-    """Inputs nothing outside the recording holds, with an output of the same shape to reuse;
-    then, for outputs still without one, spares nothing holds, appended to inputs (the program
-    does not read them: only their buffers are taken).
+def donatable(inputs: list, targets: list, spares: list, placed: frozenset = frozenset()
+              ) -> tuple:
+    """Inputs nothing outside the recording holds, with an output of the same shape to reuse,
+    but those at ``placed`` (``committed``'s); then, for outputs still without one, spares
+    nothing holds, appended to inputs (the program does not read them: only their buffers are
+    taken).
 
     Which spares are appended is canonical (by shape, in the order the outputs first have
     it), so that the program, which depends only on their shapes, is the same every step."""
@@ -64,8 +97,11 @@ def donatable(inputs: list, targets: list, spares: list) -> tuple:
     for i in range(len(inputs)):
         x = inputs[i]
         # References: the inputs list, x and getrefcount's argument (enumerate would add one).
-        if isinstance(x, jax.Array) and sys.getrefcount(x) <= 3:
-            k = (x.shape, x.dtype)
+        # (A computed array's shape and dtype from its aval: the properties are Python steps,
+        # ~670 inputs an optimizer step's program.)
+        exact = x.__class__ is ArrayImpl
+        if (exact or isinstance(x, jax.Array)) and sys.getrefcount(x) <= 3 and i not in placed:
+            k = (x.aval.shape, x.aval.dtype) if exact else (x.shape, x.dtype)
             if free.get(k):
                 free[k] -= 1
                 donate.append(i)

@@ -194,8 +194,9 @@ class GraphedCallable:
 
 def context(modules: list = ()) -> tuple:
     """What a captured program depends on beyond its tensors: grad mode, autocast, the matmul
-    precision, and the train/eval mode of each module."""
-    return (torch.is_grad_enabled(), torch.is_autocast_enabled("tpu"),
+    precision, the default dtype (``arange(n) * 0.5``'s), and the train/eval mode of each
+    module."""
+    return (torch.is_grad_enabled(), torch.get_default_dtype(), torch.is_autocast_enabled("tpu"),
             torch.get_autocast_dtype("tpu"), jax.config.jax_default_matmul_precision,
             tuple(m.training for m in modules))
 

@@ -29,30 +29,22 @@ rsqrt, 50 launches of the step), up to ``program.CHAIN`` calls. An in-place op's
 computed before it is written (``computed``). Fused with a reduction, the reduction may sum in
 another order than it did over a stored input: an ulp.
 
-Since strict7 (172 more launches of the 12-layer step, 1,066 -> 894): a held call may carry
-traced numbers (the norms' ``+ eps``, a mean's gradient divided by its count): its source is
-then its arguments, the tensor's source and the numbers as device arrays, which the reader's
-program takes as one input (``Converted.spread``); an op whose lowering record says ``held``
-(a slice's gradient, a pad; a mean, the norms': kept) is held as a pointwise one is; a held
-call over a kept value smaller than its source is kept too (the norm's ``mean + eps`` and its
-rsqrt: one program for the whole norm), and the program computing it settles that value
-too (``program.kept_positions`` lists kept values nested in held calls, since strict9); and a
-copy of a view into a whole new tensor (reshape's clone of a transposed tensor,
-``kernels.read_converted``) is a ``Converted`` reading its source through the view (``view``).
+A held call may carry traced numbers (the norms' ``+ eps``, a mean's divisor): its source is
+then its arguments, the tensor's source and the numbers as device arrays, one input of the
+reader's program (``Converted.spread``). An op whose lowering record says ``held`` (a slice's
+gradient, a pad; a mean, the norms': kept) is held as a pointwise one is, and a held call over a
+kept value smaller than its source is kept too (one program for a whole norm;
+``program.kept_positions`` lists kept values nested in held calls). A copy of a view into a new
+tensor (``kernels.read_converted``) reads its source through the view (``view``).
 
-Since strict8 (a 12-layer step's launches 894 -> 578): a pointwise call of several tensors (the
-norms' products, the rotary products and sums, the residual sums, the backward's products and
-gradient sums) is held too (``_held_call``), always kept: its first reader computes it and
-returns it, so it is computed once, and its inputs live until then. What its inputs may hold
-beyond its result, in all the pending ones, is bounded by ``LARGER``; none is held under a
-memory limit. A cast of one (autocast's, for the next product) is the same call converted
-(``_cast_of_held``). A bfloat16 or float16 held value is rounded inside its reader
-(``program.rounded``), where XLA would otherwise skip the rounding between ops.
-
-Since strict9 (577 -> 418): such a call may read kept values (the rotary ``x * cos`` over its
-kept bfloat16 table, the norms' ``h * rsqrt``): its reader's program returns them, nested, and
-settles them. A cast of a held call settles that call too (``Cast.held``: the norm's output,
-cast for each of q's, k's and v's products, is computed by the first of them only).
+A pointwise call of several tensors (the norms' and rotary products, residual and gradient sums)
+is held too (``held_call``), always kept: its first reader computes and returns it, so its inputs
+live until then; what they hold beyond the results, over all pending ones, is bounded by
+``LARGER``, and nothing is held under a memory limit. Such a call may read kept values, which
+its reader returns, nested, and settles; a cast of one is the same call converted
+(``_cast_of_held``), and settles it (``Cast.held``). A bfloat16 or float16 held value is rounded
+inside its reader (``program.rounded``), where XLA would otherwise skip the rounding between ops.
+(Launches of a 12-layer Llama step: 1,066 -> 418 over strict7-9, bench/RESULTS.md.)
 
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
@@ -76,7 +68,8 @@ from jax._src.array import ArrayImpl
 
 from torchtpu.device import autocast, dtypes, memory_limit, ownership, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
-from torchtpu.runtime import warm
+from torchtpu.eager.held_sources import arrays, flatten, lead
+from torchtpu.runtime import warm_dispatch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _NP = {d: dtypes.to_jax(d) for d in _FLOATS}
@@ -85,10 +78,11 @@ _NP = {d: dtypes.to_jax(d) for d in _FLOATS}
 @functools.lru_cache(maxsize=1024)
 def _converter(dtype: np.dtype, shape: tuple, view: Geometry | None = None):
     if view is None:
-        return warm.named(jax.jit(lambda a: dtypes.cast(a, dtype).reshape(shape)), "lazy_cast",
-                          dtype, shape)
-    return warm.named(jax.jit(lambda a: dtypes.cast(read_view(a, view), dtype).reshape(shape)),
-                      "lazy_cast", dtype, shape, view)
+        return warm_dispatch.keyed(jax.jit(lambda a: dtypes.cast(a, dtype).reshape(shape)),
+                                   "lazy_cast", dtype, shape)
+    return warm_dispatch.keyed(
+        jax.jit(lambda a: dtypes.cast(read_view(a, view), dtype).reshape(shape)),
+        "lazy_cast", dtype, shape, view)
 
 
 class Cast(NamedTuple):
@@ -147,16 +141,16 @@ class Converted(ownership.Deferred):
     ``keep``, returned by the first program that computes it (``settle``)."""
 
     __slots__ = ("source", "dtype", "shape", "keep", "op", "view", "fn", "_value", "spread",
-                 "extra", "held", "__weakref__")
+                 "extra", "held", "lent", "__weakref__")
 
     def __init__(self, source, dtype: np.dtype, shape: tuple, keep: bool = False,
                  op: tuple | None = None, fn=None, view: Geometry | None = None,
-                 spread: bool = False) -> None:
+                 spread: bool = False, lent: list | None = None) -> None:
         # ``spread``: source is the held call's arguments, (its tensor's source, its traced
         # numbers as device arrays), which a reader's program takes as one input (``applied``).
         self.source = source
         self.spread = spread
-        # Bytes its inputs may hold beyond its result (``_held_call``): counted in ``_holding``
+        # Bytes its inputs may hold beyond its result (``held_call``): counted in ``_holding``
         # until it is computed or dies.
         self.extra = 0
         # A cast of a kept held call (``_cast_of_held``): its readers settle that call too.
@@ -168,9 +162,11 @@ class Converted(ownership.Deferred):
         self.view = view
         self.fn = fn or _converter(dtype, shape, view)
         self._value = None
-        for array in arrays(source):
-            ownership.lend(array)
-        _pending.add(self)
+        # The arrays its source holds (nested held calls' arguments), found once (``lent``,
+        # where the caller found them): lent now, given back when it is computed or dies.
+        self.lent = arrays(source) if lent is None else lent
+        ownership.lend_ids(map(id, self.lent))
+        _pending[id(self)] = weakref.ref(self)
         if keep:
             _kept.setdefault(id(source), []).append(weakref.ref(self))
 
@@ -205,24 +201,33 @@ class Converted(ownership.Deferred):
 
     def _release(self) -> None:
         source = self.source
-        for array in arrays(source):
-            ownership.unlend(array)
-        _hold(-self.extra)
-        self.source = None
-        _pending.discard(self)
+        ownership.unlend_all(self.lent)
+        if self.extra:
+            with _holding_lock:
+                _holding[0] -= self.extra
+        # (its source's arrays dropped with it: a computed value outlives them, and holding them
+        # here kept a sampler's inputs alive past its use, +1.9 copies of its logits at peak)
+        self.source = self.lent = None
+        _pending.pop(id(self), None)
         if self.keep:
             _unkeep(source, self)
 
     def __del__(self) -> None:
+        # (One computed left ``_pending`` then: ``_release``.)
         if self.source is not None:
-            for array in arrays(self.source):
-                ownership.unlend(array)
-            _hold(-self.extra)
+            _pending.pop(id(self), None)
+            ownership.unlend_all(self.lent)
+            if self.extra:
+                with _holding_lock:
+                    _holding[0] -= self.extra
             if self.keep:
                 _unkeep(self.source, self)
 
 
-_pending: weakref.WeakSet = weakref.WeakSet()
+# The lazy values not computed yet, by id: each leaves when it is computed or dies (its
+# ``__del__``). Not a WeakSet, whose Python steps (an add, a discard, a callback at death) cost
+# ~2 us a held value, ~1,200 of them a 12-layer Llama step.
+_pending: dict[int, weakref.ref] = {}
 # The kept casts still pending, by their source's id (each holds its source and leaves when it
 # dies: the id is not reused meanwhile): where a program's returned conversions go. Weakly: a
 # kept value no program read (one a held call read, whose tensor died) goes, uncomputed.
@@ -232,9 +237,16 @@ _kept: dict = {}
 def _unkeep(source, converted: Converted) -> None:
     held = _kept.get(id(source))
     if held is not None:
-        held[:] = [r for r in held if r() is not None and r() is not converted]
+        if len(held) == 1:  # (the common case, the source's one kept cast: no comprehension)
+            r = held[0]()
+            if r is None or r is converted:
+                held.clear()
+        else:
+            held[:] = [r for r in held if r() is not None and r() is not converted]
+        # (Not ``del``: another thread releasing the source's other kept cast may have emptied
+        # the list and removed it between these two lines.)
         if not held:
-            del _kept[id(source)]
+            _kept.pop(id(source), None)
 
 
 def settle(keeps: tuple, dyn: tuple, out):
@@ -247,8 +259,8 @@ def settle(keeps: tuple, dyn: tuple, out):
         for at in path:
             source = source[at]
         # Casts of one source to one dtype and shape are one value: any pending one takes it
-        # (each program reading one settles one).
-        ref = _kept_value(source, dtype, shape, op, view)
+        # (each program reading one settles one; none pending: no search).
+        ref = _kept_value(source, dtype, shape, op, view) if id(source) in _kept else None
         c = None if ref is None else ref()
         if c is not None:
             c._value = value
@@ -259,8 +271,15 @@ def settle(keeps: tuple, dyn: tuple, out):
 def _kept_value(source, dtype, shape, op, view):
     """A weak reference to a pending kept value of ``source`` a program reads as a ``Cast`` of
     these fields gives (shape None: the source's, or the view's, own), or None."""
-    want = shape if shape is not None else (
-        lead(source).aval.shape if view is None else view.size)
+    want = shape
+    if want is None:
+        if view is None:
+            want = source
+            while type(want) is tuple:  # ``lead``, inline (a frame a settled value)
+                want = want[0]
+            want = want.aval.shape
+        else:
+            want = view.size
     for ref in _kept.get(id(source), ()):
         c = ref()
         if (c is not None and c.source is source and c.dtype == dtype and c.shape == want
@@ -281,16 +300,17 @@ def lazy_cast(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry | None 
         # A value DeferAndFuse computed (a fused optimizer step's), or a held one settled (the
         # norm's, by the first of q's, k's and v's products): cast as an array is.
         array = array.resolve()
-    # t is its storage's array whole, or that array reshaped.
+    # t is its storage's array whole, or that array reshaped. (The array's facts off its aval:
+    # ``size`` is two Python properties, at every autocast cast.)
     if (type(array) is not ArrayImpl or t.dtype not in _FLOATS or dtype not in _FLOATS
             or t.storage_offset() or not t.is_contiguous() or t.is_neg()
-            or array.aval.dtype != _NP[t.dtype] or array.size != t.numel()):
+            or array.aval.dtype != _NP[t.dtype] or math.prod(array.aval.shape) != t.numel()):
         return None
     # A narrowing cast of anything but a parameter under autocast (held anyway) is kept: its
     # first reader returns the narrow value, so the wide source lives no longer than that.
     keep = dtype.itemsize < t.dtype.itemsize and not (
         t.is_leaf and t.requires_grad and autocast.casting())
-    return Converted(array, _NP[dtype], tuple(t.shape), keep)
+    return Converted(array, _NP[dtype], tuple(t.shape), keep, lent=[array])
 
 
 def _cast_of_held(t: torch.Tensor, held: Converted, dtype: torch.dtype):
@@ -314,10 +334,14 @@ def _cast_of_held(t: torch.Tensor, held: Converted, dtype: torch.dtype):
 def _cast_after(fn, dtype: np.dtype, keeps: bool):
     # (Run alone only where no program could compute it: a host read of the cast.) A call
     # reading kept values returns them too (``settle`` takes them), not cast.
+    # Named by what it computes, so that a recording holding it keeps its key (a new process
+    # loads that fused program, and this one run alone, by key, not traced: rl12).
     if keeps:
-        return jax.jit(lambda *args: (lambda out, kept: (dtypes.cast(out, dtype), kept))(
+        jitted = jax.jit(lambda *args: (lambda out, kept: (dtypes.cast(out, dtype), kept))(
             *fn(*args)))
-    return jax.jit(lambda *args: dtypes.cast(fn(*args), dtype))
+    else:
+        jitted = jax.jit(lambda *args: dtypes.cast(fn(*args), dtype))
+    return warm_dispatch.keyed(jitted, "cast_after", fn, dtype, keeps)
 
 
 def _lazy_view(t: torch.Tensor, array, dtype: torch.dtype, view: Geometry):
@@ -350,14 +374,15 @@ def _kept_when(nbytes: int, source: int) -> bool | None:
     return nbytes < source
 
 
-def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted | None:
+def lazy_op(owner, lowering, spec, fn, read, dyn: tuple) -> Converted | None:
     """Strict's call of a pointwise op on one tensor (``program.one_pointwise_input``: ``read``,
     how it reads ``dyn[0]``: None, a view Geometry, or a held value's ``Cast``, whose source
-    ``dyn[0]`` then is), or on ``count`` tensors (``_held_call``), held as a ``Converted`` its
-    consumers compute in their programs; None to launch it now. An op not pointwise (a pad, a
-    mean) has its result shape from its plan (``Spec.shape``)."""
-    if count > 1:
-        return _held_call(lowering, spec, dyn, fn, count)
+    ``dyn[0]`` then is), held as a ``Converted`` its consumers compute in their programs; None
+    to launch it now (a call of several tensors: ``held_call``), or where its executor
+    (``owner``) holds no calls (``lazy_ops``). An op not pointwise (a pad, a mean) has its
+    result shape from its plan (``Spec.shape``)."""
+    if not owner.lazy_ops:
+        return None
     source = dyn[0]
     array = lead(source)
     if type(array) is not ArrayImpl:
@@ -368,7 +393,9 @@ def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted |
     if shape is None:
         return None
     dtype = spec.final
-    nbytes, source_bytes = math.prod(shape) * dtype.itemsize, array.size * array.dtype.itemsize
+    aval = array.aval  # (the array's size and dtype properties: three Python steps)
+    nbytes, source_bytes = math.prod(shape) * dtype.itemsize, \
+        math.prod(aval.shape) * aval.dtype.itemsize
     keep = _kept_when(nbytes, source_bytes)
     if keep is None or (keep and not pointwise and source_bytes - nbytes > LARGER):
         # (A reduction kept holds all of its source for a small value until its first reader,
@@ -381,7 +408,7 @@ def lazy_op(lowering, spec, dyn: tuple, fn, read, count: int = 1) -> Converted |
                      spread=spread)
 
 
-def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
+def held_call(owner, lowering, spec, fn, count: int, dyn: tuple) -> Converted | None:
     """A pointwise call of ``count`` tensors (``x * rsqrt``, a gradient's product, a residual
     sum) held, kept: its first reader computes it and returns it, so it is computed once, and
     its inputs live no longer than until that reader, which settles the kept values it reads
@@ -390,51 +417,44 @@ def _held_call(lowering, spec, dyn: tuple, fn, count: int) -> Converted | None:
     before the first reader comes (a gradient kept in ``.grad`` is read by the optimizer), and
     then holding it costs what it holds beyond the result. Nor under a memory limit: its
     result's memory would be asked for at its reader, whose line a refusal would then name,
-    not the user's."""
+    not the user's. None too where its executor (``owner``) holds no calls (``lazy_ops``)."""
     shape = spec.shape
-    if shape is None or memory_limit.limit() is not None:
+    if shape is None or not owner.lazy_ops or memory_limit.limit_as_set() is not None:
         return None
-    held = list(arrays(dyn[:count]))
-    if any(type(a) is not ArrayImpl for a in held):
-        return None
-    unique = {id(a): a for a in held}.values()
-    extra = max(0, sum(a.size * a.dtype.itemsize for a in unique)
-                - math.prod(shape) * spec.final.itemsize)
+    lent, numbers = [], dyn[count:]
+    flatten(dyn, lent)  # (``arrays`` of the tuple dyn, without its frame)
+    # Its tensors' arrays lead (``arrays`` keeps their order), then each traced number's device
+    # array: one flattening of a chain's nested arguments, not two.
+    held = lent if not numbers else lent[:len(lent) - len(numbers)] \
+        if all(type(x) is ArrayImpl for x in numbers) else arrays(dyn[:count])
+    # The bytes of its distinct input arrays (each once: a dict of them by id, made in C; from
+    # their avals: ``size`` and ``dtype`` are Python properties, ~5 calls an array, 1,600
+    # arrays a step).
+    nbytes = 0
+    for a in dict(zip(map(id, held), held)).values():
+        if type(a) is not ArrayImpl:
+            return None
+        aval = a.aval
+        nbytes += math.prod(aval.shape) * aval.dtype.itemsize
+    extra = nbytes - math.prod(shape) * spec.final.itemsize
+    if extra < 0:
+        extra = 0
     if extra and _holding[0] + extra > LARGER:
         return None
-    held = Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True)
+    held = Converted(dyn, spec.final, tuple(shape), True, (lowering, spec), fn, spread=True,
+                     lent=lent)
     held.extra = extra
-    _hold(extra)
+    if extra:
+        with _holding_lock:
+            _holding[0] += extra
     return held
 
 
-# The bytes the pending held calls of several tensors hold beyond their results, at most.
+# The bytes the pending held calls of several tensors hold beyond their results, at most,
+# changed under the lock (backward holds calls on autograd's thread; a value may die on either
+# thread), inline where it changes (a frame a held call and a death, ~950 a step).
 _holding = [0]
 _holding_lock = threading.Lock()
-
-
-def _hold(nbytes: int) -> None:
-    # (Backward holds calls on autograd's thread; a value may die on either thread.)
-    if nbytes:
-        with _holding_lock:
-            _holding[0] += nbytes
-
-
-def arrays(source):
-    """The arrays a held value's ``source`` holds (its held calls' arguments, nested)."""
-    if type(source) is tuple:
-        for s in source:
-            yield from arrays(s)
-    elif isinstance(source, jax.Array):
-        yield source
-
-
-def lead(source):
-    """The array a held value's ``source`` reads: itself, or the first of a held call's
-    arguments (``Converted.spread``), nested where held calls are chained."""
-    while type(source) is tuple:
-        source = source[0]
-    return source
 
 
 def _read_shape(source, read) -> tuple:
@@ -458,7 +478,14 @@ def computed(out):
     return out.resolve() if type(out) is Converted else out
 
 
+def any_pending() -> bool:
+    """Whether a lazy value is still pending: another executor taking over computes each alone."""
+    return any(ref() is not None for ref in _pending.values())
+
+
 def resolve_pending() -> None:
     """Compute every lazy cast still pending (before another executor takes over)."""
-    for converted in list(_pending):
-        converted.resolve()
+    for ref in list(_pending.values()):
+        converted = ref()
+        if converted is not None:
+            converted.resolve()

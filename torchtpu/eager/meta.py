@@ -2,7 +2,8 @@
 
 Running an op on meta tensors gives exactly PyTorch's type promotion, broadcasting and shape
 errors, so lowerings never re-derive them. Results are cached per call signature (``call_key``):
-shapes, dtypes and Python scalar values, never data.
+shapes, dtypes, Python scalar values (a traced one's type and sign) and the default dtype, never
+data.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import math
 import torch
 
 from torchtpu.device import dtypes
-from torchtpu.eager import refusals, schema
+from torchtpu.eager import facts, refusals, schema
 from torchtpu.lowering.registry import channels_last_of
-from torchtpu.runtime import platform
+from torchtpu.runtime import platform, warm
 
 OpOverload = torch._ops.OpOverload
 
@@ -46,9 +47,8 @@ def to_meta(v):
     if isinstance(v, torch.Generator):
         return None
     if isinstance(v, torch.device) and v.type == "tpu":
-        if v.index is not None:
-            platform.check_index(v.index)
-        # A factory's device argument: inferring on "tpu" would call this kernel again.
+        # A factory's device argument (its index checked by ``leaf_key``): inferring on "tpu"
+        # would call this kernel again.
         return torch.device("meta")
     return v
 
@@ -64,6 +64,12 @@ def leaf_key(v):
         if v.dim() != 0:
             raise device_error(v)
         return ("cpu", v.dtype)
+    if type(v) is torch.device and v.type == "tpu":
+        # Checked here, before any cache: which indexes name this process's device is the
+        # process's own (tpu:1 is rank 1's), where a kept result is shared by every process.
+        if v.index is not None:
+            platform.check_index(v.index)
+        return "tpu"
     return exact_key(v)
 
 
@@ -105,21 +111,36 @@ def is_baked_number(v, default) -> bool:
     return is_default_number(v, default) or is_special_number(v)
 
 
+def _sign(v):
+    # What CPU's dtype checks may tell apart among a traced number's values (``refusals``):
+    # an integer tensor to a negative integer power is refused, to a positive one not.
+    if type(v) is bool:
+        return v
+    if type(v) is complex:
+        return v.real < 0
+    return v is not None and v < 0
+
+
 def _traced_number_key(v, default):
-    # A traced number's value never changes result shapes or programs; its type does, and so
-    # does whether it is baked in (the schema default, or a special number: then its value).
+    # A traced number's value never changes result shapes or programs; its type does, so does
+    # whether it is baked in (the schema default, or a special number: then its value), and its
+    # sign decides whether CPU refuses the call (``refusals.signature``), which a cached result
+    # skips.
     if isinstance(v, (list, tuple)):
-        return tuple(type(x) for x in v)
-    return (type(v), is_default_number(v, default), v if is_special_number(v) else None)
+        return tuple((type(x), _sign(x)) for x in v)
+    return (type(v), is_default_number(v, default), v if is_special_number(v) else None,
+            _sign(v))
 
 
 def call_key(oi: schema.OpInfo, values: list, traced: frozenset = frozenset()) -> tuple:
-    """What determines an op call's result shapes, dtypes and program: everything but data.
+    """What determines an op call's result shapes, dtypes and program: everything but data,
+    and the default dtype (a Python float's, a factory's, an integer's true division's).
 
     ``traced`` are the arguments whose Python numbers the program takes as inputs: only their
-    types count, so a learning rate or bias correction that changes every step reuses one plan.
+    types and signs count, so a learning rate or bias correction that changes every step reuses
+    one plan.
     """
-    parts = []
+    parts = [torch.get_default_dtype()]
     for i, v in enumerate(values):
         if i in traced and not _holds_tensor(v):
             parts.append(_traced_number_key(v, oi.defaults[i]))
@@ -198,13 +219,21 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     # None is a real result (in-place foreach ops return nothing), hence the sentinel.
     if hit is not _MISSING:
         return hit
+    # Another process's result for this key (it passed the refusals' check there: a refusal
+    # raises before a result is kept; the key holds the default dtype).
+    text = (facts.text_of("meta", key, strides)
+            if key is not None and warm.cache_on() else None)
+    hit = facts.meta_result(text)
+    if hit is not facts.MISSING:
+        bounded_put(_meta_cache, key, hit)
+        return hit
     args = [to_meta(v) for v in values]
     for i in oi.scalar_indices:
         if isinstance(args[i], (bool, int, float, complex)) and oi.tensor_typed[i]:
-            # A composite kernel's wrapped-number operand (``remainder_(3)`` calls
+            # A wrapped-number operand (``x * 2.5``; ``remainder_(3)`` calls
             # ``remainder.Tensor_out`` with one) arrives as a plain number; meta kernels want a
-            # tensor, and a 0-dim one of the number's default dtype promotes the same way.
-            args[i] = torch.tensor(args[i], device="meta")
+            # tensor (``_wrapped``).
+            args[i] = _wrapped(args[i], args)
     kwargs = {n: args[i] for i, n in enumerate(oi.names) if n in oi.kwarg_only}
     pos = [a for i, a in enumerate(args) if oi.names[i] not in oi.kwarg_only]
     for n, o in zip(oi.out_names, outs):
@@ -214,7 +243,29 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     refusals.check(op, values, outs, traced)
     if key is not None:
         bounded_put(_meta_cache, key, result)
+        facts.keep_meta_result(text, result)
     return result
+
+
+_KINDS = {bool: 0, int: 1, float: 2, complex: 3}
+
+
+def _kind(dtype: torch.dtype) -> int:
+    return 0 if dtype is torch.bool else 3 if dtype.is_complex else 2 \
+        if dtype.is_floating_point else 1
+
+
+def _wrapped(number, args: list) -> torch.Tensor:
+    """A 0-dim meta tensor promoting with args as PyTorch's wrapped number does: only by its
+    kind. Of a tensor argument's dtype where one is of the number's kind (a 0-dim tensor of the
+    default dtype would promote ``loss * 2.5`` of a float32 0-dim loss to float64 under a float64
+    default: CPU keeps float32), else of the default dtype of its kind, which a wrapped number
+    of a higher kind than every tensor's promotes to."""
+    kind = _KINDS.get(type(number), 2)
+    for a in args:
+        if isinstance(a, torch.Tensor) and _kind(a.dtype) == kind:
+            return torch.empty((), dtype=a.dtype, device="meta")
+    return torch.tensor(number, device="meta")
 
 
 def _run_meta(op: OpOverload, pos: list, kwargs: dict):

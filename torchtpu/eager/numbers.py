@@ -67,10 +67,19 @@ def cached(v):
     metrics.count("host_to_device_bytes", host.nbytes)
     metrics.count("number_transfers")
     array = transfer.put_uncommitted(host, platform.local_device(), weak)
-    # -0.0 equals 0.0 as a key (its sign survives a multiply) and NaN equals nothing.
-    if not (t is float and (v == 0 or math.isnan(v))):
+    if not _ambiguous(v, t):
         _keep(key, array)
     return array
+
+
+def _ambiguous(v, t) -> bool:
+    """Whether v's key is equal to another value's (-0.0 equals 0.0, and its sign survives a
+    multiply: so do a complex number's parts', ``x * complex(-0.0, 1.0)``) or to none (NaN)."""
+    if t is float:
+        return v == 0 or math.isnan(v)
+    if t is int or t is bool:
+        return False
+    return v.real == 0 or v.imag == 0 or v != v  # NumPy's complex (``dispatch``'s) or float
 
 
 def scalar_slots(spec: Spec) -> tuple:

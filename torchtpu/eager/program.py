@@ -19,7 +19,7 @@ from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
-from torchtpu.runtime import warm, warm_dispatch
+from torchtpu.runtime import warm_dispatch, warm_keys
 
 # Spec entries, one per bound argument.
 TENSOR = "t"       # one array; payload: None, or how to read it: a view Geometry or a
@@ -155,7 +155,10 @@ def applied(array, how, kept: list | None = None):
 
 
 def _spread(spec: Spec) -> bool:
-    return sum(kind != CONST for kind, _ in spec.entries) > 1
+    # (A held cat's one entry is a list of several arrays.)
+    return sum(kind != CONST for kind, _ in spec.entries) > 1 or any(
+        kind == TENSORS and sum(element is not True for element in payload) > 1
+        for kind, payload in spec.entries)
 
 
 def rounded(x):
@@ -183,7 +186,14 @@ def chained(how) -> int:
     of their tensors (a held call of two held values applies both)."""
     if type(how) is not Cast or how.op is None:
         return 0
-    return 1 + sum(chained(p) for kind, p in how.op[1].entries if kind == TENSOR)
+    return 1 + sum(chained(p) for p in _reads(how.op[1].entries))
+
+
+def _reads(entries) -> list:
+    """How a spec reads each of its tensors: a TENSOR entry's payload, each array's of a
+    TENSORS entry."""
+    return [p for kind, payload in entries if kind in (TENSOR, TENSORS)
+            for p in ((payload,) if kind == TENSOR else payload) if p is not True]
 
 
 def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
@@ -201,6 +211,10 @@ def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
         return held[1]
     answer = _NOT
     traced = [(kind, payload) for kind, payload in spec.entries if kind != CONST]
+    if len(traced) == 1 and traced[0][0] == TENSORS:
+        answer = _list_held(lowering, spec, traced[0][1])
+        spec._pointwise = (lowering, answer)
+        return answer
     count = sum(kind == TENSOR for kind, _ in traced)
     if (count and all(kind == TENSOR for kind, _ in traced[:count])
             and all(kind == SCALAR for kind, _ in traced[count:])
@@ -214,6 +228,21 @@ def one_pointwise_input(lowering: Lowering, spec: Spec) -> tuple:
         answer = (traced[0][1], count)
     spec._pointwise = (lowering, answer)
     return answer
+
+
+def _list_held(lowering: Lowering, spec: Spec, reads: tuple) -> tuple:
+    """``one_pointwise_input``'s answer for a call whose one traced value is a tensor list:
+    held where its lowering record says ``held`` (a cat: the rotary halves' of every attention
+    layer, whose reader then computes it), as a pointwise call of those tensors is; its first
+    tensor's read is None where it is its array whole."""
+    arrays = [how for how in reads if how is not True]
+    if (not lowering.held or not arrays or len(arrays) != len(reads) or lowering.random
+            or lowering.donates or lowering.data_dependent_shape or spec.final is None
+            or isinstance(spec.final, tuple) or not all(
+                how is False or _holdable(how) for how in arrays)
+            or sum(chained(how) for how in arrays) >= CHAIN):
+        return _NOT
+    return (None if arrays[0] is False else arrays[0], len(arrays))
 
 
 def _holdable(how) -> bool:
@@ -312,11 +341,25 @@ def _program(lowering: Lowering, spec: Spec) -> tuple:
         return out if kept is None else (out, tuple(kept))
 
     run.__name__ = str(lowering.op).replace(".", "_")
-    jitted = warm.named(jax.jit(run, donate_argnums=donated_inputs(lowering, spec)),
+    jitted = warm_keys.named(jax.jit(run, donate_argnums=donated_inputs(lowering, spec)),
                         *_parts(lowering, spec))
+    jitted._ttpu_call = (lowering, spec)
     # Recorders (captures, DeferAndFuse) trace the jitted function inside their programs;
     # only a call of its own loads by key.
     return jitted, warm_dispatch.dispatched(jitted)
+
+
+def call_of(fn) -> tuple | None:
+    """The (lowering, spec) whose program fn is (a recording's node), else None (a device
+    kernel's program: a view read, a copy)."""
+    return getattr(fn, "_ttpu_call", None)
+
+
+def op_of(fn):
+    """The op whose result fn, a recording's node, returns: its call's, or a producer form's
+    (``producer_forms``), else None."""
+    call = call_of(fn)
+    return call[0].op if call is not None else getattr(fn, "_ttpu_op", None)
 
 
 def _parts(lowering: Lowering, spec: Spec) -> tuple:

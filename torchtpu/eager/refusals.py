@@ -38,6 +38,7 @@ from torchtpu import errors
 from torchtpu.device import asserts
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import at_call, executor, fallback, schema
+from torchtpu.lowering.registry import SAVED_STATISTICS
 
 OpOverload = torch._ops.OpOverload
 
@@ -195,6 +196,9 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
                 # Shrunk stand-ins broke the shapes (a pooling window, groups of channels):
                 # asked again at the call's shapes, once per signature.
                 error = _dtypes_refused(op, values, outs, tensors, False)
+        if error and op in SAVED_STATISTICS and _statistics_taken(op, values, outs, tensors,
+                                                                  shrink):
+            error = None
         if error is False and read_values:
             error = _on_its_values(op, values, outs, tensors)
     if error is False:
@@ -202,6 +206,20 @@ def refusal(op: OpOverload, values: list, outs: list = (), traced: frozenset = f
     if error is None and key is not None:
         _accepted.add(key)
     return error
+
+
+def _statistics_taken(op: OpOverload, values: list, outs: list, tensors: list,
+                      shrink: bool) -> bool:
+    """Whether CPU takes the call with the forward's saved statistics in the input's dtype, as
+    its own forward makes them (``registry.saved_statistics``): the meta kernel's float32 ones,
+    which every executor here makes, are no dtype of the user's."""
+    stats = {id(values[i]) for i in SAVED_STATISTICS[op] if isinstance(values[i], torch.Tensor)}
+    dtype = tensors[0].dtype
+
+    def recast(t: torch.Tensor) -> torch.dtype:
+        return dtype if id(t) in stats else t.dtype
+
+    return _on_stand_ins(op, values, outs, shrink, recast) is None
 
 
 def _on_its_values(op: OpOverload, values: list, outs: list, tensors: list):

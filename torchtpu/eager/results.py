@@ -15,9 +15,12 @@ from __future__ import annotations
 import functools
 
 import torch
+from jax._src.array import ArrayImpl
 
-from torchtpu.device import tensors
-from torchtpu.device.views import dense_order
+from torchtpu.device import dtypes, tensors
+from torchtpu.device.hooks import HOOKS
+from torchtpu.device.views import Geometry, check_in_bounds, dense_order
+from torchtpu.eager.lazy_casts import Converted
 
 
 class Stored(tuple):
@@ -46,9 +49,22 @@ def wrapped(arrays, d):
 
 def wrapper(d):
     """``wrapped`` for arrays described by d, made once for calls that repeat d (``seen_calls``):
-    one plain result's tensor made as ``tensors.wrapper`` makes it."""
-    if is_leaf(d) and len(d) == 2:
-        return tensors.wrapper(tuple(d[0]), d[1])
+    one plain result's tensor made as ``tensors.wrapper`` makes it, one in memory order
+    (``Stored``) so too, a float one laid out otherwise by ``_laid_wrapper``; a tuple of
+    results (``_foreach_norm``'s, one a parameter; SDPA's) by a maker each."""
+    if is_leaf(d):
+        if len(d) == 2:
+            return tensors.wrapper(tuple(d[0]), d[1])
+        if type(d[2]) is Stored:
+            return tensors.wrapper(tuple(d[0]), d[1], tuple(d[2]))
+        if d[1] in _FLOATS:
+            return _laid_wrapper(d)
+    elif type(d) is tuple and d and all(r is None or type(r) is int or is_leaf(r) for r in d):
+        # (make, what ``wrapped`` gives without one: None, or a number result as it is)
+        parts = [(None, r) if r is None or type(r) is int else (wrapper(r), None) for r in d]
+        return lambda arrays: None if arrays is None else tuple(
+            [fixed if make is None else None if a is None else make(a)
+             for (make, fixed), a in zip(parts, arrays)])
     return functools.partial(wrapped, d=d)
 
 
@@ -75,14 +91,95 @@ def laid_out(d, fmt):
     return tuple(laid_out(x, fmt) for x in d)
 
 
+def _laid_wrapper(d):
+    """``wrapped`` for one float result laid out otherwise than row-major (d's third part: SDPA's
+    output and gradients, 48 calls of a 12-layer Llama step), made once: while Strict's lazy
+    casts are on, an array of d's shape and dtype is read through the permutation
+    (``_laid_lazily``'s value) by a tensor made at once, the view found once; anything else
+    takes ``wrapped``'s path."""
+    shape, dtype = tuple(d[0]), d[1]
+    stride = strides_of(d)
+    view = _layout_view(shape, dtype, _memory_order(stride))
+    make = tensors.wrapper(shape, dtype, stride)
+    want = view.array_dtype
+
+    def wrap_laid(array):
+        if HOOKS.lazy_cast is None or type(array) is not ArrayImpl:
+            return wrapped(array, d)
+        aval = array.aval
+        if aval.dtype != want or aval.shape != shape:
+            return wrapped(array, d)
+        return make(Converted(array, want, view.size, view=view))
+
+    return wrap_laid
+
+
+def _memory_order(stride: tuple) -> list:
+    """The dims of a dense layout of these strides, outermost first."""
+    return sorted(range(len(stride)), key=lambda d: (-stride[d], d))
+
+
+def _layout_view(shape: tuple, dtype: torch.dtype, order: list) -> Geometry:
+    """The view reading a row-major array of shape (of dtype's) as its dims in order."""
+    rows = tensors.contiguous_strides(shape)
+    view = Geometry(shape, dtypes.to_jax(dtype), tuple(shape[d] for d in order),
+                    tuple(rows[d] for d in order), 0, dtypes.layout(dtype))
+    check_in_bounds(view)
+    return view
+
+
 def lay_out(t: torch.Tensor, fmt: torch.memory_format | tuple) -> torch.Tensor:
     """t in layout fmt (a memory format, or strides): CPU's strides, as CUDA's kernels write
     channels-last. The storage is t's dims in fmt's order made contiguous (``clone`` of a
     permuted view: an op call, which a growing loop runs padded at its size buckets as any
     other, where a copy into an ``empty_strided`` tensor compiled per length), viewed back."""
     fmt = strides_of((t.shape, t.dtype, fmt))
-    order = sorted(range(t.dim()), key=lambda d: (-fmt[d], d))
-    return t.permute(order).contiguous().as_strided(t.shape, fmt)
+    order = _memory_order(fmt)
+    laid = _laid_lazily(t, order, fmt)
+    if laid is None:
+        laid = _laid_deferred(t, order, fmt)
+    return t.permute(order).contiguous().as_strided(t.shape, fmt) if laid is None else laid
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _laid_lazily(t: torch.Tensor, order: list, stride: tuple) -> torch.Tensor | None:
+    """``lay_out``'s tensor without its three dispatched calls (~40 us of host a call: SDPA's
+    output and gradients, 48 of a 12-layer step), for a float tensor that is its storage's array
+    whole while Strict's lazy casts are on: its storage holds the array read through the
+    permutation, the value the copy of that view holds (``lazy_casts._lazy_view``: each reader's
+    program reads it so); else None."""
+    array = t.untyped_storage()._tpu_array
+    if (HOOKS.lazy_cast is None or type(array) is not ArrayImpl or t.dtype not in _FLOATS
+            or t.storage_offset() or not t.is_contiguous() or t.is_neg()
+            or array.aval.dtype != dtypes.to_jax(t.dtype) or array.aval.shape != t.shape):
+        return None
+    shape = tuple(t.shape)
+    view = _layout_view(shape, t.dtype, order)
+    return tensors.wrap_strided(Converted(array, array.dtype, view.size, view=view), t.dtype,
+                                shape, stride)
+
+
+def _laid_deferred(t: torch.Tensor, order: list, stride: tuple) -> torch.Tensor | None:
+    """``lay_out``'s tensor while DeferAndFuse records, for a tensor that is its storage's
+    value whole, pending: the value in memory order by one recorded call, the
+    tensor made around it. The three dispatched calls it replaces (a view, the copy's op path,
+    a view back) cost ~0.4-0.8 ms of host a call in a recording (SDPA's output and gradients, 48
+    calls of a 12-layer Llama step); the storage then holds what the copy held, the value
+    transposed by ``order``. Else None (a capture, a padded or lazy value, a view, a computed
+    value: a growing loop's bucketed call leaves its result computed at its exact length, where
+    the copy's op path runs padded at the bucket and a recorded transpose would make a program
+    per length)."""
+    if HOOKS.deferrer is None or HOOKS.capture is not None or t.storage_offset() \
+            or not t.is_contiguous() or t.is_neg() or t.is_conj():
+        return None
+    st = t.untyped_storage()
+    value = getattr(st, "_tpu_array", None)
+    if not getattr(type(value), "whole_is_itself", False) or tuple(value.shape) != tuple(t.shape) \
+            or value.dtype != dtypes.to_jax(t.dtype) or st.nbytes() != t.numel() * t.element_size():
+        return None
+    return tensors.wrap_strided(tensors.in_order(value, order), t.dtype, tuple(t.shape), stride)
 
 
 def strides_of(d) -> tuple:

@@ -130,8 +130,35 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return long_op(query, key, value, is_causal, scale)
         return aten._scaled_dot_product_fused_attention_overrideable.default(
             query, key, value, attn_mask, dropout_p, is_causal, False, scale=scale)[0]
-    return aten.scaled_dot_product_attention.default.decompose(
+    out = aten.scaled_dot_product_attention.default.decompose(
         query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    # CPU's flash kernel lays its output out as the query (``empty_like``): a query of
+    # transposed heads (B, L, H, E in memory) gives such an output, whose
+    # ``.transpose(1, 2).view(B, L, -1)`` works on CPU; the math path's is contiguous.
+    if type(out) is torch.Tensor and out.shape == query.shape:  # (not a trace's fake tensors)
+        stride = torch.empty_like(query, device="meta").stride()
+        if out.stride() != stride and _cpu_takes_flash(query, key, value, attn_mask, dropout_p,
+                                                       is_causal, scale, enable_gqa):
+            out = torch.empty_strided(out.shape, stride, dtype=out.dtype,
+                                      device=out.device).copy_(out)
+    return out
+
+
+def _cpu_takes_flash(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                     enable_gqa) -> bool:
+    """Whether CPU's SDPA takes its flash kernel for a call of these arguments (float64, a mask
+    the fused op does not take: calls the math path serves here), asked of CPU on uninitialized
+    stand-ins of the same shapes, strides and dtypes (the choice reads only those)."""
+    if query.dim() != 4 or _is_dtensor(query):
+        return False
+    try:
+        stand = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                 for t in (query, key, value, attn_mask)]
+        choice = torch._fused_sdp_choice(*stand, dropout_p, is_causal, scale=scale,
+                                         enable_gqa=enable_gqa)
+    except Exception:  # CPU refuses it: the math path's error (or value) stands
+        return False
+    return choice == int(_SDPBackend.FLASH_ATTENTION)
 
 
 def register(lib: torch.library.Library) -> None:

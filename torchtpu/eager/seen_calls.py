@@ -5,17 +5,18 @@ and walks the spec to read its arrays (``calls.dynamic_values``): ~20 small Pyth
 cost more than the jitted program call itself on small tensors. Most calls in a loop repeat a
 signature seen before: the same tensor shapes and dtypes, the same constants. This module keeps,
 per op, what the full path found for such a signature (its result, its spec, where its tensors
-sit and how each is read), keyed by ``signature``: the bound values themselves, each tensor as
-(shape, strides, offset, dtype, is_cpu), with every value's type (1, 1.0 and True are equal keys
-that compute differently). Strides and offsets keep apart the calls of one shape that read
-their tensors another way (a backward's products of a square weight and of its transpose).
+sit and how each is read), keyed by the signature (``lookup``): the bound values themselves,
+each tensor as (shape, strides, offset, dtype, is_cpu), with every value's type (1, 1.0 and True
+are equal keys that compute differently), and the default dtype (``int_tensor * 2.5``'s).
+Strides and offsets keep apart the calls of one shape that read their tensors another way (a
+backward's products of a square weight and of its transpose).
 
 Only signatures whose spec takes nothing but device tensors, traced real numbers (``x *
 0.3``: a Python number's value is in the signature, a CPU scalar tensor's is read at each call)
 and baked-in constants are kept (no tensor lists, no random keys), and only outside a capture. A
 call takes the short path only when each tensor's storage holds a computed array, or a value
 DeferAndFuse recorded (which knows its shape and dtype), that the tensor reads as one of the
-signature's remembered calls did (``read``): the array whole, or through the same view geometry
+signature's remembered calls did (``lookup``): the array whole, or through the same view geometry
 (a transposed or reshaped view, an offset: the same storage array shape and dtype), and no
 traced number is a float zero (0.0 and -0.0 are one key); anything else (another storage array
 shape, a padded value, a lazy conj/neg bit) takes the full path, which handles it and keeps its
@@ -35,7 +36,7 @@ from torchtpu.device import tensors
 from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.defer import Pending
-from torchtpu.eager.lazy_casts import Cast, Converted, lead
+from torchtpu.eager.lazy_casts import Cast, Converted
 from torchtpu.eager.program import CONST, SCALAR, TENSOR, Spec, with_views
 
 _Tensor = torch.Tensor
@@ -43,21 +44,73 @@ _Tensor = torch.Tensor
 
 _SEQUENCES = (list, tuple)
 _FLOAT_OR_SEQUENCE = (float, list, tuple)
+_default_dtype = torch.get_default_dtype
 
 
-def signature(values: list):
-    """The key of a bound call: equal for calls whose plan, spec and program are the same.
+# Types no tensor has: a value of one is keyed without ``isinstance`` (a call each).
+_NOT_TENSORS = frozenset({int, float, bool, complex, str, type(None), torch.dtype, torch.device,
+                          torch.layout, torch.memory_format, list, tuple})
 
-    Finer than ``meta.call_key`` (constants by value, a float's with its sign: SDPA's
-    ``dropout_p=0.0``), and raises TypeError for an unhashable value; -0.0 equals 0.0 inside a
+
+def lookup(values: list, seen: dict, keyed: bool = False) -> tuple:
+    """(the signature of a bound call, (the remembered call, the arrays) of the first of the
+    signature's calls in ``seen`` whose reads this call's tensors can repeat (``arrays``) or
+    None), in one frame: every op call on the short path asks this (a frame each for the key,
+    its list and the read was ~3,600 Python calls of a 12-layer Llama step). The signature is
+    None where a value is unhashable; ``keyed``: the remembered reads count from 1 (``Seen``).
+
+    The signature is equal for calls whose plan, spec and program are the same: finer than
+    ``meta.call_key`` (constants by value, a float's with its sign: SDPA's ``dropout_p=0.0``;
+    the default dtype, which decides ``int_tensor * 2.5``'s); -0.0 equals 0.0 inside a
     sequence here, so ``remember`` keeps no signature holding one there.
     """
-    return tuple([(v.shape, v.stride(), v.storage_offset(), v.dtype, v.is_cpu)
-                  if isinstance(v, _Tensor)
-                  else (v, type(v)) if type(v) not in _FLOAT_OR_SEQUENCE
-                  else (v, copysign(1.0, v)) if type(v) is float  # 0.0 and -0.0 apart
-                  else (tuple(v), tuple(map(type, v)), type(v))
-                  for v in values])
+    try:
+        key = (*[(v.shape, v.stride(), v.storage_offset(), v.dtype, v.is_cpu)
+                 if type(v) is _Tensor or (type(v) not in _NOT_TENSORS and isinstance(v, _Tensor))
+                 else (v, type(v)) if type(v) not in _FLOAT_OR_SEQUENCE
+                 else (v, copysign(1.0, v)) if type(v) is float  # 0.0 and -0.0 apart
+                 else (tuple(v), tuple(map(type, v)), type(v))
+                 for v in values], _default_dtype())
+        known = seen.get(key)
+    except (TypeError, AttributeError):  # unhashable, or a None among tensors
+        return None, None
+    if known is None:
+        return key, None
+    # The remembered call found after the call the last lookup found (of any signature), the
+    # last time, is tried first: a step calls its ops in the same order each time, so the call
+    # before a site tells that site's remembered call apart where one signature's sites read
+    # their tensors in several ways in turn (a 12-layer Llama step: the guess after the
+    # signature's own last call missed 360 of its 1,198 calls). Any guess is checked: each try
+    # checks all of a call's reads, so a wrong one (another thread's calls between, an id
+    # reused) costs a try, and one whose reads were dropped from ``known`` meanwhile
+    # (``READS_PER_SIGNATURE``) is still right.
+    if keyed:
+        values = [None, *values]
+    before = _found[0]
+    following = known.following
+    guess = following.get(before)
+    if guess is not None:
+        out = arrays(values, guess.reads)
+        if out is not None:
+            _found[0] = id(guess)
+            return key, (guess, out)
+    for kept in known:
+        if kept is guess:
+            continue
+        out = arrays(values, kept.reads)
+        if out is not None:
+            if len(following) >= _FOLLOWING:
+                following.clear()
+            following[before] = kept
+            _found[0] = id(kept)
+            return key, (kept, out)
+    return key, None
+
+
+# The id of the remembered call the last ``lookup`` found (``Known.following``'s key: an id,
+# which keeps no call of another signature alive), and how many predecessors a signature keeps.
+_found = [None]
+_FOLLOWING = 64
 
 
 class Seen:
@@ -67,10 +120,14 @@ class Seen:
     (or a lazy cast's ``Cast``), and (position, None, None) of each traced number; ``views``
     the spec's views as ``calls.dynamic_values`` gives them, ``viewed`` the spec with them
     (``program.with_views``); ``wrap``: the caller's function making the results' tensors
-    (kept here, made at first use); ``launcher``: (the executor, its ``launcher`` for
-    ``viewed``), found at first use."""
+    (kept here, made at first use); ``launcher``: (the executor, its ``launcher`` and
+    ``holder`` for ``viewed``), found at first use; ``steady``:
+    (``HOOKS.growing``, its epoch) when that hook answered a call of it ``STEADY``
+    (``calls.run_seen``); ``autograd``: that hook where it answered a call of it ``AUTOGRAD``
+    (run as usual whenever autograd's engine runs it)."""
 
-    __slots__ = ("result", "spec", "reads", "views", "viewed", "wrap", "launcher")
+    __slots__ = ("result", "spec", "reads", "views", "viewed", "wrap", "launcher", "steady",
+                 "autograd")
 
     def __init__(self, result, spec: Spec, reads: tuple, views: tuple) -> None:
         self.result = result
@@ -80,6 +137,8 @@ class Seen:
         self.viewed = with_views(spec, views) if views else spec
         self.wrap = None
         self.launcher = None
+        self.steady = None
+        self.autograd = None
 
 
 def _zero(x) -> bool:
@@ -116,7 +175,7 @@ def reads_of(spec: Spec, values: list) -> tuple | None:
         if kind == SCALAR:
             reads.append((i, None, None))
         elif kind == TENSOR:
-            how = _read_as(values[i])
+            how = read_as(values[i])
             if how is None:
                 return None
             reads.append((i, how, tuple(values[i].shape)))
@@ -130,11 +189,22 @@ def remember(seen: dict, key, reads: tuple, result, spec: Spec) -> None:
     kept = Seen(result, spec, reads, views)
     known = seen.get(key)
     if known is None:
-        meta.bounded_put(seen, key, [kept])
+        meta.bounded_put(seen, key, Known([kept]))
     else:
         known.append(kept)
         if len(known) > READS_PER_SIGNATURE:
             del known[0]
+
+
+class Known(list):
+    """One signature's remembered calls (``Seen``), and ``following``: which of them
+    ``lookup`` found after the call of each id it found just before (up to ``_FOLLOWING``)."""
+
+    __slots__ = ("following",)
+
+    def __init__(self, calls: list) -> None:
+        super().__init__(calls)
+        self.following = {}
 
 
 # One signature's calls can read their tensors more than one way (a contiguous product input
@@ -142,11 +212,10 @@ def remember(seen: dict, key, reads: tuple, result, spec: Spec) -> None:
 READS_PER_SIGNATURE = 8
 
 
-def stored(t: _Tensor) -> tuple:
-    """(t's storage's value, what gives its shape and dtype without the properties' Python
+def stored_value(array) -> tuple:
+    """(a storage's value, what gives its shape and dtype without the properties' Python
     steps): an array and its aval, or DeferAndFuse's recorded value (its array once run) twice;
     (the value, None) for anything else (a lazy cast)."""
-    array = t.untyped_storage()._tpu_array
     kind = type(array)
     if kind is Pending:
         if array._value is not None:
@@ -170,7 +239,7 @@ def _stored(t: _Tensor):
     return array if type(array) in (ArrayImpl, Pending) else None
 
 
-def _read_as(t: _Tensor):
+def read_as(t: _Tensor):
     """How the full path read t (``tensors.read_parts``): its array's dtype where t is its array
     whole, else the view's geometry, or a lazy cast's ``Cast``; None where it read something
     the short path cannot."""
@@ -184,16 +253,6 @@ def _read_as(t: _Tensor):
 
 
 _REAL = (float, int, bool)
-
-
-def read(values: list, known: list) -> tuple | None:
-    """(the remembered call, the arrays) of the first of ``known`` whose reads this call's
-    tensors can repeat (``arrays``); None when none can."""
-    for kept in known:
-        out = arrays(values, kept.reads)
-        if out is not None:
-            return kept, out
-    return None
 
 
 def arrays(values: list, reads: tuple) -> tuple | None:
@@ -213,19 +272,42 @@ def arrays(values: list, reads: tuple) -> tuple | None:
                 return None
             out.append(t)
             continue
-        array, aval = stored(t)
-        if aval is None:
-            if type(array) is not Converted:
-                return None
-            if array.source is None:  # computed by now (settled by a reader): its value
-                array = array.resolve()
-                aval = array.aval
-            else:
-                array = _cast_source(t, array, how)
-                if array is None:
+        array = t.untyped_storage()._tpu_array
+        # ``stored``'s common cases inline: a computed array (every repeated call reads some),
+        # a lazy value (~2,000 reads a 12-layer Llama step).
+        kind = type(array)
+        if kind is ArrayImpl:
+            aval = array.aval
+        elif kind is Converted:
+            source = array.source
+            if source is not None:
+                # A lazy value: its source, where the program reads it as the full path would
+                # now (``how``, the remembered ``Cast``). Inline: ~1,900 reads a step.
+                if (type(how) is not Cast or array.dtype != how.dtype or t.is_neg()
+                        or array.op != how.op or array.keep is not how.keep
+                        or array.view != how.view):
                     return None
-                out.append(array)
+                made, view = array.shape, array.view
+                if view is None:
+                    read = source
+                    while type(read) is tuple:  # ``lead``, inline
+                        read = read[0]
+                    read = read.aval.shape
+                else:
+                    read = view.size
+                g = how.geometry
+                if how.shape != (None if read == made else made) or (
+                        (made != t.shape) if g is None else (g.array_shape != made)):
+                    return None
+                out.append(source)
                 continue
+            # Computed by now (settled by a reader, which dropped its source): its value.
+            array = array._value
+            aval = array.aval
+        else:
+            array, aval = stored_value(array)
+            if aval is None:
+                return None
         if t.is_conj() or t.is_neg():
             return None
         if type(how) is Geometry:
@@ -235,21 +317,3 @@ def arrays(values: list, reads: tuple) -> tuple | None:
             return None
         out.append(array)
     return tuple(out)
-
-
-def _cast_source(t: _Tensor, converted: Converted, how):
-    """The source of t's lazy cast when the program reads it as ``how`` (the remembered
-    ``Cast``) would, else None (the cast is computed by now, or another cast or view)."""
-    source = converted.source
-    if (source is None or type(how) is not Cast or converted.dtype != how.dtype or t.is_neg()
-            or converted.op != how.op or converted.keep is not how.keep
-            or converted.view != how.view):
-        return None
-    shape, view = converted.shape, converted.view
-    if how.shape != (None if (lead(source).aval.shape if view is None else view.size) == shape
-                     else shape):
-        return None
-    g = how.geometry
-    if (shape != t.shape) if g is None else (g.array_shape != shape):
-        return None
-    return source

@@ -47,8 +47,10 @@ def _state_tensors(opt: torch.optim.Optimizer, p: torch.Tensor) -> tuple:
 
 
 def _hyperparameters(group: dict, fed_lr: bool) -> tuple:
-    return tuple((k, v) for k, v in group.items()
-                 if k != "params" and not (fed_lr and k == "lr"))
+    # A tensor's value (a CPU tensor lr a scheduler fills in place) is a constant of the program
+    # as a number's is: its version counter says whether it was written since.
+    return tuple((k, (v, v._version) if isinstance(v, torch.Tensor) else v)
+                 for k, v in group.items() if k != "params" and not (fed_lr and k == "lr"))
 
 
 class OptimizerWatch:
@@ -156,9 +158,13 @@ class Guards:
         # Per optimizer, per group: the hyperparameter keys the check compares. A wrapper
         # subclass parameter (a DTensor) is checked through its inner tensor's storage, which
         # the snapshot does not read: such optimizers always take the full check.
+        # So is a tensor hyperparameter, written in place without a new object.
         self._plan = None
         if not any(is_traceable_wrapper_subclass(t[0]) for _, groups in entries
-                   for *_, tensors in groups for t in tensors):
+                   for *_, tensors in groups for t in tensors) \
+                and not any(isinstance(v, tuple) and isinstance(v[0], torch.Tensor)
+                            for _, groups in entries for _, _, hyper, _ in groups
+                            for _, v in hyper):
             self._plan = [(opt, [tuple(k for k, _ in hyper) for _, _, hyper, _ in groups])
                           for opt, groups in entries]
         self._snapshot = None
@@ -217,8 +223,10 @@ def _mismatch(guards: list, grads: bool) -> str | None:
         for group, (captured, fed, hyper, tensors) in zip(opt.param_groups, groups):
             if group is not captured or len(group["params"]) != len(tensors):
                 return f"{name}'s param_groups changed since the capture"
-            if _hyperparameters(group, fed) != hyper:
-                changed = [k for k, v in hyper if group.get(k) != v]
+            now = _hyperparameters(group, fed)
+            if now != hyper:
+                now = dict(now)
+                changed = [k for k, v in hyper if now.get(k) != v]
                 return (f"{name} hyperparameter(s) {changed} changed since the capture (they "
                         "are constants of the captured program; only the lr of a "
                         "capturable=True optimizer is an input)")

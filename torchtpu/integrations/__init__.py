@@ -35,3 +35,4 @@ def install() -> None:
         module = f"trl.trainer.{name}_config"
         after_import(module, trl.patcher(module))
     after_import("trl.generation.vllm_generation", trl.patch_vllm_generation)
+    after_import("trl.trainer.grpo_trainer", trl.patch_grpo_trainer)

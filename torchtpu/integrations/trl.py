@@ -22,9 +22,42 @@ weights, gradients and two optimizer states: ``torchtpu.memory``), checked befor
 starts; and a policy whose parameter names or shapes are not those of the engine's model (read
 from the headers of the checkpoint the engine is given to load; the first such parameter is
 named with both shapes: ``torchtpu.argument``).
+
+``GRPOTrainer.train`` with vLLM colocated on tpu runs in ``torch.tpu.EagerMode.DEFER_AND_FUSE``
+(where the process is in the default Strict mode; ``TORCHTPU_TRL_DEFER=0`` leaves it there):
+in Strict a step launched ~930 programs of a few ops each (the rollout's scoring, the policy's
+loss forward and backward, clipping, the optimizer step, the engine's input preparation), in
+DeferAndFuse ~70, one per host read (TRL reads its logged metrics inside the loss), each
+program found by its recording's structure from the third step on; a new process's first step
+traces its ~40 fused programs (Strict loads its per-op ones by key), so the first two steps
+cost more host CPU on XLA:CPU and the later ones less (bench/RESULTS.md, "rl10").
+The engine's own steps are the programs it captured, in either mode. The whole of
+``train`` is one mode, not Strict around the rollouts: leaving and entering the mode every step
+drops DeferAndFuse's kept buffers and repeats its garbage-collector check (~0.1 s a step in a
+process holding vLLM). Without vLLM, ``generate``'s decode loop would fuse one program per
+generated length, so that run keeps Strict.
+
+TRL pushes the policy into the colocated engine one ``load_weights([(name, param)])`` call per
+parameter, and vLLM's loader walks the engine's whole model in each call (``AutoWeightsLoader``'s
+tied-parameter search, ``named_parameters``): the push's host time grew with the square of the
+layers (Qwen2-0.5B: 290 calls, each over 290 parameters). On tpu it hands the loader the
+parameters as one stream instead, gathered one at a time as TRL's loop gathers them: the same
+copies, one walk.
+
+The colocated engine captures its step shapes lazily (``TORCHTPU_VLLM_CAPTURE=lazy`` while it
+starts, where the user has not set the variable): TRL sizes it for ``max_num_batched_tokens=4096``
+and ``max_num_seqs`` of the batch, a grid of 25 decode and prefill shapes (32 tokens, 2
+requests) that the start-up capture compiled, each a program holding the policy's whole forward
+(Qwen2-0.5B's 24 layers at width 128: 756 s of XLA:CPU compiles at load 13, "rl15"), of
+which a GRPO step meets 2-3 (its group's prefill, its decodes, with logits: TRL asks for
+log-probabilities). A warm process loads the ones met by key either way.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
 
 from torchtpu import errors
 
@@ -32,6 +65,39 @@ PAD_TO = 16
 # What training holds per policy weight beside it: its gradient and AdamW's two moments.
 TRAINING_COPIES = 4
 MODULES = ("grpo", "rloo", "dpo", "sft", "kto", "reward", "distillation")
+
+
+def defers(trainer) -> bool:
+    """Whether ``trainer.train`` runs in DeferAndFuse (the module doc)."""
+    import torch
+
+    return (trainer.accelerator.device.type == "tpu"
+            and trainer.use_vllm and trainer.vllm_mode == "colocate"
+            and os.environ.get("TORCHTPU_TRL_DEFER", "1") != "0"
+            and torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER)
+
+
+def patch_grpo_trainer() -> None:
+    """Run ``GRPOTrainer.train`` in DeferAndFuse where ``defers`` says so (the module doc)."""
+    import functools
+
+    import torch
+    from trl.trainer import grpo_trainer
+
+    cls = grpo_trainer.GRPOTrainer
+    train = cls.train
+    if getattr(train, "_torchtpu", False):
+        return
+
+    @functools.wraps(train)
+    def deferred_train(self, *args, **kwargs):
+        if not defers(self):
+            return train(self, *args, **kwargs)
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
+            return train(self, *args, **kwargs)
+
+    deferred_train._torchtpu = True
+    cls.train = deferred_train
 
 
 def patch_config(cls: type) -> None:
@@ -124,6 +190,22 @@ def check_names(pushed, shapes: dict[str, tuple], folder: str) -> None:
                 f"{tuple(tensor.shape)} but the engine's model ({folder}) has {want}"))
 
 
+@contextlib.contextmanager
+def _lazy_capture():
+    """``TORCHTPU_VLLM_CAPTURE=lazy`` while the colocated engine starts, unless the user set it
+    (the module doc)."""
+    from torchtpu.integrations.vllm.worker import CAPTURE_ENV
+
+    if CAPTURE_ENV in os.environ:
+        yield
+        return
+    os.environ[CAPTURE_ENV] = "lazy"
+    try:
+        yield
+    finally:
+        os.environ.pop(CAPTURE_ENV, None)
+
+
 def patch_vllm_generation() -> None:
     """Wrap ``VLLMGeneration._init_vllm`` with the checks of the module doc (colocate only)."""
     from trl.generation import vllm_generation
@@ -140,7 +222,33 @@ def patch_vllm_generation() -> None:
             shapes = engine_shapes(folder)
             if shapes:  # (a hub name, not a folder here: nothing to read before vLLM)
                 check_names(self._iter_named_params(), shapes, folder)
+            if os.environ.get("WORLD_SIZE", "1") == "1":
+                # TRL opens internet sockets to find a free MASTER_PORT (refused on a sandboxed
+                # TPU host); a process alone never binds it: its engine rendezvouses through a
+                # file store (integrations/vllm/worker.py)
+                os.environ.setdefault("MASTER_PORT", "29500")
+            with _lazy_capture():
+                original(self)
+            return
         original(self)
 
     _init_vllm._torchtpu = True
     cls._init_vllm = _init_vllm
+    cls.sync_weights = _one_push(cls.sync_weights)
+
+
+def _one_push(sync_weights):
+    """``sync_weights`` that hands a colocated tpu engine's model every parameter in one
+    ``load_weights`` call (the module doc); other modes, devices and sleep mode as TRL does."""
+    @functools.wraps(sync_weights)
+    def one_push(self) -> None:
+        if (self.mode != "colocate" or self.enable_sleep_mode
+                or self.accelerator.device.type != "tpu"):
+            return sync_weights(self)
+        model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+        # a stream: each parameter is gathered (FSDP, ZeRO-3) and dropped in turn, as in TRL's
+        model.load_weights(self._iter_named_params())
+        self.llm.reset_prefix_cache()
+        return None
+
+    return one_push

@@ -43,6 +43,7 @@ from torchtpu.eager import dispatch
 from torchtpu.kernels import donation, pallas_mode, signature
 from torchtpu.kernels.signature import Param, Signature
 from torchtpu.lowering.registry import lowers
+from torchtpu.runtime import warm_keys
 
 CustomOpDef = torch._library.custom_ops.CustomOpDef
 
@@ -193,7 +194,11 @@ def _lowering(name: str, op, fn: Callable, sig: Signature) -> Callable:
         return list(out) if sig.returns[0] == "Tensor[]" else out
 
     lowering.__name__ = name.replace("::", "_")
-    return lowering
+    # Known in keys by what it computes: a module-level fn (torchtpu's own ops, the
+    # checkpoints' optimization barrier among them) keeps the programs reading it keyed, so a
+    # new process loads them (a DeferAndFuse recording holding one was traced in every
+    # process); a closure's stays out of warm starts (``warm_keys.canonical`` refuses it).
+    return warm_keys.named(lowering, "jax_op", name, fn, sig.returns[0])
 
 
 def _meta_like(a):

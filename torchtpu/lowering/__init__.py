@@ -7,6 +7,7 @@ from torchtpu.lowering import (  # noqa: F401
     factory,
     fft,
     graph_forms,
+    heads,
     histogram,
     index,
     layers,

@@ -82,7 +82,8 @@ def _softmax(s):
     probabilities 0 and logsumexp -inf. The probabilities are exp(s - max) / sum, as CPU's
     softmax computes them, not exp(s - logsumexp): with large scores the logsumexp's rounding
     (its ulp at 5000 is 5e-4) would scale every probability, a lone one included."""
-    m = s.max(-1, keepdims=True)
+    # (initial: no keys, S = 0, is a row with nothing to attend to, as CPU's math path has it)
+    m = s.max(-1, keepdims=True, initial=-jnp.inf)
     m = jnp.where(jnp.isneginf(m), 0.0, m)
     e = jnp.exp(s - m)
     total = e.sum(-1, keepdims=True)

@@ -63,7 +63,8 @@ def find(op: OpOverload) -> Callable | None:
 def first_bad(arg: Arg | None, test: Callable, error: Callable) -> Exception | None:
     """error(value) for the first of arg's values that test marks; None when none is (or when
     the values are left to the device, which raises it later). test must be the same object
-    for the same check (``functools.cache`` its maker): the device's program is kept per test."""
+    for the same check (``functools.cache`` its maker): the device's program is kept per test;
+    a module-level function or a partial of one, so that the program has a stable key."""
     if arg is None or 0 in arg.shape:
         return None
     values = arg.values()
@@ -76,12 +77,16 @@ def first_bad(arg: Arg | None, test: Callable, error: Callable) -> Exception | N
 
 @functools.lru_cache(maxsize=512)
 def _finder(test: Callable) -> Callable:
-    def find(values):
-        bad = jnp.broadcast_to(test(jnp, values), values.shape).ravel()
-        first = values.ravel()[jnp.argmax(bad)]
-        return jnp.stack([bad.any().astype(jnp.int64), first.astype(jnp.int64)])
+    # A partial of module-level functions, not a closure: a recording that runs the check on
+    # the device (DeferAndFuse's) then has a stable form, and a new process loads its program
+    # by key (``eager/fused_program.keyed``).
+    return functools.partial(_find, test)
 
-    return find
+
+def _find(test: Callable, values):
+    bad = jnp.broadcast_to(test(jnp, values), values.shape).ravel()
+    first = values.ravel()[jnp.argmax(bad)]
+    return jnp.stack([bad.any().astype(jnp.int64), first.astype(jnp.int64)])
 
 
 def outside_unit(xp, v):
@@ -94,10 +99,14 @@ def below_zero(xp, v):
     return ~(v >= 0)
 
 
-@functools.cache
+@functools.cache  # (a partial: a stable form, see _finder)
 def outside(low: int, high: int) -> Callable:
     """The test of values outside [low, high)."""
-    return lambda xp, v: (v < low) | (v >= high)
+    return functools.partial(_outside, low, high)
+
+
+def _outside(low: int, high: int, xp, v):
+    return (v < low) | (v >= high)
 
 
 def fixed(kind: type[Exception], text: str) -> Callable:

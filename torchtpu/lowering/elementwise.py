@@ -35,7 +35,22 @@ def _truth(x):
 
 @lowers(aten.add.Tensor, aten.add.Scalar, promote="result")
 def add(x, y, alpha=1):
+    if _in_rows(x, y):
+        # A residual add of (b, t, n) values whose addend is a (b * t, n) product read through
+        # a view: in the products' rank the TPU compiler fuses it into the product's fusion and
+        # keeps the stream, where at (b, t, n) it recomputed the stream from the deltas inside
+        # the backward's readers (bench/RESULTS.md, whole13: a 2-block step at 4 x 2048, -5.6%
+        # cost-model cycles; 8 x 1024 the same program). The same values.
+        n = x.shape[-1]
+        return (x.reshape(-1, n) + (y * alpha).reshape(-1, n)).reshape(x.shape)
     return x + y * alpha
+
+
+def _in_rows(x, y) -> bool:
+    """Both operands arrays of one shape of rank 3 or more (no broadcast), rows not empty."""
+    shape = getattr(x, "shape", None)
+    return (shape is not None and len(shape) >= 3 and shape[-1] > 0
+            and getattr(y, "shape", None) == shape)
 
 
 @lowers(aten.sub.Tensor, aten.sub.Scalar, promote="result")
@@ -216,11 +231,31 @@ lowers_each({
 }, promote="result")
 
 
+def opmath(x):
+    """x in the type PyTorch's CPU kernels and fused optimizers compute it in: float32 for the
+    half types."""
+    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+
+
 @lowers(aten.lerp.Scalar, aten.lerp.Tensor, promote="result")
 def lerp(start, end, weight):
-    # CPU's two-sided formula: exact at both weight == 0 and weight == 1.
+    # CPU's two-sided formula: exact at both weight == 0 and weight == 1, computed in CPU's
+    # opmath type (float32 for the half types) with the weight rounded to it first (a number
+    # arrives as a float64 scalar: 1 - 0.9 there, then rounded, is one ulp from 1 - 0.9f).
+    out = start.dtype
+    start, end = opmath(start), opmath(end)
+    weight = jnp.asarray(weight).astype(start.dtype)
     diff = end - start
-    return jnp.where(jnp.abs(weight) < 0.5, start + weight * diff, end - diff * (1 - weight))
+    small = jnp.abs(weight) < 0.5
+    if jnp.ndim(weight) == 0:
+        # One weight (AdamW's moment update): the side is chosen on the scalar, so each element
+        # costs a select, a product and a difference instead of both sides' products and sums
+        # (the optimizer step's largest fusions were bound by that arithmetic on a v5e, not by
+        # their bytes). start - (-w) * diff is start + w * diff to the bit, signed zeros too.
+        found = jnp.where(small, start, end) - jnp.where(small, -weight, 1 - weight) * diff
+    else:
+        found = jnp.where(small, start + weight * diff, end - diff * (1 - weight))
+    return found.astype(out)
 
 
 @lowers(aten.addcmul.default, promote="result")
@@ -466,11 +501,13 @@ def _assert_async_check(self,
 
 # ----------------------------------------------------------------------------- fill
 
-@lowers(aten.fill.Scalar, aten.fill.Tensor)
+# x's values are overwritten: only its shape and dtype are read (``shape_only``).
+@lowers(aten.fill.Scalar, aten.fill.Tensor, shape_only=("self",),
+        constant=lambda x, value: value)
 def fill(x, value):
     return jnp.full(x.shape, value, x.dtype)
 
 
-@lowers(aten.zero.default)
+@lowers(aten.zero.default, shape_only=("self",), constant=lambda x: 0)
 def zero(x):
-    return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, x.dtype)

@@ -78,24 +78,24 @@ def eye_m(n, m, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.eye(n, m, dtype=jnp.bool_)
 
 
-@lowers(aten.full.default)
+@lowers(aten.full.default, constant=lambda size, fill_value, *_: fill_value)
 def full(size, fill_value, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.full(tuple(size), fill_value)
 
 
 # _efficientzerotensor is what autograd uses for a known-zero gradient (sgn of a real tensor):
 # an ordinary zero tensor serves.
-@lowers(aten.zeros.default, aten._efficientzerotensor.default)
+@lowers(aten.zeros.default, aten._efficientzerotensor.default, constant=lambda *_: 0)
 def zeros(size, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size), jnp.bool_)
 
 
-@lowers(aten.ones.default)
+@lowers(aten.ones.default, constant=lambda *_: 1)
 def ones(size, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.ones(tuple(size), jnp.bool_)
 
 
-@lowers(aten.scalar_tensor.default)
+@lowers(aten.scalar_tensor.default, constant=lambda s, *_: s)
 def scalar_tensor(s, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.asarray(s)
 

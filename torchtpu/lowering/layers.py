@@ -22,13 +22,25 @@ from torchtpu.lowering import padding
 from torchtpu.lowering.checks import first_bad
 from torchtpu.lowering.linalg import _scaled_sum
 from torchtpu.lowering.padding import Mask, Refused, first, padded, reduced_dims, same
-from torchtpu.lowering.registry import check, lowers, padding_rule
+from torchtpu.lowering.registry import (
+    check,
+    lowers,
+    padding_rule,
+    producer_form,
+    rounded_fast,
+    row_parts,
+    saved_statistics,
+)
+from torchtpu.runtime.tpu_accuracy import FAST, rounded
 
 aten = torch.ops.aten
 
 
+_HALF = (jnp.float16, jnp.bfloat16)
+
+
 def _wide(x):
-    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
+    return x.astype(jnp.float32) if x.dtype in _HALF else x
 
 
 @lowers(aten.addmm.default, promote="result")
@@ -49,12 +61,34 @@ def softmax(x, dim, half_to_float):
     return jax.nn.softmax(_wide(x), axis=_axis(x, dim))
 
 
+def _log_softmax_parts(x, axis):
+    """(max, log of the sum of exp(x - max)) along axis, kept as dims: x - max - the second is
+    log_softmax(x). One function for the log-softmax and the NLL's pick from its input
+    (``_nll_loss_of_log_softmax``), so that in one program XLA computes the row reductions
+    once (the same instructions are one)."""
+    top = jnp.max(x, axis, keepdims=True, initial=-jnp.inf)
+    return top, jnp.log(jnp.sum(jnp.exp(x - top), axis, keepdims=True))
+
+
 @lowers(aten._log_softmax.default)
 def log_softmax(x, dim, half_to_float):
-    return jax.nn.log_softmax(_wide(x), axis=_axis(x, dim))
+    x, axis = _wide(x), _axis(x, dim)
+    top, log_sum = _log_softmax_parts(x, axis)
+    return (x - top) - log_sum
 
 
 padding_rule(aten._softmax.default, aten._log_softmax.default)(padding.reduction(1, "lowest"))
+
+
+def _log_softmax_of_rows(x, dim, half_to_float, top, log_sum):
+    return (_wide(x) - top) - log_sum
+
+
+# A split step's backward recomputes the float32 log-probabilities from the logits and these
+# two numbers a row, not from two passes over the logits (bench/RESULTS.md, split1).
+@row_parts(aten._log_softmax.default, combine=_log_softmax_of_rows)
+def _log_softmax_rows(x, dim, half_to_float):
+    return _log_softmax_parts(_wide(x), _axis(x, dim))
 
 
 @lowers(aten._softmax_backward_data.default)
@@ -66,7 +100,16 @@ def softmax_backward(grad, out, dim, input_dtype):
 @lowers(aten._log_softmax_backward_data.default)
 def log_softmax_backward(grad, out, dim, input_dtype):
     grad, out = _wide(grad), _wide(out)
-    return grad - jnp.exp(out) * jnp.sum(grad, axis=_axis(out, dim), keepdims=True)
+    return grad - _exp(out) * jnp.sum(grad, axis=_axis(out, dim), keepdims=True)
+
+
+def _exp(x):
+    # A bf16 step's loss gradient is rounded to bf16 for the head's products right after, which
+    # recompute it inside both: the fast exp there (bench/RESULTS.md, whole12).
+    return jax.lax.exp(x, accuracy=rounded())
+
+
+rounded_fast(aten._log_softmax_backward_data.default)
 
 
 @padding_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
@@ -77,39 +120,64 @@ def _softmax_backward_padding(node: fx.Node, layouts: dict) -> list:
     return [Mask(i, dims, "zero") for i in ((0, 1) if both else (0,))] if dims else []
 
 
-def _gelu(x, approximate: str):
+_SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
+_KAPPA = 0.044715
+
+
+def _gelu_tanh(x, half: bool):
+    return jax.lax.tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x),
+                        accuracy=FAST if half else None)
+
+
+def _gelu(x, approximate: str, half: bool = False):
+    """GELU of float32 x; half: its value is rounded to half precision right after."""
     if approximate == "tanh":
-        inner = math.sqrt(2 / math.pi) * (x + 0.044715 * x * x * x)
-        return 0.5 * x * (1 + jnp.tanh(inner))
+        return 0.5 * x * (1 + _gelu_tanh(x, half))
     return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))))
 
 
 @lowers(aten.gelu.default)
 def gelu(x, approximate="none"):
-    return _gelu(_wide(x), approximate)
+    return _gelu(_wide(x), approximate, x.dtype in _HALF)
 
 
+# Written out as CPU's kernel computes it, not JAX's vjp of the forward: the vjp's exp (erf's
+# derivative) takes no accuracy, so a bf16 GELU's would be the TPU's accurate form (see _sigmoid).
 @lowers(aten.gelu_backward.default)
 def gelu_backward(grad, x, approximate="none"):
-    _, pullback = jax.vjp(lambda v: _gelu(v, approximate), _wide(x))
-    return pullback(_wide(grad))[0]
+    half = grad.dtype in _HALF and x.dtype in _HALF
+    grad, x = _wide(grad), _wide(x)
+    if approximate == "tanh":
+        t = _gelu_tanh(x, half)
+        slope = _SQRT_2_OVER_PI * (1 + 3 * _KAPPA * x * x)
+        return grad * (0.5 * (1 + t) + 0.5 * x * (1 - t * t) * slope)
+    cdf = 0.5 * (1 + jax.lax.erf(x * (1 / math.sqrt(2))))
+    pdf = jax.lax.exp(-0.5 * x * x, accuracy=FAST if half else None) / math.sqrt(2 * math.pi)
+    return grad * (cdf + x * pdf)
 
 
 # SiLU (SwiGLU's gate in every Llama MLP), whole: its decomposition ran as five programs (casts
 # to and from float32 around sigmoid and mul, a copy out).
 @lowers(aten.silu.default)
 def silu(x):
-    x = _wide(x)
-    return x * jax.lax.logistic(x)
+    return _wide(x) * _sigmoid(x)
 
 
 # Its backward whole, in float32 as CPU's kernel computes it: its composite ran as six programs
 # a layer (``1 - sigmoid`` as an empty tensor filled, then a subtraction; three products).
 @lowers(aten.silu_backward.default)
 def silu_backward(grad, x):
+    s = _sigmoid(x, grad)
     x = _wide(x)
-    s = jax.lax.logistic(x)
     return _wide(grad) * s * (1 + x * (1 - s))
+
+
+def _sigmoid(x, *others):
+    """sigmoid(x) in float32. When x (and others) are half precision, the float32 value is
+    rounded to their dtype right after: its exp is the TPU's fast form (``tpu_accuracy.FAST``;
+    ``lax.logistic`` drops an accuracy it is given)."""
+    half = all(v.dtype in _HALF for v in (x, *others))
+    return 1 / (1 + jax.lax.exp(-_wide(x), accuracy=FAST if half else None))
 
 
 def _layer_norm_axes(x, normalized_shape) -> tuple:
@@ -178,6 +246,12 @@ def native_layer_norm_backward(grad_out, x, normalized_shape, mean, rstd, weight
     return grad_input, grad_weight, grad_bias
 
 
+# The forward's mean and rstd (float32 for a half input, as the meta kernel makes them); batch
+# norm's backward (PyTorch's decomposition serves it) takes its save_mean and save_invstd so too.
+saved_statistics(aten.native_layer_norm_backward.default, 3, 4)
+saved_statistics(aten.native_batch_norm_backward.default, 5, 6)
+
+
 @padding_rule(aten.native_layer_norm_backward.default)
 def _layer_norm_backward_padding(node: fx.Node, layouts: dict) -> list:
     lay, normalized = first(node, layouts), len(node.args[2])
@@ -188,11 +262,13 @@ def _layer_norm_backward_padding(node: fx.Node, layouts: dict) -> list:
 
 
 def _nll_weights(x, target, weight, ignore_index):
-    """Per-sample class weights (0 where the target is ignore_index) and the safe targets."""
+    """(per-sample class weights, 0 where the target is ignore_index; the safe targets; which
+    samples count). CPU's kernels skip an ignored sample: its loss and its gradient are 0 also
+    where 0 x its value is not (a non-finite pick or output gradient, a total weight of 0)."""
     keep = target != ignore_index
     safe = jnp.where(keep, target, 0)
     w = jnp.ones(target.shape, x.dtype) if weight is None else weight[safe]
-    return jnp.where(keep, w, 0), safe
+    return jnp.where(keep, w, 0), safe, keep
 
 
 def _picked(x, safe):
@@ -210,8 +286,11 @@ def _picked(x, safe):
 
 @lowers(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default)
 def nll_loss_forward(x, target, weight, reduction, ignore_index):
-    w, safe = _nll_weights(x, target, weight, ignore_index)
-    losses = -_picked(x, safe) * w
+    w, safe, keep = _nll_weights(x, target, weight, ignore_index)
+    return _nll_reduced(jnp.where(keep, -_picked(x, safe) * w, 0), w, reduction)
+
+
+def _nll_reduced(losses, w, reduction):
     total = jnp.sum(w)
     if reduction == 0:
         return losses, total
@@ -233,7 +312,11 @@ def _nll_loss_check(self, target, weight, reduction=1, ignore_index=-100):
 
 @functools.cache
 def _target_outside(classes: int, ignore_index: int) -> Callable:
-    return lambda xp, v: ((v < 0) | (v >= classes)) & (v != ignore_index)
+    return functools.partial(_outside_classes, classes, ignore_index)
+
+
+def _outside_classes(classes: int, ignore_index: int, xp, v):
+    return ((v < 0) | (v >= classes)) & (v != ignore_index)
 
 
 def _target_out_of_bounds(value: int) -> IndexError:
@@ -252,18 +335,65 @@ def _nll_loss_padding(node: fx.Node, layouts: dict) -> list:
     return [Mask(0, (0,), "zero"), Mask(1, (0,), args[4])]
 
 
-@lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
-def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
-    w, safe = _nll_weights(x, target, weight, ignore_index)
+def _nll_scale(grad, x, target, weight, reduction, ignore_index, total_weight):
+    """(each sample's gradient: its picked class's, the safe targets, the class dim)."""
+    w, safe, keep = _nll_weights(x, target, weight, ignore_index)
     scale = -w * grad
     if reduction == 1:
         scale = scale / total_weight
-    class_dim = 0 if x.ndim == 1 else 1
+    return jnp.where(keep, scale, 0), safe, 0 if x.ndim == 1 else 1
+
+
+@lowers(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
+def nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight):
+    scale, safe, class_dim = _nll_scale(grad, x, target, weight, reduction, ignore_index,
+                                        total_weight)
     # int32 class ids: the one-hot's compare spans (samples x classes), and a TPU emulates int64
     # (a [8192, 32768] compare in pairs of 32-bit ops for a Llama step's loss).
     onehot = jax.nn.one_hot(safe.astype(jnp.int32), x.shape[class_dim], dtype=x.dtype,
                             axis=class_dim)
     return onehot * jnp.expand_dims(scale, class_dim)
+
+
+# The NLL of a log-softmax and the log-softmax's backward of an NLL's gradient, in a recorded
+# program (``registry.producer_form``). Alone, the pick is a masked sum of the log-probabilities
+# (``_picked``), which needs the log-softmax's row sums first, so it is a pass of its own over
+# the [tokens, vocab] logits, and the backward's sum of the one-hot gradient joins it: 3.7 M
+# estimated cycles of a Llama step's ~50 M at 2 blocks on v5e, for two numbers a row. Given
+# the producers, the pick is a masked sum of the log-softmax's input (the TPU compiler makes it
+# one pass with the sum of exponentials: -3.9 M), and the backward's row sum is the NLL's own
+# scale (bench/RESULTS.md, loss1). A gather instead of the masked sum saved the same cycles but
+# wrote the float32 logits out for it (+0.9 GiB of temporaries).
+@producer_form(aten.nll_loss_forward.default, aten.nll_loss2d_forward.default, position=0,
+               producers=(aten._log_softmax.default,))
+def _nll_loss_of_log_softmax(args: list, producer: list):
+    x, target, weight, reduction, ignore_index = args
+    z, dim, _ = producer
+    class_dim = 0 if x.ndim == 1 else 1
+    if z.shape != x.shape or dim % z.ndim != class_dim:
+        return nll_loss_forward(*args)
+    w, safe, keep = _nll_weights(x, target, weight, ignore_index)
+    # Each row's class of the log-softmax's input less the row's reductions as log_softmax
+    # computes them (one with them in a program): x's values at the targets, rounded to x's
+    # dtype as x's were.
+    top, log_sum = _log_softmax_parts(_wide(z), class_dim)
+    at = jnp.expand_dims(_picked(_wide(z), safe), class_dim)
+    picked = ((at - top) - log_sum).squeeze(class_dim).astype(x.dtype)
+    return _nll_reduced(jnp.where(keep, -picked * w, 0), w, reduction)
+
+
+@producer_form(aten._log_softmax_backward_data.default, position=0,
+               producers=(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default))
+def _log_softmax_backward_of_nll(args: list, producer: list):
+    grad, out, dim, _ = args
+    x = producer[1]
+    scale, _, class_dim = _nll_scale(*producer)
+    if grad.shape != x.shape or out.shape != x.shape or dim % x.ndim != class_dim:
+        return log_softmax_backward(*args)
+    # grad is one-hot * scale along the class dim, so its sum there is scale, as
+    # nll_loss_backward's program returned it (in the one-hot's dtype, then grad's).
+    rows = scale.astype(jnp.result_type(x.dtype, scale.dtype)).astype(grad.dtype)
+    return _wide(grad) - _exp(_wide(out)) * jnp.expand_dims(_wide(rows), class_dim)
 
 
 @padding_rule(aten.nll_loss_backward.default)

@@ -4,7 +4,8 @@ factorizations.
 ``addmm``, ``mv``, ``dot``, ``vdot`` and ``baddbmm`` run PyTorch's decompositions into
 the products here. Products use JAX's default matmul precision, which ``torch.tpu.precision``
 sets (HIGHEST unless changed, so float32 matches the CPU). On a TPU a linear layer's weight
-gradient contracts its tokens in blocks (``_rows_in_blocks``), as JAX's autodiff does.
+gradient contracts its tokens in blocks (``_rows_in_blocks``), as JAX's autodiff does, and a
+vocabulary head reads its rows from behind a barrier (``wide``), computed once.
 
 LU results follow LAPACK: pivots are 1-based int32 row swaps, and ``info`` is the 1-based index of
 the first zero pivot (0 when the factorization succeeded), because PyTorch's backward formulas and
@@ -26,7 +27,7 @@ from torchtpu.lowering.registry import lowers, meta_kernel, padding_rule
 aten = torch.ops.aten
 
 
-_HALF = (jnp.bfloat16, jnp.float16)
+HALF = (jnp.bfloat16, jnp.float16)
 
 
 @lowers(aten.mm.default, aten.bmm.default, promote="result")
@@ -35,21 +36,40 @@ def matmul(x: jax.Array, y: jax.Array) -> jax.Array:
     # Asked for a bf16 result instead, the TPU compiler lays a projection's product out
     # column-major and copies it twice on its way into attention (six more copies in an
     # attention block's forward and backward; bench/RESULTS.md, whole3).
-    if x.dtype == y.dtype and x.dtype in _HALF:
-        if _weight_gradient(x, y):
-            return lax.platform_dependent(x, y, tpu=_rows_in_blocks, default=_half)
-        return _half(x, y)
+    if x.dtype == y.dtype and x.dtype in HALF:
+        if weight_gradient(x, y):
+            return lax.platform_dependent(x, y, tpu=_rows_in_blocks, default=half_product)
+        if wide(x, y):
+            x = lax.optimization_barrier(x)
+        return half_product(x, y)
     return jnp.matmul(x, y)
 
 
-def _half(x: jax.Array, y: jax.Array) -> jax.Array:
+def wide(x: jax.Array, y: jax.Array) -> bool:
+    # A product whose columns outnumber its contraction many times over: a vocabulary head
+    # (8192 x 1024 x 32768). The TPU compiler fuses the computation of its rows (the final
+    # norm, the cast to bf16) into the product, which then recomputes them for every block
+    # of columns it writes: cheap while the float32 residual stream it reads sits in VMEM,
+    # twice the product's own cycles when it does not (10.2 M estimated cycles against 4.7
+    # on v5e at 4 x 2048 tokens; bench/RESULTS.md, whole11). Behind a barrier the rows are
+    # computed once, as their own fusion, and the product reads them as bf16.
+    if not x.ndim == y.ndim == 2 or not all(isinstance(d, int) for d in (*x.shape, *y.shape)):
+        return False
+    return y.shape[1] >= _WIDE * x.shape[1]
+
+
+_WIDE = 16
+
+
+def half_product(x: jax.Array, y: jax.Array) -> jax.Array:
+    """x @ y accumulated in float32 and rounded once to x's (half) precision."""
     return jnp.matmul(x, y, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 _ROWS = 1024  # a block of the contraction: a sequence's tokens in the chip row's Llama
 
 
-def _weight_gradient(x: jax.Array, y: jax.Array) -> bool:
+def weight_gradient(x: jax.Array, y: jax.Array) -> bool:
     # A contraction longer than both of the product's dims: a linear layer's weight gradient
     # mm(g.t(), x) over every token, or a head's input gradient over its vocab. Not the head's
     # weight gradient (vocab x tokens x width): split, the TPU compiler relaid the logits'

@@ -173,7 +173,11 @@ def _first_not_zero(xp, v):
 
 @functools.cache
 def _last_after(length: int) -> Callable:
-    return lambda xp, v: (xp.arange(v.shape[0]) == v.shape[0] - 1) & (v > length)
+    return functools.partial(_last_offset_after, length)
+
+
+def _last_offset_after(length: int, xp, v):
+    return (xp.arange(v.shape[0]) == v.shape[0] - 1) & (v > length)
 
 
 def _bag_index_error(rows: int, value: int) -> RuntimeError:

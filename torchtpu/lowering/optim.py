@@ -18,6 +18,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import torch
 
+from torchtpu.lowering.elementwise import opmath
 from torchtpu.lowering.registry import TABLE, lowers, meta_kernel
 
 aten = torch.ops.aten
@@ -96,11 +97,6 @@ def foreach_copy(xs, src, non_blocking=False):
 
 # ----------------------------------------------------------------------------- fused steps
 
-def _opmath(x):
-    """Half-precision state is updated in float32, as PyTorch's fused kernels do."""
-    return x.astype(jnp.float32) if x.dtype in (jnp.float16, jnp.bfloat16) else x
-
-
 def _skip_if_inf(found_inf, new: list, old: list) -> list:
     # A step with inf/nan gradients (found by the grad scaler) leaves everything unchanged.
     if found_inf is None:
@@ -110,7 +106,7 @@ def _skip_if_inf(found_inf, new: list, old: list) -> list:
 
 
 def _unscale(grads, grad_scale) -> list:
-    return [_opmath(g) if grad_scale is None else _opmath(g) / grad_scale.reshape(())
+    return [opmath(g) if grad_scale is None else opmath(g) / grad_scale.reshape(())
             for g in grads]
 
 
@@ -120,7 +116,7 @@ def _adam(decoupled: bool, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
     new_p, new_m, new_v, new_max = [], [], [], []
     for i, (p, g, m, v, step) in enumerate(
             zip(params, unscaled, exp_avgs, exp_avg_sqs, steps, strict=True)):
-        p, m, v = _opmath(p), _opmath(m), _opmath(v)
+        p, m, v = opmath(p), opmath(m), opmath(v)
         d = -g if maximize else g
         if weight_decay != 0:
             if decoupled:
@@ -134,7 +130,7 @@ def _adam(decoupled: bool, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs
         step_size = (lr / (1 - beta1 ** step)).astype(p.dtype)
         bias_correction2_sqrt = jnp.sqrt(1 - beta2 ** step).astype(v.dtype)
         if amsgrad:
-            new_max.append(jnp.maximum(_opmath(max_exp_avg_sqs[i]), v))
+            new_max.append(jnp.maximum(opmath(max_exp_avg_sqs[i]), v))
         denom = jnp.sqrt(new_max[-1] if amsgrad else v) / bias_correction2_sqrt + eps
         new_p.append(p - step_size * (m / denom))
         new_m.append(m)
@@ -158,13 +154,13 @@ def fused_sgd(params, grads, momentum_buffers, weight_decay, momentum, lr, dampe
     unscaled = _unscale(grads, grad_scale)
     new_p, new_bufs = [], []
     for i, (p, g) in enumerate(zip(params, unscaled, strict=True)):
-        p = _opmath(p)
+        p = opmath(p)
         d = -g if maximize else g
         if weight_decay != 0:
             d = d + weight_decay * p
         if momentum != 0:
             buf = d if is_first_step else (
-                _opmath(momentum_buffers[i]) * momentum + (1 - dampening) * d)
+                opmath(momentum_buffers[i]) * momentum + (1 - dampening) * d)
             new_bufs.append(buf)
             d = d + momentum * buf if nesterov else buf
         new_p.append(p - lr * d)
@@ -179,7 +175,7 @@ def _adagrad(params, grads, state_sums, state_steps, lr, lr_decay, weight_decay,
     unscaled = _unscale(grads, grad_scale)
     new_p, new_sums = [], []
     for p, g, state_sum, step in zip(params, unscaled, state_sums, state_steps, strict=True):
-        p, state_sum = _opmath(p), _opmath(state_sum)
+        p, state_sum = opmath(p), opmath(state_sum)
         d = -g if maximize else g
         if weight_decay != 0:
             d = d + weight_decay * p

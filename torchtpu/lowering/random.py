@@ -18,6 +18,9 @@ from torchtpu.lowering.checks import below_zero, first_bad, fixed, outside_unit
 from torchtpu.lowering.registry import check, lowers
 
 aten = torch.ops.aten
+# The functional forms of the in-place draws (``x.uniform_()``) read only their input's shape
+# and dtype: the draw overwrites it.
+_SELF = ("self",)
 
 
 def _draw_dtype(dtype):
@@ -35,7 +38,7 @@ def _normal(key, x):
     return jax.random.normal(key, x.shape, _draw_dtype(x.dtype))
 
 
-@lowers(aten.uniform.default)
+@lowers(aten.uniform.default, shape_only=_SELF)
 def uniform(x, low=0.0, high=1.0, generator=None):
     return _uniform(generator, x, low, high)
 
@@ -48,7 +51,7 @@ def _uniform_check(self, low=0.0, high=1.0, generator=None):
     return None
 
 
-@lowers(aten.normal_functional.default)
+@lowers(aten.normal_functional.default, shape_only=_SELF)
 def normal_functional(x, mean=0.0, std=1.0, generator=None):
     return _normal(generator, x) * std + mean
 
@@ -72,7 +75,7 @@ def bernoulli(p, generator=None):
     return jax.random.uniform(generator, p.shape, _draw_dtype(p.dtype)) < p
 
 
-@lowers(aten.bernoulli.p, aten.bernoulli.Tensor)
+@lowers(aten.bernoulli.p, aten.bernoulli.Tensor, shape_only=_SELF)
 def bernoulli_p(x, p, generator=None):
     draw = _draw_dtype(getattr(p, "dtype", x.dtype))
     return jax.random.uniform(generator, x.shape, draw) < p
@@ -119,29 +122,29 @@ def _random_ints(key, x, low: int, count: int):
     return (bits.astype(jnp.uint64) + np.uint64(low % 2**64)).astype(jnp.int64)
 
 
-@lowers(aten.random.default)
+@lowers(aten.random.default, shape_only=_SELF)
 def random_(x, generator=None):
     return _random_ints(generator, x, 0, _default_high(x.dtype) + 1)
 
 
-@lowers(aten.random.to)
+@lowers(aten.random.to, shape_only=_SELF)
 def random_to(x, to: int, generator=None):
     return _random_ints(generator, x, 0, to)
 
 
-@lowers(getattr(aten.random, "from"))  # "from" is a Python keyword
+@lowers(getattr(aten.random, "from"), shape_only=_SELF)  # "from" is a Python keyword
 def random_from(x, low: int, high: int | None, generator=None):
     if high is None:
         high = _default_high(x.dtype) + 1
     return _random_ints(generator, x, low, high - low)
 
 
-@lowers(aten.exponential.default)
+@lowers(aten.exponential.default, shape_only=_SELF)
 def exponential(x, lambd=1.0, generator=None):
     return jax.random.exponential(generator, x.shape, _draw_dtype(x.dtype)) / lambd
 
 
-@lowers(aten.geometric.default)
+@lowers(aten.geometric.default, shape_only=_SELF)
 def geometric(x, p, generator=None):
     # Number of trials up to and including the first success: ceil(log(U) / log(1 - p)).
     u = jax.random.uniform(generator, x.shape, jnp.float64 if x.dtype == jnp.float64
@@ -149,12 +152,12 @@ def geometric(x, p, generator=None):
     return jnp.ceil(jnp.log(u) / jnp.log1p(-p))
 
 
-@lowers(aten.log_normal.default)
+@lowers(aten.log_normal.default, shape_only=_SELF)
 def log_normal(x, mean=1.0, std=2.0, generator=None):
     return jnp.exp(_normal(generator, x) * std + mean)
 
 
-@lowers(aten.cauchy.default)
+@lowers(aten.cauchy.default, shape_only=_SELF)
 def cauchy(x, median=0.0, sigma=1.0, generator=None):
     return jax.random.cauchy(generator, x.shape, _draw_dtype(x.dtype)) * sigma + median
 

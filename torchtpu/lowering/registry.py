@@ -22,7 +22,8 @@ Policy that many ops share is declared here instead of repeated in each lowering
   generator by the executor. A predicate instead of ``True`` draws the key only for the calls it
   accepts (SDPA draws one only with dropout); it gets the bound arguments like
   ``data_dependent_shape``, may look only at arguments that are not traced (a plan is cached per
-  call signature), and for the other calls the lowering gets None as its key.
+  call signature; DeferAndFuse's replay repeats a call that drew no key where the signature is
+  the same), and for the other calls the lowering gets None as its key.
 - ``layout``: a function of the bound arguments (like ``data_dependent_shape``'s predicate)
   giving the memory format of the call's 4-d / 5-d results where PyTorch's CPU kernel picks
   one that its meta kernel does not (a convolution is channels-last when its input or weight
@@ -32,9 +33,19 @@ Policy that many ops share is declared here instead of repeated in each lowering
   output is laid out as its query, its gradients as q, k and v: a DTensor's strides come from
   the meta kernel, and a local tensor laid out otherwise broke the ``.transpose(1, 2)
   .contiguous().view(...)`` after attention, issue 37).
-- ``held``: a call whose one traced value is one tensor computes a function of that tensor
-  alone, as a pointwise op (PyTorch's tag) does, so Strict may hold it and let the program that
-  reads its result compute it (``eager/lazy_casts.py``): a slice's gradient, a pad of it.
+- ``held``: a call whose one traced value is one tensor (or one list of tensors) computes a
+  function of that tensor (those tensors) alone, as a pointwise op (PyTorch's tag) does, so
+  Strict may hold it and let the program that reads its result compute it
+  (``eager/lazy_casts.py``): a slice's gradient, a pad of it, a cat.
+- ``shape_only``: the names of tensor arguments whose lowering reads only their shape and
+  dtype, never their values (``x.uniform_()``, ``x.zero_()``: the result overwrites x). The
+  executor passes a ``jax.ShapeDtypeStruct`` there instead of the storage's array, so
+  ``torch.empty(...)`` then ``nn.init.kaiming_uniform_`` or ``zero_`` reads no never-written
+  storage (which would make a zeros program per shape) and waits on no pending value.
+- ``constant``: the call's one result holds one number everywhere, ``constant(*bound
+  arguments)`` (``zero_``'s 0, ``fill_``'s value, ``torch.ones``' 1): a small one, of a value
+  its dtype holds exactly, is sent from the host rather than computed by a program compiled
+  per shape (``device/constants.py::host_constant``; a call that reads a tensor computes).
 
 An op PyTorch has no meta kernel for gets one declared beside its lowering with
 ``@meta_kernel(op)`` (result shapes come from meta kernels); ``registration.py`` registers them
@@ -43,8 +54,11 @@ eager serves with a device kernel (a view, a copy, an allocation) has no lowerin
 in a compiled graph is declared with ``@graph_form(op)`` (``graph_forms.py``), and what an op
 needs to stay exact on inputs padded to a size bucket (dynamic shapes) with ``@padding_rule(op)``
 (``padding.py``); what CPU's kernel refuses in argument values with ``@check(op)``
-(``checks.py`` holds what checks share). Each decorator sits beside the op's lowering, in its
-family module.
+(``checks.py`` holds what checks share); another form of its lowering for a result a recorded
+program reads through a view with ``@read_form(op)`` (``eager/read_forms.py``), for arguments
+it reads through views with ``@view_form(op)`` (the same module), and for an
+argument a recorded call of another op produced with ``@producer_form(op)``
+(``eager/producer_forms.py``). Each decorator sits beside the op's lowering, in its family module.
 """
 
 from __future__ import annotations
@@ -77,6 +91,8 @@ class Lowering:
     layout: Callable | str | None = None
     platforms: tuple = ()  # the JAX platforms it lowers on; () for every one
     held: bool = False  # a call of one tensor a reader's program may compute (see the doc)
+    shape_only: tuple = ()  # tensor arguments (schema names) read for shape and dtype alone
+    constant: Callable | None = None  # the number a call's result holds everywhere
 
     def shape_depends_on_values(self, values) -> bool:
         """Whether this call's result shape depends on tensor values (see the module doc)."""
@@ -102,6 +118,25 @@ SIZE_ARGUMENTS: set = set()
 PADDED_MEANS: dict = {}
 # What CPU's kernel refuses and the meta kernel does not (``check``; ``checks.py``).
 CHECKS: dict[OpOverload, Callable] = {}
+# Ops whose result is a pointwise function of their arguments and of small reductions of them
+# (``row_parts``): (the reductions, the result from the arguments and them). A split recording
+# (``eager/defer_split.py``) writes the reductions and recomputes the result where it is read.
+ROW_PARTS: dict = {}
+# Forms of a lowering for a result that is read through a view (``read_form``).
+READ_FORMS: dict[OpOverload, Callable] = {}
+# Forms of a lowering for arguments a recorded program reads through views (``view_form``).
+VIEW_FORMS: dict[OpOverload, Callable] = {}
+# Forms of a lowering given the call that produced one of its arguments (``producer_form``):
+# op -> (argument position, producer ops, form).
+PRODUCER_FORMS: dict[OpOverload, tuple] = {}
+# Ops whose float32 transcendentals may take the TPU's fast forms where a recorded program rounds
+# their result to half precision right after (``rounded_fast``).
+ROUNDED_FAST: set = set()
+# The arguments of ops that take a forward's saved statistics (a norm's mean and rstd), which
+# PyTorch's meta kernel (and so every executor here) makes float32 for a half input, where CPU's
+# kernel keeps the input's dtype and refuses float32 ones (``saved_statistics``):
+# op -> argument indices.
+SAVED_STATISTICS: dict[OpOverload, tuple] = {}
 
 
 def channels_last_of(v) -> torch.memory_format | None:
@@ -127,7 +162,8 @@ def _overloads(target) -> list[OpOverload]:
 def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
            data_dependent_shape: bool | Callable = False, random: bool | Callable = False,
            traced: tuple = (), donates: tuple = (), layout: Callable | str | None = None,
-           platforms: tuple = (), held: bool = False) -> Callable:
+           platforms: tuple = (), held: bool = False, shape_only: tuple = (),
+           constant: Callable | None = None) -> Callable:
     """Register the decorated pure JAX function as the lowering of each target op; with
     platforms, only there (elsewhere the op runs as if it had none: decomposed or on CPU,
     counted)."""
@@ -142,9 +178,15 @@ def lowers(*targets, promote: str | None = None, static_scalars: bool = False,
                 if op in TABLE:
                     raise RuntimeError(f"torchtpu.argument: {op} has two lowerings: "
                                        f"{TABLE[op].fn} and {fn}")
+                unknown = set(shape_only) - {a.name for a in op._schema.arguments
+                                             if a.type.isSubtypeOf(torch._C.TensorType.get())}
+                if unknown:
+                    raise ValueError(f"torchtpu.argument: shape_only names {sorted(unknown)}, "
+                                     f"no tensor argument of {op}")
                 TABLE[op] = Lowering(op, fn, promote, static_scalars, data_dependent_shape, random,
                                      tuple(traced), tuple(donates), family,
-                                     _pointwise_layout(op, layout), tuple(platforms), held)
+                                     _pointwise_layout(op, layout), tuple(platforms), held,
+                                     tuple(shape_only), constant)
         return fn
 
     return register
@@ -171,24 +213,38 @@ def _registering_module() -> str:
     return name.rsplit(".", 1)[-1]
 
 
+def row_parts(*ops, combine: Callable) -> Callable:
+    """Declare the decorated function (an op's lowering arguments -> small reductions of them,
+    a tuple) and ``combine`` (the arguments, then those reductions -> the op's result) for each
+    op in ``ROW_PARTS``."""
+    return _declare_once(ROW_PARTS, "row parts", ops, entry=lambda fn: (fn, combine))
+
+
 def lowers_each(table: dict, **policy) -> None:
     """Register many one-line lowerings at once: {op: fn}, all with the same policy."""
     for op, fn in table.items():
         lowers(op, **policy)(fn)
 
 
-def meta_kernel(*ops: OpOverload) -> Callable:
-    """Declare the decorated function as the Meta kernel of each op (registered with PyTorch by
-    ``registration.py`` when the device loads, not here)."""
+def _declare_once(table: dict, what: str, ops: tuple, entry: Callable | None = None
+                  ) -> Callable:
+    """A decorator putting its function (or ``entry(fn)``, what the table holds for it) in
+    ``table`` for each op, refusing an op's second."""
     def declare(fn: Callable) -> Callable:
         for op in ops:
-            if op in META_KERNELS:
-                raise RuntimeError(f"torchtpu.argument: {op} has two meta kernels: "
-                                   f"{META_KERNELS[op]} and {fn}")
-            META_KERNELS[op] = fn
+            if op in table:
+                raise RuntimeError(f"torchtpu.argument: {op} has two {what}: {table[op]} "
+                                   f"and {fn}")
+            table[op] = fn if entry is None else entry(fn)
         return fn
 
     return declare
+
+
+def meta_kernel(*ops: OpOverload) -> Callable:
+    """Declare the decorated function as the Meta kernel of each op (registered with PyTorch by
+    ``registration.py`` when the device loads, not here)."""
+    return _declare_once(META_KERNELS, "meta kernels", ops)
 
 
 def graph_form(*ops) -> Callable:
@@ -217,20 +273,63 @@ def check(*targets) -> Callable:
 def padding_rule(*ops) -> Callable:
     """Declare the decorated function as the dynamic-shape padding rule of each op:
     ``rule(node, layouts) -> masks`` (``padding.py`` says what it decides)."""
-    def declare(fn: Callable) -> Callable:
-        for op in ops:
-            if op in PADDING_RULES:
-                raise RuntimeError(f"torchtpu.argument: {op} has two padding rules")
-            PADDING_RULES[op] = fn
-        return fn
+    return _declare_once(PADDING_RULES, "padding rules", ops)
 
-    return declare
+
+def read_form(*ops: OpOverload) -> Callable:
+    """Declare the decorated function as each op's rule for a result read through a view:
+    ``rule(geometry) -> fn | None``, given the view Geometry through which a recorded program
+    reads the call's one result, gives a lowering function with the op's signature and values
+    that lays that result out for the reader (a product written in attention's heads), or None.
+    A recorded program (``eager/read_forms.py``) knows its readers; a lowering alone does not."""
+    return _declare_once(READ_FORMS, "read forms", ops)
+
+
+def view_form(*ops: OpOverload) -> Callable:
+    """Declare the decorated function as each op's rule for arguments read through views:
+    ``rule(reads) -> fn | None``, given how a recorded call reads each of its tensor arguments
+    (its spec's entry: a view Geometry, or another read), gives a lowering function with the op's
+    signature and values that lets the compiler lay those arguments' arrays out for the call (a
+    product contracting attention's heads at their tokens' rank), or None. Applied where a
+    recorded program's calls take their read forms (``eager/read_forms.py``), to calls no read
+    form replaced."""
+    return _declare_once(VIEW_FORMS, "view forms", ops)
+
+
+def producer_form(*ops: OpOverload, position: int, producers: tuple) -> Callable:
+    """Declare the decorated function as each op's form for a call whose argument at
+    ``position`` is, in a recorded program, the first result of a call of one of ``producers``,
+    read whole: ``form(args, producer_args) -> result``, given the call's arguments and the
+    producer's (each as their lowerings get them), computes the op's result from both (an NLL's
+    pick from the log-softmax's input, not from its [rows, classes] result). Where the arrays
+    do not have the facts the form depends on (shapes, the class dim), it computes the op's own
+    lowering. A recorded program (``eager/producer_forms.py``) knows each argument's producer;
+    a lowering alone does not."""
+    return _declare_once(PRODUCER_FORMS, "producer forms", ops,
+                         lambda fn: (position, frozenset(producers), fn))
+
+
+def rounded_fast(*ops: OpOverload) -> None:
+    """Declare ops whose lowerings pass ``tpu_accuracy.rounded()`` as their float32
+    transcendentals' accuracy: a recorded program whose reader casts such a call's result to half
+    precision right after traces the call for it with the fast forms (``eager/rounded_reads.py``:
+    their error, a few float32 ulps, is far below a half-precision ulp of the result)."""
+    ROUNDED_FAST.update(ops)
 
 
 def size_arguments(op: OpOverload, *indices: int) -> None:
     """Declare the arguments of op at indices as ones that only set a size (a slice's end,
     arange's end): a symbolic size there is given its bucket under padding (``padding.py``)."""
     SIZE_ARGUMENTS.update((op, i) for i in indices)
+
+
+def saved_statistics(op: OpOverload, *indices: int) -> None:
+    """Declare the arguments of op at indices a forward's saved statistics: float32 for a half
+    input under PyTorch's meta kernel (CUDA's convention, which the forward's lowering follows),
+    the input's dtype under CPU's kernel, which refuses float32 ones. What CPU refuses by dtype
+    (``eager/refusals.py``) is asked with them in the input's dtype too: the backward of a
+    bfloat16 ``layer_norm`` is no error."""
+    SAVED_STATISTICS[op] = indices
 
 
 def padded_mean(op: OpOverload, dims: int | None) -> None:

@@ -20,8 +20,10 @@ from torchtpu.lowering.registry import channels_last_of, lowers, padding_rule
 aten = torch.ops.aten
 
 
-@lowers(aten.cat.default)
+@lowers(aten.cat.default, held=True)
 def cat(tensors, dim=0):
+    """Held by Strict until its reader computes it (the rotary halves' of every attention
+    layer: one launch each of the 24 a 12-layer step made)."""
     # PyTorch still accepts 1-d empty tensors next to tensors of any rank and skips them.
     ndim = max(t.ndim for t in tensors)
     kept = [t for t in tensors if not (t.ndim == 1 and t.shape[0] == 0 and ndim != 1)]

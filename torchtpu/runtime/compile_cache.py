@@ -54,14 +54,17 @@ just evicted sees a miss.
 (``torch.tpu._get_cache_stats()``) reports this process's requests and hits and, per entry it
 read, the read count, the last read and the compile time stored in the entry.
 
-Serializing a program (XLA's ``executable.serialize()``, which JAX calls on the compiling thread
+Serializing a program (XLA's ``executable.serialize()``, which runs on the compiling thread
 right after the compile, before anything else can run or donate to the new executable, which
-keeps its client alive) is the one step of a write that runs inside XLA. A process can still be
-torn down under it: a thread that compiles (PyTorch's autograd thread, a data loader's prefetch
-thread, a user's daemon thread) may be serializing when the main thread exits, and XLA's static
-state is destroyed under it. So every write is counted while it runs, and at exit (an ``atexit``
-hook that runs before JAX's own clean-up) the process stops starting writes and waits, up to
-``EXIT_WAIT_SECONDS``, for those under way: no program is serialized once exit has begun.
+keeps its client alive) is the one step of a write that must run there; the rest (compressing,
+the read-back, the file) runs on a writer thread (``cache_writer``), so a big program's entry
+does not hold up its first call. A process can be torn down under a write: a thread that
+compiles (PyTorch's autograd thread, a data loader's prefetch thread, a user's daemon thread)
+may be serializing, or the writer writing, when the main thread exits, and XLA's static state is
+destroyed under it. So every write is counted from its start to its end, and at exit (an
+``atexit`` hook that runs before JAX's own clean-up) the process stops starting writes and waits,
+up to ``cache_writer.EXIT_WAIT_SECONDS``, for those under way: no program is serialized once
+exit has begun. ``flush()`` waits for the writes begun so far.
 
 The digest detects damage, not tampering: like JAX's cache, the directory is trusted (whoever can
 write to it can make this process run code of their choosing). Do not share it with untrusted
@@ -97,13 +100,13 @@ from torchtpu.runtime.cache_entry import (
     read_back,
 )
 from torchtpu.runtime.cache_faults import Faults
+from torchtpu.runtime.cache_writer import WRITES, hand_off, writing
 from torchtpu.runtime.map_room import make_room
 
 SUFFIX = ".ttpu"
 DEFAULT_MAX_BYTES = 1 << 30
 _EVICT_TO = 0.9  # of the cap: evicting a margin at once keeps scans rare
 _RESCAN_EVERY = 0.1  # of the cap: what one process writes between scans of the directory
-EXIT_WAIT_SECONDS = 30.0  # a big program serializes in seconds; a stuck one must not hang exit
 
 
 class EntryStore(CacheInterface):
@@ -136,6 +139,7 @@ class EntryStore(CacheInterface):
         if not cache_policy.reads():
             return None
         path = self.entry(key)
+        WRITES.settle(key)  # (its entry on the way from this process's writer: wait for it)
         asked = getattr(_asked, "keys", None)
         if asked is not None:
             asked.append(key)
@@ -188,13 +192,13 @@ class EntryStore(CacheInterface):
             missed = self._missed.pop(key, None)
         if os.path.exists(path) or not self.faults.writable() or not cache_policy.writes():
             return
-        kind = OTHER
-        writing = getattr(_writing, "executable", None)
-        if writing is not None:
-            if not read_back(value, *writing):
+        kind, compiled_at = OTHER, time.monotonic()
+        serialized = writing()  # (on the writer thread, cache_writer)
+        if serialized is not None:
+            if not read_back(value, serialized, serialized.backend):
                 return
-            kind = READ_BACK
-        seconds = time.monotonic() - missed if missed is not None else float("nan")
+            kind, compiled_at = READ_BACK, serialized.at
+        seconds = compiled_at - missed if missed is not None else float("nan")
         self._write(path, pack(value, seconds, kind))
 
     def replace(self, key: str, value: bytes) -> None:
@@ -312,38 +316,6 @@ def _stored_compile_seconds(path: Path) -> float | None:
     return parts(data)[0] if problem_of(data) is None else None
 
 
-class Writes:
-    """The cache writes under way, and whether the process has stopped starting new ones."""
-
-    def __init__(self) -> None:
-        self._done = threading.Condition()
-        self._active = 0
-        self._closed = False
-
-    def begin(self) -> bool:
-        """Count a write that starts now; False (start nothing) once closed."""
-        with self._done:
-            if self._closed:
-                return False
-            self._active += 1
-            return True
-
-    def end(self) -> None:
-        with self._done:
-            self._active -= 1
-            self._done.notify_all()
-
-    def close(self, timeout: float = EXIT_WAIT_SECONDS) -> bool:
-        """Start no more writes; wait up to timeout for those under way. True if none is left."""
-        with self._done:
-            self._closed = True
-            return self._done.wait_for(lambda: self._active == 0, timeout)
-
-
-WRITES = Writes()
-
-
-_writing = threading.local()  # .executable: (executable, backend) while JAX writes it
 _executable_read = threading.local()  # .on: JAX is reading an executable
 
 
@@ -393,12 +365,7 @@ def _guard_writes() -> None:
             return  # a write just failed (cache_faults): serialize nothing
         if not WRITES.begin():
             return  # the process is exiting: the program is not persisted
-        _writing.executable = (executable, backend)
-        try:
-            put(cache_key, module_name, executable, backend, *args, **kwargs)
-        finally:
-            _writing.executable = None
-            WRITES.end()
+        hand_off(put, cache_key, module_name, executable, backend, *args, **kwargs)
 
     def guarded_get(cache_key, *args, **kwargs):
         with _executable_reads():
@@ -428,6 +395,12 @@ def requests():
         yield keys
     finally:
         _asked.keys = None
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait until every cache write begun so far is in the directory (or failed); True if none
+    is left (False: timeout passed first)."""
+    return WRITES.flush(timeout)
 
 
 def max_bytes() -> int:

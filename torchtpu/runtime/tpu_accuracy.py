@@ -16,7 +16,21 @@ leave XLA's fast forms, as they leave its single-pass bf16 matmuls. The choice r
 ``default_matmul_precision`` at lowering time, which is part of every program's cache key, so
 programs built under one setting are never reused under the other. Other platforms keep
 JAX's own lowering: XLA:CPU and CUDA are accurate already. bf16 and f16 values keep the fast
-forms (their rounding is far coarser than the approximation).
+forms (their rounding is far coarser than the approximation), and so may float32 math whose value
+is rounded to half precision right after (a bf16 SiLU computed in float32, as PyTorch's kernels
+compute it): a lowering asks for ``FAST`` there (an accuracy given explicitly is kept). That
+matters beyond accuracy: XLA fuses such math into the products that read it, and the accurate
+``exp`` of a bf16 SiLU recomputed inside a Llama MLP's products made the TPU compiler retry
+those fusions six times (bench/RESULTS.md, "compile1": the whole step at 4 x 2048 compiled 5x
+slower than its JAX twin's, whose bf16 SiLU has the fast form).
+
+A lowering cannot see whether its own float32 result is rounded right after: a recorded program
+can (``eager/rounded_reads.py``). An op that declares it (``registry.rounded_fast``) passes
+``rounded()`` as its transcendentals' accuracy, which is ``FAST`` while the recording traces its
+call for a reader that casts the result to half precision (``rounded_to_half``) and None (this
+rule) otherwise: the log-softmax backward's ``exp`` in a bf16 step's loss, recomputed inside the
+head's two gradient products, whose accurate form made them 1.5 and 0.6 ms slower than the JAX
+twin's on a v5e chip (bench/RESULTS.md, whole12).
 
 This is the TPU rule for JAX's primitives in this process, so a user's own JAX code lowered for a
 TPU here follows the same precision setting, as it follows ``jax_default_matmul_precision``.
@@ -24,7 +38,9 @@ TPU here follows the same precision setting, as it follows ``jax_default_matmul_
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
 
 import numpy as np
 from jax import lax
@@ -39,7 +55,30 @@ _PRIMITIVES = ("exp", "exp2", "expm1", "log", "log1p", "tanh", "logistic", "sin"
 _ACCURATE = ("highest", "float32")
 _WIDE = (np.dtype(np.float32), np.dtype(np.float64))
 
+# What a lowering passes as ``accuracy`` for float32 math rounded to half precision right after:
+# XLA's default (fast) form, whose error (a few float32 ulps) is far below a half-precision ulp.
+FAST = lax.AccuracyMode.DEFAULT
+
 _installed: list = []
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def rounded_to_half():
+    """While tracing: what the ops traced here compute is rounded to half precision right after
+    (a recording's reader casts it), so ``rounded()`` is ``FAST``."""
+    depth = getattr(_scope, "depth", 0)
+    _scope.depth = depth + 1
+    try:
+        yield
+    finally:
+        _scope.depth = depth
+
+
+def rounded():
+    """The accuracy a float32 transcendental of a ``registry.rounded_fast`` op asks for while
+    traced: ``FAST`` inside ``rounded_to_half``, else None (the platform's rule)."""
+    return FAST if getattr(_scope, "depth", 0) else None
 
 
 def wants_accuracy(dtype) -> bool:

@@ -193,6 +193,7 @@ class Report:
     peak_flops: float = 0.0         # per device
     hbm_capacity_bytes: int = 0     # per device
     compile_seconds: float = 0.0
+    compile_cpu_seconds: float = 0.0  # the process's, all threads (libtpu's run in parallel)
     line: str | None = None         # the user's line that built it, when known
     module: str = ""                # the host program's module name (what a profile shows)
     from_cache: bool = False        # the compiler's verdict was kept (this process or the cache)
@@ -279,13 +280,14 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
                 "error": "the program holds complex128 values, which a TPU cannot compute "
                          "(libtpu aborts on them); use complex64"}
     options = _options(devs)
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         exe = devs[0].client.compile(parsed, xc.DeviceList(devs), options)
     except Exception as e:  # noqa: BLE001 (the TPU compiler's refusal)
         return {"compiles": False, "error": _compiler_message(e), "wide_ops": facts["wide"],
-                "compile_seconds": time.perf_counter() - start}
-    elapsed = time.perf_counter() - start
+                "compile_seconds": time.perf_counter() - start,
+                "compile_cpu_seconds": time.process_time() - cpu}
+    elapsed, cpu = time.perf_counter() - start, time.process_time() - cpu
     if dump:
         os.makedirs(os.path.dirname(dump), exist_ok=True)
         Path(dump + ".hlo.txt").write_text(
@@ -299,13 +301,14 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
         seconds = 0.0  # a program of empty arrays, which libtpu gives no time: it does nothing
     twin = ""
     if seconds is None:
-        seconds, twin = _twin_seconds(parsed, devs)
+        sliced = any(_SLICED in m.to_string() for m in exe.hlo_modules())
+        seconds, twin = _twin_seconds(parsed, devs, sliced=sliced)
     return {"compiles": True, "error": None, "hbm": hbm, "flops": cost.get("flops", 0.0),
             "transcendentals": cost.get("transcendentals", 0.0),
             "bytes_accessed": cost.get("bytes accessed", 0.0),
             "seconds": seconds, "seconds_narrowed": "narrowed" in twin, "seconds_twin": twin,
             "padding_bytes": max(0, padded - facts["logical"]), "wide_ops": facts["wide"],
-            "compile_seconds": elapsed}
+            "compile_seconds": elapsed, "compile_cpu_seconds": cpu}
 
 
 # libtpu's memory-space assignment may prefetch an operand into VMEM in slices (async
@@ -313,14 +316,17 @@ def _compile(parsed, devs: tuple, dump: str | None = None) -> dict:
 # whole program no time (a bf16 linear's weight gradient on v5e is enough). With sliced
 # prefetching off (one prefetch per operand) the program is otherwise the same, and timed.
 NO_SLICED_PREFETCH = {"xla_tpu_sliced_prefetch_max_slices": 0}
+_SLICED = 'custom_call_target="ConcatBitcast"'
 
 
-def _twin_seconds(parsed, devs: tuple) -> tuple[float | None, str]:
+def _twin_seconds(parsed, devs: tuple, sliced: bool = False) -> tuple[float | None, str]:
     """The cost model's seconds for a program it gave none, from a twin of it, and which twin:
     "narrowed" (its 64-bit types made 32-bit, see tpu_narrow.py: libtpu's cost model has no time
     for 64-bit ops), "no sliced prefetch" (compiled with ``NO_SLICED_PREFETCH``), or both
     ("narrowed, no sliced prefetch"); (None, "") when no twin has a time. HBM and bytes stay
-    the real program's."""
+    the real program's. ``sliced``: the program was compiled with sliced prefetches, so the
+    narrowed twin with them is not tried (no time from it either, and libtpu's register
+    allocator spent over 10 minutes on one: the 2-block Llama's compiled forward, model3)."""
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
 
@@ -333,8 +339,8 @@ def _twin_seconds(parsed, devs: tuple) -> tuple[float | None, str]:
             module = mlir.ir.Module.parse(text, context=parsed.context)
         except Exception:  # noqa: BLE001 (the narrowed text is no valid program)
             text = None
-    tries = ([("narrowed", None)] if text is not None else []) + [("no sliced prefetch",
-                                                                   NO_SLICED_PREFETCH)]
+    tries = ([("narrowed", None)] if text is not None and not sliced else []) + [
+        ("no sliced prefetch", NO_SLICED_PREFETCH)]
     for how, overrides in tries:
         try:
             exe = devs[0].client.compile(module, xc.DeviceList(devs), _options(devs, overrides))
@@ -394,6 +400,11 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
     device; give ``ShapeDtypeStruct``s with a ``NamedSharding`` over ``mesh(...)`` to compile
     across several devices (the report is per device).
     """
+    # torchtpu's JAX settings (x64, float32 matmuls at "highest": platform.py) before lowering:
+    # without them a process's first call lowered another program than its later ones did (its
+    # float64 truncated, its products at DEFAULT precision, which libtpu lays out otherwise).
+    from torchtpu.runtime import platform  # noqa: F401
+
     t = target(target_name)
     first = jax.sharding.SingleDeviceSharding(t.devices[0])
     placed, n = [], 1

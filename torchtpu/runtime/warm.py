@@ -18,19 +18,21 @@ entries of the same ``EntryStore`` as the executables: checksummed, written atom
 by the same LRU bound. Nothing read from the directory is unpickled; the executable is XLA's
 serialized form, trusted as JAX's cache trusts it (see ``compile_cache.py``).
 
-A key must name everything its program depends on. Callers give what is theirs (``canonical``
-turns op names, specs, view geometries and module-level functions into stable text and refuses
-anything whose identity is only an address); ``fingerprint()`` adds the versions of torch, JAX
-and jaxlib, the platform, its device kind and version, the XLA flags and a hash of torchtpu's own
-source, so that an edited lowering never loads a program built from the old one; a program's
-first call adds the JAX settings it is traced under (x64, the matmul precision) and the
-compiler options it is compiled under (``compiler_options.py``).
+A key must name everything its program depends on (``warm_keys.py``). Callers give what is
+theirs (``canonical`` turns op names, specs, view geometries and module-level functions into
+stable text and refuses anything whose identity is only an address); ``fingerprint()`` adds the
+versions of torch, JAX and jaxlib, the platform, its device kind and version, the XLA flags and a
+hash of torchtpu's own source, so that an edited lowering never loads a program built from the
+old one; a program's
+call adds the JAX settings it is traced under (``TRACED_SETTINGS``: x64, the matmul precision,
+the random bits' settings, ...) and the compiler options it is compiled under
+(``compiler_options.py``): a ``Program`` keeps an executable per such settings, as jit keeps a
+trace per JAX setting of its trace context.
 """
 
 from __future__ import annotations
 
 import atexit
-import enum
 import functools
 import hashlib
 import json
@@ -38,139 +40,27 @@ import logging
 import os
 import stat
 import threading
-import types
 import warnings
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import torch
 from jax._src import compilation_cache as jax_cache
+from jax._src import config as jax_config
 from jax._src import core, stages
 from jax._src.interpreters import pxla
 from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, compiler_options, platform, tpu_hook, warm_ahead
+from torchtpu.runtime import compile_cache, compiler_options, tpu_hook, warm_ahead
+from torchtpu.runtime.warm_keys import Unstable, key_of
 
 # A program loaded by key is logged as JAX logs one it compiles: the watch tools count both (a
 # new shape every step costs a program whether a cache holds it or not).
 PROGRAM_LOG = logging.getLogger(__name__)
 
 _RECORD = "ttpu_record"
-
-
-class Unstable(Exception):
-    """A value whose identity does not survive the process (an address, a closure)."""
-
-
-# ---------------------------------------------------------------------------- keys
-
-
-@functools.cache
-def source_digest() -> str:
-    """A hash of torchtpu's own source (its Python files, by path)."""
-    source = hashlib.sha256()
-    root = Path(__file__).resolve().parent.parent
-    for path in sorted(root.rglob("*.py")):
-        source.update(str(path.relative_to(root)).encode())
-        source.update(path.read_bytes())
-    return source.hexdigest()
-
-
-@functools.cache
-def fingerprint() -> str:
-    """What every key depends on besides its caller's parts (and, for a program, the settings
-    and argument signature of its first call): versions, platform, XLA flags, own source."""
-    # The device this process drives, not jax.devices()[0] nor jax.local_devices()[0]: each
-    # process's programs are compiled for its own device, and one loading another's executable
-    # fails at launch (ranks of a multi-process run; processes of one host that each see all
-    # its devices and drive one, as Ray Serve's replicas do).
-    device = platform.local_device()
-    parts = [torch.__version__, jax.__version__, jax.lib.__version__, np.__version__,
-             device.platform, device.device_kind, device.client.platform_version, str(device.id),
-             os.environ.get("XLA_FLAGS", ""), source_digest()]
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
-
-
-def named(fn, *parts):
-    """fn (a jitted function) known by parts in keys; returns fn."""
-    fn._ttpu_parts = parts
-    return fn
-
-
-_PLAIN = (int, str, type(None))
-
-
-def canonical(x) -> str:
-    """Stable text for x: the same in every process, or ``Unstable``."""
-    cls = type(x)
-    if cls in _PLAIN or cls is bool or cls is complex:
-        return repr(x)
-    if cls is tuple and all(type(v) in _PLAIN for v in x):  # most of a recording's references
-        return repr(x)
-    if cls is float:  # not np.float64, a float too: a strong dtype makes another program
-        return x.hex()
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (a view Geometry)
-        return f"{type(x).__qualname__}({','.join(canonical(v) for v in x)})"
-    if isinstance(x, (tuple, list)):
-        inner = ",".join(canonical(v) for v in x)
-        return f"({inner})" if isinstance(x, tuple) else f"[{inner}]"
-    if isinstance(x, dict):
-        return "{" + ",".join(f"{canonical(k)}:{canonical(v)}"
-                              for k, v in sorted(x.items(), key=lambda kv: repr(kv[0]))) + "}"
-    if isinstance(x, np.dtype) or (isinstance(x, type) and issubclass(x, np.generic)):
-        return f"dtype:{np.dtype(x).name}"
-    if isinstance(x, np.generic):
-        return f"{x.dtype.name}:{canonical(x.item())}"
-    if isinstance(x, np.ndarray) and x.size <= 64:
-        return f"array:{x.dtype.name}{x.shape}:{x.tobytes().hex()}"
-    if isinstance(x, (torch.dtype, torch.device, torch.memory_format, torch.layout)):
-        return str(x)
-    if isinstance(x, type) and x in (bool, int, float, complex):
-        return f"type:{x.__name__}"
-    if isinstance(x, jax.tree_util.PyTreeDef):
-        return f"tree:{x}"
-    if isinstance(x, torch._ops.OpOverload):
-        return f"op:{x}"
-    if isinstance(x, enum.Enum):
-        return f"{type(x).__module__}.{type(x).__qualname__}.{x.name}"
-    if isinstance(x, slice):
-        return f"slice{canonical((x.start, x.stop, x.step))}"
-    if x is Ellipsis:
-        return "..."
-    parts = getattr(x, "_ttpu_parts", None)
-    if parts is not None:
-        text = getattr(x, "_ttpu_text", None)
-        if text is None:  # once per function: recorded programs name the same ones often
-            text = x._ttpu_text = f"named{canonical(parts)}"
-        return text
-    if isinstance(x, functools.partial):
-        return f"partial({canonical(x.func)},{canonical(x.args)},{canonical(x.keywords)})"
-    wrapped = getattr(x, "__wrapped__", None)  # a jitted function
-    if wrapped is not None and not isinstance(x, types.FunctionType):
-        return f"jit({canonical(wrapped)})"
-    if isinstance(x, (types.FunctionType, types.BuiltinFunctionType, np.ufunc)):
-        qualname = getattr(x, "__qualname__", "") or getattr(x, "__name__", "")
-        module = getattr(x, "__module__", None) or type(x).__module__
-        closure = getattr(x, "__closure__", None)
-        if closure or "<" in qualname or not module:
-            raise Unstable(f"{x!r} is a closure or lambda")
-        return f"fn:{module}.{qualname}"
-    if isinstance(x, jnp.ufunc):  # jnp.negative (aten.neg's lowering): one object per name
-        return f"jnp.ufunc:{x.__name__}"
-    raise Unstable(f"no stable form for {type(x).__name__}")
-
-
-def key_of(*parts) -> str | None:
-    """The hash of parts (with the fingerprint), or None if some part has no stable form."""
-    try:
-        text = canonical(parts)
-    except Unstable:
-        return None
-    return hashlib.sha256(f"{fingerprint()}\0{text}".encode()).hexdigest()
 
 
 # ---------------------------------------------------------------------------- records
@@ -216,6 +106,16 @@ def _not_private(path: Path) -> str | None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         return f"is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
+
+
+_written: list = []  # callables run after each program's index entry is written
+
+
+def on_program_written(fn) -> None:
+    """fn() (cheap: on the compiling thread) runs after each new program's index entry is
+    written: facts learned on the way to it (``eager/facts.py``) are written with it."""
+    if fn not in _written:
+        _written.append(fn)
 
 
 def read_record(kind: str, key: str):
@@ -274,6 +174,20 @@ def decode_aval(e) -> core.ShapedArray:
     return core.ShapedArray(tuple(e[0]), jax.numpy.dtype(e[1]), weak_type=e[2])
 
 
+# JAX settings that change what a trace computes or refuses (a program loaded by key is not
+# traced: a process with JAX_THREEFRY_PARTITIONABLE=false drew another's random numbers).
+TRACED_SETTINGS = tuple(f"jax_{n}" for n in (
+    "enable_x64 default_matmul_precision threefry_partitionable default_prng_impl "
+    "enable_custom_prng random_seed_offset high_dynamic_range_gumbel softmax_custom_jvp "
+    "numpy_dtype_promotion numpy_rank_promotion allow_f16_reductions debug_nans debug_infs "
+    "disable_jit explicit_x64_dtypes").split())  # (the device: in the fingerprint)
+
+
+def traced_settings() -> list:
+    """``TRACED_SETTINGS``' values now, as text (a name this JAX lacks is skipped)."""
+    return [str(getattr(jax.config, n)) for n in TRACED_SETTINGS if n in jax_config.config_states]
+
+
 def _signature(args: tuple) -> list:
     out = []
     for a in args:
@@ -291,13 +205,12 @@ class Program:
     """A jitted function with a key of torchtpu's own, called at one argument signature: its
     first call loads the executable by key when a warm cache has it (see the module doc)."""
 
-    __slots__ = ("_jitted", "_key", "_call", "_generation")
+    __slots__ = ("_jitted", "_key", "_calls")
 
     def __init__(self, jitted, key: str | None) -> None:
         self._jitted = jitted
         self._key = key
-        self._call = None
-        self._generation = compiler_options.generation
+        self._calls: dict = {}  # settings -> what a call at them runs
 
     @property
     def jitted(self):
@@ -308,11 +221,16 @@ class Program:
         return self._jitted.__name__
 
     def __call__(self, *args):
-        call = self._call
-        if call is None or self._generation != compiler_options.generation:
-            # (a compiled executable is bound to the compiler options it was built under)
-            self._generation = compiler_options.generation
-            call = self._call = self._prepare(args)
+        # A compiled executable is bound to the compiler options and the JAX settings it was
+        # built under (jit's own cache keys its trace context; an executable loaded or compiled
+        # here does not): a capture under torch.tpu.precision(HIGHEST) reuses this Program when
+        # it recorded the same ops as one under DEFAULT.
+        settings = (compiler_options.generation, jax_config.trace_context())
+        call = self._calls.get(settings)
+        if call is None:
+            if len(self._calls) >= 8:  # (settings toggled many times: keep the recent ones)
+                self._calls.clear()
+            call = self._calls[settings] = self._prepare(args)
         if call is self._jitted:
             return call(*args)
         try:
@@ -320,7 +238,7 @@ class Program:
         except TypeError:
             # Arguments of another signature than the first call's (checked before anything
             # runs or is donated): jit serves them, as it would have.
-            self._call = self._jitted
+            self._calls[settings] = self._jitted
             return self._jitted(*args)
 
     def _prepare(self, args: tuple):
@@ -336,8 +254,7 @@ def compiled_for(jitted, key: str, args: tuple):
     # (torch.set_float32_matmul_precision sets JAX's).
     # (An op's arguments may be lists of arrays: a _foreach_ op's.)
     leaves, tree = jax.tree_util.tree_flatten(args)
-    settings = [jax.config.jax_enable_x64, str(jax.config.jax_default_matmul_precision),
-                _signature(leaves), str(tree), compiler_options.key()]
+    settings = [traced_settings(), _signature(leaves), str(tree), compiler_options.key()]
     key = hashlib.sha256(f"{key}\0{json.dumps(settings)}".encode()).hexdigest()
     ahead = _ahead()
     loaded = ahead.take(key) if ahead is not None else None
@@ -365,6 +282,8 @@ def compiled_for(jitted, key: str, args: tuple):
         write_record("index", key, entry)
         if ahead is not None:
             _used.setdefault(key)
+        for fn in _written:
+            fn()
     return compiled
 
 

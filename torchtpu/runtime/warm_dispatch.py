@@ -31,14 +31,14 @@ from jax._src.interpreters import pxla
 from jax._src.lib import _jax
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, dump, tpu_hook, warm
+from torchtpu.runtime import compile_cache, dump, tpu_hook, warm, warm_keys
 
 # (major, minor) versions of JAX whose private dispatch entry points this module was checked in.
 CHECKED = ((0, 10), (0, 11))
 
 
 def dispatched(jitted):
-    """jitted (named by ``warm.named``) called through JAX's per-signature dispatch, each new
+    """jitted (named by ``warm_keys.named``) called through JAX's per-signature dispatch, each new
     signature's executable loaded by key when a warm cache has it (see the module doc); jitted
     itself when it has no key's parts or JAX's entry points cannot be used here."""
     parts = getattr(jitted, "_ttpu_parts", None)
@@ -53,7 +53,7 @@ def dispatched(jitted):
         # JAX's C++ dispatch calls this for a signature it has no executable for; what it
         # returns (the results, and the executable's fast-path data) serves the next calls.
         if not key:
-            key.append(warm.key_of(*parts))
+            key.append(warm_keys.key_of(*parts))
         # (Traced values, or none but inside another program's trace (a recorded call of no
         # arguments, such as zeros): the program is staged into that trace, as jit's call is,
         # not run and baked in as a constant. A dump asks for each program's text, which only a
@@ -76,10 +76,10 @@ def dispatched(jitted):
 
 
 def keyed(jitted, *parts):
-    """jitted known by ``parts`` in keys (``warm.named``) and called through :func:`dispatched`:
-    the device layer's own programs (a view read or write, a cast, a copy), which eager code runs
-    as often as op programs, load by key in a new process as those do."""
-    return dispatched(warm.named(jitted, *parts))
+    """jitted known by ``parts`` in keys (``warm_keys.named``) and called through
+    :func:`dispatched`: the device layer's own programs (a view read or write, a cast, a copy),
+    which eager code runs as often as op programs, load by key in a new process as those do."""
+    return dispatched(warm_keys.named(jitted, *parts))
 
 
 @functools.cache

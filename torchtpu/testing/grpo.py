@@ -9,10 +9,17 @@ rounding noise in near-zero gradients into full-size steps of its sign, which no
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall and process CPU time and how many programs it built or
 loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key; ``ahead``: of those,
-the ones loaded ahead of use, ``runtime/warm_ahead.py``), the frames Dynamo
-traced in training (``dynamo_frames``) and the trained weights.
+the ones loaded ahead of use, ``runtime/warm_ahead.py``), how many programs it ran
+(``executions``), how many functions JAX traced (``traced``: programs built, and calls' result
+shapes inferred, by tracing; none in a warm process whose programs all load by key), the eager
+mode it ran in (``mode``), the frames Dynamo traced in training (``dynamo_frames``), the
+colocated engine's step programs captured before and during training (``captures``) and the
+trained weights.
 ``python -m torchtpu.testing.grpo DEVICE STEPS FOLDER [vllm] [nopad] [nowatch] [vllmbatch]
-[model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per process);
+[strict] [model=DIR]`` prints that as JSON from a fresh process (Accelerate keeps one device per
+process); ``strict``: ``TORCHTPU_TRL_DEFER=0``, TRL's train in Strict (``integrations/trl.py``;
+a flag, not only the variable, so that its command line, and so its list of programs loaded
+ahead, is its own);
 ``nowatch``: no checks after each weight push (they generate with Hugging Face inside the step,
 which a timing should not count); ``vllmbatch``: without vLLM, the vLLM runs' batch (one
 prompt, two completions a step), to compare with them; ``model=DIR``: the policy (and the
@@ -23,14 +30,16 @@ float32 whatever dtype it was saved in (``bench/grpo.py --model``: a 0.5B-class 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 import torch
+from jax import monitoring
 
 # Colocated vLLM, one prompt (two completions) a step, contexts of at most 32 tokens: the engine
-# captures 9 step shapes at start-up (at 64 tokens and 4 requests, 21).
+# captures the step shapes a step meets, when it meets them (integrations/trl.py).
 VLLM_BATCH = {"per_device_train_batch_size": 2}
 VLLM_OPTIONS = {"vllm_mode": "colocate", "vllm_max_model_length": 32, **VLLM_BATCH}
 PROMPTS = ["a", "bcd", "hello", "xyz12345", "tpu!", "grpo runs", "qq", "abcdefghij"]
@@ -70,15 +79,31 @@ def _row_forced(model) -> None:
     model.generate = generate
 
 
-def _programs() -> tuple[int, int, int]:
+_TRACED = [0]
+
+
+def _traced(event: str, seconds: float, **_) -> None:
+    if event == "/jax/core/compile/jaxpr_trace_duration":
+        _TRACED[0] += 1
+
+
+monitoring.register_event_duration_secs_listener(_traced)
+
+
+def _programs() -> tuple[int, int, int, int]:
     """(programs built or loaded so far, of them loaded by torchtpu's key, of those loaded ahead
-    of use on the loading thread)."""
+    of use on the loading thread, programs executed)."""
     from torchtpu import metrics
 
     snap = metrics.snapshot()
     by_key = snap.get("programs_loaded_by_key", 0)
     return snap.get("executable_compiles", 0) + snap.get("persistent_cache_hits", 0) + by_key, \
-        by_key, snap.get("programs_loaded_ahead", 0)
+        by_key, snap.get("programs_loaded_ahead", 0), snap.get("executions", 0)
+
+
+def _checked(pushes: list) -> int:
+    """Programs the checks after the pushes ran (``_watch_pushes``): not the steps'."""
+    return sum(p["executions"] for p in pushes)
 
 
 def _dynamo_frames() -> int:
@@ -86,6 +111,17 @@ def _dynamo_frames() -> int:
     from torch._dynamo.utils import counters
 
     return counters["frames"]["total"]
+
+
+def _captures(trainer) -> int | None:
+    """Step programs the colocated vLLM engine has captured so far (None without one)."""
+    generation = getattr(trainer, "vllm_generation", None)
+    llm = getattr(generation, "llm", None)
+    if llm is None:
+        return None
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    graphs = getattr(runner, "step_graphs", None)
+    return None if graphs is None else graphs.captures
 
 
 def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
@@ -104,19 +140,26 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
         if not (model_dir / "config.json").exists():
             save_tiny_model(model_dir, hidden=64, layers=2, heads=2, kv_heads=1)
     timings: list[dict] = []
+    pushes: list[dict] = []  # what ``_watch_pushes`` saw
 
     class Clock(TrainerCallback):
         def on_step_begin(self, *args, **kwargs) -> None:
+            self.mode = torch.tpu.eager_mode.value if device == "tpu" else None
             self.start, self.cpu, self.programs = time.perf_counter(), time.process_time(), \
                 _programs()
+            self.checked = _checked(pushes)
+            self.traced = _TRACED[0]
 
         def on_step_end(self, args, state, *rest, **kwargs) -> None:
-            programs, by_key, ahead = _programs()
+            programs, by_key, ahead, executions = _programs()
             timings.append({"seconds": time.perf_counter() - self.start,
                             "cpu_seconds": time.process_time() - self.cpu,
                             "programs": programs - self.programs[0],
                             "by_key": by_key - self.programs[1],
-                            "ahead": ahead - self.programs[2]})
+                            "ahead": ahead - self.programs[2],
+                            "executions": executions - self.programs[3]
+                            - (_checked(pushes) - self.checked),
+                            "traced": _TRACED[0] - self.traced, "mode": self.mode})
 
     settings = dict(
         output_dir=str(folder / "out"), per_device_train_batch_size=4, num_generations=2,
@@ -135,8 +178,10 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config,
                           train_dataset=Dataset.from_dict({"prompt": PROMPTS * steps}),
                           processing_class=tokenizer, callbacks=[Clock()])
-    pushes = _watch_pushes(trainer, tokenizer) if use_vllm and watch else []
+    if use_vllm and watch:
+        _watch_pushes(trainer, tokenizer, pushes)
     frames = _dynamo_frames()
+    captures = _captures(trainer)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
     return {
@@ -146,18 +191,22 @@ def run(device: str, steps: int, folder: str | Path, *, use_vllm: bool = False,
                   for h in logs],
         "timings": timings,
         "dynamo_frames": _dynamo_frames() - frames,
+        # the engine's captured step programs: before training (start-up), and in training
+        "captures": None if captures is None else [captures, _captures(trainer) - captures],
         "pushes": pushes,
         "weights": {k: v.detach().cpu().flatten()[:64].tolist()
                     for k, v in trainer.model.state_dict().items()},
     }
 
 
-def _watch_pushes(trainer, tokenizer) -> list[dict]:
-    """After each weight push into the colocated vLLM engine: its greedy tokens on fixed prompts,
-    those of Hugging Face ``generate`` on CPU with the policy's weights as pushed (``hf``, eval
-    mode), on tpu with the policy itself (``hf_tpu``) and on CPU in the policy's own mode
-    (``hf_cpu_as_policy``: training, gradient checkpointing), and the bytes the push moved
-    through the host (``torchtpu.metrics``, counted before the CPU copy is made).
+def _watch_pushes(trainer, tokenizer, seen: list) -> None:
+    """Into ``seen``, after each weight push into the colocated vLLM engine: its greedy tokens on
+    fixed prompts (in the trainer's eager mode), those of Hugging Face ``generate`` on CPU with
+    the policy's weights as pushed (``hf``, eval mode), on tpu with the policy itself
+    (``hf_tpu``, in Strict) and on CPU in the policy's own mode (``hf_cpu_as_policy``: training,
+    gradient checkpointing), the bytes the push moved through the host (``torchtpu.metrics``,
+    counted before the CPU copy is made), and the programs these checks ran (``executions``,
+    taken out of the step's).
 
     ``hf_tpu`` is compared with ``hf_cpu_as_policy``, not with ``hf``: Transformers 5.19 (the
     vLLM venv's, capped by vLLM) drops the KV cache inside checkpointed layers in training mode
@@ -177,7 +226,6 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
     generation = trainer.vllm_generation
     push = generation.sync_weights
     prompts = [tokenizer(p)["input_ids"] for p in ("hello", "grpo")]
-    seen: list[dict] = []
 
     def sync_weights() -> None:
         before = metrics.snapshot()
@@ -185,6 +233,7 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
         try:  # JAX itself refuses any host-to-device transfer inside the push
             with jax.transfer_guard_host_to_device("disallow_explicit"):
                 push()
+                torch.tpu.synchronize()  # (what DeferAndFuse recorded of it runs here)
         except Exception as e:
             if "Disallowed host-to-device transfer" not in str(e):
                 raise
@@ -193,24 +242,28 @@ def _watch_pushes(trainer, tokenizer) -> list[dict]:
         after = metrics.snapshot()
         host = sum(after.get(k, 0) - before.get(k, 0)
                    for k in ("host_to_device_bytes", "device_to_host_bytes"))
+        checks = metrics.snapshot().get("executions", 0)
         outs = generation.llm.generate([{"prompt_token_ids": p} for p in prompts],
                                        SamplingParams(temperature=0, max_tokens=8),
                                        use_tqdm=False)
-        reference.load_state_dict({k: v.cpu() for k, v in policy.state_dict().items()})
-        hf = _greedy(reference, prompts, tokenizer)
-        if policy.is_gradient_checkpointing and not reference.is_gradient_checkpointing:
-            reference.gradient_checkpointing_enable()  # (the trainer turns it on in train())
-        reference.train(policy.training)
-        as_policy = _greedy(reference, prompts, tokenizer)
-        reference.eval()
+        # Transformers' generate in Strict, as a user's own beside training would run:
+        # DeferAndFuse would fuse a program per generated length (integrations/trl.py)
+        with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_NEVER):
+            reference.load_state_dict({k: v.cpu() for k, v in policy.state_dict().items()})
+            hf = _greedy(reference, prompts, tokenizer)
+            if policy.is_gradient_checkpointing and not reference.is_gradient_checkpointing:
+                reference.gradient_checkpointing_enable()  # (the trainer turns it on in train())
+            reference.train(policy.training)
+            as_policy = _greedy(reference, prompts, tokenizer)
+            reference.eval()
+            hf_tpu = _greedy(policy, prompts, tokenizer)
         seen.append({"step": trainer.state.global_step, "host_bytes": host,
                      "host_to_device_refused": refused,
                      "vllm": [list(o.outputs[0].token_ids) for o in outs], "hf": hf,
-                     "hf_tpu": _greedy(policy, prompts, tokenizer),
-                     "hf_cpu_as_policy": as_policy})
+                     "hf_tpu": hf_tpu, "hf_cpu_as_policy": as_policy,
+                     "executions": metrics.snapshot().get("executions", 0) - checks})
 
     generation.sync_weights = sync_weights
-    return seen
 
 
 def _greedy(model, prompts: list, tokenizer) -> list[list[int]]:
@@ -231,6 +284,8 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     model_dir = next((f[len("model="):] for f in flags if f.startswith("model=")), None)
     options = VLLM_OPTIONS if vllm else VLLM_BATCH if "vllmbatch" in flags else None
+    if "strict" in flags:
+        os.environ["TORCHTPU_TRL_DEFER"] = "0"
     out = run(device, steps, folder, use_vllm=vllm, options=options,
               pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags,
               model_dir=model_dir)

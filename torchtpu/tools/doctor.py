@@ -206,6 +206,7 @@ def _self_test_steps():
 
         hits = metrics.snapshot()["persistent_cache_hits"]
         first = fresh()(jax.numpy.ones(3))
+        compile_cache.flush(timeout=60)  # entries are written on the cache's writer thread
         written = set(path.glob(f"*{compile_cache.SUFFIX}")) - before
         second = fresh()(jax.numpy.ones(3))  # a new function: JAX looks in the persistent cache
         hit = metrics.snapshot()["persistent_cache_hits"] - hits

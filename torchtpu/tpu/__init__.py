@@ -127,7 +127,20 @@ def reset_accumulated_memory_stats(device=None) -> None:
 
 
 def empty_cache() -> None:
-    """Nothing to release: XLA frees each buffer when its last array dies (no caching pool)."""
+    """XLA frees each buffer when its last array dies (no caching pool to release). What a
+    steady loop froze for Python's garbage collector (``eager/frozen.py``: Strict's training
+    loop, DeferAndFuse's) is handed back and collected, so CUDA's idiom ``del model;
+    gc.collect(); torch.cuda.empty_cache()`` frees the device memory a dropped model's reference
+    cycles hold here too (the frozen cycles would otherwise wait for the loop's next refreeze)."""
+    import gc
+
+    from torchtpu.eager import defer, frozen
+
+    before = gc.get_freeze_count()
+    frozen.STRICT_LOOP.reset()
+    defer.RECORDER.unfreeze()
+    if gc.get_freeze_count() < before:
+        gc.collect()
 
 
 def set_per_process_memory_fraction(fraction: float, device=None) -> None:

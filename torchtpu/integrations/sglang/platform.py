@@ -5,17 +5,26 @@ platform Triton and FlashInfer kernels; none of them can read a "tpu" tensor. Th
 attention backend and sampler are plain ATen, so they run on device "tpu" unchanged, and this
 platform points SGLang at them. Graph capture is off (``capabilities``): SGLang's CUDA-graph
 runner is CUDA-keyed.
+
+SGLang on device "tpu" is one process (``refuse_unservable``), so its process groups are groups of
+one, which need no transport: ``tpu_solo`` groups over a file-store rendezvous, where SGLang would
+open a TCP store and gloo (a sandboxed TPU host refuses every internet socket; ``solo_groups``).
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import shutil
+import tempfile
 
 import psutil
 import torch
 from sglang.srt.platforms.device_mixin import DeviceMixin, PlatformEnum
 from sglang.srt.platforms.interface import PlatformCapabilities, SRTPlatform
 
+from torchtpu.distributed import solo
 from torchtpu.runtime import platform as pjrt
 
 log = logging.getLogger(__name__)
@@ -95,6 +104,49 @@ def host_kv_tokens(server_args, available: int | None = None) -> int:
     return max(1, min(DEFAULT_HOST_KV_TOKENS, budget // kv_bytes_per_token(config, dtype)))
 
 
+# SGLang's own override of its rendezvous (sglang/srt/distributed/bootstrap.py), read in the
+# scheduler process when it makes its groups
+INIT_METHOD_ENV = "SGLANG_DISTRIBUTED_INIT_METHOD_OVERRIDE"
+
+
+def solo_groups() -> None:
+    """Make the scheduler process's groups (it is alone: ``refuse_unservable``) ``tpu_solo``
+    groups over a file store. SGLang's world and device groups take the platform's backend
+    (``get_torch_distributed_backend_str``); its host groups, one beside each, name gloo, which
+    opens a TCP device even for a group of one, so ``new_group`` maps gloo to ``tpu_solo`` for a
+    world of one process, in this process only (SGLang has no hook for that group's backend).
+
+    Not reached from here: without ``nccl_port`` SGLang's engine process picks one by binding a
+    TCP socket (``PortArgs.init_new``) before any platform hook runs, and reads only the
+    operator's value; where internet sockets are refused pass ``nccl_port`` (any number: the
+    rendezvous is this file store and binds no port)."""
+    import torch.distributed as dist
+
+    solo.register()
+    if INIT_METHOD_ENV not in os.environ:
+        folder = tempfile.mkdtemp(prefix="torchtpu-sglang-")
+        atexit.register(shutil.rmtree, folder, ignore_errors=True)
+        os.environ[INIT_METHOD_ENV] = f"file://{folder}/store"
+    if getattr(dist.new_group, "_torchtpu_solo", False):
+        return
+    new_group, monitored_barrier = dist.new_group, dist.monitored_barrier
+
+    def solo_if_gloo(*args, backend=None, **kwargs):
+        if backend == "gloo" and dist.is_initialized() and dist.get_world_size() == 1:
+            backend = solo.BACKEND
+        return new_group(*args, backend=backend, **kwargs)
+
+    def solo_barrier(group=None, *args, **kwargs):
+        # c10d serves it for gloo groups only; SGLang's after loading the weights (on its host
+        # group): one process has no one to wait for
+        if dist.get_backend(group) == solo.BACKEND:
+            return None
+        return monitored_barrier(group, *args, **kwargs)
+
+    solo_if_gloo._torchtpu_solo = True
+    dist.new_group, dist.monitored_barrier = solo_if_gloo, solo_barrier
+
+
 class TpuDeviceMixin(DeviceMixin):
     _enum = PlatformEnum.OOT
     device_name = "tpu"
@@ -135,7 +187,10 @@ class TpuDeviceMixin(DeviceMixin):
         torch.tpu.synchronize()
 
     def get_torch_distributed_backend_str(self) -> str:
-        return "gloo"
+        """The scheduler asks this right before it resolves its rendezvous and makes its groups
+        (sglang/srt/distributed/bootstrap.py), the one platform call there: so it sets them up."""
+        solo_groups()
+        return solo.BACKEND
 
 
 class TpuSRTPlatform(TpuDeviceMixin, SRTPlatform):

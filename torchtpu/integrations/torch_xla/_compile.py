@@ -11,7 +11,10 @@ a call at a growing size as a padded program of its own, at once) are off inside
 reason: an optimizer's per-parameter loop looks like growth to them.
 ``full_graph=True`` raises when the body ran programs before its end (a host read such as
 ``.item()`` or ``print`` of a device value, or a data-dependent shape, split it), naming how many;
-``max_different_graphs=N`` raises when more than N calls had to compile new programs.
+``max_different_graphs=N`` raises when the region's calls ended in more than N different
+programs (told apart by the recording's calls and its inputs' shapes, as PyTorch/XLA tells graphs
+apart by their hashes: whether a program had to be compiled, or was in a cache already, does not
+count).
 A decorator, a wrapper (``torch_xla.compile(fn)``) or a context manager (``with
 torch_xla.compile():``).
 """
@@ -29,20 +32,15 @@ from torchtpu.eager import defer
 from torchtpu.integrations.torch_xla import _missing, _step
 
 
-def _built(figures: dict) -> int:
-    # a new program is compiled, or found in the persistent cache (a warm cache compiles none)
-    return figures["executable_compiles"] + figures["persistent_cache_hits"]
-
-
 class Region:
-    """One compiled region; its counts of calls that compiled new programs."""
+    """One compiled region; the programs its calls ended in."""
 
     def __init__(self, name: str | None, full_graph: bool, max_different_graphs: int | None):
         if max_different_graphs is not None and max_different_graphs < 1:
             raise ValueError(f"torchtpu.argument: max_different_graphs must be at least 1, got "
                              f"{max_different_graphs}")
         self.name, self.full_graph, self.limit = name or "region", full_graph, max_different_graphs
-        self.graphs = 0
+        self.graphs: set = set()
         self._saved: list = []
 
     def __enter__(self):
@@ -58,6 +56,8 @@ class Region:
         mode, before, max_ops, buckets = self._saved.pop()
         try:
             inside = metrics.snapshot()["executions"] - before["executions"]
+            # (read only where counted: the key walks every input of the recording)
+            program = defer.RECORDER.pending_key() if self.limit is not None else None
             _step.sync()
         finally:
             torch.tpu.eager_mode = mode
@@ -65,20 +65,19 @@ class Region:
             eager_buckets.set_enabled(buckets)
         if kind is not None:
             return
-        after = metrics.snapshot()
         if self.full_graph and inside:
             raise RuntimeError(
                 f"torchtpu.compile: torch_xla.compile({self.name!r}, full_graph=True) ran "
                 f"{inside} program(s) before the end of its body: a host read (.item(), print "
                 "of a device value, .cpu()) or a data-dependent shape (x[mask]) inside it; move "
                 "it after the call (xm.add_step_closure) or drop full_graph")
-        if _built(after) > _built(before):
-            self.graphs += 1
-            if self.limit is not None and self.graphs > self.limit:
+        if program is not None and program not in self.graphs:
+            self.graphs.add(program)
+            if len(self.graphs) > self.limit:
                 raise RuntimeError(
-                    f"torchtpu.compile: torch_xla.compile({self.name!r}) compiled new programs "
-                    f"on {self.graphs} calls, over max_different_graphs={self.limit}: its "
-                    "input shapes or Python values change between calls")
+                    f"torchtpu.compile: torch_xla.compile({self.name!r}) ended in "
+                    f"{len(self.graphs)} different programs, over max_different_graphs="
+                    f"{self.limit}: its input shapes or Python values change between calls")
 
     def __call__(self, fn: Callable) -> Callable:
         if self.name == "region":

@@ -32,10 +32,9 @@ class _HostCopy:
             return
         flat = np.asarray(self._array).reshape(-1)
         n = self._into.numel()
-        # (made under vLLM's inference mode: an inference tensor, written only inside one)
-        with torch.inference_mode():
-            self._into.copy_(torch.from_numpy(flat[self._offset:self._offset + n].copy())
-                             .view(self._into.shape))
+        # written through its NumPy view, in place (an inference tensor, made under vLLM's
+        # inference mode: torch's copy_ into it would need that mode again; ~21 -> 6 us)
+        self._into.numpy().reshape(-1)[:] = flat[self._offset:self._offset + n]
         self._array = None
 
     def query(self) -> bool:

@@ -20,7 +20,11 @@ With ``kv_cache_dtype="fp8"`` (``fp8_e4m3``, ``fp8_e5m2``) vLLM sizes the cache 
 spec's dtype is uint8); the backend reads those bytes as float8, writes ``key / k_scale``
 saturated to the float8 range, as vLLM's CUDA cache kernels do, and reads ``k_scale * key``
 back in the query's dtype (the same for values, with the layer's per-tensor scales: 1.0 unless
-the checkpoint has them).
+the checkpoint has them). On the gathered path its storage holds the bytes as 16-bit words, one
+flat row a slot, the shape every step reads and writes (:func:`_byte_rows`: an 8-bit one is
+copied whole on a TPU). Where the paged kernel serves it (``paged.why_not``), the storage is
+float8 in the kernel's layout, written and read as float8: the kernel's operand is then the
+storage itself (a byte view of it would be a whole-cache copy a layer), the scales its own.
 
 Encoder-only attention (BERT-style embedding models, vLLM's ``EncoderOnlyAttention``) has no
 cache: each request's queries see all of its own new keys and values, which the layer passes in.
@@ -53,6 +57,8 @@ from torchtpu.integrations.vllm.support import KV_CACHE_DTYPES
 # the float8 type each fp8 kv_cache_dtype's bytes hold
 FP8_KV_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                  "fp8_e5m2": torch.float8_e5m2}
+# what an fp8 cache's storage holds its bytes in (see _byte_rows)
+BYTE_ROW_WORD = torch.int16
 
 
 class TpuAttentionBackend(AttentionBackend):
@@ -77,13 +83,29 @@ class TpuAttentionBackend(AttentionBackend):
         return attn_type in (AttentionType.DECODER, AttentionType.ENCODER_ONLY)
 
     @classmethod
+    def get_preferred_block_size(cls, default_block_size: int) -> int:
+        # vLLM asks this (with the engine's config current) where the user gave no --block-size:
+        # the paged kernel's pages by the model's length (paged.page_size), vLLM's elsewhere
+        from vllm.config import get_current_vllm_config_or_none
+
+        config = get_current_vllm_config_or_none()
+        model = getattr(config, "model_config", None)
+        if model is None or not paged.enabled(
+                model.get_head_size(), model.get_num_kv_heads(config.parallel_config),
+                config.cache_config.cache_dtype):
+            return default_block_size
+        return paged.page_size(model.max_model_len)
+
+    @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         # block-major, token-major pages: a layer's cache flattens to one row per slot
         return (KVCacheLayout.LBNHC,)
 
 
-def new_kv_cache(spec: AttentionSpec, num_blocks: int, device: torch.device) -> torch.Tensor:
-    """One layer's cache, zeroed, as vLLM's logical ``[B, H, N, C]`` view of ``[B, N, H, C]``."""
+def new_kv_cache(spec: AttentionSpec, num_blocks: int, device: torch.device,
+                 cache_dtype: str = "auto") -> torch.Tensor:
+    """One layer's cache, zeroed, as vLLM's logical ``[B, H, N, C]`` view of ``[B, N, H, C]``
+    (``cache_dtype``: vLLM's ``kv_cache_dtype``, which says an fp8 cache's float8)."""
     if spec.head_size_v != spec.head_size:
         raise NotImplementedError(
             f"torchtpu.unsupported: the tpu attention backend stores keys and values of one head "
@@ -92,9 +114,17 @@ def new_kv_cache(spec: AttentionSpec, num_blocks: int, device: torch.device) -> 
     # made in the shape every step writes it through (one row per slot, see _slots): a
     # captured step then reads and writes the storage in one shape, so XLA updates it in place
     # (a first capture that saw the page shape would copy the whole cache at every replay)
-    slots = torch.zeros((num_blocks * spec.block_size, spec.num_kv_heads, 2 * spec.head_size),
-                        dtype=spec.dtype, device=device)
-    return slots.view(num_blocks, spec.block_size, *slots.shape[1:]).transpose(1, 2)
+    n, row = num_blocks * spec.block_size, (spec.num_kv_heads, 2 * spec.head_size)
+    fp8 = FP8_KV_DTYPES.get(cache_dtype)
+    if spec.dtype.itemsize == 1 and fp8 is not None and paged.enabled(
+            spec.head_size, spec.num_kv_heads, cache_dtype):  # the kernel's float8 pages
+        slots = torch.zeros((n, *row), dtype=fp8, device=device).view(spec.dtype)
+    elif spec.dtype.itemsize == 1:  # an fp8 cache's bytes, held in 16-bit words (_byte_rows)
+        slots = torch.zeros((n, row[0] * row[1] // 2), dtype=BYTE_ROW_WORD, device=device)
+        slots = slots.view(spec.dtype).view(n, *row)
+    else:
+        slots = torch.zeros((n, *row), dtype=spec.dtype, device=device)
+    return slots.view(num_blocks, spec.block_size, *row).transpose(1, 2)
 
 
 def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device,
@@ -105,6 +135,10 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device,
     vLLM packs all layers into one byte buffer viewed per layer; on "tpu" a write through
     such a view rewrites the whole buffer, every layer, every step, so each layer gets its own.
     """
+    from vllm.config import get_current_vllm_config_or_none
+
+    config = get_current_vllm_config_or_none()
+    cache_dtype = getattr(getattr(config, "cache_config", None), "cache_dtype", "auto")
     specs = {}
     for group in kv_cache_config.kv_cache_groups:
         spec = group.kv_cache_spec
@@ -120,7 +154,7 @@ def allocate_kv_caches(kv_cache_config: KVCacheConfig, device: torch.device,
                     "cache; vLLM on device 'tpu' runs attention layers only"
                 )
             caches[name] = new_kv_cache(specs[name], kv_cache_config.num_blocks_of(tensor),
-                                        device)
+                                        device, cache_dtype)
     return caches
 
 
@@ -128,6 +162,19 @@ def _slots(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[B * N, H, C]``: the layer cache, one row per token slot (a view: writes go through)."""
     pages = kv_cache.transpose(1, 2)
     return pages.view(-1, *pages.shape[2:])
+
+
+def _byte_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[B * N, H * C / 2]`` 16-bit words: an fp8 cache's bytes as its storage holds them.
+
+    On a TPU an 8-bit array's entry layout tiles (32, 128), and XLA's scatter into one wants
+    (8, 128): a step's ``index_copy_`` copied the whole cache into that layout and back, at
+    every layer of every step (``[slots, 2, 128]`` bytes were laid out heads-major as well:
+    Qwen2.5-0.5B at batch 8, 72 ms a step, 56x its roofline). A 16-bit array's entry layout
+    is the one its scatter and gather use, so the bytes live in 16-bit words, one flat row a
+    slot, read and written in that shape: in place.
+    """
+    return _slots(kv_cache).flatten(1).view(BYTE_ROW_WORD)
 
 
 @dataclass
@@ -269,7 +316,6 @@ class TpuAttentionImpl(AttentionImpl):
                            kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         if self.attn_type == AttentionType.ENCODER_ONLY:  # no cache
             return
-        slots = _slots(kv_cache)
         n = min(key.shape[0], slot_mapping.shape[0])
         key, value = key[:n], value[:n]
         if self.fp8 is not None:
@@ -278,13 +324,20 @@ class TpuAttentionImpl(AttentionImpl):
             value = (value.float() / layer._v_scale).clamp(-top, top)
         rows = (paged.cache_rows(key, value, self.pack) if self.paged
                 else torch.cat([key, value], dim=-1))
-        # float8 rows go in as the cache's bytes: CPU's index_copy_ and index_select take no
-        # float8, so neither does tpu's (torchtpu refuses by dtype as CPU does)
-        rows = rows.to(self.fp8).view(slots.dtype) if self.fp8 is not None \
-            else rows.to(slots.dtype)
         # a padded token's slot is -1, which indexing would wrap to the last slot: it writes
         # into block 0 instead, vLLM's null block, which no request's context reads
-        slots.index_copy_(0, slot_mapping[:n].long().clamp(min=0), rows)
+        slot_index = slot_mapping[:n].long().clamp(min=0)
+        if self.fp8 is not None and self.paged:  # float8 rows into the float8 storage
+            _slots(kv_cache).view(self.fp8).index_put_((slot_index,), rows.to(self.fp8))
+            return
+        # float8 rows go in as the cache's bytes: CPU's index_copy_ takes no float8, so
+        # neither does tpu's (torchtpu refuses by dtype as CPU does)
+        if self.fp8 is not None:
+            slots, rows = _byte_rows(kv_cache), rows.to(self.fp8).flatten(1).view(BYTE_ROW_WORD)
+        else:
+            slots = _slots(kv_cache)
+            rows = rows.to(slots.dtype)
+        slots.index_copy_(0, slot_index, rows)
 
     def forward(self, layer: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor,
@@ -301,9 +354,13 @@ class TpuAttentionImpl(AttentionImpl):
         n, reqs, q_len = md.num_actual_tokens, md.num_reqs, md.max_query_len
         d = self.head_size
         if self.paged:
-            output[:n] = paged.attend(query[:n], _slots(kv_cache), self.pack, md.block_size,
+            slots, scales = _slots(kv_cache), None
+            if self.fp8 is not None:  # host floats: the kernel's scales are static
+                slots = slots.view(self.fp8)
+                scales = (float(layer._k_scale_float), float(layer._v_scale_float))
+            output[:n] = paged.attend(query[:n], slots, self.pack, md.block_size,
                                       md.seq_lens[:reqs], md.block_table[:reqs],
-                                      md.query_start_loc, self.scale)
+                                      md.query_start_loc, self.scale, scales)
             return output
         query_rows, token_rows, context_slots, mask = md.layout()
         q = query[:n][query_rows]  # [R, Q, heads, d]
@@ -343,8 +400,10 @@ class TpuAttentionImpl(AttentionImpl):
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's cached keys and values, ``[R, kv_heads, L, d]`` each, in ``dtype``."""
         d = self.head_size
-        slots = _slots(kv_cache)
-        context = slots.index_select(0, context_slots).view(self.fp8 or slots.dtype)
+        if self.fp8 is not None:
+            context = _byte_rows(kv_cache).index_select(0, context_slots).view(self.fp8)
+        else:
+            context = _slots(kv_cache).index_select(0, context_slots)
         context = context.view(md.num_reqs, md.context_len, self.num_kv_heads, 2 * d)
         context = context.transpose(1, 2)
         k, v = context[..., :d].to(dtype), context[..., d:].to(dtype)

@@ -99,6 +99,8 @@ class HostSteps:
         self._prev_index = torch.full((self.max_num_tokens,), -1, dtype=torch.int64,
                                       device=self.device)
         self._last_sampled = None  # the tokens the last host-prepared step's program sampled
+        self._views: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._layers: tuple | None = None  # (attention groups, their layers' names)
 
     def _host_steps_configured(self) -> bool:
         """Whether this runner's configuration lets its steps be prepared on the host (known
@@ -222,6 +224,26 @@ class HostSteps:
         self._feeds = (table, fed)
         return fed
 
+    def head_of(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
+        """``buffer[:n]`` of a persistent tpu buffer, made once per buffer and bucket: a tpu
+        view costs the engine thread ~0.03 ms (torchtpu's dispatch, in Python), and a step
+        took a handful of them (the slot mapping, the attention metadata's three, the inputs')
+        at every step of the same few buckets. The view shares the buffer's storage, so it
+        reads what the step wrote there."""
+        key = (id(buffer), n)
+        got = self._views.get(key)
+        if got is None or got[0] is not buffer:  # a new buffer under a reused id
+            got = self._views[key] = (buffer, buffer[:n])
+        return got[1]
+
+    def _attention_layers(self) -> tuple[str, ...]:
+        """The attention layers' names (of the first KV-cache group), made once per list of
+        groups (vLLM makes a new one when it sets its KV caches up again)."""
+        groups = self.attn_groups[0]
+        if self._layers is None or self._layers[0] is not groups:
+            self._layers = (groups, tuple(name for g in groups for name in g.layer_names))
+        return self._layers[1]
+
     def step_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """A host-prepared step's token ids: the host's, and the last step's sampled tokens
         (still on the device, with async scheduling) where ``_prev_index`` points to them."""
@@ -242,9 +264,10 @@ class HostSteps:
     def capture_steps(self) -> tuple[int, int]:
         """Capture, compile and run once every padded step shape: decodes (each request
         bucket up to ``max_num_seqs`` x each context read, powers of two of blocks up to
-        ``max_model_len``) and steps with prefills (:func:`prefill_grid`), so that no request
+        ``max_model_len``), each in its two programs (logits and tokens, or the tokens alone:
+        ``sampling.py``), and steps with prefills (:func:`prefill_grid`), so that no request
         waits for a compile. The dummy steps write only the null block 0. Returns how many
-        decode and prefill shapes were captured."""
+        decode and prefill programs were captured."""
         if not self._steps_on_host():
             return 0, 0
         table = self.input_batch.block_table[0]
@@ -257,12 +280,14 @@ class HostSteps:
             contexts, heads = [max_blocks], 0
         grid = prefill_grid(self.max_num_tokens, self.max_num_reqs, max_len, heads)
         # room for every bucket: one dropped would compile again on a request's path
-        shapes = len(_powers(self.max_num_reqs)) * len(contexts) + len(grid)
+        variants = (False, True) if self._tokens_programs else (False,)
+        shapes = len(_powers(self.max_num_reqs)) * len(contexts) * len(variants) + len(grid)
         graphs.max_captures = max(graphs.max_captures, 2 * shapes)
         before = graphs.captures
         for r in _powers(self.max_num_reqs):
             for blocks in contexts:
-                self._dummy_step(np.ones(r, dtype=np.int64), blocks * bs)
+                for tokens_only in variants:
+                    self._dummy_step(np.ones(r, dtype=np.int64), blocks * bs, tokens_only)
         decodes = graphs.captures - before
         for tokens, reqs in grid:
             tokens = min(tokens, reqs * max_len)  # a step this large pads to the bucket
@@ -270,13 +295,16 @@ class HostSteps:
             counts[: tokens % reqs] += 1
             self._dummy_step(counts, max_len)
         self._fed = self._sampled = None
+        self._tokens_only = False
         return decodes, graphs.captures - before - decodes
 
-    def _dummy_step(self, counts: np.ndarray, seq_len: int) -> None:
-        """One step of ``counts`` new tokens a request ending at ``seq_len``, host-fed."""
+    def _dummy_step(self, counts: np.ndarray, seq_len: int, tokens_only: bool = False) -> None:
+        """One step of ``counts`` new tokens a request ending at ``seq_len``, host-fed (its
+        program the tokens-only one if asked)."""
         n, tokens = len(counts), int(counts.sum())
         table = self.input_batch.block_table[0]
         self._fill_host_step(counts, np.full(n, seq_len, dtype=np.int64) - counts)
+        self._tokens_only = tokens_only
         self.input_ids.np[:tokens] = 0
         table.slot_mapping.np[:] = -1  # the null block
         mode, desc, _, _, _ = self._determine_batch_execution_and_padding(

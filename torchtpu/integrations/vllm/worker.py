@@ -15,13 +15,12 @@ import time
 
 import numpy as np
 import torch
-from vllm.config import CUDAGraphMode
+from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.platforms import current_platform
 from vllm.utils.mem_utils import MemorySnapshot
 from vllm.utils.torch_utils import set_random_seed
-from vllm.v1.outputs import SamplerOutput
 from vllm.v1.worker import gpu_model_runner
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
@@ -29,14 +28,15 @@ from vllm.v1.worker.utils import request_memory
 
 from torchtpu import metrics
 from torchtpu.distributed import solo
-from torchtpu.eager.capture import storage_of
 from torchtpu.integrations.vllm import preflight, ray_serve
 from torchtpu.integrations.vllm.async_output import TpuAsyncOutput
 from torchtpu.integrations.vllm.attention import TpuAttentionMetadata, allocate_kv_caches
+from torchtpu.integrations.vllm.bookkeeping import async_bookkeeping
 from torchtpu.integrations.vllm.communicator import TpuCommunicator
 from torchtpu.integrations.vllm.graphs import StepGraphs, bucket
 from torchtpu.integrations.vllm.host_steps import HostSteps, prefill_tokens, whole_context
 from torchtpu.integrations.vllm.platform import fit_host_kv_cache
+from torchtpu.integrations.vllm.sampling import ProgramSampling
 from torchtpu.integrations.vllm.stacked import stack_layer_weights
 from torchtpu.runtime import platform
 
@@ -45,10 +45,12 @@ log = init_logger(__name__)
 # "startup" (default): every step shape is captured and compiled before the engine serves;
 # "lazy": when a step first meets it
 CAPTURE_ENV = "TORCHTPU_VLLM_CAPTURE"
-# "1": each kind of per-layer weight in one storage (stacked.py). Off by default: on the v5e
-# (session 27, Qwen2.5-0.5B) it took batch 1's decode step 1.90 -> 1.83 ms (fewer launch
-# arguments) but batch 64's 4.35 -> 4.85 ms (XLA no longer prefetches a layer's weights)
+# which kinds of per-layer weight go in one storage each (stacked.py): "vectors" (default: norms
+# and biases, no device cost), "1" (all: on the v5e, session 27, Qwen2.5-0.5B, batch 1's decode
+# step 1.90 -> 1.83 ms from fewer launch arguments, but batch 64's 4.35 -> 4.85 ms: XLA no
+# longer prefetches a layer's weight matrices), "0" (none)
 STACK_ENV = "TORCHTPU_VLLM_STACK"
+STACK_MODES = ("vectors", "1", "0")
 # vLLM's dummy sampler run (top-k, top-p and random sampling of max_num_seqs rows) holds at most
 # ~7.3 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
 # op on XLA:CPU; tests/test_vllm_graphs.py checks the figure still covers it); the profile holds
@@ -90,15 +92,16 @@ def _tpu_runner_hooks() -> None:
     gpu_model_runner.AsyncGPUModelRunnerOutput = TpuAsyncOutput
 
 
-class TpuModelRunner(HostSteps, GPUModelRunner):
+class TpuModelRunner(ProgramSampling, HostSteps, GPUModelRunner):
     """vLLM's GPU model runner, given a "tpu" device, running each step's forward captured.
 
     Steps are padded the way vLLM pads a step for a full CUDA graph (its FULL runtime mode:
     padded tokens and requests, padded rows of the block table on the null block), to the
     buckets ``host_steps.py`` picks, prepared on the host and fed to one captured program per
     bucket (``graphs.py``), which also computes the logits and greedy tokens of the sampled
-    rows. Steps the host cannot prepare (speculation, LoRA, multimodal, ...) run decodes
-    captured and prefills op by op; ``--enforce-eager`` runs everything op by op.
+    rows (or, for an all-greedy decode step, the tokens alone: ``sampling.py``). Steps the
+    host cannot prepare (speculation, LoRA, multimodal, ...) run decodes captured and prefills
+    op by op; ``--enforce-eager`` runs everything op by op.
     """
 
     def __init__(self, *args, **kwargs) -> None:
@@ -115,14 +118,21 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         # there is nothing to wait for; a tpu event waits for the whole device, here the last
         # step's program, and would keep the host from preparing a step while the device runs.
         self.prepare_inputs_event = None
-        # (logits [n, V], the array the program left in their storage, tokens [n, 1] int32,
-        # the program's padded tokens)
-        self._sampled: tuple | None = None
+        self._init_program_sampling()
+
+    def initialize_kv_cache(self, *args, **kwargs) -> None:
+        # the allocator (attention.allocate_kv_caches) reads the kv_cache_dtype from the current
+        # config: an fp8 cache's float8 (e4m3 or e5m2), which vLLM's spec does not say
+        with set_current_vllm_config(self.vllm_config):
+            super().initialize_kv_cache(*args, **kwargs)
 
     def _prepare_inputs(self, scheduler_output, num_scheduled_tokens: np.ndarray):
         self._fed = self._sampled = None
+        self._tokens_only = False
         if num_scheduled_tokens.size and self._steps_on_host():
-            return self._prepare_on_host(num_scheduled_tokens)
+            prepared = self._prepare_on_host(num_scheduled_tokens)
+            self._tokens_only = self._leaves_logits_out(scheduler_output)
+            return prepared
         if self.input_batch.prev_sampled_token_ids is not None:
             # async scheduling where the host cannot prepare the step (prompt logprobs, say):
             # vLLM's preparation, which reads the last tokens on the device op by op
@@ -134,7 +144,8 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             return super()._preprocess(scheduler_output, num_input_tokens, intermediate_tensors)
         # vLLM's text-only first-rank answer, without its zeroing of the padded positions on
         # the device: the fed host positions pad with 0 already
-        return (self.input_ids.gpu[:num_input_tokens], None, self.positions[:num_input_tokens],
+        return (self.head_of(self.input_ids.gpu, num_input_tokens), None,
+                self.head_of(self.positions, num_input_tokens),
                 None, self._init_model_kwargs(), None)
 
     def _get_slot_mappings(self, num_tokens_padded: int, num_reqs_padded: int,
@@ -143,7 +154,7 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             return super()._get_slot_mappings(num_tokens_padded, num_reqs_padded,
                                               num_tokens_unpadded, ubatch_slices)
         # the host slot mapping pads with -1 already: no fill of the device rows
-        slots = self.input_batch.block_table[0].slot_mapping.gpu[:num_tokens_padded]
+        slots = self.head_of(self.input_batch.block_table[0].slot_mapping.gpu, num_tokens_padded)
         layers = self.kv_cache_config.kv_cache_groups[0].layer_names
         return {0: slots}, dict.fromkeys(layers, slots)
 
@@ -161,19 +172,20 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         max_len = self._context_tokens()
         if self._fed_decode or not whole_context(tokens, reqs, max_len, self._attention_heads):
             # bucketed by the longest query and context read
-            seq_len = int(self.optimistic_seq_lens_cpu[:num_reqs].max())
+            seq_len = int(self.optimistic_seq_lens_cpu.numpy()[:num_reqs].max())
         else:  # by tokens and requests only: queries as long as they can be, context whole
             seq_len, max_query_len = max_len, min(tokens, max_len)
         builder = self.attn_groups[0][0].get_metadata_builder()
         md = builder.metadata(
-            tokens, reqs, max_query_len, seq_len, self.query_start_loc.gpu[:reqs + 1],
-            self.seq_lens[:reqs], self.input_batch.block_table[0].block_table.gpu[:reqs])
-        return {name: md for group in self.attn_groups[0] for name in group.layer_names}, None
+            tokens, reqs, max_query_len, seq_len, self.head_of(self.query_start_loc.gpu, reqs + 1),
+            self.head_of(self.seq_lens, reqs),
+            self.head_of(self.input_batch.block_table[0].block_table.gpu, reqs))
+        return dict.fromkeys(self._attention_layers(), md), None
 
     def _prepare_padding_mask(self, num_tokens_unpadded: int,
                               num_tokens_padded: int) -> torch.Tensor:
         if self._fed is not None:  # fed: the host mask is the program's input
-            return self.is_padding[:num_tokens_padded]
+            return self.head_of(self.is_padding, num_tokens_padded)
         return super()._prepare_padding_mask(num_tokens_unpadded, num_tokens_padded)
 
     def _determine_batch_execution_and_padding(self, num_tokens: int, num_reqs: int, *args,
@@ -209,10 +221,11 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         if fed is None:
             return forward() if key is None else self.step_graphs((key, False), forward)
         reqs = get_forward_context().batch_descriptor.num_reqs
+        tokens_only = self._tokens_only
 
         def forward_and_sample():
             # the sampled rows' hidden states, logits and greedy tokens (vLLM's sampler's
-            # int32 column), in the program too
+            # int32 column), in the program too; a tokens-only program leaves the logits out
             hidden = forward(self.step_input_ids(input_ids))[self._sample_rows[:reqs]]
             # float32, as vLLM's sampler casts them first: a bfloat16 model's logits would
             # otherwise take that cast and the sampler's ops eagerly, programs of their own
@@ -223,18 +236,24 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             raw = self._model_compute_logits(hidden)
             tokens = raw.argmax(dim=-1).to(torch.int32)[:, None]
             self.keep_tokens(tokens)
-            return hidden, raw.float(), tokens
+            return (hidden, tokens) if tokens_only else (hidden, raw.float(), tokens)
 
         if key is None:  # prepared on the host, yet not captured: copy it in
             fed.materialize()
             out = forward_and_sample()
         else:
-            out = self.step_graphs((key, True), forward_and_sample,
-                                   fed.step(input_ids.shape[0], reqs))
-        hidden, logits, tokens = out
-        n = self._fed_reqs
-        self._sampled = (logits[:n], storage_of(logits)._tpu_array, tokens[:n], tokens)
-        return hidden
+            out = self.step_graphs((key, "tokens" if tokens_only else "logits"),
+                                   forward_and_sample, fed.step(input_ids.shape[0], reqs))
+        return self._program_sampled(out, self._fed_reqs)
+
+    def _bookkeeping_sync(self, scheduler_output, sampler_output, logits, hidden_states,
+                          num_scheduled_tokens: int):
+        # an async step's placeholders written for all requests at once (bookkeeping.py)
+        out = async_bookkeeping(self, sampler_output)
+        if out is not None:
+            return out
+        return super()._bookkeeping_sync(scheduler_output, sampler_output, logits,
+                                         hidden_states, num_scheduled_tokens)
 
     def _dummy_sampler_run(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """The memory vLLM's sampler takes at ``max_num_seqs`` rows, held through the memory
@@ -254,64 +273,17 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
         super().load_model(*args, **kwargs)
         # Only where every step can be captured: a step run op by op would read each layer's
         # weight as a view of its own offset, a program per layer instead of one for all.
-        if self._host_steps_configured() and os.environ.get(STACK_ENV, "0").strip() == "1":
-            log.info("torchtpu: the layers' weights stacked, %d storages fewer",
-                     stack_layer_weights(self.model))
+        stack = os.environ.get(STACK_ENV, "vectors").strip() or "vectors"
+        if stack not in STACK_MODES:
+            raise ValueError(f"torchtpu.config: {STACK_ENV}={stack!r} is not one of "
+                             f"{', '.join(STACK_MODES)}")
+        if self._host_steps_configured() and stack != "0":
+            log.info("torchtpu: the layers' weights stacked (%s), %d storages fewer", stack,
+                     stack_layer_weights(self.model, vectors_only=stack == "vectors"))
         # a host-prepared step computes its logits and greedy tokens in its program: vLLM's
-        # calls after the forward get those (see _captured_logits, _sample)
+        # calls after the forward get those (sampling.py)
         self._model_compute_logits = self.model.compute_logits
         self.model.compute_logits = self._captured_logits
-
-    def _captured_logits(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        sampled = self._sampled
-        if sampled is not None and not args and not kwargs \
-                and hidden_states.shape[0] == sampled[0].shape[0]:
-            return sampled[0]
-        return self._model_compute_logits(hidden_states, *args, **kwargs)
-
-    def _sample(self, logits, spec_decode_metadata):
-        """vLLM's sampler where every request samples greedily without logprobs, with the
-        program's greedy tokens (already vLLM's int32 column) where no logits processor changed
-        the program's logits (a processor that writes them in place rebinds their storage)."""
-        sampled = self._sampled
-        meta = self.input_batch.sampling_metadata
-        if (sampled is None or spec_decode_metadata is not None or logits is not sampled[0]
-                or logits.dtype != torch.float32 or not meta.all_greedy
-                or meta.max_num_logprobs is not None or meta.logprob_token_ids):
-            # vLLM compiles its sampler's small helpers (the logprobs' rank count, top-k/top-p)
-            # with the platform's simple backend; on tpu that backend runs the ops eagerly all
-            # the same, so Dynamo's trace of them (~0.3 s in each new process, a third of a warm
-            # GRPO first step's CPU: bench/RESULTS.md, rl7) bought nothing
-            with torch.compiler.set_stance("force_eager"):
-                out = super()._sample(logits, spec_decode_metadata)
-            if sampled is not None and spec_decode_metadata is None:
-                self._keep_sampled(out.sampled_token_ids)
-            return out
-        self.input_batch.update_async_output_token_ids()
-        processed = self.sampler.apply_logits_processors(logits, meta, False)
-        if processed is logits and storage_of(logits)._tpu_array is sampled[1]:
-            tokens = self._last_sampled = sampled[2]
-        else:  # the rest of Sampler.forward for greedy requests without logprobs
-            tokens = self.sampler.greedy_sample(processed).to(torch.int32)[:, None]
-            self._keep_sampled(tokens)
-        return SamplerOutput(sampled_token_ids=tokens, logprobs_tensors=None)
-
-    def _keep_sampled(self, tokens: torch.Tensor) -> None:
-        """With async scheduling, a host-prepared step's tokens sampled outside its program
-        (random sampling, logprobs, a grammar's mask): kept where the next step's program
-        reads the last tokens (one copy), so that it too is prepared on the host."""
-        if self.use_async_scheduling and tokens.dim() == 2 and tokens.shape[1] == 1:
-            self.keep_tokens(tokens)
-            self._last_sampled = tokens
-
-    def _to_list(self, sampled_token_ids: torch.Tensor) -> list[list[int]]:
-        # the program's tokens: its whole padded array read to the host, cut there
-        sampled = self._sampled
-        if sampled is not None and sampled_token_ids is sampled[2]:
-            n = sampled_token_ids.shape[0]
-            padded = np.asarray(storage_of(sampled[3])._tpu_array).reshape(-1)
-            return padded[:n, None].tolist()
-        return super()._to_list(sampled_token_ids)
 
     def _step_key(self, input_ids, positions, intermediate_tensors, inputs_embeds,
                   model_kwargs):
@@ -325,7 +297,9 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
                 or not isinstance(input_ids, torch.Tensor)):
             return None
         layouts = set()
-        for md in ctx.attn_metadata.values():
+        # each distinct metadata once: a host-prepared step's layers share one (24 layers'
+        # data_ptr calls were ~0.1 ms of the engine thread a step)
+        for md in {id(md): md for md in ctx.attn_metadata.values()}.values():
             # steps with prefills are captured only when prepared on the host (bucketed by
             # tokens and requests alone); else they come in many shapes, each of which would
             # compile a program: those run op by op, their padded shapes reusing per-op programs
@@ -335,10 +309,20 @@ class TpuModelRunner(HostSteps, GPUModelRunner):
             layouts.add((md.num_actual_tokens, md.num_reqs, md.max_query_len, md.context_len,
                          md.query_start_loc.data_ptr(), md.seq_lens.data_ptr(),
                          md.block_table.data_ptr()))
-        slots = tuple(sorted((name, t.data_ptr(), t.shape[0])
-                             for name, t in (ctx.slot_mapping or {}).items()))
-        return (ctx.batch_descriptor, tuple(sorted(layouts)), slots,
+        return (ctx.batch_descriptor, tuple(sorted(layouts)), _slots_key(ctx.slot_mapping),
                 input_ids.data_ptr(), positions.data_ptr(), tuple(positions.shape))
+
+
+def _slots_key(slot_mapping: dict | None) -> tuple:
+    """What a step's slot mappings (layer name -> slots tensor) give its program: each layer's
+    tensor's address and length; where every layer has one tensor (a host-prepared step),
+    the layers' names and that tensor's."""
+    slot_mapping = slot_mapping or {}
+    distinct = {id(t): t for t in slot_mapping.values()}
+    if len(distinct) == 1:
+        (t,) = distinct.values()
+        return (frozenset(slot_mapping), t.data_ptr(), t.shape[0])
+    return tuple(sorted((name, t.data_ptr(), t.shape[0]) for name, t in slot_mapping.items()))
 
 
 def _claim_local_device(local_rank: int, local_world_size: int) -> None:
@@ -352,6 +336,17 @@ def _claim_local_device(local_rank: int, local_world_size: int) -> None:
     if local_world_size > 1:
         os.environ.setdefault("TORCHTPU_LOCAL_DEVICE", str(local_rank))
         platform.set_process_slot(local_rank, local_world_size)
+
+
+def _solo_init_method(init_method: str, world_size: int) -> str:
+    """A process alone needs no TCP rendezvous: vLLM's external launcher (TRL's colocated
+    engine) rendezvouses through ``env://``, a TCP store on MASTER_PORT, which a machine refusing
+    internet sockets cannot open; at world size 1 a file store does the same job anywhere."""
+    if world_size == 1 and init_method == "env://":
+        from vllm.utils.network_utils import get_file_store_init_method
+
+        return get_file_store_init_method()
+    return init_method
 
 
 @contextlib.contextmanager
@@ -398,11 +393,12 @@ class TpuWorker(Worker):
         self.device = torch.device("tpu", self.local_rank)
         current_platform.set_device(self.device)
         current_platform.check_if_supports_dtype(self.model_config.dtype)
-        with _solo_cpu_groups(self.parallel_config.world_size_across_dp):
+        world = self.parallel_config.world_size_across_dp
+        with _solo_cpu_groups(world):
             init_worker_distributed_environment(
                 self.vllm_config,
                 self.rank,
-                self.distributed_init_method,
+                _solo_init_method(self.distributed_init_method, world),
                 self.local_rank,
                 current_platform.dist_backend,
             )
@@ -454,7 +450,7 @@ class TpuWorker(Worker):
         # where a workload meets few shapes; requests then wait for them)
         decodes, prefills = self.model_runner.capture_steps() if capture == "startup" else (0, 0)
         if decodes or prefills:
-            log.info("torchtpu: %d decode and %d prefill step shapes captured and compiled in "
+            log.info("torchtpu: %d decode and %d prefill step programs captured and compiled in "
                      "%.1f s", decodes, prefills, time.perf_counter() - start)
         return CompilationTimes(
             language_model=self.compilation_config.compilation_time,
