@@ -426,6 +426,10 @@ class Captured:
         if HOOKS.capture is not None:
             raise CaptureError("torchtpu.capture: replay() inside a graph capture; captures do "
                                "not nest")
+        # What a recording in progress (DeferAndFuse's) read runs first, as at a host read: its
+        # inputs may be the storages' arrays this program donates. (Strict's held values and
+        # collectives lend what they read: ``_copy_lent``.)
+        executor.flush()
         args = self._io.arguments(bind)
         if ownership.lent:
             _copy_lent(args, self._donate)
