@@ -113,6 +113,10 @@ class Hooks:
     # where t is a view of it: a copy of the view), converted to the float dtype ``dtype``, that
     # its consumers' programs compute themselves (``eager/lazy_casts.py``); None to do it now.
     lazy_cast: Callable[..., Any] | None = None
+    # ``settle_readers(array)`` while Strict is the executor: its held values still reading
+    # array (``eager/lazy_casts.py``) computed now, so that they lend it no more (a donating
+    # call is about to take its buffer: ``ownership.still_lent``).
+    settle_readers: Callable[[Any], None] | None = None
     # Whether host reads wait for the device, where not the platform's answer (None): a step
     # census (``testing/step_census.py``) counts them as waits on XLA:CPU too.
     host_reads_stall: bool | None = None

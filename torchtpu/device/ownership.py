@@ -58,9 +58,11 @@ def consume(t: torch.Tensor, by: str) -> None:
     t.untyped_storage()._tpu_array = Consumed(by)
 
 
-# ids of arrays a collective reads in place on another thread (``distributed/host.py``), with
-# how many collectives do: a view write (``tensors.write``) copies such a storage instead of
-# donating its buffer, which the reader would otherwise see reused under it. (DeferAndFuse and
+# ids of arrays read later, with how many readers do: by a collective in place on another
+# thread (``distributed/host.py``), or by Strict's held values (``eager/lazy_casts.py``), which
+# read them when they are computed. A view write (``tensors.write``) and a captured replay copy
+# such a storage instead of donating its buffer, which the reader would otherwise see reused
+# under it; a donating op computes the held values first (``still_lent``). (DeferAndFuse and
 # compiled graphs donate only arrays nothing else references, and the reader holds a reference.)
 lent: dict[int, int] = {}
 
@@ -91,10 +93,28 @@ def unlend_all(arrays: list) -> None:
             lent[k] = n
 
 
+def still_lent(array) -> bool:
+    """Whether array is lent to a reader that must be waited for. Strict's held values reading
+    it (``HOOKS.settle_readers``) are computed first, which gives their loans back: each would
+    be computed at its first reader anyway, and the call donating the buffer cannot wait for
+    that. A collective's loan stays until its ``wait()``."""
+    if id(array) not in lent:
+        return False
+    settle = HOOKS.settle_readers
+    if settle is not None:
+        settle(array)
+    return id(array) in lent
+
+
 def donation_refusal(t: torch.Tensor, param: str, call_tensors: list) -> str | None:
     """Why t's buffer cannot be given away by a call taking call_tensors, or None if it can:
     nothing else may be able to see it (``kernels/donation.py``)."""
-    if id(t.untyped_storage()._tpu_array) in lent:
+    held = t.untyped_storage()._tpu_array
+    # The buffer is the array a computed deferred value holds (DeferAndFuse's, which the
+    # storage may still hold), the one its readers borrowed: not the value object.
+    array = held.resolve() if isinstance(held, Deferred) and type(held) is not Consumed \
+        else held
+    if still_lent(array):
         return ("a collective still reads it (async_op=True); wait() for its Work before "
                 "donating the tensor")
     if t.requires_grad:

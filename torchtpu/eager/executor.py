@@ -126,11 +126,13 @@ class Strict:
         """Called when this executor becomes the current one."""
         if self.lazy_casts:
             HOOKS.lazy_cast = lazy_casts.lazy_cast
+        HOOKS.settle_readers = lazy_casts.settle_readers
 
     def leave(self) -> None:
         """Called when another executor replaces this one: its lazy casts are computed."""
         HOOKS.lazy_cast = None
         lazy_casts.resolve_pending()
+        HOOKS.settle_readers = None
 
 
 # Frames of these packages are internals: a check the device runs names the first frame outside

@@ -48,9 +48,10 @@ inside its reader (``program.rounded``), where XLA would otherwise skip the roun
 
 The source array is immutable, a conversion between float dtypes cannot fail, and a view or an
 in-place write of the result resolves or replaces the value: nothing a user can see changes.
-The source is lent (``ownership.lend``) so that no view write donates its buffer meanwhile, and
-every lazy cast still pending is resolved when Strict stops being the executor (a capture or
-DeferAndFuse never sees one).
+The source is lent (``ownership.lend``) so that no view write or captured replay donates its
+buffer meanwhile (they copy it), a call that donates it (``jax_op(donate_argnums=...)``) computes
+the values reading it first (``settle_readers``), and every lazy cast still pending is resolved
+when Strict stops being the executor (a capture or DeferAndFuse never sees one).
 """
 
 from __future__ import annotations
@@ -481,6 +482,17 @@ def computed(out):
 def any_pending() -> bool:
     """Whether a lazy value is still pending: another executor taking over computes each alone."""
     return any(ref() is not None for ref in _pending.values())
+
+
+def settle_readers(array) -> None:
+    """Compute each pending value whose source holds array (``HOOKS.settle_readers``): a call
+    about to take array's buffer (a donating op) finds it lent to none of them."""
+    for ref in list(_pending.values()):
+        converted = ref()
+        if converted is not None:
+            lent = converted.lent
+            if lent is not None and any(a is array for a in lent):
+                converted.resolve()
 
 
 def resolve_pending() -> None:
