@@ -384,6 +384,19 @@ def test_embedding_bag():
                   weight)
 
 
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_include_last_offset_repeated(mode):
+    # TorchRec's pooled lookups (offsets of batch + 1 entries). The second call repeats the
+    # first's signature (Strict's short path), whose bag sizes are made in the meta kernel's
+    # shape, one per offset: a lowering giving one per bag left them reaching past their
+    # array, and the backward refused them.
+    weight = r(16, 8)
+    idx, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 2, 4, 5])
+    for _ in range(2):
+        check_fwd_bwd(lambda w: F.embedding_bag(idx.to(w.device), w, offsets.to(w.device),
+                                                mode=mode, include_last_offset=True), weight)
+
+
 def test_margin_losses_and_shrink():
     x = r(4, 5)
     target = torch.tensor([1, 0, 4, 2])

@@ -5,6 +5,7 @@ result laid out otherwise (SDPA's output and gradients in their inputs' order) r
 its permutation, a tuple of results with Nones and numbers (SDPA's forward) a part each.
 Values, strides and storage sizes as CPU's; the full path's makers not called on repeats."""
 
+import jax.numpy as jnp
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +84,14 @@ def test_a_cast_of_a_leading_part_of_a_storage_reads_that_part():
         got = part.to(torch.bfloat16) * 2
         torch.testing.assert_close(got.cpu(), a[:2].to(torch.bfloat16) * 2)
         torch.testing.assert_close(part.double().cpu(), a[:2].double())
+
+
+def test_a_result_of_another_shape_than_described_is_refused():
+    """A program's result array of another shape than its meta description is refused where the
+    first call wraps it: a repeat makes its tensor in the described shape (``results.wrapper``),
+    which that array could not fill."""
+    array = jnp.zeros(4, jnp.int64)  # bag sizes, one per bag, where meta has one per offset
+    with pytest.raises(RuntimeError, match=r"aten\._embedding_bag\.default's tpu lowering "
+                       r"returned a result of shape \[4\] where PyTorch's meta kernel says \[5\]"):
+        results.wrapped((array,), (((5,), torch.int64),), torch.ops.aten._embedding_bag.default)
+    assert results.wrapped((array,), (((4,), torch.int64),))[0].shape == (4,)

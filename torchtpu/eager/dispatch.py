@@ -83,7 +83,7 @@ def _functional_handler(op: OpOverload, lowering: Lowering):
         # One read another way than the signature's remembered calls (a view where they read
         # whole arrays) is kept beside them.
         reads = None if key is None else reads_of(spec, [None, *values] if keyed else values)
-        out = results.wrapped(compute(lowering, spec, values), result)
+        out = results.wrapped(compute(lowering, spec, values), result, op)
         if reads is not None:
             if lists:
                 seen_lists.remember(seen, key, spec, reads, result, listed=True)

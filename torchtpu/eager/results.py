@@ -17,6 +17,7 @@ import functools
 import torch
 from jax._src.array import ArrayImpl
 
+from torchtpu import errors
 from torchtpu.device import dtypes, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.device.views import Geometry, check_in_bounds, dense_order
@@ -33,8 +34,9 @@ def is_leaf(d) -> bool:
     return isinstance(d, tuple) and len(d) in (2, 3) and isinstance(d[1], torch.dtype)
 
 
-def wrapped(arrays, d):
-    """The tensors of an op's computed arrays, as the description d of its results says."""
+def wrapped(arrays, d, op=None):
+    """The tensors of an op's computed arrays, as the description d of its results says; ``op``
+    (the call's, where the caller knows it) is named where an array is not of d's shape."""
     if d is None or arrays is None:
         return None
     if type(d) is int:
@@ -42,9 +44,24 @@ def wrapped(arrays, d):
     if is_leaf(d):
         if len(d) == 3 and type(d[2]) is Stored:
             return tensors.wrap_strided(arrays, d[1], d[0], d[2])
+        check_shape(arrays, d[0], op)
         out = tensors.wrap(arrays, d[1])
         return lay_out(out, d[2]) if len(d) == 3 else out
-    return tuple(wrapped(a, r) for a, r in zip(arrays, d))
+    return tuple(wrapped(a, r, op) for a, r in zip(arrays, d))
+
+
+def check_shape(array, shape: tuple, op=None) -> None:
+    """Refuse a program's result array of another shape than its description's (PyTorch's meta
+    kernel's). A first call's tensor takes its array's shape (``tensors.wrap``), a repeated
+    call's the description's (``wrapper``, made once): a lowering that disagreed with meta gave
+    repeats tensors reaching past their arrays (``_embedding_bag``'s bag sizes, one per bag
+    where meta has one per offset), found only by a later reader, far from the op."""
+    have = array.aval.shape if type(array) is ArrayImpl else tuple(array.shape)
+    if have != shape:
+        raise RuntimeError(errors.message(
+            "unsupported", f"{op or 'an op'}'s tpu lowering returned a result of shape "
+            f"{list(have)} where PyTorch's meta kernel says {list(shape)}; a torchtpu bug: "
+            "please file an issue with the call"))
 
 
 def wrapper(d):

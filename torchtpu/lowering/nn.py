@@ -145,13 +145,20 @@ def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sp
         first = jax.ops.segment_min(jnp.where(hit, jnp.arange(indices.shape[0])[:, None],
                                               indices.shape[0]), bag, bags)
         picked = jnp.take(indices, jnp.clip(first, 0, indices.shape[0] - 1))
-        return best, bag, size, jnp.where(size[:, None] > 0, picked, 0)
+        return best, bag, _per_offset(size, offsets), jnp.where(size[:, None] > 0, picked, 0)
     total = jax.ops.segment_sum(jnp.where(keep, rows, 0), bag, bags)
     if mode == _MEAN:
         total = total / jnp.maximum(size, 1)[:, None].astype(total.dtype)
     # CPU reports bag sizes for mean and max only.
     size = size if mode == _MEAN else jnp.zeros_like(size)
-    return total, bag, size, jnp.zeros((0,), jnp.int64)
+    return total, bag, _per_offset(size, offsets), jnp.zeros((0,), jnp.int64)
+
+
+def _per_offset(size, offsets):
+    """Bag sizes shaped as PyTorch's meta kernel (CUDA's) shapes them, one per offset: with
+    ``include_last_offset`` a trailing 0 for the last offset, which ends the last bag. Results
+    must have meta's shapes (``results.check_shape``); CPU's one per bag does not."""
+    return jnp.pad(size, (0, offsets.shape[0] - size.shape[0]))
 
 
 @check(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
@@ -208,11 +215,12 @@ def embedding_bag_dense_backward(grad, indices, offset2bag, bag_size, maximum_in
                                  num_weights, scale_grad_by_freq, mode, per_sample_weights,
                                  padding_idx=-1):
     out = jnp.zeros((num_weights, grad.shape[1]), grad.dtype)
+    bags = grad.shape[0]
     if mode == _MAX:
         columns = jnp.arange(grad.shape[1])[None, :]
-        g = jnp.where(bag_size[:, None] > 0, grad, 0)
+        # One bag size per offset (``_per_offset``): the bags' are the leading ones.
+        g = jnp.where(bag_size[:bags, None] > 0, grad, 0)
         return out.at[maximum_indices, columns].add(g)
-    bags = grad.shape[0]
     valid = (offset2bag < bags) & (indices != padding_idx)
     rows = jnp.take(grad, jnp.clip(offset2bag, 0, bags - 1), axis=0)
     if mode == _MEAN:
