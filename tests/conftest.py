@@ -34,6 +34,8 @@ FULL = os.environ.get("TORCHTPU_TESTS") == "full"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "full: runs only with TORCHTPU_TESTS=full")
+    config.addinivalue_line("markers", "engine_process_group: the file's engine keeps a default "
+                            "process group for the process on purpose")
     required = [m for m in os.environ.get("TORCHTPU_TESTS_REQUIRE", "").split(",") if m]
     broken = []
     for name in required:
@@ -79,6 +81,47 @@ def _launch_variables_kept():
     yield
     after = {k: os.environ.get(k) for k in _LAUNCH_VARIABLES}
     assert after == before, f"the test changed torchrun's variables: {before} -> {after}"
+
+
+# torchtpu's own process state in the environment, set once for the process by design: where it
+# placed Inductor's cache (``compile/torch_caches.py``), the device an engine's in-process worker
+# took (``integrations/vllm/worker.py``).
+_OWN_VARIABLES = ("TORCHTPU_PLACED_INDUCTOR_CACHE_DIR", "TORCHTPU_LOCAL_DEVICE")
+
+
+def _process_globals(item) -> dict:
+    """What one test can change for every later test on its worker: each is a setting a test
+    must put back (``monkeypatch``, a ``with`` block, a fixture). A file whose engine keeps a
+    process group for the process on purpose (vLLM's, SGLang's) says so with the
+    ``engine_process_group`` marker."""
+    import jax
+    import torch.distributed as dist
+    from jax._src import compilation_cache as jax_cache
+
+    from torchtpu.eager import modes
+
+    state = {
+        "the eager mode": modes.get_eager_mode(),
+        "torchtpu's environment variables": {
+            k: v for k, v in os.environ.items()
+            if k.startswith(("TORCHTPU_", "TORCH_TPU_")) and k not in _OWN_VARIABLES},
+        "the compile cache": (jax.config.jax_compilation_cache_dir, id(jax_cache._cache)),
+    }
+    if item.get_closest_marker("engine_process_group") is None:
+        state["a default process group"] = dist.is_available() and dist.is_initialized()
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _process_globals_kept(request):
+    # Set up before (so torn down after) the fixtures a test asks for: monkeypatch has put its
+    # changes back by the time this compares.
+    before = _process_globals(request.node)
+    yield
+    after = _process_globals(request.node)
+    changed = [k for k in before if after[k] != before[k]]
+    assert not changed, "the test left changed: " + "; ".join(
+        f"{k}: {before[k]!r} -> {after[k]!r}" for k in changed)
 
 
 @pytest.fixture(autouse=True)

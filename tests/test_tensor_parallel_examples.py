@@ -4,11 +4,14 @@ pattern on device "tpu", against the same steps on CPU: a ``ToyModel`` MLP under
 layouts), forward, ``output.sum().backward()`` and AdamW(foreach) steps with no ``zero_grad``,
 so each backward adds into the gradients the last step read.
 
-That accumulation is what broke the examples (issue 49: "Array has been deleted" in the first
-backward, on both ranks, and in one process without any parallelism): a value held for a later
-program (``eager/lazy_casts.py``) read a gradient's buffer that the in-place add donated. The
-one-process cases reach it without a process group; the two-rank ones run as threads here and
-as ``tpu_dist`` processes (Strict and DeferAndFuse) in the ``full`` run.
+That accumulation is what broke the examples (issue 49: "Array has been deleted" in a backward,
+on both ranks, and in one process without any parallelism): on a9d310d the optimizer's fused
+step placed a gradient made by a program with no inputs (not committed to a device) with
+``device_put``, whose new array object shares the buffer, and donated it by that object's
+reference count while the gradient's storage still held the old one; the next backward's held
+accumulation (``eager/lazy_casts.py``) read the deleted buffer. The one-process cases reach it
+without a process group; the two-rank ones run as threads here and as ``tpu_dist`` processes
+(Strict and DeferAndFuse) in the ``full`` run.
 """
 
 import contextlib
@@ -16,7 +19,7 @@ import copy
 
 import pytest
 import torch
-from runners import PROCESSES, THREADS
+from runners import OPT_IN, THREADS
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
@@ -118,7 +121,7 @@ def test_one_process_accumulating_steps_equal_cpu(mode):
 
 
 @pytest.mark.parametrize("sequence", [False, True], ids=["tensor", "sequence"])
-@pytest.mark.parametrize("run", [THREADS, PROCESSES])
+@pytest.mark.parametrize("run", [THREADS, OPT_IN])
 def test_two_ranks_equal_cpu(run, sequence):
     inputs = _inputs(2)
     results = run(_rank, 2, args=(_model(), sequence, inputs))
