@@ -20,8 +20,8 @@ Modes, each on a fresh model (the previous one's memory given back first):
 - ``model``: ``torch.compile(model, backend="tpu")`` with backward, clipping and AdamW eager;
 - ``strict``: eager, one op at a time (the default mode);
 - ``defer``: eager under DeferAndFuse (a step flushes at its ``loss.item()``; a step whose loss
-  is not read, with ``--read-every`` over 1, at the next step's first op: one program a step,
-  launched while the host records the next).
+  is not read, with ``--read-every`` over 1, at the next step's first op: its programs launched
+  while the host records the next).
 
 The loop is the one users write: the loss read on the host after every step (``--read-every 1``,
 the default: ``loss.item()``, or ``float(loss)`` in the JAX twins), or after every Nth. Every mode
@@ -31,22 +31,22 @@ its wall over its steps (reads included). The setting is in the table's header a
 (``read_every``, ``steps_per_round``; ``read_ms``: the host's ms per step waiting in reads).
 
 Each prints ms/step (median of the rounds that loaded no program; a mode's rounds go on past
-``--budget-s`` until one loaded none), the host's time
-issuing a step (inside the step call: near ms/step, the host is what a step waits for), MFU
-against the chip's bf16 peak with nanoGPT's flop count (none on CPU), warm-up seconds (model
-made to the end of the first three steps, compiles included; ``warmup_split`` says where its
-seconds went, from ``torchtpu.metrics``' timers: making the model and inputs, then over the three
-steps Dynamo's tracing, AOTAutograd, torchtpu's captures, JAX's tracing and lowering to StableHLO,
-XLA's compiles (and their count), the host's waits for the steps' results, and the rest), peak
-device memory
-(``torch.tpu.max_memory_allocated``, PJRT's peak on a TPU; JAX: the device's
-``peak_bytes_in_use`` and XLA's memory analysis of the step) beside PyTorch eager's floor for
-the same model and batch (``torchtpu.testing.memory_floor``: fp32 parameters, gradients and
-AdamW's two moments, plus what autograd saves in one forward, counted on CPU under
-``FakeTensorMode`` at the full batch: no scaling) and the peak over that floor, and per timed
-step the executable compiles, persistent-cache hits, program executions and bytes read to the
-host (``torchtpu.metrics`` deltas; the JAX twins' reads are not torchtpu's and show 0). Batch x
-length is 8,192 tokens at every length (``--tokens``).
+``--budget-s`` until one loaded none), the host's time issuing a step (inside the step call: near
+ms/step, the host is what a step waits for), MFU against the chip's bf16 peak with nanoGPT's flop
+count (none on CPU), warm-up seconds (model made to the end of the first three steps, compiles
+included; ``warmup_split`` says where its seconds went, from ``torchtpu.metrics``' timers: making
+the model and inputs, then over the three steps Dynamo's tracing, AOTAutograd, torchtpu's captures,
+JAX's tracing and lowering to StableHLO, XLA's compiles (and their count), the host's waits for the
+steps' results, and the rest), peak device memory (``torch.tpu.max_memory_allocated``, PJRT's peak
+on a TPU; JAX: the device's ``peak_bytes_in_use``, which no reset starts again: the process's peak
+so far, so a twin listed after other modes reports theirs if higher; and XLA's memory analysis of
+the step) beside PyTorch eager's floor for the same model and batch
+(``torchtpu.testing.memory_floor``: fp32 parameters, gradients and AdamW's two moments, plus what
+autograd saves in one forward, counted on CPU under ``FakeTensorMode`` at the full batch: no
+scaling) and the peak over that floor, and per timed step the executable compiles, persistent-cache
+hits, program executions and bytes read to the host (``torchtpu.metrics`` deltas; the JAX twins'
+reads are not torchtpu's and show 0). Batch x length is 8,192 tokens at every length
+(``--tokens``).
 """
 
 from __future__ import annotations
