@@ -89,7 +89,7 @@ def llama_bench():
 
 @pytest.mark.parametrize(("path", "form"), [
     ("captured", "non_reentrant"),
-    ("dynamo", "non_reentrant"),
+    pytest.param("dynamo", "non_reentrant", marks=pytest.mark.full),
     pytest.param("captured", "reentrant", marks=pytest.mark.full),
     pytest.param("whole_step", "non_reentrant", marks=pytest.mark.full),
     pytest.param("dynamo", "selective", marks=pytest.mark.full),

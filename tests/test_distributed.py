@@ -332,6 +332,7 @@ def _ddp_unused(rank, world, device):
     }
 
 
+@pytest.mark.full  # ~35 s on CI's box; DDP's training runs in main in test_compiled_ddp
 def test_ddp_gpt_equals_full_batch():
     for out in run(_ddp, 2, timeout=300):
         assert out["devices"] == {"tpu:0"}
