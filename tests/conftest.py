@@ -48,6 +48,20 @@ def pytest_configure(config):
                                 "need them would skip: " + "; ".join(broken))
 
 
+def pytest_runtest_logreport(report):
+    """Each failure as it happens, one line (the test and its error's first line), to the file
+    ``TORCHTPU_TESTS_FAILURES`` names: a run stopped at CI's time limit prints no summary, and
+    CI's tail shows this file instead (``.ci/run``)."""
+    path = os.environ.get("TORCHTPU_TESTS_FAILURES")
+    if not path or not report.failed or os.environ.get("PYTEST_XDIST_WORKER"):
+        return  # (a worker's reports reach the controller, which writes them)
+    crash = getattr(report.longrepr, "reprcrash", None)
+    message = crash.message if crash is not None else str(report.longrepr).strip()
+    first = (message.splitlines() or [""])[0][:200]
+    with open(path, "a") as f:
+        f.write(f"{'FAILED' if report.when == 'call' else 'ERROR'} {report.nodeid} - {first}\n")
+
+
 @pytest.hookimpl(optionalhook=True)  # venvs without pytest-xdist still load this file
 def pytest_xdist_auto_num_workers(config):
     cap = int(os.environ.get("TORCHTPU_TEST_WORKERS", "4"))
