@@ -127,6 +127,11 @@ def _compute_dtype(described: tuple) -> np.dtype:
     return dtypes.to_jax(described[1])
 
 
+def forget_plans(op: OpOverload) -> None:
+    """op's plans dropped (its results are described anew: ``dispatch.forget``)."""
+    op.__dict__.pop(_PLANS, None)
+
+
 def plan(op: OpOverload, lowering: Lowering, oi: schema.OpInfo, values: list,
          final: tuple | None = None, known_key: tuple | None = None) -> tuple:
     """(result shapes/dtypes, program spec) for one call, cached by its call key

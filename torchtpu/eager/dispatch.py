@@ -32,7 +32,14 @@ from torchtpu.eager import (
     seen_calls,
     seen_lists,
 )
-from torchtpu.eager.calls import compute, compute_unknown_shape, plan, run_seen, traced_arguments
+from torchtpu.eager.calls import (
+    compute,
+    compute_unknown_shape,
+    forget_plans,
+    plan,
+    run_seen,
+    traced_arguments,
+)
 from torchtpu.eager.lazy_casts import computed
 from torchtpu.lowering.registry import META_STRIDES, Lowering, lookup
 from torchtpu.runtime import platform
@@ -319,6 +326,14 @@ def handler(op: OpOverload):
             op, at_call.moving_cpu_indices(op, at_call.checked(op, _choose(op))))
         setattr(op, _HANDLER, handle)
     return handle
+
+
+def forget(op: OpOverload) -> None:
+    """Drop what was kept about op's calls: its handler (with the signatures it saw) and its
+    plans. Its fake kernel was registered again (``jax_op``'s ``register_fake``), which
+    describes its results anew (``meta.infer`` keys them by that kernel)."""
+    op.__dict__.pop(_HANDLER, None)
+    forget_plans(op)
 
 
 def _choose(op: OpOverload):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._library import custom_ops
 
 from torchtpu.device import dtypes
 from torchtpu.eager import facts, refusals, schema
@@ -201,6 +202,21 @@ def _holds_tensor(v) -> bool:
 
 
 _MISSING = object()
+# The attribute naming a fake kernel derived from the op's own function (``jax_op``'s
+# ``jax.eval_shape``): it describes the op as the function does, whatever is registered later.
+DERIVED_FAKE = "_torchtpu_derived_fake"
+
+
+def _registered_fake(op: OpOverload):
+    """A custom op's fake kernel, where its user registered one (``register_fake``): they may
+    register another, which describes the op's results anew, so it is part of the kept
+    descriptions' key (here, and the facts another process reads). None for PyTorch's own ops
+    and for a fake derived from the op's function, keyed by the op alone."""
+    if op.namespace == "aten":
+        return None
+    opdef = custom_ops.OPDEFS.get(op._schema.name)
+    fake = None if opdef is None else opdef._abstract_fn
+    return None if fake is None or getattr(fake, DERIVED_FAKE, False) else fake
 
 
 def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = frozenset(),
@@ -213,6 +229,9 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
         if known_key is None:
             known_key = call_key(oi, values, traced)
         key = (op, known_key, tuple(leaf_key(o) for o in outs))
+        fake = _registered_fake(op)
+        if fake is not None:
+            key += (fake,)
         hit = _meta_cache.get(key, _MISSING)
     except TypeError:  # something unhashable: do not cache
         key, hit = None, _MISSING

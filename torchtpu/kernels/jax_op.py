@@ -39,7 +39,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtpu import errors
 from torchtpu.device import dtypes
-from torchtpu.eager import dispatch
+from torchtpu.eager import dispatch, meta
 from torchtpu.kernels import donation, pallas_mode, signature
 from torchtpu.kernels.signature import Param, Signature
 from torchtpu.lowering.registry import lowers
@@ -73,6 +73,7 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True,
                                     schema=sig.schema())
     op = getattr(getattr(torch.ops, ns), opname).default
     opdef.register_fake(_fake(name, fn, sig))
+    _forgets_on_register_fake(opdef, op)
     lowers(op, donates=donated)(_lowering(name, op, fn, sig))
     lib = torch.library.Library(ns, "IMPL")
     lib.impl(opname, functools.partial(_kernel, name, op, donated), "PrivateUse1")
@@ -82,6 +83,21 @@ def define(name: str, fn: Callable, sig: Signature, differentiable: bool = True,
                           differentiable=False)
         _register_default_autograd(name, opdef, backward, sig, donated)
     return opdef
+
+
+def _forgets_on_register_fake(opdef: CustomOpDef, op) -> None:
+    """A fake kernel registered again describes op's results anew: what torchtpu kept of the
+    old one's descriptions (plans, remembered signatures) goes with it, or a call after it
+    would be described by the old kernel."""
+    register = opdef.register_fake
+
+    @functools.wraps(register)
+    def register_fake(fn, /, *args, **kwargs):
+        out = register(fn, *args, **kwargs)
+        dispatch.forget(op)
+        return out
+
+    opdef.register_fake = register_fake
 
 
 def _split(name: str) -> tuple[str, str]:
@@ -157,6 +173,7 @@ def _fake(name: str, fn: Callable, sig: Signature) -> Callable:
         return made[0] if sig.single and sig.returns[0] == "Tensor" else (
             made if sig.returns[0] == "Tensor[]" else tuple(made))
 
+    setattr(fake, meta.DERIVED_FAKE, True)
     return fake
 
 
