@@ -57,9 +57,9 @@ def test_seen_call_wraps_its_one_result_directly(monkeypatch):
     walked = [0]
     wrap = results.wrapped
 
-    def spy(arrays, d):
+    def spy(arrays, d, op=None):
         walked[0] += 1
-        return wrap(arrays, d)
+        return wrap(arrays, d, op)
 
     monkeypatch.setattr(results, "wrapped", spy)
     a, b = torch.randn(4, 3), torch.randn(3, 3) / 3
