@@ -20,16 +20,17 @@ from torchtpu.runtime.compile_cache import EntryStore
 
 @pytest.fixture
 def store(tmp_path):
-    """A fresh store JAX reads and writes for the test (the process's own put back after)."""
+    """A fresh store JAX reads and writes for the test (the process's own put back after: the
+    store it had before ``enable``, which makes another)."""
+    saved = jax_cache._cache, jax_cache._cache_initialized
     compile_cache.enable()  # (the guarded reads and writes; the test's store replaces its)
     compile_cache.flush()
-    saved = jax_cache._cache
     jax_cache._cache = fresh = EntryStore(tmp_path)
     try:
         yield fresh
     finally:
         compile_cache.flush()
-        jax_cache._cache = saved
+        jax_cache._cache, jax_cache._cache_initialized = saved
 
 
 def _program(scale: float):
