@@ -62,7 +62,10 @@ def test_grouped_mm_runs_as_one_program_without_reading_the_offsets():
     _close(out, torch._grouped_mm(a.cpu(), b.cpu(), offs=_offs(1, 7, 12)))
 
 
-def test_grouped_mm_gradients_equal_cpu():
+# Without size buckets: in the suite an earlier file's growing sizes padded this file's calls once,
+# and PyTorch's C++ backward then refused a padded operand's strides ("strides should be multiple
+# of 16 bytes"); a growing MoE loop's gradients are the open case (bench/RESULTS.md, session 38).
+def test_grouped_mm_gradients_equal_cpu(buckets_off):
     # The MoE forward (2D x 3D); its backward calls 2D x 3D for the input and 2D x 2D for the
     # expert weights, with the experts' token counts as offsets.
     a, b, offs = LAYOUTS["2d_3d"]()
