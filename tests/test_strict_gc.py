@@ -6,8 +6,11 @@ full collection, so a cycle that died meanwhile lives no longer than that; young
 spaced out while frozen, as in DeferAndFuse's freeze. Losses equal CPU's."""
 
 import gc
+import threading
 import weakref
 
+import jax
+import jax.numpy as jnp
 import pytest
 import torch
 
@@ -151,3 +154,17 @@ def test_a_program_made_counts_across_a_metrics_reset():
     torch.randn(3, 17).to("tpu").cumsum(0).cpu()  # a program no other test builds
     metrics.reset()
     assert metrics.programs_made() > before
+
+
+def test_a_program_made_by_torchtpus_background_thread_is_not_the_loops(loop):
+    # (Loading ahead and TPU targets compile on such threads: a steady loop stays frozen.)
+    def compile_on(name: str) -> int:
+        made = metrics.programs_made()
+        fn = jax.jit(lambda v, n=name: v * len(n) + 1)  # a new program each call
+        worker = threading.Thread(target=lambda: fn(jnp.ones(3)).block_until_ready(), name=name)
+        worker.start()
+        worker.join(60)
+        return metrics.programs_made() - made
+
+    assert compile_on(metrics.BACKGROUND_THREADS + "test") == 0
+    assert compile_on("a user's thread") == 1

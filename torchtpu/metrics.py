@@ -33,13 +33,21 @@ _CACHE_HIT = "/jax/compilation_cache/cache_hits"
 _CACHE_MISS = "/jax/compilation_cache/cache_misses"
 
 
+# torchtpu's own background threads are named so (loading ahead, the cache writer, TPU targets'
+# compiles): a program one of them makes is no sign that the user's loop changed.
+BACKGROUND_THREADS = "torchtpu-"
+
+
 def _on_duration(event: str, seconds: float, **_: object) -> None:
     name = _JAX_SECONDS.get(event)
     if name is None:
         return
+    background = threading.current_thread().name.startswith(BACKGROUND_THREADS)
     with _lock:
         if event == _BACKEND_COMPILE:
             _counters["programs_loaded"] += 1
+            if background:
+                _counters["programs_made_in_background"] += 1
         _seconds[name] += seconds
     stack = _phases()
     if stack:
@@ -137,10 +145,10 @@ count_execution = functools.partial(collections._count_elements, _counters, ("ex
 
 def programs_made() -> int:
     """Programs compiled or loaded so far in this process (by JAX's compile, by key, or
-    from JAX's persistent cache), ``reset`` or not: one that did not change over a step made
-    none."""
+    from JAX's persistent cache), ``reset`` or not, but those torchtpu's background threads made
+    (``BACKGROUND_THREADS``): one that did not change over a step made none."""
     return _made_before_reset[0] + _counters["programs_loaded"] + \
-        _counters["programs_loaded_by_key"]
+        _counters["programs_loaded_by_key"] - _counters["programs_made_in_background"]
 
 
 def count_fallback(op_name: str) -> None:
