@@ -203,3 +203,31 @@ def test_a_kept_meta_result_is_the_default_dtype_s(monkeypatch):
         assert meta.infer(op, values)[1] == torch.float64
     finally:
         torch.set_default_dtype(previous)
+
+
+def test_a_kept_meta_result_does_not_skip_cpus_dtype_check(monkeypatch):
+    """Another process's record may describe a call CPU refuses (stop 52's suite read one for
+    ``mm`` of bools and returned a product): the fact gives the shapes, CPU is still asked."""
+    import torch
+
+    from torchtpu.eager import facts, meta, refusals
+    from torchtpu.runtime import warm
+
+    kept = facts.Facts("meta results")
+    kept._exit_pid = os.getpid()  # (nothing written at exit)
+    monkeypatch.setattr(facts, "META", kept)
+    monkeypatch.setattr(warm, "cache_on", lambda: True)
+    monkeypatch.setattr(meta, "_meta_cache", {})
+    monkeypatch.setattr(refusals, "_accepted", set())
+    a, b = torch.ones(5, 10, dtype=torch.bool), torch.ones(10, 5, dtype=torch.bool)
+    values = [a.to("tpu"), b.to("tpu")]
+    op = torch.ops.aten.mm.default
+    key = (op, meta.call_key(meta.schema.info(op), values), ())
+    text = facts.text_of("meta", key, False)
+    kept._known = {text: facts._encode_meta(((5, 5), torch.bool))}
+    assert facts.meta_result(text) == ((5, 5), torch.bool)
+    with pytest.raises(NotImplementedError) as expected:
+        torch.mm(a, b)
+    with pytest.raises(NotImplementedError) as info:
+        torch.mm(*values).cpu()
+    assert str(info.value) == str(expected.value)

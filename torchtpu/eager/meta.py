@@ -238,12 +238,15 @@ def infer(op: OpOverload, values: list, outs: list = (), traced: frozenset = fro
     # None is a real result (in-place foreach ops return nothing), hence the sentinel.
     if hit is not _MISSING:
         return hit
-    # Another process's result for this key (it passed the refusals' check there: a refusal
-    # raises before a result is kept; the key holds the default dtype).
+    # Another process's result for this key (the key holds the default dtype). Its shapes are
+    # facts; whether CPU takes the dtypes is asked here all the same (once per signature): a
+    # record another process wrote is no proof that the refusals' check ran there (a mm of
+    # bools, kept by some earlier run, was taken in the suite where CPU refuses it).
     text = (facts.text_of("meta", key, strides)
             if key is not None and warm.cache_on() else None)
     hit = facts.meta_result(text)
     if hit is not facts.MISSING:
+        refusals.check(op, values, outs, traced)
         bounded_put(_meta_cache, key, hit)
         return hit
     args = [to_meta(v) for v in values]
