@@ -9,7 +9,6 @@ import torch.nn.functional as F
 
 import torchtpu
 from torchtpu.device import asserts
-from torchtpu.eager import at_call
 
 W = torch.randn(10, 4)
 
@@ -17,7 +16,7 @@ W = torch.randn(10, 4)
 @pytest.fixture
 def on_device(monkeypatch):
     """Strict as on a TPU: every check of data runs on the device."""
-    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: True)
+    monkeypatch.setattr(asserts, "_host_reads_stall", lambda: True)
 
 
 BAD = {

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import torchtpu
-from torchtpu.eager import at_call, defer
+from torchtpu.device import asserts
+from torchtpu.eager import defer
 from torchtpu.testing.compare import assert_same
 
 MODES = [torch.tpu.EagerMode.DEFER_NEVER, torch.tpu.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING,
@@ -167,7 +168,7 @@ def _internal_frames(error: BaseException) -> list:
 def test_bad_index_raises_as_on_cpu_at_user_line(fn, mode, stall, monkeypatch):
     # as-on-a-tpu: index values cannot be read at the call without stalling the device, so
     # the check runs there; Debug still raises at the call, Strict at the next host read.
-    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: stall)
+    monkeypatch.setattr(asserts, "_host_reads_stall", lambda: stall)
     t = torch.randn(2, 3)
     with pytest.raises(Exception) as expected:
         fn(t)

@@ -206,7 +206,7 @@ def test_another_thread_records_while_the_owner_makes_its_optimizer_state():
     the thread), and a thread whose forward was pending ran its backward's calls on pending
     values through Strict's programs:
     ``ValueError: Triggering __jax_array__() during abstractification``."""
-    from torchtpu.eager import executor
+    from torchtpu.device import ownership
 
     worker_cpu, owner_cpu = _mlp(1), _mlp(0)
     worker_tpu, owner_tpu = _mlp(1).to("tpu"), _mlp(0).to("tpu")
@@ -235,7 +235,7 @@ def test_another_thread_records_while_the_owner_makes_its_optimizer_state():
         def init_group(*args, **kwargs):  # the worker's whole training while it runs
             finished.wait(120)
             out = make(*args, **kwargs)
-            made.extend(executor.is_materialized(s["exp_avg"]) for s in opt.state.values())
+            made.extend(ownership.is_materialized(s["exp_avg"]) for s in opt.state.values())
             return out
 
         opt._init_group = init_group  # (``adopt`` wraps it)

@@ -12,7 +12,8 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
-from torchtpu.eager import at_call, refusals
+from torchtpu.device import asserts
+from torchtpu.eager import refusals
 from torchtpu.testing import refusals as sweep
 
 MODES = list(torch.tpu.EagerMode)
@@ -138,7 +139,7 @@ def test_stand_ins_refused_for_their_shapes_do_not_refuse_the_call():
 
 def test_target_out_of_bounds_at_the_next_host_read_on_a_tpu(monkeypatch):
     # Strict as on a TPU: the targets are not read at the call; the device checks them.
-    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: True)
+    monkeypatch.setattr(asserts, "_host_reads_stall", lambda: True)
     x, t = torch.ones(2, 3, device="tpu"), torch.tensor([0, 3], device="tpu")
     loss = F.cross_entropy(x, t)
     with pytest.raises(IndexError, match="Target 3 is out of bounds.") as info:
@@ -171,7 +172,7 @@ def test_defer_and_fuse_checks_a_view_of_targets_without_running_the_recording()
 def test_values_checked_on_the_device_raise_at_the_next_host_read(case, mode, monkeypatch):
     # As on a TPU: Strict and DeferAndFuse leave the values to the device; the error comes at
     # the next host read, of CPU's type, with the op and (in a note) the call's line.
-    monkeypatch.setattr(at_call, "_host_reads_stall", lambda: True)
+    monkeypatch.setattr(asserts, "_host_reads_stall", lambda: True)
     expected = _cpu_error(case)
     with torch.tpu.set_eager_mode(mode):
         with pytest.raises(type(expected)) as info:

@@ -5,7 +5,8 @@ need the full path (results equal CPU's)."""
 import pytest
 import torch
 
-from torchtpu.eager import executor, seen_calls
+from torchtpu.device import ownership
+from torchtpu.eager import seen_calls
 
 
 @pytest.fixture
@@ -256,7 +257,7 @@ def test_a_remembered_call_runs_in_the_mode_current_at_each_call(short_paths, mo
     with torch.tpu.set_eager_mode(torch.tpu.EagerMode.DEFER_AND_FUSE):
         u = t / t
         v = u + 1
-        assert not executor.is_materialized(u)  # recorded, not run
+        assert not ownership.is_materialized(u)  # recorded, not run
         torch.testing.assert_close(v.cpu(), torch.tensor([2.0, float("nan")]), equal_nan=True)
     # (at least: earlier tests in the process may have remembered these calls too)
     assert short_paths[0] >= before + 2

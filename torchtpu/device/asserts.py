@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchtpu.device import launch, ownership
+from torchtpu.device.hooks import HOOKS
+from torchtpu.runtime import platform
 
 # A program that never reads to the host would let flags pile up: past this many, those already
 # computed are merged into one on the device (``_merged``), which reads nothing back: reading
@@ -32,6 +34,19 @@ MAX_PENDING = 64
 # ``[bad, value, which, count]``; parts the (error(value), where) of each check it stands for,
 # ``which`` the failed one's index among them.
 _pending: list = []
+
+
+def _host_reads_stall() -> bool:
+    # On the CPU platform a computed value is host memory already; on a TPU or GPU reading it
+    # waits for the device, so checks of data run there instead.
+    return platform.platform() != "cpu"
+
+
+def host_reads_stall() -> bool:
+    """Whether reading a computed value to the host waits for the device (not on XLA:CPU), or
+    is to be treated so (``HOOKS.host_reads_stall``): then checks of data run on the device."""
+    told = HOOKS.host_reads_stall
+    return _host_reads_stall() if told is None else told
 
 
 def add(flags, error: Callable[[int], Exception], where: str) -> None:

@@ -52,6 +52,12 @@ class Consumed(Deferred):
             "before reading it again"))
 
 
+def is_materialized(t: torch.Tensor) -> bool:
+    """Whether device tensor t's value exists on the device rather than pending in a recording."""
+    array = t.untyped_storage()._tpu_array
+    return not (isinstance(array, Deferred) and array.resolve() is array)
+
+
 def consume(t: torch.Tensor, by: str) -> None:
     """Give up t's storage buffer (donated to ``by``): every tensor on the storage reads as an
     error (``Consumed``) until the storage is written whole."""

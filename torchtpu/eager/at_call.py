@@ -16,36 +16,22 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.device import asserts, dtypes, tensors
+from torchtpu.device import asserts, dtypes, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor, schema
 from torchtpu.lowering import checks
-from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
 
 
 @functools.cache
-def _host_reads_stall() -> bool:
-    # On the CPU platform a computed value is host memory already; on a TPU or GPU reading it
-    # waits for the device, so checks of data run there instead (``device/asserts.py``).
-    return platform.platform() != "cpu"
-
-
-def host_reads_stall() -> bool:
-    """Whether reading a computed value to the host waits for the device (not on XLA:CPU), or
-    is to be treated so (``HOOKS.host_reads_stall``)."""
-    told = HOOKS.host_reads_stall
-    return _host_reads_stall() if told is None else told
-
-
 def _host_values(t: torch.Tensor):
     if t.is_cpu:  # a CPU scalar, or an operand the op refuses for its device afterwards
         return t.detach().numpy()
     # Inside a capture the values are the capture's, not a replay's, and a view of them would
     # be read through the recording (a host read there): the check goes to the device, which
     # skips it in a capture (see _check_on_device).
-    if HOOKS.capture is not None or host_reads_stall():
+    if HOOKS.capture is not None or asserts.host_reads_stall():
         return None
     # A padded value (``compile/padded_values.py``) gives its real elements without being cut
     # into its storage, which would undo its padding for the op this check guards.
@@ -54,7 +40,7 @@ def _host_values(t: torch.Tensor):
     host_view = getattr(type(array), "host_view", None)
     if host_view is not None:
         return host_view(array, t)
-    if not executor.is_materialized(t):
+    if not ownership.is_materialized(t):
         return None
     if HOOKS.deferrer is not None and not tensors.reads_whole(t):
         # DeferAndFuse records a view's read: reading it would run the recording here, in the

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from torchtpu import metrics
-from torchtpu.device import launch, ownership
+from torchtpu.device import launch
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
 from torchtpu.eager.program import Spec, cast_outputs, held, one_pointwise_input, rebuild
@@ -213,8 +213,3 @@ def flush() -> None:
     """Run whatever the current executor holds pending (nothing, for Strict and Debug)."""
     current().flush()
 
-
-def is_materialized(t) -> bool:
-    """Whether device tensor t's value exists on the device rather than pending in a recording."""
-    array = t.untyped_storage()._tpu_array
-    return not (isinstance(array, ownership.Deferred) and array.resolve() is array)

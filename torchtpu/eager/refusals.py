@@ -35,9 +35,9 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from torchtpu import errors
-from torchtpu.device import asserts
+from torchtpu.device import asserts, ownership
 from torchtpu.device.hooks import HOOKS
-from torchtpu.eager import at_call, executor, fallback, schema
+from torchtpu.eager import fallback, schema
 from torchtpu.lowering.registry import SAVED_STATISTICS
 
 OpOverload = torch._ops.OpOverload
@@ -226,9 +226,9 @@ def _on_its_values(op: OpOverload, values: list, outs: list, tensors: list):
     """CPU's error for the call on copies of its inputs, None when it takes it; False when they
     cannot be read now: not for free (a capture, pending in a recording, on a TPU, too large),
     or not without raising a device check still pending (which would be lost)."""
-    if (HOOKS.capture is not None or at_call.host_reads_stall() or asserts.pending()
+    if (HOOKS.capture is not None or asserts.host_reads_stall() or asserts.pending()
             or sum(t.numel() for t in tensors) > LARGE
-            or not all(executor.is_materialized(t) for t in tensors)):
+            or not all(ownership.is_materialized(t) for t in tensors)):
         return False
     oi = schema.info(op)
     args, kwargs = schema.unbind(oi, list(values))

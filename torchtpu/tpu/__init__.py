@@ -17,6 +17,7 @@ import torch
 
 from torchtpu.device import asserts as _asserts
 from torchtpu.device import memory as _memory
+from torchtpu.device import ownership as _ownership
 from torchtpu.device.control import (
     DeviceProperties,
     Precision,
@@ -84,7 +85,7 @@ def synchronize(device=None, wait: bool = True) -> None:
 
 def is_materialized(t: torch.Tensor) -> bool:
     """Whether t's value exists on the device (False while DeferAndFuse holds it pending)."""
-    return _executor.is_materialized(t)
+    return _ownership.is_materialized(t)
 
 
 def pending_hlo() -> str:
