@@ -20,7 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-_EXIT_S = 30.0  # seconds a rank that reported may take to exit
+_EXIT_S = 60.0  # seconds a rank that reported may take to exit (30 killed one at load 6)
 
 
 def free_port() -> int:
