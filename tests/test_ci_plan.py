@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ("heavy", "vllm", "verl", "sglang")
+STAGES = ("heavy", "vllm", "vllm-engine", "vllm-decode", "verl", "sglang")
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="git is not installed")
 
@@ -70,7 +70,8 @@ def test_at_most_the_cap_runs_the_longest_owed_first_and_the_rest_are_named_owed
     path, first = repo
     _commit(path, "tests/test_verl.py", "x = 1\n")
     later = _commit(path, "tests/test_titan.py", "x = 1\n")
-    _landed(path, heavy=first, verl=later, vllm=first, sglang=first)
+    halves = {"vllm-engine": first, "vllm-decode": first}
+    _landed(path, heavy=first, verl=later, vllm=first, sglang=first, **halves)
     _commit(path, "tests/test_verl.py", "x = 2\n")
     plan = _plan(path)  # heavy owes since first, verl since later: heavy runs
     assert plan["heavy"].startswith("run (tests/test_titan.py changed"), plan
@@ -82,7 +83,8 @@ def test_at_most_the_cap_runs_the_longest_owed_first_and_the_rest_are_named_owed
 
 def test_a_stage_without_a_green_run_is_owed_and_with_none_owed_the_turn_runs(repo):
     path, first = repo
-    _landed(path, heavy=first, vllm=first, verl=first)
+    _landed(path, heavy=first, vllm=first, verl=first, **{"vllm-engine": first,
+                                                          "vllm-decode": first})
     plan = _plan(path)
     assert plan["sglang"].startswith("run (no green run of it"), plan
     _landed(path, **dict.fromkeys(STAGES, first))

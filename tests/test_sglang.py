@@ -12,10 +12,10 @@ import os
 import subprocess
 import sys
 
+import no_sockets
 import pytest
+from test_vllm import PROMPTS, _hf_greedy
 
-from tests import no_sockets
-from tests.test_vllm import PROMPTS, _hf_greedy
 from torchtpu.integrations import sglang as plugin
 from torchtpu.integrations.sglang import install
 

@@ -51,7 +51,8 @@ def test_prefill_and_decode_instances_behind_the_router_give_one_instances_token
     pytest.importorskip("vllm", reason="vLLM is not installed: "
                         "python -m torchtpu.integrations.vllm.install")
     pytest.importorskip("vllm_router", reason=f"pip install {routing.ROUTER_PIN}")
-    from tests.test_vllm_routing import _refused
+    from test_vllm_routing import _refused
+
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
     model = str(save_tiny_model(tmp_path / "llama", "llama"))

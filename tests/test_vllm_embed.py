@@ -11,8 +11,7 @@ import json
 
 import pytest
 import torch
-
-from tests.test_vllm_features import run_engine
+from test_vllm_features import run_engine
 
 _EMBED = r"""
 import json, sys

@@ -195,7 +195,7 @@ def test_ngram_speculation_keeps_the_greedy_tokens(tiny_llama):
 def check_speculation(model: str, spec: dict, name: str) -> None:
     """model's greedy tokens under speculative_config=spec equal HF's, and some drafts were
     accepted and some rejected (both branches ran); the acceptance rate is printed."""
-    from tests.test_vllm import _hf_greedy
+    from test_vllm import _hf_greedy
 
     proc, got = _engine(model, SPEC_PROMPTS, {"speculative_config": spec}, 24)
     assert got, proc.stderr[-4000:]

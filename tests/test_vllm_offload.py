@@ -13,8 +13,7 @@ import json
 
 import numpy as np
 import pytest
-
-from tests.test_vllm_features import run_engine
+from test_vllm_features import run_engine
 
 _ENGINE = r"""
 import json, sys

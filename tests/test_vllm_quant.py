@@ -118,14 +118,18 @@ def test_fp8_is_served_and_other_methods_are_refused_by_name():
     _vllm()
     from types import SimpleNamespace as ns
 
-    from tests.test_vllm_features import _config
+    from test_vllm_features import _config
+
     from torchtpu.integrations.vllm.platform import TpuPlatform
 
+    def model(method):  # no tokenizer to look for: the quantization check is the point
+        return ns(quantization=method, skip_tokenizer_init=True)
+
     for method in ("fp8", "fp8_per_tensor"):
-        TpuPlatform.check_and_update_config(_config(model_config=ns(quantization=method)))
+        TpuPlatform.check_and_update_config(_config(model_config=model(method)))
     with pytest.raises(NotImplementedError, match="quantization method 'awq'.*instead, use "
                                                   "quantization='fp8'"):
-        TpuPlatform.check_and_update_config(_config(model_config=ns(quantization="awq")))
+        TpuPlatform.check_and_update_config(_config(model_config=model("awq")))
 
 
 _ENGINE = r"""

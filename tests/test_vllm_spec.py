@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from tests.test_vllm_features import _cpu_kernels
+from test_vllm_features import _cpu_kernels
 
 
 def _tpu(*tensors):
@@ -102,7 +101,8 @@ def test_draft_model_speculation_keeps_the_greedy_tokens(tmp_path):
     """A 1-layer draft cut from the 2-layer tiny Llama proposes 3 tokens a step: the target's
     greedy tokens are HF's (= no speculation, tests/test_vllm.py), some drafts accepted."""
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    from tests.test_vllm_features import check_speculation
+    from test_vllm_features import check_speculation
+
     from torchtpu.integrations.vllm.draft import save_draft_model
     from torchtpu.integrations.vllm.tiny import save_tiny_model
 
