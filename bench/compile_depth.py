@@ -39,6 +39,8 @@ import time
 import torch
 import torch.nn.functional as F
 
+from torchtpu.testing import hf_rows
+
 _spec = importlib.util.spec_from_file_location(
     "bench_registry", os.path.join(os.path.dirname(os.path.abspath(__file__)), "registry.py"))
 registry = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # (dataclasses)
@@ -51,14 +53,14 @@ _DYNAMO_TOTAL, _BACKEND = "_compile.compile_inner", "OutputGraph.call_user_compi
 
 def _batches(n: int) -> list:
     gen = torch.Generator().manual_seed(0)
-    draw = registry.tokens(registry.HF_VOCAB, registry.HF_SEQ, registry.HF_BATCH)
+    draw = hf_rows.tokens(hf_rows.HF_VOCAB, hf_rows.HF_SEQ, hf_rows.HF_BATCH)
     return [draw(gen) for _ in range(n)]
 
 
 def _torch_steps(form: str, depth: int, batches: list) -> list:
     import torchtpu
 
-    model = registry.hf("llama-3.2", num_hidden_layers=depth)().to("tpu")
+    model = hf_rows.hf("llama-3.2", num_hidden_layers=depth)().to("tpu")
     if form == "scan":
         torchtpu.scan_layers.patch(model)
 
@@ -83,7 +85,7 @@ def _jax_steps(form: str, depth: int, batches: list) -> list:
     import jax
     import jax.numpy as jnp
 
-    params, loss = registry.jm.port(registry.hf("llama-3.2", num_hidden_layers=depth)(),
+    params, loss = registry.jm.port(hf_rows.hf("llama-3.2", num_hidden_layers=depth)(),
                                     scan=form == "jax-scan")
     grad = jax.jit(jax.value_and_grad(loss))
     data = [(jnp.asarray(x.numpy()), jnp.asarray(y.numpy())) for x, y in batches]
@@ -136,7 +138,7 @@ def main() -> None:
     # Depth-major: each depth's forms run close together in time, under the same load.
     results = {(f, d): _fresh_process(f, d, args.steps) for d in args.depths for f in args.forms}
     after = open("/proc/loadavg").read().split()[0]
-    print(f"Llama-3.2 row (hidden 64, seq {registry.HF_SEQ}, batch {registry.HF_BATCH}), "
+    print(f"Llama-3.2 row (hidden 64, seq {hf_rows.HF_SEQ}, batch {hf_rows.HF_BATCH}), "
           f"loss + gradients; 1-minute load {before} -> {after}")
     print("| form | layers | compile s | Dynamo s | backend s | step ms | loss |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -2,7 +2,7 @@
 ``clip_grad_norm_`` and AdamW (``bench/on_tpu_llama.py --modes model``), one steady step's Python
 calls on the main thread and on autograd's (the compiled backward's), its program executions and
 host transfers (``torchtpu.metrics``), and the main thread's CPU. Deterministic but the CPU; run it
-in two trees to compare them (bench/RESULTS.md, model2):
+in two trees to compare them (bench/results-log.md, model2):
 
     PYTHONPATH=$PWD python bench/model_host.py [--layers 12] [--steps 3] [--top 20]
 """

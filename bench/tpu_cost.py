@@ -49,6 +49,7 @@ import torch
 
 import torchtpu.aot as aot
 from torchtpu.runtime import tpu_target
+from torchtpu.testing import hf_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile import bench_module  # noqa: E402 (bench/ is no package; its scripts run by path)
@@ -106,7 +107,7 @@ def torchtpu_row(name: str, kind: str, mode: str, topology: str) -> dict:
 def _port(name: str):
     if name == "tinygpt":
         return cb._jax_params(cb._model()), cb._jax_loss
-    return jm.port(reg.hf(name)())
+    return jm.port(hf_rows.hf(name)())
 
 
 def jax_row(name: str, kind: str, topology: str) -> dict:

@@ -9,6 +9,7 @@ import sys
 import pytest
 import torch
 
+from torchtpu.testing.hf_rows import HF_VOCAB, hf, tokens
 from torchtpu.testing.models import TinyGPT
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "registry.py")
@@ -25,7 +26,7 @@ def _tiny() -> TinyGPT:
     return TinyGPT(64, 8, n_layer=1, n_head=2, n_embd=16)
 
 
-TINY = registry.Model("tiny", _tiny, registry.tokens(64, 8, 2), lambda m, x, y: m(x, y)[1])
+TINY = registry.Model("tiny", _tiny, tokens(64, 8, 2), lambda m, x, y: m(x, y)[1])
 
 
 def test_one_row_matches_cpu_and_reports_its_figures():
@@ -57,12 +58,12 @@ def test_unknown_names_are_refused():
 ])
 def test_jax_port_loss_equals_torch_cpu(name, overrides):
     jax = pytest.importorskip("jax")
-    model = registry.hf(name, hidden_size=32, intermediate_size=48, **overrides)()
+    model = hf(name, hidden_size=32, intermediate_size=48, **overrides)()
     gen = torch.Generator().manual_seed(2)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-    x, y = registry.tokens(registry.HF_VOCAB, 8, 2)(gen)
+    x, y = tokens(HF_VOCAB, 8, 2)(gen)
     x[0, :3] = 0  # Gemma's padding_idx
     with torch.no_grad():
         expected = registry.hf_loss(model, x, y).item()

@@ -5,15 +5,13 @@ memory analysis of the compiled program), with CPU's loss and gradients; so does
 graphs, whose recomputed random ops draw what the forward drew."""
 
 import copy
-import importlib.util
-import os
-import sys
 
 import pytest
 import torch
 from torch.utils import checkpoint as ckpt
 
 from torchtpu import metrics
+from torchtpu.testing import checkpoint_memory
 from torchtpu.testing.program_memory import temp_bytes
 
 
@@ -74,17 +72,10 @@ def test_checkpointing_cuts_the_captured_steps_temporaries(form):
 
 
 # The Llama step of bench/checkpoint_memory.py (the registry's Llama-3.2 row), at 2 layers.
-_BENCH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "checkpoint_memory.py")
-
-
 @pytest.fixture(scope="module")
-def llama_bench():
+def cpu_grads():
     pytest.importorskip("transformers")
-    spec = importlib.util.spec_from_file_location("bench_checkpoint_memory", _BENCH)
-    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # (Dynamo imports it)
-    spec.loader.exec_module(bench)
-    bench.grads = bench.cpu_gradients(2)
-    return bench
+    return checkpoint_memory.cpu_gradients(2)
 
 
 @pytest.mark.parametrize(("path", "form"), [
@@ -94,10 +85,10 @@ def llama_bench():
     pytest.param("whole_step", "non_reentrant", marks=pytest.mark.full),
     pytest.param("dynamo", "selective", marks=pytest.mark.full),
 ])
-def test_a_checkpointed_llama_step_keeps_less_with_cpus_gradients(llama_bench, path, form):
+def test_a_checkpointed_llama_step_keeps_less_with_cpus_gradients(cpu_grads, path, form):
     before = metrics.snapshot()["cpu_fallbacks"]
-    plain, plain_diff = llama_bench.measure(path, "none", 2, llama_bench.grads)
-    kept, diff = llama_bench.measure(path, form, 2, llama_bench.grads)
+    plain, plain_diff = checkpoint_memory.measure(path, "none", 2, cpu_grads)
+    kept, diff = checkpoint_memory.measure(path, form, 2, cpu_grads)
     assert metrics.snapshot()["cpu_fallbacks"] == before
     assert max(plain_diff, diff) < 1e-5, (plain_diff, diff)
     share = SELECTIVE_SHARE if form == "selective" else LLAMA_SHARE[path]

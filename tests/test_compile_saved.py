@@ -98,7 +98,7 @@ def test_a_compiled_model_step_waits_for_nothing_and_launches_at_most_five_progr
     # The host's share, counted: a steady step's Python calls on this thread (Dynamo's guards,
     # the forward's launch, the clip and AdamW's recording): 2,173 at model3 (2,420 before it;
     # 2,659 at b9849e1, 3,966 at session 32's tree 4c05630: bench/model_host.py; bench/
-    # RESULTS.md, model2). The bound is ~11% above today's, so a per-parameter path coming
+    # results-log.md, model2). The bound is ~11% above today's, so a per-parameter path coming
     # back fails here.
     calls = [0]
 

@@ -18,6 +18,7 @@ import torch
 from torch.export import Dim
 
 import torchtpu.export as tx
+from torchtpu.testing import hf_rows
 from torchtpu.testing.models import TinyGPT
 
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
@@ -274,16 +275,19 @@ class _Logits(torch.nn.Module):
 
 def _hf_rows() -> dict:
     """name -> (builder, vocab, the sequence's maximum): the registry's and the suite's."""
-    sys.path.insert(0, str(ROOT / "bench"))
     sys.path.insert(0, str(ROOT / "tests"))
-    import registry
     import test_hf_models
-    rows = {name: (registry.hf(name), registry.HF_VOCAB, 64) for name in registry.HF_CONFIGS}
+    rows = {name: (hf_rows.hf(name), hf_rows.HF_VOCAB, 64) for name in hf_rows.HF_CONFIGS}
     rows.update({f"hf-{name}": (build, test_hf_models.VOCAB, 64)
                  for name, build in test_hf_models.MODELS.items()})
-    tinygpt = registry.MODELS["tinygpt"]
-    rows["tinygpt"] = (tinygpt.build, registry.cb.VOCAB, registry.cb.BLOCK)
+    rows["tinygpt"] = (_registry_tinygpt, 96, 32)
     return rows
+
+
+def _registry_tinygpt() -> TinyGPT:
+    """The benchmark registry's TinyGPT row (bench/compile.py's: vocab 96, 32 tokens)."""
+    torch.manual_seed(0)
+    return TinyGPT(96, 32, n_layer=2, n_head=2, n_embd=64)
 
 
 # torch.export's own run_decompositions (its default table too) fails on GPT-2's Conv1D

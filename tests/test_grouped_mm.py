@@ -64,7 +64,8 @@ def test_grouped_mm_runs_as_one_program_without_reading_the_offsets():
 
 # Without size buckets: in the suite an earlier file's growing sizes padded this file's calls once,
 # and PyTorch's C++ backward then refused a padded operand's strides ("strides should be multiple
-# of 16 bytes"); a growing MoE loop's gradients are the open case (bench/RESULTS.md, session 38).
+# of 16 bytes"); a growing MoE loop's gradients are the open case
+# (bench/results-log.md, session 38).
 def test_grouped_mm_gradients_equal_cpu(buckets_off):
     # The MoE forward (2D x 3D); its backward calls 2D x 3D for the input and 2D x 2D for the
     # expert weights, with the experts' token counts as offsets.

@@ -48,6 +48,7 @@ OP_NAMING_EXCEPTIONS = {
     "compile/eager_buckets.py": "routes aten.cat calls to the growing-cat kernel (padded_cat.py)",
     "eager/sdpa_routing.py": "routes scaled_dot_product_attention to the fused overload",
     "distributed/dtensor_sdpa.py": "DTensor's sharding strategy for the fused attention ops",
+    "testing/checkpoint_memory.py": "selective checkpointing's policy saves aten.mm's outputs",
 }
 # Every way up is a field of the one interface, ``device/hooks.py``'s HOOKS: no module writes
 # another module's attributes.

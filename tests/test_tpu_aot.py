@@ -87,20 +87,13 @@ def test_aot_bad_input_exits_2_without_a_traceback(tmp_path, args, message):
     assert "Traceback" not in run.stderr
 
 
-# The registry's Llama-3.2 row (bench/registry.py) with its loss: the output is the batch mean.
-_LLAMA = f"""\
-    import importlib.util
-    import sys
-
+# The benchmark registry's Llama-3.2 row with its loss: the output is the batch mean.
+_LLAMA = """\
     import torch
     import torch.nn.functional as F
     from torch import nn
 
-    spec = importlib.util.spec_from_file_location(
-        "bench_registry", {os.path.join(os.path.dirname(__file__), "..", "bench", "registry.py")!r})
-    registry = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = registry  # its dataclasses look their module up
-    spec.loader.exec_module(registry)
+    from torchtpu.testing import hf_rows
 
 
     class CausalLM(nn.Module):
@@ -113,8 +106,8 @@ _LLAMA = f"""\
 
 
     def make():
-        lm = CausalLM(registry.hf("llama-3.2")())
-        draw = registry.tokens(registry.HF_VOCAB, registry.HF_SEQ, registry.HF_BATCH)
+        lm = CausalLM(hf_rows.hf("llama-3.2")())
+        draw = hf_rows.tokens(hf_rows.HF_VOCAB, hf_rows.HF_SEQ, hf_rows.HF_BATCH)
         return lm, draw(torch.Generator().manual_seed(0))
 """
 

@@ -347,7 +347,7 @@ def test_a_sliced_prefetch_program_is_timed_by_its_twin_without_it(wide, monkeyp
     for the program; the twin compiled without sliced prefetching has one. With an int64 cumsum
     beside it, the twin is also narrowed (its reduce_window padding stays i64), and no narrowed
     twin with sliced prefetches is compiled first: it has no time either, and libtpu spent over
-    10 minutes on the one of a 2-block Llama's compiled forward (bench/RESULTS.md, model3)."""
+    10 minutes on the one of a 2-block Llama's compiled forward (bench/results-log.md, model3)."""
     import jax
     import jax.numpy as jnp
 
