@@ -17,10 +17,6 @@ KNOWN_LOCAL_CIRCLES = [
     {"runtime.cache_policy", "runtime.compile_cache", "runtime.dump", "runtime.notices",
      "runtime.platform", "runtime.tpu_hook", "runtime.tpu_target", "runtime.warm",
      "runtime.warm_keys"},
-    {"device.storage", "device.tensors"},
-    {"tools.aot", "tools.aot_sharded"},
-    {"tools.diagnose", "tools.onboard"},
-    {"testing.errors", "testing.opinfo"},
 ]
 
 

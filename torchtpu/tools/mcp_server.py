@@ -19,6 +19,7 @@ from pathlib import Path
 
 from torchtpu import metrics as _metrics
 from torchtpu.tools import aot as _aot
+from torchtpu.tools import diagnose as _diagnose
 from torchtpu.tools import docs_search as _docs
 from torchtpu.tools import doctor as _doctor
 from torchtpu.tools import onboard as _onboard
@@ -49,7 +50,7 @@ def _onboard_target(target, backward, modes, atol, rtol) -> dict:
 
 def _diagnose_target(target, backward, profile) -> dict:
     model, inputs = load(target)
-    return _onboard.diagnose_model(model, inputs, backward, profile).to_dict()
+    return _diagnose.step_of_model(model, inputs, backward, profile).to_dict()
 
 
 def _triage_log(path: str | None, text: str | None) -> dict:
