@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 SIZES = (("16 B", 4), ("1 MB", 1 << 18), ("64 MB", 1 << 24))  # float32 elements
 

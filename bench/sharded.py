@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 VOCAB, BLOCK = 128, 64
 # The sharded whole step's program with each collective replaced by local work on the same

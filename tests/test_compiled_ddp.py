@@ -20,7 +20,7 @@ Program and collective counts are deltas around one steady step."""
 import torch
 from torch import nn
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 from torchtpu.testing.models import sgd_full_batch
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}

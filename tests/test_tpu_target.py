@@ -477,7 +477,7 @@ def _all_reduce_on_target(rank, world):
 def test_xla_collectives_across_processes_compile_over_the_targets_chips(tmp_path):
     """A collective program spans the world's processes: each rank compiles it for the target
     as one SPMD program over as many chips as there are ranks, its other programs on one."""
-    from torchtpu.testing.distributed import run
+    from torchtpu.distributed.spawn import run
 
     results = run(_all_reduce_on_target, 2, timeout=600,
                   env={"TORCHTPU_DIST_TRANSPORT": "xla", tpu_target.ENV: "",

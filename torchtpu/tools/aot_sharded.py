@@ -35,6 +35,7 @@ import sys
 import torch
 from torch import nn
 
+from torchtpu.distributed.spawn import run
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import aot_step
 from torchtpu.tools.target import ToolError, load
@@ -148,7 +149,6 @@ def report(model: nn.Module, inputs: tuple, *, target: tpu_target.Target, step: 
            world: int, tp: int, warmup: int, script: str | None):
     """The sharded step's ``AotReport`` (the caller checked the names, the chips and the model
     on CPU)."""
-    from torchtpu.testing.distributed import run
 
     if tp < 1 or world % tp:
         raise ToolError(f"--tp {tp} does not divide --world {world}: the ranks form a "
