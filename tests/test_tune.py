@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
+from torchtpu.commands import ToolError
 from torchtpu.tools import aot, aot_step
 from torchtpu.tools import tune as tuner
-from torchtpu.tools.target import ToolError
 
 _SCRIPT = """
 import torch

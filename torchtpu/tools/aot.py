@@ -31,11 +31,12 @@ import json
 import torch
 from torch.utils._pytree import tree_map
 
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import aot_sharded, render
 from torchtpu.tools.aot_step import AotReport, findings, measure, to_tpu
-from torchtpu.tools.target import ToolError, check, describe, load, loss_of
-from torchtpu.tools.target import main as tool_main
+from torchtpu.tools.target import check, load, loss_of
 
 MODES = ("strict", "defer", "compile", "captured")
 STEPS = ("forward", "train")

@@ -35,10 +35,11 @@ import sys
 import torch
 from torch import nn
 
+from torchtpu.commands import ToolError
 from torchtpu.distributed.spawn import run
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import aot_step
-from torchtpu.tools.target import ToolError, load
+from torchtpu.tools.target import load
 
 TIMEOUT_SECONDS = 1800.0  # every rank's host steps and TPU compiles, on a loaded machine
 _STYLES = ("colwise", "rowwise")

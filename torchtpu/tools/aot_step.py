@@ -17,9 +17,10 @@ from dataclasses import asdict, dataclass, field
 import jax
 import torch
 
+from torchtpu.commands import ToolError, describe
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import lanes
-from torchtpu.tools.target import ToolError, describe, loss_of
+from torchtpu.tools.target import loss_of
 
 _EAGER = {"strict": "DEFER_NEVER", "defer": "DEFER_AND_FUSE"}
 

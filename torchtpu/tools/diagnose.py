@@ -42,9 +42,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from torchtpu.commands import ToolError
+from torchtpu.commands import main as tool_main
 from torchtpu.tools import lanes, model_step, render, trace, triage
-from torchtpu.tools.target import ToolError, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.tools.target import load
 from torchtpu.tools.watch import Watch
 
 

@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 from torchtpu import metrics as _metrics
+from torchtpu.commands import ToolError, describe
 from torchtpu.tools import aot as _aot
 from torchtpu.tools import diagnose as _diagnose
 from torchtpu.tools import docs_search as _docs
@@ -27,7 +28,7 @@ from torchtpu.tools import plan as _plan
 from torchtpu.tools import trace as _trace
 from torchtpu.tools import triage as _triage
 from torchtpu.tools import tune as _tune
-from torchtpu.tools.target import ToolError, describe, load
+from torchtpu.tools.target import load
 
 SKILL = Path(__file__).with_name("SKILL.md")
 

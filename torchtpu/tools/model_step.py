@@ -11,7 +11,7 @@ import os
 import torch
 from torch.utils._pytree import tree_leaves
 
-from torchtpu.tools.target import ToolError
+from torchtpu.commands import ToolError
 
 
 def backward_loss(out) -> torch.Tensor:

@@ -28,9 +28,10 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torchtpu import metrics
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
 from torchtpu.tools import diagnose, model_step, render
-from torchtpu.tools.target import ToolError, check, describe, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.tools.target import check, load
 from torchtpu.tools.watch import Watch
 
 MODES = ("strict", "debug", "defer_and_fuse", "compile")

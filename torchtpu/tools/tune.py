@@ -44,9 +44,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
 from torchtpu.tools import aot, aot_step
-from torchtpu.tools.target import ToolError, describe, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.tools.target import load
 
 MODES = ("strict", "defer", "compile", "captured", "buckets")
 PRECISIONS = ("highest", "high", "medium")
