@@ -15,7 +15,7 @@ import time
 import torch
 
 import torchtpu
-from torchtpu.testing.models import TinyGPT, train_steps
+from torchtpu.demo.gpt import TinyGPT, train_steps
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
 

@@ -53,7 +53,7 @@ LOCAL = "simple_fsdp whole step (local collectives)"
 
 
 def _model(args):
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     torch.manual_seed(0)
     return TinyGPT(VOCAB, BLOCK, n_layer=args.layers, n_head=4, n_embd=args.embd)

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from torchtpu.testing.models import TinyGPT
+from torchtpu.demo.gpt import TinyGPT
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "registry.py")
 _spec = importlib.util.spec_from_file_location("bench_registry", _PATH)

@@ -236,7 +236,7 @@ def _ddp(rank, world):
     """DDP with the CUDA idioms (tpu:LOCAL_RANK, set_device_index, device_ids) on TinyGPT."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     local = int(os.environ["LOCAL_RANK"])
     assert torch.accelerator.device_count() >= world

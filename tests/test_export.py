@@ -18,7 +18,7 @@ import torch
 from torch.export import Dim
 
 import torchtpu.export as tx
-from torchtpu.testing.models import TinyGPT
+from torchtpu.demo.gpt import TinyGPT
 
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
