@@ -29,7 +29,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 SIZES = (("16 B", 4), ("1 MB", 1 << 18), ("64 MB", 1 << 24))  # float32 elements
 
@@ -114,7 +114,7 @@ def _collectives(rank, world, iters, big_iters, groups, ops):
 def _ddp_overhead(rank, world, iters, group):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     torch.manual_seed(0)
     data = torch.randint(0, 65, (8, 33))

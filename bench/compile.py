@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchtpu
-from torchtpu.testing.models import TinyGPT
+from torchtpu.demo.gpt import TinyGPT
 
 
 def bench_module(name: str):

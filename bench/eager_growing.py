@@ -1,6 +1,6 @@
 """An eager sampling loop over a growing context: tpu against CPU, cold and warm cache.
 
-A 2-layer TinyGPT (``torchtpu.testing.models``) samples greedily, fed its whole context each
+A 2-layer TinyGPT (``torchtpu.demo.gpt``) samples greedily, fed its whole context each
 step and cropped at its block size, as a user's ``generate`` loop is. Each measurement runs in
 a child process with its own ``TORCHTPU_CACHE_DIR``: "cold" is the first child on an empty cache
 directory, "warm" a second child on the directory the first filled. In each child, CPU and tpu
@@ -33,7 +33,7 @@ def _child(tokens: int, block: int, buckets: bool) -> dict:
     import torchtpu  # noqa: F401
     from torchtpu import metrics
     from torchtpu.compile import eager_buckets
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     eager_buckets.set_enabled(buckets)
 

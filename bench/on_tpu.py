@@ -39,8 +39,8 @@ import numpy as np
 import torch
 
 import torchtpu  # noqa: F401
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.runtime import platform
-from torchtpu.testing.models import TinyGPT
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from compile import bench_module  # noqa: E402  (bench/ is no package)

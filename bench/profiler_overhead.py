@@ -26,9 +26,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import torchtpu  # noqa: F401
+from torchtpu.demo.gpt import TinyGPT, batch
 from torchtpu.device.hooks import HOOKS
 from torchtpu.profiler import session
-from torchtpu.testing.models import TinyGPT, batch
 
 VOCAB, BLOCK, WIDTH, LAYERS, HEADS, BATCH = 96, 32, 64, 2, 2, 8
 ACTIVITIES = [ProfilerActivity.CPU, ProfilerActivity.TPU]

@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 VOCAB, BLOCK = 128, 64
 # The sharded whole step's program with each collective replaced by local work on the same
@@ -53,7 +53,7 @@ LOCAL = "simple_fsdp whole step (local collectives)"
 
 
 def _model(args):
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     torch.manual_seed(0)
     return TinyGPT(VOCAB, BLOCK, n_layer=args.layers, n_head=4, n_embd=args.embd)

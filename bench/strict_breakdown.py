@@ -44,9 +44,9 @@ from torchtpu.testing.step_census import census
 
 def _device_seconds(step) -> dict:
     """The step's programs costed by the target's compiler, summed over their runs."""
-    from torchtpu.tools import aot
+    from torchtpu.tools import aot_step
 
-    runs, _ = aot._profiled(step)
+    runs, _ = aot_step.profiled(step)
     reports = {r.module: r for r in tpu_hook.wait()}
     by_name = collections.defaultdict(lambda: [0, 0.0])
     total, unknown = 0.0, 0

@@ -3,7 +3,7 @@
 ``threads``: ranks as threads of this process over PyTorch's threaded test backend
 (``torchtpu.testing.threaded``): one process, shared programs, the device layer under the
 libraries. ``tpu_dist``: ranks as spawned processes over the tpu_dist backend
-(``torchtpu.testing.distributed``). Each scenario is a function ``fn(rank, world_size, ...)``
+(``torchtpu.distributed.spawn``). Each scenario is a function ``fn(rank, world_size, ...)``
 both run unchanged. The default suite runs the threads (CI's time budget: each tpu_dist run
 starts and compiles in fresh processes); ``TORCHTPU_TESTS=full`` (the ``full`` marker) runs
 every scenario on tpu_dist too.
@@ -13,7 +13,7 @@ import functools
 
 import pytest
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 from torchtpu.testing.threaded import run_threads
 
 # Each process compiles its programs (most come from the persistent cache after the threaded

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.testing.hf_rows import HF_VOCAB, hf, tokens
-from torchtpu.testing.models import TinyGPT
 
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "bench", "registry.py")
 _spec = importlib.util.spec_from_file_location("bench_registry", _PATH)

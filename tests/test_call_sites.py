@@ -13,9 +13,9 @@ from torch import nn
 
 from torchtpu import metrics
 from torchtpu.compile import call_sites
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.testing.buckets import fresh_buckets
-from torchtpu.testing.models import TinyGPT
 
 
 def _twice(x: torch.Tensor) -> torch.Tensor:

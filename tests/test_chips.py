@@ -19,8 +19,8 @@ import sys
 import pytest
 import torch
 
+from torchtpu.distributed.spawn import free_port, run
 from torchtpu.runtime import chips
-from torchtpu.testing.distributed import free_port, run
 
 HOSTS = {"v5e-4": (2, 2, 1), "v5e-8": (2, 4, 1), "v6e-8": (2, 4, 1)}
 

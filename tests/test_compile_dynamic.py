@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 import torchtpu
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.testing.compare import assert_same
-from torchtpu.testing.models import TinyGPT
 
 OPTIONS = {"bucket_size": 16, "num_dynamic_buckets": 2}
 

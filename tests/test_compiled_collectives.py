@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from torchtpu.distributed import CollectiveMismatchError
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}
 

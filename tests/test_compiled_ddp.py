@@ -20,7 +20,7 @@ Program and collective counts are deltas around one steady step."""
 import torch
 from torch import nn
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 from torchtpu.testing.models import sgd_full_batch
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}
@@ -122,6 +122,7 @@ def test_every_transport_module_is_hidden_from_dynamo():
 
     import torchtpu.distributed as dist
 
-    traceable = {"simple_fsdp", "topology", "dtensor_sdpa", "peers", "uneven", "fsdp_capture"}
+    traceable = {"simple_fsdp", "topology", "dtensor_sdpa", "peers", "uneven", "fsdp_capture",
+                 "spawn"}
     modules = {p.stem for p in Path(dist.__file__).parent.glob("*.py")} - {"__init__"}
     assert modules - traceable == set(dist._TRANSPORT)

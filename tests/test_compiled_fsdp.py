@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 from torchtpu.testing.models import sgd_full_batch
 
 XLA = {"TORCHTPU_DIST_TRANSPORT": "xla"}

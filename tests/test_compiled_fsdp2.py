@@ -18,7 +18,7 @@ from test_compiled_fsdp import (
     _whole_step,
 )
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 
 def _fsdp2_hsdp(rank, world):

@@ -4,8 +4,8 @@ every rank, naming the rank. Two processes on localhost, started and stopped by 
 
 import torch
 
+from torchtpu.distributed.spawn import run
 from torchtpu.runtime import platform
-from torchtpu.testing.distributed import run
 
 
 def _as_torchrun_starts():

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 
 def _cpu(t):
@@ -236,7 +236,7 @@ def _ddp(rank, world):
     """DDP with the CUDA idioms (tpu:LOCAL_RANK, set_device_index, device_ids) on TinyGPT."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from torchtpu.testing.models import TinyGPT
+    from torchtpu.demo.gpt import TinyGPT
 
     local = int(os.environ["LOCAL_RANK"])
     assert torch.accelerator.device_count() >= world
@@ -386,7 +386,7 @@ def test_torchrun_launch(tmp_path):
     import subprocess
     import sys
 
-    from torchtpu.testing.distributed import free_port
+    from torchtpu.distributed.spawn import free_port
 
     script = tmp_path / "job.py"
     script.write_text(_TORCHRUN_SCRIPT)

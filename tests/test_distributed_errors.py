@@ -8,7 +8,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from torchtpu.testing.distributed import outwait_timeout, run
+from torchtpu.distributed.spawn import run
+from torchtpu.testing.distributed import outwait_timeout
 
 
 def _cpu(t):

@@ -14,7 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from torchtpu.testing.distributed import outwait_timeout, run
+from torchtpu.distributed.spawn import run
+from torchtpu.testing.distributed import outwait_timeout
 
 
 def _cases(rank, world, group):

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from torchtpu import metrics
 from torchtpu.compile import call_sites, eager_buckets
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.testing.buckets import fresh_buckets
-from torchtpu.testing.models import TinyGPT
 
 # A block of 24: every length and the cropped windows run in the first bucket (64); one layer
 # keeps the programs few.

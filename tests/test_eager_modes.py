@@ -235,7 +235,7 @@ OTHER_MODES = [DEBUG, DEFER]
 def test_gpt_training_matches_cpu(mode):
     from test_models import CONFIG, cpu_and_tpu_models
 
-    from torchtpu.testing.models import train_steps
+    from torchtpu.demo.gpt import train_steps
 
     data = torch.randint(0, CONFIG["vocab"], (600,), generator=torch.Generator().manual_seed(1))
     cpu, tpu = cpu_and_tpu_models()

@@ -18,8 +18,8 @@ import torch
 from torch.export import Dim
 
 import torchtpu.export as tx
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.testing import hf_rows
-from torchtpu.testing.models import TinyGPT
 
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torchtpu.distributed import launch
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 _PG_TIMEOUT = 30  # seconds; also bounds JAX's runtime start and shutdown waits (jax_runtime)
 

@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from torchtpu.testing.models import TinyGPT, train_steps
+from torchtpu.demo.gpt import TinyGPT, train_steps
 from torchtpu.testing.threaded import run_threads
 
 VOCAB, BLOCK, STEPS = 32, 8, 3

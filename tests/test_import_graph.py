@@ -17,10 +17,6 @@ KNOWN_LOCAL_CIRCLES = [
     {"runtime.cache_policy", "runtime.compile_cache", "runtime.dump", "runtime.notices",
      "runtime.platform", "runtime.tpu_hook", "runtime.tpu_target", "runtime.warm",
      "runtime.warm_keys"},
-    {"device.storage", "device.tensors"},
-    {"tools.aot", "tools.aot_sharded"},
-    {"tools.diagnose", "tools.onboard"},
-    {"testing.errors", "testing.opinfo"},
 ]
 
 
@@ -146,6 +142,84 @@ def test_the_scan_sees_a_circle_through_a_relative_import(tmp_path):
         {"eager.a", "eager.b", "eager.c"}]
 
 
+# The package's floors, bottom up: a module may import its own floor and those below, never one
+# above (function-local imports included). A module's floor is the one naming the longest prefix
+# of its dotted name (``tpu.tools`` before ``tpu``); every module must have one.
+FLOORS = [
+    # Leaf modules every floor may use: error categories, counters, import hooks, settings,
+    # what every command line shares.
+    ("errors", "metrics", "import_hooks", "settings", "commands"),
+    ("runtime",),                       # the PJRT platform
+    ("cache", "targets"),               # its rooms above it (the runtime helper's split)
+    ("device",),
+    ("profiler",),
+    ("lowering",),
+    ("eager",),
+    ("kernels",),
+    ("compile", "layers"),              # layers: scan_layers, one XLA loop under torch.compile
+    ("distributed", "export"),
+    # The public faces: torch.tpu, torchtpu.jax, torchtpu.pallas.
+    ("tpu", "jax", "pallas"),
+    # Adapters that import hooks apply inside other libraries' processes (vLLM, TRL, verl...):
+    # they stay light and never pull in a tool. ``python -m torchtpu.titan`` is one's entry.
+    ("integrations", "titan"),
+    # Commands a person runs; a tool may drive an integration (serve or check through it), not
+    # the reverse. ``torch.tpu.tools`` is the tools' face: torch.tpu loads it by name on first
+    # use and never imports it, so it sits here, not on the faces' floor. The demo is a program
+    # run the same way.
+    ("tools", "tpu.tools", "aot", "diagnose", "doctor", "mcp", "onboard", "plan", "tune",
+     "demo"),
+    ("testing",),                       # serves the tests; nothing in the package imports it
+    # The one composition root: it wires every floor into PyTorch (the integrations' import
+    # hooks included), so it sits above all of them.
+    ("", "_loader", "registration"),
+]
+
+
+def floor_of(module: str, floors: list = FLOORS) -> int | None:
+    """The index of module's floor in floors, None when no floor names it."""
+    best, found = -1, None
+    for index, prefixes in enumerate(floors):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    return found
+
+
+def imports_up(graph: dict, floors: list = FLOORS) -> list:
+    """(importer, imported) pairs where a module imports one on a higher floor."""
+    return sorted((m, t) for m, targets in graph.items() for t in targets
+                  if floor_of(t, floors) > floor_of(m, floors))
+
+
+def test_every_module_is_on_a_floor():
+    assert [m for m in modules(ROOT) if floor_of(m) is None] == []
+
+
+def test_no_import_goes_up_a_floor():
+    assert imports_up(combined(*edges(ROOT))) == []
+
+
+def test_nothing_outside_testing_imports_testing():
+    graph = combined(*edges(ROOT))
+    assert sorted((m, t) for m, targets in graph.items() for t in targets
+                  if floor_of(t) == floor_of("testing") != floor_of(m)) == []
+
+
+def test_the_floor_check_sees_an_import_up_inside_a_function(tmp_path):
+    package = tmp_path / "torchtpu"
+    for floor in ("device", "tools", "tpu"):
+        (package / floor).mkdir(parents=True)
+        (package / floor / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "tools" / "a.py").write_text("from torchtpu.device import b\n")
+    (package / "device" / "b.py").write_text("def f():\n    from torchtpu.tpu import tools\n")
+    (package / "tpu" / "tools.py").write_text("from torchtpu.tools import a\n")
+    floors = [("device",), ("tpu",), ("tools", "tpu.tools")]
+    assert floor_of("tpu.tools", floors) == 2 and floor_of("tpu", floors) == 1
+    assert imports_up(combined(*edges(tmp_path)), floors) == [("device.b", "tpu.tools")]
+
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
     top, local = edges(root)
@@ -155,3 +229,4 @@ if __name__ == "__main__":
           f"functions only")
     print(f"circles among module-level imports: {[sorted(c) for c in circles(top)]}")
     print(f"circles with those inside functions: {[sorted(c) for c in circles(both)]}")
+    print(f"imports up a floor: {imports_up(both)}")

@@ -6,8 +6,8 @@ import io
 import pytest
 import torch
 
+from torchtpu.demo.gpt import TinyGPT, train_steps
 from torchtpu.testing.compare import assert_same
-from torchtpu.testing.models import TinyGPT, train_steps
 
 CONFIG = dict(vocab=40, block=16, n_layer=2, n_head=2, n_embd=32)
 

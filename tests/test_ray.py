@@ -26,8 +26,8 @@ from ray.train import FailureConfig, RunConfig, ScalingConfig  # noqa: E402
 from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
 from ray.util.placement_group import PlacementGroup  # noqa: E402
 
+from torchtpu.demo.gpt import TinyGPT, batch, train_steps  # noqa: E402
 from torchtpu.testing.conformance import time_limit  # noqa: E402
-from torchtpu.testing.models import TinyGPT, batch, train_steps  # noqa: E402
 
 STEPS, WORKERS, VOCAB, BLOCK, BATCH = 3, 2, 17, 8, 8
 TOO_MANY = 3  # workers, for a host simulated with WORKERS devices

@@ -6,7 +6,7 @@ answers the worker's tpu device; without a tpu_dist group Ray's answer stands.""
 import os
 import sys
 
-from torchtpu.testing.distributed import run
+from torchtpu.distributed.spawn import run
 
 _STAND_IN = '''
 import torch

@@ -9,7 +9,7 @@ from runners import ALL
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from torchtpu.testing.models import TinyGPT, train_steps
+from torchtpu.demo.gpt import TinyGPT, train_steps
 
 
 @pytest.mark.parametrize("to,back", [("tpu", "cpu"), ("cpu", "tpu")])

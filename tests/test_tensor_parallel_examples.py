@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from torchtpu.testing.distributed import run as run_processes
+from torchtpu.distributed.spawn import run as run_processes
 
 STEPS, ROWS = 4, 20
 DEFER = torch.tpu.EagerMode.DEFER_AND_FUSE

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("torchtitan", reason="TorchTitan is not installed: pip install -e '.[titan]'")
 
 from torchtpu import metrics  # noqa: E402
-from torchtpu.testing import distributed  # noqa: E402
+from torchtpu.distributed import spawn  # noqa: E402
 
 
 def _moe_layer():
@@ -98,7 +98,7 @@ def _expert_parallel_rank(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("transport", ["host", "xla"])
 def test_titan_moe_expert_parallel_on_two_ranks_equals_cpu(transport):
-    ranks = distributed.run(_expert_parallel_rank, 2, timeout=600,
+    ranks = spawn.run(_expert_parallel_rank, 2, timeout=600,
                             env={"TORCHTPU_DIST_TRANSPORT": transport})
     # CPU, no expert parallel: each rank's tokens through the whole layer; the experts'
     # gradients are the sums over both ranks' tokens.

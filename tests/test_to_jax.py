@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
+from torchtpu.demo.gpt import TinyGPT
 from torchtpu.jax import to_jax
-from torchtpu.testing.models import TinyGPT
 
 
 def _mlp() -> torch.nn.Module:

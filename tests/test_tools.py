@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
+from torchtpu.commands import ToolError
 from torchtpu.device.hooks import HOOKS
 from torchtpu.tools import diagnose, doctor, onboard
-from torchtpu.tools.target import ToolError
 from torchtpu.tools.watch import Watch
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from torchtpu.commands import ToolError
 from torchtpu.tools import docs_search, triage
-from torchtpu.tools.target import ToolError
 
 ROOT = Path(__file__).resolve().parents[1]
 

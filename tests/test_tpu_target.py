@@ -55,16 +55,16 @@ def test_libtpu_check_names_the_version_jax_pins(monkeypatch):
 
 def test_a_step_over_the_chips_hbm_fails_naming_how_much_and_the_largest(monkeypatch, capsys,
                                                                          tmp_path):
-    from torchtpu.tools import aot
+    from torchtpu.tools import aot, aot_step
 
-    step = aot.Step(seconds=1e-3, flops=1e9, mfu=0.5, hbm_peak_bytes=20 << 30,
-                    hbm_capacity_bytes=16 << 30, fits=False, peak_flops=197e12,
-                    chip="TPU v5 lite", programs_run=2,
-                    largest=[{"name": "jit_small", "runs": 1, "seconds": 1e-4,
-                              "hbm_bytes": 1 << 20},
-                             {"name": "jit_big", "runs": 1, "seconds": 9e-4,
-                              "hbm_bytes": 19 << 30}])
-    monkeypatch.setattr(aot, "report", lambda *a, **k: aot.AotReport(
+    step = aot_step.Step(seconds=1e-3, flops=1e9, mfu=0.5, hbm_peak_bytes=20 << 30,
+                         hbm_capacity_bytes=16 << 30, fits=False, peak_flops=197e12,
+                         chip="TPU v5 lite", programs_run=2,
+                         largest=[{"name": "jit_small", "runs": 1, "seconds": 1e-4,
+                                   "hbm_bytes": 1 << 20},
+                                  {"name": "jit_big", "runs": 1, "seconds": 9e-4,
+                                   "hbm_bytes": 19 << 30}])
+    monkeypatch.setattr(aot, "report", lambda *a, **k: aot_step.AotReport(
         "v5e:2x2", "compile", "train", 1, [], step))
     monkeypatch.setattr(aot, "load", lambda target: (None, ()))
     assert aot.main(["--topology", "v5e:2x2", "x.py:make"]) == 2
@@ -477,7 +477,7 @@ def _all_reduce_on_target(rank, world):
 def test_xla_collectives_across_processes_compile_over_the_targets_chips(tmp_path):
     """A collective program spans the world's processes: each rank compiles it for the target
     as one SPMD program over as many chips as there are ranks, its other programs on one."""
-    from torchtpu.testing.distributed import run
+    from torchtpu.distributed.spawn import run
 
     results = run(_all_reduce_on_target, 2, timeout=600,
                   env={"TORCHTPU_DIST_TRANSPORT": "xla", tpu_target.ENV: "",

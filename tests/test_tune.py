@@ -12,9 +12,9 @@ import sys
 import pytest
 import torch
 
-from torchtpu.tools import aot
+from torchtpu.commands import ToolError
+from torchtpu.tools import aot, aot_step
 from torchtpu.tools import tune as tuner
-from torchtpu.tools.target import ToolError
 
 _SCRIPT = """
 import torch
@@ -142,12 +142,12 @@ def test_a_step_the_cost_model_cannot_time_is_a_failed_trial_naming_its_programs
     from torchtpu.runtime.tpu_target import Report
 
     def report(seconds, runs=3):
-        step = aot.Step(seconds=seconds, flops=1.0, mfu=None, hbm_peak_bytes=1,
-                        hbm_capacity_bytes=2, fits=True, peak_flops=1.0, chip="c",
-                        programs_run=runs)
+        step = aot_step.Step(seconds=seconds, flops=1.0, mfu=None, hbm_peak_bytes=1,
+                             hbm_capacity_bytes=2, fits=True, peak_flops=1.0, chip="c",
+                             programs_run=runs)
         programs = [Report("jit_timed", "op", "v5e:2x2", compiles=True, seconds=1e-6),
                     Report("jit_aten__foreach_mul_Scalar", "op", "v5e:2x2", compiles=True)]
-        return lambda *a, **k: aot.AotReport("v5e:2x2", "strict", "train", 1, programs, step)
+        return lambda *a, **k: aot_step.AotReport("v5e:2x2", "strict", "train", 1, programs, step)
 
     model, inputs = torch.nn.Linear(2, 2), (torch.randn(1, 2),)
     monkeypatch.setattr(aot, "report", report(None))

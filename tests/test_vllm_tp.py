@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from torchtpu.testing import distributed
+from torchtpu.distributed import spawn
 
 pytestmark = pytest.mark.skipif(
     __import__("importlib").util.find_spec("vllm") is None,
@@ -53,7 +53,7 @@ def _communicate(rank: int, world: int) -> dict:
 
 
 def test_communicator_collectives_equal_cpu_over_tpu_dist():
-    got = distributed.run(_communicate, 2, timeout=600)  # each rank imports vLLM: slow at load
+    got = spawn.run(_communicate, 2, timeout=600)  # each rank imports vLLM: slow at load
     xs = [torch.arange(6.0).reshape(2, 3) * (r + 1) for r in range(2)]
     for rank, out in enumerate(got):
         torch.testing.assert_close(out["all_reduce"], xs[0] + xs[1])

@@ -5,7 +5,8 @@ estimated; nothing runs on a TPU. See ``torchtpu/tools/aot.py``.
 
 import sys
 
-from torchtpu.tools.aot import AotReport, format_report, main, report
+from torchtpu.tools.aot import format_report, main, report
+from torchtpu.tools.aot_step import AotReport
 
 __all__ = ["AotReport", "format_report", "main", "report"]
 

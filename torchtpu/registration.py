@@ -327,6 +327,7 @@ def _load() -> None:
         set_data,
         sparse,
         storage,
+        storage_slices,
     )
     from torchtpu.eager import dispatch, modes, sdpa_routing
 
@@ -349,7 +350,7 @@ def _load() -> None:
     quantized_fallback = quantized.register()
     storage.install_constructor()
     storage.install_pickling()
-    storage.install_slicing()
+    storage_slices.install()
     set_data.install()  # tensor.data = ... onto or off the tpu, as for CUDA (FSDP2 needs it)
     from torchtpu.tpu import accelerator
 

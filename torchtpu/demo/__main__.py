@@ -15,8 +15,8 @@ import torch
 from tqdm import tqdm
 
 import torchtpu
+from torchtpu.demo.gpt import TinyGPT, train_steps
 from torchtpu.demo.model import CharVocab, load_text, sample
-from torchtpu.testing.models import TinyGPT, train_steps
 
 BLOCK, LAYERS, HEADS, WIDTH, BATCH = 64, 2, 4, 64, 16
 MODES = {"strict": "DEFER_NEVER", "debug": "DEFER_NEVER_AND_LAUNCH_BLOCKING",

@@ -6,7 +6,7 @@ from importlib import resources
 
 import torch
 
-from torchtpu.testing.models import TinyGPT
+from torchtpu.demo.gpt import TinyGPT
 
 
 def load_text() -> str:

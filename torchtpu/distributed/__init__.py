@@ -21,7 +21,7 @@ BACKENDS = ("tpu_dist", "tpu")
 # coalesced ops) enter them through PyTorch's trampoline also while a compiled function runs
 # its eager parts, where Dynamo would try to trace their frames as user code (and fail on the
 # group, an opaque object to it): Dynamo must run them, as it runs the device runtime.
-# ``simple_fsdp``, ``topology`` and ``dtensor_sdpa`` are user-facing and stay traceable.
+# ``simple_fsdp``, ``topology``, ``dtensor_sdpa`` and ``spawn`` are user-facing and stay traceable.
 _TRANSPORT = ("group", "group_core", "host", "p2p", "protocol", "work", "xla", "programs",
               "jax_runtime", "launch", "device_binding", "solo")
 

@@ -26,9 +26,8 @@ from torch.utils._pytree import tree_flatten
 
 from torchtpu.device import sparse
 from torchtpu.eager.fallback import copy_keeping_aliases
-from torchtpu.testing import conformance
+from torchtpu.testing import conformance, op_samples
 from torchtpu.testing.conformance import Result, shorten
-from torchtpu.testing.opinfo import _device_value, _plain
 
 
 class _Accepted(Exception):
@@ -59,8 +58,8 @@ def _aliased_copy(sample):
         return copy_keeping_aliases(t, "tpu", bases) if isinstance(t, torch.Tensor) else t
 
     copy = sample.transform(move)
-    copy.args = tuple(_device_value(a) for a in copy.args)
-    copy.kwargs = {k: _device_value(v) for k, v in copy.kwargs.items()}
+    copy.args = tuple(op_samples.device_value(a) for a in copy.args)
+    copy.kwargs = {k: op_samples.device_value(v) for k, v in copy.kwargs.items()}
     return copy
 
 
@@ -113,7 +112,7 @@ def check_op(op, *, max_samples: int = 1000, timeout: float = 60.0) -> Result:
             # Copied before CPU runs any: some samples share tensors, and a refused CPU call
             # may still resize its out= argument.
             inputs = list(itertools.islice(op.error_inputs("cpu"), 2 * max_samples))
-            copies = [_copy_or_error(e.sample_input) if _plain(e.sample_input) else None
+            copies = [_copy_or_error(e.sample_input) if op_samples.plain(e.sample_input) else None
                       for e in inputs]
             for error_input, device_sample in zip(inputs, copies):
                 if result.counted >= max_samples:

@@ -24,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 import torchtpu  # noqa: F401  (registers the device)
-from torchtpu.testing import conformance
+from torchtpu.testing import conformance, errors, op_samples
 from torchtpu.testing.compare import assert_same
 from torchtpu.testing.conformance import Report, Result, same
 
@@ -155,41 +155,6 @@ def _tolerance(op, dtype: torch.dtype, mode: str) -> tuple[float, float]:
     return atol, rtol
 
 
-# ----------------------------------------------------------------------------- samples
-
-def _tensors(sample) -> list[torch.Tensor]:
-    leaves, _ = tree_flatten((sample.input, sample.args, sample.kwargs))
-    return [x for x in leaves if isinstance(x, torch.Tensor)]
-
-
-def _plain(sample) -> bool:
-    return all(type(t) is torch.Tensor and t.layout == torch.strided and not t.is_quantized
-               and not t.is_nested and t.device.type == "cpu" for t in _tensors(sample))
-
-
-def _device_value(v: Any) -> Any:
-    if (isinstance(v, torch.device) and v.type == "cpu") or (isinstance(v, str) and v == "cpu"):
-        return "tpu"
-    return v
-
-
-def _copy(sample, device: str, cpu_args: bool = False):
-    """A detached copy of sample on device; leaves keep requires_grad, device= args follow."""
-
-    def move(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        return t.detach().to(device, copy=True).requires_grad_(t.requires_grad)
-
-    copy = sample.transform(move)
-    if cpu_args:
-        copy.args = _copy(sample, "cpu").args
-    if device == "tpu":
-        copy.args = tuple(_device_value(a) for a in copy.args)
-        copy.kwargs = {k: _device_value(v) for k, v in copy.kwargs.items()}
-    return copy
-
-
 def _call(op, sample, seed: int):
     torch.manual_seed(seed)
     out = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
@@ -199,7 +164,7 @@ def _call(op, sample, seed: int):
 
 def _run_grad(op, sample, seed: int):
     """Gradients of the sample's float outputs against a fixed random cotangent, or None."""
-    inputs = [t for t in _tensors(sample) if t.requires_grad]
+    inputs = [t for t in op_samples.tensors(sample) if t.requires_grad]
     outs = [t for t in tree_flatten(_call(op, sample, seed))[0]
             if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
     if not inputs or not outs:
@@ -218,8 +183,8 @@ def _seeds_itself(op) -> bool:
 
 def _check_sample(op, sample, mode: str, tol: tuple[float, float], result: Result) -> None:
     compute = _run_grad if mode == "grad" else _call
-    device_sample = _copy(sample, "tpu", cpu_args=op.name in CPU_ARGS)
-    cpu_again = _copy(sample, "cpu")
+    device_sample = op_samples.copy(sample, "tpu", cpu_args=op.name in CPU_ARGS)
+    cpu_again = op_samples.copy(sample, "cpu")
     try:
         expected = compute(op, sample, 0)
         if expected is None:
@@ -271,7 +236,7 @@ def check_op(op, *, mode: str = "forward", max_samples: int = 3,
         yield from op.sample_inputs("cpu", dtype, requires_grad=mode == "grad")
 
     def check(sample):
-        if not _plain(sample):
+        if not op_samples.plain(sample):
             result.skipped += 1
         else:
             _check_sample(op, sample, mode, tol, result)
@@ -301,8 +266,6 @@ def run(ops: str | None = None, *, mode: str = "forward", max_samples: int = 3,
     def check(item):
         op, sparse = item
         if mode == "errors":
-            from torchtpu.testing import errors  # it builds on this module's sample copies
-
             run_op = errors.check_sparse if sparse else errors.check_op
             return run_op(op, max_samples=max_samples, timeout=timeout_per_op)
         return check_op(op, mode=mode, max_samples=max_samples, dtype=dtype,

@@ -24,10 +24,10 @@ from typing import Any, TextIO
 import torch
 
 from torchtpu.eager import modes
-from torchtpu.testing import conformance
+from torchtpu.testing import conformance, op_samples
 from torchtpu.testing.conformance import Report, Result, shorten
 from torchtpu.testing.errors import _raise
-from torchtpu.testing.opinfo import CPU_ARGS, _copy, _op_db, _plain, _tensors
+from torchtpu.testing.opinfo import CPU_ARGS, _op_db
 
 DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
           torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.complex64,
@@ -86,7 +86,7 @@ def variants(sample, base: torch.dtype) -> Iterator[tuple[str, Any]]:
 
 
 def _check_variant(op, label: str, sample, result: Counts, over: bool) -> None:
-    device_sample = _copy(sample, "tpu", cpu_args=op.name in CPU_ARGS)
+    device_sample = op_samples.copy(sample, "tpu", cpu_args=op.name in CPU_ARGS)
     torch.manual_seed(0)
     expected = _raise(op, sample)
     if expected is None and not over:
@@ -120,7 +120,7 @@ def check_op(op, *, over: bool = True, timeout: float = 120.0) -> Counts:
     def samples():
         torch.manual_seed(0)
         for sample in op.sample_inputs("cpu", base):
-            if _plain(sample) and _tensors(sample):
+            if op_samples.plain(sample) and op_samples.tensors(sample):
                 yield sample
                 return
 

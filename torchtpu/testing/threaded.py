@@ -5,7 +5,7 @@ plain tensor ops (copies, sums) run by one of the ranks, so they work on tpu ten
 rank shares the process's compiled programs. That makes FSDP2, DTensor, tensor parallel and
 DCP testable on device "tpu" at the cost of one process, on any machine. It exercises the
 device layer under those libraries (storage frees, copy-in/copy-out, DTensor's local ops),
-not the ``tpu_dist`` backend: multi-process tests (``torchtpu.testing.distributed``) do that.
+not the ``tpu_dist`` backend: multi-process tests (``torchtpu.distributed.spawn``) do that.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def run_threads(fn: Callable[..., Any], world_size: int = 2, *, args: tuple = ()
         # One recorder per process: threads would record into each other's programs.
         raise RuntimeError(errors.message(
             "unsupported", "run_threads cannot run ranks under DeferAndFuse (its recording is "
-            "per process); use torchtpu.testing.distributed.run, one process per rank"))
+            "per process); use torchtpu.distributed.spawn.run, one process per rank"))
     threaded._install_threaded_pg()
     # Each thread registers its own groups under the same names.
     torch._C._distributed_c10d._set_thread_isolation_mode(True)

@@ -6,7 +6,7 @@ The ranks are N processes on this machine with tpu_dist's XLA transport
 is also compiled for the target (``runtime/tpu_hook.py``): a program over k ranks' devices
 (a compiled graph holding collectives, or an eager collective) as one SPMD program over k chips,
 a rank's own programs over one. Each rank measures its step as one process does
-(``aot.measure``); the report is per chip: the slowest rank's cost-model seconds, the largest
+(``aot_step.measure``); the report is per chip: the slowest rank's cost-model seconds, the largest
 HBM peak, rank 0's programs, and every rank's figures.
 
 How the ranks shard the model (the compiled forms, so that each rank builds a handful of
@@ -35,8 +35,11 @@ import sys
 import torch
 from torch import nn
 
+from torchtpu.commands import ToolError
+from torchtpu.distributed.spawn import run
 from torchtpu.runtime import tpu_hook, tpu_target
-from torchtpu.tools.target import ToolError, load
+from torchtpu.tools import aot_step
+from torchtpu.tools.target import load
 
 TIMEOUT_SECONDS = 1800.0  # every rank's host steps and TPU compiles, on a loaded machine
 _STYLES = ("colwise", "rowwise")
@@ -116,20 +119,18 @@ def _share(x, dp: int, index: int):
 
 def _rank(rank: int, world: int, source: tuple, topology: str, step: str, mode: str, tp: int,
           warmup: int) -> dict:
-    from torchtpu.tools import aot
-
     try:
         model, inputs = load(source[1]) if source[0] == "script" else source[1:]
         target = tpu_target.target(topology)
         tpu_hook.install(topology, on_error="keep")
         model = model.to("tpu")
         index, layout = shard(model, world, tp)
-        args = tuple(aot.to_tpu(_share(x, world // tp, index)) for x in inputs)
-        m = aot.measure(target, model, args, step == "train", mode, warmup)
+        args = tuple(aot_step.to_tpu(_share(x, world // tp, index)) for x in inputs)
+        m = aot_step.measure(target, model, args, step == "train", mode, warmup)
     except ToolError as e:  # the parent says it in one line
         return {"error": str(e).removeprefix("torchtpu.tool: ")}
     return {"programs": m.programs, "step": m.step, "losses": m.losses, "layout": layout,
-            "findings": aot.findings(model, m.programs, m.runs) if rank == 0 else []}
+            "findings": aot_step.findings(model, m.programs, m.runs) if rank == 0 else []}
 
 
 @contextlib.contextmanager
@@ -149,8 +150,6 @@ def report(model: nn.Module, inputs: tuple, *, target: tpu_target.Target, step: 
            world: int, tp: int, warmup: int, script: str | None):
     """The sharded step's ``AotReport`` (the caller checked the names, the chips and the model
     on CPU)."""
-    from torchtpu.testing.distributed import run
-    from torchtpu.tools.aot import AotReport
 
     if tp < 1 or world % tp:
         raise ToolError(f"--tp {tp} does not divide --world {world}: the ranks form a "
@@ -189,6 +188,6 @@ def report(model: nn.Module, inputs: tuple, *, target: tpu_target.Target, step: 
               "seconds": r["step"].seconds, "hbm_peak_bytes": r["step"].hbm_peak_bytes,
               "losses": r["losses"]} for i, r in enumerate(results)]
     losses = [sum(col) / world for col in zip(*(r["losses"] for r in results))]
-    return AotReport(target.name, mode, step, world, results[0]["programs"], step_,
+    return aot_step.AotReport(target.name, mode, step, world, results[0]["programs"], step_,
                      results[0]["findings"], losses=losses, tp=tp,
                      layout=results[0]["layout"], ranks=ranks)

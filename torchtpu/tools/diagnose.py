@@ -29,19 +29,23 @@ from __future__ import annotations
 
 import argparse
 import collections
+import copy
 import json
 import math
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
+from torch.utils._pytree import tree_map
 
-from torchtpu.tools import lanes, render, trace, triage
-from torchtpu.tools.target import ToolError, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.commands import ToolError
+from torchtpu.commands import main as tool_main
+from torchtpu.tools import lanes, model_step, render, trace, triage
+from torchtpu.tools.target import load
 from torchtpu.tools.watch import Watch
 
 
@@ -241,6 +245,21 @@ def advise_lanes(d: Diagnosis, model: torch.nn.Module) -> Diagnosis:
     return d
 
 
+def step_of_model(model: torch.nn.Module, inputs: tuple, backward: bool,
+                  profile: bool = False) -> Diagnosis:
+    """``step`` on the model's forward (and backward) on tpu, in the default eager mode."""
+    model = copy.deepcopy(model).to("tpu").eval()
+    args = tree_map(model_step.to_tpu, inputs)
+
+    def train_step():
+        model.zero_grad(set_to_none=True)
+        model_step.run(model, args, backward)
+
+    with model_step.fallbacks_allowed(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return step(train_step, profile=profile)
+
+
 def format_report(d: Diagnosis) -> str:
     """The diagnosis for people: the top problem first, then the figures."""
     lines = [f"step diagnosis: {d.ms_per_step:.2f} ms per step after {d.warmup} warm-up "
@@ -280,10 +299,8 @@ def main(argv: list | None = None) -> int:
             print(json.dumps(found.to_dict(), indent=1) if args.json
                   else triage.format_triage(found))
             return 0
-        from torchtpu.tools.onboard import diagnose_model  # onboard imports this module
-
         model, inputs = load(args.target)
-        d = diagnose_model(model, inputs, args.backward, args.profile)
+        d = step_of_model(model, inputs, args.backward, args.profile)
         advise_lanes(d, model)
         print(json.dumps(d.to_dict(), indent=1, default=str) if args.json else format_report(d))
         return 0

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from torchtpu import errors
-from torchtpu.tools.target import ToolError
-from torchtpu.tools.target import main as tool_main
+from torchtpu.commands import ToolError
+from torchtpu.commands import main as tool_main
 
 PACKAGE = Path(__file__).resolve().parents[1]
 README = PACKAGE.parent / "README.md"

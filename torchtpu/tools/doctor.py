@@ -28,10 +28,10 @@ import jax
 import torch
 
 from torchtpu import errors, metrics
+from torchtpu.commands import describe
+from torchtpu.commands import main as tool_main
 from torchtpu.runtime import cache_check, compile_cache, platform
 from torchtpu.tools import render
-from torchtpu.tools.target import describe
-from torchtpu.tools.target import main as tool_main
 
 # The dev extra's pins (pyproject.toml), the combination the test suite runs on, and the timm
 # extra's (torch 2.14.1 for torchvision; tests/test_timm.py and the core tests run on it).

@@ -18,7 +18,9 @@ import sys
 from pathlib import Path
 
 from torchtpu import metrics as _metrics
+from torchtpu.commands import ToolError, describe
 from torchtpu.tools import aot as _aot
+from torchtpu.tools import diagnose as _diagnose
 from torchtpu.tools import docs_search as _docs
 from torchtpu.tools import doctor as _doctor
 from torchtpu.tools import onboard as _onboard
@@ -26,7 +28,7 @@ from torchtpu.tools import plan as _plan
 from torchtpu.tools import trace as _trace
 from torchtpu.tools import triage as _triage
 from torchtpu.tools import tune as _tune
-from torchtpu.tools.target import ToolError, describe, load
+from torchtpu.tools.target import load
 
 SKILL = Path(__file__).with_name("SKILL.md")
 
@@ -49,7 +51,7 @@ def _onboard_target(target, backward, modes, atol, rtol) -> dict:
 
 def _diagnose_target(target, backward, profile) -> dict:
     model, inputs = load(target)
-    return _onboard.diagnose_model(model, inputs, backward, profile).to_dict()
+    return _diagnose.step_of_model(model, inputs, backward, profile).to_dict()
 
 
 def _triage_log(path: str | None, text: str | None) -> dict:

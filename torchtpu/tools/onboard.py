@@ -20,7 +20,6 @@ import collections
 import contextlib
 import copy
 import json
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -29,9 +28,10 @@ import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
 from torchtpu import metrics
-from torchtpu.tools import diagnose, render
-from torchtpu.tools.target import ToolError, check, describe, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
+from torchtpu.tools import diagnose, model_step, render
+from torchtpu.tools.target import check, load
 from torchtpu.tools.watch import Watch
 
 MODES = ("strict", "debug", "defer_and_fuse", "compile")
@@ -85,15 +85,6 @@ class Report:
         for m, dm in zip(self.modes, d["modes"]):
             dm["ok"] = m.ok
         return d
-
-
-def _loss(out) -> torch.Tensor:
-    """A scalar every floating output contributes to (their sum), for backward."""
-    parts = [t.float().sum() for t in tree_leaves(out)
-             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
-    if not parts:
-        raise ToolError("backward: no output of the model requires grad")
-    return sum(parts)
 
 
 class _Hooks:
@@ -202,48 +193,21 @@ def _param_divergence(model, reference, atol, rtol):
     return None
 
 
-def _step(model, inputs, backward: bool):
-    out = model(*inputs)
-    if backward:
-        _loss(out).backward()
-    return out
-
-
 def _timed(model, inputs, backward: bool, steps: int, sync) -> float:
     """Milliseconds per step over steps runs, after the caller's first (compiling) run."""
     start = time.perf_counter()
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
-        _step(model, inputs, backward)
+        model_step.run(model, inputs, backward)
         sync()
     return (time.perf_counter() - start) / steps * 1e3
-
-
-@contextlib.contextmanager
-def _fallbacks_allowed():
-    """Ops without a lowering run on CPU, quietly: the report lists them."""
-    old = os.environ.get("TORCHTPU_CPU_FALLBACK")
-    os.environ["TORCHTPU_CPU_FALLBACK"] = "silent"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TORCHTPU_CPU_FALLBACK"]
-        else:
-            os.environ["TORCHTPU_CPU_FALLBACK"] = old
-
-
-def _to_tpu(x):
-    if isinstance(x, torch.Tensor):
-        return x.detach().to("tpu").requires_grad_(x.requires_grad)
-    return x
 
 
 def _run_mode(mode, reference, ref_hooks, inputs, backward, atol, rtol, steps) -> ModeResult:
     result = ModeResult(mode)
     model = copy.deepcopy(reference).to("tpu")
     model.zero_grad(set_to_none=True)
-    args = tree_map(_to_tpu, inputs)
+    args = tree_map(model_step.to_tpu, inputs)
     eager = mode in _EAGER
     hooks = _Hooks(model, backward) if eager else None
     target = model if eager else torch.compile(model, backend="tpu")
@@ -258,7 +222,7 @@ def _run_mode(mode, reference, ref_hooks, inputs, backward, atol, rtol, steps) -
             if hooks is not None:
                 hooks.charge()
             if backward:
-                _loss(out).backward()
+                model_step.backward_loss(out).backward()
                 if hooks is not None:
                     hooks.charge("(backward)")
             torch.tpu.synchronize()
@@ -315,7 +279,7 @@ def run(model: torch.nn.Module, inputs, *, backward: bool = False,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the full backward hooks' notes about leaf inputs
-            _step(reference, cpu_inputs, backward)
+            model_step.run(reference, cpu_inputs, backward)
     except ToolError:
         raise
     except Exception as e:
@@ -325,7 +289,7 @@ def run(model: torch.nn.Module, inputs, *, backward: bool = False,
         hooks.remove()
     cpu_ms = _timed(reference, cpu_inputs, backward, steps, lambda: None)
     results = []
-    with _fallbacks_allowed(), warnings.catch_warnings():
+    with model_step.fallbacks_allowed(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for mode in modes:
             results.append(_run_mode(mode, reference, hooks, cpu_inputs, backward, atol, rtol,
@@ -391,7 +355,7 @@ def main(argv: list | None = None) -> int:
         report = run(model, inputs, backward=args.backward, modes=modes, atol=args.atol,
                      rtol=args.rtol)
         out = {"onboard": report.to_dict()}
-        diagnosis = (diagnose_model(model, inputs, args.backward, args.profile)
+        diagnosis = (diagnose.step_of_model(model, inputs, args.backward, args.profile)
                      if args.diagnose else None)
         if diagnosis is not None:
             out["diagnosis"] = diagnosis.to_dict()
@@ -403,18 +367,3 @@ def main(argv: list | None = None) -> int:
                 print(diagnose.format_report(diagnosis))
         return 0 if report.ok else 1
     return tool_main(go)
-
-
-def diagnose_model(model: torch.nn.Module, inputs: tuple, backward: bool,
-                   profile: bool = False) -> diagnose.Diagnosis:
-    """diagnose.step on the model's forward (and backward) on tpu, in the default eager mode."""
-    model = copy.deepcopy(model).to("tpu").eval()
-    args = tree_map(_to_tpu, inputs)
-
-    def train_step():
-        model.zero_grad(set_to_none=True)
-        _step(model, args, backward)
-
-    with _fallbacks_allowed(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return diagnose.step(train_step, profile=profile)

@@ -38,9 +38,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves
 
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
 from torchtpu.tools import render
-from torchtpu.tools.target import ToolError, check, describe, load, loss_of
-from torchtpu.tools.target import main as tool_main
+from torchtpu.tools.target import check, load, loss_of
 
 # names of the widening (column-wise) and narrowing (row-wise) projections of common blocks
 _COLWISE = re.compile(r"(^|\.)(q_proj|k_proj|v_proj|qkv_proj|gate_proj|up_proj|c_attn|c_fc|query|"

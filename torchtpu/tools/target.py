@@ -2,45 +2,20 @@
 
 A target is ``path/to/script.py:factory``: the script is imported (its own folder first on
 ``sys.path``, as ``python script.py`` would have it) and ``factory()`` returns ``(model, inputs)``,
-inputs a tuple of positional arguments (a single tensor is one argument). ``ToolError`` is a
-problem with what the tools were given; ``main`` turns it, and any error raised by the user's own
-code, into one message naming the user's line and exit status 2, never a traceback from inside
-torchtpu.
+inputs a tuple of positional arguments (a single tensor is one argument). What is unusable is a
+``ToolError`` (``torchtpu/commands.py``).
 """
 
 from __future__ import annotations
 
 import importlib.util
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch.utils._pytree import tree_leaves
 
-from torchtpu import errors
-from torchtpu.tools.watch import user_frame
-
-
-class ToolError(Exception):
-    """The tools cannot use what they were given; the message says what and what to do."""
-
-    def __init__(self, text: str) -> None:
-        super().__init__(errors.message("tool", text))
-
-
-def describe(error: BaseException) -> str:
-    """``Type: message (at file:line: code)`` for an error, at its innermost user line."""
-    tb, frame = error.__traceback__, None
-    while tb is not None:
-        if user_frame(tb.tb_frame) is tb.tb_frame:
-            frame = tb.tb_frame
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    text = f"{type(error).__name__}: {error}".strip()
-    if frame is None:
-        return text
-    return f"{text} (at {frame.f_code.co_filename}:{line})"
+from torchtpu.commands import ToolError, describe
 
 
 def load(target: str) -> tuple[torch.nn.Module, tuple]:
@@ -109,16 +84,3 @@ def check(made, what: str = "the factory") -> tuple[torch.nn.Module, tuple]:
                         f"parameters on {', '.join(sorted(params))}: put both on one device "
                         "(cpu is best: the tools make the tpu copies)")
     return model, inputs
-
-
-def main(run: Callable[[], int]) -> int:
-    """run()'s exit status; ToolError and errors from user code print one line and give 2."""
-    try:
-        return run()
-    except ToolError as e:
-        print(e, file=sys.stderr)
-    except KeyboardInterrupt:
-        print(errors.message("tool", "interrupted"), file=sys.stderr)
-    except Exception as e:
-        print(errors.message("tool", f"failed: {describe(e)}"), file=sys.stderr)
-    return 2

@@ -14,7 +14,7 @@ import gzip
 import json
 from pathlib import Path
 
-from torchtpu.tools.target import ToolError
+from torchtpu.commands import ToolError
 
 _DEVICE = "tpu_program"  # the category of a device program run in torchtpu's traces
 _PATTERNS = ("*.trace.json.gz", "*.trace.json", "*.json.gz", "*.json")

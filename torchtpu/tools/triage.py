@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from torchtpu import errors
-from torchtpu.tools.target import ToolError
+from torchtpu.commands import ToolError
 
 MAX_BYTES = 64 << 20
 

@@ -44,9 +44,10 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._pytree import tree_map
 
-from torchtpu.tools import aot
-from torchtpu.tools.target import ToolError, describe, load
-from torchtpu.tools.target import main as tool_main
+from torchtpu.commands import ToolError, describe
+from torchtpu.commands import main as tool_main
+from torchtpu.tools import aot, aot_step
+from torchtpu.tools.target import load
 
 MODES = ("strict", "defer", "compile", "captured", "buckets")
 PRECISIONS = ("highest", "high", "medium")
@@ -119,7 +120,7 @@ def _runner(mode: str, step):
     if mode == "compile":
         return torch.compile(step, backend="tpu")
     if mode == "defer":
-        return aot._step_boundary(step)
+        return aot_step.step_boundary(step)
     return step
 
 
@@ -151,10 +152,10 @@ def run_setting(model: torch.nn.Module, inputs: tuple, setting: dict, *, step: s
                         inputs)
         optimizer = (torch.optim.AdamW(device_model.parameters(), lr=1e-3,
                                        capturable=mode == "captured") if train else None)
-        one = aot._step_fn(device_model, args, train, optimizer)
-        with aot._mode_context(mode):
+        one = aot_step.step_fn(device_model, args, train, optimizer)
+        with aot_step.mode_context(mode):
             if mode == "captured":
-                run = aot._runner("captured", one, warmup)
+                run = aot_step.runner("captured", one, warmup)
             else:
                 run = _runner(mode, one)
                 for _ in range(warmup):
@@ -168,7 +169,7 @@ def run_setting(model: torch.nn.Module, inputs: tuple, setting: dict, *, step: s
     return trial
 
 
-def _untimed(r: aot.AotReport) -> str:
+def _untimed(r: aot_step.AotReport) -> str:
     """The programs of r the cost model gave no time, and why when the report knows."""
     names = sorted({p.name for p in r.programs if p.compiles and p.seconds is None})
     wide = any(p.wide_ops.get("float64") for p in r.programs if p.seconds is None)

@@ -25,34 +25,14 @@ import threading
 import types
 from dataclasses import dataclass, field
 
-import jax
-import torch
-
 from torchtpu import metrics
+from torchtpu.commands import user_frame
 from torchtpu.device.hooks import HOOKS
 from torchtpu.runtime import warm
 
-# Frames in these directories are torchtpu's, PyTorch's, JAX's or the standard library's (JAX's
-# compile log reaches us through logging); the first frame outside them is the user's line.
-_TORCHTPU = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_INTERNAL = tuple(d + os.sep for d in (
-    _TORCHTPU, *(os.path.dirname(m.__file__) for m in (torch, jax))))
-_STDLIB = os.path.dirname(os.__file__) + os.sep
-_FALLBACK_FILE = os.path.join(_TORCHTPU, "eager", "fallback.py")
+_FALLBACK_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eager",
+                              "fallback.py")
 _JAX_COMPILE_LOGGER = "jax._src.interpreters.pxla"
-
-
-def _internal(filename: str) -> bool:
-    return filename.startswith(_INTERNAL) or filename.startswith("<frozen") or (
-        filename.startswith(_STDLIB) and "-packages" + os.sep not in filename)
-
-
-def user_frame(frame: types.FrameType | None) -> types.FrameType | None:
-    """The first frame at or above frame that is not torchtpu's, PyTorch's, JAX's or the
-    standard library's."""
-    while frame is not None and _internal(frame.f_code.co_filename):
-        frame = frame.f_back
-    return frame
 
 
 def where(frame: types.FrameType | None) -> dict:

@@ -18,8 +18,8 @@ import sys
 import sysconfig
 from pathlib import Path
 
-from torchtpu.tools.target import ToolError
-from torchtpu.tools.target import main as tool_main
+from torchtpu.commands import ToolError
+from torchtpu.commands import main as tool_main
 
 MARK = "# torchtpu: PyTorch/XLA names on torchtpu (torchtpu.integrations.torch_xla.install)"
 STUB = f'''{MARK}
