@@ -13,13 +13,12 @@ from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.eager import schema
 
 _warned: set = set()
@@ -30,11 +29,7 @@ _process: list = [None]  # allow()'s setting
 def policy() -> str:
     if _forced or _process[0]:
         return (_forced or _process)[-1]
-    value = os.environ.get("TORCHTPU_CPU_FALLBACK", "warn").strip().lower()
-    if value not in ("warn", "error", "silent"):
-        raise ValueError(f"torchtpu.config: TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or "
-                         "silent")
-    return value
+    return settings.CPU_FALLBACK.get()
 
 
 def allow(enabled: bool) -> None:

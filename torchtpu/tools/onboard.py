@@ -20,7 +20,6 @@ import collections
 import contextlib
 import copy
 import json
-import os
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -28,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.tools import diagnose, render
 from torchtpu.tools.target import ToolError, check, describe, load
 from torchtpu.tools.target import main as tool_main
@@ -219,18 +218,9 @@ def _timed(model, inputs, backward: bool, steps: int, sync) -> float:
     return (time.perf_counter() - start) / steps * 1e3
 
 
-@contextlib.contextmanager
 def _fallbacks_allowed():
     """Ops without a lowering run on CPU, quietly: the report lists them."""
-    old = os.environ.get("TORCHTPU_CPU_FALLBACK")
-    os.environ["TORCHTPU_CPU_FALLBACK"] = "silent"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TORCHTPU_CPU_FALLBACK"]
-        else:
-            os.environ["TORCHTPU_CPU_FALLBACK"] = old
+    return settings.CPU_FALLBACK.overridden("silent")
 
 
 def _to_tpu(x):
