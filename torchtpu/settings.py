@@ -184,6 +184,9 @@ class Float(Setting[Any]):
     kind = "seconds"
     accepted = "a number of seconds"
 
+    def _write(self, value: Any) -> str:
+        return "" if value is None else f"{value:g}"
+
     def _read(self, text: str) -> float:
         try:
             return float(text)
@@ -232,8 +235,10 @@ def active_overrides() -> dict[str, Any]:
 
 def reference_markdown() -> str:
     """The settings table of docs/reference.md: one row per declaration."""
-    rows = ["| variable | type | default | meaning |", "| --- | --- | --- | --- |"]
-    rows += [f"| `{s.name}` | {s.shown_type()} | {s.shown()} | {s.meaning} |" for s in declared()]
+    rows = ["| variable | type | default | meaning | set by torchtpu |",
+            "| --- | --- | --- | --- | --- |"]
+    rows += [f"| `{s.name}` | {s.shown_type()} | {s.shown()} | {s.meaning} | "
+             f"{'yes' if s.set_by_torchtpu else ''} |" for s in declared()]
     return "\n".join(rows)
 
 
