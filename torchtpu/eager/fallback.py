@@ -4,7 +4,8 @@ Each op it serves is counted in ``torchtpu.metrics`` and warned about once. With
 ``TORCHTPU_CPU_FALLBACK=error`` it raises ``NotImplementedError`` naming the op instead, which is
 how coverage is measured rather than guessed. ``allowed(enabled)`` sets it for a block of code
 and ``allow(enabled)`` for the process (the reference's ``execution_mode.cpu_fallback_mode`` and
-``enable_cpu_fallback``), over the variable.
+``enable_cpu_fallback``), over the variable; a tool picks any policy for a block with
+``settings.CPU_FALLBACK.overridden(policy)``, under those.
 
 It also says what CPU says about a call that failed on tpu (``cpu_error``): the error then comes
 from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
