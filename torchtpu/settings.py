@@ -34,7 +34,9 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 _declared: dict[str, Setting] = {}
-_overrides: dict[str, list] = {}  # name -> [(token, value)], innermost last
+# name -> ((token, value), ...), innermost last; replaced, never changed in place, so that get()
+# reads one without the lock
+_overrides: dict[str, tuple] = {}
 _lock = threading.Lock()
 
 
@@ -96,14 +98,15 @@ class Setting(Generic[T]):
         self.text(value)  # the value must be one the variable could give
         token = object()
         with _lock:
-            _overrides.setdefault(self.name, []).append((token, value))
+            _overrides[self.name] = (*_overrides.get(self.name, ()), (token, value))
         try:
             yield
         finally:
             with _lock:
-                stack = _overrides[self.name]
-                stack[:] = [entry for entry in stack if entry[0] is not token]
-                if not stack:
+                left = tuple(e for e in _overrides[self.name] if e[0] is not token)
+                if left:
+                    _overrides[self.name] = left
+                else:
                     del _overrides[self.name]
 
     def export(self, value: T) -> None:
