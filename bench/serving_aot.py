@@ -120,6 +120,7 @@ def part_anchor(args) -> dict:
     import jax
     import jax.numpy as jnp
 
+    from torchtpu import settings
     from torchtpu.runtime import tpu_target
 
     out = {}
@@ -140,7 +141,7 @@ def part_anchor(args) -> dict:
                 * args.context * serving_jax.head_dim(c)
             row = {"batch": b, "context": args.context} | _figures(r, c, b, args.context,
                                                                     cache_bytes)
-            dump = os.environ.get(tpu_target.DUMP_ENV)
+            dump = settings.TPU_DUMP.get()
             hlo = sorted(Path(dump).glob(f"anchor_{b}.*.hlo.txt")) if dump else []
             if hlo:
                 row |= _breakdown(hlo[-1].read_text(), c, b, args.context, False,
@@ -173,6 +174,7 @@ def part_vllm(args) -> dict:
     import numpy as np
     from vllm import LLM
 
+    from torchtpu import settings
     from torchtpu.eager import tpu_graph
     from torchtpu.runtime import tpu_target
 
@@ -180,7 +182,7 @@ def part_vllm(args) -> dict:
     tpu_graph.TPUGraph.replay = lambda self: None
     out = {"paged": os.environ.get("TORCHTPU_VLLM_PAGED", "auto"), "weights": args.weights}
     real = args.weights == "real"
-    dump = os.environ.get(tpu_target.DUMP_ENV)
+    dump = settings.TPU_DUMP.get()
     for name in args.models:
         c = _layers(name, args.layers)
         # room for every request's whole pages (16 to 256 tokens: paged.page_size) and two more

@@ -37,6 +37,7 @@ import jax
 import torch
 
 import torchtpu
+from torchtpu import settings
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 from torchtpu.testing.step_census import census
@@ -67,7 +68,7 @@ def _device_seconds(step) -> dict:
 def _programs(c, folder: str) -> list:
     """Each distinct program of census c compiled for the target on its own (see the doc)."""
     os.makedirs(folder, exist_ok=True)
-    os.environ[tpu_target.DUMP_ENV] = folder
+    os.environ[settings.TPU_DUMP.name] = folder
     chip = tpu_target.target().chip
     rows = []
     for i, (key, (name, fn, args)) in enumerate(c.examples.items()):

@@ -112,10 +112,12 @@ def _process_globals(item) -> dict:
     import torch.distributed as dist
     from jax._src import compilation_cache as jax_cache
 
+    from torchtpu import settings
     from torchtpu.eager import modes
 
     state = {
         "the eager mode": modes.get_eager_mode(),
+        "torchtpu.settings' overridden values": settings.active_overrides(),
         "torchtpu's environment variables": {
             k: v for k, v in os.environ.items()
             if k.startswith(("TORCHTPU_", "TORCH_TPU_")) and k not in _OWN_VARIABLES},

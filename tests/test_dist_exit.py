@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import torchtpu
+from torchtpu import settings
 from torchtpu.distributed import jax_runtime
 
 _ROOT = str(Path(torchtpu.__file__).resolve().parents[1])
@@ -62,11 +63,11 @@ if __name__ == "__main__":
 def _job(tmp_path, transport: str | None, last: int) -> str:
     script = tmp_path / "job.py"
     script.write_text(_SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != jax_runtime.ENV}
+    env = {k: v for k, v in os.environ.items() if k != settings.DIST_TRANSPORT.name}
     # This checkout's torchtpu, not whichever one the venv installed.
     env["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [env.get("PYTHONPATH")])])
     if transport:
-        env[jax_runtime.ENV] = transport
+        env[settings.DIST_TRANSPORT.name] = transport
     proc = subprocess.Popen([sys.executable, str(script), str(last)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from torchtpu import settings
 from torchtpu.distributed.spawn import run
 from torchtpu.testing.distributed import outwait_timeout
 
@@ -302,7 +303,7 @@ def test_backend_started_first_falls_back_on_cpu_and_raises_on_tpu(monkeypatch):
     from torchtpu.runtime import platform
 
     torch.ones(1, device="tpu")
-    monkeypatch.setenv(jax_runtime.ENV, "xla")
+    monkeypatch.setenv(settings.DIST_TRANSPORT.name, "xla")
     monkeypatch.setattr(jax_runtime, "_unavailable", [None])
     monkeypatch.setattr(jax_runtime, "_warned", [False])
     # It records why, and starts nothing.
@@ -315,12 +316,12 @@ def test_backend_started_first_falls_back_on_cpu_and_raises_on_tpu(monkeypatch):
     monkeypatch.setattr(platform, "platform", lambda: "tpu")
     with pytest.raises(RuntimeError, match="Call dist.init_process_group before creating any tpu"):
         jax_runtime.choose(2)
-    monkeypatch.setenv(jax_runtime.ENV, "host")
+    monkeypatch.setenv(settings.DIST_TRANSPORT.name, "host")
     assert jax_runtime.choose(2) == "host"
-    monkeypatch.delenv(jax_runtime.ENV)
+    monkeypatch.delenv(settings.DIST_TRANSPORT.name)
     with pytest.raises(RuntimeError, match="cannot use XLA collectives on tpu"):
         jax_runtime.choose(2)  # TPU: XLA by default
-    monkeypatch.setenv(jax_runtime.ENV, "nccl")
+    monkeypatch.setenv(settings.DIST_TRANSPORT.name, "nccl")
     with pytest.raises(ValueError, match="TORCHTPU_DIST_TRANSPORT='nccl' is not one of"):
         jax_runtime.choose(2)
     with pytest.raises(ValueError, match="Transport='gloo'"):

@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import torchtpu
-from torchtpu.runtime import tpu_target
+from torchtpu import settings
 
 # Children import the torchtpu this process imported (a checkout, not another install).
 _ROOT = os.path.dirname(os.path.dirname(torchtpu.__file__))
@@ -22,7 +22,7 @@ HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 
 def _child(code: str, env: dict | None = None) -> dict:
     """Run code in a fresh interpreter; it prints one JSON line, returned parsed."""
-    full = {k: v for k, v in os.environ.items() if k != tpu_target.ENV}
+    full = {k: v for k, v in os.environ.items() if k != settings.TPU_TARGET.name}
     full.update(env or {})
     full = {k: v for k, v in full.items() if v is not None}  # None: unset
     run = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
@@ -159,7 +159,7 @@ def test_import_and_first_op_leave_the_environment_as_it_was():
 def test_tpu_target_leaves_the_environment_as_it_was(tmp_path):
     """libtpu's compile-only settings exist only while it starts, for a program compiled for a
     TPU target too."""
-    env = {**_UNSET, tpu_target.ENV: "v5e:2x2", "TORCHTPU_CACHE_DIR": str(tmp_path)}
+    env = {**_UNSET, settings.TPU_TARGET.name: "v5e:2x2", "TORCHTPU_CACHE_DIR": str(tmp_path)}
     assert _child(_ENV_PROBE, env) == [[], [], 6.0]
 
 

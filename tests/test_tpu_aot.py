@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from torchtpu.runtime import tpu_target
+from torchtpu import settings
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu-aot]')")
@@ -39,7 +39,7 @@ _FORWARD_FLOPS = 2 * 64 * 256 * 512 * 2
 def _aot(tmp_path, *args, script: str = _MLP, timeout: float = 600):
     (tmp_path / "model.py").write_text(textwrap.dedent(script))
     env = {**os.environ, "TORCHTPU_CACHE_DIR": str(tmp_path / "cache")}
-    env.pop(tpu_target.ENV, None)
+    env.pop(settings.TPU_TARGET.name, None)
     run = subprocess.run([sys.executable, "-m", "torchtpu.aot", *args], capture_output=True,
                          text=True, env=env, timeout=timeout, cwd=tmp_path)
     return run

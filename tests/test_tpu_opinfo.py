@@ -13,6 +13,7 @@ import sys
 
 import pytest
 
+from torchtpu import settings
 from torchtpu.runtime import tpu_target
 from torchtpu.testing import tpu_opinfo
 
@@ -45,7 +46,7 @@ def test_programs_sort_into_lowering_families_and_refusals_are_told_apart():
                     reason="libtpu is not installed (pip install -e '.[tpu-aot]')")
 def test_opinfo_samples_compile_for_v5e(tmp_path):
     out_file = tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k != tpu_target.ENV}
+    env = {k: v for k, v in os.environ.items() if k != settings.TPU_TARGET.name}
     proc = subprocess.run(
         [sys.executable, "-m", "torchtpu.testing.tpu_opinfo", "--ops", "mul|sum|linalg.cholesky",
          "--topology", "v5e:2x2", "--json", str(out_file)],

@@ -20,6 +20,7 @@ import jax
 import pytest
 import torch
 
+from torchtpu import settings
 from torchtpu.runtime import libtpu, tpu_target
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
@@ -79,7 +80,7 @@ def test_no_target_wraps_nothing():
 
     from torchtpu.runtime import tpu_hook
 
-    if os.environ.get(tpu_target.ENV):
+    if os.environ.get(settings.TPU_TARGET.name):
         pytest.skip("this process has a TPU target")
     assert not tpu_hook.active()
     # JAX's own, under at most the slow-compile watch (runtime/notices.py, which says so).
@@ -251,7 +252,7 @@ def test_complex128_is_refused_before_libtpu_which_would_end_the_process(tmp_pat
             print((2j * w).abs().sum().item() > 0,
                   [r.error for r in tpu_hook.wait() if not r.compiles])
     """
-    run = _python(code, tmp_path, env={tpu_target.ENV: "v5e:2x2",
+    run = _python(code, tmp_path, env={settings.TPU_TARGET.name: "v5e:2x2",
                                        "TORCHTPU_TPU_TARGET_ON_ERROR": "keep"})
     assert run.returncode == 0, run.stderr[-2000:]
     c64, c128 = run.stdout.strip().splitlines()[-2:]
@@ -387,9 +388,9 @@ def test_a_sliced_prefetch_program_is_timed_by_its_twin_without_it(wide, monkeyp
 def _python(code: str, tmp_path, env: dict | None = None) -> subprocess.CompletedProcess:
     script = tmp_path / "script.py"
     script.write_text(textwrap.dedent(code))
-    full = {k: v for k, v in os.environ.items() if k != tpu_target.ENV}
+    full = {k: v for k, v in os.environ.items() if k != settings.TPU_TARGET.name}
     full.update({"TORCHTPU_CACHE_DIR": str(tmp_path / "cache"), **(env or {})})
-    full = {k: v for k, v in full.items() if v != "" or k == tpu_target.ENV}  # "": unset
+    full = {k: v for k, v in full.items() if v != "" or k == settings.TPU_TARGET.name}  # "": unset
     return subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                           env=full, timeout=600, cwd=tmp_path)
 
@@ -407,7 +408,7 @@ _OPS = """\
 
 @needs_libtpu
 def test_every_program_is_compiled_for_the_target_and_cached(tmp_path):
-    env = {tpu_target.ENV: "v5e:2x2", "TORCHTPU_TPU_TARGET_ON_ERROR": "keep"}
+    env = {settings.TPU_TARGET.name: "v5e:2x2", "TORCHTPU_TPU_TARGET_ON_ERROR": "keep"}
     first = _python(_OPS, tmp_path, env=env)
     assert first.returncode == 0, first.stderr
     found = json.loads(first.stdout.strip().splitlines()[-1])
@@ -433,7 +434,7 @@ def test_a_refused_program_raises_naming_it_and_the_line(tmp_path):
         from torchtpu.runtime import tpu_hook
         tpu_hook.wait()
     """
-    run = _python(code, tmp_path, env={tpu_target.ENV: "v5e:2x2"})
+    run = _python(code, tmp_path, env={settings.TPU_TARGET.name: "v5e:2x2"})
     assert run.returncode != 0
     assert "torchtpu.tpu: the v5e:2x2 compiler refused" in run.stderr
     assert "script.py:2" in run.stderr and "lapack" in run.stderr
@@ -480,7 +481,7 @@ def test_xla_collectives_across_processes_compile_over_the_targets_chips(tmp_pat
     from torchtpu.distributed.spawn import run
 
     results = run(_all_reduce_on_target, 2, timeout=600,
-                  env={"TORCHTPU_DIST_TRANSPORT": "xla", tpu_target.ENV: "",
+                  env={"TORCHTPU_DIST_TRANSPORT": "xla", settings.TPU_TARGET.name: "",
                        "TORCHTPU_CACHE_DIR": str(tmp_path / "cache")})
     for total, reports in results:
         assert total == 256 * 128 * 3

@@ -218,12 +218,14 @@ def test_greedy_ties_take_the_first_index_as_torch_argmax_on_cpu(tmp_path):
 
 def test_the_switch_takes_0_or_1_and_names_a_bad_value(monkeypatch):
     pytest.importorskip("vllm", reason="vLLM is not installed")
-    from torchtpu.integrations.vllm.sampling import TOKENS_ONLY_ENV, tokens_only_enabled
+    from torchtpu import settings
+    from torchtpu.integrations.vllm.sampling import tokens_only_enabled
 
-    monkeypatch.delenv(TOKENS_ONLY_ENV, raising=False)
+    name = settings.VLLM_TOKENS_ONLY.name
+    monkeypatch.delenv(name, raising=False)
     assert tokens_only_enabled()
-    monkeypatch.setenv(TOKENS_ONLY_ENV, "0")
+    monkeypatch.setenv(name, "0")
     assert not tokens_only_enabled()
-    monkeypatch.setenv(TOKENS_ONLY_ENV, "yes")
-    with pytest.raises(ValueError, match="TORCHTPU_VLLM_TOKENS_ONLY='yes'"):
+    monkeypatch.setenv(name, "maybe")
+    with pytest.raises(ValueError, match="TORCHTPU_VLLM_TOKENS_ONLY='maybe'"):
         tokens_only_enabled()

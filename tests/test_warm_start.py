@@ -403,7 +403,7 @@ def test_torch_caches_only_in_a_private_directory(tmp_path, store_at, monkeypatc
     from torchtpu.compile import torch_caches
 
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv(torch_caches._PLACED, raising=False)
+    monkeypatch.delenv("TORCHTPU_PLACED_INDUCTOR_CACHE_DIR", raising=False)
     monkeypatch.setattr(torch_caches, "place", functools.cache(torch_caches.place.__wrapped__))
     shared = tmp_path / "shared"
     shared.mkdir(mode=0o777)

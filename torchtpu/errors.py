@@ -16,11 +16,12 @@ exception or warning without a known category.
 from __future__ import annotations
 
 import functools
-import os
 import re
 import warnings
 from collections.abc import Callable
 from typing import NamedTuple
+
+from torchtpu import settings
 
 
 class Entry(NamedTuple):
@@ -178,7 +179,7 @@ _HIDDEN = "torchtpu: the frames inside torchtpu are hidden; TORCHTPU_DEBUG=1 sho
 def show_internals() -> bool:
     """TORCHTPU_DEBUG=1: errors keep torchtpu's frames and the errors they came from; otherwise
     an error raised at an op's call shows the user's line and one message, as on CPU."""
-    return os.environ.get("TORCHTPU_DEBUG") == "1"
+    return settings.DEBUG.get()
 
 
 _CPU_WORDS = "_torchtpu_cpu_words"

@@ -13,10 +13,10 @@ program per call.
 """
 
 import functools
-import os
 
 import torch
 
+from torchtpu import settings
 from torchtpu.import_hooks import after_import
 
 
@@ -75,5 +75,5 @@ def load() -> None:
     (``optimizer_steps``; ``TORCHTPU_FUSED_STEPS=0``: never)."""
     from torchtpu.compile import eager_buckets, optimizer_steps
 
-    eager_buckets.set_enabled(os.environ.get("TORCHTPU_EAGER_BUCKETS", "1") != "0")
+    eager_buckets.set_enabled(settings.EAGER_BUCKETS.get())
     optimizer_steps.install()

@@ -41,7 +41,6 @@ eager Llama step than the clip's three, which read them fused.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 import threading
 
@@ -51,6 +50,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
+from torchtpu import settings
 from torchtpu.compile import eager_buckets
 from torchtpu.eager import executor, frozen, lazy_casts
 from torchtpu.eager.defer_executor import DeferAndFuse, concrete
@@ -212,4 +212,4 @@ def set_enabled(on: bool) -> None:
 
 def install() -> None:
     _wrap_clip()
-    set_enabled(os.environ.get("TORCHTPU_FUSED_STEPS", "1") != "0")
+    set_enabled(settings.FUSED_STEPS.get())

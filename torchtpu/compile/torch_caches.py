@@ -30,6 +30,7 @@ from pathlib import Path
 import jax
 import torch
 
+from torchtpu import settings
 from torchtpu.runtime import compile_cache, warm, warm_keys
 
 KEEP = 4  # key directories kept (torch versions or torchtpu sources in use side by side)
@@ -55,14 +56,13 @@ def torch_dir() -> str | None:
     return str(Path(store.path).resolve() / "torch" / key[:16])
 
 
-# What ``place`` set TORCHINDUCTOR_CACHE_DIR to, so that a child process (which inherits both,
-# maybe with another TORCHTPU_CACHE_DIR) knows the value for torchtpu's, not the user's.
-_PLACED = "TORCHTPU_PLACED_INDUCTOR_CACHE_DIR"
 
 
 def _user_chose(chosen: str | None, ours: str) -> bool:
     """Whether TORCHINDUCTOR_CACHE_DIR=chosen is the user's (PyTorch writes its default there)."""
-    if chosen is None or os.path.abspath(chosen) in (ours, os.environ.get(_PLACED)):
+    # what ``place`` set it to in a parent (which may have had another TORCHTPU_CACHE_DIR)
+    placed = settings.PLACED_INDUCTOR_CACHE_DIR.get()
+    if chosen is None or os.path.abspath(chosen) in (ours, placed):
         return False
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
@@ -92,7 +92,8 @@ def place() -> bool:
         # failure is the store's one warning (``cache_faults``), as for eager programs.
         compile_cache.store().faults.failed("write", error)
         return False
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ[_PLACED] = ours
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = ours
+    settings.PLACED_INDUCTOR_CACHE_DIR.export(ours)
     return True
 
 

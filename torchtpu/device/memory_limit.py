@@ -35,16 +35,15 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import re
 
 import jax
 import torch
 
+from torchtpu import settings
 from torchtpu.device.hooks import HOOKS
 from torchtpu.runtime import platform
 
-ENV = "TORCHTPU_MEMORY_LIMIT"
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b))?$")
 _SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
 
@@ -52,7 +51,7 @@ _state: dict = {"limit": None, "previous": None}
 _asked: dict = {}  # (program, argument signature) -> bytes it allocates
 
 
-def parse_size(text: str, source: str = ENV) -> int | float | None:
+def parse_size(text: str, source: str = settings.MEMORY_LIMIT.name) -> int | float | None:
     """``"512M"`` / ``"1.5G"`` / ``"2GiB"`` / ``"1048576"`` / ``"4096B"`` as bytes (an int); a
     number below 1 without a unit as that fraction of the device's memory (a float); ``""``,
     zero and ``"off"`` as no limit. Anything else (``"1.5"``: neither whole bytes nor a fraction
@@ -139,7 +138,7 @@ def install() -> None:
     the device's size now would start JAX's backends at import, before
     jax.distributed.initialize can run.)"""
     HOOKS.launch_refused = refusal
-    cap = parse_size(os.environ.get(ENV, ""))
+    cap = parse_size(settings.MEMORY_LIMIT.get() or "")
     if cap is not None:
         _arm(cap)
 
@@ -217,7 +216,8 @@ def _message(what: str, asked: int | None, in_use: int, cap: int | None,
     head += f" (at {line})" if line else ""
     if runtime is None:
         head += (f": it asks for {asked:,} bytes with {in_use:,} in use, over the limit of "
-                 f"{cap:,} ({ENV} / torch.tpu.set_per_process_memory_fraction)")
+                 f"{cap:,} ({settings.MEMORY_LIMIT.name} / "
+                 "torch.tpu.set_per_process_memory_fraction)")
     else:
         wanted = f" of {asked:,} bytes" if asked else ""
         head += (f": the runtime refused an allocation{wanted} with {in_use:,} bytes in use "

@@ -43,11 +43,11 @@ import jax
 import torch.distributed as dist
 from jax._src import hardware_utils, xla_bridge
 
+from torchtpu import settings
 from torchtpu.distributed import peers
 from torchtpu.runtime import libtpu, platform
 
 TRANSPORTS = ("xla", "host")
-ENV = "TORCHTPU_DIST_TRANSPORT"
 _ACCELERATORS = ("tpu", "gpu")
 # Why the XLA transport could not start in this process (None: it did start, or was not asked).
 _unavailable: list[str | None] = [None]
@@ -77,8 +77,7 @@ def forced(backend_options=None) -> str | None:
     """The transport the user asked for (pg_options first, then the environment), else None."""
     if isinstance(backend_options, Transport):
         return backend_options.name
-    wanted = os.environ.get(ENV, "").strip().lower()
-    return _check(wanted, ENV) if wanted else None
+    return settings.DIST_TRANSPORT.get()
 
 
 def _installed(names: tuple[str, ...]) -> bool:
@@ -97,7 +96,7 @@ def _accelerator_expected() -> bool:
     is installed. An installed plugin alone is no sign: the tpu-aot extra installs libtpu on
     machines without a TPU, to compile for one (issue 37: starting JAX's runtime there for the
     host transport's groups, which never use it, aborted a rank at exit)."""
-    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    wanted = settings.PLATFORM.get()
     if wanted:
         return wanted in _ACCELERATORS
     jax_platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
@@ -213,7 +212,7 @@ def choose(size: int, backend_options=None) -> str:
         raise RuntimeError(
             f"torchtpu.distributed: tpu_dist cannot use XLA collectives on {name}: {reason}. "
             "Call dist.init_process_group before creating any tpu tensor (or set "
-            f"{ENV}=host to move collectives through host memory instead)")
+            f"{settings.DIST_TRANSPORT.name}=host to move collectives through host memory instead)")
     if not _warned[0]:
         _warned[0] = True
         warnings.warn(f"torchtpu.distributed: tpu_dist uses the host transport (gloo), not XLA "

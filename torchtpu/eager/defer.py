@@ -47,7 +47,6 @@ The executor that records into this module's ``RECORDER`` is ``defer_executor.De
 from __future__ import annotations
 
 import math
-import os
 import threading
 import warnings
 import weakref
@@ -57,7 +56,7 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.device import launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import defer_split, frozen, fused_program, numbers, read_forms
@@ -71,7 +70,7 @@ MAX_OPS = 4000
 # ran the 12-block Llama step in 93.1 ms split, 116.4 ms as one program (bench/RESULTS.md, session
 # 35). ``TORCHTPU_DEFER_SPLIT=0``: never (one program a step, fewer live buffers between them).
 SPLIT_CALLS = 64
-SPLIT_MIN_OPS = math.inf if os.environ.get("TORCHTPU_DEFER_SPLIT", "1") == "0" else SPLIT_CALLS
+SPLIT_MIN_OPS = SPLIT_CALLS if settings.DEFER_SPLIT.get() else math.inf  # read at import
 SPARE_MIN_BYTES = 1 << 16
 _NUMBERS = (float, int, bool)
 _SEQUENCES = (list, tuple)

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.device import launch
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import lazy_casts, numbers
@@ -186,7 +186,7 @@ class Debug(Strict):
     @staticmethod
     def _checked(label, out):
         out = jax.block_until_ready(out)
-        if os.environ.get("TORCHTPU_DEBUG_NANS") == "1" and _nonfinite(out):
+        if settings.DEBUG_NANS.get() and _nonfinite(out):
             raise FloatingPointError(
                 f"torchtpu.numerics: {label} produced NaN or Inf (TORCHTPU_DEBUG_NANS=1)")
         return out

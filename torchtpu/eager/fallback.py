@@ -4,7 +4,8 @@ Each op it serves is counted in ``torchtpu.metrics`` and warned about once. With
 ``TORCHTPU_CPU_FALLBACK=error`` it raises ``NotImplementedError`` naming the op instead, which is
 how coverage is measured rather than guessed. ``allowed(enabled)`` sets it for a block of code
 and ``allow(enabled)`` for the process (the reference's ``execution_mode.cpu_fallback_mode`` and
-``enable_cpu_fallback``), over the variable.
+``enable_cpu_fallback``), over the variable; a tool picks any policy for a block with
+``settings.CPU_FALLBACK.overridden(policy)``, under those.
 
 It also says what CPU says about a call that failed on tpu (``cpu_error``): the error then comes
 from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
@@ -13,13 +14,12 @@ from the user's call in PyTorch's own words, not from a meta kernel's or JAX's.
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.eager import schema
 
 _warned: set = set()
@@ -30,11 +30,7 @@ _process: list = [None]  # allow()'s setting
 def policy() -> str:
     if _forced or _process[0]:
         return (_forced or _process)[-1]
-    value = os.environ.get("TORCHTPU_CPU_FALLBACK", "warn").strip().lower()
-    if value not in ("warn", "error", "silent"):
-        raise ValueError(f"torchtpu.config: TORCHTPU_CPU_FALLBACK={value!r}: use warn, error or "
-                         "silent")
-    return value
+    return settings.CPU_FALLBACK.get()
 
 
 def allow(enabled: bool) -> None:

@@ -41,9 +41,8 @@ what it makes, so none comes (100 steps: 550 young collections before, none afte
 from __future__ import annotations
 
 import gc
-import os
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 
 MIN_OPS = 256  # shorter recordings leave too few survivors to matter
 YOUNG_THRESHOLD = 20_000
@@ -131,4 +130,4 @@ class SteadyLoop:
         self._made, self._steady = None, 0
 
 
-STRICT_LOOP = SteadyLoop(os.environ.get("TORCHTPU_GC_FREEZE", "1") != "0")
+STRICT_LOOP = SteadyLoop(settings.GC_FREEZE.get())  # read at import

@@ -11,9 +11,10 @@ marked the environment, as installing vllm-torchtpu selects it; its variable
 from __future__ import annotations
 
 import logging
-import os
 import sys
 from pathlib import Path
+
+from torchtpu import settings
 
 log = logging.getLogger(__name__)
 
@@ -23,15 +24,14 @@ def marker(engine: str) -> Path:
     return Path(sys.prefix) / "etc" / "torchtpu" / f"{engine.lower()}-platform-tpu"
 
 
-def enabled(setting: str, marked: Path) -> bool:
+def enabled(setting: settings.Flag, marked: Path) -> bool:
     """Whether the engine should run on device "tpu" here (the variable, else the marker)."""
-    value = os.environ.get(setting, "").strip()
-    if value not in ("", "0", "1"):
-        raise ValueError(f"torchtpu.config: {setting}={value!r} is not 0 or 1")
-    return value == "1" if value else marked.exists()
+    value = setting.get()
+    return marked.exists() if value is None else value
 
 
-def platform_if_enabled(engine: str, setting: str, marked: Path, platform: str) -> str | None:
+def platform_if_enabled(engine: str, setting: settings.Flag, marked: Path,
+                        platform: str) -> str | None:
     """An engine's platform hook: platform (its class path) where the engine is opted in and a
     tpu device exists, else None (the engine keeps its own platforms)."""
     if not enabled(setting, marked):
@@ -45,15 +45,15 @@ def platform_if_enabled(engine: str, setting: str, marked: Path, platform: str) 
     # Named, not probed: asking JAX which platform starts its backend, and an engine probes its
     # platform in child processes too (vLLM's model inspection), where the chip's one owner is
     # the parent: libtpu refuses a second process and the engine would fall back to its own.
-    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip() or "TPU, else GPU, else CPU"
+    wanted = settings.PLATFORM.get() or "TPU, else GPU, else CPU"
     log.info("torchtpu: %s runs on device 'tpu' (PJRT platform: %s); %s=0 gives %s's own "
-             "platforms", engine, wanted, setting, engine)
+             "platforms", engine, wanted, setting.name, engine)
     return platform
 
 
-def mark(engine: str, setting: str, marked: Path) -> None:
+def mark(engine: str, setting: settings.Flag, marked: Path) -> None:
     """Opt this environment's engine in (its installer's last step)."""
     marked.parent.mkdir(parents=True, exist_ok=True)
     marked.write_text(f"{engine} in this environment runs on torchtpu's device 'tpu' "
-                      f"({setting}=0 overrides)\n")
-    print(f"{engine} here now runs on device 'tpu' ({marked}; {setting}=0 overrides)")
+                      f"({setting.name}=0 overrides)\n")
+    print(f"{engine} here now runs on device 'tpu' ({marked}; {setting.name}=0 overrides)")

@@ -25,7 +25,7 @@ import os
 import time
 import uuid
 
-from torchtpu import errors
+from torchtpu import errors, settings
 
 
 def host_devices() -> int:
@@ -54,7 +54,7 @@ def claim_device(engine: str) -> int:
         raise RuntimeError(errors.message(
             "device", f"a {engine} replica drives one tpu device, but Ray assigned it {ids}: "
             "start it with ray_actor_options={'resources': {'TPU': 1}}"))
-    os.environ["TORCHTPU_LOCAL_DEVICE"] = str(ids[0])
+    settings.LOCAL_DEVICE.export(int(ids[0]))
     return int(ids[0])
 
 

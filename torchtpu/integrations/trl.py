@@ -59,7 +59,7 @@ import contextlib
 import functools
 import os
 
-from torchtpu import errors
+from torchtpu import errors, settings
 
 PAD_TO = 16
 # What training holds per policy weight beside it: its gradient and AdamW's two moments.
@@ -73,7 +73,7 @@ def defers(trainer) -> bool:
 
     return (trainer.accelerator.device.type == "tpu"
             and trainer.use_vllm and trainer.vllm_mode == "colocate"
-            and os.environ.get("TORCHTPU_TRL_DEFER", "1") != "0"
+            and settings.TRL_DEFER.get()
             and torch.tpu.eager_mode is torch.tpu.EagerMode.DEFER_NEVER)
 
 
@@ -194,16 +194,11 @@ def check_names(pushed, shapes: dict[str, tuple], folder: str) -> None:
 def _lazy_capture():
     """``TORCHTPU_VLLM_CAPTURE=lazy`` while the colocated engine starts, unless the user set it
     (the module doc)."""
-    from torchtpu.integrations.vllm.worker import CAPTURE_ENV
-
-    if CAPTURE_ENV in os.environ:
+    if settings.VLLM_CAPTURE.is_set():
         yield
         return
-    os.environ[CAPTURE_ENV] = "lazy"
-    try:
+    with settings.VLLM_CAPTURE.exported("lazy"):
         yield
-    finally:
-        os.environ.pop(CAPTURE_ENV, None)
 
 
 def patch_vllm_generation() -> None:

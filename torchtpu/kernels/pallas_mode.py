@@ -30,24 +30,17 @@ function, forward and backward (a ``custom_vjp``'s backward is traced after its 
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 
-from torchtpu import errors
+from torchtpu import errors, settings
 from torchtpu.runtime import platform
-
-_MODES = ("auto", "on", "off", "tpu")
 
 
 def mode() -> str:
-    value = os.environ.get("TORCHTPU_PALLAS_INTERPRET", "auto").strip().lower() or "auto"
-    if value not in _MODES:
-        raise ValueError(errors.message(
-            "config", f"TORCHTPU_PALLAS_INTERPRET={value!r} is not one of {', '.join(_MODES)}"))
-    return value
+    return settings.PALLAS_INTERPRET.get()
 
 
 def setting(where: str = "this jax_op"):

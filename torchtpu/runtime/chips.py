@@ -49,9 +49,9 @@ from __future__ import annotations
 import math
 import os
 
-from torchtpu import errors
+from torchtpu import errors, settings
 
-BASE_PORT = 8476  # PyTorch/XLA's default first port of a host's processes
+BASE_PORT = settings.TPU_PROCESS_PORT.default  # PyTorch/XLA's default first port
 SET = ("TPU_VISIBLE_CHIPS", "TPU_CHIPS_PER_PROCESS_BOUNDS", "TPU_PROCESS_BOUNDS",
        "TPU_PROCESS_ADDRESSES", "TPU_PROCESS_PORT", "CLOUD_TPU_TASK_ID",
        "ALLOW_MULTIPLE_LIBTPU_LOAD")
@@ -89,9 +89,9 @@ def _box(text: str, name: str) -> Box:
 
 def host_chips() -> Box | None:
     """This host's chips as a box (x, y, z), or None where it has none."""
-    override = os.environ.get("TORCHTPU_TPU_HOST_CHIPS", "").strip()
+    override = settings.TPU_HOST_CHIPS.get()
     if override:
-        return _box(override, "TORCHTPU_TPU_HOST_CHIPS")
+        return _box(override, settings.TPU_HOST_CHIPS.name)
     from jax._src import hardware_utils
 
     count = hardware_utils.num_available_tpu_chips_and_device_id()[0]
@@ -160,7 +160,7 @@ def variables(local_rank: int, local_size: int, chips: Box, host_index: int, hos
 
 def wanted(local_size: int) -> Box | None:
     """This host's chips when its processes need binding (see the module doc), else None."""
-    if os.environ.get("TORCHTPU_CHIP_BINDING", "1").strip() == "0" or _bound[0] is not None:
+    if not settings.CHIP_BINDING.get() or _bound[0] is not None:
         return None
     if "TPU_PROCESS_BOUNDS" in os.environ or local_size < 2:
         return None
@@ -177,9 +177,8 @@ def bind(local_rank: int, local_size: int, host_index: int, addresses: list[str]
                     "tensor was made, or JAX used, before init_process_group): call "
                     "init_process_group first")
     hosts = host_bounds(len(addresses), chips)
-    port = os.environ.get("TORCHTPU_TPU_PROCESS_PORT", "").strip()
     values = variables(local_rank, local_size, chips, host_index, hosts, addresses,
-                       int(port) if port.isdigit() else BASE_PORT,
+                       settings.TPU_PROCESS_PORT.get(),
                        os.environ.get("TPU_VISIBLE_CHIPS"))
     os.environ.update(values)
     _bound[0] = values

@@ -88,6 +88,7 @@ import jax
 from jax._src import compilation_cache as jax_cache
 from jax._src.compilation_cache_interface import CacheInterface
 
+from torchtpu import settings
 from torchtpu.runtime import cache_policy, map_room
 from torchtpu.runtime.cache_entry import MAGIC as MAGIC  # (re-exported: the format's)
 from torchtpu.runtime.cache_entry import (
@@ -405,7 +406,7 @@ def flush(timeout: float | None = None) -> bool:
 
 def max_bytes() -> int:
     """The cap ``TORCHTPU_CACHE_MAX_BYTES`` asks for (bytes, or with a K/M/G suffix); 0: none."""
-    raw = os.environ.get("TORCHTPU_CACHE_MAX_BYTES", "").strip().upper()
+    raw = (settings.CACHE_MAX_BYTES.get() or "").upper()
     if not raw:
         return DEFAULT_MAX_BYTES
     scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(raw[-1], 1)
@@ -415,15 +416,15 @@ def max_bytes() -> int:
     except ValueError:
         value = -1
     if value < 0:
-        raise ValueError(f"torchtpu.config: TORCHTPU_CACHE_MAX_BYTES={raw!r} is not a byte count "
-                         "(e.g. 1073741824, 512M, 2G; 0 for no limit)")
+        raise ValueError(f"torchtpu.config: {settings.CACHE_MAX_BYTES.name}={raw!r} is not a byte "
+                         "count (e.g. 1073741824, 512M, 2G; 0 for no limit)")
     return value
 
 
 def cache_dir() -> Path | None:
     """The cache directory the environment asks for; None when the cache is off."""
     shared = os.environ.get("TORCH_TPU_TIER3_COMPILATION_CACHE_ROOT")
-    chosen = os.environ.get("TORCHTPU_CACHE_DIR") or shared
+    chosen = settings.CACHE_DIR.get() or shared
     if chosen and chosen.strip().lower() in ("off", "0", "none"):
         return None
     if chosen:

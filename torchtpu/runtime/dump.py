@@ -20,11 +20,11 @@ XLA's own switches pass through ``XLA_FLAGS`` as with any JAX program (for examp
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from pathlib import Path
 
-ENV = "TORCHTPU_DUMP"
+from torchtpu import settings
+
 _lock = threading.Lock()
 _count = itertools.count()
 _installed: list = []
@@ -33,14 +33,15 @@ _every: list = []  # TORCHTPU_DUMP's directory
 
 def install() -> None:
     """Wrap JAX's compile once if ``TORCHTPU_DUMP`` names a directory (made if missing)."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = settings.DUMP.get()
     if not raw or _every:
         return
     out = Path(raw).expanduser()
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RuntimeError(f"torchtpu.config: {ENV}={raw!r} cannot be made a directory: "
+        raise RuntimeError(f"torchtpu.config: {settings.DUMP.name}={raw!r} cannot be made a "
+                           "directory: "
                            f"{e.strerror}") from None
     _every.append(out)
     install_wrapper()

@@ -17,19 +17,17 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import sys
 import threading
 import time
 
-ENV = "TORCHTPU_NOTICES"
-SLOW_ENV = "TORCHTPU_SLOW_COMPILE_S"
+from torchtpu import settings
 
 log = logging.getLogger("torchtpu.notices")
 
 
 def _on() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return settings.NOTICES.get()
 
 
 def _logger() -> logging.Logger:
@@ -60,17 +58,12 @@ def device_started(device, platform: str) -> None:
     processes = f", process {jax.process_index()} of {jax.process_count()}" \
         if jax.process_count() > 1 else ""
     _logger().info(f"device tpu:0 is {where}{processes}, JAX {jax.__version__}{also} "
-                   f"({ENV}=0 silences these lines)")
+                   f"({settings.NOTICES.name}=0 silences these lines)")
 
 
 def slow_after() -> float | None:
     """Seconds after which a compile is announced (None: never)."""
-    raw = os.environ.get(SLOW_ENV, "10").strip()
-    try:
-        seconds = float(raw)
-    except ValueError:
-        raise ValueError(f"torchtpu.config: {SLOW_ENV}={raw!r} is not a number of seconds") \
-            from None
+    seconds = settings.SLOW_COMPILE_S.get()
     return seconds if seconds > 0 and _on() else None
 
 
@@ -129,7 +122,7 @@ class _Watch:
                         _logger().info(
                             f"compiling {job.name}{_for(job.line)}, "
                             f"{now - job.start:.0f} s so far (XLA compiles each new program "
-                            f"once; {SLOW_ENV}=0 silences this)")
+                            f"once; {settings.SLOW_COMPILE_S.name}=0 silences this)")
                 due = [j.start + self.after for j in waiting if not j.announced]
                 self.cond.wait(timeout=max(0.001, min(due) - now) if due else None)
 

@@ -14,6 +14,8 @@ import os
 
 import jax
 
+from torchtpu import settings
+
 _PLATFORMS = ("tpu", "gpu", "cpu")
 
 
@@ -29,7 +31,11 @@ def _skip_absent_tpu() -> None:
     """
     from jax._src import xla_bridge
 
-    asked = os.environ.get("JAX_PLATFORMS") or os.environ.get("TORCHTPU_PLATFORM", "")
+    try:
+        wanted = settings.PLATFORM.get() or ""
+    except ValueError:  # it fails at the first device use (platform()), not at import
+        wanted = ""
+    asked = os.environ.get("JAX_PLATFORMS") or wanted
     if ("tpu" in asked.lower() or "tpu" not in xla_bridge._backend_factories
             or xla_bridge.backends_are_initialized()):
         return
@@ -87,13 +93,8 @@ def platform() -> str:
     from torchtpu.runtime import chips
 
     chips.check()  # a chip binding refused at import stops the first device use
-    wanted = os.environ.get("TORCHTPU_PLATFORM", "").strip().lower()
+    wanted = settings.PLATFORM.get()
     if wanted:
-        if wanted not in _PLATFORMS:
-            raise ValueError(
-                f"torchtpu.config: TORCHTPU_PLATFORM={wanted!r} is not one of "
-                f"{', '.join(_PLATFORMS)}"
-            )
         try:
             jax.devices(wanted)
         except RuntimeError as e:
@@ -180,7 +181,9 @@ def local_device():
         device = local[0]
     else:
         check_process_count(_slot[1])
-        index = _env_int(("TORCHTPU_LOCAL_DEVICE", "LOCAL_RANK"), 0)
+        index = settings.LOCAL_DEVICE.get()
+        if index is None:
+            index = _env_int(("LOCAL_RANK",), 0)
         if not 0 <= index < len(local):
             raise RuntimeError(
                 f"torchtpu.device: TORCHTPU_LOCAL_DEVICE/LOCAL_RANK={index} but this host has "

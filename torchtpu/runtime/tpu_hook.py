@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import os
 import queue
 import sys
 import threading
@@ -29,9 +28,9 @@ import traceback
 import warnings
 from pathlib import Path
 
+from torchtpu import settings
 from torchtpu.runtime import tpu_target
 
-ON_ERROR = "TORCHTPU_TPU_TARGET_ON_ERROR"
 _EXIT_WAIT_SECONDS = 60.0  # a large program compiles in tens of seconds on a loaded host
 
 
@@ -99,9 +98,9 @@ def install(name: str | None = None, on_error: str | None = None) -> None:
         if on_error is not None:
             _state.on_error = on_error
         return
-    on_error = on_error or os.environ.get(ON_ERROR, "raise").strip().lower() or "raise"
-    if on_error not in ("raise", "warn", "keep"):
-        raise ValueError(f"torchtpu.config: {ON_ERROR}={on_error!r} is not raise or warn")
+    on_error = on_error or settings.TPU_TARGET_ON_ERROR.get()
+    if on_error not in settings.TPU_TARGET_ON_ERROR.choices:
+        raise ValueError(f"torchtpu.argument: on_error={on_error!r} is not raise, warn or keep")
     tpu_target.target(name)  # a bad name or libtpu fails here, at import, not in a thread
     from jax._src import compiler
 

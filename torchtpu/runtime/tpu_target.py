@@ -35,6 +35,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
+from torchtpu import settings
 from torchtpu.runtime import stablehlo_facts
 from torchtpu.runtime.libtpu import (  # noqa: F401  (TargetError: the targets' error)
     TargetError,
@@ -42,11 +43,6 @@ from torchtpu.runtime.libtpu import (  # noqa: F401  (TargetError: the targets' 
     check_libtpu,
     compile_only_env,
 )
-
-ENV = "TORCHTPU_TPU_TARGET"
-# A folder: each program compiled for the target also writes its optimized HLO there (to diff
-# torchtpu's program against another's); a kept verdict is then not reused.
-DUMP_ENV = "TORCHTPU_TPU_DUMP"
 
 
 @dataclass(frozen=True)
@@ -83,7 +79,8 @@ CHIPS: dict[str, Chip] = {c.generation: c for c in (
 # the ones checked.
 KNOWN = ("v5e:1x1", "v5e:2x2", "v5e:2x4", "v5e:4x4", "v6e:2x2", "v6e:2x4", "v6e:4x4", "v5p:2x2x1",
          "v5p:2x2x2", "v6e:1x1", "v4:2x2x1", "v3:2x2", "v2:2x2", "tpu7x:2x2x1")
-DEFAULT = "v5e:2x2"  # what the explicit compile functions use when neither a name nor ENV is given
+# what the explicit compile functions use when neither a name nor TORCHTPU_TPU_TARGET is given
+DEFAULT = "v5e:2x2"
 _NAME = re.compile(r"^([a-z0-9]+):(\d+(?:x\d+){1,2})$")
 
 
@@ -103,7 +100,7 @@ class Target:
 
 def target_name() -> str | None:
     """The topology ``TORCHTPU_TPU_TARGET`` names (None when unset), checked for its form."""
-    raw = os.environ.get(ENV, "").strip()
+    raw = settings.TPU_TARGET.get()
     if not raw or raw.lower() in ("0", "off", "none"):
         return None
     return check_name(raw)
@@ -237,7 +234,7 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
     key = hashlib.sha256(b"\0".join([data, t.name.encode(), str(n).encode(),
                                      _fingerprint().encode(), compiler_options.key().encode()])
                          ).hexdigest()
-    dump = os.environ.get(DUMP_ENV)
+    dump = settings.TPU_DUMP.get()
     path = dump and os.path.join(dump, f"{_file_name(report.name)}.{key[:8]}")
     # Dumping, a program is compiled again unless this process wrote its file there already.
     found = (_results.get(key) if os.path.exists(f"{path}.hlo.txt") else None) if dump \

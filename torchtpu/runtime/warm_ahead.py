@@ -28,15 +28,13 @@ loaded by the same key, so results are the same either way.
 from __future__ import annotations
 
 import atexit
-import os
 import sys
 import threading
 from collections.abc import Callable
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.runtime import map_room
 
-ENV = "TORCHTPU_LOAD_AHEAD"
 MAX_KEYS = 1024  # in a list (each loaded is ~0.4 MiB of host memory on XLA:CPU)
 WINDOW = 128  # keys loaded past the furthest listed key the process asked for
 EXIT_WAIT_SECONDS = 10.0  # one load is milliseconds; the thread stops between loads
@@ -44,7 +42,7 @@ _CLAIMED = object()  # a caller loads the key itself
 
 
 def enabled() -> bool:
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+    return settings.LOAD_AHEAD.get()
 
 
 def command() -> tuple:

@@ -12,7 +12,6 @@ import argparse
 import collections
 import contextlib
 import dataclasses
-import os
 import re
 import signal
 import sys
@@ -22,6 +21,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TextIO
 
+from torchtpu import settings
 from torchtpu.testing.compare import assert_same
 
 MISSING = re.compile(r"aten op '([^']+)' has no tpu lowering")
@@ -182,18 +182,11 @@ def check_samples(result: Result, samples: Iterable[Any], check: Callable[[Any],
 
 @contextlib.contextmanager
 def fallback_as_error() -> Iterator[None]:
-    """TORCHTPU_CPU_FALLBACK=error (restored after), and the samples' warnings silenced."""
-    previous = os.environ.get("TORCHTPU_CPU_FALLBACK")
-    os.environ["TORCHTPU_CPU_FALLBACK"] = "error"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield
-    finally:
-        if previous is None:
-            os.environ.pop("TORCHTPU_CPU_FALLBACK", None)
-        else:
-            os.environ["TORCHTPU_CPU_FALLBACK"] = previous
+    """The CPU fallback refused (as ``TORCHTPU_CPU_FALLBACK=error``), and the samples' warnings
+    silenced."""
+    with settings.CPU_FALLBACK.overridden("error"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def run_each(items: Iterable[Any], names: Callable[[Any], Iterable[str]],

@@ -29,14 +29,16 @@ float32 whatever dtype it was saved in (``bench/grpo.py --model``: a 0.5B-class 
 
 from __future__ import annotations
 
+import contextlib
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
 import torch
 from jax import monitoring
+
+from torchtpu import settings
 
 # Colocated vLLM, one prompt (two completions) a step, contexts of at most 32 tokens: the engine
 # captures the step shapes a step meets, when it meets them (integrations/trl.py).
@@ -284,9 +286,8 @@ if __name__ == "__main__":
     flags = sys.argv[4:]
     model_dir = next((f[len("model="):] for f in flags if f.startswith("model=")), None)
     options = VLLM_OPTIONS if vllm else VLLM_BATCH if "vllmbatch" in flags else None
-    if "strict" in flags:
-        os.environ["TORCHTPU_TRL_DEFER"] = "0"
-    out = run(device, steps, folder, use_vllm=vllm, options=options,
-              pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags,
-              model_dir=model_dir)
+    with settings.TRL_DEFER.overridden(False) if "strict" in flags else contextlib.nullcontext():
+        out = run(device, steps, folder, use_vllm=vllm, options=options,
+                  pad=None if "nopad" in flags else "auto", watch="nowatch" not in flags,
+                  model_dir=model_dir)
     print("GRPO_RESULT " + json.dumps(out))

@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+from torchtpu import settings
 from torchtpu.integrations.vllm.server import free_port
 
 # nothing large travels through Ray's object store here (Ray's default: 30% of the host's memory)
@@ -32,8 +33,8 @@ def local_serve(devices: int, env: dict[str, str] | None = None) -> Iterator[str
     import ray
     from ray import serve
 
-    env = {"PYTHONPATH": os.pathsep.join(sys.path), "TORCHTPU_PLATFORM": "cpu",
-           "JAX_PLATFORMS": "cpu",
+    env = {"PYTHONPATH": os.pathsep.join(sys.path), "JAX_PLATFORMS": "cpu",
+           **settings.child_env({settings.PLATFORM: "cpu"}),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **(env or {})}
     ray.init(num_cpus=4, resources={"TPU": devices}, include_dashboard=False,
              log_to_driver=False, runtime_env={"env_vars": env},

@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from torchtpu import settings
+
 PROMPTS = ["a", "bcd", "hello", "xyz12345", "tpu!", "grpo runs", "qq", "abcdefghij"]
 STEP_LINE = re.compile(r"step:(\d+) - (.*)$")
 
@@ -119,7 +121,8 @@ def run(folder: str | Path, steps: int, *, timeout: float = 1500, extra: list[st
     # this torchtpu in the driver and in every Ray worker (an editable install may name another)
     root = str(Path(torchtpu.__file__).resolve().parents[1])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-    env = {**os.environ, "PYTHONPATH": path, "TORCHTPU_VLLM": "1", "VERL_PLATFORM": "tpu",
+    env = {**os.environ, **settings.child_env({settings.VLLM: True}), "PYTHONPATH": path,
+           "VERL_PLATFORM": "tpu",
            "RAY_DEDUP_LOGS": "0", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     # Ray's sockets live under its session folder and a socket path has at most 107 bytes
     ray_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")

@@ -35,13 +35,13 @@ import sys
 import torch
 from torch import nn
 
+from torchtpu import settings
 from torchtpu.commands import ToolError
 from torchtpu.distributed.spawn import run
 from torchtpu.runtime import tpu_hook, tpu_target
 from torchtpu.tools import aot_step
 from torchtpu.tools.target import load
 
-TIMEOUT_SECONDS = 1800.0  # every rank's host steps and TPU compiles, on a loaded machine
 _STYLES = ("colwise", "rowwise")
 
 
@@ -160,13 +160,12 @@ def report(model: nn.Module, inputs: tuple, *, target: tpu_target.Target, step: 
     if tp > 1:
         tp_plan(model)  # a missing plan fails here, not in every rank
     source = ("script", script) if script else ("objects", model, inputs)
-    env = {"TORCHTPU_DIST_TRANSPORT": "xla", tpu_target.ENV: target.name,
-           tpu_hook.ON_ERROR: "keep"}
+    env = settings.child_env({settings.DIST_TRANSPORT: "xla", settings.TPU_TARGET: target.name,
+                              settings.TPU_TARGET_ON_ERROR: "keep"})
     try:
         with _stdout_to_stderr():
             results = run(_rank, world, args=(source, target.name, step, mode, tp, warmup),
-                          env=env, timeout=float(os.environ.get("TORCHTPU_AOT_TIMEOUT",
-                                                                TIMEOUT_SECONDS)),
+                          env=env, timeout=settings.AOT_TIMEOUT.get(),
                           pg_timeout=600)
     except Exception as e:  # noqa: BLE001 (a rank's failure, with its traceback's last line)
         lines = [x for x in str(e).strip().splitlines() if x.strip()]

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import torch
 
-from torchtpu import errors, metrics
+from torchtpu import errors, metrics, settings
 from torchtpu.commands import describe
 from torchtpu.commands import main as tool_main
 from torchtpu.runtime import cache_check, compile_cache, platform
@@ -37,15 +37,12 @@ from torchtpu.tools import render
 # extra's (torch 2.14.1 for torchvision; tests/test_timm.py and the core tests run on it).
 TESTED = (("2.13.0", "0.10.2", "0.10.2"), ("2.14.1", "0.10.2", "0.10.2"))
 _PACKAGE = Path(__file__).resolve().parents[1]
-_NAME = re.compile(r"\b(?:TORCHTPU|TORCH_TPU)_[A-Z0-9_]+\b")
-# Settings with a closed set of values; the others take paths, sizes or indices.
+_NAME = re.compile(r"\bTORCH_TPU_[A-Z0-9_]+\b")
+# The reference's and PyTorch's settings with a closed set of values (torchtpu's own TORCHTPU_*
+# ones are checked by their declarations in ``torchtpu.settings``).
 _VALUES = {
-    "TORCHTPU_PLATFORM": ("tpu", "gpu", "cpu"),
-    "TORCHTPU_CPU_FALLBACK": ("warn", "error", "silent"),
-    "TORCHTPU_DIST_TRANSPORT": ("xla", "host"),
     "TORCH_TPU_LAUNCH_BLOCKING": ("0", "1"),
     "TORCH_TPU_DEFER_AND_FUSE": ("0", "1"),
-    "TORCHTPU_DEBUG_NANS": ("0", "1"),
     "TORCH_DEVICE_BACKEND_AUTOLOAD": ("0", "1"),
 }
 _ALSO_SHOWN = ("TORCH_DEVICE_BACKEND_AUTOLOAD", "LOCAL_RANK", "JAX_PLATFORMS", "XLA_FLAGS")
@@ -152,11 +149,23 @@ def check_cache(prune: bool = False) -> tuple[Check, dict]:
 
 
 def _known_names() -> set:
-    """Every TORCHTPU_* / TORCH_TPU_* name torchtpu's own source reads."""
-    names = set(_VALUES)
+    """Every TORCHTPU_* / TORCH_TPU_* name torchtpu reads (TORCH_TPU_* ones: from its source)."""
+    names = set(_VALUES) | {s.name for s in settings.declared()}
     for file in _PACKAGE.rglob("*.py"):
         names.update(_NAME.findall(file.read_text(errors="replace")))
     return names
+
+
+def _invalid(name: str, value: str) -> str | None:
+    """What torchtpu's setting name accepts where value is not that (else None)."""
+    try:
+        setting = settings.named(name)
+        setting.parse(value)
+    except KeyError:  # not a TORCHTPU_ setting
+        return None
+    except ValueError:
+        return setting.accepted
+    return None
 
 
 def check_environment() -> tuple[list, dict]:
@@ -165,7 +174,11 @@ def check_environment() -> tuple[list, dict]:
     known, found = _known_names(), []
     for name, value in shown.items():
         allowed = _VALUES.get(name)
-        if allowed and value.strip().lower() not in allowed:
+        accepted = _invalid(name, value)
+        if accepted:
+            found.append(Check(f"env {name}", "error", f"{name}={value!r} is not accepted",
+                               f"use {accepted}"))
+        elif allowed and value.strip().lower() not in allowed:
             found.append(Check(f"env {name}", "error", f"{name}={value!r} is not accepted",
                                f"use one of {', '.join(allowed)}"))
         elif name.startswith(("TORCHTPU_", "TORCH_TPU_")) and name not in known:

@@ -6,11 +6,11 @@ require grad; ops without a lowering run on CPU quietly meanwhile (the reports l
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 from torch.utils._pytree import tree_leaves
 
+from torchtpu import settings
 from torchtpu.commands import ToolError
 
 
@@ -30,18 +30,10 @@ def run(model, inputs, backward: bool):
     return out
 
 
-@contextlib.contextmanager
-def fallbacks_allowed():
-    """Ops without a lowering run on CPU, quietly: the report lists them."""
-    old = os.environ.get("TORCHTPU_CPU_FALLBACK")
-    os.environ["TORCHTPU_CPU_FALLBACK"] = "silent"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TORCHTPU_CPU_FALLBACK"]
-        else:
-            os.environ["TORCHTPU_CPU_FALLBACK"] = old
+def fallbacks_allowed() -> contextlib.AbstractContextManager:
+    """Ops without a lowering run on CPU, quietly: the report lists them (the fallback policy's
+    scoped override, not the user's environment)."""
+    return settings.CPU_FALLBACK.overridden("silent")
 
 
 def to_tpu(x):

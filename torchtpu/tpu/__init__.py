@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from torchtpu import settings
 from torchtpu.device import asserts as _asserts
 from torchtpu.device import memory as _memory
 from torchtpu.device import ownership as _ownership
@@ -207,7 +208,7 @@ def _set_dump_on_cache_miss(enable: bool = True, directory: str | None = None) -
     import os
     import tempfile
 
-    directory = directory or os.environ.get("TORCHTPU_DUMP") or \
+    directory = directory or settings.DUMP.get() or \
         os.path.join(tempfile.gettempdir(), "torchtpu-cache-misses")
     _cache_policy.set_dump_misses(directory)
 

@@ -12,6 +12,7 @@ As with vLLM, SGLang keeps its own platforms unless this environment opted in
 
 from __future__ import annotations
 
+from torchtpu import settings
 from torchtpu.integrations import engine_opt_in
 
 PLATFORM = "torchtpu.integrations.sglang.platform.TpuSRTPlatform"
@@ -21,9 +22,9 @@ MARKER = engine_opt_in.marker("sglang")
 
 def enabled() -> bool:
     """Whether SGLang should run on device "tpu" here (``TORCHTPU_SGLANG``, else ``MARKER``)."""
-    return engine_opt_in.enabled("TORCHTPU_SGLANG", MARKER)
+    return engine_opt_in.enabled(settings.SGLANG, MARKER)
 
 
 def activate() -> str | None:
     """SGLang's platform hook: the platform's class path, or None to leave SGLang's own."""
-    return engine_opt_in.platform_if_enabled("SGLang", "TORCHTPU_SGLANG", MARKER, PLATFORM)
+    return engine_opt_in.platform_if_enabled("SGLang", settings.SGLANG, MARKER, PLATFORM)

@@ -25,6 +25,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from torchtpu import settings
 from torchtpu.integrations import engine_opt_in
 from torchtpu.integrations.sglang import MARKER
 
@@ -87,7 +88,7 @@ def main() -> None:
     check = ("import torch, sglang, torchvision; "
              "print('sglang', sglang.__version__, 'torch', torch.__version__)")
     subprocess.run([sys.executable, "-c", check], check=True)
-    engine_opt_in.mark("SGLang", "TORCHTPU_SGLANG", MARKER)
+    engine_opt_in.mark("SGLang", settings.SGLANG, MARKER)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ none of its engine behind; Serve starts a new replica on the freed device.
 from __future__ import annotations
 
 import functools
-import os
 
+from torchtpu import settings
 from torchtpu.integrations import ray_serve
 
 # SGLang's finish reasons ("length", "stop", "abort") as OpenAI's
@@ -36,7 +36,7 @@ def _deployment():
             import sglang
 
             self.device = ray_serve.claim_device("SGLang")
-            os.environ["TORCHTPU_SGLANG"] = "1"
+            settings.SGLANG.export(True)
             self.model = model
             self.engine = sglang.Engine(model_path=model, device="tpu", **engine_args)
 

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 
+from torchtpu import settings
 from torchtpu.integrations.vllm.server import free_port, spawn, stop, wait_healthy
 
 # float32 as Hugging Face loads the tiny test models; a KV pool a few requests fill
@@ -33,7 +34,7 @@ def command(model: str, port: int,
         while store == port:
             store = free_port()
         args = (*args, "--nccl-port", str(store))
-    env = {**os.environ, "TORCHTPU_SGLANG": "1"}
+    env = {**os.environ, **settings.child_env({settings.SGLANG: True})}
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--device", "tpu",
            "--host", "127.0.0.1", "--port", str(port), *args]
     return cmd, env

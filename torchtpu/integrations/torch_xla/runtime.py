@@ -16,6 +16,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from torchtpu import settings
 from torchtpu.integrations.torch_xla import _missing
 
 _spmd = [False]
@@ -109,7 +110,7 @@ def is_spmd() -> bool:
 def initialize_cache(path: str, readonly: bool = False) -> None:
     """PyTorch/XLA's persistent cache switch: torchtpu's compile cache is always on
     (``TORCHTPU_CACHE_DIR``); a path other than that one is refused."""
-    configured = os.environ.get("TORCHTPU_CACHE_DIR")
+    configured = settings.CACHE_DIR.get()
     if configured is not None and os.path.abspath(configured) != os.path.abspath(path):
         raise ValueError(f"torchtpu.config: xr.initialize_cache({path!r}) but TORCHTPU_CACHE_DIR "
                          f"is {configured!r}; set TORCHTPU_CACHE_DIR={path} before starting")

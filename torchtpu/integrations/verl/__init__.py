@@ -51,6 +51,8 @@ import math
 from contextlib import contextmanager
 from typing import Any
 
+from torchtpu import settings
+
 NAME = "tpu"
 RESOURCE = "TPU"  # Ray's resource for a tpu device (see the module doc)
 
@@ -133,7 +135,7 @@ def platform_class() -> type:
             return False
 
         def rollout_env_vars(self) -> dict[str, str]:
-            return {"TORCHTPU_VLLM": "1"}
+            return settings.child_env({settings.VLLM: True})
 
         def cudart(self) -> Any:
             return None

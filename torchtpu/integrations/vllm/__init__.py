@@ -12,6 +12,7 @@ on which PJRT platform.
 
 from __future__ import annotations
 
+from torchtpu import settings
 from torchtpu.integrations import engine_opt_in
 
 PLATFORM = "torchtpu.integrations.vllm.platform.TpuPlatform"
@@ -21,9 +22,9 @@ MARKER = engine_opt_in.marker("vllm")
 
 def enabled() -> bool:
     """Whether vLLM should run on device "tpu" here (``TORCHTPU_VLLM``, else ``MARKER``)."""
-    return engine_opt_in.enabled("TORCHTPU_VLLM", MARKER)
+    return engine_opt_in.enabled(settings.VLLM, MARKER)
 
 
 def register() -> str | None:
     """vLLM's platform hook: the platform's class path, or None to leave vLLM's own."""
-    return engine_opt_in.platform_if_enabled("vLLM", "TORCHTPU_VLLM", MARKER, PLATFORM)
+    return engine_opt_in.platform_if_enabled("vLLM", settings.VLLM, MARKER, PLATFORM)

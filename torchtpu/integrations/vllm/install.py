@@ -14,6 +14,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from torchtpu import settings
 from torchtpu.integrations import engine_opt_in
 from torchtpu.integrations.vllm import MARKER
 
@@ -36,7 +37,7 @@ def main() -> None:
     for cmd in commands():
         print("+", " ".join(cmd), flush=True)
         subprocess.run(cmd, check=True)
-    engine_opt_in.mark("vLLM", "TORCHTPU_VLLM", MARKER)
+    engine_opt_in.mark("vLLM", settings.VLLM, MARKER)
 
 
 if __name__ == "__main__":

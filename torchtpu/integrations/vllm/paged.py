@@ -30,13 +30,11 @@ combined head), the kernel scaling the keys and values it reads.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-ENV = "TORCHTPU_VLLM_PAGED"
-MODES = ("auto", "on", "off")
+from torchtpu import settings
+
 LANES = 128
 # a sequence's pages the kernel's scalar core addresses well (JAX's tuned table keeps <= 16);
 # pages from 16 tokens (vLLM's default) to 256 (vLLM's TPU backend's largest)
@@ -70,15 +68,14 @@ def enabled(head_size: int, num_kv_heads: int, kv_cache_dtype: str) -> bool:
     """Whether a layer of these heads runs the paged kernel (see the module doc)."""
     from torchtpu.runtime import platform
 
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in MODES:
-        raise ValueError(f"torchtpu.config: {ENV}={mode!r} is not one of {', '.join(MODES)}")
+    mode = settings.VLLM_PAGED.get()
     if mode == "off":
         return False
     problem = why_not(head_size, num_kv_heads, kv_cache_dtype)
     if mode == "on" and problem:
-        raise ValueError(f"torchtpu.argument: {ENV}=on, but the paged attention kernel cannot "
-                         f"serve this model: {problem}; unset {ENV} for the gathered path")
+        name = settings.VLLM_PAGED.name
+        raise ValueError(f"torchtpu.argument: {name}=on, but the paged attention kernel cannot "
+                         f"serve this model: {problem}; unset {name} for the gathered path")
     return problem is None and (mode == "on" or platform.platform() == "tpu")
 
 

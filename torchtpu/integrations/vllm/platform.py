@@ -16,6 +16,8 @@ from vllm.logger import init_logger
 from vllm.platforms.interface import Platform, PlatformEnum
 from vllm.v1.attention.backends.registry import register_backend
 
+from torchtpu import settings
+
 # vLLM's CPU platform's KV-cache setting (GiB), honoured where device memory is host memory
 KV_SPACE_ENV = "VLLM_CPU_KVCACHE_SPACE"
 # with neither it nor kv_cache_memory_bytes: this much, or half the memory free, if less
@@ -26,9 +28,6 @@ HOST_KV_FIT = "torchtpu_host_kv_fit"
 WORKER = "torchtpu.integrations.vllm.worker.TpuWorker"
 ATTENTION = "torchtpu.integrations.vllm.attention.TpuAttentionBackend"
 COMMUNICATOR = "torchtpu.integrations.vllm.communicator.TpuCommunicator"
-# "0": vLLM's async scheduling off; else as vLLM resolves it (on by default where it supports
-# it), off where torchtpu cannot prepare the steps on the host (``_async_off``)
-ASYNC_ENV = "TORCHTPU_VLLM_ASYNC"
 log = init_logger(__name__)
 # vLLM names every backend by a member of its enum; an out-of-tree one adds its own
 register_backend("TORCHTPU_ATTN", ATTENTION)
@@ -43,7 +42,7 @@ class TpuPlatform(Platform):
     # vLLM's device groups are torchtpu's process groups (communicator.py); vLLM makes a gloo
     # group beside each for host-side coordination
     dist_backend: str = "tpu_dist"
-    device_control_env_var: str = "TORCHTPU_VISIBLE_DEVICES"
+    device_control_env_var: str = settings.VISIBLE_DEVICES.name
     simple_compile_backend: str = "eager"
     supported_quantization: list[str] = []
 
@@ -163,8 +162,8 @@ def _async_off(vllm_config) -> str | None:
     """Why this engine's steps cannot be async-scheduled on "tpu" (None: they can): the user
     turned it off, or a feature whose steps are not prepared on the host
     (``HostSteps._steps_on_host``, known from the configuration)."""
-    if os.environ.get(ASYNC_ENV, "1").strip() == "0":
-        return f"{ASYNC_ENV}=0"
+    if not settings.VLLM_ASYNC.get():
+        return f"{settings.VLLM_ASYNC.name}=0"
     model, parallel = getattr(vllm_config, "model_config", None), vllm_config.parallel_config
     features = {
         "speculative decoding": getattr(vllm_config, "speculative_config", None) is not None,

@@ -18,10 +18,9 @@ import threading
 import time
 import uuid
 
+from torchtpu import settings
 from torchtpu.integrations import ray_serve
 
-# set in the replica for its engine processes: the pid they must not outlive
-PARENT_ENV = "TORCHTPU_VLLM_PARENT_PID"
 # small enough for two tiny engines on one host (on XLA:CPU the KV cache is then sized by what
 # the engine holds: platform.fit_host_kv_cache); a caller's engine_args override these
 ENGINE_DEFAULTS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4,
@@ -30,13 +29,13 @@ ENGINE_DEFAULTS = {"dtype": "float32", "max_model_len": 256, "max_num_seqs": 4,
 
 def watch_parent() -> None:
     """In an engine process started by a replica: exit once the replica's process is gone."""
-    parent = os.environ.get(PARENT_ENV)
-    if not parent or int(parent) == os.getpid():
+    parent = settings.VLLM_PARENT_PID.get()
+    if parent is None or parent == os.getpid():
         return
 
     def watch() -> None:
         while True:
-            if os.getppid() != int(parent):
+            if os.getppid() != parent:
                 os._exit(1)
             time.sleep(0.5)
 
@@ -57,8 +56,8 @@ def _deployment():
             from vllm.v1.engine.async_llm import AsyncLLM
 
             self.device = ray_serve.claim_device("vLLM")
-            os.environ["TORCHTPU_VLLM"] = "1"
-            os.environ[PARENT_ENV] = str(os.getpid())
+            settings.VLLM.export(True)
+            settings.VLLM_PARENT_PID.export(os.getpid())
             self.model = model
             args = AsyncEngineArgs(model=model, **{**ENGINE_DEFAULTS, **engine_args})
             self.engine = AsyncLLM.from_engine_args(args)

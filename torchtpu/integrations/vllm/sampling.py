@@ -19,7 +19,6 @@ from the program's hidden rows and vLLM's sampler runs on them as on any step.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import numpy as np
 import torch
@@ -30,21 +29,16 @@ from vllm.v1.sample.logits_processor.builtin import (
     MinTokensLogitsProcessor,
 )
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.eager.capture import storage_of
+
 
 # "1" (default): an all-greedy decode step without logprobs or logits processors runs its
 # bucket's tokens-only program, both variants of each decode bucket compiled at start-up; "0":
 # every step writes its logits (half the decode compiles at start-up)
-TOKENS_ONLY_ENV = "TORCHTPU_VLLM_TOKENS_ONLY"
-
-
 def tokens_only_enabled() -> bool:
-    """Whether decode steps may run their tokens-only programs (:data:`TOKENS_ONLY_ENV`)."""
-    value = os.environ.get(TOKENS_ONLY_ENV, "1").strip() or "1"
-    if value not in ("0", "1"):
-        raise ValueError(f"torchtpu.config: {TOKENS_ONLY_ENV}={value!r} is not '0' or '1'")
-    return value == "1"
+    """Whether decode steps may run their tokens-only programs (``TORCHTPU_VLLM_TOKENS_ONLY``)."""
+    return settings.VLLM_TOKENS_ONLY.get()
 
 
 # vLLM's built-in processors that can change an argmax, each with the state that is empty when

@@ -24,6 +24,8 @@ import urllib.request
 from collections.abc import Iterator
 from typing import IO
 
+from torchtpu import settings
+
 # small enough for the host's reported free memory, as large as a few tiny-model requests need;
 # on tpu each step's forward is a captured program (``graphs.py``) unless --enforce-eager is added
 SERVE_ARGS = ("--dtype", "float32", "--max-model-len", "256",
@@ -55,7 +57,7 @@ def command(model: str, port: int, platform: str = "tpu",
     """The command line and environment of ``vllm serve model`` on ``platform`` at ``port``."""
     if platform not in ("tpu", "cpu"):
         raise ValueError(f"torchtpu.argument: platform={platform!r} is not 'tpu' or 'cpu'")
-    env = {**os.environ, "TORCHTPU_VLLM": "1" if platform == "tpu" else "0"}
+    env = {**os.environ, **settings.child_env({settings.VLLM: platform == "tpu"})}
     cmd = [sys.executable, "-m", "torchtpu.integrations.vllm.server", "serve", model,
            "--host", "127.0.0.1", "--port", str(port), *args]
     return cmd, env

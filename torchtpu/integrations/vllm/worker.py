@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import os
 import time
 
 import numpy as np
@@ -26,7 +25,7 @@ from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import CompilationTimes, Worker, init_worker_distributed_environment
 from vllm.v1.worker.utils import request_memory
 
-from torchtpu import metrics
+from torchtpu import metrics, settings
 from torchtpu.distributed import solo
 from torchtpu.integrations.vllm import preflight, ray_serve
 from torchtpu.integrations.vllm.async_output import TpuAsyncOutput
@@ -42,15 +41,6 @@ from torchtpu.runtime import platform
 
 log = init_logger(__name__)
 
-# "startup" (default): every step shape is captured and compiled before the engine serves;
-# "lazy": when a step first meets it
-CAPTURE_ENV = "TORCHTPU_VLLM_CAPTURE"
-# which kinds of per-layer weight go in one storage each (stacked.py): "vectors" (default: norms
-# and biases, no device cost), "1" (all: on the v5e, session 27, Qwen2.5-0.5B, batch 1's decode
-# step 1.90 -> 1.83 ms from fewer launch arguments, but batch 64's 4.35 -> 4.85 ms: XLA no
-# longer prefetches a layer's weight matrices), "0" (none)
-STACK_ENV = "TORCHTPU_VLLM_STACK"
-STACK_MODES = ("vectors", "1", "0")
 # vLLM's dummy sampler run (top-k, top-p and random sampling of max_num_seqs rows) holds at most
 # ~7.3 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
 # op on XLA:CPU; tests/test_vllm_graphs.py checks the figure still covers it); the profile holds
@@ -273,10 +263,11 @@ class TpuModelRunner(ProgramSampling, HostSteps, GPUModelRunner):
         super().load_model(*args, **kwargs)
         # Only where every step can be captured: a step run op by op would read each layer's
         # weight as a view of its own offset, a program per layer instead of one for all.
-        stack = os.environ.get(STACK_ENV, "vectors").strip() or "vectors"
-        if stack not in STACK_MODES:
-            raise ValueError(f"torchtpu.config: {STACK_ENV}={stack!r} is not one of "
-                             f"{', '.join(STACK_MODES)}")
+        # which kinds of per-layer weight go in one storage each (stacked.py): "vectors"
+        # (default: norms and biases, no device cost), "1" (all: on the v5e, session 27,
+        # Qwen2.5-0.5B, batch 1's decode step 1.90 -> 1.83 ms from fewer launch arguments, but
+        # batch 64's 4.35 -> 4.85 ms: XLA no longer prefetches a layer's weight matrices), "0"
+        stack = settings.VLLM_STACK.get()
         if self._host_steps_configured() and stack != "0":
             log.info("torchtpu: the layers' weights stacked (%s), %d storages fewer", stack,
                      stack_layer_weights(self.model, vectors_only=stack == "vectors"))
@@ -334,7 +325,8 @@ def _claim_local_device(local_rank: int, local_world_size: int) -> None:
     devices picks which one this process drives.
     """
     if local_world_size > 1:
-        os.environ.setdefault("TORCHTPU_LOCAL_DEVICE", str(local_rank))
+        if not settings.LOCAL_DEVICE.is_set():
+            settings.LOCAL_DEVICE.export(local_rank)
         platform.set_process_slot(local_rank, local_world_size)
 
 
@@ -442,10 +434,7 @@ class TpuWorker(Worker):
         # each program when it first runs, and the decode steps' programs here (start-up)
         set_random_seed(self.model_config.seed, self.parallel_config.data_parallel_index)
         start = time.perf_counter()
-        capture = os.environ.get(CAPTURE_ENV, "startup").strip().lower() or "startup"
-        if capture not in ("startup", "lazy"):
-            raise ValueError(f"torchtpu.config: {CAPTURE_ENV}={capture!r} is not 'startup' or "
-                             "'lazy'")
+        capture = settings.VLLM_CAPTURE.get()
         # lazy: each step shape compiles when a step first meets it (fewer compiles in all,
         # where a workload meets few shapes; requests then wait for them)
         decodes, prefills = self.model_runner.capture_steps() if capture == "startup" else (0, 0)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from torchtpu import settings
 from torchtpu.integrations.torch_xla import _missing
 
 _PROBE = ("import json, jax; d = jax.local_devices(); "
@@ -40,11 +41,12 @@ def device_count() -> int:
     for kind in ("TPU", "GPU", "CPU"):
         if os.environ.get(f"{kind}_NUM_DEVICES"):
             return int(os.environ[f"{kind}_NUM_DEVICES"])
-    if os.environ.get("TORCHTPU_PLATFORM", "").lower() == "cpu":
+    wanted = settings.PLATFORM.get()
+    if wanted == "cpu":
         return 1
     env = dict(os.environ)
-    if env.get("TORCHTPU_PLATFORM"):
-        env["JAX_PLATFORMS"] = env["TORCHTPU_PLATFORM"].lower()
+    if wanted:
+        env["JAX_PLATFORMS"] = wanted
     out = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
                          env=env, timeout=300)
     if out.returncode:
