@@ -90,7 +90,7 @@ def main(argv: list | None = None) -> dict:
     args = p.parse_args(argv)
     dump = args.dump or tempfile.mkdtemp(prefix="block_capture_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     tpu_target._twin_seconds = lambda parsed, devs, **_: (None, "")  # the dump's cycles only
     name = f"block_capture_{args.part}_{args.batch}x{args.length}"

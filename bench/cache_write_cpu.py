@@ -2,7 +2,7 @@
 
 JAX writes a new executable's cache entry on the thread that compiled it; torchtpu keeps only
 the serialization there and writes the rest (compress, read back, file) on a writer thread
-(``runtime/cache_writer.py``). This compiles the chip row's JAX twin (``bench/tpu_llama.py``'s
+(``cache/cache_writer.py``). This compiles the chip row's JAX twin (``bench/tpu_llama.py``'s
 step, naive attention) through JAX with an empty cache, and times the calling thread's CPU
 (``time.thread_time``) around the compile, beside the process's CPU and the cache write's seconds
 on each side (``cache_write_seconds``: the compiling thread's; ``cache_writer_seconds``: the
@@ -76,7 +76,7 @@ def one(target: str, layers: int, length: int, vocab: int, split: bool = False) 
     import torch
 
     import torchtpu
-    from torchtpu.runtime import compile_cache
+    from torchtpu.cache import compile_cache
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import jax_models
@@ -89,7 +89,7 @@ def one(target: str, layers: int, length: int, vocab: int, split: bool = False) 
     if target == "here":
         device = jax.devices()[0]
     else:
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
 
         device = tpu_target.target(target).devices[0]
     sharding = jax.sharding.SingleDeviceSharding(device)

@@ -74,7 +74,7 @@ def main(argv: list | None = None) -> dict:
     p.add_argument("--target", default=None, help="a TPU topology to compile for, e.g. v5e:1x1")
     a = p.parse_args(argv)
     if a.target:
-        from torchtpu.runtime import tpu_hook
+        from torchtpu.targets import tpu_hook
 
         tpu_hook.install(a.target, on_error="keep")
     c = LlamaConfig(vocab=a.vocab, dim=a.dim, layers=a.layers, heads=a.heads,

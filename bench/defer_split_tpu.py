@@ -33,7 +33,7 @@ from jax._src.lax.lax import _convert_element_type
 
 import torchtpu
 from torchtpu.eager import defer, fused_program
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 
 PROGRAMS: list = []  # per launch of the last step: (step, calls, report)

@@ -80,7 +80,7 @@ def main(argv: list | None = None) -> None:
     dump = tempfile.mkdtemp(prefix="heads_products_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     import torchtpu  # noqa: F401  (the lowering table)
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     for form in args.forms.split(","):
         fn, fn_args = block_gradients(product(form, args.length), args.batch, args.length)

@@ -177,7 +177,7 @@ def breakdown(hlo: str) -> dict:
 
 def compile_files(paths: list) -> None:
     dump = os.environ.setdefault("TORCHTPU_TPU_DUMP", tempfile.mkdtemp(prefix="layout_bisect_"))
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     for path in paths:
         name = os.path.basename(path).rsplit(".", 1)[0]

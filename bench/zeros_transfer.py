@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = p.parse_args(argv)
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     if args.tpu:
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
         tpu_target.compile_function(_zeros((8,), np.float32), target_name=args.tpu)  # libtpu up
     rows = []
     print(f"{'shape':>16s} {'dtype':>8s} {'MiB':>9s} {'compile ms':>11s} {'put ms':>8s} "

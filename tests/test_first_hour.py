@@ -11,7 +11,7 @@ import textwrap
 import pytest
 
 import torchtpu
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 
 # Children import the torchtpu this process imported (a checkout, not another install).
 _ROOT = os.path.dirname(os.path.dirname(torchtpu.__file__))

@@ -17,7 +17,7 @@ import textwrap
 import pytest
 import torch
 
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 
 needs_libtpu = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                                   reason="libtpu is not installed (pip install -e '.[tpu-aot]')")

@@ -210,7 +210,7 @@ def _running(label, fn) -> str:
 
 def _message(what: str, asked: int | None, in_use: int, cap: int | None,
              runtime: str | None = None) -> str:
-    from torchtpu.runtime.tpu_hook import user_line
+    from torchtpu.targets.tpu_hook import user_line
 
     line = user_line()
     head = f"torchtpu.memory: out of device memory {what}"

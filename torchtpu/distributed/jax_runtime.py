@@ -44,7 +44,7 @@ import torch.distributed as dist
 from jax._src import hardware_utils, xla_bridge
 
 from torchtpu.distributed import peers
-from torchtpu.runtime import libtpu, platform
+from torchtpu.runtime import environment, platform
 
 TRANSPORTS = ("xla", "host")
 ENV = "TORCHTPU_DIST_TRANSPORT"
@@ -103,7 +103,7 @@ def _accelerator_expected() -> bool:
     jax_platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if jax_platforms:
         return any(name in jax_platforms for name in ("tpu", "cuda", "rocm", "gpu"))
-    if _installed(("libtpu",)) and libtpu.tpu_attached():
+    if _installed(("libtpu",)) and environment.tpu_attached():
         return True
     gpu = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
            "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")

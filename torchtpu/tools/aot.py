@@ -2,7 +2,7 @@
 the TPU compiler's cost model say it runs. It compiles and estimates; nothing runs on a TPU.
 
 ``report(model, inputs, topology=..., step="forward"|"train", mode=...)`` runs the step on the host
-(as torchtpu runs it today) with the TPU target on (``runtime/tpu_hook.py``): every program the
+(as torchtpu runs it today) with the TPU target on (``targets/tpu_hook.py``): every program the
 step builds is also compiled for one chip of the topology. A few steps run first (the first
 compiles, the second makes the optimizer's state); one more runs under the JAX profiler, which
 says which programs ran and how often. The step's estimate adds, over those runs, the cost
@@ -39,7 +39,7 @@ import jax
 import torch
 from torch.utils._pytree import tree_map
 
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.tools import lanes, render
 from torchtpu.tools.target import ToolError, check, describe, load, loss_of
 from torchtpu.tools.target import main as tool_main

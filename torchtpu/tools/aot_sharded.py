@@ -3,7 +3,7 @@ programs compiled for its chip of an N-chip TPU target, collectives as TPU colle
 
 The ranks are N processes on this machine with tpu_dist's XLA transport
 (``TORCHTPU_DIST_TRANSPORT=xla``) and ``TORCHTPU_TPU_TARGET`` set, so every program a rank builds
-is also compiled for the target (``runtime/tpu_hook.py``): a program over k ranks' devices
+is also compiled for the target (``targets/tpu_hook.py``): a program over k ranks' devices
 (a compiled graph holding collectives, or an eager collective) as one SPMD program over k chips,
 a rank's own programs over one. Each rank measures its step as one process does
 (``aot.measure``); the report is per chip: the slowest rank's cost-model seconds, the largest
@@ -35,7 +35,7 @@ import sys
 import torch
 from torch import nn
 
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.tools.target import ToolError, load
 
 TIMEOUT_SECONDS = 1800.0  # every rank's host steps and TPU compiles, on a loaded machine

@@ -28,7 +28,8 @@ import jax
 import torch
 
 from torchtpu import errors, metrics
-from torchtpu.runtime import cache_check, compile_cache, platform
+from torchtpu.cache import cache_check, compile_cache
+from torchtpu.runtime import platform
 from torchtpu.tools import render
 from torchtpu.tools.target import describe
 from torchtpu.tools.target import main as tool_main

@@ -29,8 +29,8 @@ import jax
 import torch
 
 from torchtpu import metrics
+from torchtpu.cache import warm
 from torchtpu.device.hooks import HOOKS
-from torchtpu.runtime import warm
 
 # Frames in these directories are torchtpu's, PyTorch's, JAX's or the standard library's (JAX's
 # compile log reaches us through logging); the first frame outside them is the user's line.

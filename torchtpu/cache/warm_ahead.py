@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable
 
 from torchtpu import metrics
-from torchtpu.runtime import map_room
+from torchtpu.cache import map_room
 
 ENV = "TORCHTPU_LOAD_AHEAD"
 MAX_KEYS = 1024  # in a list (each loaded is ~0.4 MiB of host memory on XLA:CPU)
