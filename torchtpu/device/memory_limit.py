@@ -42,7 +42,7 @@ import jax
 import torch
 
 from torchtpu.device.hooks import HOOKS
-from torchtpu.runtime import platform
+from torchtpu.runtime import notices, platform
 
 ENV = "TORCHTPU_MEMORY_LIMIT"
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b))?$")
@@ -210,9 +210,7 @@ def _running(label, fn) -> str:
 
 def _message(what: str, asked: int | None, in_use: int, cap: int | None,
              runtime: str | None = None) -> str:
-    from torchtpu.targets.tpu_hook import user_line
-
-    line = user_line()
+    line = notices.user_line()
     head = f"torchtpu.memory: out of device memory {what}"
     head += f" (at {line})" if line else ""
     if runtime is None:
