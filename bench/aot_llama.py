@@ -63,7 +63,7 @@ def hlo_facts(text: str) -> dict:
 
 
 def _report_dict(r, dump: str | None) -> dict:
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     out = {"name": r.name, "compiles": r.compiles, "error": r.error,
            "seconds_ms": (r.seconds or 0) * 1e3, "seconds_twin": r.seconds_twin,
@@ -85,7 +85,7 @@ def _report_dict(r, dump: str | None) -> dict:
 def compiled_not_run(reports: list, target: str):
     """Every captured program compiled for the target and not run: its outputs are zeros."""
     from torchtpu.eager.capture import Captured
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     original = Captured.replay
 
@@ -129,7 +129,7 @@ def fused_not_run(reports: list, target: str):
     """Every DeferAndFuse program compiled for the target (once each) and not run: its outputs
     are zeros."""
     from torchtpu.device.hooks import HOOKS
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     previous, seen = HOOKS.launch_observer, set()
 
@@ -174,7 +174,7 @@ def deferred_step(length: int, layers: int, target: str, tokens: int = TOKENS, s
 
 def twin(length: int, layers: int, target: str, splash: bool, tokens: int = TOKENS,
          **dims):
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     c = tpu_llama.config(layers=layers, seq=length, **dims)
     attend = tpu_llama.splash_attention(512, 512, True) if splash else tpu_llama.naive_attention
@@ -210,7 +210,7 @@ def main(argv: list | None = None) -> dict:
                         "(each up to two more compiles): the dump's cycles only")
     args = p.parse_args(argv)
     if args.cycles_only:
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
 
         tpu_target._twin_seconds = lambda parsed, devs, **_: (None, "")
     dump = args.dump or tempfile.mkdtemp(prefix="aot_llama_")

@@ -104,7 +104,7 @@ def main(argv: list | None = None) -> dict:
     dump = tempfile.mkdtemp(prefix="attention_layouts_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     import torchtpu  # noqa: F401  (the lowering table)
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     mm = _table_products() if args.products == "table" else _bf16_products
     fn, fn_args = block_gradients(mm, args.batch, args.length, args.heads)

@@ -18,7 +18,7 @@ folder with the tiny Llama's byte-level tokenizer (``AutoTokenizer`` reads servi
 word-level one as Qwen2's, which encodes every prompt as no tokens). ``--kinds`` picks runs;
 ``--timeout`` bounds each (a chip call has 10 minutes). ``--folder DIR``: the runs' folder (default
 a new temporary one), named in each run's command line, so that runs of two invocations given
-the same one share their list of programs loaded ahead (``runtime/warm_ahead.py``): for
+the same one share their list of programs loaded ahead (``cache/warm_ahead.py``): for
 before/after rounds alternating two trees, each with its cache and folder. On the v5e chip, after
 ``bench/tpu_machine.sh unpack`` and ``bench/tpu_vllm.sh unpack`` (which bring TRL): the
 command in bench/RESULTS.md, "rl10".

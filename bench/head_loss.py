@@ -120,7 +120,7 @@ def main(argv: list | None = None) -> dict:
     dump = tempfile.mkdtemp(prefix="head_loss_")
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     import torchtpu  # noqa: F401  (the lowering table)
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     shapes = (jax.ShapeDtypeStruct((args.vocab, args.dim), F32),
               jax.ShapeDtypeStruct((args.tokens, args.dim), F32),

@@ -74,7 +74,7 @@ def main(argv: list | None = None) -> dict:
     os.environ["TORCHTPU_TPU_DUMP"] = dump
     import jax
 
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     tpu_target._twin_seconds = lambda parsed, devs, **_: (None, "")  # the dump's cycles only
     out: dict = {}

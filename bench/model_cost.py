@@ -1,6 +1,6 @@
 """The chip's "model" row compiled for the v5e, compile-only: ``torch.compile(model)`` with eager
 ``clip_grad_norm_`` and AdamW (``bench/on_tpu_llama.py --modes model``) in Strict, each program
-the step runs also compiled for one v5e chip (``runtime/tpu_hook.py``): each new program's
+the step runs also compiled for one v5e chip (``targets/tpu_hook.py``): each new program's
 cost-model seconds and bytes, the step it first ran in, and the last step's launches by name
 (``step_census``; a program compiled in an earlier step runs again under its name). Deterministic
 but for libtpu's own choices; run it in two trees to compare their programs (bench/RESULTS.md,
@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from torchtpu.runtime import tpu_hook
+from torchtpu.targets import tpu_hook
 
 
 def main(argv: list | None = None) -> list:

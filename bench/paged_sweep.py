@@ -119,7 +119,7 @@ def _index(batch: int, context: int):
 
 
 def _compile_only(q, kv, table, lens, cu, seqs, config) -> dict:
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     device = tpu_target.devices(1, "v5e:1x1")[0]
     placed = [jax.ShapeDtypeStruct(a.shape, a.dtype,

@@ -1,6 +1,6 @@
 """vLLM-TorchTPU's decode step programs and the JAX anchor's, compiled for v5e without a chip.
 
-The TPU compiler's own analysis (``torchtpu.runtime.tpu_target``: libtpu compile-only, a
+The TPU compiler's own analysis (``torchtpu.targets.tpu_target``: libtpu compile-only, a
 deterministic verdict) of the programs a decode step runs, beside the HBM roofline a decode step
 must pay (weights + the KV its requests attend, at 819 GB/s):
 
@@ -121,7 +121,7 @@ def part_anchor(args) -> dict:
     import jax.numpy as jnp
 
     from torchtpu import settings
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     out = {}
     for name in args.models:
@@ -176,7 +176,7 @@ def part_vllm(args) -> dict:
 
     from torchtpu import settings
     from torchtpu.eager import tpu_graph
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     # captured, not run: a replay would compile and run the step on this CPU
     tpu_graph.TPUGraph.replay = lambda self: None

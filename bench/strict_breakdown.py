@@ -9,7 +9,7 @@
 ``torchtpu.testing.llama``'s step (autocast bf16, backward, clipping, AdamW) after two warm-up
 steps, one step under ``testing/step_census.py``: launches, distinct programs, host waits,
 numbers crossing per launch, bytes moved each way, view copies, and every product's operand
-dtypes and precision. With a TPU target (``runtime/tpu_target.py``; the venv needs libtpu) one
+dtypes and precision. With a TPU target (``targets/tpu_target.py``; the venv needs libtpu) one
 more step runs under the JAX profiler and each program's run is costed by the TPU compiler's
 cost model: the step's device seconds on that chip, and the programs that take them. With
 ``--programs DIR`` each distinct program of the census's step is compiled for the target again
@@ -38,7 +38,7 @@ import torch
 
 import torchtpu
 from torchtpu import settings
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.testing.llama import Llama, LlamaConfig, train_step
 from torchtpu.testing.step_census import census
 

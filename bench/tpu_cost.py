@@ -13,7 +13,7 @@ torchtpu / JAX. The train step is ``torchtpu.aot``'s (loss, ``backward()``,
 ``torch.optim.AdamW(lr=1e-3)``, ``zero_grad()``), and the JAX port's the same AdamW. These
 figures are deterministic: no load noise. libtpu's cost model has no estimate for a program with
 any 64-bit op, and torch's token ids are int64: such a program's seconds are those of its
-64-bit-narrowed twin (``runtime/tpu_narrow.py``), on both sides; a row whose seconds are still
+64-bit-narrowed twin (``targets/tpu_narrow.py``), on both sides; a row whose seconds are still
 missing compares roofline times (marked ``*``: the larger of flops at the chip's bf16 peak and
 bytes at its HBM bandwidth).
 
@@ -29,7 +29,7 @@ only compiles) at the same batch.
                              [--gpt2 [--gpt2-from A,B] [--gpt2-batch N]]
                              [--json out.json]
 
-One target per process (``runtime/tpu_hook.py``), so each chip runs in a process of its own.
+One target per process (``targets/tpu_hook.py``), so each chip runs in a process of its own.
 Needs libtpu (``pip install -e '.[tpu-aot]'``).
 """
 
@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import torch
 
 import torchtpu.aot as aot
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 from torchtpu.testing import hf_rows
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

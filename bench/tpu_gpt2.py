@@ -17,7 +17,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 VOCAB, POSITIONS, WIDTH, HEADS = 50257, 1024, 768, 12

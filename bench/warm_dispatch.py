@@ -24,7 +24,7 @@ import jax.numpy as jnp
 os.environ["TORCHTPU_CACHE_DIR"] = tempfile.mkdtemp(prefix="warm_dispatch-")
 
 from torchtpu import metrics  # noqa: E402 (the cache directory is read at import)
-from torchtpu.runtime import warm, warm_keys  # noqa: E402
+from torchtpu.cache import warm, warm_keys  # noqa: E402
 
 
 def _add(a, b):

@@ -30,7 +30,7 @@ with warnings.catch_warnings(record=True) as at_import:
 import jax
 from jax._src import compilation_cache as jax_cache
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache
+from torchtpu.cache import compile_cache
 
 # One eager program each, new to the process (another op, not another size: eager calls of
 # growing sizes share one program per size bucket).

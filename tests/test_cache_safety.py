@@ -12,9 +12,9 @@ import warnings
 
 import pytest
 
-from torchtpu.runtime import cache_check, cache_entry, cache_writer, compile_cache
-from torchtpu.runtime.cache_entry import OTHER, READ_BACK, CompileCacheWarning, pack, parts
-from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
+from torchtpu.cache import cache_check, cache_entry, cache_writer, compile_cache
+from torchtpu.cache.cache_entry import OTHER, READ_BACK, CompileCacheWarning, pack, parts
+from torchtpu.cache.compile_cache import SUFFIX, EntryStore
 
 # test_index_reduce's kind of work: index_reduce over shapes, reduce modes and dtypes, each
 # result against CPU's. With MAPS_LEFT set, the process first takes all but that many of its
@@ -22,7 +22,7 @@ from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
 _SCRIPT = """
 import json, mmap, os, sys, warnings
 import torch, torchtpu
-from torchtpu.runtime import map_room
+from torchtpu.cache import map_room
 warnings.simplefilter("always")
 cases = [(n, reduce, dtype) for n in range(1, 9) for reduce in ("amax", "prod", "mean")
          for dtype in (torch.float32, torch.int32)]
@@ -198,7 +198,7 @@ def test_programs_over_several_processes_are_never_persisted(monkeypatch):
     """Their read-back would place them on this process's devices only, which XLA aborts."""
     from types import SimpleNamespace
 
-    from torchtpu.runtime import compile_cache
+    from torchtpu.cache import compile_cache
 
     def executable(head: str, local: int):
         module = SimpleNamespace(to_string=lambda: head + "\n\nENTRY main {}")

@@ -1,4 +1,4 @@
-"""Cache writes off the compiling thread (``runtime/cache_writer.py``): the entry the writer
+"""Cache writes off the compiling thread (``cache/cache_writer.py``): the entry the writer
 thread makes is the one a write on the compiling thread made, a program compiled again while
 its entry is pending finds it, and the bytes waiting for the writer are bounded. (That exit
 waits for a write under way: ``test_compile_cache``'s exit test.)"""
@@ -13,9 +13,9 @@ import pytest
 from jax._src import compilation_cache as jax_cache
 
 import torchtpu
-from torchtpu.runtime import cache_writer, compile_cache
-from torchtpu.runtime.cache_entry import READ_BACK, parts
-from torchtpu.runtime.compile_cache import EntryStore
+from torchtpu.cache import cache_writer, compile_cache
+from torchtpu.cache.cache_entry import READ_BACK, parts
+from torchtpu.cache.compile_cache import EntryStore
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ import warnings
 
 import pytest
 
-from torchtpu.runtime import cache_check, compile_cache
-from torchtpu.runtime.compile_cache import MAGIC, SUFFIX, CompileCacheWarning, EntryStore
+from torchtpu.cache import cache_check, compile_cache
+from torchtpu.cache.compile_cache import MAGIC, SUFFIX, CompileCacheWarning, EntryStore
 
 # One process's work: a compiled forward and backward of a small model, and two eager ops.
 _SCRIPT = """
@@ -196,7 +196,7 @@ def test_eviction_keeps_the_directory_under_its_cap_least_recently_used_first(tm
 _FILL_SCRIPT = """
 import sys
 from pathlib import Path
-from torchtpu.runtime.compile_cache import EntryStore
+from torchtpu.cache.compile_cache import EntryStore
 store = EntryStore(Path(sys.argv[1]), 20_000)
 for i in range(15):
     assert store.get(f"{sys.argv[2]}{i}") is None
@@ -253,7 +253,7 @@ _EXIT_SCRIPT = """
 import atexit, os, sys, threading, time
 import jax, numpy as np
 from jax._src import api
-from torchtpu.runtime import compile_cache
+from torchtpu.cache import compile_cache
 compile_cache.enable()  # and its exit handler
 
 def log(event):

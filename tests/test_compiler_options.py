@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import pytest
 import torch
 
-from torchtpu.runtime import compiler_options, warm, warm_keys
+from torchtpu.cache import warm, warm_keys
+from torchtpu.runtime import compiler_options
 
 
 def _programs(directory) -> set:

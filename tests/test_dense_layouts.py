@@ -143,7 +143,7 @@ def test_a_product_reads_a_transposed_gradient_as_typed_values_not_bytes():
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="libtpu is not installed (pip install -e '.[tpu-aot]')")
 def test_on_v5e_that_product_moves_no_more_bytes_than_one_of_plain_arrays():
-    from torchtpu.runtime import tpu_target
+    from torchtpu.targets import tpu_target
 
     b, t, h, d = 2, 512, 8, 128  # eight heads: as many as a v5e tile of bf16 rows holds
     fn, args = _product_of_a_transposed_gradient(b, t, h, d)

@@ -100,15 +100,15 @@ def test_default_transport_job_exits_cleanly(tmp_path):
 def test_an_installed_tpu_plugin_without_a_tpu_expects_no_accelerator(monkeypatch):
     from jax._src import hardware_utils
 
-    from torchtpu.runtime import libtpu
+    from torchtpu.runtime import environment
 
     for name in ("TORCHTPU_PLATFORM", "JAX_PLATFORMS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(jax_runtime, "_installed", lambda names: "libtpu" in names)
     monkeypatch.setattr(hardware_utils, "has_visible_nvidia_gpu", lambda: False)
-    monkeypatch.setattr(libtpu, "tpu_attached", lambda: False)
+    monkeypatch.setattr(environment, "tpu_attached", lambda: False)
     assert not jax_runtime._accelerator_expected()  # libtpu for compiling only: host
-    monkeypatch.setattr(libtpu, "tpu_attached", lambda: True)
+    monkeypatch.setattr(environment, "tpu_attached", lambda: True)
     assert jax_runtime._accelerator_expected()
     monkeypatch.setenv("JAX_PLATFORMS", "cpu")
     assert not jax_runtime._accelerator_expected()

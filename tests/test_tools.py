@@ -180,7 +180,7 @@ def test_watch_counts_a_program_the_warm_start_cache_held():
     import jax
     import jax.numpy as jnp
 
-    from torchtpu.runtime import warm
+    from torchtpu.cache import warm
 
     if not warm.cache_on():
         pytest.skip("the persistent cache is off (TORCHTPU_CACHE_DIR=off)")
@@ -227,7 +227,7 @@ def test_doctor_flags_bad_settings(monkeypatch):
 
 
 def test_doctor_reports_damaged_cache_entries(tmp_path, monkeypatch):
-    from torchtpu.runtime.compile_cache import SUFFIX, EntryStore
+    from torchtpu.cache.compile_cache import SUFFIX, EntryStore
 
     store = EntryStore(tmp_path)
     store.put("whole", b"payload")

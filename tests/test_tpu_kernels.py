@@ -20,7 +20,7 @@ from torchtpu.kernels.flash_attention import flash_attention_jax  # noqa: E402
 from torchtpu.kernels.ragged_paged_attention import _ragged_paged_attention  # noqa: E402
 from torchtpu.kernels.rms_norm import rms_norm_jax  # noqa: E402
 from torchtpu.lowering import attention  # noqa: E402
-from torchtpu.runtime import tpu_target  # noqa: E402
+from torchtpu.targets import tpu_target  # noqa: E402
 
 _TARGET = "v5e:2x2"
 

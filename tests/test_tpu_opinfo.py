@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from torchtpu import settings
-from torchtpu.runtime import tpu_target
+from torchtpu.targets import tpu_target
 from torchtpu.testing import tpu_opinfo
 
 

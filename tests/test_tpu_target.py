@@ -1,4 +1,4 @@
-"""TPU targets (runtime/tpu_target.py, runtime/libtpu.py, runtime/tpu_hook.py); the aot tool
+"""TPU targets (targets/tpu_target.py, runtime/libtpu.py, targets/tpu_hook.py); the aot tool
 is tests/test_tpu_aot.py's.
 
 Most tests need libtpu (the ``tpu-aot`` extra) and are skipped without it; CI's ``tpu`` stage
@@ -21,7 +21,8 @@ import pytest
 import torch
 
 from torchtpu import settings
-from torchtpu.runtime import libtpu, tpu_target
+from torchtpu.runtime import libtpu
+from torchtpu.targets import tpu_target
 
 HAVE_LIBTPU = importlib.util.find_spec("libtpu") is not None
 needs_libtpu = pytest.mark.skipif(not HAVE_LIBTPU, reason="libtpu is not installed "
@@ -78,7 +79,7 @@ def test_no_target_wraps_nothing():
     """Unset, the host's compile path is JAX's own: a target costs nothing when off."""
     from jax._src import compiler
 
-    from torchtpu.runtime import tpu_hook
+    from torchtpu.targets import tpu_hook
 
     if os.environ.get(settings.TPU_TARGET.name):
         pytest.skip("this process has a TPU target")
@@ -171,7 +172,7 @@ def test_a_process_first_function_is_lowered_as_its_later_ones(tmp_path):
     code = """\
         import json
         import jax, jax.numpy as jnp
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
         args = (jax.ShapeDtypeStruct((512, 512), jnp.float32),
                 jax.ShapeDtypeStruct((8,), jnp.float64))
         reports = []
@@ -246,7 +247,7 @@ def test_complex128_is_refused_before_libtpu_which_would_end_the_process(tmp_pat
     as complex64, as torch computes it, and compiles."""
     code = """\
         import torch
-        from torchtpu.runtime import tpu_hook
+        from torchtpu.targets import tpu_hook
         for dtype in (torch.complex64, torch.complex128):
             w = torch.randn(4, dtype=dtype, device="tpu")
             print((2j * w).abs().sum().item() > 0,
@@ -273,7 +274,7 @@ def test_svd_with_vectors_compiles_for_a_tpu(tmp_path):
     code = """\
         import jax, jax.numpy as jnp
         import torchtpu
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
         a = jax.ShapeDtypeStruct((5, 3), jnp.float32)
         svd = lambda a: jnp.linalg.svd(a, full_matrices=False)
         print([tpu_target.compile_function(f, a).compiles for f in (svd, jnp.linalg.pinv)])
@@ -308,7 +309,7 @@ def test_32_bit_svd_is_lowered_for_a_tpu_without_64_bit_values():
 def test_narrowed_programs_are_32_bit_or_none():
     import numpy as np
 
-    from torchtpu.runtime import tpu_narrow
+    from torchtpu.targets import tpu_narrow
 
     text = ("%0 = stablehlo.constant dense<0xFFF0000000000000> : tensor<f64>\n"
             "%1 = stablehlo.add %a, %a : tensor<8x4xi64>\n"
@@ -397,7 +398,7 @@ def _python(code: str, tmp_path, env: dict | None = None) -> subprocess.Complete
 
 _OPS = """\
     import json, torch
-    from torchtpu.runtime import tpu_hook
+    from torchtpu.targets import tpu_hook
     a = torch.randn(64, 128, device="tpu")
     b = (a @ a.T).relu().sum()
     torch.linalg.inv(torch.eye(4, device="tpu") * 2)
@@ -431,7 +432,7 @@ def test_a_refused_program_raises_naming_it_and_the_line(tmp_path):
         import torch
         x = torch.linalg.inv(torch.eye(4, device="tpu") * 2)
         torch.tpu.synchronize()
-        from torchtpu.runtime import tpu_hook
+        from torchtpu.targets import tpu_hook
         tpu_hook.wait()
     """
     run = _python(code, tmp_path, env={settings.TPU_TARGET.name: "v5e:2x2"})
@@ -465,7 +466,7 @@ def test_libtpu_without_target_or_tpu_is_quiet_and_cpu(tmp_path):
 def _all_reduce_on_target(rank, world):
     import torch.distributed as dist
 
-    from torchtpu.runtime import tpu_hook
+    from torchtpu.targets import tpu_hook
 
     tpu_hook.install("v5e:2x2", on_error="keep")
     x = torch.ones(256, 128, device="tpu") * (rank + 1)

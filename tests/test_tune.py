@@ -139,7 +139,7 @@ def test_on_a_tpu_target_each_trial_is_the_cost_models_time_and_reproduces(scrip
 
 def test_a_step_the_cost_model_cannot_time_is_a_failed_trial_naming_its_programs(monkeypatch):
     """A cost model's step time with programs left out would flatter the setting: none."""
-    from torchtpu.runtime.tpu_target import Report
+    from torchtpu.targets.tpu_target import Report
 
     def report(seconds, runs=3):
         step = aot_step.Step(seconds=seconds, flops=1.0, mfu=None, hbm_peak_bytes=1,

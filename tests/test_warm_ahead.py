@@ -1,4 +1,4 @@
-"""Loading ahead's bounds (runtime/warm_ahead.py), with stand-in loads: what the thread holds
+"""Loading ahead's bounds (cache/warm_ahead.py), with stand-in loads: what the thread holds
 untaken stays within its window past the process's asks, within the memory maps' room, and is
 dropped when map_room frees the caches of compiled programs."""
 
@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from torchtpu.runtime import map_room, warm_ahead
+from torchtpu.cache import map_room, warm_ahead
 
 
 @pytest.fixture(autouse=True)

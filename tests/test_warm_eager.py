@@ -1,4 +1,4 @@
-"""Strict's per-op programs in a new process (runtime/warm_dispatch.py): loaded by torchtpu's
+"""Strict's per-op programs in a new process (cache/warm_dispatch.py): loaded by torchtpu's
 own key, each op traced and lowered in the first process only, with lazy pointwise ops on (the
 default), and so are the device layer's own programs (a view read to the host, a strided write,
 a cast into a view: ``warm_dispatch.keyed``) and a mask's count and gather, each loaded ahead of
@@ -28,7 +28,7 @@ monitoring.register_event_duration_secs_listener(on)
 import os, types
 import torch, torchtpu
 from torch import nn
-from torchtpu.runtime import warm_dispatch
+from torchtpu.cache import warm_dispatch
 how = os.environ.get("BREAK_DISPATCH")  # JAX's entry point as another version could have it
 if how == "missing":
     warm_dispatch._jax = types.SimpleNamespace()
@@ -70,7 +70,7 @@ cpu = work("cpu")
 # the first program starts the thread that loads the last run's programs ahead: let it finish,
 # so that the work's loads count as found loaded or not, whatever the box's load
 torch.ones(2, device="tpu").sum().item()
-from torchtpu.runtime import warm, warm_ahead
+from torchtpu.cache import warm, warm_ahead
 ahead = warm._ahead_state[0] if warm._ahead_state else None
 if ahead is not None:  # (past its window the thread waits for the work: it would not end)
     assert len(ahead._keys) <= warm_ahead.WINDOW, len(ahead._keys)
@@ -186,8 +186,8 @@ def test_a_kept_meta_result_is_the_default_dtype_s(monkeypatch):
     another process's under float64."""
     import torch
 
+    from torchtpu.cache import warm
     from torchtpu.eager import facts, meta
-    from torchtpu.runtime import warm
 
     kept = facts.Facts("meta results")
     kept._known, kept._exit_pid = {}, os.getpid()  # (nothing read or written at exit)
@@ -210,8 +210,8 @@ def test_a_kept_meta_result_does_not_skip_cpus_dtype_check(monkeypatch):
     ``mm`` of bools and returned a product): the fact gives the shapes, CPU is still asked."""
     import torch
 
+    from torchtpu.cache import warm
     from torchtpu.eager import facts, meta, refusals
-    from torchtpu.runtime import warm
 
     kept = facts.Facts("meta results")
     kept._exit_pid = os.getpid()  # (nothing written at exit)

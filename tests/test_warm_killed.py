@@ -25,7 +25,7 @@ def on(event, seconds, **_):
         traces[0] += 1  # a fused program, or a recorded call's lowering traced for its shapes
 monitoring.register_event_duration_secs_listener(on)
 import torch, torchtpu
-from torchtpu.runtime import compile_cache
+from torchtpu.cache import compile_cache
 
 def step(device):
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Warm starts (runtime/warm.py): a new process loads captured programs by torchtpu's own key,
+"""Warm starts (cache/warm.py): a new process loads captured programs by torchtpu's own key,
 compiling and lowering nothing; a directory others can write gets no warm-start records.
 Dynamo's graphs (compile/graph_cache.py): found in PyTorch's caches in the private directory."""
 
@@ -16,8 +16,8 @@ import pytest
 from jax._src import compilation_cache as jax_cache
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, warm, warm_keys
-from torchtpu.runtime.compile_cache import CompileCacheWarning, EntryStore
+from torchtpu.cache import compile_cache, warm, warm_keys
+from torchtpu.cache.compile_cache import CompileCacheWarning, EntryStore
 
 
 def _child(kind: str) -> None:

@@ -2,10 +2,11 @@
 
 Importing torchtpu (or plain ``import torch``, through the ``torch.backends`` entry point)
 registers the device without importing JAX: the kernels and the lowering table load at the first
-tpu op (``registration.py``). Layers, one folder each, bottom up: ``runtime`` (PJRT platform and
-compile cache), ``device`` (tensors, storages, transfers, RNG, memory), ``lowering`` (the one
-ATen -> JAX table), ``eager`` (the executors), ``compile`` (the ``torch.compile`` backend),
-``distributed`` (the process-group backend ``tpu_dist``), ``testing`` (conformance against CPU).
+tpu op (``registration.py``). Layers, one folder each, bottom up: ``runtime`` (PJRT platform),
+``cache`` (compile cache, warm starts) and ``targets`` (compile-only TPU targets) above it,
+``device`` (tensors, storages, transfers, RNG, memory), ``lowering`` (the one ATen -> JAX table),
+``eager`` (the executors), ``compile`` (the ``torch.compile`` backend), ``distributed`` (the
+process-group backend ``tpu_dist``), ``testing`` (conformance against CPU).
 ``tpu`` is ``torch.tpu``, the face of all of them.
 """
 

@@ -250,6 +250,9 @@ def register() -> None:
         from torchtpu.runtime import environment
 
         environment.remember()  # what JAX's import sets is put back (no child inherits it)
+        from torchtpu.runtime import hooks
+
+        hooks.at_start(_start_rooms)  # the cache and the TPU target hook, as the platform starts
         from torchtpu.runtime import chips
 
         # Under torchrun with several processes on a TPU host each takes its chips before
@@ -279,6 +282,15 @@ def register() -> None:
         torch.Generator = Generator
         _install_parameter_swap()
         _state["light"] = True
+
+
+def _start_rooms() -> None:
+    """Load the rooms above the runtime as the platform starts (``runtime/hooks.start``): the
+    compile cache with its warm-start records and the TPU target hook, each plugging itself in
+    as it loads. Imported here, not at the top: they import JAX, which ``import torch`` must
+    not pay for."""
+    from torchtpu.cache import compile_cache, warm  # noqa: F401
+    from torchtpu.targets import tpu_hook  # noqa: F401
 
 
 def ensure_loaded() -> None:

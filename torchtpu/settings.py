@@ -322,7 +322,7 @@ CACHE_MAX_BYTES = Text(
 LOAD_AHEAD = Flag(
     "TORCHTPU_LOAD_AHEAD", True,
     "With a private cache directory, a process loads on a background thread the programs the "
-    "last process of the same command line used, in its order (`runtime/warm_ahead.py`; below).")
+    "last process of the same command line used, in its order (`cache/warm_ahead.py`; below).")
 DUMP = Text(
     "TORCHTPU_DUMP",
     "Write every program torchtpu builds to this directory as StableHLO and optimized HLO, each "

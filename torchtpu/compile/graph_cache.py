@@ -10,7 +10,7 @@ returning an ``OutputCode`` (``torch._inductor.output_code``) and the entry is *
 entry. ``TpuOutputCode`` is that output: the graph (through PyTorch's ``GraphPickler``, its
 fake-tensor metadata included), its kind and the options; after loading, ``post_compile``
 rebuilds the ``CompiledGraph`` from it, whose XLA program is then found in torchtpu's persistent
-cache (``runtime/compile_cache.py``) as any other.
+cache (``cache/compile_cache.py``) as any other.
 
 Dynamo's own tracing (the bytecode analysis, most of a warm first call) is still done, unless
 PyTorch's precompile is on (``torch._dynamo.config.caching_precompile``, or

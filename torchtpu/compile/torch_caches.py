@@ -31,7 +31,7 @@ import jax
 import torch
 
 from torchtpu import settings
-from torchtpu.runtime import compile_cache, warm, warm_keys
+from torchtpu.cache import compile_cache, warm, warm_keys
 
 KEEP = 4  # key directories kept (torch versions or torchtpu sources in use side by side)
 

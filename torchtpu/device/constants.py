@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from torchtpu.cache import warm_dispatch
 from torchtpu.device import launch
-from torchtpu.runtime import platform, transfer, warm_dispatch
+from torchtpu.runtime import platform, transfer
 
 # JAX's transfer guards that refuse an implicit host-to-device transfer.
 GUARDED = ("disallow", "disallow_explicit")

@@ -18,11 +18,12 @@ import numpy as np
 import torch
 
 from torchtpu import errors, metrics
+from torchtpu.cache import warm_dispatch
 from torchtpu.device import asserts, dtypes, launch, memory_limit, overlap, tensors
 from torchtpu.device import storage as storages
 from torchtpu.device.hooks import HOOKS, MISS
 from torchtpu.device.views import _bitcast_flat, read_view
-from torchtpu.runtime import platform, transfer, warm_dispatch
+from torchtpu.runtime import platform, transfer
 
 aten = torch.ops.aten
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)

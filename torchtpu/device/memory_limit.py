@@ -42,7 +42,7 @@ import torch
 
 from torchtpu import settings
 from torchtpu.device.hooks import HOOKS
-from torchtpu.runtime import platform
+from torchtpu.runtime import notices, platform
 
 _SIZE = re.compile(r"^(\d+(?:\.\d*)?|\.\d+)\s*(?:([kmgt])i?b?|(b))?$")
 _SHIFT = {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}
@@ -209,9 +209,7 @@ def _running(label, fn) -> str:
 
 def _message(what: str, asked: int | None, in_use: int, cap: int | None,
              runtime: str | None = None) -> str:
-    from torchtpu.runtime.tpu_hook import user_line
-
-    line = user_line()
+    line = notices.user_line()
     head = f"torchtpu.memory: out of device memory {what}"
     head += f" (at {line})" if line else ""
     if runtime is None:

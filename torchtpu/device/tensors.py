@@ -19,6 +19,7 @@ import torch
 from jax._src.array import ArrayImpl
 
 from torchtpu import metrics
+from torchtpu.cache import warm_dispatch
 from torchtpu.device import dtypes, launch, memory_history
 from torchtpu.device import storage as storages
 from torchtpu.device.constants import GUARDED, host_constant, zeros_program
@@ -37,7 +38,6 @@ from torchtpu.device.views import (
     write_run,
     write_view,
 )
-from torchtpu.runtime import warm_dispatch
 
 _CPU = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
 # The boxed handle directly: OpOverload.redispatch adds a Python frame and costs twice as much,

@@ -45,7 +45,7 @@ from jax._src import hardware_utils, xla_bridge
 
 from torchtpu import settings
 from torchtpu.distributed import peers
-from torchtpu.runtime import libtpu, platform
+from torchtpu.runtime import environment, platform
 
 TRANSPORTS = ("xla", "host")
 _ACCELERATORS = ("tpu", "gpu")
@@ -102,7 +102,7 @@ def _accelerator_expected() -> bool:
     jax_platforms = os.environ.get("JAX_PLATFORMS", "").strip().lower()
     if jax_platforms:
         return any(name in jax_platforms for name in ("tpu", "cuda", "rocm", "gpu"))
-    if _installed(("libtpu",)) and libtpu.tpu_attached():
+    if _installed(("libtpu",)) and environment.tpu_attached():
         return True
     gpu = ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm7_plugin",
            "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")

@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from torchtpu import metrics
+from torchtpu.cache import warm, warm_keys
 from torchtpu.device import constants, launch, ownership, storage, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import executor, facts, fed_pack, fused_program, read_forms, spanning
@@ -48,7 +49,6 @@ from torchtpu.eager.defer import RECORDER, Pending, Recorder, _identity
 from torchtpu.eager.program import Spec, program
 from torchtpu.eager.replay_io import CONST, FED, KEY, STORAGE, CaptureError, ReplayIO
 from torchtpu.lowering.registry import Lowering
-from torchtpu.runtime import warm, warm_keys
 
 # Called after an aborted capture gave every storage back what it held: Python state that the
 # aborted code advanced around those storages is rolled back by its owner (FSDP2's per-step
@@ -291,7 +291,7 @@ class Capture:
             fn = spanning.Spanning(self._spmd, replay, donate, self._collectives)
         else:
             # Keyed by what was recorded, so that a new process loads the executable without
-            # tracing or lowering the program (runtime/warm.py); its signature adds the shapes.
+            # tracing or lowering the program (cache/warm.py); its signature adds the shapes.
             key = warm_keys.key_of("captured", trace.nodes, wanted, donate, baked,
                               *((packed,) if packed else ()))
             fn = _program(replay, donate, key)

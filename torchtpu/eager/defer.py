@@ -57,13 +57,13 @@ import torch
 from jax._src.array import ArrayImpl
 
 from torchtpu import metrics, settings
+from torchtpu.cache import warm_keys
 from torchtpu.device import launch, ownership, tensors
 from torchtpu.device.hooks import HOOKS
 from torchtpu.eager import defer_split, frozen, fused_program, numbers, read_forms
 from torchtpu.eager.defer_signatures import abstract as _abstract
 from torchtpu.eager.defer_signatures import outputs as _outputs
 from torchtpu.eager.defer_signatures import signature as _signature
-from torchtpu.runtime import warm_keys
 
 MAX_OPS = 4000
 # Split at backward's start (``Recorder._split``) after this many calls outside it: the v5e chip

@@ -39,10 +39,10 @@ import jax
 from jax.extend.core import ClosedJaxpr, Jaxpr
 
 from torchtpu import metrics
+from torchtpu.cache import warm_keys
 from torchtpu.eager import defer_signatures as signatures
 from torchtpu.eager import program
 from torchtpu.lowering import registry
-from torchtpu.runtime import warm_keys
 
 # Primitives a recomputed call may use: each reads its inputs once and does little per element.
 _CHEAP = frozenset({

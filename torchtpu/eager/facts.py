@@ -6,14 +6,14 @@ runs; a call's first recording in a process finds them with ``jax.eval_shape``, 
 lowering: tens of milliseconds per op, most of a warm capture. An eager op call's first
 signature in a process runs PyTorch's meta kernel (``meta.infer``) and asks CPU whether it takes
 the dtypes (``refusals``): ~0.5 ms each, ~300 of them in a warm GRPO step's first step. Both are
-facts about a stable key (``runtime/warm.py``: an op's name and spec, a view geometry, an op and
+facts about a stable key (``cache/warm.py``: an op's name and spec, a view geometry, an op and
 its call key), so a process keeps them in a record of the cache directory per kind, read once,
 when the first call misses, and written back when a capture finishes, at exit, and on the way:
 with each new program's index entry (``warm.on_program_written``) and every ``FLUSH_FACTS`` new
 facts. A process killed after its first step (the chip's first GRPO try, past its time limit)
 left its programs by key but not the ~400 result shapes of its recordings, written at exit
 only: the next process traced each recorded call again (513 traces at its step 1). The writes
-run on the cache's writer thread (``runtime/cache_writer.py``), which the compiling thread only
+run on the cache's writer thread (``cache/cache_writer.py``), which the compiling thread only
 hands them to; a steady step, which learns nothing and builds nothing, writes nothing.
 """
 
@@ -28,8 +28,8 @@ import jax
 import torch
 
 from torchtpu import errors
-from torchtpu.runtime import warm, warm_keys
-from torchtpu.runtime.cache_writer import WRITES
+from torchtpu.cache import warm, warm_keys
+from torchtpu.cache.cache_writer import WRITES
 
 MAX_FACTS = 20000  # ~200 bytes each in a record
 # New facts written without waiting for a program (each write rewrites the whole record)

@@ -16,7 +16,7 @@ import sys
 import jax
 from jax._src.array import ArrayImpl
 
-from torchtpu.runtime import warm_dispatch, warm_keys
+from torchtpu.cache import warm_dispatch, warm_keys
 
 
 def replay(nodes: tuple, wanted: tuple):

@@ -67,10 +67,10 @@ import numpy as np
 import torch
 from jax._src.array import ArrayImpl
 
+from torchtpu.cache import warm_dispatch
 from torchtpu.device import autocast, dtypes, memory_limit, ownership, tensors
 from torchtpu.device.views import Geometry, check_in_bounds, read_view
 from torchtpu.eager.held_sources import arrays, flatten, lead
-from torchtpu.runtime import warm_dispatch
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _NP = {d: dtypes.to_jax(d) for d in _FLOATS}

@@ -13,10 +13,11 @@ import math
 import torch
 from torch._library import custom_ops
 
+from torchtpu.cache import warm
 from torchtpu.device import dtypes
 from torchtpu.eager import facts, refusals, schema
 from torchtpu.lowering.registry import channels_last_of
-from torchtpu.runtime import platform, warm
+from torchtpu.runtime import platform
 
 OpOverload = torch._ops.OpOverload
 

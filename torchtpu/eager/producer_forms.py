@@ -23,6 +23,7 @@ import functools
 
 import jax
 
+from torchtpu.cache import warm_keys
 from torchtpu.eager.program import (
     CONST,
     TENSOR,
@@ -33,7 +34,6 @@ from torchtpu.eager.program import (
     rebuild,
 )
 from torchtpu.lowering.registry import PRODUCER_FORMS, TABLE
-from torchtpu.runtime import warm_keys
 
 
 def _dynamic_index(spec: Spec, position: int) -> int | None:

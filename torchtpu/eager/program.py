@@ -14,12 +14,12 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchtpu.cache import warm_dispatch, warm_keys
 from torchtpu.device import dtypes
 from torchtpu.device.views import Geometry
 from torchtpu.eager import meta
 from torchtpu.eager.lazy_casts import Cast, check_read, read_input
 from torchtpu.lowering.registry import TABLE, Lowering
-from torchtpu.runtime import warm_dispatch, warm_keys
 
 # Spec entries, one per bound argument.
 TENSOR = "t"       # one array; payload: None, or how to read it: a view Geometry or a

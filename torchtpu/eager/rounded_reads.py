@@ -23,10 +23,11 @@ import inspect
 import jax
 import numpy as np
 
+from torchtpu.cache import warm_keys
 from torchtpu.device import kernels
 from torchtpu.eager.program import op_of
 from torchtpu.lowering.registry import ROUNDED_FAST
-from torchtpu.runtime import tpu_accuracy, warm_keys
+from torchtpu.runtime import tpu_accuracy
 
 _HALF = (np.dtype(jax.numpy.bfloat16), np.dtype(np.float16))
 

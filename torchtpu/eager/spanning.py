@@ -35,7 +35,7 @@ Before its first run every rank compares the program's collective signature (eac
 collective's op, parameters, shape and dtype, in order) through ``Spmd.check``: ranks that
 recorded different steps raise ``CollectiveMismatchError`` on every rank instead of deadlocking
 inside XLA. Such a program is neither written to the persistent cache nor found by a warm key:
-an executable spanning processes cannot be read back (``runtime/compile_cache.spans_processes``).
+an executable spanning processes cannot be read back (``cache/compile_cache.spans_processes``).
 """
 
 from __future__ import annotations

@@ -38,12 +38,12 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from torchtpu import errors
+from torchtpu.cache import warm_keys
 from torchtpu.device import dtypes
 from torchtpu.eager import dispatch, meta
 from torchtpu.kernels import donation, pallas_mode, signature
 from torchtpu.kernels.signature import Param, Signature
 from torchtpu.lowering.registry import lowers
-from torchtpu.runtime import warm_keys
 
 CustomOpDef = torch._library.custom_ops.CustomOpDef
 

@@ -14,7 +14,7 @@ XLA:GPU) without the author passing ``interpret=``.
   runs only on the CPU platform.
 
 A program is traced for a TPU when the platform is TPU or when a TPU target's compile
-(``runtime/tpu_target.py``) traces it with JAX's default device set to one of its compile-only
+(``targets/tpu_target.py``) traces it with JAX's default device set to one of its compile-only
 TPU devices (``for_tpu()``); its kernels then compile through Mosaic, on any host.
 
 Mosaic takes less than XLA, and torchtpu's JAX settings are XLA's: x64 on (torch's int64 and

@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 from jax import lax
 
+from torchtpu.cache import warm_dispatch
 from torchtpu.lowering.checks import out_of_bounds
 from torchtpu.lowering.padding import Mask, Refused, first, padded, val
 from torchtpu.lowering.registry import check, lowers, padding_rule
-from torchtpu.runtime import warm_dispatch
 
 aten = torch.ops.aten
 

@@ -92,7 +92,7 @@ def host_chips() -> Box | None:
     override = settings.TPU_HOST_CHIPS.get()
     if override:
         return _box(override, settings.TPU_HOST_CHIPS.name)
-    from jax._src import hardware_utils
+    from jax._src import hardware_utils  # (JAX: this module loads at import torch, without it)
 
     count = hardware_utils.num_available_tpu_chips_and_device_id()[0]
     if not count:
@@ -170,7 +170,7 @@ def wanted(local_size: int) -> Box | None:
 def bind(local_rank: int, local_size: int, host_index: int, addresses: list[str],
          chips: Box) -> dict[str, str]:
     """Set this process's variables (before JAX starts its TPU client); return them."""
-    from jax._src import xla_bridge
+    from jax._src import xla_bridge  # (JAX: this module loads at import torch, without it)
 
     if xla_bridge.backends_are_initialized():
         raise _fail("JAX's TPU client started before this process was given its chips (a tpu "

@@ -10,7 +10,8 @@ the order this process built them, and each file's first line names the user lin
 it. Every program reaches XLA through JAX's ``compile_or_get_cached``, so wrapping it once here
 covers every executor, the compiled path, captures, kernels and collectives. Unset, nothing is
 wrapped. ``torch.tpu._set_dump_on_cache_miss`` writes the same files for the programs the
-compile cache did not have (``cache_policy``).
+compile cache did not have (``cache/cache_policy.py`` sets the directory, ``dump_misses_to``, and
+names each miss, ``note_miss``).
 
 XLA's own switches pass through ``XLA_FLAGS`` as with any JAX program (for example
 ``--xla_dump_to=dir --xla_dump_hlo_pass_re=.*`` for every pass, ``--xla_cpu_enable_fast_math``,
@@ -23,12 +24,18 @@ import itertools
 import threading
 from pathlib import Path
 
+from jax._src import compiler
+from jax._src.interpreters import mlir
+
 from torchtpu import settings
+from torchtpu.runtime import notices
 
 _lock = threading.Lock()
 _count = itertools.count()
 _installed: list = []
 _every: list = []  # TORCHTPU_DUMP's directory
+_misses: list = []  # [the directory of the programs the compile cache missed], while set
+_miss = threading.local()  # set by note_miss(), read by the compile that follows (this thread)
 
 
 def install() -> None:
@@ -52,29 +59,50 @@ def active() -> bool:
     return bool(_every)
 
 
+def dump_misses_to(directory: Path | None) -> None:
+    """Write each program the compile cache misses to directory (None: stop); the cache says
+    which through ``note_miss`` (``cache/cache_policy.py``)."""
+    if directory is not None:
+        install_wrapper()
+    with _lock:
+        _misses[:] = [] if directory is None else [directory]
+
+
+def misses_directory() -> Path | None:
+    """Where the programs the compile cache misses are written (None: nowhere)."""
+    return (_misses or [None])[0]
+
+
+def note_miss(key: str) -> None:
+    """The compile cache had no entry for key: the compile under way on this thread is a miss."""
+    _miss.key = key
+
+
+def take_miss() -> str | None:
+    """The key this thread's last cache read missed (cleared)."""
+    key = getattr(_miss, "key", None)
+    _miss.key = None
+    return key
+
+
 def install_wrapper() -> None:
     """Wrap JAX's compile once: every program goes to ``TORCHTPU_DUMP``'s directory, and those
-    the compile cache missed to ``cache_policy.dump_misses()``'s (when set)."""
+    the compile cache missed to ``misses_directory()`` (when set)."""
     with _lock:
         if _installed:
             return
         _installed.append(True)
-    from jax._src import compiler
-    from jax._src.interpreters import mlir
-
-    from torchtpu.runtime import cache_policy
-
     original = compiler.compile_or_get_cached
 
     def compile_or_get_cached(backend, computation, devices, *args, **kwargs):
-        every, misses = (_every or [None])[0], cache_policy.dump_misses()
+        every, misses = (_every or [None])[0], misses_directory()
         if every is None and misses is None:
             return original(backend, computation, devices, *args, **kwargs)
         name = mlir.ir.StringAttr(computation.operation.attributes["sym_name"]).value
         stablehlo = mlir.module_to_string(computation)
-        cache_policy.take_miss()
+        take_miss()
         executable = original(backend, computation, devices, *args, **kwargs)
-        missed = cache_policy.take_miss() is not None
+        missed = take_miss() is not None
         for out in (every, misses if missed else None):
             if out is not None:
                 _write(out, name, backend, stablehlo, executable)
@@ -84,11 +112,9 @@ def install_wrapper() -> None:
 
 
 def _write(out: Path, name: str, backend, stablehlo: str, executable) -> None:
-    from torchtpu.runtime.tpu_hook import user_line
-
     with _lock:
         stem = out / f"{next(_count):05d}-{name}"
-    header = f"// built at {user_line() or '?'} on {backend.platform}\n"
+    header = f"// built at {notices.user_line() or '?'} on {backend.platform}\n"
     stem.with_suffix(".stablehlo.mlir").write_text(header + stablehlo)
     try:
         hlo = "\n".join(m.to_string() for m in executable.hlo_modules())

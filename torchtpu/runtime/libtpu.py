@@ -1,8 +1,9 @@
 """libtpu for TPU targets: the version JAX pins, whether a TPU is attached, and libtpu's settings
 for compiling without one.
 
-Kept apart from the target and its compiles (``tpu_target.py``) because the platform choice
-(``platform.py``) asks ``tpu_attached`` at import, before anything loads libtpu: with libtpu
+Kept apart from the target and its compiles (``targets/tpu_target.py``) because the platform
+(``jax_settings.py``) asks whether a TPU is attached (``environment.tpu_attached``) at import,
+before anything loads libtpu: with libtpu
 installed and no TPU here, JAX's TPU client is left out and libtpu, when a target loads it, gets
 neutral settings (no lock file taken, no TPU VM variables to miss), so it prints nothing. Those
 settings are environment variables that libtpu reads as it starts; they are set only while it
@@ -12,13 +13,14 @@ starts, so no child process inherits them (a child JAX program would think it ru
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib.metadata
 import os
 import re
 from collections.abc import Iterator
 
 import jax
+
+from torchtpu.runtime import environment
 
 
 class TargetError(RuntimeError):
@@ -54,23 +56,11 @@ def check_libtpu() -> str:
     return have
 
 
-def tpu_attached() -> bool:
-    """Whether this machine has a TPU (or says it is a TPU VM), checked without libtpu."""
-    if os.environ.get("TPU_ACCELERATOR_TYPE") or os.environ.get("JAX_FORCE_TPU_INIT"):
-        return True
-    # TPU VMs show their chips as /dev/accel* (v4 and older) or VFIO groups (v5e and newer).
-    if glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
-        return True
-    from jax._src import hardware_utils  # a scan of the PCI ids in /sys, no libtpu
-
-    return hardware_utils.num_available_tpu_chips_and_device_id()[0] > 0
-
-
 @contextlib.contextmanager
 def compile_only_env() -> Iterator[None]:
     """libtpu's settings for compiling without a TPU, in ``os.environ`` only while the block runs
     (libtpu starts inside it); a value the user set is kept. Nothing is set where a TPU is."""
-    if tpu_attached():
+    if environment.tpu_attached():
         yield
         return
     # No chip is opened, so the lock that keeps two processes off one TPU does not apply (without
@@ -80,8 +70,6 @@ def compile_only_env() -> Iterator[None]:
     settings = (("ALLOW_MULTIPLE_LIBTPU_LOAD", "1"), ("TPU_SKIP_MDS_QUERY", "1"),
                 ("TPU_ACCELERATOR_TYPE", "v5litepod-4"), ("TPU_WORKER_HOSTNAMES", "localhost"),
                 ("TPU_WORKER_ID", "0"))
-    from torchtpu.runtime import environment
-
     before = {name: os.environ.get(name) for name, _ in settings}
     for name, value in settings:
         os.environ.setdefault(name, value)

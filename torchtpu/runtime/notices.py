@@ -11,6 +11,9 @@ that take long.
 They go to the ``torchtpu.notices`` logger, which writes to stderr. ``TORCHTPU_NOTICES=0`` turns
 them all off (so does ``logging.getLogger("torchtpu.notices").setLevel(logging.WARNING)``);
 ``TORCHTPU_SLOW_COMPILE_S=0`` only the compile lines.
+
+``user_line`` finds the user's line that built a program (outside torchtpu, JAX, torch and the
+standard library), for these lines, the dump's headers and the TPU target's refusals.
 """
 
 from __future__ import annotations
@@ -20,6 +23,11 @@ import logging
 import sys
 import threading
 import time
+import traceback
+from pathlib import Path
+
+import jax
+import torch
 
 from torchtpu import settings
 
@@ -41,20 +49,24 @@ def _logger() -> logging.Logger:
     return log
 
 
+_device_notes: list = []  # what the rooms above add to the device's line
+
+
+def add_device_note(text: str) -> None:
+    """Add text to the line saying where "tpu" runs (the TPU target hook names its target)."""
+    if text not in _device_notes:
+        _device_notes.append(text)
+
+
 def device_started(device, platform: str) -> None:
     """Say once where "tpu" runs (called when the process's device is first chosen)."""
     if not _on():
         return
-    import jax
-
-    from torchtpu.runtime import tpu_target
-
     kind = getattr(device, "device_kind", "unknown")
     where = f"XLA:{platform.upper()} ({kind})"
     if platform == "cpu":
         where += ", a CPU standing in for a TPU"
-    target = tpu_target.target_name()
-    also = f"; every program is also compiled for the TPU target {target}" if target else ""
+    also = "".join(f"; {note}" for note in _device_notes)
     processes = f", process {jax.process_index()} of {jax.process_count()}" \
         if jax.process_count() > 1 else ""
     _logger().info(f"device tpu:0 is {where}{processes}, JAX {jax.__version__}{also} "
@@ -109,8 +121,6 @@ class _Watch:
                            f"{time.monotonic() - job.start:.1f} s")
 
     def _run(self) -> None:
-        from torchtpu.runtime.tpu_hook import user_line
-
         with self.cond:
             while True:
                 now = time.monotonic()
@@ -125,6 +135,21 @@ class _Watch:
                             f"once; {settings.SLOW_COMPILE_S.name}=0 silences this)")
                 due = [j.start + self.after for j in waiting if not j.announced]
                 self.cond.wait(timeout=max(0.001, min(due) - now) if due else None)
+
+
+_SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (
+    sys.modules["jax"], sys.modules["torchtpu"])) + (str(Path(threading.__file__).parent),)
+
+
+def user_line(frame=None) -> str | None:
+    """The innermost line outside torchtpu, JAX, torch and the standard library (of the stack
+    at frame, another thread's; default: here)."""
+    skip = (*_SKIP, str(Path(torch.__file__).resolve().parent))
+    for entry in reversed(traceback.extract_stack(frame or sys._getframe(1))):
+        path = str(Path(entry.filename).resolve()) if entry.filename[:1] != "<" else ""
+        if path and not path.startswith(skip):
+            return f"{entry.filename}:{entry.lineno}"
+    return None
 
 
 def install() -> None:

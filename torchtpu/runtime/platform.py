@@ -8,90 +8,33 @@ host's devices it is.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 
 import jax
 
 from torchtpu import settings
+from torchtpu.runtime import (
+    chips,
+    dump,
+    hooks,
+    jax_settings,  # noqa: F401  (its import makes the settings)
+    notices,
+)
+
+# torchtpu's JAX settings (``jax_settings``, made at its import) come first; then the rooms
+# above plug in (the compile cache, the TPU target hook: ``hooks.start``), and the dump and the
+# compile notices wrap JAX's compile around what they installed.
+hooks.start()
+dump.install()
+notices.install()
 
 _PLATFORMS = ("tpu", "gpu", "cpu")
-
-
-def _skip_absent_tpu() -> None:
-    """libtpu installed, no TPU here: keep JAX from starting its TPU client.
-
-    JAX tries every backend it knows at its first device query; with libtpu installed that
-    includes a TPU client, which on a machine without a TPU prints warnings and waits (38 s
-    measured at load ~8) before JAX falls back to CPU. So when nothing asks for a TPU (no
-    ``JAX_PLATFORMS``, no ``TORCHTPU_PLATFORM=tpu``) and none is attached (checked from the
-    device files and PCI ids, without libtpu), JAX's TPU backend is left out; compile-only TPU
-    targets (``tpu_target.py``) do not need it: they start libtpu with compile-only settings.
-    """
-    from jax._src import xla_bridge
-
-    try:
-        wanted = settings.PLATFORM.get() or ""
-    except ValueError:  # it fails at the first device use (platform()), not at import
-        wanted = ""
-    asked = os.environ.get("JAX_PLATFORMS") or wanted
-    if ("tpu" in asked.lower() or "tpu" not in xla_bridge._backend_factories
-            or xla_bridge.backends_are_initialized()):
-        return
-    from torchtpu.runtime import libtpu
-
-    if libtpu.tpu_attached():
-        return
-    # Replaced, not removed: "tpu" must stay a platform JAX knows (Pallas, checkify and Tokamax
-    # register TPU lowerings when imported); only its client must not start.
-
-    def absent():
-        raise RuntimeError("torchtpu.device: no TPU is attached (torchtpu leaves JAX's TPU client "
-                           "out)")
-
-    registration = xla_bridge._backend_factories["tpu"]
-    xla_bridge._backend_factories["tpu"] = dataclasses.replace(
-        registration, factory=absent, fail_quietly=True)
-
-
-def _configure_jax() -> None:
-    from torchtpu.runtime import chips
-
-    chips.bind_from_environment()  # before anything can start JAX's TPU client
-    _skip_absent_tpu()
-    # PyTorch semantics need real int64/float64; JAX's default truncates them to 32 bits.
-    jax.config.update("jax_enable_x64", True)
-    # PyTorch's float32 matmuls are exact float32 by default ("highest");
-    # torch.tpu.precision and torch.set_float32_matmul_precision change it.
-    jax.config.update("jax_default_matmul_precision", "highest")
-    from torchtpu.runtime import (
-        compile_cache,
-        compiler_options,
-        dump,
-        notices,
-        tpu_accuracy,
-        tpu_hook,
-        tpu_x64,
-    )
-
-    tpu_accuracy.install()
-    tpu_x64.install()
-    compile_cache.enable()
-    compiler_options.install()
-    tpu_hook.install()
-    dump.install()
-    notices.install()
-
-
-_configure_jax()
 
 
 @functools.cache
 def platform() -> str:
     """The JAX platform name this process uses ("tpu", "gpu" or "cpu")."""
-    from torchtpu.runtime import chips
-
     chips.check()  # a chip binding refused at import stops the first device use
     wanted = settings.PLATFORM.get()
     if wanted:
@@ -192,8 +135,6 @@ def local_device():
             )
         device = local[index]
     jax.config.update("jax_default_device", device)
-    from torchtpu.runtime import notices
-
     notices.device_started(device, platform())
     return device
 

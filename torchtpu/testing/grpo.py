@@ -9,7 +9,7 @@ rounding noise in near-zero gradients into full-size steps of its sign, which no
 survives), and prompts of lengths that change from step to step. It returns each step's logged
 reward, loss and gradient norm, its wall and process CPU time and how many programs it built or
 loaded (``torchtpu.metrics``; ``by_key``: those loaded by torchtpu's key; ``ahead``: of those,
-the ones loaded ahead of use, ``runtime/warm_ahead.py``), how many programs it ran
+the ones loaded ahead of use, ``cache/warm_ahead.py``), how many programs it ran
 (``executions``), how many functions JAX traced (``traced``: programs built, and calls' result
 shapes inferred, by tracing; none in a warm process whose programs all load by key), the eager
 mode it ran in (``mode``), the frames Dynamo traced in training (``dynamo_frames``), the

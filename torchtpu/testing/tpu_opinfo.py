@@ -4,7 +4,7 @@ takes, and what it refuses.
 ``python -m torchtpu.testing.tpu_opinfo [--topology v5e:2x2] [--ops REGEX] [--max-samples N]
 [--dtype float64] [--json FILE]`` runs PyTorch's OpInfo samples on tpu against CPU
 (``testing/opinfo.py``, forward mode) in Strict mode, one program per op, with the TPU target on
-(``runtime/tpu_hook.py``, refusals kept, not raised): every program the samples build is also
+(``targets/tpu_hook.py``, refusals kept, not raised): every program the samples build is also
 compiled for one chip of the target with libtpu (compile-only; nothing runs on a TPU). Each
 program is put in the family of the lowering it runs (the ``torchtpu.lowering`` module that
 registered its aten op: elementwise, reduction, linalg, ...); programs that run no lowering (view
@@ -72,7 +72,7 @@ def classify(reports: list, families: dict) -> dict:
 def run(ops: str | None = None, *, topology: str | None = None, max_samples: int = 1,
         dtype: torch.dtype = torch.float32, progress=None) -> dict:
     """OpInfos matching ops (all when None) through the target; see the module doc."""
-    from torchtpu.runtime import tpu_hook, tpu_target
+    from torchtpu.targets import tpu_hook, tpu_target
     from torchtpu.testing import opinfo
 
     name = tpu_target.target(topology).name

@@ -2,7 +2,7 @@
 the TPU compiler's cost model say it runs. It compiles and estimates; nothing runs on a TPU.
 
 ``report(model, inputs, topology=..., step="forward"|"train", mode=...)`` runs the step on the host
-(as torchtpu runs it today) with the TPU target on (``runtime/tpu_hook.py``): every program the
+(as torchtpu runs it today) with the TPU target on (``targets/tpu_hook.py``): every program the
 step builds is also compiled for one chip of the topology. A few steps run first (the first
 compiles, the second makes the optimizer's state); one more runs under the JAX profiler, which
 says which programs ran and how often. The step's estimate adds, over those runs, the cost
@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 
 from torchtpu.commands import ToolError, describe
 from torchtpu.commands import main as tool_main
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.tools import aot_sharded, render
 from torchtpu.tools.aot_step import AotReport, findings, measure, to_tpu
 from torchtpu.tools.target import check, load, loss_of

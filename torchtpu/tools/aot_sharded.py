@@ -3,7 +3,7 @@ programs compiled for its chip of an N-chip TPU target, collectives as TPU colle
 
 The ranks are N processes on this machine with tpu_dist's XLA transport
 (``TORCHTPU_DIST_TRANSPORT=xla``) and ``TORCHTPU_TPU_TARGET`` set, so every program a rank builds
-is also compiled for the target (``runtime/tpu_hook.py``): a program over k ranks' devices
+is also compiled for the target (``targets/tpu_hook.py``): a program over k ranks' devices
 (a compiled graph holding collectives, or an eager collective) as one SPMD program over k chips,
 a rank's own programs over one. Each rank measures its step as one process does
 (``aot_step.measure``); the report is per chip: the slowest rank's cost-model seconds, the largest
@@ -38,7 +38,7 @@ from torch import nn
 from torchtpu import settings
 from torchtpu.commands import ToolError
 from torchtpu.distributed.spawn import run
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.tools import aot_step
 from torchtpu.tools.target import load
 

@@ -28,9 +28,10 @@ import jax
 import torch
 
 from torchtpu import errors, metrics, settings
+from torchtpu.cache import cache_check, compile_cache
 from torchtpu.commands import describe
 from torchtpu.commands import main as tool_main
-from torchtpu.runtime import cache_check, compile_cache, platform
+from torchtpu.runtime import platform
 from torchtpu.tools import render
 
 # The dev extra's pins (pyproject.toml), the combination the test suite runs on, and the timm

@@ -293,7 +293,7 @@ def plan(model: torch.nn.Module, inputs, *, chips: int | None = None,
     chip = "given"
     if topology is not None:
         # the chip's figures only: no compile, so no libtpu needed
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
 
         try:
             name = tpu_target.check_name(topology)

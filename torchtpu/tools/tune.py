@@ -232,7 +232,7 @@ def tune(target: str, *, trials: int = 8, budget: float = 600.0, step: str = "tr
     if steps < 1 or warmup < 1:
         raise ToolError("--steps and --warmup are at least 1")
     if topology is not None:  # a bad name or no libtpu: said once, before any trial starts
-        from torchtpu.runtime import tpu_target
+        from torchtpu.targets import tpu_target
 
         try:
             tpu_target.target(topology)

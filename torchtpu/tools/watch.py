@@ -26,9 +26,9 @@ import types
 from dataclasses import dataclass, field
 
 from torchtpu import metrics
+from torchtpu.cache import warm
 from torchtpu.commands import user_frame
 from torchtpu.device.hooks import HOOKS
-from torchtpu.runtime import warm
 
 _FALLBACK_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "eager",
                               "fallback.py")

@@ -16,6 +16,8 @@ import types
 import torch
 
 from torchtpu import settings
+from torchtpu.cache import cache_policy as _cache_policy
+from torchtpu.cache import compile_cache as _compile_cache
 from torchtpu.device import asserts as _asserts
 from torchtpu.device import memory as _memory
 from torchtpu.device import ownership as _ownership
@@ -60,8 +62,6 @@ from torchtpu.eager import executor as _executor
 from torchtpu.eager import modes as _modes
 from torchtpu.eager.modes import EagerMode, set_eager_mode
 from torchtpu.layers import scan_layers
-from torchtpu.runtime import cache_policy as _cache_policy
-from torchtpu.runtime import compile_cache as _compile_cache
 from torchtpu.tpu.graphs import *  # noqa: F403 (TPUGraph, graph, make_graphed_callables, streams)
 from torchtpu.tpu.graphs import __all__ as _graphs_all
 from torchtpu.tpu.storages import *  # noqa: F403 (FloatStorage, ..., as torch.cuda's)

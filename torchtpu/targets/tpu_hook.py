@@ -5,10 +5,11 @@ The one place every program reaches is JAX's compile of it: ``compile_or_get_cac
 persistent one too). So per-op programs (Strict, Debug), DeferAndFuse's fused runs,
 ``torch.compile`` graphs, captured and whole-step programs, ``jax_op`` and Pallas kernels and
 ``tpu_dist``'s XLA collectives all get here without knowing of it. When a target is set,
-``install()`` (called once from ``platform.py``) wraps that function: after the host compile, the
-program's StableHLO is handed to one background thread that compiles it for the target
-(``tpu_target.compile_module``) over as many of its chips as the host program spans devices, so
-the host run waits for no TPU compile. Unset, nothing is wrapped: the host pays nothing.
+``install()`` (run once as the platform starts: ``runtime/hooks.at_start``) wraps that function:
+after the host compile, the program's StableHLO is handed to one background thread that compiles
+it for the target (``tpu_target.compile_module``) over as many of its chips as the host program
+spans devices, so the host run waits for no TPU compile. Unset, nothing is wrapped: the host
+pays nothing.
 
 A program the TPU compiler refuses is a ``torchtpu.tpu`` error naming the program, the user's
 line that built it and the compiler's message: raised at the next program the process compiles,
@@ -24,12 +25,11 @@ import hashlib
 import queue
 import sys
 import threading
-import traceback
 import warnings
-from pathlib import Path
 
 from torchtpu import settings
-from torchtpu.runtime import tpu_target
+from torchtpu.runtime import hooks, notices
+from torchtpu.targets import tpu_target
 
 _EXIT_WAIT_SECONDS = 60.0  # a large program compiles in tens of seconds on a loaded host
 
@@ -116,6 +116,9 @@ def install(name: str | None = None, on_error: str | None = None) -> None:
 
     compiler.compile_or_get_cached = compile_or_get_cached
     atexit.register(_at_exit)
+    # A program loaded by key would skip the compile this hook sees (``cache/warm.py``).
+    hooks.watch_every_compile("tpu_hook")
+    notices.add_device_note(f"every program is also compiled for the TPU target {name}")
 
 
 def _submit(computation, n: int) -> None:
@@ -139,7 +142,7 @@ def _submit(computation, n: int) -> None:
     computation.operation.attributes["sym_name"] = mlir.ir.StringAttr.get(
         module, context=computation.context)
     _renamed[module] = name
-    state.queue.put((data, name, module, n, user_line()))
+    state.queue.put((data, name, module, n, notices.user_line()))
 
 
 _renamed: dict = {}  # the names given here -> the builder's
@@ -178,23 +181,6 @@ def _kind(name: str) -> str:
         if bare.startswith(prefix):
             return kind
     return "program"
-
-
-_SKIP = tuple(str(Path(m.__file__).resolve().parent) for m in (
-    sys.modules["jax"], sys.modules["torchtpu"])) + (str(Path(threading.__file__).parent),)
-
-
-def user_line(frame=None) -> str | None:
-    """The innermost line outside torchtpu, JAX, torch and the standard library (of the stack
-    at frame, another thread's; default: here)."""
-    import torch
-
-    skip = (*_SKIP, str(Path(torch.__file__).resolve().parent))
-    for entry in reversed(traceback.extract_stack(frame or sys._getframe(1))):
-        path = str(Path(entry.filename).resolve()) if entry.filename[:1] != "<" else ""
-        if path and not path.startswith(skip):
-            return f"{entry.filename}:{entry.lineno}"
-    return None
 
 
 def wait(timeout: float | None = None) -> list:
@@ -249,3 +235,6 @@ def _at_exit() -> None:
                 f"{len(refused)} refused" + (f", {dropped} not compiled (the process exited "
                                              "first)" if dropped else ""))
         print(line + "".join(f"\n  {_refusal(r)}" for r in refused[:5]), file=sys.stderr)
+
+
+hooks.at_start(install)  # when the platform starts, or now if it has (the target's variable)

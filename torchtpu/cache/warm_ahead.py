@@ -33,7 +33,7 @@ import threading
 from collections.abc import Callable
 
 from torchtpu import metrics, settings
-from torchtpu.runtime import map_room
+from torchtpu.cache import map_room
 
 MAX_KEYS = 1024  # in a list (each loaded is ~0.4 MiB of host memory on XLA:CPU)
 WINDOW = 128  # keys loaded past the furthest listed key the process asked for

@@ -31,7 +31,8 @@ from jax._src.interpreters import pxla
 from jax._src.lib import _jax
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, dump, tpu_hook, warm, warm_keys
+from torchtpu.cache import compile_cache, warm, warm_keys
+from torchtpu.runtime import dump, hooks
 
 # (major, minor) versions of JAX whose private dispatch entry points this module was checked in.
 CHECKED = ((0, 10), (0, 11))
@@ -58,7 +59,8 @@ def dispatched(jitted):
         # arguments, such as zeros): the program is staged into that trace, as jit's call is,
         # not run and baked in as a constant. A dump asks for each program's text, which only a
         # trace writes.)
-        if (key[0] is None or not warm.cache_on() or tpu_hook.active() or dump.active()
+        if (key[0] is None or not warm.cache_on() or hooks.every_compile_watched()
+                or dump.active()
                 or not isinstance(core.trace_ctx.trace, core.EvalTrace)
                 or any(isinstance(x, core.Tracer) for x in jax.tree_util.tree_leaves(args))):
             return jitted._cache_miss(*args)

@@ -12,8 +12,9 @@ libtpu takes, ``CHIPS`` each generation's peak and HBM) and the compile itself:
 ``ShapeDtypeStruct``s, lowered for the TPU), ``compile_lowered`` for a ``jax.stages.Lowered``,
 ``compile_module`` for StableHLO (text, bytecode or an ``ir.Module``, lowered for any platform).
 Each returns a ``Report``. Results are kept per (module bytes, target, device count, libtpu)
-in this process and, when the persistent cache is on, as a record of it, so a program compiles
-for the TPU once. ``tpu_hook.py`` compiles every program torchtpu builds this way.
+in this process and, when the persistent cache is on, as a record of it (``runtime/hooks``'
+records, kept by the cache room), so a program compiles for the TPU once. ``tpu_hook.py``
+compiles every program torchtpu builds this way.
 
 libtpu itself (the version JAX pins, whether a TPU is attached, its compile-only settings) is
 ``libtpu.py``'s.
@@ -36,13 +37,22 @@ import jax
 import numpy as np
 
 from torchtpu import settings
-from torchtpu.runtime import stablehlo_facts
+
+# torchtpu's JAX settings (x64, float32 matmuls at "highest") before lowering: without them a
+# process's first call lowered another program than its later ones did (its float64 truncated,
+# its products at DEFAULT precision, which libtpu lays out otherwise).
+from torchtpu.runtime import (
+    compiler_options,
+    hooks,
+    jax_settings,  # noqa: F401  (its import makes the settings)
+)
 from torchtpu.runtime.libtpu import (  # noqa: F401  (TargetError: the targets' error)
     TargetError,
     _error,
     check_libtpu,
     compile_only_env,
 )
+from torchtpu.targets import stablehlo_facts, tpu_narrow
 
 
 @dataclass(frozen=True)
@@ -229,8 +239,7 @@ def compile_module(module, *, name: str | None = None, kind: str = "module", n: 
     report = Report(name=name or "program", kind=kind, target=t.name, devices=n,
                     chip=t.chip.device_kind, peak_flops=t.chip.device_peak_flops,
                     hbm_capacity_bytes=t.chip.device_hbm_bytes, line=line)
-    from torchtpu.runtime import compiler_options  # (what it compiles under is in the key)
-
+    # (what it compiles under is in the key)
     key = hashlib.sha256(b"\0".join([data, t.name.encode(), str(n).encode(),
                                      _fingerprint().encode(), compiler_options.key().encode()])
                          ).hexdigest()
@@ -327,8 +336,6 @@ def _twin_seconds(parsed, devs: tuple, sliced: bool = False) -> tuple[float | No
     from jax._src.interpreters import mlir
     from jax._src.lib import xla_client as xc
 
-    from torchtpu.runtime import tpu_narrow
-
     text = tpu_narrow.narrowed(parsed.operation.get_asm())
     module = parsed
     if text is not None:
@@ -397,11 +404,6 @@ def compile_function(fn, *args, name: str | None = None, kind: str = "function",
     device; give ``ShapeDtypeStruct``s with a ``NamedSharding`` over ``mesh(...)`` to compile
     across several devices (the report is per device).
     """
-    # torchtpu's JAX settings (x64, float32 matmuls at "highest": platform.py) before lowering:
-    # without them a process's first call lowered another program than its later ones did (its
-    # float64 truncated, its products at DEFAULT precision, which libtpu lays out otherwise).
-    from torchtpu.runtime import platform  # noqa: F401
-
     t = target(target_name)
     first = jax.sharding.SingleDeviceSharding(t.devices[0])
     placed, n = [], 1
@@ -448,18 +450,14 @@ def _fingerprint() -> str:
 
 
 def _read_record(key: str) -> dict | None:
-    from torchtpu.runtime import warm
-
     try:
-        return warm.read_record("tpu", key)
+        return hooks.read_record("tpu", key)
     except (ValueError, OSError):
         return None
 
 
 def _write_record(key: str, found: dict) -> None:
-    from torchtpu.runtime import warm
-
     try:
-        warm.write_record("tpu", key, json.loads(json.dumps(found)))
+        hooks.write_record("tpu", key, json.loads(json.dumps(found)))
     except (TypeError, OSError):
         pass  # the report stands; only its reuse across processes is lost

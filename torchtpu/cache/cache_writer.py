@@ -31,7 +31,7 @@ import warnings
 from collections.abc import Callable
 
 from torchtpu import metrics
-from torchtpu.runtime.cache_entry import CompileCacheWarning
+from torchtpu.cache.cache_entry import CompileCacheWarning
 
 EXIT_WAIT_SECONDS = 30.0  # a big program writes in seconds; a stuck write must not hang exit
 MAX_PENDING_BYTES = 512 << 20  # serialized executables waiting for the writer

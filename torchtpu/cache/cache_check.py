@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from torchtpu.runtime.cache_entry import problem_of
-from torchtpu.runtime.compile_cache import SUFFIX, cache_dir
+from torchtpu.cache.cache_entry import problem_of
+from torchtpu.cache.compile_cache import SUFFIX, cache_dir
 
 
 def verify(path: Path | None = None) -> dict:

@@ -89,9 +89,9 @@ from jax._src import compilation_cache as jax_cache
 from jax._src.compilation_cache_interface import CacheInterface
 
 from torchtpu import settings
-from torchtpu.runtime import cache_policy, map_room
-from torchtpu.runtime.cache_entry import MAGIC as MAGIC  # (re-exported: the format's)
-from torchtpu.runtime.cache_entry import (
+from torchtpu.cache import cache_policy, map_room
+from torchtpu.cache.cache_entry import MAGIC as MAGIC  # (re-exported: the format's)
+from torchtpu.cache.cache_entry import (
     OTHER,
     READ_BACK,
     CompileCacheWarning,
@@ -100,9 +100,10 @@ from torchtpu.runtime.cache_entry import (
     problem_of,
     read_back,
 )
-from torchtpu.runtime.cache_faults import Faults
-from torchtpu.runtime.cache_writer import WRITES, hand_off, writing
-from torchtpu.runtime.map_room import make_room
+from torchtpu.cache.cache_faults import Faults
+from torchtpu.cache.cache_writer import WRITES, hand_off, writing
+from torchtpu.cache.map_room import make_room
+from torchtpu.runtime import hooks
 
 SUFFIX = ".ttpu"
 DEFAULT_MAX_BYTES = 1 << 30
@@ -458,3 +459,6 @@ def store() -> EntryStore | None:
     """The store JAX writes through, or None when the cache is off."""
     cache = jax_cache._cache
     return cache if isinstance(cache, EntryStore) else None
+
+
+hooks.at_start(enable)  # when the platform starts, or now if it has

@@ -53,8 +53,11 @@ from jax._src.lib import xla_client as xc
 from jax.sharding import SingleDeviceSharding
 
 from torchtpu import metrics
-from torchtpu.runtime import compile_cache, compiler_options, tpu_hook, warm_ahead
-from torchtpu.runtime.warm_keys import Unstable, key_of
+
+# warm_keys as a module: importing it first starts the platform, whose start loads this module
+# (runtime/hooks.py), while warm_keys' names are not defined yet.
+from torchtpu.cache import compile_cache, warm_ahead, warm_keys
+from torchtpu.runtime import compiler_options, hooks
 
 # A program loaded by key is logged as JAX logs one it compiles: the watch tools count both (a
 # new shape every step costs a program whether a cache holds it or not).
@@ -147,7 +150,7 @@ def _encode(x):
         return "*"
     if type(x) in (tuple, list):
         return {"t" if type(x) is tuple else "l": [_encode(v) for v in x]}
-    raise Unstable(f"a {type(x).__name__} node")
+    raise warm_keys.Unstable(f"a {type(x).__name__} node")
 
 
 def decode_tree(encoded):
@@ -166,7 +169,7 @@ def _decode(x):
 
 def encode_aval(a) -> list:
     if not isinstance(a.dtype, np.dtype):
-        raise Unstable(f"dtype {a.dtype}")
+        raise warm_keys.Unstable(f"dtype {a.dtype}")
     return [list(a.shape), a.dtype.name, bool(getattr(a, "weak_type", False))]
 
 
@@ -242,7 +245,7 @@ class Program:
             return self._jitted(*args)
 
     def _prepare(self, args: tuple):
-        if self._key is None or not cache_on() or tpu_hook.active():
+        if self._key is None or not cache_on() or hooks.every_compile_watched():
             return self._jitted  # (a TPU target compiles what JAX compiles: no load by key)
         return compiled_for(self._jitted, self._key, args)
 
@@ -301,7 +304,7 @@ def _ahead() -> warm_ahead.Ahead | None:
         return _ahead_state[0]
     with _ahead_lock:
         if not _ahead_state:
-            manifest = key_of("manifest", warm_ahead.command())
+            manifest = warm_keys.key_of("manifest", warm_ahead.command())
             if manifest is None or not warm_ahead.enabled() or private_store() is None:
                 _ahead_state.append(None)
             else:
@@ -357,7 +360,7 @@ def _describe(compiled, asked: list) -> dict | None:
                 "in": [encode_aval(a) for a in u.input_avals],
                 "out": [encode_aval(a) for a in u.output_avals],
                 "out_tree": encode_tree(compiled.out_tree)}
-    except Unstable:
+    except warm_keys.Unstable:
         return None
 
 
@@ -398,3 +401,6 @@ def _load(entry: dict):
     args_tree = jax.tree_util.tree_structure((_decode(entry["args_tree"]), {}))
     return stages.Compiled(unloaded.load(), [], args_tree.unflatten(infos),
                            decode_tree(entry["out_tree"]), no_kwargs=True)
+
+
+hooks.keep_records(read_record, write_record)  # the TPU target's verdicts (targets/tpu_target.py)

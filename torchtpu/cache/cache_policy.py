@@ -13,14 +13,13 @@ The store asks ``reads()`` / ``writes()``, and JAX's executable reads call ``mis
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from jax._src import compilation_cache
 
-_lock = threading.Lock()
-_policy = {"allow": True, "only": False, "dump_misses": None}
-_miss = threading.local()  # set by missed(), read by the compile that follows (this thread)
+from torchtpu.runtime import dump
+
+_policy = {"allow": True, "only": False}
 
 
 class CacheOnlyMiss(compilation_cache.CacheVerificationError):
@@ -44,15 +43,11 @@ def set_dump_misses(directory: str | Path | None) -> None:
     if directory is not None:
         directory = Path(directory).expanduser()
         directory.mkdir(parents=True, exist_ok=True)
-        from torchtpu.runtime import dump
-
-        dump.install_wrapper()
-    with _lock:
-        _policy["dump_misses"] = directory
+    dump.dump_misses_to(directory)
 
 
 def dump_misses() -> Path | None:
-    return _policy["dump_misses"]
+    return dump.misses_directory()
 
 
 def reads() -> bool:
@@ -70,11 +65,4 @@ def missed(key: str) -> None:
             f"torchtpu.cache: torch.tpu._set_cache_only(True) is on and the program of cache key "
             f"{key} is not in the compile cache, so it is not compiled; run once without it to "
             "fill the cache, or call torch.tpu._set_cache_only(False)", key)
-    _miss.key = key
-
-
-def take_miss() -> str | None:
-    """The key this thread's last cache read missed (cleared)."""
-    key = getattr(_miss, "key", None)
-    _miss.key = None
-    return key
+    dump.note_miss(key)

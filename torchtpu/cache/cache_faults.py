@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from torchtpu import errors
-from torchtpu.runtime.cache_entry import CompileCacheWarning
+from torchtpu.cache.cache_entry import CompileCacheWarning
 
 RETRY_SECONDS = 60.0  # after a failed write: long enough to skip a burst of compiles
 

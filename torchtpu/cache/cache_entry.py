@@ -18,7 +18,7 @@ import warnings
 import jax
 from jax._src import compilation_cache as jax_cache
 
-from torchtpu.runtime.map_room import make_room
+from torchtpu.cache.map_room import make_room
 
 MAGIC = b"TTPU3"
 _FORMAT = b"TTPU"  # any version: an older one is replaced quietly
