@@ -144,27 +144,31 @@ def test_the_basement_rooms_import_downward_only():
     assert upward_imports(combined(*edges(ROOT))) == []
 
 
+def scratch_package(root: Path, sources: dict) -> Path:
+    """A package ``torchtpu`` under root with the given modules (path -> source), each folder a
+    package: a tree for the checks to be seen failing on."""
+    for path, source in {**sources, "__init__.py": ""}.items():
+        file = root / "torchtpu" / path
+        file.parent.mkdir(parents=True, exist_ok=True)
+        (file.parent / "__init__.py").touch()
+        file.write_text(source)
+    return root
+
+
 def test_the_room_check_sees_an_upward_import(tmp_path):
-    package = tmp_path / "torchtpu"
-    for room in ("runtime", "cache", "targets"):
-        (package / room).mkdir(parents=True)
-        (package / room / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "cache" / "a.py").write_text("from torchtpu.runtime import b\n")
-    (package / "runtime" / "b.py").write_text("def f():\n    from torchtpu.targets import c\n")
-    (package / "targets" / "c.py").write_text("from torchtpu.cache import a\n")
+    scratch_package(tmp_path, {
+        "cache/a.py": "from torchtpu.runtime import b\n",
+        "runtime/b.py": "def f():\n    from torchtpu.targets import c\n",
+        "targets/c.py": "from torchtpu.cache import a\n"})
     assert upward_imports(combined(*edges(tmp_path))) == [
         ("runtime.b", "targets.c"), ("targets.c", "cache.a")]
 
 
 def test_the_scan_sees_a_circle_through_a_relative_import(tmp_path):
-    package = tmp_path / "torchtpu" / "eager"
-    package.mkdir(parents=True)
-    (tmp_path / "torchtpu" / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "a.py").write_text("from . import b\n")
-    (package / "b.py").write_text("from torchtpu.eager.c import x\n")
-    (package / "c.py").write_text("def f():\n    from torchtpu.eager import a\n")
+    scratch_package(tmp_path, {
+        "eager/a.py": "from . import b\n",
+        "eager/b.py": "from torchtpu.eager.c import x\n",
+        "eager/c.py": "def f():\n    from torchtpu.eager import a\n"})
     top, local = edges(tmp_path)
     assert circles(top) == []
     assert circles(combined(top, local)) == [
@@ -236,14 +240,10 @@ def test_nothing_outside_testing_imports_testing():
 
 
 def test_the_floor_check_sees_an_import_up_inside_a_function(tmp_path):
-    package = tmp_path / "torchtpu"
-    for floor in ("device", "tools", "tpu"):
-        (package / floor).mkdir(parents=True)
-        (package / floor / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    (package / "tools" / "a.py").write_text("from torchtpu.device import b\n")
-    (package / "device" / "b.py").write_text("def f():\n    from torchtpu.tpu import tools\n")
-    (package / "tpu" / "tools.py").write_text("from torchtpu.tools import a\n")
+    scratch_package(tmp_path, {
+        "tools/a.py": "from torchtpu.device import b\n",
+        "device/b.py": "def f():\n    from torchtpu.tpu import tools\n",
+        "tpu/tools.py": "from torchtpu.tools import a\n"})
     floors = [("device",), ("tpu",), ("tools", "tpu.tools")]
     assert floor_of("tpu.tools", floors) == 2 and floor_of("tpu", floors) == 1
     assert imports_up(combined(*edges(tmp_path)), floors) == [("device.b", "tpu.tools")]

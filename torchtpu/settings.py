@@ -172,29 +172,29 @@ class Flag(Setting[Any]):
         return "`0` \\| `1`"
 
 
-class Int(Setting[Any]):
-    kind = "integer"
-    accepted = "an integer"
+class _Number(Setting[Any]):
+    convert: Any = None  # int or float: the text's reading
 
-    def _read(self, text: str) -> int:
+    def _read(self, text: str) -> Any:
         try:
-            return int(text)
+            return type(self).convert(text)
         except ValueError:
             raise self._bad(text) from None
 
 
-class Float(Setting[Any]):
+class Int(_Number):
+    kind = "integer"
+    accepted = "an integer"
+    convert = int
+
+
+class Float(_Number):
     kind = "seconds"
     accepted = "a number of seconds"
+    convert = float
 
     def _write(self, value: Any) -> str:
         return "" if value is None else f"{value:g}"
-
-    def _read(self, text: str) -> float:
-        try:
-            return float(text)
-        except ValueError:
-            raise self._bad(text) from None
 
 
 class Choice(Setting[Any]):
