@@ -249,6 +249,72 @@ def test_the_floor_check_sees_an_import_up_inside_a_function(tmp_path):
     assert imports_up(combined(*edges(tmp_path)), floors) == [("device.b", "tpu.tools")]
 
 
+
+def _defined(tree: ast.Module) -> set | None:
+    """The names a module defines at its top level (inside top-level ifs and trys too); None
+    when it takes names it cannot list (``import *``, a module ``__getattr__``)."""
+    names, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.If, ast.Try, ast.With)):
+            todo += [*node.body, *getattr(node, "orelse", []), *getattr(node, "finalbody", []),
+                     *(n for h in getattr(node, "handlers", []) for n in h.body)]
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if node.name == "__getattr__":
+                return None
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            if any(a.name == "*" for a in node.names):
+                return None
+            names.update((a.asname or a.name).split(".")[0] for a in node.names)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return names
+
+
+def missing_names(root: Path) -> list:
+    """``from torchtpu.x import y`` anywhere in torchtpu/, tests/ or bench/ where x is no module
+    of the package, or y neither a submodule of x nor a name x defines: what a module moved
+    without every importer following leaves behind (a function-local import fails only when
+    called)."""
+    known = modules(root)
+    defined = {name: _defined(ast.parse(path.read_text())) for name, path in known.items()}
+    found = []
+    for folder in ("torchtpu", "tests", "bench"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not (isinstance(node, ast.ImportFrom) and not node.level and node.module
+                        and node.module.split(".")[0] == "torchtpu"):
+                    continue
+                base = node.module.removeprefix("torchtpu").lstrip(".")
+                where = f"{path.relative_to(root)}:{node.lineno}"
+                if base not in known:
+                    found.append(f"{where}: no module {node.module}")
+                    continue
+                for alias in (a for a in node.names if a.name != "*"):
+                    names = defined[base]
+                    if (f"{base}.{alias.name}".lstrip(".") not in known and names is not None
+                            and alias.name not in names):
+                        found.append(f"{where}: {node.module} has no {alias.name}")
+    return found
+
+
+def test_every_torchtpu_import_names_a_module_or_a_name_that_exists():
+    assert missing_names(ROOT) == []
+
+
+def test_the_name_check_sees_an_importer_left_behind(tmp_path):
+    scratch_package(tmp_path, {
+        "cache/warm.py": "def read():\n    pass\n",
+        "tools/a.py": "def f():\n    from torchtpu.runtime import warm\n",
+        "tools/b.py": "from torchtpu.cache.warm import read, write\n"})
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "bench").mkdir()
+    assert missing_names(tmp_path) == [
+        "torchtpu/tools/a.py:2: no module torchtpu.runtime",
+        "torchtpu/tools/b.py:1: torchtpu.cache.warm has no write"]
+
 if __name__ == "__main__":
     root = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT
     top, local = edges(root)

@@ -18,7 +18,7 @@ import jax
 import torch
 
 from torchtpu.commands import ToolError, describe
-from torchtpu.runtime import tpu_hook, tpu_target
+from torchtpu.targets import tpu_hook, tpu_target
 from torchtpu.tools import lanes
 from torchtpu.tools.target import loss_of
 
