@@ -58,8 +58,13 @@ def pytest_runtest_logreport(report):
     crash = getattr(report.longrepr, "reprcrash", None)
     message = crash.message if crash is not None else str(report.longrepr).strip()
     first = (message.splitlines() or [""])[0][:200]
+    # A rank's or a child's traceback travels inside the message: its last frame is where it
+    # failed, which the first line alone does not say.
+    frames = [line.strip() for line in message.splitlines() if line.strip().startswith('File "')]
+    where = f"\n    innermost frame: {frames[-1][:200]}" if frames else ""
     with open(path, "a") as f:
-        f.write(f"{'FAILED' if report.when == 'call' else 'ERROR'} {report.nodeid} - {first}\n")
+        f.write(f"{'FAILED' if report.when == 'call' else 'ERROR'} {report.nodeid} - {first}"
+                f"{where}\n")
 
 
 @pytest.hookimpl(optionalhook=True)  # venvs without pytest-xdist still load this file

@@ -38,16 +38,28 @@ _CACHE_MISS = "/jax/compilation_cache/cache_misses"
 BACKGROUND_THREADS = "torchtpu-"
 
 
+def _count_program(kind: str) -> None:
+    # One step under the lock with its background share, so that programs_made() never sees
+    # one without the other.
+    background = threading.current_thread().name.startswith(BACKGROUND_THREADS)
+    _counters[kind] += 1
+    if background:
+        _counters["programs_made_in_background"] += 1
+
+
+def program_loaded_by_key() -> None:
+    """A program was loaded by torchtpu's own key (``cache/warm.py``), on whichever thread."""
+    with _lock:
+        _count_program("programs_loaded_by_key")
+
+
 def _on_duration(event: str, seconds: float, **_: object) -> None:
     name = _JAX_SECONDS.get(event)
     if name is None:
         return
-    background = threading.current_thread().name.startswith(BACKGROUND_THREADS)
     with _lock:
         if event == _BACKEND_COMPILE:
-            _counters["programs_loaded"] += 1
-            if background:
-                _counters["programs_made_in_background"] += 1
+            _count_program("programs_loaded")
         _seconds[name] += seconds
     stack = _phases()
     if stack:
@@ -147,6 +159,11 @@ def programs_made() -> int:
     """Programs compiled or loaded so far in this process (by JAX's compile, by key, or
     from JAX's persistent cache), ``reset`` or not, but those torchtpu's background threads made
     (``BACKGROUND_THREADS``): one that did not change over a step made none."""
+    with _lock:  # (the counters of one program move together under it)
+        return _programs_made()
+
+
+def _programs_made() -> int:  # (under _lock)
     return _made_before_reset[0] + _counters["programs_loaded"] + \
         _counters["programs_loaded_by_key"] - _counters["programs_made_in_background"]
 
@@ -184,7 +201,7 @@ def snapshot() -> dict:
 
 def reset() -> None:
     with _lock:
-        _made_before_reset[0] = programs_made()
+        _made_before_reset[0] = _programs_made()
         _counters.clear()
         _seconds.clear()
         _fallbacks.clear()

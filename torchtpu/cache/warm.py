@@ -272,7 +272,7 @@ def compiled_for(jitted, key: str, args: tuple):
     if loaded is not None:
         if ahead is not None:  # (the list the next run loads ahead: kept only where it will)
             _used.setdefault(key)
-        metrics.count("programs_loaded_by_key")
+        metrics.program_loaded_by_key()
         if PROGRAM_LOG.isEnabledFor(logging.DEBUG):
             PROGRAM_LOG.debug("Loading %s with global shapes and types %s",
                               getattr(jitted, "__name__", "program"),
