@@ -34,7 +34,7 @@ def test_docs_search_cites_the_section_that_answers():
     assert hit["title"] == "glossary: torchtpu.fallback"
     assert _line(hit["source"], hit["line"]).strip().startswith('"fallback":')
     doc = docs_search.search("persistent compile cache eviction least recently used")
-    assert doc["covered"] and any(r["source"].startswith("torchtpu/runtime/")
+    assert doc["covered"] and any(r["source"].startswith("torchtpu/cache/")
                                   for r in doc["results"]), doc
     # A table row is a section of its own, cited by its first cell: the setting that answers
     # (the whole Settings table, ~40 rows, weighed too little for its length).
