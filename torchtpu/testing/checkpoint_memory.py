@@ -81,7 +81,8 @@ def _dynamo(model, x, y, mask) -> int:
                              options={"debug_callback": lambda gm, text: programs.append(text)})
     compiled(x, y, mask).backward()
     if len(programs) != 2:
-        raise RuntimeError(f"expected one forward and one backward program, got {len(programs)}")
+        raise RuntimeError("torchtpu.compile: expected one forward and one backward program, "
+                           f"got {len(programs)}")
     fw, bw = (memory_stats(text) for text in programs)
     loss_bytes = 4
     return fw.output_size_in_bytes - loss_bytes + bw.temp_size_in_bytes
@@ -98,7 +99,8 @@ def batch():
 def measure(path: str, form: str, layers: int, cpu_grads: list) -> tuple[int, float]:
     """(the path's memory figure in bytes, largest gradient difference from CPU)."""
     if path not in MEASURES or form not in FORMS:
-        raise ValueError(f"path {path!r} or form {form!r} unknown: paths {PATHS}, forms {FORMS}")
+        raise ValueError(f"torchtpu.argument: path {path!r} or form {form!r} unknown: paths "
+                         f"{PATHS}, forms {FORMS}")
     torch._dynamo.reset()
     x, y = batch()
     model = enable(hf("llama-3.2", num_hidden_layers=layers)().to("tpu"), form)

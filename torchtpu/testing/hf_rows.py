@@ -29,7 +29,8 @@ HF_CONFIGS = {
 def hf(name: str, **overrides) -> Callable[[], torch.nn.Module]:
     """A builder of HF_CONFIGS[name]'s causal LM (seeded), with config fields overridden."""
     if name not in HF_CONFIGS:
-        raise ValueError(f"no Hugging Face row {name!r}: the rows are {sorted(HF_CONFIGS)}")
+        raise ValueError(f"torchtpu.argument: no Hugging Face row {name!r}: the rows are "
+                         f"{sorted(HF_CONFIGS)}")
 
     def build() -> torch.nn.Module:
         import transformers
