@@ -48,6 +48,9 @@ _create_empty = torch._C._acc.create_empty_tensor
 # is its abstract base, which an exact type test cannot use.
 _ArrayImpl = ArrayImpl
 _TO_NP = dtypes.TORCH_TO_NP
+# ``storages.bare_storage``'s small case, for the two places that make every op's results.
+_small_index, _construct, _device = storages._small_index, storages._construct, storages._device
+_BLOCK, _SMALL_BASE, _SMALL_BLOCKS = storages._BLOCK, storages._SMALL_BASE, storages._SMALL_BLOCKS
 
 
 def _create(size: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -105,7 +108,10 @@ def _contiguous(size: tuple, dtype: torch.dtype, nbytes: int, array=None) -> tor
         dtypes.check_platform(dtype)
     t = _create_empty(size, dtype)
     st = t.untyped_storage()
-    st._swap_data_ptr_(storages.bare_storage(nbytes))
+    # (``storages.bare_storage``'s small case inline: a frame every result fewer.)
+    block = next(_small_index) if nbytes <= _BLOCK else _SMALL_BLOCKS
+    st._swap_data_ptr_(_construct(_SMALL_BASE + block * _BLOCK, _device(0), nbytes)
+                       if block < _SMALL_BLOCKS else storages.bare_storage(nbytes))
     st._tpu_array = array
     if not all(size):  # made with zero strides there; PyTorch's are (2, 2, 1, 1) for (0, 1, 2, 0)
         _set_storage(_CPU, t, st, 0, list(size), list(contiguous_strides(size)))
@@ -170,17 +176,23 @@ def wrapper(size: tuple, dtype: torch.dtype, stride: tuple | None = None):
     nbytes = dtype.itemsize * (math.prod(size) if stride is None else
                                1 + sum((n - 1) * s for n, s in zip(size, stride)))
     sizes, strides = list(size), None if stride is None else list(stride)
+    # ``storages.bare_storage``'s small case inline (a frame every result fewer): a block of
+    # the upper region, where one is left; else that function's other case.
+    small, device = nbytes <= _BLOCK, _device(0)
 
     def wrap_known(array) -> torch.Tensor:
         if HOOKS.capture is not None:
             return wrap(array, dtype) if stride is None else \
                 wrap_strided(array, dtype, size, stride)
         t = _create_empty(size, dtype)
+        block = next(_small_index) if small else _SMALL_BLOCKS
+        new = _construct(_SMALL_BASE + block * _BLOCK, device, nbytes) \
+            if block < _SMALL_BLOCKS else storages.bare_storage(nbytes)
         if strides is None:
             st = t.untyped_storage()
-            st._swap_data_ptr_(storages.bare_storage(nbytes))
+            st._swap_data_ptr_(new)
         else:
-            st = storages.bare_storage(nbytes)
+            st = new
             _set_storage(_CPU, t, st, 0, sizes, strides)
         st._tpu_array = array
         if memory_history.recording:

@@ -73,6 +73,9 @@ from torchtpu.device.views import Geometry, check_in_bounds, read_view
 from torchtpu.eager.held_sources import arrays, flatten, lead
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+# The loans of held values' source arrays (``ownership.lent``), given back inline.
+_lent = ownership.lent
+_pop_lent = _lent.pop
 _NP = {d: dtypes.to_jax(d) for d in _FLOATS}
 
 
@@ -202,7 +205,10 @@ class Converted(ownership.Deferred):
 
     def _release(self) -> None:
         source = self.source
-        ownership.unlend_all(self.lent)
+        for k in map(id, self.lent):  # (``ownership.unlend_all``, inline: a frame a value)
+            n = _pop_lent(k) - 1
+            if n:
+                _lent[k] = n
         if self.extra:
             with _holding_lock:
                 _holding[0] -= self.extra
@@ -217,7 +223,10 @@ class Converted(ownership.Deferred):
         # (One computed left ``_pending`` then: ``_release``.)
         if self.source is not None:
             _pending.pop(id(self), None)
-            ownership.unlend_all(self.lent)
+            for k in map(id, self.lent):  # (``ownership.unlend_all``, inline)
+                n = _pop_lent(k) - 1
+                if n:
+                    _lent[k] = n
             if self.extra:
                 with _holding_lock:
                     _holding[0] -= self.extra
