@@ -40,6 +40,7 @@ replayed at its own exact sizes, as it was recorded before (the same values eith
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from _thread import get_ident
 from math import copysign
@@ -81,15 +82,26 @@ class Taped:
     (None, the constant, None))."""
 
     __slots__ = ("op", "nargs", "kwargs", "tensors", "consts", "sources", "fn", "out", "wrap",
-                 "default", "strikes", "steps")
+                 "default", "strikes", "steps", "pick", "pair")
 
     def __init__(self, op, nargs, kwargs, tensors_, consts, sources, fn, out, wrap) -> None:
         self.op, self.nargs, self.kwargs = op, nargs, kwargs
         self.default = _default_dtype()
         self.tensors, self.consts = tensors_, consts
         self.sources, self.fn, self.out, self.wrap = sources, fn, out, wrap
+        # The program's inputs from the checked values by argument position, in one C call
+        # where there are several (one: ``sources[0]``'s, as a tuple).
+        self.pick = None if sources is None or len(sources) == 1 else \
+            operator.itemgetter(*sources) if sources else _no_inputs
+        # Two tensor arguments on storages of their own (each its own alias): told apart by
+        # identity at replay.
+        self.pair = len(tensors_) == 2 and all(e[6] == e[0] for e in tensors_)
         self.strikes = 0  # calls of its op at its place since it was kept that it did not serve
         self.steps = None  # a call of several nodes or results (``_tape_steps``)
+
+
+def _no_inputs(values: dict) -> tuple:
+    return ()
 
 
 def _const_key(v):
@@ -129,13 +141,65 @@ class Replay:
             return MISS
         if over or trace.outside >= rec.split_min_ops:
             rec.begin()
-        if kept.__class__ is Taped:
-            return self._repeat(rec, kept, args)
-        out = kept.replay(rec, args)  # a call over lists (``defer_replay_lists``)
-        if out is not MISS:
-            self.replayed += 1
-            self.lists += 1
-        return out
+        if kept.__class__ is not Taped:
+            out = kept.replay(rec, args)  # a call over lists (``defer_replay_lists``)
+            if out is not MISS:
+                self.replayed += 1
+                self.lists += 1
+            return out
+        # A ``Taped`` call's facts checked here, in this frame (every replayed call: ~1,500 a
+        # 12-layer Llama step).
+        values, storages = {}, {}
+        pair, before = kept.pair, MISS
+        for pos, shape, stride, offset, dtype, read, alias in kept.tensors:
+            t = args[pos]
+            if t.__class__ is not _Tensor and not isinstance(t, _Tensor) \
+                    or t.dtype is not dtype or t.shape != shape \
+                    or t.stride() != stride or t.storage_offset() != offset \
+                    or t.is_conj() or t.is_neg():
+                return MISS
+            try:
+                a = t.untyped_storage()._tpu_array
+            except AttributeError:  # a CPU tensor's storage (no ``getattr`` call a tensor)
+                return MISS
+            # Arguments sharing a storage as the kept call's did (x @ x.t() is not x @ y.t():
+            # the program reads that storage once); None: its one tensor argument. Two that
+            # did not share one (``pair``: most calls of two tensors) are told apart by
+            # identity, without the dict.
+            if alias is not None:
+                if pair:
+                    if a is before:
+                        return MISS
+                    before = a
+                elif storages.setdefault(id(a), pos) != alias:
+                    return MISS
+            if read is None:  # only its geometry read: a device value as the kept call's
+                if a.__class__ is not Pending and a.__class__ is not ArrayImpl:
+                    return MISS
+                continue
+            if a.__class__ is Pending and a._value is None:  # (``stored_value``'s first case)
+                if a._trace is not trace or a._sig != read or a._error is not None:
+                    return MISS
+            else:
+                a = defer_replay_lists.stored_value(a, trace, read)
+                if a is None:
+                    return MISS
+            values[pos] = a
+        for pos, kind, key in kept.consts:
+            v = args[pos]
+            # (The type first: a tensor compared with a constant would be an op call.)
+            if type(v) is not kind or _const_key(v) != key:
+                return MISS
+            values[pos] = v
+        if kept.steps is not None:
+            return self._repeat_steps(rec, trace, kept, values)
+        pick = kept.pick
+        p = rec.append(trace, kept.fn, pick(values) if pick is not None
+                       else (values[kept.sources[0]],), kept.out)
+        if p is None:
+            return MISS
+        self.replayed += 1
+        return kept.wrap(p)
 
     def mark(self, op, args: tuple) -> tuple:
         """Where the recording stands before a call takes the op path (``keep``), and what an
@@ -183,46 +247,6 @@ class Replay:
             if kept is not None:
                 kept.strikes = strikes
                 self.tape[place] = kept
-
-    def _repeat(self, rec, kept: Taped, args: tuple):
-        trace = rec._trace
-        values, storages = {}, {}
-        for pos, shape, stride, offset, dtype, read, alias in kept.tensors:
-            t = args[pos]
-            if not isinstance(t, _Tensor) or t.dtype is not dtype or t.shape != shape \
-                    or t.stride() != stride or t.storage_offset() != offset \
-                    or t.is_conj() or t.is_neg():
-                return MISS
-            a = getattr(t.untyped_storage(), "_tpu_array", None)
-            # Arguments sharing a storage as the kept call's did (x @ x.t() is not x @ y.t():
-            # the program reads that storage once); None: its one tensor argument.
-            if alias is not None and storages.setdefault(id(a), pos) != alias:
-                return MISS
-            if read is None:  # only its geometry read: a device value as the kept call's
-                if a.__class__ is not Pending and a.__class__ is not ArrayImpl:
-                    return MISS
-                continue
-            if a.__class__ is Pending and a._value is None:  # (``stored_value``'s first case)
-                if a._trace is not trace or a._sig != read or a._error is not None:
-                    return MISS
-            else:
-                a = defer_replay_lists.stored_value(a, trace, read)
-                if a is None:
-                    return MISS
-            values[pos] = a
-        for pos, kind, key in kept.consts:
-            v = args[pos]
-            # (The type first: a tensor compared with a constant would be an op call.)
-            if type(v) is not kind or _const_key(v) != key:
-                return MISS
-            values[pos] = v
-        if kept.steps is not None:
-            return self._repeat_steps(rec, trace, kept, values)
-        p = rec.append(trace, kept.fn, [values[pos] for pos in kept.sources], kept.out)
-        if p is None:
-            return MISS
-        self.replayed += 1
-        return kept.wrap(p)
 
     def _repeat_steps(self, rec, trace, kept: Taped, values: dict):
         """A call of several nodes or results (SDPA's: the attention's node, its laid-out
