@@ -32,6 +32,8 @@ replay too.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from jax._src.array import ArrayImpl
 
@@ -98,7 +100,7 @@ class ListTaped:
     an in-place call's written (position, index), in output order."""
 
     __slots__ = ("op", "nargs", "kwargs", "default", "strikes", "args", "leaves", "fn", "tree",
-                 "outs", "results", "single", "listed", "targets")
+                 "outs", "results", "single", "listed", "targets", "distinct")
 
     def replay(self, rec, args: tuple):
         """The call's result, appended to the recording over args' values; ``miss`` where any
@@ -106,8 +108,11 @@ class ListTaped:
         trace = rec._trace
         # The program's inputs in ``leaves``' order, which is the arguments' (``tape``): each
         # tensor's value, a list's values, a fed number or each of a fed list's, appended as
-        # they are checked (no second pass over ``leaves``).
-        items, storages = [], {}
+        # they are checked (no second pass over ``leaves``). A call whose tensors' storages
+        # were all distinct (``distinct``: an optimizer's) checks that once at the end, not
+        # by a dict entry a tensor.
+        distinct = self.distinct
+        items, storages = [], None if distinct is not None else {}
         for pos, (kind, facts) in enumerate(self.args):
             v = args[pos]
             if kind == TENSOR:
@@ -129,6 +134,10 @@ class ListTaped:
                 typ, key = facts
                 if type(v) is not typ or meta.exact_key(v) != key:
                     return MISS
+        if distinct:  # (its tensors' values among the items: those must be distinct still)
+            values = distinct(items)
+            if len(set(map(id, values))) != len(values):
+                return MISS
         ps = rec.append_many(trace, self.fn, self.tree, items, self.outs)
         if ps is None:
             return MISS
@@ -147,15 +156,17 @@ def _values(ts, facts: tuple, trace, storages: dict, pos: int, xs: list) -> bool
     for i, t in enumerate(ts):
         geometry, read, alias = facts[i]
         # (The geometry as one tuple, compared in C: a comparison and an ``or`` a fact fewer.)
-        if not isinstance(t, _Tensor) or (t.shape, t.stride(), t.storage_offset(),
-                                          t.dtype) != geometry or t.is_conj() or t.is_neg():
+        if t.__class__ is not _Tensor and not isinstance(t, _Tensor) or (
+                t.shape, t.stride(), t.storage_offset(), t.dtype) != geometry \
+                or t.is_conj() or t.is_neg():
             return False
         try:
             a = t.untyped_storage()._tpu_array
         except AttributeError:  # a CPU tensor's storage (no ``getattr`` call a tensor)
             return False
-        # Arguments sharing a storage as the kept call's did (the program reads it once).
-        if storages.setdefault(id(a), (pos, i)) != alias:
+        # Arguments sharing a storage as the kept call's did (the program reads it once);
+        # None: none did, which ``replay`` checks at once.
+        if storages is not None and storages.setdefault(id(a), (pos, i)) != alias:
             return False
         if a.__class__ is Pending and a._value is None:  # (``stored_value``'s first case)
             if a._trace is not trace or a._sig != read or a._error is not None:
@@ -254,6 +265,7 @@ def tape(trace, n: int, op, handle, args: tuple, kwargs: dict, out, held: dict |
     kept.op, kept.nargs, kept.kwargs = op, len(args), dict(kwargs)
     kept.default, kept.strikes = torch.get_default_dtype(), 0
     kept.args, kept.leaves, kept.fn, kept.tree = tuple(kept_args), tuple(leaves), fn, tree
+    kept.distinct = _distinct(kept.args, leaves)
     kept.outs = tuple((p.shape, p.dtype, p.weak_type, p._sig) for p in ps)
     kept.results = kept.targets = None
     kept.single = False
@@ -286,6 +298,23 @@ def tape(trace, n: int, op, handle, args: tuple, kwargs: dict, out, held: dict |
         makers.append(wrap)
     kept.results = tuple(makers)
     return kept
+
+
+def _distinct(kept_args: list, leaves: list):
+    """Where no two of a call's tensors shared a storage value (each its own alias): what
+    picks its tensors' values out of its program's inputs (``replay``'s items), or False for a
+    call of one tensor (nothing to tell apart); else None (``_values`` checks every alias)."""
+    at = []
+    for j, (pos, i) in enumerate(leaves):
+        kind, facts = kept_args[pos]
+        if kind == TENSOR or kind == TENSORS:
+            alias = facts[0 if i is None else i][2]
+            if alias != (pos, 0 if i is None else i):
+                return None
+            at.append(j)
+    if len(at) < 2:
+        return False
+    return operator.itemgetter(*at)
 
 
 def _fed(v, default) -> bool:
