@@ -159,11 +159,14 @@ def run(lowering: Lowering, spec: Spec, values: list, dyn: tuple, views: tuple, 
         # So again until a call reaches the families below (``growing_epoch``), the only way
         # ``_exact`` and the growing structures change.
         return STEADY
-    if HOOKS.capture is not None or any(kind == KEY for kind, _ in spec.entries) \
-            or spec.order is not None:
-        # A capture's replays could not repeat host padding; keys: random draws; an order: a
-        # result stored in memory order (``program.finished``), which a padded program's is not.
+    if HOOKS.capture is not None:  # a capture's replays could not repeat host padding
         return None
+    if spec.order is not None or any(kind == KEY for kind, _ in spec.entries):
+        # Keys: random draws; an order: a result stored in memory order (``program.finished``),
+        # which a padded program's is not. Facts of the spec: its calls are answered so until
+        # the epoch moves (the rotary halves' negations, products and sums, 72 calls a
+        # 12-layer Llama step, asked every step when answered None).
+        return STEADY
     if any(type(how) is Cast for _, _, how in views):
         # A lazy cast's source is no value of the tensor: read the tensors computed.
         dyn, views = calls.dynamic_values([None, *values] if lowering.random else values,
