@@ -31,8 +31,11 @@ def _commit(repo: Path, path: str, text: str) -> str:
 
 
 def _plan(repo: Path, **env: str) -> dict:
+    # Without the CI_* settings of a CI run the suite may be inside (CI_STAGES would pick the
+    # stages itself and plan nothing).
+    ours = {k: v for k, v in os.environ.items() if not k.startswith("CI_")}
     out = subprocess.run(["bash", ".ci/run"], cwd=repo, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "CI_PLAN": "1", **env}, check=True).stdout
+                         env={**ours, "CI_PLAN": "1", **env}, check=True).stdout
     plan = {}
     for line in out.splitlines():
         name, _, rest = line.strip().partition(": ")
