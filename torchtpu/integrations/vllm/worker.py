@@ -42,10 +42,11 @@ from torchtpu.runtime import platform
 log = init_logger(__name__)
 
 # vLLM's dummy sampler run (top-k, top-p and random sampling of max_num_seqs rows) holds at most
-# ~7.3 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
-# op on XLA:CPU; tests/test_vllm_graphs.py checks the figure still covers it); the profile holds
-# this many instead, the rest a margin for a sort's temporaries
-SAMPLER_LOGITS_COPIES = 9
+# ~10.2 float32 copies of its [rows, vocab] logits at once (vLLM 0.32, its live arrays after each
+# op on XLA:CPU, session 41; 7.3 in session 29, the growth not yet explained;
+# tests/test_vllm_graphs.py checks the figure still covers it); the profile holds this many
+# instead, the rest a margin for a sort's temporaries
+SAMPLER_LOGITS_COPIES = 12
 # the GPU runner makes its streams and events through torch.cuda
 _STREAMS = ("Stream", "current_stream", "default_stream", "stream", "set_stream")
 
