@@ -432,7 +432,14 @@ def held_call(owner, lowering, spec, fn, count: int, dyn: tuple) -> Converted | 
     if shape is None or not owner.lazy_ops or memory_limit.limit_as_set() is not None:
         return None
     lent, numbers = [], dyn[count:]
-    flatten(dyn, lent)  # (``arrays`` of the tuple dyn)
+    for s in dyn:  # (``arrays`` of the tuple dyn: ``flatten``'s top level inline)
+        kind = type(s)
+        if kind is ArrayImpl:
+            lent.append(s)
+        elif kind is tuple:
+            flatten(s, lent)
+        elif isinstance(s, jax.Array):
+            lent.append(s)
     # Its tensors' arrays lead (``arrays`` keeps their order), then each traced number's device
     # array: one flattening of a chain's nested arguments, not two.
     held = lent if not numbers else lent[:len(lent) - len(numbers)] \
